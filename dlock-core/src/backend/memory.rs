@@ -1,0 +1,218 @@
+//! The in-process backend: a map of leases behind a mutex.
+//!
+//! It follows the same rules as the Redis backend (leases expire, the owner
+//! is checked on renew and release, holds are counted, fencing tokens only
+//! grow, a release wakes one waiter) so that a single instance needs no server
+//! and tests of the HTTP layers run without one. It coordinates only the
+//! tasks of one process.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::wait::{acquire_loop, Attempt};
+use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use crate::error::Result;
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// Locks for the tasks of this process.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// use dlock_core::{Locker, MemoryBackend};
+/// let locker = Locker::new(MemoryBackend::new());
+/// let key = locker.key("demo").part(1).build()?;
+/// let guard = locker.try_acquire(&key).await?;
+/// assert!(locker.try_acquire(&key).await.is_err());
+/// assert!(guard.release().await?);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Default)]
+pub struct MemoryBackend {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    slots: HashMap<LockKey, Slot>,
+    /// One counter for all keys: strictly increasing per key, trivially.
+    last_fence: u64,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    holder: Option<Holder>,
+    notify: Arc<Notify>,
+    waiters: usize,
+}
+
+#[derive(Debug)]
+struct Holder {
+    owner: Owner,
+    holds: u32,
+    fence: u64,
+    expires_at: Instant,
+}
+
+impl Slot {
+    /// The holder whose lease has not run out.
+    fn live_holder(&mut self, now: Instant) -> Option<&mut Holder> {
+        if self.holder.as_ref().is_some_and(|h| h.expires_at <= now) {
+            self.holder = None;
+        }
+        self.holder.as_mut()
+    }
+}
+
+impl MemoryBackend {
+    /// An empty lock table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while holding this mutex cannot leave the map half-updated
+        // (every update is a single assignment), so a poisoned lock is safe to use.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn try_once(&self, req: &AcquireRequest) -> Attempt {
+        let now = Instant::now();
+        let mut state = self.state();
+        let state = &mut *state;
+        let slot = state.slots.entry(req.key.clone()).or_default();
+        let expires_at = now + req.lease;
+        match slot.live_holder(now) {
+            Some(h) if h.owner == req.owner => {
+                h.holds += 1;
+                h.expires_at = expires_at;
+                Attempt::Acquired(Grant { fencing_token: h.fence, valid_until: expires_at, lost: None })
+            }
+            Some(h) => Attempt::Held { retry_in: Some(h.expires_at - now) },
+            None => {
+                state.last_fence += 1;
+                let fence = state.last_fence;
+                slot.holder = Some(Holder { owner: req.owner.clone(), holds: 1, fence, expires_at });
+                Attempt::Acquired(Grant { fencing_token: fence, valid_until: expires_at, lost: None })
+            }
+        }
+    }
+
+    fn register(&self, key: &LockKey) -> Registration<'_> {
+        let mut state = self.state();
+        let slot = state.slots.entry(key.clone()).or_default();
+        slot.waiters += 1;
+        Registration { backend: self, key: key.clone(), notify: slot.notify.clone() }
+    }
+
+    /// Drops the map entry of a key nobody holds or waits for, so that
+    /// one-off keys do not accumulate.
+    fn forget_if_idle(state: &mut State, key: &LockKey) {
+        let now = Instant::now();
+        if let Some(slot) = state.slots.get_mut(key) {
+            if slot.waiters == 0 && slot.live_holder(now).is_none() {
+                state.slots.remove(key);
+            }
+        }
+    }
+
+    /// How many keys the table currently tracks (held or waited for).
+    pub fn len(&self) -> usize {
+        let mut state = self.state();
+        let keys: Vec<LockKey> = state.slots.keys().cloned().collect();
+        for k in &keys {
+            Self::forget_if_idle(&mut state, k);
+        }
+        state.slots.len()
+    }
+
+    /// Whether no key is held or waited for.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+struct Registration<'a> {
+    backend: &'a MemoryBackend,
+    key: LockKey,
+    notify: Arc<Notify>,
+}
+
+impl AsRef<Notify> for Registration<'_> {
+    fn as_ref(&self) -> &Notify {
+        &self.notify
+    }
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        let mut state = self.backend.state();
+        if let Some(slot) = state.slots.get_mut(&self.key) {
+            slot.waiters = slot.waiters.saturating_sub(1);
+        }
+        MemoryBackend::forget_if_idle(&mut state, &self.key);
+    }
+}
+
+impl Backend for MemoryBackend {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        req: &'a AcquireRequest,
+        cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Result<Grant>> {
+        Box::pin(acquire_loop(
+            req,
+            cancel,
+            move || std::future::ready(Ok(self.try_once(req))),
+            move || std::future::ready(self.register(&req.key)),
+        ))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a LockKey,
+        owner: &'a Owner,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Renewal>> {
+        let now = Instant::now();
+        let mut state = self.state();
+        let renewal = match state.slots.get_mut(key).and_then(|s| s.live_holder(now)) {
+            Some(h) if &h.owner == owner => {
+                h.expires_at = now + lease;
+                Renewal::Held { valid_until: h.expires_at }
+            }
+            _ => Renewal::Lost,
+        };
+        Box::pin(std::future::ready(Ok(renewal)))
+    }
+
+    fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+        let now = Instant::now();
+        let mut state = self.state();
+        let release = match state.slots.get_mut(key) {
+            Some(slot) => match slot.live_holder(now) {
+                Some(h) if &h.owner == owner && h.holds > 1 => {
+                    h.holds -= 1;
+                    Release::StillHeld(h.holds)
+                }
+                Some(h) if &h.owner == owner => {
+                    slot.holder = None;
+                    slot.notify.notify_one();
+                    Release::Freed
+                }
+                _ => Release::NotHeld,
+            },
+            None => Release::NotHeld,
+        };
+        Self::forget_if_idle(&mut state, key);
+        Box::pin(std::future::ready(Ok(release)))
+    }
+}

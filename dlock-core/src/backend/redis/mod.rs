@@ -1,0 +1,288 @@
+//! The single-Redis backend.
+//!
+//! * A lock is a hash `prefix:{name:parts}` with fields `o` (owner), `n`
+//!   (holds, for re-entry) and `f` (fencing token); its TTL is the lease.
+//! * Its fencing counter `prefix:{name:parts}:fence` shares the hash tag, so
+//!   both live in one Redis Cluster slot. Tokens are `max(last + 1, server
+//!   time in µs)`, so they keep growing even if the counter (kept 7 days after
+//!   the last grant) expires.
+//! * Acquire, renew and release are one Lua script each (EVALSHA), with the
+//!   owner checked inside the script. A refused acquire returns the holder's
+//!   remaining TTL in the same call.
+//! * Release publishes on `prefix:{name:parts}:released`; waiters of this
+//!   process share one subscriber connection (see `subscriber.rs`).
+//!
+//! All commands go through one multiplexed connection (redis-rs
+//! `ConnectionManager`, which reconnects), with connect and response
+//! timeouts so a dead server gives an error, never a hang.
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::Script;
+use tokio::time::Instant;
+
+use super::wait::{acquire_loop, Attempt};
+use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+mod subscriber;
+
+use subscriber::Subscriber;
+
+/// How long the fencing counter outlives the last grant of its key.
+const FENCE_COUNTER_SECS: u64 = 7 * 24 * 3600;
+
+/// Timeouts of the Redis connections.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::backend::redis::RedisOptions;
+/// let opts = RedisOptions::default().with_response_timeout(Duration::from_millis(500));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    connect_timeout: Duration,
+    response_timeout: Duration,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions { connect_timeout: Duration::from_secs(1), response_timeout: Duration::from_secs(1) }
+    }
+}
+
+impl RedisOptions {
+    /// How long to wait for a TCP (and TLS, AUTH) connection.
+    pub fn with_connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+
+    /// How long to wait for the reply to one command.
+    pub fn with_response_timeout(mut self, t: Duration) -> Self {
+        self.response_timeout = t;
+        self
+    }
+}
+
+/// Locks in one Redis server.
+///
+/// ```no_run
+/// # async fn demo() -> dlock_core::Result<()> {
+/// use std::sync::Arc;
+/// use dlock_core::{Locker, LockerOptions};
+/// use dlock_core::backend::redis::RedisBackend;
+/// let backend = RedisBackend::connect("redis://127.0.0.1:6379", "dlock").await?;
+/// let locker = Locker::with_options(Arc::new(backend), LockerOptions::default())?;
+/// # Ok(()) }
+/// ```
+pub struct RedisBackend {
+    conn: ConnectionManager,
+    subscriber: Subscriber,
+    acquire: Script,
+    renew: Script,
+    release: Script,
+}
+
+impl std::fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend").finish_non_exhaustive()
+    }
+}
+
+impl RedisBackend {
+    /// Connects with the default timeouts; see [`RedisBackend::connect_with`].
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisBackend::connect_with`].
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
+        Self::connect_with(url, prefix, RedisOptions::default()).await
+    }
+
+    /// Connects to the server at `url` and checks it: it must answer, the
+    /// user must be allowed to subscribe to `prefix:*` channels, and a
+    /// `maxmemory-policy` that evicts keys with a TTL (which are exactly the
+    /// locks) is logged as a warning.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a malformed URL or a missing ACL permission,
+    /// [`Error::Backend`] when the server cannot be reached in time.
+    pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
+        let client = redis::Client::open(url)
+            .map_err(|e| Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis URL: {e}", redact(url))))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            .set_response_timeout(Some(options.response_timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let conn = tokio::time::timeout(
+            options.connect_timeout + options.response_timeout,
+            ConnectionManager::new_with_config(client.clone(), config),
+        )
+        .await
+        .map_err(|_| Error::backend("redis", format!("no answer from {} within the connect timeout", redact(url))))?
+        .map_err(redis_error)?;
+        warn_on_evicting_policy(conn.clone()).await;
+        let probe = format!("{prefix}:{{dlock-probe}}:released");
+        let subscriber = Subscriber::start(client, &probe).await?;
+        Ok(RedisBackend {
+            conn,
+            subscriber,
+            acquire: Script::new(include_str!("acquire.lua")),
+            renew: Script::new(include_str!("renew.lua")),
+            release: Script::new(include_str!("release.lua")),
+        })
+    }
+
+    async fn try_once(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let sent = Instant::now();
+        let (granted, value): (i64, i64) = self
+            .acquire
+            .key(req.key.as_str())
+            .key(fence_key(&req.key))
+            .arg(req.owner.as_str())
+            .arg(lease_ms(req.lease))
+            .arg(FENCE_COUNTER_SECS)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+        Ok(if granted == 1 {
+            Attempt::Acquired(Grant {
+                fencing_token: u64::try_from(value).unwrap_or(0),
+                valid_until: sent + req.lease,
+                lost: None,
+            })
+        } else {
+            // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
+            let retry_in = match value {
+                -2 => Some(Duration::ZERO),
+                ms if ms >= 0 => Some(Duration::from_millis(ms as u64)),
+                _ => None,
+            };
+            Attempt::Held { retry_in }
+        })
+    }
+}
+
+impl Backend for RedisBackend {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        req: &'a AcquireRequest,
+        cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Result<Grant>> {
+        Box::pin(acquire_loop(
+            req,
+            cancel,
+            move || self.try_once(req),
+            move || self.subscriber.register(release_channel(&req.key)),
+        ))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a LockKey,
+        owner: &'a Owner,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Renewal>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let extended: i64 = self
+                .renew
+                .key(key.as_str())
+                .arg(owner.as_str())
+                .arg(lease_ms(lease))
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(redis_error)?;
+            Ok(if extended == 1 { Renewal::Held { valid_until: sent + lease } } else { Renewal::Lost })
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(async move {
+            let left: i64 = self
+                .release
+                .key(key.as_str())
+                .arg(owner.as_str())
+                .arg(release_channel(key))
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(redis_error)?;
+            Ok(match left {
+                0 => Release::Freed,
+                n if n > 0 => Release::StillHeld(u32::try_from(n).unwrap_or(u32::MAX)),
+                _ => Release::NotHeld,
+            })
+        })
+    }
+}
+
+/// The fencing counter of `key` (same hash tag).
+pub fn fence_key(key: &LockKey) -> String {
+    format!("{key}:fence")
+}
+
+/// The channel a release of `key` is announced on.
+pub fn release_channel(key: &LockKey) -> String {
+    format!("{key}:released")
+}
+
+fn lease_ms(lease: Duration) -> u64 {
+    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+pub(crate) fn redis_error(e: redis::RedisError) -> Error {
+    let message = if e.is_timeout() {
+        format!("Redis did not answer in time: {e}")
+    } else if e.is_connection_refusal() || e.is_connection_dropped() || e.is_io_error() {
+        format!("cannot reach Redis: {e}")
+    } else {
+        e.to_string()
+    };
+    Error::Backend { backend: "redis", message, source: Some(Box::new(e)) }
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+/// `volatile-*` and `allkeys-*` policies may evict keys with a TTL — every
+/// lock is one — so a full Redis would silently free held locks.
+async fn warn_on_evicting_policy(mut conn: ConnectionManager) {
+    let reply: redis::RedisResult<Vec<String>> =
+        redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy").query_async(&mut conn).await;
+    match reply.as_deref() {
+        Ok([_, policy]) if policy.starts_with("volatile-") || policy.starts_with("allkeys-") => {
+            tracing::warn!(
+                policy = %policy,
+                "Redis maxmemory-policy may evict lock keys when memory is full, freeing held locks; use `noeviction` for the lock server"
+            );
+        }
+        Ok(_) => {}
+        Err(e) => tracing::debug!(error = %e, "could not read maxmemory-policy (CONFIG not permitted?)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("redis://user:secret@host:6379/0"), "redis://***@host:6379/0");
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+    }
+}

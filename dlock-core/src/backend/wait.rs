@@ -1,0 +1,82 @@
+//! The event-driven wait loop shared by the TTL backends (memory, Redis,
+//! RedLock): try, and while the key is held sleep until a release wakes us or
+//! the holder's lease runs out — never on a fixed interval.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{contention, AcquireRequest, Grant};
+use crate::error::{Error, Result};
+
+/// The result of one atomic try.
+#[derive(Debug)]
+pub(crate) enum Attempt {
+    Acquired(Grant),
+    /// Held by someone else; the holder's lease ends in `retry_in` (`None`:
+    /// unknown, wait for a release or the deadline).
+    Held { retry_in: Option<Duration> },
+}
+
+/// Waking a little after the holder's TTL ends avoids a try that would find
+/// the key a microsecond before it expires.
+const TTL_SLACK: Duration = Duration::from_millis(1);
+
+/// Runs `attempt` until it acquires, the deadline passes or `cancel` fires.
+///
+/// `subscribe` is called once, only when the first try finds the key held and
+/// the caller is willing to wait; what it returns must be notified (one
+/// waiter per release is enough) whenever the key may have come free, for as
+/// long as it lives. The try that follows a subscription covers a release
+/// that happened before it.
+pub(crate) async fn acquire_loop<A, AF, S, SF, W>(
+    req: &AcquireRequest,
+    cancel: &CancellationToken,
+    mut attempt: A,
+    subscribe: S,
+) -> Result<Grant>
+where
+    A: FnMut() -> AF,
+    AF: Future<Output = Result<Attempt>>,
+    S: FnOnce() -> SF,
+    SF: Future<Output = W>,
+    W: AsRef<Notify>,
+{
+    let started = Instant::now();
+    if let Attempt::Acquired(grant) = attempt().await? {
+        return Ok(grant);
+    }
+    let Some(deadline) = req.deadline else {
+        return Err(contention(req, started));
+    };
+    let wakeups = subscribe().await;
+    loop {
+        let notified = wakeups.as_ref().notified();
+        tokio::pin!(notified);
+        // Registered before the try, so a release between the try and the
+        // sleep still wakes us.
+        notified.as_mut().enable();
+        let retry_in = match attempt().await? {
+            Attempt::Acquired(grant) => return Ok(grant),
+            Attempt::Held { retry_in } => retry_in,
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(contention(req, started));
+        }
+        let wake_at = retry_in.map_or(deadline, |d| (now + d + TTL_SLACK).min(deadline));
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return Err(Error::Cancelled),
+            _ = &mut notified => {}
+            _ = tokio::time::sleep_until(wake_at) => {
+                if wake_at >= deadline {
+                    return Err(contention(req, started));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! Configuration from `DLOCK_*` environment variables.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{Backend, MemoryBackend};
+use crate::error::{Error, Result};
+use crate::locker::{validate_prefix, Locker, LockerOptions, DEFAULT_LEASE};
+
+/// Which coordination service holds the locks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackendKind {
+    /// In process (`DLOCK_BACKEND=memory`, the default).
+    Memory,
+    /// One Redis (`DLOCK_BACKEND=redis`, `DLOCK_REDIS_URL`).
+    Redis {
+        /// `redis://` or `rediss://` URL.
+        url: String,
+    },
+}
+
+impl BackendKind {
+    /// The name used in `DLOCK_BACKEND` and in `/health`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            BackendKind::Memory => "memory",
+            BackendKind::Redis { .. } => "redis",
+        }
+    }
+}
+
+/// Everything dlock reads from the environment.
+///
+/// | variable | meaning | default |
+/// |---|---|---|
+/// | `DLOCK_BACKEND` | `memory` or `redis` | `memory` |
+/// | `DLOCK_REDIS_URL` | Redis URL | `redis://127.0.0.1:6379` |
+/// | `DLOCK_PREFIX` | key namespace | `dlock` |
+/// | `DLOCK_LEASE_MS` | watchdog lease | `30000` |
+/// | `DLOCK_WAIT_MS` | default wait | `0` |
+/// | `DLOCK_IDEMPOTENCY_TTL_SECS` | life of tokens and stored responses | `86400` |
+/// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
+///
+/// An empty variable counts as unset.
+///
+/// ```
+/// use dlock_core::{BackendKind, Config};
+/// let cfg = Config::from_lookup(|var| match var {
+///     "DLOCK_BACKEND" => Some("redis".into()),
+///     "DLOCK_WAIT_MS" => Some("250".into()),
+///     _ => None,
+/// }).unwrap();
+/// assert_eq!(cfg.backend, BackendKind::Redis { url: "redis://127.0.0.1:6379".into() });
+/// assert_eq!(cfg.wait.as_millis(), 250);
+///
+/// let err = Config::from_lookup(|var| (var == "DLOCK_LEASE_MS").then(|| "soon".into())).unwrap_err();
+/// assert!(err.to_string().contains("DLOCK_LEASE_MS"));
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Config {
+    /// The backend and its address.
+    pub backend: BackendKind,
+    /// Key namespace.
+    pub prefix: String,
+    /// Watchdog lease.
+    pub lease: Duration,
+    /// Default wait.
+    pub wait: Duration,
+    /// Life of idempotency tokens and stored responses.
+    pub idempotency_ttl: Duration,
+    /// Most body bytes read to derive a key.
+    pub max_body_bytes: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            backend: BackendKind::Memory,
+            prefix: "dlock".into(),
+            lease: DEFAULT_LEASE,
+            wait: Duration::ZERO,
+            idempotency_ttl: Duration::from_secs(86_400),
+            max_body_bytes: 64 * 1024,
+        }
+    }
+}
+
+const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+impl Config {
+    /// Reads the `DLOCK_*` variables of this process.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the variable when a value is malformed.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|var| std::env::var(var).ok())
+    }
+
+    /// Reads the variables through `lookup` (for tests and other sources).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the variable when a value is malformed.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let get = |var: &str| lookup(var).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
+        let defaults = Config::default();
+        let backend = match get("DLOCK_BACKEND").as_deref() {
+            None | Some("memory") => BackendKind::Memory,
+            Some("redis") => BackendKind::Redis {
+                url: get("DLOCK_REDIS_URL").unwrap_or_else(|| DEFAULT_REDIS_URL.into()),
+            },
+            Some(other @ ("redlock" | "zookeeper")) => {
+                return Err(Error::config(
+                    "DLOCK_BACKEND",
+                    format!("`{other}` is not available in this build yet (choose `memory` or `redis`)"),
+                ))
+            }
+            Some(other) => {
+                return Err(Error::config(
+                    "DLOCK_BACKEND",
+                    format!("unknown backend `{other}` (expected `memory`, `redis`, `redlock` or `zookeeper`)"),
+                ))
+            }
+        };
+        let prefix = get("DLOCK_PREFIX").unwrap_or(defaults.prefix);
+        validate_prefix(&prefix)?;
+        let lease = millis(&get, "DLOCK_LEASE_MS")?.unwrap_or(defaults.lease);
+        if lease < Duration::from_millis(3) {
+            return Err(Error::config("DLOCK_LEASE_MS", "must be at least 3 (milliseconds)"));
+        }
+        let wait = millis(&get, "DLOCK_WAIT_MS")?.unwrap_or(defaults.wait);
+        let idempotency_ttl = number(&get, "DLOCK_IDEMPOTENCY_TTL_SECS")?
+            .map(Duration::from_secs)
+            .unwrap_or(defaults.idempotency_ttl);
+        if idempotency_ttl.is_zero() {
+            return Err(Error::config("DLOCK_IDEMPOTENCY_TTL_SECS", "must be at least 1 (seconds)"));
+        }
+        let max_body_bytes = match number(&get, "DLOCK_MAX_BODY_BYTES")? {
+            Some(n) => usize::try_from(n).map_err(|_| Error::config("DLOCK_MAX_BODY_BYTES", "too large for this machine"))?,
+            None => defaults.max_body_bytes,
+        };
+        Ok(Config { backend, prefix, lease, wait, idempotency_ttl, max_body_bytes })
+    }
+
+    /// The engine defaults of this configuration.
+    pub fn locker_options(&self) -> LockerOptions {
+        LockerOptions::default()
+            .with_prefix(self.prefix.clone())
+            .with_wait(self.wait)
+            .with_watchdog_lease(self.lease)
+    }
+
+    /// Connects to the backend and builds the engine.
+    ///
+    /// For Redis this checks the server at start-up: it must answer, the ACL
+    /// user must be allowed to subscribe to the lock channels, and a
+    /// `maxmemory-policy` that may evict keys with a TTL is logged as a warning.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for an invalid URL or missing permissions,
+    /// [`Error::Backend`] when the server cannot be reached.
+    pub async fn build(&self) -> Result<Locker> {
+        let backend: Arc<dyn Backend> = match &self.backend {
+            BackendKind::Memory => Arc::new(MemoryBackend::new()),
+            #[cfg(feature = "redis")]
+            BackendKind::Redis { url } => {
+                Arc::new(crate::backend::redis::RedisBackend::connect(url, &self.prefix).await?)
+            }
+            #[cfg(not(feature = "redis"))]
+            BackendKind::Redis { .. } => {
+                return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `redis` feature"))
+            }
+        };
+        Locker::with_options(backend, self.locker_options())
+    }
+}
+
+fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {
+    get(var)
+        .map(|v| {
+            v.parse::<u64>()
+                .map_err(|_| Error::config(var, format!("`{v}` is not a whole non-negative number")))
+        })
+        .transpose()
+}
+
+fn millis(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<Duration>> {
+    Ok(number(get, var)?.map(Duration::from_millis))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(vars: &[(&str, &str)]) -> Result<Config> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(move |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn unset_is_the_in_process_default() {
+        let c = cfg(&[]).expect("defaults");
+        assert_eq!(c.backend, BackendKind::Memory);
+        assert_eq!(c.prefix, "dlock");
+        assert_eq!(c.lease, Duration::from_secs(30));
+        assert_eq!(c.wait, Duration::ZERO);
+        assert_eq!(c.max_body_bytes, 65536);
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        for (var, val) in [
+            ("DLOCK_BACKEND", "etcd"),
+            ("DLOCK_LEASE_MS", "30s"),
+            ("DLOCK_WAIT_MS", "-1"),
+            ("DLOCK_PREFIX", "a{b}"),
+            ("DLOCK_IDEMPOTENCY_TTL_SECS", "x"),
+            ("DLOCK_MAX_BODY_BYTES", "1e9"),
+            ("DLOCK_LEASE_MS", "0"),
+        ] {
+            let err = cfg(&[(var, val)]).expect_err(var);
+            assert!(err.is_misconfigured(), "{err}");
+            assert!(err.to_string().contains(var), "{err} should name {var}");
+        }
+    }
+
+    #[test]
+    fn redis_url_is_read() {
+        let c = cfg(&[("DLOCK_BACKEND", "redis"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:7000")]).expect("ok");
+        assert_eq!(c.backend, BackendKind::Redis { url: "redis://10.0.0.1:7000".into() });
+    }
+}

@@ -1,0 +1,107 @@
+//! The one error type of dlock-core.
+
+use std::time::Duration;
+
+/// Everything that can go wrong when taking, keeping or giving back a lock.
+///
+/// The variants fall in three classes, each with a classification method, so
+/// that callers (and the HTTP layer) can map them without matching on every
+/// variant:
+///
+/// * contention — the lock is held by someone else: [`Error::is_contention`]
+///   ([`Error::Busy`], [`Error::Timeout`]);
+/// * the coordination service failed or could not be reached:
+///   [`Error::is_unavailable`] ([`Error::Backend`], [`Error::QuorumUnavailable`]);
+/// * the program or its environment is wrong: [`Error::is_misconfigured`]
+///   ([`Error::Config`], [`Error::InvalidKey`]).
+///
+/// ```
+/// use dlock_core::Error;
+/// let e = Error::Busy { key: "dlock:{order:42}".into() };
+/// assert!(e.is_contention());
+/// assert!(!e.is_unavailable());
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The lock is held by another owner and the caller asked not to wait.
+    #[error("lock `{key}` is held by another owner")]
+    Busy {
+        /// The full lock key.
+        key: String,
+    },
+    /// The lock was still held by another owner when the wait ran out.
+    #[error("lock `{key}` was not acquired within {waited:?}")]
+    Timeout {
+        /// The full lock key.
+        key: String,
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// The coordination service failed, timed out or could not be reached.
+    #[error("{backend} backend unavailable: {message}")]
+    Backend {
+        /// Which backend (`memory`, `redis`, `redlock`, `zookeeper`).
+        backend: &'static str,
+        /// What went wrong, for people.
+        message: String,
+        /// The underlying error, when there is one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    },
+    /// Fewer than a majority of the RedLock masters answered in time.
+    #[error("quorum unavailable: {granted} of {nodes} nodes agreed, {needed} needed")]
+    QuorumUnavailable {
+        /// How many nodes granted the request.
+        granted: usize,
+        /// How many nodes were asked.
+        nodes: usize,
+        /// How many are needed (N/2+1).
+        needed: usize,
+    },
+    /// A configuration value is missing or malformed.
+    #[error("invalid configuration: {var}: {reason}")]
+    Config {
+        /// The environment variable (or option) at fault.
+        var: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A lock key could not be built (for example it is too long).
+    #[error("invalid lock key: {0}")]
+    InvalidKey(String),
+    /// The acquiring future was dropped before it finished; only seen by
+    /// backends, never by a caller of [`Locker::acquire`](crate::Locker::acquire).
+    #[error("acquire cancelled")]
+    Cancelled,
+}
+
+impl Error {
+    /// The lock is held by someone else ([`Error::Busy`] or [`Error::Timeout`]).
+    pub fn is_contention(&self) -> bool {
+        matches!(self, Error::Busy { .. } | Error::Timeout { .. })
+    }
+
+    /// The coordination service could not answer (fail closed: treat as 503).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Error::Backend { .. } | Error::QuorumUnavailable { .. })
+    }
+
+    /// The program or its environment is misconfigured.
+    pub fn is_misconfigured(&self) -> bool {
+        matches!(self, Error::Config { .. } | Error::InvalidKey(_))
+    }
+
+    /// A backend error with a message and no source.
+    pub fn backend(backend: &'static str, message: impl Into<String>) -> Self {
+        Error::Backend { backend, message: message.into(), source: None }
+    }
+
+    /// A configuration error naming the variable at fault.
+    pub fn config(var: &'static str, reason: impl Into<String>) -> Self {
+        Error::Config { var, reason: reason.into() }
+    }
+}
+
+/// `Result` with dlock's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

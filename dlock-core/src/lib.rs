@@ -1,0 +1,40 @@
+//! dlock-core: distributed locks for services that must not do the same work
+//! twice.
+//!
+//! * [`Locker`] takes a lock through a [`Backend`] (in process, Redis, …) and
+//!   returns a [`LockGuard`] with a fencing token and a lost-lock signal.
+//! * Waiting is event-driven: a waiter sleeps until a release is announced or
+//!   the holder's lease runs out.
+//! * Watchdog mode renews the lease every lease/3 while the guard lives.
+//! * The same [`Owner`] re-entering a lock it holds is counted.
+//! * [`LockKey`]s escape every part, so user input cannot make two keys equal.
+//! * [`Config::from_env`] reads the `DLOCK_*` variables.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+//! use dlock_core::{AcquireOptions, Config};
+//! use std::time::Duration;
+//!
+//! let locker = Config::from_env()?.build().await?; // in process unless DLOCK_BACKEND says otherwise
+//! let key = locker.key("order.create").part(42).part("token-1").build()?;
+//! let guard = locker.acquire(&key, AcquireOptions::new().lease(Duration::from_secs(5))).await?;
+//! assert!(guard.fencing_token() > 0);
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+
+pub mod backend;
+mod config;
+mod error;
+mod guard;
+mod key;
+mod locker;
+mod owner;
+
+pub use backend::{Backend, LostReason, MemoryBackend};
+pub use config::{BackendKind, Config};
+pub use error::{Error, Result};
+pub use guard::LockGuard;
+pub use key::{escape_into, KeyBuilder, KeyPart, LockKey, MAX_KEY_LEN};
+pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
+pub use owner::Owner;

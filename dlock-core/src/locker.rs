@@ -1,0 +1,288 @@
+//! The engine: [`Locker`] takes locks through a [`Backend`] and hands out
+//! [`LockGuard`]s.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::backend::{AcquireRequest, Backend, CancellationToken};
+use crate::error::{Error, Result};
+use crate::guard::LockGuard;
+use crate::key::{KeyBuilder, LockKey};
+use crate::owner::Owner;
+
+/// The default watchdog lease, as in Redisson.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// Engine-wide defaults, usually read from the environment by
+/// [`Config`](crate::Config).
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::LockerOptions;
+/// let opts = LockerOptions::default().with_prefix("shop").with_wait(Duration::from_millis(200));
+/// assert_eq!(opts.prefix(), "shop");
+/// ```
+#[derive(Debug, Clone)]
+pub struct LockerOptions {
+    prefix: String,
+    wait: Duration,
+    watchdog_lease: Duration,
+}
+
+impl Default for LockerOptions {
+    fn default() -> Self {
+        LockerOptions { prefix: "dlock".into(), wait: Duration::ZERO, watchdog_lease: DEFAULT_LEASE }
+    }
+}
+
+impl LockerOptions {
+    /// The namespace every key starts with (`DLOCK_PREFIX`, default `dlock`).
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long an acquire waits when the call does not say (`DLOCK_WAIT_MS`,
+    /// default 0: try once).
+    pub fn with_wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// The lease held and renewed every lease/3 in watchdog mode
+    /// (`DLOCK_LEASE_MS`, default 30 s).
+    pub fn with_watchdog_lease(mut self, lease: Duration) -> Self {
+        self.watchdog_lease = lease;
+        self
+    }
+
+    /// The key namespace.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The default wait.
+    pub fn wait(&self) -> Duration {
+        self.wait
+    }
+
+    /// The watchdog lease.
+    pub fn watchdog_lease(&self) -> Duration {
+        self.watchdog_lease
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        validate_prefix(&self.prefix)?;
+        if self.watchdog_lease < Duration::from_millis(3) {
+            return Err(Error::config("DLOCK_LEASE_MS", "the watchdog lease must be at least 3 ms"));
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn validate_prefix(prefix: &str) -> Result<()> {
+    if prefix.is_empty() {
+        return Err(Error::config("DLOCK_PREFIX", "must not be empty"));
+    }
+    if let Some(c) = prefix.chars().find(|c| matches!(c, '{' | '}' | '/') || c.is_whitespace() || c.is_control()) {
+        return Err(Error::config(
+            "DLOCK_PREFIX",
+            format!("must not contain {c:?} (braces form the Redis hash tag, `/` separates ZooKeeper paths)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Options of one acquire. Unset fields take the [`Locker`]'s defaults.
+///
+/// * `wait`: how long to wait for a held lock (zero: try once);
+/// * `lease`: a fixed lease, never renewed; without it the lock is in
+///   *watchdog mode*: it holds the default lease and renews it every lease/3
+///   while the guard lives;
+/// * `owner`: who holds it; the same owner may re-enter a lock it holds.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::AcquireOptions;
+/// let opts = AcquireOptions::new().wait(Duration::from_secs(5)).lease(Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct AcquireOptions {
+    wait: Option<Duration>,
+    lease: Option<Duration>,
+    owner: Option<Owner>,
+}
+
+impl AcquireOptions {
+    /// The locker's defaults, watchdog mode, a fresh owner.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Wait up to `wait` for the lock (zero: try once).
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// A fixed lease: the lock frees itself after `lease` unless released
+    /// before, and [`LockGuard::lost`] fires when it runs out.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Watchdog mode (the default): hold the locker's watchdog lease and
+    /// renew it while the guard lives.
+    pub fn watchdog(mut self) -> Self {
+        self.lease = None;
+        self
+    }
+
+    /// Acquire as `owner`, so that the same owner re-entering is counted
+    /// instead of deadlocking.
+    pub fn owner(mut self, owner: Owner) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+}
+
+/// Takes distributed locks. Cheap to clone; every clone shares the backend.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// use std::time::Duration;
+/// use dlock_core::{AcquireOptions, Locker, MemoryBackend};
+///
+/// let locker = Locker::new(MemoryBackend::new());
+/// let key = locker.key("order.create").part(42).build()?;
+/// let guard = locker.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(1))).await?;
+/// // ... work, passing guard.fencing_token() to the storage you protect ...
+/// assert!(guard.release().await?);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Locker {
+    backend: Arc<dyn Backend>,
+    options: Arc<LockerOptions>,
+}
+
+impl std::fmt::Debug for Locker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Locker").field("backend", &self.backend.name()).field("options", &self.options).finish()
+    }
+}
+
+impl Locker {
+    /// An engine over `backend` with the default options.
+    pub fn new(backend: impl Backend) -> Self {
+        Locker { backend: Arc::new(backend), options: Arc::new(LockerOptions::default()) }
+    }
+
+    /// An engine over a shared backend with the given options.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when the prefix or the lease is invalid.
+    pub fn with_options(backend: Arc<dyn Backend>, options: LockerOptions) -> Result<Self> {
+        options.validate()?;
+        Ok(Locker { backend, options: Arc::new(options) })
+    }
+
+    /// The backend's name: `memory`, `redis`, `redlock` or `zookeeper`.
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The engine's defaults.
+    pub fn options(&self) -> &LockerOptions {
+        &self.options
+    }
+
+    /// Starts a key in this locker's namespace.
+    pub fn key(&self, name: &str) -> KeyBuilder {
+        LockKey::builder(&self.options.prefix, name)
+    }
+
+    /// Tries once, in watchdog mode.
+    ///
+    /// # Errors
+    ///
+    /// As [`Locker::acquire`]; [`Error::Busy`] when the key is held.
+    pub async fn try_acquire(&self, key: &LockKey) -> Result<LockGuard> {
+        self.acquire(key, AcquireOptions::new().wait(Duration::ZERO)).await
+    }
+
+    /// Takes `key`, waiting as `opts` say.
+    ///
+    /// Waiting is event-driven: the waiter sleeps until a release of the key
+    /// is announced or the holder's lease runs out.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Busy`] (no wait) or [`Error::Timeout`] when another owner
+    /// holds the key; [`Error::Backend`] / [`Error::QuorumUnavailable`] when
+    /// the service fails; [`Error::Config`] for a zero lease.
+    ///
+    /// # Cancellation safety
+    ///
+    /// Dropping the returned future at any point leaves no lock behind and no
+    /// renewal running: the request runs on its own task, which releases a
+    /// grant that arrives after the caller has gone.
+    pub async fn acquire(&self, key: &LockKey, opts: AcquireOptions) -> Result<LockGuard> {
+        let owner = match opts.owner {
+            Some(owner) => owner,
+            None => Owner::random()?,
+        };
+        let wait = opts.wait.unwrap_or(self.options.wait);
+        let (lease, watchdog) = match opts.lease {
+            Some(lease) => (lease, false),
+            None => (self.options.watchdog_lease, true),
+        };
+        if lease.is_zero() {
+            return Err(Error::config("lease", "a lease must be longer than zero"));
+        }
+        let started = Instant::now();
+        let req = AcquireRequest {
+            key: key.clone(),
+            owner,
+            lease,
+            deadline: (!wait.is_zero()).then(|| started + wait),
+        };
+        let cancel = CancellationToken::new();
+        let _cancel_when_dropped = cancel.clone().drop_guard();
+        let (tx, rx) = oneshot::channel();
+        let backend = self.backend.clone();
+        let span = tracing::debug_span!("dlock.acquire", key = %key, backend = backend.name(), wait_ms = wait.as_millis() as u64);
+        tokio::spawn(
+            async move {
+                let result = backend.acquire(&req, &cancel).await;
+                let waited_us = started.elapsed().as_micros() as u64;
+                match &result {
+                    Ok(g) => tracing::debug!(waited_us, fence = g.fencing_token, "acquired"),
+                    Err(Error::Cancelled) => tracing::debug!(waited_us, "caller gave up"),
+                    Err(e) if e.is_contention() => tracing::debug!(waited_us, "held by another owner"),
+                    Err(e) => tracing::warn!(waited_us, error = %e, "acquire failed"),
+                }
+                let result = result.map(|grant| LockGuard::start(backend, req, grant, watchdog));
+                // When the caller is gone the guard comes back here and its
+                // Drop releases the lock in the background.
+                drop(tx.send(result));
+            }
+            .instrument(span),
+        );
+        match rx.await {
+            Ok(result) => result,
+            Err(_) => Err(Error::backend(self.backend.name(), "the acquire task ended without an answer")),
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Real servers for dlock's tests and benchmarks, started on free loopback
+//! ports and stopped when dropped.
+//!
+//! A missing server binary is a test failure with instructions, never a
+//! skip: the README's test command installs what is needed.
+//!
+//! ```no_run
+//! let redis = dlock_testing::RedisServer::start();
+//! let url = redis.url();
+//! // ... point the code under test at `url` ...
+//! assert!(redis.command_calls("evalsha") == 0);
+//! ```
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `redis-server` process of our own on `127.0.0.1:<free port>`, without
+/// persistence unless asked. Killed on drop.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+    extra: Vec<String>,
+}
+
+/// A free TCP port on loopback (bound, then released).
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to find a free port");
+    listener.local_addr().expect("local address of a bound listener").port()
+}
+
+impl RedisServer {
+    /// Starts a server with no persistence.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` is not installed or does not come up within 10 s.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra `redis-server` arguments (e.g.
+    /// `["--appendonly", "yes"]`).
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisServer::start`].
+    pub fn start_with(extra: &[&str]) -> Self {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("dlock-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create a data directory for redis-server");
+        let mut server =
+            RedisServer { child: None, port, dir, extra: extra.iter().map(|s| s.to_string()).collect() };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(e) => panic!(
+                "cannot start redis-server ({e}). The tests need a real Redis: run the README's test \
+                 command (`bash scripts/test.sh`), which installs it, or `apt-get install -y redis-server`."
+            ),
+        };
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut conn) = self.try_connection() {
+                if redis::cmd("PING").query::<String>(&mut conn).is_ok() {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server on port {} did not come up within 10 s", self.port);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn try_connection(&self) -> redis::RedisResult<redis::Connection> {
+        let client = redis::Client::open(self.url())?;
+        client.get_connection_with_timeout(Duration::from_millis(500))
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A plain synchronous connection for assertions.
+    ///
+    /// # Panics
+    ///
+    /// When the server does not answer.
+    pub fn connection(&self) -> redis::Connection {
+        self.try_connection().expect("connect to the test redis-server")
+    }
+
+    /// Kills the server with SIGKILL (data without persistence is gone).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// `INFO commandstats` as `command -> calls` (lower-case names).
+    ///
+    /// # Panics
+    ///
+    /// When the server does not answer.
+    pub fn command_stats(&self) -> HashMap<String, u64> {
+        let info: String = redis::cmd("INFO").arg("commandstats").query(&mut self.connection()).expect("INFO");
+        parse_command_stats(&info)
+    }
+
+    /// Calls of one command so far (`evalsha`, `subscribe`, …).
+    pub fn command_calls(&self, command: &str) -> u64 {
+        self.command_stats().get(command).copied().unwrap_or(0)
+    }
+
+    /// Resets `INFO commandstats`.
+    ///
+    /// # Panics
+    ///
+    /// When the server does not answer.
+    pub fn reset_stats(&self) {
+        let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(&mut self.connection()).expect("CONFIG RESETSTAT");
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Parses `cmdstat_get:calls=3,usec=…` lines.
+pub fn parse_command_stats(info: &str) -> HashMap<String, u64> {
+    info.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("cmdstat_")?;
+            let (name, fields) = rest.split_once(':')?;
+            let calls = fields.split(',').find_map(|f| f.strip_prefix("calls="))?;
+            Some((name.to_owned(), calls.parse().ok()?))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parses_commandstats() {
+        let s = "# Commandstats\r\ncmdstat_evalsha:calls=12,usec=3,usec_per_call=0.25\r\ncmdstat_ping:calls=1,usec=0\r\n";
+        let m = super::parse_command_stats(s);
+        assert_eq!(m["evalsha"], 12);
+        assert_eq!(m["ping"], 1);
+    }
+}
