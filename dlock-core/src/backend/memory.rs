@@ -120,6 +120,24 @@ impl MemoryBackend {
         }
     }
 
+    /// Frees `key` whoever holds it, as an operator would (Redisson's
+    /// `forceUnlock`). Returns whether it was held. The holder's guard sees
+    /// the loss at its next renewal.
+    pub fn force_unlock(&self, key: &LockKey) -> bool {
+        let mut state = self.state();
+        let held = match state.slots.get_mut(key) {
+            Some(slot) => {
+                let held = slot.live_holder(Instant::now()).is_some();
+                slot.holder = None;
+                slot.notify.notify_one();
+                held
+            }
+            None => false,
+        };
+        Self::forget_if_idle(&mut state, key);
+        held
+    }
+
     /// How many keys the table currently tracks (held or waited for).
     pub fn len(&self) -> usize {
         let mut state = self.state();

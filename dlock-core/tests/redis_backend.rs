@@ -1,0 +1,158 @@
+//! The behavioural suite on a real redis-server, plus what only Redis has:
+//! commands sent while waiting, a dead server, ACL permissions.
+
+mod suite;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::backend::redis::RedisBackend;
+use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions, LostReason};
+use dlock_testing::RedisServer;
+use tokio::time::Instant;
+
+struct Redis {
+    server: RedisServer,
+}
+
+async fn locker_for(url: &str, lease_ms: u64) -> Locker {
+    let backend = RedisBackend::connect(url, "dlock").await.expect("connect to the test redis-server");
+    let opts = LockerOptions::default().with_watchdog_lease(Duration::from_millis(lease_ms));
+    Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, opts).expect("valid options")
+}
+
+impl suite::Harness for Redis {
+    async fn client(&self) -> Locker {
+        locker_for(&self.server.url(), 300).await
+    }
+
+    async fn delete_behind_back(&self, key: &LockKey) {
+        let deleted: u64 = redis::cmd("DEL").arg(key.as_str()).query(&mut self.server.connection()).expect("DEL");
+        assert_eq!(deleted, 1, "the key was held");
+    }
+
+    async fn lock_keys_left(&self) -> usize {
+        let keys: Vec<String> = redis::cmd("KEYS").arg("dlock:*").query(&mut self.server.connection()).expect("KEYS");
+        // Fencing counters (`…:fence`) outlive locks on purpose.
+        keys.iter().filter(|k| k.ends_with('}')).count()
+    }
+}
+
+async fn redis() -> Redis {
+    Redis { server: RedisServer::start() }
+}
+
+backend_suite!(redis());
+
+/// While it waits, a waiter costs the server a bounded handful of commands
+/// however long the wait is: no polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_sends_a_bounded_number_of_commands() {
+    let server = RedisServer::start();
+    let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
+    let k = a.key("quiet").part(1).build().expect("key");
+    let g = a.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free");
+    server.reset_stats();
+    let err = b.acquire(&k, AcquireOptions::new().wait(Duration::from_millis(1_500))).await.expect_err("held");
+    assert!(err.is_contention(), "{err}");
+    let stats = server.command_stats();
+    // commandstats also counts the commands our scripts run inside EVALSHA;
+    // what crosses the network is the scripts and the (un)subscriptions.
+    let sent = ["evalsha", "eval", "script|load", "subscribe", "unsubscribe"];
+    let total: u64 = stats.iter().filter(|(c, _)| sent.contains(&c.as_str())).map(|(_, n)| n).sum();
+    eprintln!("commands while waiting 1.5 s: {stats:?}");
+    // try, subscribe, try again, unsubscribe
+    assert!(total <= 4, "{total} commands in 1.5 s of waiting: {stats:?}");
+    g.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_server_fires_lost_and_errors_cleanly() {
+    let mut server = RedisServer::start();
+    let a = locker_for(&server.url(), 600).await;
+    let k = a.key("killed").part(1).build().expect("key");
+    let g = a.acquire(&k, AcquireOptions::new()).await.expect("free");
+    let fixed = a.acquire(&a.key("killed").part(2).build().expect("key"), AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    server.kill();
+    let started = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(5), g.lost()).await.expect("lost fires");
+    assert_eq!(reason, LostReason::RenewalFailed);
+    assert!(started.elapsed() <= Duration::from_millis(1_500), "fired by the end of the 600 ms lease: {:?}", started.elapsed());
+
+    // A new acquire fails with a backend error in bounded time, no hang.
+    let started = Instant::now();
+    let err = a.try_acquire(&k).await.expect_err("server is down");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+
+    // Dropping a guard with no server neither blocks nor panics.
+    drop(fixed);
+    let err = g.release().await.expect_err("server is down");
+    assert!(err.is_unavailable());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // And it recovers when the server is back.
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match a.try_acquire(&k).await {
+            Ok(g) => {
+                g.release().await.expect("release");
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "no recovery: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_pubsub_permission_is_told_so() {
+    let server = RedisServer::start();
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "locker", "on", ">pw", "~*", "+@all", "resetchannels"])
+        .query(&mut server.connection())
+        .expect("ACL SETUSER");
+    let url = format!("redis://locker:pw@127.0.0.1:{}", server.port());
+    let err = RedisBackend::connect(&url, "dlock").await.expect_err("no channel permission");
+    assert!(err.is_misconfigured(), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("subscribe") && text.contains("&"), "{text}");
+    assert!(!text.contains("pw@"), "password leaked: {text}");
+
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "locker", "&dlock:*"])
+        .query(&mut server.connection())
+        .expect("ACL SETUSER");
+    RedisBackend::connect(&url, "dlock").await.expect("allowed now");
+}
+
+#[tokio::test]
+async fn a_bad_url_or_a_dead_port_is_a_clean_error() {
+    let err = RedisBackend::connect("http://nope", "dlock").await.expect_err("bad url");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("DLOCK_REDIS_URL"));
+
+    let port = dlock_testing::free_port();
+    let started = Instant::now();
+    let err = RedisBackend::connect(&format!("redis://127.0.0.1:{port}"), "dlock").await.expect_err("nobody listens");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// Every grant's fencing token is above the last, even after the counter
+/// key is lost (it is kept 7 days, and a server restart without
+/// persistence loses it): tokens include the server clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_survives_a_lost_counter() {
+    let server = RedisServer::start();
+    let a = locker_for(&server.url(), 300).await;
+    let k = a.key("fence-lost").part(1).build().expect("key");
+    let g = a.try_acquire(&k).await.expect("free");
+    let first = g.fencing_token();
+    g.release().await.expect("release");
+    let _: () = redis::cmd("DEL").arg(dlock_core::backend::redis::fence_key(&k)).query(&mut server.connection()).expect("DEL");
+    let g = a.try_acquire(&k).await.expect("free");
+    assert!(g.fencing_token() > first, "{} after {first}", g.fencing_token());
+    g.release().await.expect("release");
+}

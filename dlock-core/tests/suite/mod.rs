@@ -1,0 +1,345 @@
+//! The behavioural suite every lock backend must pass. Each backend's test
+//! file implements [`Harness`] and expands [`backend_suite!`].
+
+#![allow(dead_code)] // each test binary uses the parts its backend needs
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::{AcquireOptions, Error, LockKey, Locker, LostReason, Owner};
+use tokio::time::Instant;
+
+/// What the suite needs from a backend under test.
+pub(crate) trait Harness: Send + Sync + 'static {
+    /// A new client of the service: its own connections where the backend
+    /// has any, the same shared state as every other client.
+    fn client(&self) -> impl std::future::Future<Output = Locker> + Send;
+    /// Deletes the lock key on the service, bypassing the engine.
+    fn delete_behind_back(&self, key: &LockKey) -> impl std::future::Future<Output = ()> + Send;
+    /// How many lock keys (not fencing counters) the service still holds.
+    fn lock_keys_left(&self) -> impl std::future::Future<Output = usize> + Send;
+}
+
+fn key(locker: &Locker, name: &str) -> LockKey {
+    locker.key(name).part(1).build().expect("short key")
+}
+
+fn fixed(ms: u64) -> AcquireOptions {
+    AcquireOptions::new().lease(Duration::from_millis(ms))
+}
+
+pub(crate) async fn try_once_is_busy_while_held<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "busy");
+    let g = a.try_acquire(&k).await.expect("free key");
+    let err = b.try_acquire(&k).await.expect_err("held key");
+    assert!(matches!(err, Error::Busy { .. }), "{err:?}");
+    assert!(g.release().await.expect("release"));
+    b.try_acquire(&k).await.expect("free again").release().await.expect("release");
+}
+
+pub(crate) async fn wait_times_out<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "timeout");
+    let g = a.acquire(&k, fixed(10_000)).await.expect("free key");
+    let started = Instant::now();
+    let err = b.acquire(&k, AcquireOptions::new().wait(Duration::from_millis(150))).await.expect_err("held");
+    let waited = started.elapsed();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    assert!(waited >= Duration::from_millis(150), "gave up early: {waited:?}");
+    assert!(waited < Duration::from_secs(3), "gave up late: {waited:?}");
+    g.release().await.expect("release");
+}
+
+/// A waiter is woken by the release itself, not by the holder's TTL (which
+/// here is 30 s) nor by a poll.
+pub(crate) async fn waiter_wakes_on_release<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "wake");
+    let mut worst = Duration::ZERO;
+    for _ in 0..5 {
+        let g = a.acquire(&k, fixed(30_000)).await.expect("free key");
+        let b2 = b.clone();
+        let k2 = k.clone();
+        let waiter = tokio::spawn(async move {
+            let g = b2.acquire(&k2, AcquireOptions::new().wait(Duration::from_secs(10))).await;
+            (Instant::now(), g)
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await; // let it park
+        let released_at = Instant::now();
+        assert!(g.release().await.expect("release"));
+        let (acquired_at, g2) = waiter.await.expect("waiter task");
+        g2.expect("waiter acquires").release().await.expect("release");
+        worst = worst.max(acquired_at - released_at);
+    }
+    eprintln!("release -> waiter acquired, worst of 5: {worst:?}");
+    // Milliseconds in practice; the bound only has to rule out the 30 s TTL.
+    assert!(worst < Duration::from_millis(500), "waiter woke late: {worst:?}");
+}
+
+pub(crate) async fn waiter_wakes_when_the_holders_lease_runs_out<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "ttl");
+    let g = a.acquire(&k, fixed(300)).await.expect("free key");
+    // The holder vanishes without releasing (as a crashed process would).
+    std::mem::forget(g);
+    let started = Instant::now();
+    let g = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(5))).await.expect("acquired after TTL");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(250) && waited < Duration::from_secs(2), "{waited:?}");
+    g.release().await.expect("release");
+}
+
+pub(crate) async fn release_tells_whether_we_still_held_it<H: Harness>(h: &H) {
+    let a = h.client().await;
+    let k = key(&a, "held");
+    let g = a.acquire(&k, fixed(100)).await.expect("free key");
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert!(!g.release().await.expect("release"), "lease had run out");
+    let g = a.acquire(&k, fixed(5_000)).await.expect("free key");
+    assert!(g.release().await.expect("release"));
+}
+
+/// Compare-and-delete: a stranger can neither release nor extend our lock.
+pub(crate) async fn only_the_owner_can_release_or_renew<H: Harness>(h: &H) {
+    let a = h.client().await;
+    let k = key(&a, "owner");
+    let g = a.acquire(&k, fixed(10_000)).await.expect("free key");
+    let stranger = Owner::random().expect("random");
+    let backend = a.backend();
+    assert_eq!(backend.release(&k, &stranger).await.expect("release"), dlock_core::backend::Release::NotHeld);
+    assert_eq!(
+        backend.renew(&k, &stranger, Duration::from_secs(60)).await.expect("renew"),
+        dlock_core::backend::Renewal::Lost
+    );
+    assert!(a.try_acquire(&k).await.is_err(), "still held after a stranger's release");
+    assert!(g.release().await.expect("release"));
+}
+
+pub(crate) async fn owner_tokens_are_128_bit_and_unique<H: Harness>(_h: &H) {
+    let mut seen = HashSet::new();
+    for _ in 0..10_000 {
+        let o = Owner::random().expect("random");
+        assert_eq!(o.as_str().len(), 32);
+        assert!(o.as_str().bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(seen.insert(o));
+    }
+}
+
+pub(crate) async fn same_owner_reenters_and_frees_on_last_release<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "reentrant");
+    let me = Owner::random().expect("random");
+    let outer = a.acquire(&k, AcquireOptions::new().owner(me.clone())).await.expect("outer");
+    let inner = a.acquire(&k, AcquireOptions::new().owner(me.clone())).await.expect("inner re-enters");
+    assert_eq!(inner.fencing_token(), outer.fencing_token(), "a re-entry joins the same grant");
+    assert!(b.try_acquire(&k).await.is_err(), "others are excluded");
+    assert!(inner.release().await.expect("release inner"));
+    assert!(b.try_acquire(&k).await.is_err(), "still held by the outer hold");
+    assert!(outer.release().await.expect("release outer"));
+    b.try_acquire(&k).await.expect("free after the last release").release().await.expect("release");
+}
+
+pub(crate) async fn fencing_tokens_strictly_increase_across_clients<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "fence");
+    let mut last = 0;
+    for i in 0..200 {
+        let locker = if i % 2 == 0 { &a } else { &b };
+        let g = locker.acquire(&k, fixed(5_000)).await.expect("free key");
+        assert!(g.fencing_token() > last, "token {} after {last}", g.fencing_token());
+        last = g.fencing_token();
+        if i % 3 == 0 {
+            drop(g); // a background release must not break monotonicity either
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let g = locker.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(2))).await.expect("after drop");
+            assert!(g.fencing_token() > last);
+            last = g.fencing_token();
+            g.release().await.expect("release");
+        } else {
+            g.release().await.expect("release");
+        }
+    }
+}
+
+pub(crate) async fn fixed_lease_expiry_fires_lost<H: Harness>(h: &H) {
+    let a = h.client().await;
+    let k = key(&a, "expiry");
+    let g = a.acquire(&k, fixed(200)).await.expect("free key");
+    assert!(!g.is_lost());
+    let started = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(3), g.lost()).await.expect("lost fires");
+    assert_eq!(reason, LostReason::LeaseExpired);
+    assert!(started.elapsed() < Duration::from_millis(1_000), "{:?}", started.elapsed());
+    assert!(g.is_lost());
+}
+
+pub(crate) async fn watchdog_keeps_the_lock_past_its_lease<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "watchdog");
+    let g = a.acquire(&k, AcquireOptions::new()).await.expect("free key");
+    tokio::time::sleep(Duration::from_millis(1_000)).await; // > 3 leases of 300 ms
+    assert!(!g.is_lost(), "renewed");
+    assert!(b.try_acquire(&k).await.is_err(), "still held");
+    assert!(g.release().await.expect("release"));
+    // The watchdog stopped with the release: a fixed-lease holder after us
+    // loses its key when its own lease ends.
+    let g2 = b.acquire(&k, fixed(200)).await.expect("free");
+    std::mem::forget(g2);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    a.try_acquire(&k).await.expect("nobody renewed it").release().await.expect("release");
+}
+
+pub(crate) async fn deleting_the_key_behind_the_guards_back_fires_lost<H: Harness>(h: &H) {
+    let a = h.client().await;
+    let k = key(&a, "stolen");
+    let g = a.acquire(&k, AcquireOptions::new()).await.expect("free key");
+    h.delete_behind_back(&k).await;
+    let reason = tokio::time::timeout(Duration::from_secs(3), g.lost()).await.expect("lost fires");
+    assert_eq!(reason, LostReason::Stolen);
+    assert!(!g.release().await.expect("release"), "it was not ours any more");
+}
+
+pub(crate) async fn dropping_a_guard_releases_it<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "drop");
+    let g = a.acquire(&k, AcquireOptions::new()).await.expect("free key");
+    drop(g);
+    let started = Instant::now();
+    let g = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(5))).await.expect("freed by drop");
+    assert!(started.elapsed() < Duration::from_secs(1), "released by drop, not by the 300 ms lease chain");
+    g.release().await.expect("release");
+}
+
+/// Cancel acquires at random points, thousands of times: no lock key may
+/// be left and no renewal may keep running.
+pub(crate) async fn cancelled_acquires_leave_nothing_behind<H: Harness>(h: &H, iterations: u64) {
+    let lockers = [h.client().await, h.client().await];
+    let keys: Vec<LockKey> = (0..4).map(|i| lockers[0].key("cancel").part(i).build().expect("key")).collect();
+    let acquired = Arc::new(AtomicU64::new(0));
+    let cancelled = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..8u64 {
+        let locker = lockers[(t % 2) as usize].clone();
+        let keys = keys.clone();
+        let (acquired, cancelled) = (acquired.clone(), cancelled.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            for _ in 0..iterations / 8 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let k = &keys[(rng % 4) as usize];
+                let opts = if rng & 16 == 0 { AcquireOptions::new() } else { fixed(2_000) };
+                let opts = opts.wait(Duration::from_millis(3));
+                let budget = Duration::from_micros(rng % 2_000);
+                match tokio::time::timeout(budget, locker.acquire(k, opts)).await {
+                    Ok(Ok(g)) => {
+                        acquired.fetch_add(1, Ordering::Relaxed);
+                        match rng % 3 {
+                            0 => drop(g),
+                            1 => drop(g.release().await),
+                            _ => {
+                                // Cancel the release too, mid-flight.
+                                let _ = tokio::time::timeout(Duration::from_micros(rng % 300), g.release()).await;
+                            }
+                        }
+                    }
+                    Ok(Err(_)) => {}
+                    Err(_) => {
+                        cancelled.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let (acquired, cancelled) = (acquired.load(Ordering::Relaxed), cancelled.load(Ordering::Relaxed));
+    eprintln!("{iterations} iterations: {acquired} acquired, {cancelled} cancelled mid-acquire");
+    assert!(acquired > 0 && cancelled > 0, "the test must exercise both paths");
+    // Background releases of dropped guards and late grants settle quickly.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = h.lock_keys_left().await;
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} lock keys left behind");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // No orphan renewal: nothing re-creates or keeps a key alive afterwards.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(h.lock_keys_left().await, 0);
+    for k in &keys {
+        lockers[0].try_acquire(k).await.expect("every key is free").release().await.expect("release");
+    }
+}
+
+/// 32 tasks over 2 clients, a non-atomic read-modify-write inside the lock.
+pub(crate) async fn mutual_exclusion_under_contention<H: Harness>(h: &H) {
+    const TASKS: u64 = 32;
+    const PER_TASK: u64 = 64; // 2,048 acquisitions
+    let lockers = [h.client().await, h.client().await];
+    let k = key(&lockers[0], "counter");
+    let counter = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let locker = lockers[(t % 2) as usize].clone();
+        let (k, counter) = (k.clone(), counter.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..PER_TASK {
+                let g = locker
+                    .acquire(&k, AcquireOptions::new().wait(Duration::from_secs(60)))
+                    .await
+                    .expect("acquire within the wait");
+                let read = counter.load(Ordering::SeqCst);
+                tokio::task::yield_now().await;
+                counter.store(read + 1, Ordering::SeqCst);
+                assert!(g.release().await.expect("release"), "lost the lock mid-section");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(counter.load(Ordering::SeqCst), TASKS * PER_TASK, "lost updates: mutual exclusion broken");
+}
+
+/// Expands one `#[tokio::test]` per suite function for a harness.
+#[macro_export]
+macro_rules! backend_suite {
+    ($make:expr) => {
+        $crate::backend_suite!(@tests $make;
+            try_once_is_busy_while_held,
+            wait_times_out,
+            waiter_wakes_on_release,
+            waiter_wakes_when_the_holders_lease_runs_out,
+            release_tells_whether_we_still_held_it,
+            only_the_owner_can_release_or_renew,
+            owner_tokens_are_128_bit_and_unique,
+            same_owner_reenters_and_frees_on_last_release,
+            fencing_tokens_strictly_increase_across_clients,
+            fixed_lease_expiry_fires_lost,
+            watchdog_keeps_the_lock_past_its_lease,
+            deleting_the_key_behind_the_guards_back_fires_lost,
+            dropping_a_guard_releases_it,
+            mutual_exclusion_under_contention,
+        );
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn cancelled_acquires_leave_nothing_behind() {
+            let h = $make.await;
+            suite::cancelled_acquires_leave_nothing_behind(&h, 4_000).await;
+        }
+    };
+    (@tests $make:expr; $($name:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let h = $make.await;
+            suite::$name(&h).await;
+        }
+    )*};
+}
