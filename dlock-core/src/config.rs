@@ -18,6 +18,12 @@ pub enum BackendKind {
         /// `redis://` or `rediss://` URL.
         url: String,
     },
+    /// RedLock over independent masters (`DLOCK_BACKEND=redlock`,
+    /// `DLOCK_REDLOCK_URLS`, an odd number ≥ 3 of comma-separated URLs).
+    RedLock {
+        /// One URL per master.
+        urls: Vec<String>,
+    },
 }
 
 impl BackendKind {
@@ -26,6 +32,7 @@ impl BackendKind {
         match self {
             BackendKind::Memory => "memory",
             BackendKind::Redis { .. } => "redis",
+            BackendKind::RedLock { .. } => "redlock",
         }
     }
 }
@@ -34,8 +41,9 @@ impl BackendKind {
 ///
 /// | variable | meaning | default |
 /// |---|---|---|
-/// | `DLOCK_BACKEND` | `memory` or `redis` | `memory` |
+/// | `DLOCK_BACKEND` | `memory`, `redis` or `redlock` | `memory` |
 /// | `DLOCK_REDIS_URL` | Redis URL | `redis://127.0.0.1:6379` |
+/// | `DLOCK_REDLOCK_URLS` | comma-separated Redis URLs, odd count ≥ 3 | — |
 /// | `DLOCK_PREFIX` | key namespace | `dlock` |
 /// | `DLOCK_LEASE_MS` | watchdog lease | `30000` |
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
@@ -112,10 +120,25 @@ impl Config {
             Some("redis") => BackendKind::Redis {
                 url: get("DLOCK_REDIS_URL").unwrap_or_else(|| DEFAULT_REDIS_URL.into()),
             },
-            Some(other @ ("redlock" | "zookeeper")) => {
+            Some("redlock") => {
+                let urls: Vec<String> = get("DLOCK_REDLOCK_URLS")
+                    .unwrap_or_default()
+                    .split(',')
+                    .map(|u| u.trim().to_owned())
+                    .filter(|u| !u.is_empty())
+                    .collect();
+                if urls.len() < 3 || urls.len().is_multiple_of(2) {
+                    return Err(Error::config(
+                        "DLOCK_REDLOCK_URLS",
+                        format!("needs an odd number of at least 3 comma-separated Redis URLs, got {}", urls.len()),
+                    ));
+                }
+                BackendKind::RedLock { urls }
+            }
+            Some(other @ "zookeeper") => {
                 return Err(Error::config(
                     "DLOCK_BACKEND",
-                    format!("`{other}` is not available in this build yet (choose `memory` or `redis`)"),
+                    format!("`{other}` is not available in this build yet (choose `memory`, `redis` or `redlock`)"),
                 ))
             }
             Some(other) => {
@@ -170,8 +193,12 @@ impl Config {
             BackendKind::Redis { url } => {
                 Arc::new(crate::backend::redis::RedisBackend::connect(url, &self.prefix).await?)
             }
+            #[cfg(feature = "redis")]
+            BackendKind::RedLock { urls } => {
+                Arc::new(crate::backend::redlock::RedLockBackend::connect(urls, &self.prefix).await?)
+            }
             #[cfg(not(feature = "redis"))]
-            BackendKind::Redis { .. } => {
+            BackendKind::Redis { .. } | BackendKind::RedLock { .. } => {
                 return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `redis` feature"))
             }
         };
@@ -226,6 +253,17 @@ mod tests {
             assert!(err.is_misconfigured(), "{err}");
             assert!(err.to_string().contains(var), "{err} should name {var}");
         }
+    }
+
+    #[test]
+    fn redlock_needs_an_odd_number_of_urls() {
+        let two = cfg(&[("DLOCK_BACKEND", "redlock"), ("DLOCK_REDLOCK_URLS", "redis://a, redis://b")]);
+        assert!(two.expect_err("even").to_string().contains("DLOCK_REDLOCK_URLS"));
+        let three = cfg(&[("DLOCK_BACKEND", "redlock"), ("DLOCK_REDLOCK_URLS", "redis://a, redis://b,redis://c")]);
+        assert_eq!(
+            three.expect("odd").backend,
+            BackendKind::RedLock { urls: vec!["redis://a".into(), "redis://b".into(), "redis://c".into()] }
+        );
     }
 
     #[test]

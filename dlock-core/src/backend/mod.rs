@@ -31,6 +31,8 @@ use crate::owner::Owner;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "redis")]
+pub mod redlock;
 pub(crate) mod wait;
 
 pub use memory::MemoryBackend;

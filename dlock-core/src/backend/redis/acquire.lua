@@ -2,7 +2,8 @@
 -- KEYS[1] lock hash {o = owner, n = holds, f = fencing token}
 -- KEYS[2] fencing counter (same hash tag, so same cluster slot)
 -- ARGV[1] owner token, ARGV[2] lease in ms, ARGV[3] counter life in seconds
--- Returns {1, fencing token} when granted, {0, remaining ms of the holder} when held.
+-- Returns {1, fencing token, holds} when granted (holds > 1: a re-entry),
+-- {0, remaining ms of the holder} when held.
 local holder = redis.call('HGET', KEYS[1], 'o')
 if holder == false then
   -- The token is max(last + 1, server time in us): it keeps growing even if
@@ -15,11 +16,11 @@ if holder == false then
   redis.call('SET', KEYS[2], string.format('%d', token), 'EX', ARGV[3])
   redis.call('HSET', KEYS[1], 'o', ARGV[1], 'n', 1, 'f', string.format('%d', token))
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, token}
+  return {1, token, 1}
 end
 if holder == ARGV[1] then
-  redis.call('HINCRBY', KEYS[1], 'n', 1)
+  local holds = redis.call('HINCRBY', KEYS[1], 'n', 1)
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, tonumber(redis.call('HGET', KEYS[1], 'f'))}
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'f')), holds}
 end
 return {0, redis.call('PTTL', KEYS[1])}

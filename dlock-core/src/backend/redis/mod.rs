@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-mod subscriber;
+pub(crate) mod subscriber;
 
 use subscriber::Subscriber;
 
@@ -79,9 +79,10 @@ impl RedisOptions {
 /// let locker = Locker::with_options(Arc::new(backend), LockerOptions::default())?;
 /// # Ok(()) }
 /// ```
+#[derive(Clone)]
 pub struct RedisBackend {
     conn: ConnectionManager,
-    subscriber: Subscriber,
+    pub(crate) subscriber: Subscriber,
     acquire: Script,
     renew: Script,
     release: Script,
@@ -140,8 +141,17 @@ impl RedisBackend {
     }
 
     async fn try_once(&self, req: &AcquireRequest) -> Result<Attempt> {
+        Ok(match self.try_on_node(req).await? {
+            NodeAttempt::Granted { grant, .. } => Attempt::Acquired(grant),
+            NodeAttempt::Held { retry_in } => Attempt::Held { retry_in },
+        })
+    }
+
+    /// One acquire script call, telling a re-entry from a fresh grant (RedLock
+    /// needs the difference to keep a re-entry's fencing token).
+    pub(crate) async fn try_on_node(&self, req: &AcquireRequest) -> Result<NodeAttempt> {
         let sent = Instant::now();
-        let (granted, value): (i64, i64) = self
+        let reply: Vec<i64> = self
             .acquire
             .key(req.key.as_str())
             .key(fence_key(&req.key))
@@ -151,22 +161,29 @@ impl RedisBackend {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(redis_error)?;
-        Ok(if granted == 1 {
-            Attempt::Acquired(Grant {
-                fencing_token: u64::try_from(value).unwrap_or(0),
-                valid_until: sent + req.lease,
-                lost: None,
-            })
-        } else {
+        Ok(match reply.as_slice() {
+            [1, token, holds] => NodeAttempt::Granted {
+                grant: Grant {
+                    fencing_token: u64::try_from(*token).unwrap_or(0),
+                    valid_until: sent + req.lease,
+                    lost: None,
+                },
+                reentry: *holds > 1,
+            },
             // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
-            let retry_in = match value {
-                -2 => Some(Duration::ZERO),
-                ms if ms >= 0 => Some(Duration::from_millis(ms as u64)),
-                _ => None,
-            };
-            Attempt::Held { retry_in }
+            [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
+            [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
+            [0, _] => NodeAttempt::Held { retry_in: None },
+            other => return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}"))),
         })
     }
+}
+
+/// One node's answer to an acquire.
+#[derive(Debug)]
+pub(crate) enum NodeAttempt {
+    Granted { grant: Grant, reentry: bool },
+    Held { retry_in: Option<Duration> },
 }
 
 impl Backend for RedisBackend {

@@ -25,7 +25,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 enum Command {
-    Register { channel: String, reply: oneshot::Sender<Arc<Notify>> },
+    Register { channel: String, shared: Option<Arc<Notify>>, reply: oneshot::Sender<Arc<Notify>> },
     Unregister { channel: String },
 }
 
@@ -84,8 +84,15 @@ impl Subscriber {
 
     /// Registers a waiter for `channel`, subscribing if it is the first.
     pub(crate) async fn register(&self, channel: String) -> Registration {
+        self.register_shared(channel, None).await
+    }
+
+    /// Registers a waiter whose wake-ups go to `shared` when this is the
+    /// channel's first waiter (RedLock passes one `Notify` per key to every
+    /// node, so a release on any node wakes the key's waiters).
+    pub(crate) async fn register_shared(&self, channel: String, shared: Option<Arc<Notify>>) -> Registration {
         let (reply, answer) = oneshot::channel();
-        let _ = self.commands.send(Command::Register { channel: channel.clone(), reply });
+        let _ = self.commands.send(Command::Register { channel: channel.clone(), shared, reply });
         // If the actor is gone the waiter still wakes at the holder's TTL.
         let notify = answer.await.unwrap_or_default();
         Registration { notify, channel, commands: self.commands.clone() }
@@ -167,11 +174,11 @@ impl Actor {
 
     async fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Register { channel, reply } => {
+            Command::Register { channel, shared, reply } => {
                 let entry = self
                     .channels
                     .entry(channel.clone())
-                    .or_insert_with(|| Entry { notify: Arc::new(Notify::new()), waiters: 0 });
+                    .or_insert_with(|| Entry { notify: shared.unwrap_or_default(), waiters: 0 });
                 entry.waiters += 1;
                 let notify = entry.notify.clone();
                 if entry.waiters == 1 {

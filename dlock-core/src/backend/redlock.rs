@@ -1,0 +1,343 @@
+//! RedLock: one lock over N independent Redis masters.
+//!
+//! Every step runs on all masters at once (never one after another), each
+//! with a short per-node timeout, and counts a quorum of N/2+1:
+//!
+//! * acquire is granted only with a quorum and only if the remaining
+//!   validity `lease − elapsed − drift` (drift = lease × 1 % + 2 ms) is
+//!   positive; the guard's [`valid_until`](crate::LockGuard::valid_until) is
+//!   that validity. A failed attempt releases on *every* node, including
+//!   those that did not answer (their command may still land).
+//! * a split vote (some grants, no quorum) retries after a random jitter so
+//!   competing clients do not collide forever; otherwise waiters sleep until
+//!   a release is announced on any node's pub/sub or the holders' TTL ends.
+//! * the fencing token is the maximum of the per-node tokens in the quorum.
+//!   Each node's token is `max(last + 1, node time in µs)`, so it keeps
+//!   growing while a majority keeps its data and the node clocks do not step
+//!   back; RedLock tokens are as strong as those assumptions (see Kleppmann's
+//!   critique), not stronger.
+//! * renewal succeeds only with a quorum; when it cannot reach one before
+//!   the validity ends, the guard's lost signal fires.
+//!
+//! Each node is a [`RedisBackend`]: same scripts, one multiplexed connection
+//! and one subscriber connection per node.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::redis::subscriber::Registration;
+use super::redis::{release_channel, NodeAttempt, RedisBackend, RedisOptions};
+use super::wait::{acquire_loop, Attempt};
+use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// How long one node may take to answer one step.
+pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// Locks over an odd number (≥ 3) of independent Redis masters.
+///
+/// ```no_run
+/// # async fn demo() -> dlock_core::Result<()> {
+/// use std::sync::Arc;
+/// use dlock_core::{Locker, LockerOptions};
+/// use dlock_core::backend::redlock::RedLockBackend;
+/// let urls = ["redis://10.0.0.1:6379", "redis://10.0.0.2:6379", "redis://10.0.0.3:6379"];
+/// let backend = RedLockBackend::connect(&urls, "dlock").await?;
+/// let locker = Locker::with_options(Arc::new(backend), LockerOptions::default())?;
+/// # Ok(()) }
+/// ```
+pub struct RedLockBackend {
+    nodes: Vec<RedisBackend>,
+    node_timeout: Duration,
+    /// Our own holds: (key, owner) -> (fencing token, holds).
+    holds: Mutex<HashMap<(LockKey, Owner), (u64, u32)>>,
+}
+
+impl std::fmt::Debug for RedLockBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedLockBackend").field("nodes", &self.nodes.len()).field("node_timeout", &self.node_timeout).finish()
+    }
+}
+
+
+impl RedLockBackend {
+    /// Connects to every master with the default per-node timeout.
+    ///
+    /// # Errors
+    ///
+    /// As [`RedLockBackend::connect_with`].
+    pub async fn connect<S: AsRef<str>>(urls: &[S], prefix: &str) -> Result<Self> {
+        Self::connect_with(urls, prefix, DEFAULT_NODE_TIMEOUT).await
+    }
+
+    /// Connects to every master. All of them must answer at start-up, so a
+    /// typo in one URL is found now rather than as a lost quorum later.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming `DLOCK_REDLOCK_URLS` when the count is not
+    /// odd and at least 3 or a URL is malformed; [`Error::Backend`] naming the
+    /// node that cannot be reached.
+    pub async fn connect_with<S: AsRef<str>>(urls: &[S], prefix: &str, node_timeout: Duration) -> Result<Self> {
+        if urls.len() < 3 || urls.len().is_multiple_of(2) {
+            return Err(Error::config(
+                "DLOCK_REDLOCK_URLS",
+                format!("needs an odd number of at least 3 Redis URLs, got {}", urls.len()),
+            ));
+        }
+        let options = RedisOptions::default().with_response_timeout(Duration::from_secs(1));
+        let connecting = urls.iter().map(|url| RedisBackend::connect_with(url.as_ref(), prefix, options.clone()));
+        let mut nodes = Vec::with_capacity(urls.len());
+        for (i, node) in join_all(connecting).await.into_iter().enumerate() {
+            nodes.push(node.map_err(|e| match e {
+                Error::Backend { message, source, .. } => Error::Backend {
+                    backend: "redlock",
+                    message: format!("node {} of DLOCK_REDLOCK_URLS: {message}", i + 1),
+                    source,
+                },
+                other => other,
+            })?);
+        }
+        Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default() })
+    }
+
+    fn quorum(&self) -> usize {
+        self.nodes.len() / 2 + 1
+    }
+
+    /// Runs `step` on every node at once, each bounded by the node timeout,
+    /// and returns as soon as `decided` says the outcome is known (a quorum
+    /// agreed, or can no longer agree): a dead node costs its timeout only
+    /// when the live ones cannot decide without it. Answers come with their
+    /// node's index; a node without an answer failed, timed out or was not
+    /// waited for. Steps still running are dropped; a command they already
+    /// sent may still land, which every caller handles.
+    async fn on_all<'a, T, F, Fut>(&'a self, step: F, decided: impl Fn(&[(usize, T)], usize) -> bool) -> Vec<(usize, T)>
+    where
+        F: Fn(usize, &'a RedisBackend) -> Fut,
+        Fut: std::future::Future<Output = Result<T>> + 'a,
+    {
+        let timeout = self.node_timeout;
+        let mut pending: FuturesUnordered<_> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let fut = step(i, node);
+                async move { (i, tokio::time::timeout(timeout, fut).await.ok().and_then(|r| r.ok())) }
+            })
+            .collect();
+        let (mut answers, mut failed) = (Vec::with_capacity(self.nodes.len()), 0);
+        while let Some((i, answer)) = pending.next().await {
+            match answer {
+                Some(a) => answers.push((i, a)),
+                None => failed += 1,
+            }
+            if decided(&answers, failed) {
+                break;
+            }
+        }
+        answers
+    }
+
+    /// Whether `yes` of the answers so far reach a quorum, or the nodes
+    /// still out can no longer make one.
+    fn settled(&self, yes: usize, answered: usize, failed: usize) -> bool {
+        let n = self.nodes.len();
+        yes >= self.quorum() || (n - answered - failed) + yes < self.quorum() || answered + failed == n
+    }
+
+    fn unavailable(&self, granted: usize) -> Error {
+        Error::QuorumUnavailable { granted, nodes: self.nodes.len(), needed: self.quorum() }
+    }
+
+    async fn try_once(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let started = Instant::now();
+        let granted_in =
+            |a: &[(usize, NodeAttempt)]| a.iter().filter(|(_, a)| matches!(a, NodeAttempt::Granted { .. })).count();
+        let answers = self
+            .on_all(|_, node| node.try_on_node(req), |a, failed| self.settled(granted_in(a), a.len(), failed))
+            .await;
+        let (mut fence, mut all_reentries) = (0, true);
+        let (mut granted, mut holder_ttl) = (0, None::<Duration>);
+        let mut held_by_others = vec![false; self.nodes.len()];
+        for (i, answer) in &answers {
+            match answer {
+                NodeAttempt::Granted { grant, reentry } => {
+                    granted += 1;
+                    fence = fence.max(grant.fencing_token);
+                    all_reentries &= *reentry;
+                }
+                NodeAttempt::Held { retry_in } => {
+                    held_by_others[*i] = true;
+                    if let Some(t) = *retry_in {
+                        holder_ttl = Some(holder_ttl.map_or(t, |h| h.min(t)));
+                    }
+                }
+            }
+        }
+        let drift = req.lease / 100 + Duration::from_millis(2);
+        let valid_until = started + req.lease.saturating_sub(drift);
+        if granted >= self.quorum() && Instant::now() < valid_until {
+            let fencing_token = self.hold(&req.key, &req.owner, fence, all_reentries);
+            return Ok(Attempt::Acquired(Grant { fencing_token, valid_until, lost: None }));
+        }
+        // Undo on every node that granted, or did not answer (its command may
+        // land late) — not where someone else holds the key: an undo there
+        // could take away a grant of our next try. Awaited, so that it reaches
+        // each node before our next try does.
+        let answered_held = held_by_others.iter().filter(|h| **h).count();
+        if answered_held < self.nodes.len() {
+            let held_by_others = &held_by_others;
+            self.on_all(
+                |i, node| async move {
+                    if held_by_others[i] {
+                        Ok(Release::NotHeld)
+                    } else {
+                        node.release(&req.key, &req.owner).await
+                    }
+                },
+                |_, _| false,
+            )
+            .await;
+        }
+        if granted + answered_held < self.quorum() {
+            return Err(self.unavailable(granted));
+        }
+        let retry_in = if granted > 0 {
+            // A split vote: back off by a random few ms before retrying.
+            Some(jitter(Duration::from_millis(20)))
+        } else {
+            holder_ttl
+        };
+        Ok(Attempt::Held { retry_in })
+    }
+
+    /// Records a hold of ours and returns its fencing token: a re-entry (on
+    /// every node of the quorum) keeps the token of the hold it joins, since
+    /// different quorums may see different per-node maxima.
+    fn hold(&self, key: &LockKey, owner: &Owner, fence: u64, reentry: bool) -> u64 {
+        let mut holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = holds.entry((key.clone(), owner.clone())).or_insert((fence, 0));
+        if !(reentry && entry.1 > 0) {
+            entry.0 = fence;
+        }
+        entry.1 += 1;
+        entry.0
+    }
+
+    fn unhold(&self, key: &LockKey, owner: &Owner) {
+        let mut holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        let id = (key.clone(), owner.clone());
+        if let Some(entry) = holds.get_mut(&id) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                holds.remove(&id);
+            }
+        }
+    }
+
+    async fn register(&self, key: &LockKey) -> SharedRegistration {
+        let notify = Arc::new(Notify::new());
+        let channel = release_channel(key);
+        let registrations = join_all(
+            self.nodes.iter().map(|n| n.subscriber.register_shared(channel.clone(), Some(notify.clone()))),
+        )
+        .await;
+        SharedRegistration { notify, _registrations: registrations }
+    }
+}
+
+/// Registrations on every node feeding one `Notify`.
+struct SharedRegistration {
+    notify: Arc<Notify>,
+    _registrations: Vec<Registration>,
+}
+
+impl AsRef<Notify> for SharedRegistration {
+    fn as_ref(&self) -> &Notify {
+        &self.notify
+    }
+}
+
+/// A random duration in `[1 ms, max]`.
+fn jitter(max: Duration) -> Duration {
+    let mut b = [0u8; 2];
+    let r = getrandom::fill(&mut b).map(|()| u16::from_le_bytes(b)).unwrap_or(0);
+    let max_us = u64::try_from(max.as_micros()).unwrap_or(u64::MAX).max(1_000);
+    Duration::from_micros(1_000 + u64::from(r) % max_us)
+}
+
+impl Backend for RedLockBackend {
+    fn name(&self) -> &'static str {
+        "redlock"
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        req: &'a AcquireRequest,
+        cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Result<Grant>> {
+        Box::pin(acquire_loop(req, cancel, move || self.try_once(req), move || self.register(&req.key)))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a LockKey,
+        owner: &'a Owner,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Renewal>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let held_in = |a: &[(usize, Renewal)]| a.iter().filter(|(_, a)| matches!(a, Renewal::Held { .. })).count();
+            let answers = self
+                .on_all(|_, node| node.renew(key, owner, lease), |a, failed| self.settled(held_in(a), a.len(), failed))
+                .await;
+            let held = held_in(&answers);
+            let lost = answers.len() - held;
+            let drift = lease / 100 + Duration::from_millis(2);
+            if held >= self.quorum() {
+                Ok(Renewal::Held { valid_until: sent + lease.saturating_sub(drift) })
+            } else if lost > self.nodes.len() - self.quorum() {
+                Ok(Renewal::Lost)
+            } else {
+                Err(self.unavailable(held))
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(async move {
+            // Release waits for every node (bounded by the node timeout): it
+            // is not on anyone's hot path, and a node we skip keeps a stray
+            // hold until its lease ends.
+            self.unhold(key, owner);
+            let answers = self.on_all(|_, node| node.release(key, owner), |_, _| false).await;
+            let freed = answers.iter().filter(|(_, a)| matches!(a, Release::Freed)).count();
+            let still: Vec<u32> =
+                answers.iter().filter_map(|(_, a)| if let Release::StillHeld(n) = a { Some(*n) } else { None }).collect();
+            let answered = answers.len();
+            if freed >= self.quorum() {
+                Ok(Release::Freed)
+            } else if still.len() >= self.quorum() {
+                Ok(Release::StillHeld(still.iter().copied().min().unwrap_or(1)))
+            } else if freed + still.len() >= self.quorum() {
+                // Holds counted differently on different nodes; what matters
+                // is that a quorum had it.
+                Ok(Release::Freed)
+            } else if answered >= self.quorum() {
+                Ok(Release::NotHeld)
+            } else {
+                Err(self.unavailable(freed + still.len()))
+            }
+        })
+    }
+}

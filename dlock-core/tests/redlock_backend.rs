@@ -1,0 +1,157 @@
+//! The behavioural suite on RedLock over 3 real redis-servers, and node
+//! failures over 5.
+
+mod suite;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::backend::redlock::RedLockBackend;
+use dlock_core::{AcquireOptions, Backend, Error, LockKey, Locker, LockerOptions};
+use dlock_testing::RedisServer;
+use tokio::time::Instant;
+
+struct RedLock {
+    servers: Vec<RedisServer>,
+}
+
+async fn locker_for(urls: &[String], lease_ms: u64) -> Locker {
+    let backend = RedLockBackend::connect(urls, "dlock").await.expect("connect to the test redis-servers");
+    let opts = LockerOptions::default().with_watchdog_lease(Duration::from_millis(lease_ms));
+    Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, opts).expect("valid options")
+}
+
+impl RedLock {
+    fn urls(&self) -> Vec<String> {
+        self.servers.iter().map(RedisServer::url).collect()
+    }
+}
+
+impl suite::Harness for RedLock {
+    async fn client(&self) -> Locker {
+        locker_for(&self.urls(), 300).await
+    }
+
+    async fn delete_behind_back(&self, key: &LockKey) {
+        for s in &self.servers {
+            let _: u64 = redis::cmd("DEL").arg(key.as_str()).query(&mut s.connection()).expect("DEL");
+        }
+    }
+
+    async fn lock_keys_left(&self) -> usize {
+        let mut left = 0;
+        for s in &self.servers {
+            let keys: Vec<String> = redis::cmd("KEYS").arg("dlock:*").query(&mut s.connection()).expect("KEYS");
+            left += keys.iter().filter(|k| k.ends_with('}')).count();
+        }
+        left
+    }
+}
+
+async fn redlock() -> RedLock {
+    RedLock { servers: (0..3).map(|_| RedisServer::start()).collect() }
+}
+
+backend_suite!(redlock());
+
+#[tokio::test]
+async fn an_even_number_of_nodes_is_a_config_error() {
+    let servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let err = RedLockBackend::connect(&urls, "dlock").await.expect_err("two nodes");
+    assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_REDLOCK_URLS"), "{err}");
+}
+
+/// The guard's validity is the lease minus the time the quorum took minus
+/// the clock drift allowance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validity_accounts_for_elapsed_time_and_drift() {
+    let h = redlock().await;
+    let a = locker_for(&h.urls(), 300).await;
+    let k = a.key("validity").part(1).build().expect("key");
+    let before = Instant::now();
+    let g = a.acquire(&k, AcquireOptions::new().lease(Duration::from_millis(1_000))).await.expect("free");
+    let after = Instant::now();
+    // valid_until = start of the attempt + lease − (1 % of lease + 2 ms),
+    // and the attempt started between `before` and `after`.
+    let drift = Duration::from_millis(12);
+    assert!(g.valid_until() <= after + Duration::from_millis(1_000) - drift, "drift not deducted");
+    assert!(g.valid_until() >= before + Duration::from_millis(1_000) - drift);
+    g.release().await.expect("release");
+}
+
+/// 5 masters: with 2 down locks keep working and stay exclusive; with 3
+/// down acquisitions fail with a quorum error within the wait, and no two
+/// holders ever overlap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_masters_survive_two_failures_and_refuse_at_three() {
+    let mut servers: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let lockers = [locker_for(&urls, 500).await, locker_for(&urls, 500).await];
+    let k = lockers[0].key("five").part(1).build().expect("key");
+
+    let inside = Arc::new(AtomicBool::new(false));
+    let overlaps = Arc::new(AtomicU64::new(0));
+    let acquired = Arc::new(AtomicU64::new(0));
+    let quorum_errors = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let locker = lockers[t % 2].clone();
+        let (k, inside, overlaps, acquired, quorum_errors, stop) =
+            (k.clone(), inside.clone(), overlaps.clone(), acquired.clone(), quorum_errors.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                match locker.acquire(&k, AcquireOptions::new().wait(Duration::from_millis(500))).await {
+                    Ok(g) => {
+                        if inside.swap(true, Ordering::SeqCst) {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        inside.store(false, Ordering::SeqCst);
+                        acquired.fetch_add(1, Ordering::SeqCst);
+                        let _ = g.release().await;
+                    }
+                    Err(Error::QuorumUnavailable { .. }) => {
+                        quorum_errors.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Err(e) if e.is_contention() => {}
+                    Err(e) => panic!("unexpected error: {e}"),
+                }
+            }
+        }));
+    }
+    let phase = |name: &'static str| {
+        let acquired = acquired.clone();
+        async move {
+            let before = acquired.load(Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            let n = acquired.load(Ordering::SeqCst) - before;
+            eprintln!("{name}: {n} acquisitions");
+            n
+        }
+    };
+    assert!(phase("5 of 5 up").await > 20);
+    servers[0].kill();
+    servers[1].kill();
+    assert!(phase("3 of 5 up").await > 20, "a majority must keep working");
+    servers[2].kill();
+    tokio::time::sleep(Duration::from_millis(600)).await; // leases of holders end
+    let errors_before = quorum_errors.load(Ordering::SeqCst);
+    assert_eq!(phase("2 of 5 up").await, 0, "no grants without a quorum");
+    assert!(quorum_errors.load(Ordering::SeqCst) > errors_before, "clients are told why");
+
+    // A caller sees the typed error within its wait.
+    let started = Instant::now();
+    let err = lockers[0].acquire(&k, AcquireOptions::new().wait(Duration::from_secs(2))).await.expect_err("no quorum");
+    assert!(matches!(err, Error::QuorumUnavailable { nodes: 5, needed: 3, .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+
+    stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holders at once");
+}
