@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs every dlock test against real servers. On a fresh Debian machine it
-# first installs what is missing (redis-server), so this one command is all
+# first installs what is missing (redis-server, zookeeper), so this one command is all
 # a new checkout needs. Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+[ -f /usr/share/java/zookeeper.jar ] || need+=(zookeeper)     # brings a Java runtime
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"
   SUDO=""
@@ -15,7 +16,9 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 redis-server --version
+java -version 2>&1 | head -1
 
 # The Debian package starts a system redis on 6379; the tests start their
 # own servers on free ports and never use it.
-cargo test --workspace "$@"
+# --all-features: the optional backends (ZooKeeper) are tested too.
+cargo test --workspace --all-features "$@"

@@ -24,6 +24,14 @@ pub enum BackendKind {
         /// One URL per master.
         urls: Vec<String>,
     },
+    /// ZooKeeper (`DLOCK_BACKEND=zookeeper`, `DLOCK_ZOOKEEPER`,
+    /// `DLOCK_ZOOKEEPER_SESSION_MS`).
+    ZooKeeper {
+        /// `host:port[,host:port…][/chroot]`.
+        connect: String,
+        /// The session timeout: the lease of every lock.
+        session_timeout: Duration,
+    },
 }
 
 impl BackendKind {
@@ -33,6 +41,7 @@ impl BackendKind {
             BackendKind::Memory => "memory",
             BackendKind::Redis { .. } => "redis",
             BackendKind::RedLock { .. } => "redlock",
+            BackendKind::ZooKeeper { .. } => "zookeeper",
         }
     }
 }
@@ -41,9 +50,11 @@ impl BackendKind {
 ///
 /// | variable | meaning | default |
 /// |---|---|---|
-/// | `DLOCK_BACKEND` | `memory`, `redis` or `redlock` | `memory` |
+/// | `DLOCK_BACKEND` | `memory`, `redis`, `redlock` or `zookeeper` | `memory` |
 /// | `DLOCK_REDIS_URL` | Redis URL | `redis://127.0.0.1:6379` |
 /// | `DLOCK_REDLOCK_URLS` | comma-separated Redis URLs, odd count ≥ 3 | — |
+/// | `DLOCK_ZOOKEEPER` | ZooKeeper connect string (optional `/chroot`) | `127.0.0.1:2181` |
+/// | `DLOCK_ZOOKEEPER_SESSION_MS` | ZooKeeper session timeout (the lease) | `10000` |
 /// | `DLOCK_PREFIX` | key namespace | `dlock` |
 /// | `DLOCK_LEASE_MS` | watchdog lease | `30000` |
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
@@ -135,11 +146,15 @@ impl Config {
                 }
                 BackendKind::RedLock { urls }
             }
-            Some(other @ "zookeeper") => {
-                return Err(Error::config(
-                    "DLOCK_BACKEND",
-                    format!("`{other}` is not available in this build yet (choose `memory`, `redis` or `redlock`)"),
-                ))
+            Some("zookeeper") => {
+                let session_timeout = millis(&get, "DLOCK_ZOOKEEPER_SESSION_MS")?.unwrap_or(Duration::from_secs(10));
+                if session_timeout < Duration::from_millis(100) {
+                    return Err(Error::config("DLOCK_ZOOKEEPER_SESSION_MS", "must be at least 100 (milliseconds)"));
+                }
+                BackendKind::ZooKeeper {
+                    connect: get("DLOCK_ZOOKEEPER").unwrap_or_else(|| "127.0.0.1:2181".into()),
+                    session_timeout,
+                }
             }
             Some(other) => {
                 return Err(Error::config(
@@ -200,6 +215,14 @@ impl Config {
             #[cfg(not(feature = "redis"))]
             BackendKind::Redis { .. } | BackendKind::RedLock { .. } => {
                 return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `redis` feature"))
+            }
+            #[cfg(feature = "zookeeper")]
+            BackendKind::ZooKeeper { connect, session_timeout } => Arc::new(
+                crate::backend::zookeeper::ZooKeeperBackend::connect_with(connect, &self.prefix, *session_timeout).await?,
+            ),
+            #[cfg(not(feature = "zookeeper"))]
+            BackendKind::ZooKeeper { .. } => {
+                return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `zookeeper` feature"))
             }
         };
         Locker::with_options(backend, self.locker_options())

@@ -157,6 +157,99 @@ impl Drop for RedisServer {
     }
 }
 
+/// A standalone ZooKeeper server of our own (Debian's `zookeeper` package,
+/// run with `java`) on `127.0.0.1:<free port>`, with a 100 ms tick so
+/// sessions can be as short as 200 ms. Killed on drop.
+#[derive(Debug)]
+pub struct ZooKeeperServer {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+/// Where Debian's `zookeeper` package puts the server.
+const ZOOKEEPER_CLASSPATH: &str = "/etc/zookeeper/conf:/usr/share/java/zookeeper.jar";
+
+impl ZooKeeperServer {
+    /// Starts a server and waits until it answers `ruok`.
+    ///
+    /// # Panics
+    ///
+    /// When Java or the `zookeeper` package is missing, or the server does
+    /// not come up within 30 s.
+    pub fn start() -> Self {
+        assert!(
+            std::path::Path::new("/usr/share/java/zookeeper.jar").exists(),
+            "ZooKeeper is not installed. The tests need a real server: run the README's test command \
+             (`bash scripts/test.sh`), which installs it, or `apt-get install -y zookeeper`."
+        );
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("dlock-zk-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(dir.join("data")).expect("create a data directory for ZooKeeper");
+        let cfg = format!(
+            "tickTime=100\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
+             minSessionTimeout=200\nmaxSessionTimeout=60000\nadmin.enableServer=false\n\
+             4lw.commands.whitelist=ruok,stat\nznode.container.checkIntervalMs=1000\n",
+            dir.join("data").display()
+        );
+        std::fs::write(dir.join("zoo.cfg"), cfg).expect("write zoo.cfg");
+        let mut server = ZooKeeperServer { child: None, port, dir };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("java")
+            .args(["-Xmx128m", "-XX:+UseSerialGC", "-Dzookeeper.admin.enableServer=false", "-cp", ZOOKEEPER_CLASSPATH])
+            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
+            .arg(self.dir.join("zoo.cfg"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start ZooKeeper with java ({e}); run `bash scripts/test.sh`"));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.is_ok() {
+            assert!(Instant::now() < deadline, "ZooKeeper on port {} did not come up within 30 s", self.port);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn is_ok(&self) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else { return false };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut answer = String::new();
+        s.write_all(b"ruok").is_ok() && s.read_to_string(&mut answer).is_ok() && answer == "imok"
+    }
+
+    /// `127.0.0.1:<port>`.
+    pub fn connect_string(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server with SIGKILL (its data directory stays).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port with the same data.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for ZooKeeperServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Parses `cmdstat_get:calls=3,usec=…` lines.
 pub fn parse_command_stats(info: &str) -> HashMap<String, u64> {
     info.lines()

@@ -34,6 +34,8 @@ pub mod redis;
 #[cfg(feature = "redis")]
 pub mod redlock;
 pub(crate) mod wait;
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper;
 
 pub use memory::MemoryBackend;
 

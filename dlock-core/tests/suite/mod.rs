@@ -20,6 +20,11 @@ pub(crate) trait Harness: Send + Sync + 'static {
     fn delete_behind_back(&self, key: &LockKey) -> impl std::future::Future<Output = ()> + Send;
     /// How many lock keys (not fencing counters) the service still holds.
     fn lock_keys_left(&self) -> impl std::future::Future<Output = usize> + Send;
+    /// About how long one uncontended acquire takes; random cancellations
+    /// are spread over twice that.
+    fn typical_acquire(&self) -> Duration {
+        Duration::from_millis(1)
+    }
 }
 
 fn key(locker: &Locker, name: &str) -> LockKey {
@@ -220,6 +225,7 @@ pub(crate) async fn cancelled_acquires_leave_nothing_behind<H: Harness>(h: &H, i
     let keys: Vec<LockKey> = (0..4).map(|i| lockers[0].key("cancel").part(i).build().expect("key")).collect();
     let acquired = Arc::new(AtomicU64::new(0));
     let cancelled = Arc::new(AtomicU64::new(0));
+    let max_budget_us = 2 * h.typical_acquire().as_micros() as u64;
     let mut tasks = Vec::new();
     for t in 0..8u64 {
         let locker = lockers[(t % 2) as usize].clone();
@@ -234,7 +240,7 @@ pub(crate) async fn cancelled_acquires_leave_nothing_behind<H: Harness>(h: &H, i
                 let k = &keys[(rng % 4) as usize];
                 let opts = if rng & 16 == 0 { AcquireOptions::new() } else { fixed(2_000) };
                 let opts = opts.wait(Duration::from_millis(3));
-                let budget = Duration::from_micros(rng % 2_000);
+                let budget = Duration::from_micros(rng % max_budget_us);
                 match tokio::time::timeout(budget, locker.acquire(k, opts)).await {
                     Ok(Ok(g)) => {
                         acquired.fetch_add(1, Ordering::Relaxed);
@@ -243,7 +249,8 @@ pub(crate) async fn cancelled_acquires_leave_nothing_behind<H: Harness>(h: &H, i
                             1 => drop(g.release().await),
                             _ => {
                                 // Cancel the release too, mid-flight.
-                                let _ = tokio::time::timeout(Duration::from_micros(rng % 300), g.release()).await;
+                                let budget = Duration::from_micros(rng % (max_budget_us / 4).max(1));
+                                let _ = tokio::time::timeout(budget, g.release()).await;
                             }
                         }
                     }

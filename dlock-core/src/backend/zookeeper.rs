@@ -1,0 +1,450 @@
+//! ZooKeeper: Apache Curator's `InterProcessMutex` recipe.
+//!
+//! * A lock is a container node `/<prefix>/<key>`; each contender creates an
+//!   ephemeral sequential child `_c_<random 128 bits>-lock-<seq>` and holds
+//!   the lock when its child sorts first. Otherwise it watches only its
+//!   immediate predecessor (no herd effect) and re-checks when that goes.
+//!   Waiters are served in the order they arrived (FIFO).
+//! * The lease is the session: the guard's lost signal fires when the session
+//!   expires or our node is deleted. A disconnected ("suspended") session is
+//!   reported distinctly, through [`ZooKeeperBackend::connection_state`]; the
+//!   lock is still ours until the session timeout passes.
+//! * The fencing token is our node's creation zxid: ZooKeeper's transaction
+//!   ids only grow, for every node of the ensemble, so it is strictly
+//!   increasing per key even when the lock's container node is removed and
+//!   re-created (a per-parent sequence number would restart at 0).
+//! * Release deletes only our own node, retrying a failed delete; the lock's
+//!   node is removed when it is empty, so one-off keys do not pile up.
+//! * Re-entry is counted in process (as Curator does): an owner that holds a
+//!   key gets the same node and token again.
+//! * Leases are honoured as on the other backends: a hold that is neither
+//!   renewed nor released by the end of its lease has its node deleted by
+//!   this process, so a fixed lease frees the lock even while the session
+//!   lives. A crashed process loses its locks with its session.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+use zookeeper_client as zk;
+
+use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, Release, Renewal};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::owner::{random_hex, Owner};
+
+/// The default session timeout: how long a holder may be unreachable
+/// before ZooKeeper frees its locks.
+pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+const LOCK_NAME: &str = "-lock-";
+
+/// The state of the ZooKeeper session that carries every lock of this
+/// process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectionState {
+    /// Connected; locks are held.
+    Connected,
+    /// Disconnected, but the session may still be alive (Curator's
+    /// SUSPENDED): locks are held until the session timeout passes.
+    Suspended,
+    /// The session expired or was closed (Curator's LOST): every lock of
+    /// this process is gone.
+    Lost,
+}
+
+/// Locks in a ZooKeeper ensemble.
+///
+/// ```no_run
+/// # async fn demo() -> dlock_core::Result<()> {
+/// use std::sync::Arc;
+/// use dlock_core::{Locker, LockerOptions};
+/// use dlock_core::backend::zookeeper::ZooKeeperBackend;
+/// let backend = ZooKeeperBackend::connect("127.0.0.1:2181", "dlock").await?;
+/// let locker = Locker::with_options(Arc::new(backend), LockerOptions::default())?;
+/// # Ok(()) }
+/// ```
+pub struct ZooKeeperBackend {
+    client: zk::Client,
+    prefix: String,
+    state: watch::Receiver<ConnectionState>,
+    /// Our holds: (key, owner) -> (node path, fencing token, holds).
+    holds: Holds,
+}
+
+#[derive(Debug)]
+struct Hold {
+    node: String,
+    fence: u64,
+    count: u32,
+    /// The end of the lease; the expiry task deletes the node then unless
+    /// it was moved by a renewal. Dropping the sender (release) ends the task.
+    expires: watch::Sender<Instant>,
+}
+
+impl std::fmt::Debug for ZooKeeperBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZooKeeperBackend").field("prefix", &self.prefix).field("state", &*self.state.borrow()).finish()
+    }
+}
+
+fn zk_error(e: zk::Error) -> Error {
+    Error::Backend { backend: "zookeeper", message: format!("ZooKeeper request failed: {e}"), source: Some(Box::new(e)) }
+}
+
+impl ZooKeeperBackend {
+    /// Connects with the default session timeout (10 s).
+    ///
+    /// # Errors
+    ///
+    /// As [`ZooKeeperBackend::connect_with`].
+    pub async fn connect(connect_string: &str, prefix: &str) -> Result<Self> {
+        Self::connect_with(connect_string, prefix, DEFAULT_SESSION_TIMEOUT).await
+    }
+
+    /// Connects to `connect_string` (`host:port[,host:port…][/chroot]`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming `DLOCK_ZOOKEEPER` for a malformed connect
+    /// string; [`Error::Backend`] when no server answers within the session
+    /// timeout.
+    pub async fn connect_with(connect_string: &str, prefix: &str, session_timeout: Duration) -> Result<Self> {
+        let connecting = zk::Client::connector()
+            .with_session_timeout(session_timeout)
+            .with_connection_timeout(session_timeout.min(Duration::from_secs(2)))
+            .connect(connect_string);
+        let client = match tokio::time::timeout(session_timeout + Duration::from_secs(1), connecting).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(e @ zk::Error::BadArguments(_))) => {
+                return Err(Error::config("DLOCK_ZOOKEEPER", format!("cannot use `{connect_string}`: {e}")))
+            }
+            Ok(Err(e)) => {
+                return Err(Error::Backend {
+                    backend: "zookeeper",
+                    message: format!("cannot connect to `{connect_string}`: {e}"),
+                    source: Some(Box::new(e)),
+                })
+            }
+            Err(_) => {
+                return Err(Error::backend("zookeeper", format!("no session with `{connect_string}` within {session_timeout:?}")))
+            }
+        };
+        let (tx, rx) = watch::channel(ConnectionState::Connected);
+        let mut states = client.state_watcher();
+        tokio::spawn(async move {
+            loop {
+                let state = states.changed().await;
+                let mapped = match state {
+                    zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly => ConnectionState::Connected,
+                    zk::SessionState::Disconnected => ConnectionState::Suspended,
+                    _ => ConnectionState::Lost,
+                };
+                match mapped {
+                    ConnectionState::Suspended => tracing::warn!("ZooKeeper session suspended: locks held until the session timeout"),
+                    ConnectionState::Lost => tracing::error!(?state, "ZooKeeper session lost: every lock of this process is gone"),
+                    ConnectionState::Connected => tracing::info!("ZooKeeper session reconnected"),
+                }
+                if tx.send(mapped).is_err() || mapped == ConnectionState::Lost {
+                    return;
+                }
+            }
+        });
+        Ok(ZooKeeperBackend { client, prefix: prefix.to_owned(), state: rx, holds: Holds::default() })
+    }
+
+    /// The session's state, to tell a suspended connection from a lost one.
+    pub fn connection_state(&self) -> watch::Receiver<ConnectionState> {
+        self.state.clone()
+    }
+
+    /// The session's id and password, for tests that expire it from a twin
+    /// connection (the way a network partition longer than the session
+    /// timeout would).
+    #[doc(hidden)]
+    pub fn session_info(&self) -> zk::SessionInfo {
+        self.client.session().clone()
+    }
+
+    /// The container node of `key`.
+    pub fn lock_path(&self, key: &LockKey) -> String {
+        let mut path = String::with_capacity(self.prefix.len() + key.as_str().len() + 2);
+        path.push('/');
+        path.push_str(&self.prefix);
+        path.push('/');
+        for c in key.as_str().chars() {
+            // Characters ZooKeeper refuses in a path; `%u` + 4 hex digits
+            // cannot clash with the key's own `%XX` escapes.
+            if matches!(c, '\u{80}'..='\u{9f}' | '\u{e000}'..='\u{f8ff}' | '\u{fff0}'..='\u{ffff}') {
+                path.push_str(&format!("%u{:04X}", c as u32));
+            } else {
+                path.push(c);
+            }
+        }
+        path
+    }
+
+    fn holds(&self) -> std::sync::MutexGuard<'_, HashMap<(LockKey, Owner), Hold>> {
+        lock_holds(&self.holds)
+    }
+
+    /// Moves the end of a hold's lease (never backwards).
+    fn extend(&self, id: &(LockKey, Owner), until: Instant) {
+        if let Some(hold) = self.holds().get(id) {
+            hold.expires.send_if_modified(|at| {
+                let later = until > *at;
+                if later {
+                    *at = until;
+                }
+                later
+            });
+        }
+    }
+
+    fn grant(&self, node: &str, fence: u64, lease: Duration) -> Grant {
+        let mut states = self.state.clone();
+        let (client, node) = (self.client.clone(), node.to_owned());
+        let lost: BoxFuture<'static, LostReason> = Box::pin(async move {
+            let node_gone = async {
+                match client.check_and_watch_stat(&node).await {
+                    Ok((Some(_), watcher)) => {
+                        let event = watcher.changed().await;
+                        if event.event_type == zk::EventType::NodeDeleted {
+                            LostReason::Stolen
+                        } else {
+                            LostReason::SessionExpired
+                        }
+                    }
+                    Ok((None, _)) => LostReason::Stolen,
+                    Err(_) => LostReason::SessionExpired,
+                }
+            };
+            let session_lost = async {
+                let _ = states.wait_for(|s| *s == ConnectionState::Lost).await;
+                LostReason::SessionExpired
+            };
+            tokio::select! {
+                r = node_gone => r,
+                r = session_lost => r,
+            }
+        });
+        Grant { fencing_token: fence, valid_until: Instant::now() + lease, lost: Some(lost) }
+    }
+
+    /// Creates our sequential node, creating the lock's container node on
+    /// the way. Returns the node's path and its creation zxid.
+    async fn create_node(&self, dir: &str) -> Result<(String, u64)> {
+        let name = format!("{dir}/_c_{}{LOCK_NAME}", random_hex::<16>()?);
+        let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+        let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        for _ in 0..8 {
+            match self.client.create(&name, &[], &ephemeral).await {
+                Ok((stat, sequence)) => {
+                    return Ok((format!("{name}{sequence}"), u64::try_from(stat.czxid).unwrap_or(0)));
+                }
+                // The container is missing, or was just reaped: make it again.
+                Err(zk::Error::NoNode) => match self.client.mkdir(dir, &container).await {
+                    Ok(()) | Err(zk::Error::NodeExists) => continue,
+                    Err(e) => return Err(zk_error(e)),
+                },
+                Err(zk::Error::ConnectionLoss) => {
+                    // The create may have happened: look for our unique name
+                    // (ZOOKEEPER-1262) before trying again.
+                    let children = self.client.list_children(dir).await.map_err(zk_error)?;
+                    let base = name.rsplit('/').next().unwrap_or_default();
+                    if let Some(child) = children.iter().find(|c| c.starts_with(base)) {
+                        let path = format!("{dir}/{child}");
+                        let (_, stat) = self.client.get_data(&path).await.map_err(zk_error)?;
+                        return Ok((path, u64::try_from(stat.czxid).unwrap_or(0)));
+                    }
+                }
+                Err(e) => return Err(zk_error(e)),
+            }
+        }
+        Err(Error::backend("zookeeper", format!("could not create a lock node under `{dir}`")))
+    }
+
+    /// Deletes our node (only ours: the path is unique to this contender),
+    /// retrying transient failures, then the lock's node if it is empty.
+    async fn delete_node(&self, node: &str) -> Result<bool> {
+        let mut last = None;
+        for attempt in 0..3 {
+            match self.client.delete(node, None).await {
+                Ok(()) => {
+                    if let Some((dir, _)) = node.rsplit_once('/') {
+                        // Fails harmlessly when another contender is inside.
+                        let _ = self.client.delete(dir, None).await;
+                    }
+                    return Ok(true);
+                }
+                Err(zk::Error::NoNode) => return Ok(false),
+                Err(e @ (zk::Error::SessionExpired | zk::Error::ClientClosed)) => {
+                    // The node died with the session.
+                    tracing::debug!(error = %e, node, "lock node went with the session");
+                    return Ok(false);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, node, attempt, "deleting a lock node failed; retrying");
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                }
+            }
+        }
+        Err(last.map_or_else(|| Error::backend("zookeeper", "delete failed"), zk_error))
+    }
+
+    /// Waits until `node` sorts first among the contenders of `dir`.
+    async fn wait_turn(&self, req: &AcquireRequest, dir: &str, node: &str, cancel: &CancellationToken) -> Result<()> {
+        let started = Instant::now();
+        let ours = node.rsplit('/').next().unwrap_or_default();
+        loop {
+            let mut children = self.client.list_children(dir).await.map_err(zk_error)?;
+            children.retain(|c| c.contains(LOCK_NAME));
+            children.sort_by_key(|c| sequence_of(c));
+            let Some(position) = children.iter().position(|c| c == ours) else {
+                return Err(Error::backend("zookeeper", "our lock node vanished (session expired?)"));
+            };
+            if position == 0 {
+                return Ok(());
+            }
+            let Some(deadline) = req.deadline else {
+                return Err(contention(req, started));
+            };
+            let predecessor = format!("{dir}/{}", children[position - 1]);
+            let (stat, watcher) = self.client.check_and_watch_stat(&predecessor).await.map_err(zk_error)?;
+            if stat.is_none() {
+                continue;
+            }
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Err(Error::Cancelled),
+                _ = watcher.changed() => {}
+                _ = tokio::time::sleep_until(deadline) => return Err(contention(req, started)),
+            }
+        }
+    }
+}
+
+type Holds = Arc<Mutex<HashMap<(LockKey, Owner), Hold>>>;
+
+fn lock_holds(holds: &Mutex<HashMap<(LockKey, Owner), Hold>>) -> std::sync::MutexGuard<'_, HashMap<(LockKey, Owner), Hold>> {
+    // Every update of the map is a single insert, remove or field write, so a
+    // panic elsewhere cannot leave it half-done.
+    holds.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Deletes a hold's node when its lease ends without renewal or release.
+async fn expire(client: zk::Client, holds: Holds, id: (LockKey, Owner), node: String, mut expiry: watch::Receiver<Instant>) {
+    loop {
+        let at = *expiry.borrow_and_update();
+        tokio::select! {
+            changed = expiry.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep_until(at) => {
+                let still_ours = {
+                    let mut holds = lock_holds(&holds);
+                    let expired = holds.get(&id).is_some_and(|h| h.node == node && *h.expires.borrow() <= Instant::now());
+                    if expired {
+                        holds.remove(&id);
+                    }
+                    expired
+                };
+                if still_ours {
+                    tracing::debug!(node, "lease ran out; deleting the lock node");
+                    let _ = client.delete(&node, None).await;
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// The sequence suffix of a node name, for ordering.
+fn sequence_of(name: &str) -> u64 {
+    name.rsplit(LOCK_NAME).next().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX)
+}
+
+impl Backend for ZooKeeperBackend {
+    fn name(&self) -> &'static str {
+        "zookeeper"
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        req: &'a AcquireRequest,
+        cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Result<Grant>> {
+        Box::pin(async move {
+            let id = (req.key.clone(), req.owner.clone());
+            let joined = self.holds().get_mut(&id).map(|hold| {
+                hold.count += 1;
+                (hold.node.clone(), hold.fence)
+            });
+            if let Some((node, fence)) = joined {
+                let grant = self.grant(&node, fence, req.lease);
+                self.extend(&id, grant.valid_until);
+                return Ok(grant);
+            }
+            let dir = self.lock_path(&req.key);
+            let (node, fence) = self.create_node(&dir).await?;
+            if let Err(e) = self.wait_turn(req, &dir, &node, cancel).await {
+                // Leave no node behind: a timeout, a cancel or an error gives up our place.
+                if let Err(del) = self.delete_node(&node).await {
+                    tracing::warn!(error = %del, node, "could not delete an abandoned lock node; it goes with the session");
+                }
+                return Err(e);
+            }
+            let grant = self.grant(&node, fence, req.lease);
+            let (expires, expiry) = watch::channel(grant.valid_until);
+            self.holds().insert(id.clone(), Hold { node: node.clone(), fence, count: 1, expires });
+            tokio::spawn(expire(self.client.clone(), self.holds.clone(), id, node, expiry));
+            Ok(grant)
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a LockKey,
+        owner: &'a Owner,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Renewal>> {
+        Box::pin(async move {
+            let node = self.holds().get(&(key.clone(), owner.clone())).map(|h| h.node.clone());
+            let Some(node) = node else { return Ok(Renewal::Lost) };
+            let sent = Instant::now();
+            match self.client.check_stat(&node).await {
+                Ok(Some(stat)) if stat.ephemeral_owner == self.client.session_id().0 => {
+                    self.extend(&(key.clone(), owner.clone()), sent + lease);
+                    Ok(Renewal::Held { valid_until: sent + lease })
+                }
+                Ok(_) | Err(zk::Error::SessionExpired | zk::Error::ClientClosed) => Ok(Renewal::Lost),
+                Err(e) => Err(zk_error(e)),
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(async move {
+            let id = (key.clone(), owner.clone());
+            let node = {
+                let mut holds = self.holds();
+                match holds.get_mut(&id) {
+                    None => return Ok(Release::NotHeld),
+                    Some(hold) if hold.count > 1 => {
+                        hold.count -= 1;
+                        return Ok(Release::StillHeld(hold.count));
+                    }
+                    Some(hold) => hold.node.clone(),
+                }
+            };
+            let result = self.delete_node(&node).await;
+            // Forget the hold only once ZooKeeper no longer has the node.
+            if result.is_ok() {
+                self.holds().remove(&id);
+            }
+            Ok(if result? { Release::Freed } else { Release::NotHeld })
+        })
+    }
+}

@@ -1,0 +1,178 @@
+//! The behavioural suite on a real ZooKeeper server, plus what only
+//! ZooKeeper has: session expiry, FIFO waiters, container clean-up.
+
+mod suite;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend};
+use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions, LostReason};
+use dlock_testing::ZooKeeperServer;
+use tokio::time::Instant;
+use zookeeper_client as zk;
+
+const SESSION: Duration = Duration::from_secs(4);
+
+struct ZooKeeper {
+    server: ZooKeeperServer,
+}
+
+async fn backend(server: &ZooKeeperServer, session: Duration) -> ZooKeeperBackend {
+    ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", session).await.expect("connect to the test ZooKeeper")
+}
+
+fn locker(backend: ZooKeeperBackend) -> Locker {
+    let opts = LockerOptions::default().with_watchdog_lease(Duration::from_millis(300));
+    Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, opts).expect("valid options")
+}
+
+async fn raw(server: &ZooKeeperServer) -> zk::Client {
+    zk::Client::connect(&server.connect_string()).await.expect("raw ZooKeeper client")
+}
+
+/// Lock nodes under `/dlock`, by lock.
+async fn lock_nodes(server: &ZooKeeperServer) -> Vec<(String, Vec<String>)> {
+    let client = raw(server).await;
+    let dirs = match client.list_children("/dlock").await {
+        Ok(dirs) => dirs,
+        Err(zk::Error::NoNode) => return Vec::new(),
+        Err(e) => panic!("list /dlock: {e}"),
+    };
+    let mut out = Vec::new();
+    for d in dirs {
+        match client.list_children(&format!("/dlock/{d}")).await {
+            Ok(children) => out.push((d, children)),
+            Err(zk::Error::NoNode) => {}
+            Err(e) => panic!("list /dlock/{d}: {e}"),
+        }
+    }
+    out
+}
+
+impl suite::Harness for ZooKeeper {
+    async fn client(&self) -> Locker {
+        locker(backend(&self.server, SESSION).await)
+    }
+
+    async fn delete_behind_back(&self, key: &LockKey) {
+        let probe = backend(&self.server, SESSION).await;
+        let dir = probe.lock_path(key);
+        let client = raw(&self.server).await;
+        let children = client.list_children(&dir).await.expect("the lock exists");
+        assert!(!children.is_empty(), "the key was held");
+        for c in children {
+            client.delete(&format!("{dir}/{c}"), None).await.expect("delete lock node");
+        }
+    }
+
+    async fn lock_keys_left(&self) -> usize {
+        lock_nodes(&self.server).await.iter().map(|(_, c)| c.len()).sum()
+    }
+
+    fn typical_acquire(&self) -> Duration {
+        // A create and a list, each a round trip to a JVM.
+        Duration::from_millis(8)
+    }
+}
+
+async fn zookeeper() -> ZooKeeper {
+    ZooKeeper { server: ZooKeeperServer::start() }
+}
+
+backend_suite!(zookeeper());
+
+/// A partition longer than the session timeout: the session expires, the
+/// holder's lost signal fires, and another client takes the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_expiry_fires_lost_and_frees_the_lock() {
+    let server = ZooKeeperServer::start();
+    let holder_backend = backend(&server, Duration::from_millis(1_000)).await;
+    let session = holder_backend.session_info();
+    let mut state = holder_backend.connection_state();
+    let holder = locker(holder_backend);
+    let other = locker(backend(&server, SESSION).await);
+    let k = holder.key("expiry").part(1).build().expect("key");
+    let g = holder.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+
+    let waiter = {
+        let (other, k) = (other.clone(), k.clone());
+        tokio::spawn(async move { other.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(20))).await })
+    };
+    // Expire the holder's session the way ZooKeeper's own tests do: a twin
+    // connection with the same session id closes it.
+    let twin = zk::Client::connector()
+        .with_session(session)
+        .connect(&server.connect_string())
+        .await
+        .expect("twin connection");
+    drop(twin);
+    let started = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(10), g.lost()).await.expect("lost fires");
+    assert!(matches!(reason, LostReason::SessionExpired | LostReason::Stolen), "{reason:?}");
+    eprintln!("lost after {:?}: {reason:?}", started.elapsed());
+    tokio::time::timeout(Duration::from_secs(5), state.wait_for(|s| *s == ConnectionState::Lost))
+        .await
+        .expect("the session is reported lost")
+        .expect("state channel");
+    let g2 = waiter.await.expect("task").expect("the other client acquires");
+    assert!(g2.fencing_token() > g.fencing_token());
+    g2.release().await.expect("release");
+}
+
+/// Waiters are served in arrival order, each watching only its predecessor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_served_in_order() {
+    let server = ZooKeeperServer::start();
+    let lockers: Vec<Locker> = {
+        let mut v = Vec::new();
+        for _ in 0..6 {
+            v.push(locker(backend(&server, SESSION).await));
+        }
+        v
+    };
+    let k = lockers[0].key("fifo").part(1).build().expect("key");
+    let first = lockers[0].try_acquire(&k).await.expect("free");
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (i, l) in lockers.iter().enumerate().skip(1) {
+        let (l, k, order) = (l.clone(), k.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let g = l.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(30))).await.expect("acquire");
+            order.lock().expect("order").push(i);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            g.release().await.expect("release");
+        }));
+        // Each one queues (creates its node) before the next starts.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    first.release().await.expect("release");
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(*order.lock().expect("order"), vec![1, 2, 3, 4, 5]);
+}
+
+/// One-off keys leave no nodes behind: our node is deleted on release and
+/// the lock's (container) node with it when empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_locks_leave_no_nodes() {
+    let server = ZooKeeperServer::start();
+    let l = locker(backend(&server, SESSION).await);
+    for i in 0..50 {
+        let k = l.key("one-off").part(i).build().expect("key");
+        l.try_acquire(&k).await.expect("free").release().await.expect("release");
+    }
+    assert!(lock_nodes(&server).await.is_empty(), "{:?}", lock_nodes(&server).await);
+}
+
+#[tokio::test]
+async fn a_dead_server_is_a_clean_error() {
+    let port = dlock_testing::free_port();
+    let started = Instant::now();
+    let err = ZooKeeperBackend::connect_with(&format!("127.0.0.1:{port}"), "dlock", Duration::from_secs(2))
+        .await
+        .expect_err("nobody listens");
+    assert!(err.is_unavailable() || err.is_misconfigured(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(6), "{:?}", started.elapsed());
+}
