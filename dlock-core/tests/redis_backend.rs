@@ -156,3 +156,58 @@ async fn fencing_survives_a_lost_counter() {
     assert!(g.fencing_token() > first, "{} after {first}", g.fencing_token());
     g.release().await.expect("release");
 }
+
+/// A Redis Cluster of 3 masters: locks whose keys fall in different slots
+/// all work, each lock's keys stay in one slot, and a master that is down
+/// fails the locks of its slots cleanly while the others keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_spreads_locks_and_survives_a_dead_master() {
+    let mut cluster = dlock_testing::RedisCluster::start(3);
+    let url = cluster.url();
+    let (a, b) = (locker_for(&url, 300).await, locker_for(&url, 300).await);
+    let keys: Vec<LockKey> = (0..60).map(|i| a.key("cluster").part(i).build().expect("key")).collect();
+    let mut per_node = [0usize; 3];
+    for k in &keys {
+        per_node[cluster.node_for(k.as_str())] += 1;
+        assert_eq!(cluster.node_for(k.as_str()), cluster.node_for(&dlock_core::backend::redis::fence_key(k)));
+        let g = a.try_acquire(k).await.expect("free");
+        assert!(b.try_acquire(k).await.expect_err("held").is_contention());
+        let f = g.fencing_token();
+        assert!(g.release().await.expect("release"));
+        let g = b.try_acquire(k).await.expect("free again");
+        assert!(g.fencing_token() > f);
+        g.release().await.expect("release");
+    }
+    assert!(per_node.iter().all(|n| *n > 0), "keys spread over every master: {per_node:?}");
+
+    // Wake-ups cross nodes: the waiters' subscription is on the first seed.
+    let k = keys.iter().find(|k| cluster.node_for(k.as_str()) != 0).expect("a key off the first node");
+    let g = a.acquire(k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free");
+    let waiter = {
+        let (b, k) = (b.clone(), k.clone());
+        tokio::spawn(async move { b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let released = Instant::now();
+    g.release().await.expect("release");
+    waiter.await.expect("task").expect("woken by the release").release().await.expect("release");
+    assert!(released.elapsed() < Duration::from_secs(2), "woken late: {:?}", released.elapsed());
+
+    cluster.nodes[2].kill();
+    let mut failed = 0;
+    for k in &keys {
+        let started = Instant::now();
+        match a.try_acquire(k).await {
+            Ok(g) => {
+                assert_ne!(cluster.node_for(k.as_str()), 2);
+                g.release().await.expect("release");
+            }
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                failed += 1;
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    }
+    assert_eq!(failed, per_node[2], "exactly the dead master's locks fail");
+}

@@ -50,7 +50,10 @@ impl RedisServer {
     ///
     /// As [`RedisServer::start`].
     pub fn start_with(extra: &[&str]) -> Self {
-        let port = free_port();
+        Self::start_on(free_port(), extra)
+    }
+
+    fn start_on(port: u16, extra: &[&str]) -> Self {
         let dir = std::env::temp_dir().join(format!("dlock-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create a data directory for redis-server");
         let mut server =
@@ -154,6 +157,95 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A Redis Cluster of our own: `masters` redis-servers on loopback with
+/// cluster mode on, joined by `redis-cli --cluster create` (no replicas).
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// The masters, to kill or inspect one.
+    pub nodes: Vec<RedisServer>,
+}
+
+/// A free port whose cluster-bus port (+10000) is free too.
+fn free_cluster_port() -> u16 {
+    loop {
+        let port = free_port();
+        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+impl RedisCluster {
+    /// Starts and joins the masters, waiting until the cluster reports `ok`.
+    ///
+    /// # Panics
+    ///
+    /// When redis-server or redis-cli is missing or the cluster does not form.
+    pub fn start(masters: usize) -> Self {
+        let nodes: Vec<RedisServer> = (0..masters)
+            .map(|_| {
+                let port = free_cluster_port();
+                RedisServer::start_on(
+                    port,
+                    &["--cluster-enabled", "yes", "--cluster-config-file", &format!("nodes-{port}.conf"), "--cluster-node-timeout", "2000"],
+                )
+            })
+            .collect();
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let status = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli ({e}); it comes with redis-server: run `bash scripts/test.sh`"));
+        assert!(status.success(), "redis-cli --cluster create failed");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for node in &nodes {
+            loop {
+                let info: String = redis::cmd("CLUSTER").arg("INFO").query(&mut node.connection()).unwrap_or_default();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the cluster did not reach state ok");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        RedisCluster { nodes }
+    }
+
+    /// `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,…`, the form dlock accepts.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+
+    /// The index of the master that serves `key`'s slot.
+    ///
+    /// # Panics
+    ///
+    /// When no master claims the slot.
+    pub fn node_for(&self, key: &str) -> usize {
+        let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut self.nodes[0].connection()).expect("KEYSLOT");
+        let slots: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER").arg("SLOTS").query(&mut self.nodes[0].connection()).expect("SLOTS");
+        for range in slots {
+            let (Some(redis::Value::Int(lo)), Some(redis::Value::Int(hi)), Some(redis::Value::Array(master))) =
+                (range.first(), range.get(1), range.get(2))
+            else {
+                continue;
+            };
+            if (*lo..=*hi).contains(&i64::from(slot)) {
+                if let Some(redis::Value::Int(port)) = master.get(1) {
+                    return self.nodes.iter().position(|n| i64::from(n.port()) == *port).expect("a known master");
+                }
+            }
+        }
+        panic!("no master serves slot {slot}");
     }
 }
 

@@ -15,6 +15,15 @@
 //! All commands go through one multiplexed connection (redis-rs
 //! `ConnectionManager`, which reconnects), with connect and response
 //! timeouts so a dead server gives an error, never a hang.
+//!
+//! **Redis Cluster**: a URL `redis+cluster://host1:port1,host2:port2,…`
+//! (seed nodes; `rediss+cluster://` for TLS, `user:password@` before the
+//! first host) uses redis-rs's async cluster connection. Every key of one
+//! lock shares a hash tag, so each script runs on the one node that owns the
+//! lock's slot; release announcements are ordinary `PUBLISH`es, which a
+//! cluster forwards to every node, so the waiters of a process subscribe on
+//! one connection to the first seed node. A node that is down makes the
+//! locks of its slots fail with a backend error; the others keep working.
 
 use std::time::Duration;
 
@@ -81,7 +90,7 @@ impl RedisOptions {
 /// ```
 #[derive(Clone)]
 pub struct RedisBackend {
-    conn: ConnectionManager,
+    conn: Conn,
     pub(crate) subscriber: Subscriber,
     acquire: Script,
     renew: Script,
@@ -114,6 +123,9 @@ impl RedisBackend {
     /// [`Error::Config`] for a malformed URL or a missing ACL permission,
     /// [`Error::Backend`] when the server cannot be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
+        if let Some(seeds) = cluster_seeds(url) {
+            return Self::connect_cluster(url, &seeds, prefix, options).await;
+        }
         let client = redis::Client::open(url)
             .map_err(|e| Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis URL: {e}", redact(url))))?;
         let config = ConnectionManagerConfig::new()
@@ -129,6 +141,29 @@ impl RedisBackend {
         .map_err(|_| Error::backend("redis", format!("no answer from {} within the connect timeout", redact(url))))?
         .map_err(redis_error)?;
         warn_on_evicting_policy(conn.clone()).await;
+        Self::finish(Conn::Single(conn), client, prefix).await
+    }
+
+    async fn connect_cluster(url: &str, seeds: &[String], prefix: &str, options: RedisOptions) -> Result<Self> {
+        let invalid = |e: redis::RedisError| {
+            Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis Cluster URL: {e}", redact(url)))
+        };
+        let cluster = redis::cluster::ClusterClient::builder(seeds.iter().map(String::as_str))
+            .connection_timeout(options.connect_timeout)
+            .response_timeout(options.response_timeout)
+            .retries(1)
+            .build()
+            .map_err(invalid)?;
+        let conn = tokio::time::timeout(options.connect_timeout * 3, cluster.get_async_connection())
+            .await
+            .map_err(|_| Error::backend("redis", format!("no answer from the cluster {} in time", redact(url))))?
+            .map_err(redis_error)?;
+        let first = seeds.first().map(String::as_str).unwrap_or_default();
+        let client = redis::Client::open(first).map_err(invalid)?;
+        Self::finish(Conn::Cluster(conn), client, prefix).await
+    }
+
+    async fn finish(conn: Conn, client: redis::Client, prefix: &str) -> Result<Self> {
         let probe = format!("{prefix}:{{dlock-probe}}:released");
         let subscriber = Subscriber::start(client, &probe).await?;
         Ok(RedisBackend {
@@ -243,6 +278,64 @@ impl Backend for RedisBackend {
     }
 }
 
+/// The command connection: one server, or a cluster routed by key slot.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// The seed URLs of a `redis+cluster://a:1,b:2` (or `rediss+cluster://`)
+/// URL; `None` for a single-server URL. Credentials given before the first
+/// host apply to every seed.
+fn cluster_seeds(url: &str) -> Option<Vec<String>> {
+    let (scheme, rest) = if let Some(rest) = url.strip_prefix("redis+cluster://") {
+        ("redis", rest)
+    } else {
+        ("rediss", url.strip_prefix("rediss+cluster://")?)
+    };
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), rest),
+    };
+    Some(
+        hosts
+            .split(',')
+            .map(str::trim)
+            .filter(|h| !h.is_empty())
+            .map(|h| format!("{scheme}://{auth}{h}"))
+            .collect(),
+    )
+}
+
 /// The fencing counter of `key` (same hash tag).
 pub fn fence_key(key: &LockKey) -> String {
     format!("{key}:fence")
@@ -296,6 +389,17 @@ async fn warn_on_evicting_policy(mut conn: ConnectionManager) {
 #[cfg(test)]
 mod tests {
     use super::redact;
+
+    #[test]
+    fn cluster_urls_list_their_seeds() {
+        use super::cluster_seeds;
+        assert_eq!(cluster_seeds("redis://a:1"), None);
+        assert_eq!(
+            cluster_seeds("redis+cluster://u:p@a:1, b:2").expect("cluster"),
+            vec!["redis://u:p@a:1".to_string(), "redis://u:p@b:2".to_string()]
+        );
+        assert_eq!(cluster_seeds("rediss+cluster://a:1").expect("cluster"), vec!["rediss://a:1".to_string()]);
+    }
 
     #[test]
     fn passwords_are_redacted() {
