@@ -1,1 +1,39 @@
-//! placeholder
+//! dlock-axum: distributed locks and duplicate-submission protection for axum
+//! services.
+//!
+//! * [`LockLayer`] locks a route on a key built from request fields (JSON
+//!   body, query, path, headers) and answers a lost race with
+//!   `409 duplicate_submission`.
+//! * `#[lockable]` does the same on a handler, from the handler's own
+//!   arguments.
+//! * [`Rejection`] is the one JSON error shape every refusal uses:
+//!   `{"error": "<machine code>", "code": <number>, "message": "<text>"}`.
+//! * [`LockerExt::with_locker`] and [`from_env`] install the engine built from
+//!   the `DLOCK_*` environment variables in one line.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_core::Error> {
+//! use axum::{routing::post, Router};
+//! use dlock_axum::LockerExt;
+//!
+//! async fn reduce_stock(body: String) -> String { body }
+//!
+//! let app: Router = Router::new()
+//!     .route("/stock/reduce", post(reduce_stock))
+//!     .with_locker(dlock_axum::from_env().await?);
+//! # Ok(()) }
+//! ```
+//!
+//! When the lock service cannot be reached, requests are refused with
+//! `503 lock_backend_unavailable` (fail closed), never a 500 or a hang.
+
+mod engine;
+mod rejection;
+
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
+
+pub use dlock_core;
+pub use engine::{from_env, locker_from_extensions, Engine, LockerExt};
+pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};

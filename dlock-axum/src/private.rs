@@ -1,0 +1,1 @@
+//! Runtime support for #[lockable]; not a public API.

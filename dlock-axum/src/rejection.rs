@@ -1,0 +1,350 @@
+//! The one rejection type of dlock-axum and its one mapping to an HTTP
+//! response.
+//!
+//! Every refusal dlock makes — a lock held by someone else, a missing key
+//! field, a body too large, a backend that cannot be reached — is a
+//! [`Rejection`]. It answers with a JSON body
+//!
+//! ```json
+//! {"error": "duplicate_submission", "code": 2101, "message": "duplicate submission, please retry later"}
+//! ```
+//!
+//! and `content-type: application/json`. `error` is a stable machine code,
+//! `code` a stable number (configurable only for `duplicate_submission`, as
+//! the `@Lockable(failCode)` of the Java starters is), `message` text for
+//! people.
+//!
+//! | status | `error` | `code` | when |
+//! |---|---|---|---|
+//! | 400 | `lock_key_field_missing` | 2001 | a field named in the lock key is not in the request |
+//! | 400 | `invalid_json` | 2002 | the body is not JSON, but the key needs a field of it |
+//! | 400 | `idempotency_token_missing` | 2003 | no one-time token was sent |
+//! | 400 | `idempotency_key_missing` | 2004 | no `Idempotency-Key` header was sent |
+//! | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
+//! | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
+//! | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
+//! | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request; a token unknown or already used |
+//! | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed |
+//! | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
+//! | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
+//! | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
+//! | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed, retry later |
+//!
+//! Applications may answer their own errors in the same shape with
+//! [`Rejection::new`] (the `orders` example answers `409 sold_out` that way).
+//!
+//! ```
+//! use axum::response::IntoResponse;
+//! use dlock_axum::Rejection;
+//!
+//! let r = Rejection::duplicate_submission().with_message("order already being placed").with_code(4001);
+//! assert_eq!(r.status(), 409);
+//! assert_eq!(r.error(), "duplicate_submission");
+//! let response = r.into_response();
+//! assert_eq!(response.headers()["content-type"], "application/json");
+//! ```
+
+use std::borrow::Cow;
+use std::fmt;
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+/// The default text of `duplicate_submission`.
+pub const DEFAULT_DUPLICATE_MESSAGE: &str = "duplicate submission, please retry later";
+/// The default number of `duplicate_submission`.
+pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
+
+/// A refusal with its HTTP status and JSON body; see the [module docs](self)
+/// for every case.
+///
+/// ```
+/// use dlock_axum::Rejection;
+/// let r = Rejection::backend_unavailable();
+/// assert_eq!((r.status().as_u16(), r.error(), r.code()), (503, "lock_backend_unavailable", 2501));
+/// assert_eq!(
+///     r.body_json(),
+///     r#"{"error":"lock_backend_unavailable","code":2501,"message":"lock service unavailable, please retry later"}"#
+/// );
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    status: StatusCode,
+    error: Cow<'static, str>,
+    code: u32,
+    message: Cow<'static, str>,
+}
+
+macro_rules! rejections {
+    ($(
+        $(#[$doc:meta])*
+        $fn:ident => ($status:ident, $error:literal, $code:literal, $message:literal);
+    )*) => {
+        impl Rejection {
+            $(
+                $(#[$doc])*
+                #[doc = concat!("\n\n`", stringify!($status), "`, `", $error, "`, ", stringify!($code), ": \"", $message, "\".")]
+                pub fn $fn() -> Self {
+                    Rejection {
+                        status: StatusCode::$status,
+                        error: Cow::Borrowed($error),
+                        code: $code,
+                        message: Cow::Borrowed($message),
+                    }
+                }
+            )*
+        }
+
+        #[cfg(test)]
+        const ALL: &[fn() -> Rejection] = &[$(Rejection::$fn),*];
+    };
+}
+
+rejections! {
+    /// The lock is held by another request, or a one-time token is unknown or
+    /// already used. Its message and code can be changed per handler or layer.
+    duplicate_submission => (CONFLICT, "duplicate_submission", 2101, "duplicate submission, please retry later");
+    /// A request with the same `Idempotency-Key` is still being processed.
+    idempotency_request_in_progress => (CONFLICT, "idempotency_request_in_progress", 2102,
+        "a request with this idempotency key is still being processed");
+    /// A field named in the lock key is absent from the request.
+    field_missing => (BAD_REQUEST, "lock_key_field_missing", 2001, "a field of the lock key is missing from the request");
+    /// The body must be JSON to derive the key, and it is not.
+    invalid_json => (BAD_REQUEST, "invalid_json", 2002, "the request body is not valid JSON");
+    /// No one-time token was sent.
+    idempotency_token_missing => (BAD_REQUEST, "idempotency_token_missing", 2003, "the one-time submission token is missing");
+    /// No `Idempotency-Key` header was sent.
+    idempotency_key_missing => (BAD_REQUEST, "idempotency_key_missing", 2004, "the Idempotency-Key header is missing");
+    /// The `Idempotency-Key` header is malformed.
+    idempotency_key_invalid => (BAD_REQUEST, "idempotency_key_invalid", 2005, "the Idempotency-Key header is malformed");
+    /// The key built from the request cannot be used (for example too long).
+    lock_key_invalid => (BAD_REQUEST, "lock_key_invalid", 2006, "the lock key built from this request is invalid");
+    /// The request body could not be read.
+    body_unreadable => (BAD_REQUEST, "request_body_unreadable", 2007, "the request body could not be read");
+    /// The body is larger than the most bytes read to derive a key.
+    payload_too_large => (PAYLOAD_TOO_LARGE, "payload_too_large", 2301, "the request body is too large");
+    /// The same `Idempotency-Key` was used with a different payload.
+    idempotency_key_mismatch => (UNPROCESSABLE_ENTITY, "idempotency_key_mismatch", 2201,
+        "this idempotency key was used with a different request");
+    /// The lock service cannot be reached; the request is refused (fail closed).
+    backend_unavailable => (SERVICE_UNAVAILABLE, "lock_backend_unavailable", 2501,
+        "lock service unavailable, please retry later");
+    /// The service is misconfigured (no engine installed, invalid options).
+    misconfigured => (INTERNAL_SERVER_ERROR, "lock_misconfigured", 2901, "the lock service is misconfigured");
+}
+
+impl Rejection {
+    /// A rejection of the application's own, in the same JSON shape.
+    ///
+    /// ```
+    /// use axum::http::StatusCode;
+    /// use dlock_axum::Rejection;
+    /// let r = Rejection::new(StatusCode::CONFLICT, "sold_out", 3001, "not enough stock");
+    /// assert_eq!(r.body_json(), r#"{"error":"sold_out","code":3001,"message":"not enough stock"}"#);
+    /// ```
+    pub fn new(
+        status: StatusCode,
+        error: impl Into<Cow<'static, str>>,
+        code: u32,
+        message: impl Into<Cow<'static, str>>,
+    ) -> Self {
+        Rejection { status, error: error.into(), code, message: message.into() }
+    }
+
+    /// `lock_key_field_missing` naming the field.
+    ///
+    /// ```
+    /// let r = dlock_axum::Rejection::missing_field("json field `product_id`");
+    /// assert_eq!(r.message(), "json field `product_id` is missing from the request");
+    /// ```
+    pub fn missing_field(what: impl fmt::Display) -> Self {
+        Self::field_missing().with_message(format!("{what} is missing from the request"))
+    }
+
+    /// Replaces the message.
+    pub fn with_message(mut self, message: impl Into<Cow<'static, str>>) -> Self {
+        self.message = message.into();
+        self
+    }
+
+    /// Replaces the numeric code.
+    pub fn with_code(mut self, code: u32) -> Self {
+        self.code = code;
+        self
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The machine code (`duplicate_submission`, …).
+    pub fn error(&self) -> &str {
+        &self.error
+    }
+
+    /// The numeric code.
+    pub fn code(&self) -> u32 {
+        self.code
+    }
+
+    /// The text for people.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The JSON body this rejection answers with.
+    pub fn body_json(&self) -> String {
+        // Written by hand so the fields keep the documented order; `Value`'s
+        // Display escapes the strings.
+        let error = serde_json::Value::from(self.error.as_ref());
+        let message = serde_json::Value::from(self.message.as_ref());
+        format!(r#"{{"error":{error},"code":{},"message":{message}}}"#, self.code)
+    }
+
+    /// Maps an engine error: contention → `409 duplicate_submission`,
+    /// unavailable → `503 lock_backend_unavailable`, an invalid key →
+    /// `400 lock_key_invalid`, bad configuration → `500 lock_misconfigured`.
+    /// Anything else is treated as unavailable (fail closed).
+    ///
+    /// The engine's text is not copied into the body: it names keys and
+    /// servers, which clients have no business seeing. Log the error itself.
+    ///
+    /// ```
+    /// use dlock_axum::Rejection;
+    /// let busy = dlock_core::Error::Busy { key: "dlock:{k}".into() };
+    /// assert_eq!(Rejection::from_lock_error(&busy).error(), "duplicate_submission");
+    /// let down = dlock_core::Error::backend("redis", "connection refused");
+    /// assert_eq!(Rejection::from_lock_error(&down).status(), 503);
+    /// ```
+    pub fn from_lock_error(err: &dlock_core::Error) -> Self {
+        if err.is_contention() {
+            Self::duplicate_submission()
+        } else if matches!(err, dlock_core::Error::InvalidKey(_)) {
+            Self::lock_key_invalid()
+        } else if err.is_misconfigured() {
+            Self::misconfigured()
+        } else {
+            Self::backend_unavailable()
+        }
+    }
+}
+
+impl From<&dlock_core::Error> for Rejection {
+    fn from(err: &dlock_core::Error) -> Self {
+        Rejection::from_lock_error(err)
+    }
+}
+
+impl From<dlock_core::Error> for Rejection {
+    fn from(err: dlock_core::Error) -> Self {
+        Rejection::from_lock_error(&err)
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {} ({}): {}", self.status.as_u16(), self.error, self.code, self.message)
+    }
+}
+
+impl std::error::Error for Rejection {}
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        let mut response = Response::new(Body::from(self.body_json()));
+        *response.status_mut() = self.status;
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            // Tells clients and proxies that a retry makes sense, and when.
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use std::collections::HashSet;
+
+    #[test]
+    fn codes_and_machine_codes_are_unique() {
+        let all: Vec<Rejection> = ALL.iter().map(|f| f()).collect();
+        let codes: HashSet<u32> = all.iter().map(Rejection::code).collect();
+        let errors: HashSet<&str> = all.iter().map(Rejection::error).collect();
+        assert_eq!(codes.len(), all.len());
+        assert_eq!(errors.len(), all.len());
+        assert_eq!(Rejection::duplicate_submission().code(), DEFAULT_DUPLICATE_CODE);
+        assert_eq!(Rejection::duplicate_submission().message(), DEFAULT_DUPLICATE_MESSAGE);
+    }
+
+    #[test]
+    fn statuses_follow_the_contract() {
+        let expect = [
+            ("duplicate_submission", 409),
+            ("idempotency_request_in_progress", 409),
+            ("lock_key_field_missing", 400),
+            ("invalid_json", 400),
+            ("idempotency_token_missing", 400),
+            ("idempotency_key_missing", 400),
+            ("idempotency_key_invalid", 400),
+            ("lock_key_invalid", 400),
+            ("request_body_unreadable", 400),
+            ("payload_too_large", 413),
+            ("idempotency_key_mismatch", 422),
+            ("lock_backend_unavailable", 503),
+            ("lock_misconfigured", 500),
+        ];
+        let all: Vec<Rejection> = ALL.iter().map(|f| f()).collect();
+        assert_eq!(all.len(), expect.len());
+        for (error, status) in expect {
+            let r = all.iter().find(|r| r.error() == error).unwrap_or_else(|| panic!("no rejection {error}"));
+            assert_eq!(r.status().as_u16(), status, "{error}");
+        }
+    }
+
+    #[test]
+    fn engine_errors_map_by_class() {
+        use dlock_core::Error;
+        let cases = [
+            (Error::Busy { key: "k".into() }, 409),
+            (Error::Timeout { key: "k".into(), waited: std::time::Duration::from_secs(1) }, 409),
+            (Error::backend("redis", "down"), 503),
+            (Error::QuorumUnavailable { granted: 1, nodes: 3, needed: 2 }, 503),
+            (Error::InvalidKey("too long".into()), 400),
+            (Error::config("DLOCK_PREFIX", "empty"), 500),
+            (Error::Cancelled, 503),
+        ];
+        for (err, status) in cases {
+            assert_eq!(Rejection::from(&err).status().as_u16(), status, "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn response_is_the_json_body() {
+        let r = Rejection::duplicate_submission().with_message("wait \"please\"").with_code(7);
+        let response = r.into_response();
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
+        let bytes = response.into_body().collect().await.expect("body").to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(v, serde_json::json!({"error": "duplicate_submission", "code": 7, "message": "wait \"please\""}));
+    }
+
+    #[test]
+    fn unavailable_says_when_to_retry() {
+        let response = Rejection::backend_unavailable().into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn display_names_status_and_code() {
+        assert_eq!(
+            Rejection::payload_too_large().to_string(),
+            "413 payload_too_large (2301): the request body is too large"
+        );
+    }
+}
