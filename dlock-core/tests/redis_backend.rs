@@ -211,3 +211,40 @@ async fn redis_cluster_spreads_locks_and_survives_a_dead_master() {
     }
     assert_eq!(failed, per_node[2], "exactly the dead master's locks fail");
 }
+
+/// A Redis that may evict keys with a TTL (every lock is one) is named at
+/// start-up; `noeviction` is not.
+#[tokio::test]
+async fn an_evicting_maxmemory_policy_is_warned_about() {
+    use std::sync::Mutex;
+
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("capture").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    async fn logs_of_connect(server: &RedisServer) -> String {
+        let capture = Capture::default();
+        let writer = capture.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        RedisBackend::connect(&server.url(), "dlock").await.expect("connect");
+        let bytes = capture.0.lock().expect("capture").clone();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    let evicting = RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru"]);
+    let logs = logs_of_connect(&evicting).await;
+    assert!(logs.contains("maxmemory-policy") && logs.contains("volatile-lru"), "{logs}");
+
+    let safe = RedisServer::start();
+    let logs = logs_of_connect(&safe).await;
+    assert!(!logs.contains("maxmemory-policy"), "{logs}");
+}

@@ -155,3 +155,22 @@ async fn five_masters_survive_two_failures_and_refuse_at_three() {
     }
     assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holders at once");
 }
+
+/// Renewal needs a quorum too: when a watchdog-mode holder loses its
+/// majority, its lost signal fires by the end of the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_quorum_fires_lost() {
+    let mut servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let a = locker_for(&urls, 600).await;
+    let k = a.key("quorum-lost").part(1).build().expect("key");
+    let g = a.acquire(&k, AcquireOptions::new()).await.expect("free");
+    servers[0].kill();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!g.is_lost(), "2 of 3 is still a quorum: renewals go on");
+    servers[1].kill();
+    let started = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(5), g.lost()).await.expect("lost fires");
+    assert_eq!(reason, dlock_core::LostReason::RenewalFailed);
+    assert!(started.elapsed() < Duration::from_millis(1_500), "{:?}", started.elapsed());
+}

@@ -176,3 +176,28 @@ async fn a_dead_server_is_a_clean_error() {
     assert!(err.is_unavailable() || err.is_misconfigured(), "{err}");
     assert!(started.elapsed() < Duration::from_secs(6), "{:?}", started.elapsed());
 }
+
+/// A server restart shorter than the session timeout suspends the session
+/// (reported as such) without losing the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_outage_suspends_without_losing_the_lock() {
+    let mut server = ZooKeeperServer::start();
+    let b = backend(&server, Duration::from_secs(15)).await;
+    let mut state = b.connection_state();
+    let l = locker(b);
+    let k = l.key("suspend").part(1).build().expect("key");
+    let g = l.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(120))).await.expect("free");
+    server.kill();
+    tokio::time::timeout(Duration::from_secs(10), state.wait_for(|s| *s == ConnectionState::Suspended))
+        .await
+        .expect("reported suspended")
+        .expect("state channel");
+    assert!(!g.is_lost(), "suspended is not lost");
+    server.restart();
+    tokio::time::timeout(Duration::from_secs(15), state.wait_for(|s| *s == ConnectionState::Connected))
+        .await
+        .expect("reconnected within the session")
+        .expect("state channel");
+    assert!(!g.is_lost());
+    assert!(g.release().await.expect("release"), "the lock survived the outage");
+}

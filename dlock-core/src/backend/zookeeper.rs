@@ -209,17 +209,26 @@ impl ZooKeeperBackend {
         let (client, node) = (self.client.clone(), node.to_owned());
         let lost: BoxFuture<'static, LostReason> = Box::pin(async move {
             let node_gone = async {
-                match client.check_and_watch_stat(&node).await {
-                    Ok((Some(_), watcher)) => {
-                        let event = watcher.changed().await;
-                        if event.event_type == zk::EventType::NodeDeleted {
-                            LostReason::Stolen
-                        } else {
-                            LostReason::SessionExpired
+                loop {
+                    match client.check_and_watch_stat(&node).await {
+                        Ok((Some(_), watcher)) => {
+                            let event = watcher.changed().await;
+                            if event.event_type == zk::EventType::NodeDeleted {
+                                return LostReason::Stolen;
+                            }
+                            if event.session_state.is_terminated() {
+                                return LostReason::SessionExpired;
+                            }
+                            // Disconnected or a data change: the node is
+                            // still ours until the session says otherwise.
                         }
+                        Ok((None, _)) => return LostReason::Stolen,
+                        Err(zk::Error::SessionExpired | zk::Error::ClientClosed | zk::Error::AuthFailed) => {
+                            return LostReason::SessionExpired
+                        }
+                        // Not connected right now: watch again once it is.
+                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
                     }
-                    Ok((None, _)) => LostReason::Stolen,
-                    Err(_) => LostReason::SessionExpired,
                 }
             };
             let session_lost = async {
