@@ -248,3 +248,37 @@ async fn an_evicting_maxmemory_policy_is_warned_about() {
     let logs = logs_of_connect(&safe).await;
     assert!(!logs.contains("maxmemory-policy"), "{logs}");
 }
+
+/// Through Sentinel: locks work on the master it names, and after the
+/// master dies and the replica is promoted, dlock follows to the new master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_follows_a_failover() {
+    let mut sentinel = dlock_testing::RedisSentinel::start();
+    let a = locker_for(&sentinel.url(), 300).await;
+    let k = a.key("sentinel").part(1).build().expect("key");
+    let g = a.try_acquire(&k).await.expect("free");
+    let first = g.fencing_token();
+    assert!(g.release().await.expect("release"));
+
+    let old = sentinel.master.port();
+    sentinel.master.kill();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sentinel.master_port() == Some(old) {
+        assert!(Instant::now() < deadline, "no failover");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(sentinel.master_port(), Some(sentinel.replica.port()));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let g = loop {
+        match a.try_acquire(&k).await {
+            Ok(g) => break g,
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                assert!(Instant::now() < deadline, "dlock did not follow the failover: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert!(g.fencing_token() > first, "tokens still grow on the new master (server time)");
+    assert!(g.release().await.expect("release"));
+}

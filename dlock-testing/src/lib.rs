@@ -249,6 +249,89 @@ impl RedisCluster {
     }
 }
 
+/// A master, a replica and one Sentinel watching them (quorum 1, the
+/// master declared down after 500 ms), all on loopback.
+#[derive(Debug)]
+pub struct RedisSentinel {
+    /// The master at start (after a failover it may be a replica or gone).
+    pub master: RedisServer,
+    /// The replica at start.
+    pub replica: RedisServer,
+    sentinel: Option<Child>,
+    sentinel_port: u16,
+    dir: PathBuf,
+}
+
+impl RedisSentinel {
+    /// The name the Sentinel knows the master by.
+    pub const MASTER_NAME: &'static str = "dlockmaster";
+
+    /// Starts the three processes and waits until the Sentinel names the master.
+    ///
+    /// # Panics
+    ///
+    /// When redis-server is missing or the Sentinel does not come up.
+    pub fn start() -> Self {
+        let master = RedisServer::start();
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
+        let sentinel_port = free_port();
+        let dir = std::env::temp_dir().join(format!("dlock-sentinel-{}-{sentinel_port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create a directory for the Sentinel");
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
+                 sentinel monitor {name} 127.0.0.1 {} 1\n\
+                 sentinel down-after-milliseconds {name} 500\n\
+                 sentinel failover-timeout {name} 2000\n",
+                dir.display(),
+                master.port(),
+                name = Self::MASTER_NAME,
+            ),
+        )
+        .expect("write sentinel.conf");
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start redis-server --sentinel ({e}); run `bash scripts/test.sh`"));
+        let sentinel = RedisSentinel { master, replica, sentinel: Some(child), sentinel_port, dir };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sentinel.master_port().is_none() {
+            assert!(Instant::now() < deadline, "the Sentinel did not come up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        sentinel
+    }
+
+    /// `redis+sentinel://127.0.0.1:<sentinel port>/dlockmaster`.
+    pub fn url(&self) -> String {
+        format!("redis+sentinel://127.0.0.1:{}/{}", self.sentinel_port, Self::MASTER_NAME)
+    }
+
+    /// The port of the server the Sentinel currently names as master.
+    pub fn master_port(&self) -> Option<u16> {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.sentinel_port)).ok()?;
+        let mut conn = client.get_connection_with_timeout(Duration::from_millis(500)).ok()?;
+        let addr: Vec<String> =
+            redis::cmd("SENTINEL").arg("get-master-addr-by-name").arg(Self::MASTER_NAME).query(&mut conn).ok()?;
+        addr.get(1)?.parse().ok()
+    }
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.sentinel.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// A standalone ZooKeeper server of our own (Debian's `zookeeper` package,
 /// run with `java`) on `127.0.0.1:<free port>`, with a 100 ms tick so
 /// sessions can be as short as 200 ms. Killed on drop.

@@ -24,11 +24,22 @@
 //! cluster forwards to every node, so the waiters of a process subscribe on
 //! one connection to the first seed node. A node that is down makes the
 //! locks of its slots fail with a backend error; the others keep working.
+//!
+//! **Redis Sentinel**: `redis+sentinel://[user:password@]host:port,…/master`
+//! asks the Sentinels for the master, and asks again when the connection
+//! fails or the server answers `READONLY` (it was demoted by a failover);
+//! the subscriber follows to the new master. Replication is asynchronous, so
+//! a failover can lose a lock that the old master granted: Sentinel buys
+//! availability, not safety.
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::Script;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::wait::{acquire_loop, Attempt};
@@ -126,13 +137,12 @@ impl RedisBackend {
         if let Some(seeds) = cluster_seeds(url) {
             return Self::connect_cluster(url, &seeds, prefix, options).await;
         }
+        if let Some(target) = sentinel_target(url) {
+            return Self::connect_sentinel(url, target?, prefix, options).await;
+        }
         let client = redis::Client::open(url)
             .map_err(|e| Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis URL: {e}", redact(url))))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(options.connect_timeout))
-            .set_response_timeout(Some(options.response_timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
+        let config = manager_config(&options);
         let conn = tokio::time::timeout(
             options.connect_timeout + options.response_timeout,
             ConnectionManager::new_with_config(client.clone(), config),
@@ -141,7 +151,7 @@ impl RedisBackend {
         .map_err(|_| Error::backend("redis", format!("no answer from {} within the connect timeout", redact(url))))?
         .map_err(redis_error)?;
         warn_on_evicting_policy(conn.clone()).await;
-        Self::finish(Conn::Single(conn), client, prefix).await
+        Self::finish(Conn::Single(conn), watch::channel(client).1, prefix).await
     }
 
     async fn connect_cluster(url: &str, seeds: &[String], prefix: &str, options: RedisOptions) -> Result<Self> {
@@ -160,10 +170,34 @@ impl RedisBackend {
             .map_err(redis_error)?;
         let first = seeds.first().map(String::as_str).unwrap_or_default();
         let client = redis::Client::open(first).map_err(invalid)?;
-        Self::finish(Conn::Cluster(conn), client, prefix).await
+        Self::finish(Conn::Cluster(conn), watch::channel(client).1, prefix).await
     }
 
-    async fn finish(conn: Conn, client: redis::Client, prefix: &str) -> Result<Self> {
+    async fn connect_sentinel(url: &str, target: SentinelTarget, prefix: &str, options: RedisOptions) -> Result<Self> {
+        let invalid = |e: redis::RedisError| {
+            Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis Sentinel URL: {e}", redact(url)))
+        };
+        let node_info = match &target.auth {
+            Some((user, password)) => {
+                let mut info = redis::RedisConnectionInfo::default().set_password(password.clone());
+                if let Some(user) = user {
+                    info = info.set_username(user.clone());
+                }
+                Some(SentinelNodeConnectionInfo::default().set_redis_connection_info(info))
+            }
+            None => None,
+        };
+        let sentinel =
+            SentinelClient::build(target.sentinels.clone(), target.master.clone(), node_info, SentinelServerType::Master)
+                .map_err(invalid)?;
+        let config = manager_config(&options);
+        let conn = SentinelConn::connect(sentinel, config, options.connect_timeout).await?;
+        let client = conn.client.subscribe();
+        warn_on_evicting_policy(conn.current()).await;
+        Self::finish(Conn::Sentinel(conn), client, prefix).await
+    }
+
+    async fn finish(conn: Conn, client: watch::Receiver<redis::Client>, prefix: &str) -> Result<Self> {
         let probe = format!("{prefix}:{{dlock-probe}}:released");
         let subscriber = Subscriber::start(client, &probe).await?;
         Ok(RedisBackend {
@@ -278,11 +312,150 @@ impl Backend for RedisBackend {
     }
 }
 
-/// The command connection: one server, or a cluster routed by key slot.
+fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(options.connect_timeout))
+        .set_response_timeout(Some(options.response_timeout))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(500))
+}
+
+/// The command connection: one server, a cluster routed by key slot, or the
+/// master a set of Sentinels names.
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
     Cluster(redis::cluster_async::ClusterConnection),
+    Sentinel(SentinelConn),
+}
+
+/// A connection to the master that the Sentinels name, asked again when the
+/// connection fails or the server says it is a read-only replica (after a
+/// failover).
+#[derive(Clone)]
+struct SentinelConn {
+    sentinel: Arc<tokio::sync::Mutex<SentinelClient>>,
+    current: Arc<std::sync::RwLock<ConnectionManager>>,
+    /// The master's client, for the subscriber to follow.
+    client: Arc<watch::Sender<redis::Client>>,
+    config: ConnectionManagerConfig,
+    connect_timeout: Duration,
+}
+
+impl SentinelConn {
+    async fn connect(mut sentinel: SentinelClient, config: ConnectionManagerConfig, connect_timeout: Duration) -> Result<Self> {
+        let client = tokio::time::timeout(connect_timeout * 2, sentinel.async_get_client())
+            .await
+            .map_err(|_| Error::backend("redis", "no Sentinel named the master in time"))?
+            .map_err(redis_error)?;
+        let manager = tokio::time::timeout(connect_timeout * 2, ConnectionManager::new_with_config(client.clone(), config.clone()))
+            .await
+            .map_err(|_| Error::backend("redis", "the master named by the Sentinels did not answer in time"))?
+            .map_err(redis_error)?;
+        Ok(SentinelConn {
+            sentinel: Arc::new(tokio::sync::Mutex::new(sentinel)),
+            current: Arc::new(std::sync::RwLock::new(manager)),
+            client: Arc::new(watch::channel(client).0),
+            config,
+            connect_timeout,
+        })
+    }
+
+    fn current(&self) -> ConnectionManager {
+        self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Asks the Sentinels for the master again and switches to it.
+    async fn refresh(&self) {
+        let Ok(mut sentinel) = self.sentinel.try_lock() else {
+            return; // another task is already asking
+        };
+        let asked = tokio::time::timeout(self.connect_timeout * 2, sentinel.async_get_client()).await;
+        let Ok(Ok(client)) = asked else {
+            tracing::warn!("no Sentinel answered; staying on the current master");
+            return;
+        };
+        if client.get_connection_info().addr() == self.client.borrow().get_connection_info().addr() {
+            return;
+        }
+        match ConnectionManager::new_lazy_with_config(client.clone(), self.config.clone()) {
+            Ok(manager) => {
+                tracing::warn!(master = %client.get_connection_info().addr(), "Redis master changed (Sentinel failover)");
+                *self.current.write().unwrap_or_else(|p| p.into_inner()) = manager;
+                self.client.send_replace(client);
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot use the new master"),
+        }
+    }
+
+    fn should_refresh(e: &redis::RedisError) -> bool {
+        e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout() || e.code() == Some("READONLY")
+    }
+}
+
+impl redis::aio::ConnectionLike for SentinelConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            let result = self.current().req_packed_command(cmd).await;
+            if let Err(e) = &result {
+                if Self::should_refresh(e) {
+                    self.refresh().await;
+                }
+            }
+            result
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            let result = self.current().req_packed_commands(pipeline, offset, count).await;
+            if let Err(e) = &result {
+                if Self::should_refresh(e) {
+                    self.refresh().await;
+                }
+            }
+            result
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.current().get_db()
+    }
+}
+
+/// Where `redis+sentinel://[user:password@]host:port,host:port/master-name`
+/// points; the credentials are the master's.
+struct SentinelTarget {
+    sentinels: Vec<String>,
+    master: String,
+    auth: Option<(Option<String>, String)>,
+}
+
+fn sentinel_target(url: &str) -> Option<Result<SentinelTarget>> {
+    let rest = url.strip_prefix("redis+sentinel://")?;
+    let (auth, rest) = match rest.rsplit_once('@') {
+        Some((auth, rest)) => {
+            let (user, password) = match auth.split_once(':') {
+                Some((u, p)) => ((!u.is_empty()).then(|| u.to_owned()), p.to_owned()),
+                None => (None, auth.to_owned()),
+            };
+            (Some((user, password)), rest)
+        }
+        None => (None, rest),
+    };
+    let Some((hosts, master)) = rest.split_once('/').filter(|(_, m)| !m.is_empty()) else {
+        return Some(Err(Error::config(
+            "DLOCK_REDIS_URL",
+            "a Sentinel URL names the master: redis+sentinel://host:port,host:port/master-name",
+        )));
+    };
+    let sentinels = hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(|h| format!("redis://{h}")).collect();
+    Some(Ok(SentinelTarget { sentinels, master: master.to_owned(), auth }))
 }
 
 impl redis::aio::ConnectionLike for Conn {
@@ -290,6 +463,7 @@ impl redis::aio::ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -302,6 +476,7 @@ impl redis::aio::ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -309,6 +484,7 @@ impl redis::aio::ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
+            Conn::Sentinel(c) => c.get_db(),
         }
     }
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use redis::aio::{PubSubSink, PubSubStream};
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 
 use crate::error::{Error, Result};
 
@@ -59,8 +59,12 @@ impl Drop for Registration {
 impl Subscriber {
     /// Connects (so that a wrong address or a missing ACL permission shows at
     /// start-up) and starts the actor.
-    pub(crate) async fn start(client: redis::Client, probe_channel: &str) -> Result<Self> {
-        let (mut sink, stream) = connect(&client).await?;
+    ///
+    /// The actor reconnects to whatever server `client` names at the time
+    /// (Sentinel moves it to the new master after a failover).
+    pub(crate) async fn start(client: watch::Receiver<redis::Client>, probe_channel: &str) -> Result<Self> {
+        let first = client.borrow().clone();
+        let (mut sink, stream) = connect(&first).await?;
         // Subscribing is what needs the ACL channel permission; check it now.
         sink.subscribe(probe_channel).await.map_err(|e| {
             if e.code() == Some("NOPERM") {
@@ -113,7 +117,7 @@ struct Entry {
 }
 
 struct Actor {
-    client: redis::Client,
+    client: watch::Receiver<redis::Client>,
     commands: mpsc::UnboundedReceiver<Command>,
     channels: HashMap<String, Entry>,
     conn: Option<(PubSubSink, PubSubStream)>,
@@ -124,7 +128,8 @@ impl Actor {
         let mut backoff = Duration::from_millis(50);
         loop {
             if self.conn.is_none() {
-                match connect(&self.client).await {
+                let client = self.client.borrow().clone();
+                match connect(&client).await {
                     Ok(conn) => {
                         self.conn = Some(conn);
                         backoff = Duration::from_millis(50);
