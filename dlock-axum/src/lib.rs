@@ -13,13 +13,17 @@
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_core::Error> {
+//! use std::time::Duration;
 //! use axum::{routing::post, Router};
-//! use dlock_axum::LockerExt;
+//! use dlock_axum::{LockLayer, LockerExt};
 //!
 //! async fn reduce_stock(body: String) -> String { body }
 //!
 //! let app: Router = Router::new()
-//!     .route("/stock/reduce", post(reduce_stock))
+//!     .route(
+//!         "/stock/reduce",
+//!         post(reduce_stock).layer(LockLayer::new("product.stock").json("product_id").wait(Duration::from_secs(5))),
+//!     )
 //!     .with_locker(dlock_axum::from_env().await?);
 //! # Ok(()) }
 //! ```
@@ -28,7 +32,9 @@
 //! `503 lock_backend_unavailable` (fail closed), never a 500 or a hang.
 
 mod engine;
+pub mod lock;
 mod rejection;
+mod request;
 
 #[doc(hidden)]
 #[path = "private.rs"]
@@ -36,4 +42,6 @@ pub mod __private;
 
 pub use dlock_core;
 pub use engine::{from_env, locker_from_extensions, Engine, LockerExt};
+pub use lock::LockLayer;
 pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};
+pub use request::{FencingToken, LockOutcome, RequestOwner};

@@ -1,0 +1,127 @@
+//! Turning a request into a lock key.
+
+use axum::extract::{FromRequestParts, RawPathParams};
+use axum::http::request::Parts;
+use dlock_core::{escape_into, KeyPart, LockKey, Locker};
+use serde_json::Value;
+
+use super::layer::{KeySource, Spec};
+use crate::rejection::Rejection;
+
+/// A JSON value as a key part: strings as their text, `null` as dlock's
+/// "no value" part (distinct from every string), everything else as its
+/// compact JSON text (object keys sorted, so equal objects give equal keys).
+struct JsonPart<'a>(&'a Value);
+
+impl KeyPart for JsonPart<'_> {
+    fn write_part(&self, out: &mut String) {
+        match self.0 {
+            Value::Null => None::<&str>.write_part(out),
+            Value::String(s) => escape_into(s, out),
+            other => escape_into(&other.to_string(), out),
+        }
+    }
+}
+
+/// Walks `segments` (object keys, or indices into arrays) down from `root`.
+pub(crate) fn lookup<'a>(root: &'a Value, segments: &[String]) -> Option<&'a Value> {
+    segments.iter().try_fold(root, |cur, seg| match cur {
+        Value::Object(map) => map.get(seg),
+        Value::Array(items) => seg.parse::<usize>().ok().and_then(|i| items.get(i)),
+        _ => None,
+    })
+}
+
+/// Builds the key of `spec` from the request, in the declared order.
+pub(crate) async fn build_key(
+    spec: &Spec,
+    locker: &Locker,
+    parts: &mut Parts,
+    json: Option<&Value>,
+) -> Result<LockKey, Rejection> {
+    let mut key = locker.key(&spec.name);
+    let mut path_params: Option<RawPathParams> = None;
+    for source in &spec.parts {
+        match source {
+            KeySource::Json { segments, .. } => {
+                let value = json.and_then(|root| lookup(root, segments)).ok_or_else(|| Rejection::missing_field(source))?;
+                key.push(JsonPart(value));
+            }
+            KeySource::Query(name) => {
+                let value = parts
+                    .uri
+                    .query()
+                    .and_then(|q| form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == name.as_str()))
+                    .map(|(_, v)| v)
+                    .ok_or_else(|| Rejection::missing_field(source))?;
+                key.push(value.as_ref());
+            }
+            KeySource::Path(name) => {
+                if path_params.is_none() {
+                    path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|_| {
+                        tracing::error!(
+                            "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
+                             (`post(handler).layer(..)` or `Router::route_layer`), not `Router::layer`"
+                        );
+                        Rejection::misconfigured().with_message("the lock layer cannot see the route's path parameters")
+                    })?);
+                }
+                let value = path_params
+                    .iter()
+                    .flat_map(|p| p.iter())
+                    .find(|(k, _)| *k == name.as_str())
+                    .map(|(_, v)| v)
+                    .ok_or_else(|| Rejection::missing_field(source))?;
+                key.push(value);
+            }
+            KeySource::Header(name) => {
+                let value = parts.headers.get(name).ok_or_else(|| Rejection::missing_field(source))?;
+                let text = value
+                    .to_str()
+                    .map_err(|_| Rejection::lock_key_invalid().with_message(format!("{source} is not visible ASCII")))?;
+                key.push(text);
+            }
+        }
+    }
+    key.build().map_err(|e| Rejection::from_lock_error(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn segs(path: &str) -> Vec<String> {
+        path.split('.').map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn lookup_walks_objects_and_arrays() {
+        let v = json!({"product": {"id": 7, "tags": ["a", {"sku": "x"}]}});
+        assert_eq!(lookup(&v, &segs("product.id")), Some(&json!(7)));
+        assert_eq!(lookup(&v, &segs("product.tags.1.sku")), Some(&json!("x")));
+        assert_eq!(lookup(&v, &segs("product.tags.9")), None);
+        assert_eq!(lookup(&v, &segs("product.id.x")), None);
+        assert_eq!(lookup(&v, &segs("nope")), None);
+    }
+
+    fn part(v: &Value) -> String {
+        let mut s = String::new();
+        JsonPart(v).write_part(&mut s);
+        s
+    }
+
+    #[test]
+    fn null_is_not_a_string() {
+        for s in ["null", "None", "", "%N"] {
+            assert_ne!(part(&Value::Null), part(&json!(s)), "{s}");
+        }
+    }
+
+    #[test]
+    fn values_are_escaped() {
+        assert_eq!(part(&json!("a:b")), "a%3Ab");
+        assert_eq!(part(&json!(12.5)), "12.5");
+        assert_eq!(part(&json!({"b": 1, "a": ":"})), "%7B\"a\"%3A\"%3A\",\"b\"%3A1%7D");
+    }
+}

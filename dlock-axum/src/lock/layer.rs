@@ -1,0 +1,235 @@
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::http::HeaderName;
+use dlock_core::Locker;
+use tower::Layer;
+
+use super::service::Lock;
+
+/// Where one part of the lock key comes from.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum KeySource {
+    /// A field of the JSON body, as a path of object keys / array indices.
+    Json { path: String, segments: Vec<String> },
+    /// A query-string parameter.
+    Query(String),
+    /// A path parameter of the matched route.
+    Path(String),
+    /// A request header.
+    Header(HeaderName),
+}
+
+impl fmt::Debug for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySource::Json { path, .. } => write!(f, "JSON field `{path}`"),
+            KeySource::Query(name) => write!(f, "query parameter `{name}`"),
+            KeySource::Path(name) => write!(f, "path parameter `{name}`"),
+            KeySource::Header(name) => write!(f, "header `{name}`"),
+        }
+    }
+}
+
+/// Everything a [`LockLayer`] was configured with; shared by its services.
+#[derive(Clone)]
+pub(crate) struct Spec {
+    pub(crate) name: String,
+    pub(crate) parts: Vec<KeySource>,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) lease: Option<Duration>,
+    pub(crate) message: Option<Cow<'static, str>>,
+    pub(crate) code: Option<u32>,
+    pub(crate) max_body_bytes: Option<usize>,
+    pub(crate) locker: Option<Locker>,
+}
+
+impl Spec {
+    pub(crate) fn needs_json(&self) -> bool {
+        self.parts.iter().any(|p| matches!(p, KeySource::Json { .. }))
+    }
+
+    /// The body limit: the layer's own, else `DLOCK_MAX_BODY_BYTES`, else 64 KiB.
+    pub(crate) fn max_body_bytes(&self) -> Result<usize, &'static dlock_core::Error> {
+        match self.max_body_bytes {
+            Some(n) => Ok(n),
+            None => env_max_body_bytes(),
+        }
+    }
+}
+
+/// `DLOCK_MAX_BODY_BYTES`, read and checked once per process by the same
+/// parser as [`dlock_core::Config`].
+fn env_max_body_bytes() -> Result<usize, &'static dlock_core::Error> {
+    static LIMIT: OnceLock<Result<usize, dlock_core::Error>> = OnceLock::new();
+    LIMIT
+        .get_or_init(|| {
+            dlock_core::Config::from_lookup(|var| {
+                (var == "DLOCK_MAX_BODY_BYTES").then(|| std::env::var(var).ok()).flatten()
+            })
+            .map(|c| c.max_body_bytes)
+        })
+        .as_ref()
+        .copied()
+}
+
+/// Locks a route on a key built from request fields; see the [module docs](crate::lock).
+///
+/// The key is `prefix:{name:part1:part2…}` with the parts in the order they
+/// were declared, each escaped so that no two requests with different values
+/// share a key. JSON values count as text for strings and as their JSON text
+/// for numbers, booleans, objects and arrays; `null` is a value of its own,
+/// distinct from every string; a missing field is a `400`.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::{routing::post, Router};
+/// use dlock_axum::{LockLayer, LockerExt};
+/// use dlock_core::{Locker, MemoryBackend};
+///
+/// let layer = LockLayer::new("order.create")
+///     .json("product.id")
+///     .query("token")
+///     .header("x-user-id")
+///     .wait(Duration::from_millis(0))
+///     .lease(Duration::from_secs(10))
+///     .message("this order is already being placed")
+///     .code(4001);
+/// let app: Router = Router::new()
+///     .route("/orders", post(|body: String| async move { body }).layer(layer))
+///     .with_locker(Locker::new(MemoryBackend::new()));
+/// ```
+#[derive(Clone)]
+pub struct LockLayer {
+    spec: Arc<Spec>,
+}
+
+impl fmt::Debug for LockLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.spec;
+        f.debug_struct("LockLayer")
+            .field("name", &s.name)
+            .field("parts", &s.parts)
+            .field("wait", &s.wait)
+            .field("lease", &s.lease)
+            .field("message", &s.message)
+            .field("code", &s.code)
+            .field("max_body_bytes", &s.max_body_bytes)
+            .field("locker", &s.locker)
+            .finish()
+    }
+}
+
+impl LockLayer {
+    /// A layer for the lock called `name` (a key with no parts yet: every
+    /// request of the route takes the same lock until parts are added).
+    pub fn new(name: impl Into<String>) -> Self {
+        LockLayer {
+            spec: Arc::new(Spec {
+                name: name.into(),
+                parts: Vec::new(),
+                wait: None,
+                lease: None,
+                message: None,
+                code: None,
+                max_body_bytes: None,
+                locker: None,
+            }),
+        }
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut Spec)) -> Self {
+        f(Arc::make_mut(&mut self.spec));
+        self
+    }
+
+    /// Adds a field of the JSON body to the key. `path` may walk nested
+    /// objects and arrays: `"product.id"`, `"items.0.sku"`.
+    ///
+    /// The layer then reads the body (at most [`max_body_bytes`](Self::max_body_bytes)),
+    /// parses it once and hands the same bytes on to the route.
+    pub fn json(self, path: impl Into<String>) -> Self {
+        let path = path.into();
+        let segments = path.split('.').map(str::to_owned).collect();
+        self.with(|s| s.parts.push(KeySource::Json { path, segments }))
+    }
+
+    /// Adds a query-string parameter (percent-decoded; the first if repeated).
+    pub fn query(self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        self.with(|s| s.parts.push(KeySource::Query(name)))
+    }
+
+    /// Adds a path parameter of the route (`/items/{id}` → `path("id")`).
+    ///
+    /// Path parameters exist once the router has matched the route, so put
+    /// the layer on the route: `post(handler).layer(..)` or
+    /// `Router::route_layer`, not `Router::layer`.
+    pub fn path(self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        self.with(|s| s.parts.push(KeySource::Path(name)))
+    }
+
+    /// Adds a request header.
+    ///
+    /// # Panics
+    ///
+    /// When `name` is not a valid header name: that is a programming error
+    /// found on start-up, like an invalid route path in axum.
+    pub fn header(self, name: &str) -> Self {
+        let name = match HeaderName::from_bytes(name.as_bytes()) {
+            Ok(name) => name,
+            Err(_) => panic!("LockLayer::header: `{name}` is not a valid HTTP header name"),
+        };
+        self.with(|s| s.parts.push(KeySource::Header(name)))
+    }
+
+    /// How long a request waits for a held lock before it is refused with
+    /// `409` (default: the engine's, `DLOCK_WAIT_MS`, 0 = try once).
+    pub fn wait(self, wait: Duration) -> Self {
+        self.with(|s| s.wait = Some(wait))
+    }
+
+    /// A fixed lease (default: watchdog mode, renewed while the request runs).
+    pub fn lease(self, lease: Duration) -> Self {
+        self.with(|s| s.lease = Some(lease))
+    }
+
+    /// The `message` of the `409 duplicate_submission` answer.
+    pub fn message(self, message: impl Into<Cow<'static, str>>) -> Self {
+        let message = message.into();
+        self.with(|s| s.message = Some(message))
+    }
+
+    /// The `code` of the `409 duplicate_submission` answer (default 2101).
+    pub fn code(self, code: u32) -> Self {
+        self.with(|s| s.code = Some(code))
+    }
+
+    /// The most body bytes read to find JSON fields (default
+    /// `DLOCK_MAX_BODY_BYTES`, 64 KiB). A larger body is refused with `413`.
+    pub fn max_body_bytes(self, limit: usize) -> Self {
+        self.with(|s| s.max_body_bytes = Some(limit))
+    }
+
+    /// Uses `locker` instead of the one installed in the request extensions.
+    pub fn with_locker(self, locker: Locker) -> Self {
+        self.with(|s| s.locker = Some(locker))
+    }
+}
+
+impl<S> Layer<S> for LockLayer {
+    type Service = Lock<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Lock::new(inner, self.spec.clone())
+    }
+}

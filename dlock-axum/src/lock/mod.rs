@@ -1,0 +1,55 @@
+//! [`LockLayer`]: lock a route on a key built from the request.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! use std::time::Duration;
+//! use axum::{body::Body, http::Request, routing::post, Router};
+//! use dlock_axum::{LockLayer, LockerExt};
+//! use dlock_core::{Locker, MemoryBackend};
+//! use tower::ServiceExt;
+//!
+//! async fn reduce(body: String) -> String { body } // sees the body unchanged
+//!
+//! let app: Router = Router::new()
+//!     .route(
+//!         "/stock/reduce",
+//!         post(reduce).layer(LockLayer::new("product.stock").json("product_id").wait(Duration::from_secs(5))),
+//!     )
+//!     .with_locker(Locker::new(MemoryBackend::new()));
+//!
+//! let req = Request::post("/stock/reduce").body(Body::from(r#"{"product_id": 7, "quantity": 1}"#)).unwrap();
+//! let res = app.oneshot(req).await.unwrap();
+//! assert_eq!(res.status(), 200);
+//! # }
+//! ```
+//!
+//! For each request the layer
+//!
+//! 1. finds the engine: the one given to [`LockLayer::with_locker`], else the
+//!    [`Locker`](dlock_core::Locker) in the request extensions
+//!    ([`LockerExt::with_locker`](crate::LockerExt::with_locker));
+//! 2. when the key names JSON fields, reads at most `max_body_bytes` of the
+//!    body (`413 payload_too_large` past it, also when `Content-Length` says
+//!    so up front), parses it once (`400 invalid_json`), and later hands the
+//!    very same bytes to the route;
+//! 3. builds the key from the declared parts in order
+//!    (`400 lock_key_field_missing` when one is absent);
+//! 4. acquires as the request's [`RequestOwner`](crate::RequestOwner), so a
+//!    nested lock on the same key in the same request re-enters;
+//!    a lock held elsewhere past the wait is `409 duplicate_submission`, an
+//!    unreachable backend `503 lock_backend_unavailable`;
+//! 5. puts the grant's [`FencingToken`](crate::FencingToken) in the request
+//!    extensions, calls the route, and releases once the route has answered
+//!    (or, when the request is dropped, in the background);
+//! 6. logs one `dlock.request` event with the outcome and puts the
+//!    [`LockOutcome`](crate::LockOutcome) in the response extensions.
+//!
+//! Refusals are responses (see [`Rejection`](crate::Rejection)); the route's
+//! own error type passes through unchanged.
+
+mod key;
+mod layer;
+mod service;
+
+pub use layer::LockLayer;
+pub use service::{Lock, ResponseFuture};

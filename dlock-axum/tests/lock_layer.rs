@@ -1,0 +1,364 @@
+//! LockLayer against the in-process backend, driven with `oneshot`.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{Request, StatusCode};
+use axum::response::Response;
+use axum::routing::post;
+use axum::{Extension, Router};
+use dlock_axum::{FencingToken, LockLayer, LockOutcome, LockerExt, RequestOwner};
+use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use dlock_core::{AcquireOptions, Backend, LockKey, Locker, MemoryBackend, Owner};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tower::{Layer, Service, ServiceExt};
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn locker() -> Locker {
+    Locker::new(MemoryBackend::new())
+}
+
+/// Echoes the body it got and counts its calls.
+fn echo_app(locker: &Locker, layer: LockLayer, calls: Arc<AtomicUsize>) -> Router {
+    let handler = move |Extension(FencingToken(fence)): Extension<FencingToken>, body: Bytes| {
+        let calls = calls.clone();
+        async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            ([("x-fence", fence.to_string())], body)
+        }
+    };
+    Router::new().route("/r", post(handler).layer(layer)).with_locker(locker.clone())
+}
+
+fn post_json(uri: &str, body: impl Into<Body>) -> Request<Body> {
+    Request::post(uri).header("content-type", "application/json").body(body.into()).expect("request")
+}
+
+async fn body_json(res: Response) -> Value {
+    let bytes = res.into_body().collect().await.expect("body").to_bytes();
+    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&bytes)))
+}
+
+async fn assert_rejection(res: Response, status: u16, error: &str) -> Value {
+    assert_eq!(res.status().as_u16(), status, "expected {error}");
+    assert_eq!(res.headers()["content-type"], "application/json");
+    let v = body_json(res).await;
+    assert_eq!(v["error"], error, "{v}");
+    assert!(v["code"].is_u64(), "{v}");
+    assert!(v["message"].is_string(), "{v}");
+    v
+}
+
+#[tokio::test]
+async fn body_reaches_the_handler_unchanged() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = echo_app(&locker(), LockLayer::new("stock").json("product_id"), calls.clone());
+    // Odd spacing, key order and unicode: the handler must see these exact bytes.
+    let raw = "{ \"quantity\":1,\n  \"product_id\" : \"p\u{e9}:1\" , \"x\": [1,2] }";
+    let res = app.oneshot(post_json("/r", raw)).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.headers()["x-fence"].to_str().expect("ascii").parse::<u64>().expect("number") > 0);
+    assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Acquired { .. })));
+    let bytes = res.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!(bytes, raw.as_bytes());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn missing_field_is_400_and_the_handler_does_not_run() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = echo_app(&locker(), LockLayer::new("stock").json("product.id"), calls.clone());
+    let res = app.clone().oneshot(post_json("/r", r#"{"product": {"sku": 1}}"#)).await.expect("infallible");
+    let v = assert_rejection(res, 400, "lock_key_field_missing").await;
+    assert!(v["message"].as_str().unwrap_or_default().contains("product.id"), "{v}");
+    // null is a value, not a missing field
+    let res = app.oneshot(post_json("/r", r#"{"product": {"id": null}}"#)).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn invalid_json_is_400() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = echo_app(&locker(), LockLayer::new("stock").json("product_id"), calls.clone());
+    for bad in ["{\"product_id\": ", "", "not json"] {
+        let res = app.clone().oneshot(post_json("/r", bad)).await.expect("infallible");
+        assert_rejection(res, 400, "invalid_json").await;
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn large_bodies_are_413_with_or_without_content_length() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = echo_app(&locker(), LockLayer::new("stock").json("product_id").max_body_bytes(64), calls.clone());
+    let big = format!(r#"{{"product_id": 1, "pad": "{}"}}"#, "x".repeat(100));
+
+    // Declared up front.
+    let req = Request::post("/r").header("content-length", big.len()).body(Body::from(big.clone())).expect("request");
+    assert_rejection(app.clone().oneshot(req).await.expect("infallible"), 413, "payload_too_large").await;
+
+    // Streamed in chunks with no length: found while reading.
+    let chunks: Vec<Result<Bytes, Infallible>> =
+        big.as_bytes().chunks(10).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+    let req = Request::post("/r").body(Body::from_stream(futures_util::stream::iter(chunks))).expect("request");
+    assert_rejection(app.clone().oneshot(req).await.expect("infallible"), 413, "payload_too_large").await;
+
+    // Exactly at the limit is fine.
+    let fits = format!(r#"{{"product_id": 1, "p": "{}"}}"#, "x".repeat(64 - 26));
+    assert_eq!(fits.len(), 64);
+    let res = app.oneshot(post_json("/r", fits)).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+
+/// A handler that tells the test it is running and waits to be let go.
+fn gated_app(locker: &Locker, layer: LockLayer) -> (Router, mpsc::UnboundedReceiver<oneshot::Sender<()>>) {
+    let (entered_tx, entered_rx) = mpsc::unbounded_channel::<oneshot::Sender<()>>();
+    let handler = move |body: Bytes| {
+        let entered_tx = entered_tx.clone();
+        async move {
+            let (go_tx, go_rx) = oneshot::channel();
+            let _ = entered_tx.send(go_tx);
+            let _ = go_rx.await;
+            body
+        }
+    };
+    (Router::new().route("/r", post(handler).layer(layer)).with_locker(locker.clone()), entered_rx)
+}
+
+#[tokio::test]
+async fn two_concurrent_requests_on_one_key_give_one_409() {
+    let layer = LockLayer::new("stock").json("product_id").message("busy, try later").code(4242);
+    let (app, mut entered) = gated_app(&locker(), layer);
+    let first = tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"product_id": 1}"#)));
+    let go = tokio::time::timeout(LONG, entered.recv()).await.expect("first request runs").expect("channel");
+
+    // While the first holds the lock: same key refused, another key served.
+    let res = app.clone().oneshot(post_json("/r", r#"{"product_id": 1}"#)).await.expect("infallible");
+    assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })));
+    let v = assert_rejection(res, 409, "duplicate_submission").await;
+    assert_eq!(v, json!({"error": "duplicate_submission", "code": 4242, "message": "busy, try later"}));
+
+    let other = tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"product_id": 2}"#)));
+    let go_other = tokio::time::timeout(LONG, entered.recv()).await.expect("other key runs").expect("channel");
+    let _ = go_other.send(());
+    assert_eq!(other.await.expect("task").expect("infallible").status(), StatusCode::OK);
+
+    let _ = go.send(());
+    assert_eq!(first.await.expect("task").expect("infallible").status(), StatusCode::OK);
+
+    // Released after the response: the key is free again.
+    let again = tokio::spawn(app.oneshot(post_json("/r", r#"{"product_id": 1}"#)));
+    let go = tokio::time::timeout(LONG, entered.recv()).await.expect("runs again").expect("channel");
+    let _ = go.send(());
+    assert_eq!(again.await.expect("task").expect("infallible").status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn many_concurrent_requests_never_overlap() {
+    // The counter is read, the task yields, then it is written back: without
+    // the lock concurrent requests would lose updates.
+    let counter = Arc::new(Mutex::new(0u64));
+    let inside = Arc::new(AtomicUsize::new(0));
+    let max_inside = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (counter, inside, max_inside) = (counter.clone(), inside.clone(), max_inside.clone());
+        move || {
+            let (counter, inside, max_inside) = (counter.clone(), inside.clone(), max_inside.clone());
+            async move {
+                let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                max_inside.fetch_max(now, Ordering::SeqCst);
+                let read = *counter.lock().await;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                *counter.lock().await = read + 1;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                "ok"
+            }
+        }
+    };
+    let layer = LockLayer::new("counter").json("id").wait(LONG);
+    let app: Router = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker());
+    let tasks: Vec<_> =
+        (0..50).map(|_| tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"id": "c"}"#)))).collect();
+    for t in tasks {
+        assert_eq!(t.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+    assert_eq!(*counter.lock().await, 50);
+    assert_eq!(max_inside.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_waiting_request_gets_the_lock_after_the_holder_answers() {
+    let (app, mut entered) = gated_app(&locker(), LockLayer::new("stock").json("product_id").wait(LONG));
+    let first = tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"product_id": 1}"#)));
+    let go_first = tokio::time::timeout(LONG, entered.recv()).await.expect("first runs").expect("channel");
+    let second = tokio::spawn(app.oneshot(post_json("/r", r#"{"product_id": 1}"#)));
+    // The second must not enter while the first holds the lock.
+    assert!(tokio::time::timeout(Duration::from_millis(200), entered.recv()).await.is_err());
+    let _ = go_first.send(());
+    assert_eq!(first.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    let go_second = tokio::time::timeout(LONG, entered.recv()).await.expect("second runs").expect("channel");
+    let _ = go_second.send(());
+    assert_eq!(second.await.expect("task").expect("infallible").status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn key_parts_come_from_json_query_path_and_header_in_order() {
+    let locker = locker();
+    let layer = LockLayer::new("order.create").json("product.id").query("token").path("shop").header("x-user-id");
+    let app: Router =
+        Router::new().route("/shops/{shop}/orders", post(|| async { "ok" }).layer(layer)).with_locker(locker.clone());
+    let req = |token: &str, user: &str| {
+        Request::post(format!("/shops/s%3A1/orders?x=1&token={token}"))
+            .header("x-user-id", user)
+            .body(Body::from(r#"{"product": {"id": 7}}"#))
+            .expect("request")
+    };
+    // Hold exactly the key the layer must build, as another owner.
+    let key = locker.key("order.create").part(7).part("t 1").part("s:1").part("u1").build().expect("key");
+    let held = locker.try_acquire(&key).await.expect("free");
+    assert_eq!(key.as_str(), "dlock:{order.create:7:t 1:s%3A1:u1}");
+
+    let res = app.clone().oneshot(req("t+1", "u1")).await.expect("infallible");
+    assert_rejection(res, 409, "duplicate_submission").await;
+    let res = app.clone().oneshot(req("t+1", "u2")).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK, "another user is another key");
+    let res = app.clone().oneshot(req("t+2", "u1")).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK, "another token is another key");
+    held.release().await.expect("release");
+    let res = app.clone().oneshot(req("t+1", "u1")).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+
+    // Each missing source is named.
+    let no_token = Request::post("/shops/s/orders")
+        .header("x-user-id", "u")
+        .body(Body::from(r#"{"product": {"id": 7}}"#))
+        .expect("request");
+    let v = assert_rejection(app.clone().oneshot(no_token).await.expect("infallible"), 400, "lock_key_field_missing").await;
+    assert!(v["message"].as_str().unwrap_or_default().contains("token"), "{v}");
+    let no_header =
+        Request::post("/shops/s/orders?token=t").body(Body::from(r#"{"product": {"id": 7}}"#)).expect("request");
+    let v = assert_rejection(app.oneshot(no_header).await.expect("infallible"), 400, "lock_key_field_missing").await;
+    assert!(v["message"].as_str().unwrap_or_default().contains("x-user-id"), "{v}");
+}
+
+#[tokio::test]
+async fn a_key_that_is_too_long_is_400_lock_key_invalid() {
+    let app = echo_app(&locker(), LockLayer::new("stock").json("product_id"), Arc::new(AtomicUsize::new(0)));
+    let body = json!({"product_id": "x".repeat(2000)}).to_string();
+    assert_rejection(app.oneshot(post_json("/r", body)).await.expect("infallible"), 400, "lock_key_invalid").await;
+}
+
+#[tokio::test]
+async fn no_engine_is_500_lock_misconfigured() {
+    let app: Router = Router::new().route("/r", post(|| async { "ok" }).layer(LockLayer::new("x")));
+    assert_rejection(app.oneshot(post_json("/r", "{}")).await.expect("infallible"), 500, "lock_misconfigured").await;
+}
+
+#[tokio::test]
+async fn a_locker_given_to_the_layer_needs_no_extension() {
+    let app: Router =
+        Router::new().route("/r", post(|| async { "ok" }).layer(LockLayer::new("x").with_locker(locker())));
+    assert_eq!(app.oneshot(post_json("/r", "{}")).await.expect("infallible").status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn nested_locks_on_one_key_reenter_within_a_request() {
+    let owners = Arc::new(std::sync::Mutex::new(Vec::<Owner>::new()));
+    let handler = {
+        let owners = owners.clone();
+        move |Extension(RequestOwner(owner)): Extension<RequestOwner>| {
+            let owners = owners.clone();
+            async move {
+                owners.lock().map(|mut o| o.push(owner)).expect("not poisoned");
+                "ok"
+            }
+        }
+    };
+    // Two layers on the same key and no wait: without reentrancy the inner
+    // one would find the lock held and answer 409.
+    let inner = LockLayer::new("stock").json("product_id");
+    let outer = LockLayer::new("stock").json("product_id");
+    let app: Router = Router::new().route("/r", post(handler).layer::<_, Infallible>(inner).layer(outer)).with_locker(locker());
+    let res = app.oneshot(post_json("/r", r#"{"product_id": 3}"#)).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(owners.lock().expect("not poisoned").len(), 1);
+}
+
+#[tokio::test]
+async fn a_dropped_request_releases_its_lock() {
+    let locker = locker();
+    let (app, mut entered) = gated_app(&locker, LockLayer::new("stock").json("product_id"));
+    let mut pending = Box::pin(app.clone().oneshot(post_json("/r", r#"{"product_id": 9}"#)));
+    tokio::select! {
+        _ = &mut pending => panic!("the gated handler cannot finish"),
+        go = entered.recv() => drop(go),
+    }
+    drop(pending); // the client went away mid-request
+    let key = locker.key("stock").part(9).build().expect("key");
+    let guard = locker.acquire(&key, AcquireOptions::new().wait(LONG)).await.expect("freed by the dropped guard");
+    guard.release().await.expect("release");
+}
+
+/// A backend whose server is down.
+#[derive(Debug)]
+struct Down;
+
+impl Backend for Down {
+    fn name(&self) -> &'static str {
+        "down"
+    }
+    fn acquire<'a>(&'a self, _: &'a AcquireRequest, _: &'a CancellationToken) -> BoxFuture<'a, dlock_core::Result<Grant>> {
+        Box::pin(async { Err(dlock_core::Error::backend("down", "connection refused")) })
+    }
+    fn renew<'a>(&'a self, _: &'a LockKey, _: &'a Owner, _: Duration) -> BoxFuture<'a, dlock_core::Result<Renewal>> {
+        Box::pin(async { Err(dlock_core::Error::backend("down", "connection refused")) })
+    }
+    fn release<'a>(&'a self, _: &'a LockKey, _: &'a Owner) -> BoxFuture<'a, dlock_core::Result<Release>> {
+        Box::pin(async { Err(dlock_core::Error::backend("down", "connection refused")) })
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_backend_is_503_and_the_handler_does_not_run() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = echo_app(&Locker::new(Down), LockLayer::new("stock").json("product_id").wait(LONG), calls.clone());
+    let res = tokio::time::timeout(Duration::from_secs(10), app.oneshot(post_json("/r", r#"{"product_id": 1}"#)))
+        .await
+        .expect("no hang")
+        .expect("infallible");
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(res.extensions().get::<LockOutcome>(), Some(&LockOutcome::Unavailable));
+    assert_rejection(res, 503, "lock_backend_unavailable").await;
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+#[derive(Debug, PartialEq)]
+struct InnerError(&'static str);
+
+#[tokio::test]
+async fn the_inner_services_error_passes_through() {
+    let inner = tower::service_fn(|_req: Request<Body>| async { Err::<Response, _>(InnerError("boom")) });
+    let mut svc = LockLayer::new("x").with_locker(locker()).layer(inner);
+    let err = svc.ready().await.expect("ready").call(post_json("/r", "{}")).await.expect_err("inner error");
+    assert_eq!(err, InnerError("boom"));
+    // The lock was released all the same: a held lock would answer 409 here
+    // instead of reaching the inner service.
+    let res = svc.ready().await.expect("ready").call(post_json("/r", "{}")).await;
+    assert!(res.is_err());
+}
+
+#[test]
+fn layer_is_clone_and_debug() {
+    let layer = LockLayer::new("stock").json("product_id").wait(Duration::from_secs(5));
+    let text = format!("{:?}", layer.clone());
+    assert!(text.contains("product_id") && text.contains("stock"), "{text}");
+}
