@@ -1,0 +1,376 @@
+//! `orders`: a small shop whose stock must never be oversold, even with
+//! several instances behind a load balancer.
+//!
+//! ```sh
+//! cargo run -p dlock-examples --bin orders                      # in process, 127.0.0.1:3000
+//! DLOCK_BACKEND=redis DLOCK_REDIS_URL=redis://127.0.0.1:6379 \
+//!   ORDERS_REDIS_URL=redis://127.0.0.1:6379 ORDERS_ADDR=127.0.0.1:3001 \
+//!   cargo run -p dlock-examples --bin orders                    # one of several instances
+//! ```
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `ORDERS_ADDR` | listen address (`:0` picks a free port) | `127.0.0.1:3000` |
+//! | `ORDERS_REDIS_URL` | keep products and orders in this Redis (plain `GET`/`SET`), shared by instances | in process |
+//! | `ORDERS_UNLOCKED` | `1`: no lock on the stock (shows the oversell) | off |
+//! | `DLOCK_*` | the lock backend, see dlock-core's `Config` | in process |
+//! | `RUST_LOG` | log filter | `info` |
+//!
+//! Routes:
+//!
+//! * `GET /health` → `{"status":"ok","backend":"memory|redis|redlock|zookeeper"}`
+//! * `PUT /products/{id}` `{"stock": n}` → `{"id":id,"stock":n,"sold":0}`
+//! * `GET /products/{id}` → `{"id":..,"stock":..,"sold":..}`, 404 when unknown
+//! * `POST /stock/reduce` `{"product_id": id, "quantity": q}` → `{"product_id":..,"remaining":..}`,
+//!   behind `LockLayer::new("product.stock").json("product_id")`; 409 `sold_out`
+//! * `POST /orders?token=T` `{"product":{"id":id},"quantity":q}` → 201
+//!   `{"order_id":..,"product_id":..,"quantity":..}`; locked on `order.create`
+//!   by product and token; the token is spent once
+//!
+//! Every error is `{"error": "...", "code": n, "message": "..."}`.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dlock_axum::{LockLayer, LockOutcome, LockerExt, Rejection};
+use dlock_core::{AcquireOptions, Config, Locker};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use tracing_subscriber::EnvFilter;
+
+#[path = "../orders/model.rs"]
+mod model;
+#[path = "../orders/store.rs"]
+mod store;
+
+use model::{CreateOrder, ProductId, ProductRef, ReduceStock, SetStock, TokenParam};
+use store::{Stock, Store, StoreError};
+
+/// How long a sale waits for the product's lock.
+const STOCK_WAIT: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Debug)]
+struct App {
+    locker: Locker,
+    store: Store,
+    /// `ORDERS_UNLOCKED=1`: sell without the stock lock.
+    unlocked: bool,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,dlock_axum=warn,dlock_core=warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stdout().is_terminal()).init();
+
+    let config = Config::from_env()?;
+    let locker = config.build().await?;
+    let store = match non_empty_env("ORDERS_REDIS_URL") {
+        Some(url) => Store::redis(&url).await?,
+        None => Store::memory(),
+    };
+    let unlocked = non_empty_env("ORDERS_UNLOCKED").is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
+    let addr: SocketAddr = non_empty_env("ORDERS_ADDR")
+        .unwrap_or_else(|| "127.0.0.1:3000".into())
+        .parse()
+        .map_err(|e| format!("ORDERS_ADDR: {e}"))?;
+
+    let store_kind = store.kind();
+    let app = App { locker: locker.clone(), store, unlocked };
+    let router = router(app);
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(
+        backend = locker.backend_name(),
+        store = store_kind,
+        unlocked,
+        "orders listening on http://{}",
+        listener.local_addr()?
+    );
+    if unlocked {
+        tracing::warn!("ORDERS_UNLOCKED is set: stock changes run without the lock and will oversell");
+    }
+    axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await?;
+    tracing::info!("orders stopped");
+    Ok(())
+}
+
+fn non_empty_env(var: &str) -> Option<String> {
+    std::env::var(var).ok().map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
+}
+
+fn router(app: App) -> Router {
+    let reduce = post(reduce_stock);
+    let reduce = if app.unlocked {
+        reduce
+    } else {
+        reduce.layer(LockLayer::new("product.stock").json("product_id").wait(STOCK_WAIT))
+    };
+    // Until `#[lockable]` is available the same lock is a layer; the handler
+    // is written so that the attribute replaces this `.layer(..)`.
+    let create = post(create_order).layer(LockLayer::new("order.create").json("product.id").query("token"));
+    Router::new()
+        .route("/health", get(health))
+        .route("/products/{id}", get(get_product).put(put_product))
+        .route("/stock/reduce", reduce)
+        .route("/orders", create)
+        .layer(middleware::from_fn(access_log))
+        .with_locker(app.locker.clone())
+        .with_state(app)
+}
+
+/// One line per request: method, path, status, time, and what happened to
+/// its lock.
+async fn access_log(req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let started = Instant::now();
+    let response = next.run(req).await;
+    let lock = response.extensions().get::<LockOutcome>().map_or_else(|| "-".to_owned(), ToString::to_string);
+    tracing::info!(
+        %method,
+        path,
+        status = response.status().as_u16(),
+        ms = format_args!("{:.2}", started.elapsed().as_secs_f64() * 1e3),
+        lock,
+        "request"
+    );
+    response
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down: finishing requests in flight");
+}
+
+/// A failed request: its JSON rejection and, when a lock was involved, the
+/// lock's outcome for the access log.
+#[derive(Debug)]
+struct AppError {
+    rejection: Rejection,
+    lock: Option<LockOutcome>,
+}
+
+impl From<Rejection> for AppError {
+    fn from(rejection: Rejection) -> Self {
+        AppError { rejection, lock: None }
+    }
+}
+
+impl From<StoreError> for AppError {
+    fn from(e: StoreError) -> Self {
+        tracing::warn!(error = %e, "store unavailable");
+        Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", 3004, "the product store is unavailable, please retry later")
+            .into()
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> Response {
+        let mut response = self.rejection.into_response();
+        if let Some(lock) = self.lock {
+            response.extensions_mut().insert(lock);
+        }
+        response
+    }
+}
+
+fn sold_out(id: &ProductId, stock: i64, wanted: i64) -> Rejection {
+    Rejection::new(StatusCode::CONFLICT, "sold_out", 3001, format!("product {id} has {stock} left, {wanted} wanted"))
+}
+
+fn not_found(id: &ProductId) -> Rejection {
+    Rejection::new(StatusCode::NOT_FOUND, "product_not_found", 3002, format!("no product {id}"))
+}
+
+fn invalid_quantity() -> Rejection {
+    Rejection::new(StatusCode::BAD_REQUEST, "invalid_quantity", 3003, "quantity must be at least 1")
+}
+
+/// A JSON body, whatever its content type (so `curl -d` works); a bad body
+/// is answered in the service's JSON error shape.
+#[derive(Debug)]
+struct JsonBody<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = Rejection;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|_| Rejection::body_unreadable())?;
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(|e| Rejection::invalid_json().with_message(format!("invalid request body: {e}")))
+    }
+}
+
+async fn health(State(app): State<App>) -> Json<Value> {
+    Json(json!({"status": "ok", "backend": app.locker.backend_name()}))
+}
+
+fn product_json(id: &ProductId, s: Stock) -> Json<Value> {
+    Json(json!({"id": id, "stock": s.stock, "sold": s.sold}))
+}
+
+async fn get_product(State(app): State<App>, Path(id): Path<String>) -> Result<Json<Value>, AppError> {
+    let id = ProductId::from_path(id);
+    match app.store.get(id.as_str()).await? {
+        Some(s) => Ok(product_json(&id, s)),
+        None => Err(not_found(&id).into()),
+    }
+}
+
+async fn put_product(
+    State(app): State<App>,
+    Path(id): Path<String>,
+    JsonBody(SetStock { stock }): JsonBody<SetStock>,
+) -> Result<Json<Value>, AppError> {
+    let id = ProductId::from_path(id);
+    if stock < 0 {
+        return Err(Rejection::new(StatusCode::BAD_REQUEST, "invalid_stock", 3005, "stock must not be negative").into());
+    }
+    let s = Stock { stock, sold: 0 };
+    // Under the stock lock, so a restock never interleaves with a sale.
+    app.with_stock_lock(&id, async { app.store.put(id.as_str(), s).await.map_err(AppError::from) }).await?;
+    Ok(product_json(&id, s))
+}
+
+/// Behind `LockLayer::new("product.stock").json("product_id")`: the layer
+/// holds the product's lock while this runs.
+async fn reduce_stock(
+    State(app): State<App>,
+    JsonBody(ReduceStock { product_id, quantity }): JsonBody<ReduceStock>,
+) -> Result<Json<Value>, AppError> {
+    let remaining = take_stock(&app.store, &product_id, quantity).await?;
+    Ok(Json(json!({"product_id": product_id, "remaining": remaining})))
+}
+
+/// `POST /orders?token=T`, the seed's `createOrder`: one order per product
+/// and token at a time, the token spent once, the stock reduced under the
+/// same lock as `/stock/reduce`.
+// #[lockable(key = "order.create", fields = ["product.id", "token"])]
+async fn create_order(
+    State(app): State<App>,
+    Query(TokenParam { token }): Query<TokenParam>,
+    JsonBody(CreateOrder { product, quantity }): JsonBody<CreateOrder>,
+) -> Result<Response, AppError> {
+    let Some(token) = token.filter(|t| !t.is_empty()) else {
+        return Err(Rejection::idempotency_token_missing().into());
+    };
+    if quantity < 1 {
+        return Err(invalid_quantity().into());
+    }
+    let ProductRef { id } = product;
+    if !spend_token(&app.store, &token).await? {
+        return Err(Rejection::duplicate_submission()
+            .with_message("this order token is unknown or was already used")
+            .into());
+    }
+    let remaining = app.with_stock_lock(&id, take_stock(&app.store, &id, quantity)).await?;
+    let order_id = new_order_id()?;
+    let order = json!({"order_id": order_id, "product_id": id, "quantity": quantity});
+    app.store.record_order(&order_id, &order).await?;
+    tracing::debug!(%order_id, product = %id, quantity, remaining, "order placed");
+    Ok((StatusCode::CREATED, Json(order)).into_response())
+}
+
+/// Spends a one-time order token. Until the idempotency tokens of
+/// `GET /idempotency/token` exist, any non-empty token is accepted once (per
+/// process in memory, across instances when the store is Redis).
+async fn spend_token(store: &Store, token: &str) -> Result<bool, StoreError> {
+    store.spend_token(token).await
+}
+
+fn new_order_id() -> Result<String, AppError> {
+    let mut bytes = [0u8; 12];
+    getrandom::fill(&mut bytes).map_err(|e| {
+        tracing::error!(error = %e, "OS random source failed");
+        AppError::from(Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "order_id_unavailable", 3006, "cannot create an order id"))
+    })?;
+    Ok(bytes.iter().fold(String::from("ord_"), |mut s, b| {
+        s.push_str(&format!("{b:02x}"));
+        s
+    }))
+}
+
+/// The deliberately non-atomic read-modify-write: read, await, write. Only a
+/// lock around it keeps two sales from reading the same stock.
+async fn take_stock(store: &Store, id: &ProductId, quantity: i64) -> Result<i64, AppError> {
+    if quantity < 1 {
+        return Err(invalid_quantity().into());
+    }
+    let Some(current) = store.get(id.as_str()).await? else {
+        return Err(not_found(id).into());
+    };
+    if current.stock < quantity {
+        return Err(sold_out(id, current.stock, quantity).into());
+    }
+    // Another request that read the same stock would now write the same
+    // result: the lost update the lock prevents.
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let next = Stock { stock: current.stock - quantity, sold: current.sold + quantity };
+    store.put(id.as_str(), next).await?;
+    Ok(next.stock)
+}
+
+impl App {
+    /// Runs `work` holding the product's stock lock (the key
+    /// `LockLayer::new("product.stock").json("product_id")` builds), unless
+    /// the service runs unlocked.
+    async fn with_stock_lock<T>(
+        &self,
+        id: &ProductId,
+        work: impl std::future::Future<Output = Result<T, AppError>>,
+    ) -> Result<T, AppError> {
+        if self.unlocked {
+            return work.await;
+        }
+        let refuse = |e: dlock_core::Error, lock: LockOutcome| {
+            if !e.is_contention() {
+                tracing::warn!(error = %e, "stock lock unavailable");
+            }
+            AppError { rejection: Rejection::from_lock_error(&e), lock: Some(lock) }
+        };
+        let key = self.locker.key("product.stock").part(id).build().map_err(|e| Rejection::from_lock_error(&e))?;
+        let started = Instant::now();
+        let guard = match self.locker.acquire(&key, AcquireOptions::new().wait(STOCK_WAIT)).await {
+            Ok(g) => g,
+            Err(e) if e.is_contention() => return Err(refuse(e, LockOutcome::Busy { waited: started.elapsed() })),
+            Err(e) => return Err(refuse(e, LockOutcome::Unavailable)),
+        };
+        let result = work.await;
+        if let Err(e) = guard.release().await {
+            tracing::warn!(error = %e, key = %key, "release failed; the lease frees the lock");
+        }
+        result
+    }
+}

@@ -1,0 +1,158 @@
+//! Where the `orders` service keeps products, orders and spent tokens: in
+//! process, or in a Redis shared by several instances.
+//!
+//! Products are read and written with plain `GET` / `SET` on purpose: the
+//! read-modify-write of stock is not atomic, so only the lock keeps
+//! concurrent sales from overselling.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::AsyncCommands;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex;
+
+/// Stock and sales of one product, as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Stock {
+    /// Units left.
+    pub(crate) stock: i64,
+    /// Units sold since the stock was last set.
+    pub(crate) sold: i64,
+}
+
+/// The store could not be reached or answered garbage.
+#[derive(Debug, thiserror::Error)]
+#[error("store unavailable: {0}")]
+pub(crate) struct StoreError(String);
+
+impl From<redis::RedisError> for StoreError {
+    fn from(e: redis::RedisError) -> Self {
+        StoreError(e.to_string())
+    }
+}
+
+/// Products, orders and spent order tokens.
+#[derive(Clone)]
+pub(crate) enum Store {
+    /// In this process only.
+    Memory(Arc<Mutex<MemoryStore>>),
+    /// In a Redis that several instances share.
+    Redis(ConnectionManager),
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Store::Memory(_) => "Store::Memory",
+            Store::Redis(_) => "Store::Redis",
+        })
+    }
+}
+
+/// The in-process tables.
+#[derive(Debug, Default)]
+pub(crate) struct MemoryStore {
+    products: HashMap<String, Stock>,
+    orders: HashMap<String, String>,
+    tokens: HashSet<String>,
+}
+
+const PREFIX: &str = "orders";
+/// How long a spent token is remembered in Redis.
+const TOKEN_TTL_SECS: u64 = 86_400;
+
+fn product_key(id: &str) -> String {
+    format!("{PREFIX}:product:{id}")
+}
+
+impl Store {
+    /// An empty in-process store.
+    pub(crate) fn memory() -> Self {
+        Store::Memory(Arc::default())
+    }
+
+    /// A store in the Redis at `url`. Commands give up after a second so a
+    /// dead Redis answers errors, not hangs; the connection comes back by
+    /// itself when the server does.
+    pub(crate) async fn redis(url: &str) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(1)))
+            .set_response_timeout(Some(Duration::from_secs(1)))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        Ok(Store::Redis(ConnectionManager::new_with_config(client, config).await?))
+    }
+
+    /// `memory` or `redis`.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Store::Memory(_) => "memory",
+            Store::Redis(_) => "redis",
+        }
+    }
+
+    /// The stock of product `id`, if it exists.
+    pub(crate) async fn get(&self, id: &str) -> Result<Option<Stock>, StoreError> {
+        match self {
+            Store::Memory(m) => Ok(m.lock().await.products.get(id).copied()),
+            Store::Redis(conn) => {
+                let raw: Option<String> = conn.clone().get(product_key(id)).await?;
+                raw.map(|s| serde_json::from_str(&s).map_err(|e| StoreError(format!("product {id}: {e}"))))
+                    .transpose()
+            }
+        }
+    }
+
+    /// Overwrites the stock of product `id`.
+    pub(crate) async fn put(&self, id: &str, stock: Stock) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.lock().await.products.insert(id.to_owned(), stock);
+                Ok(())
+            }
+            Store::Redis(conn) => {
+                let raw = serde_json::to_string(&stock).map_err(|e| StoreError(e.to_string()))?;
+                let () = conn.clone().set(product_key(id), raw).await?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Marks `token` spent. `true` the first time, `false` ever after (per
+    /// process in memory; across instances in Redis, with one `SET NX`).
+    pub(crate) async fn spend_token(&self, token: &str) -> Result<bool, StoreError> {
+        match self {
+            Store::Memory(m) => Ok(m.lock().await.tokens.insert(token.to_owned())),
+            Store::Redis(conn) => {
+                let set: Option<String> = redis::cmd("SET")
+                    .arg(format!("{PREFIX}:token:{token}"))
+                    .arg(1)
+                    .arg("NX")
+                    .arg("EX")
+                    .arg(TOKEN_TTL_SECS)
+                    .query_async(&mut conn.clone())
+                    .await?;
+                Ok(set.is_some())
+            }
+        }
+    }
+
+    /// Records an order (its JSON) under `order_id`.
+    pub(crate) async fn record_order(&self, order_id: &str, order: &serde_json::Value) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.lock().await.orders.insert(order_id.to_owned(), order.to_string());
+                Ok(())
+            }
+            Store::Redis(conn) => {
+                let () = conn.clone().set(format!("{PREFIX}:order:{order_id}"), order.to_string()).await?;
+                Ok(())
+            }
+        }
+    }
+}
