@@ -1,0 +1,337 @@
+//! The built `orders` binary, started as real processes: two instances
+//! against one real Redis never sell more than the stock; without the lock
+//! they do; a dead Redis is a quick 503 and the service recovers when Redis
+//! returns.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dlock_testing::RedisServer;
+use serde_json::{json, Value};
+
+/// A plain HTTP/1.1 client over a fresh connection per request, enough for
+/// these tests and nothing to build.
+mod http {
+    use serde_json::Value;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    /// A response: status, headers (lower-case names) and the body as JSON.
+    #[derive(Debug)]
+    pub(crate) struct Reply {
+        pub(crate) status: u16,
+        pub(crate) headers: Vec<(String, String)>,
+        pub(crate) json: Value,
+    }
+
+    impl Reply {
+        pub(crate) fn header(&self, name: &str) -> Option<&str> {
+            self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+        }
+    }
+
+    pub(crate) async fn request(addr: &str, method: &str, path: &str, body: Option<&Value>) -> Result<Reply, String> {
+        tokio::time::timeout(Duration::from_secs(30), send(addr, method, path, body))
+            .await
+            .map_err(|_| format!("{method} {path}: no answer within 30 s"))?
+    }
+
+    async fn send(addr: &str, method: &str, path: &str, body: Option<&Value>) -> Result<Reply, String> {
+        let body = body.map(Value::to_string).unwrap_or_default();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let mut stream = TcpStream::connect(addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
+        stream.write_all(head.as_bytes()).await.map_err(|e| e.to_string())?;
+        stream.write_all(body.as_bytes()).await.map_err(|e| e.to_string())?;
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.map_err(|e| format!("read: {e}"))?;
+        parse(&raw)
+    }
+
+    fn parse(raw: &[u8]) -> Result<Reply, String> {
+        let text = String::from_utf8_lossy(raw);
+        let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| format!("no header end in {text:?}"))?;
+        let mut lines = head.lines();
+        let status_line = lines.next().unwrap_or_default();
+        let status = status_line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("bad status line {status_line:?}"))?;
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect();
+        let chunked = headers.iter().any(|(n, v)| n == "transfer-encoding" && v.contains("chunked"));
+        let body = if chunked { dechunk(body)? } else { body.to_owned() };
+        let json = if body.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&body).map_err(|e| format!("status {status}, body not JSON ({e}): {body:?}"))?
+        };
+        Ok(Reply { status, headers, json })
+    }
+
+    fn dechunk(mut rest: &str) -> Result<String, String> {
+        let mut out = String::new();
+        loop {
+            let (size, after) = rest.split_once("\r\n").ok_or("bad chunk header")?;
+            let size = usize::from_str_radix(size.trim(), 16).map_err(|e| format!("bad chunk size: {e}"))?;
+            if size == 0 {
+                return Ok(out);
+            }
+            out.push_str(after.get(..size).ok_or("short chunk")?);
+            rest = after.get(size + 2..).ok_or("short chunk")?;
+        }
+    }
+}
+
+use http::request;
+
+/// One running `orders` process, killed on drop.
+struct Orders {
+    child: Child,
+    addr: String,
+}
+
+impl Orders {
+    /// Starts the binary on a free port with `env` and waits until
+    /// `/health` answers.
+    async fn start(env: &[(&str, &str)]) -> Orders {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_orders"));
+        cmd.env("ORDERS_ADDR", "127.0.0.1:0")
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .env_remove("DLOCK_BACKEND")
+            .env_remove("ORDERS_REDIS_URL")
+            .env_remove("ORDERS_UNLOCKED")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start the orders binary");
+        let stdout = child.stdout.take().expect("piped stdout");
+        // The log line names the port the OS picked; the rest of the log is
+        // passed on so a failing test shows it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("listening on http://").nth(1) {
+                    let addr = addr.split_whitespace().next().unwrap_or_default().to_owned();
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr);
+                    }
+                }
+                if std::env::var_os("ORDERS_TEST_LOG").is_some() {
+                    eprintln!("[orders] {line}");
+                }
+            }
+        });
+        let addr = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30)))
+            .await
+            .expect("join")
+            .unwrap_or_else(|_| panic!("orders did not log its address within 30 s (it may have failed to start)"));
+        let orders = Orders { child, addr };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match request(&orders.addr, "GET", "/health", None).await {
+                Ok(r) if r.status == 200 => return orders,
+                other => {
+                    assert!(Instant::now() < deadline, "orders /health not ready within 30 s: {other:?}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Orders {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Outcome of one burst of sales.
+#[derive(Debug, Default)]
+struct Burst {
+    ok: usize,
+    sold_out: usize,
+    other: Vec<(u16, Value)>,
+    stock: i64,
+    sold: i64,
+}
+
+/// Sets the stock of product `id` to `stock`, then fires `requests`
+/// concurrent `/stock/reduce` of one unit each, alternating between the
+/// instances, and reads the product back.
+async fn burst(instances: &[&Orders], id: u64, stock: i64, requests: usize) -> Burst {
+    let put = request(&instances[0].addr, "PUT", &format!("/products/{id}"), Some(&json!({"stock": stock})))
+        .await
+        .expect("PUT product");
+    assert_eq!(put.status, 200, "{:?}", put.json);
+    assert_eq!(put.json, json!({"id": id, "stock": stock, "sold": 0}));
+
+    let body = json!({"product_id": id, "quantity": 1});
+    let tasks: Vec<_> = (0..requests)
+        .map(|i| {
+            let addr = instances[i % instances.len()].addr.clone();
+            let body = body.clone();
+            tokio::spawn(async move { request(&addr, "POST", "/stock/reduce", Some(&body)).await })
+        })
+        .collect();
+    let mut out = Burst::default();
+    for t in tasks {
+        let r = t.await.expect("task").expect("reduce answered");
+        match (r.status, r.json["error"].as_str()) {
+            (200, _) => out.ok += 1,
+            (409, Some("sold_out")) => out.sold_out += 1,
+            _ => out.other.push((r.status, r.json)),
+        }
+    }
+    let product = request(&instances[1 % instances.len()].addr, "GET", &format!("/products/{id}"), None)
+        .await
+        .expect("GET product");
+    assert_eq!(product.status, 200);
+    out.stock = product.json["stock"].as_i64().expect("stock");
+    out.sold = product.json["sold"].as_i64().expect("sold");
+    out
+}
+
+fn redis_env(url: &str) -> Vec<(&'static str, String)> {
+    vec![("DLOCK_BACKEND", "redis".into()), ("DLOCK_REDIS_URL", url.into()), ("ORDERS_REDIS_URL", url.into())]
+}
+
+fn as_refs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_instances_on_one_redis_sell_exactly_the_stock() {
+    let redis = RedisServer::start();
+    let env = redis_env(&redis.url());
+    let a = Orders::start(&as_refs(&env)).await;
+    let b = Orders::start(&as_refs(&env)).await;
+    let health = request(&a.addr, "GET", "/health", None).await.expect("health");
+    assert_eq!(health.json, json!({"status": "ok", "backend": "redis"}));
+
+    let started = Instant::now();
+    let r = burst(&[&a, &b], 1, 50, 240).await;
+    eprintln!("locked burst: {r:?} in {:?}", started.elapsed());
+    assert!(r.other.is_empty(), "unexpected answers: {:?}", r.other);
+    assert_eq!(r.ok, 50, "{r:?}");
+    assert_eq!(r.sold_out, 190, "{r:?}");
+    assert_eq!((r.stock, r.sold), (0, 50), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_the_lock_two_instances_oversell() {
+    let redis = RedisServer::start();
+    let mut env = redis_env(&redis.url());
+    env.push(("ORDERS_UNLOCKED", "1".into()));
+    let a = Orders::start(&as_refs(&env)).await;
+    let b = Orders::start(&as_refs(&env)).await;
+    // The race is a matter of timing; three rounds make a miss all but
+    // impossible, and one oversell is all this test needs to see.
+    let mut rounds = Vec::new();
+    for round in 0..3 {
+        let r = burst(&[&a, &b], 100 + round, 50, 240).await;
+        let oversold = r.ok > 50 || r.sold > 50 || r.stock + r.sold != 50;
+        rounds.push(r);
+        if oversold {
+            eprintln!("oversold in round {round}: {:?}", rounds.last());
+            return;
+        }
+    }
+    panic!("no oversell without the lock in 3 rounds: {rounds:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_redis_is_a_quick_503_and_the_service_recovers() {
+    let mut redis = RedisServer::start();
+    let env = redis_env(&redis.url());
+    let orders = Orders::start(&as_refs(&env)).await;
+    let put = request(&orders.addr, "PUT", "/products/7", Some(&json!({"stock": 5}))).await.expect("PUT");
+    assert_eq!(put.status, 200);
+    let reduce = json!({"product_id": 7, "quantity": 1});
+    assert_eq!(request(&orders.addr, "POST", "/stock/reduce", Some(&reduce)).await.expect("reduce").status, 200);
+
+    redis.kill();
+    let started = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(10), request(&orders.addr, "POST", "/stock/reduce", Some(&reduce)))
+        .await
+        .expect("an answer within 10 s, not a hang")
+        .expect("an HTTP answer");
+    eprintln!("dead redis answered {} in {:?}: {}", r.status, started.elapsed(), r.json);
+    assert_eq!(r.status, 503, "{}", r.json);
+    assert_eq!(r.json["error"], "lock_backend_unavailable");
+    assert!(r.json["code"].is_u64() && r.json["message"].is_string(), "{}", r.json);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert_eq!(request(&orders.addr, "GET", "/health", None).await.expect("health").status, 200);
+
+    // Redis comes back empty (no persistence): restock, then sales work again.
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let put = request(&orders.addr, "PUT", "/products/7", Some(&json!({"stock": 5}))).await.expect("PUT");
+        let sale = if put.status == 200 {
+            Some(request(&orders.addr, "POST", "/stock/reduce", Some(&reduce)).await.expect("reduce"))
+        } else {
+            None
+        };
+        match sale {
+            Some(r) if r.status == 200 => {
+                assert_eq!(r.json, json!({"product_id": 7, "remaining": 4}));
+                break;
+            }
+            other => {
+                assert!(
+                    Instant::now() < deadline,
+                    "not recovered 30 s after Redis came back: PUT {} {}, sale {other:?}",
+                    put.status,
+                    put.json
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_spend_their_token_once() {
+    let orders = Orders::start(&[]).await;
+    let addr = orders.addr.as_str();
+    assert_eq!(
+        request(addr, "GET", "/health", None).await.expect("health").json,
+        json!({"status": "ok", "backend": "memory"})
+    );
+    assert_eq!(request(addr, "PUT", "/products/5", Some(&json!({"stock": 2}))).await.expect("PUT").status, 200);
+    let order = json!({"product": {"id": 5}, "quantity": 1});
+
+    let first = request(addr, "POST", "/orders?token=t-1", Some(&order)).await.expect("order");
+    assert_eq!(first.status, 201, "{}", first.json);
+    assert!(first.json["order_id"].as_str().is_some_and(|s| !s.is_empty()), "{}", first.json);
+    assert_eq!((first.json["product_id"].clone(), first.json["quantity"].clone()), (json!(5), json!(1)));
+
+    let again = request(addr, "POST", "/orders?token=t-1", Some(&order)).await.expect("order");
+    assert_eq!((again.status, again.json["error"].as_str()), (409, Some("duplicate_submission")), "{}", again.json);
+
+    let missing = request(addr, "POST", "/orders", Some(&order)).await.expect("order");
+    assert_eq!(missing.status, 400, "{}", missing.json);
+
+    let big = json!({"product": {"id": 5}, "quantity": 5});
+    let sold_out = request(addr, "POST", "/orders?token=t-2", Some(&big)).await.expect("order");
+    assert_eq!((sold_out.status, sold_out.json["error"].as_str()), (409, Some("sold_out")), "{}", sold_out.json);
+
+    let product = request(addr, "GET", "/products/5", None).await.expect("GET");
+    assert_eq!(product.json, json!({"id": 5, "stock": 1, "sold": 1}));
+    let unknown = request(addr, "GET", "/products/404", None).await.expect("GET");
+    assert_eq!((unknown.status, unknown.json["error"].as_str()), (404, Some("product_not_found")));
+}
