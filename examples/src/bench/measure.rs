@@ -1,0 +1,245 @@
+//! The measurement harness shared by every benchmark: a warm-up, one timed
+//! window, latencies of the operations that completed inside it, and the
+//! Redis commands the server executed inside it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::{BenchError, Result};
+
+/// How long tasks get to stop after the window closed before the run is
+/// declared hung.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Warm-up and window lengths.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    pub(crate) warmup: Duration,
+    pub(crate) duration: Duration,
+}
+
+/// A clock shared by the tasks of one measurement: nanoseconds since its
+/// start, so that timestamps fit an `AtomicU64`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Clock(Instant);
+
+impl Clock {
+    pub(crate) fn start() -> Self {
+        Clock(Instant::now())
+    }
+
+    pub(crate) fn now_ns(&self) -> u64 {
+        u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// One completed operation: when it completed and how long it took (ns).
+pub(crate) type Record = (u64, u64);
+
+/// Reads `INFO commandstats` of the server under test.
+#[derive(Clone)]
+pub(crate) struct CommandCounter {
+    conn: MultiplexedConnection,
+}
+
+impl std::fmt::Debug for CommandCounter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommandCounter").finish_non_exhaustive()
+    }
+}
+
+/// `command -> calls`, as `INFO commandstats` reports them.
+pub(crate) type CommandStats = HashMap<String, u64>;
+
+impl CommandCounter {
+    pub(crate) fn new(conn: MultiplexedConnection) -> Self {
+        CommandCounter { conn }
+    }
+
+    pub(crate) async fn snapshot(&self) -> Result<CommandStats> {
+        let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut self.conn.clone()).await?;
+        Ok(dlock_testing::parse_command_stats(&info))
+    }
+}
+
+/// Commands the server executed between two snapshots.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct CommandDelta {
+    /// Commands sent by clients (EVALSHA, SET, SUBSCRIBE, …).
+    pub(crate) client: u64,
+    /// Every call, including those a Lua script makes (HGET, PUBLISH, …).
+    pub(crate) server: u64,
+}
+
+/// The difference `after - before`, not counting our own `INFO` calls.
+///
+/// `INFO commandstats` counts the calls a Lua script makes as well, so
+/// `script_internal` names the commands that the implementation under test
+/// only ever issues from inside its scripts; they count as server calls, not
+/// client commands.
+pub(crate) fn command_delta(before: &CommandStats, after: &CommandStats, script_internal: &[&str]) -> CommandDelta {
+    let mut delta = CommandDelta::default();
+    for (name, &calls) in after {
+        if name == "info" {
+            continue;
+        }
+        let d = calls.saturating_sub(before.get(name).copied().unwrap_or(0));
+        delta.server += d;
+        if !script_internal.contains(&name.as_str()) {
+            delta.client += d;
+        }
+    }
+    delta
+}
+
+/// What one window measured.
+#[derive(Debug, Clone)]
+pub(crate) struct Sample {
+    pub(crate) ops_per_sec: f64,
+    pub(crate) p50_us: f64,
+    pub(crate) p99_us: f64,
+    /// Operations completed in the window.
+    pub(crate) ops: u64,
+    /// Commands per operation: (client, server). `None` without a counter.
+    pub(crate) cmds_per_op: Option<(f64, f64)>,
+}
+
+/// The nearest-rank percentile `q` (0..=1) of sorted nanoseconds, in µs.
+pub(crate) fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
+    if sorted_ns.is_empty() {
+        return 0.0;
+    }
+    let rank = ((q * sorted_ns.len() as f64).ceil() as usize).clamp(1, sorted_ns.len());
+    sorted_ns[rank - 1] as f64 / 1000.0
+}
+
+/// The median; the mean of the two middle values for an even count.
+pub(crate) fn median(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = values.into_iter().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    Some(if v.len() % 2 == 1 { v[mid] } else { (v[mid - 1] + v[mid]) / 2.0 })
+}
+
+/// Runs `workers` tasks through a warm-up and one window, then stops them.
+///
+/// Each worker gets its index, the shared clock and a stop flag; it loops
+/// until the flag is set and returns the [`Record`]s of its operations.
+/// Operations that complete inside the window count: their number gives the
+/// rate, their latencies the percentiles. When a `counter` is given, the
+/// server's command counts are read at both ends of the window.
+pub(crate) async fn run_window<W, F>(
+    workers: usize,
+    timing: Timing,
+    counter: Option<(&CommandCounter, &[&str])>,
+    worker: W,
+) -> Result<Sample>
+where
+    W: Fn(usize, Clock, Arc<AtomicBool>) -> F,
+    F: Future<Output = Result<Vec<Record>>> + Send + 'static,
+{
+    let clock = Clock::start();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut set = JoinSet::new();
+    for i in 0..workers {
+        set.spawn(worker(i, clock, stop.clone()));
+    }
+    let outcome = async {
+        tokio::time::sleep(timing.warmup).await;
+        let before = match counter {
+            Some((c, _)) => Some(c.snapshot().await?),
+            None => None,
+        };
+        let start = clock.now_ns();
+        tokio::time::sleep(timing.duration).await;
+        let end = clock.now_ns();
+        let delta = match (counter, before) {
+            (Some((c, internal)), Some(before)) => Some(command_delta(&before, &c.snapshot().await?, internal)),
+            _ => None,
+        };
+        Ok::<_, BenchError>((start, end, delta))
+    }
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let mut records = Vec::new();
+    let mut task_error = None;
+    let joined = tokio::time::timeout(STOP_TIMEOUT, async {
+        while let Some(res) = set.join_next().await {
+            let res = res.map_err(|e| BenchError::Invariant(format!("a benchmark task failed: {e}")));
+            match res.and_then(|r| r) {
+                Ok(mut r) => records.append(&mut r),
+                Err(e) => {
+                    task_error.get_or_insert(e);
+                }
+            }
+        }
+    })
+    .await;
+    if joined.is_err() {
+        set.abort_all();
+        return Err(BenchError::Invariant(format!(
+            "benchmark tasks did not stop within {STOP_TIMEOUT:?} after the window closed (a lost wake-up?)"
+        )));
+    }
+    let (start, end, delta) = outcome?;
+    if let Some(e) = task_error {
+        return Err(e);
+    }
+    let mut latencies: Vec<u64> =
+        records.into_iter().filter(|(done, _)| (start..=end).contains(done)).map(|(_, lat)| lat).collect();
+    latencies.sort_unstable();
+    let ops = latencies.len() as u64;
+    let secs = Duration::from_nanos(end.saturating_sub(start)).as_secs_f64();
+    Ok(Sample {
+        ops_per_sec: if secs > 0.0 { ops as f64 / secs } else { 0.0 },
+        p50_us: percentile_us(&latencies, 0.50),
+        p99_us: percentile_us(&latencies, 0.99),
+        ops,
+        cmds_per_op: delta.filter(|_| ops > 0).map(|d| (d.client as f64 / ops as f64, d.server as f64 / ops as f64)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        let v: Vec<u64> = (1..=100).map(|x| x * 1000).collect();
+        assert_eq!(percentile_us(&v, 0.50), 50.0);
+        assert_eq!(percentile_us(&v, 0.99), 99.0);
+        assert_eq!(percentile_us(&[7000], 0.99), 7.0);
+        assert_eq!(percentile_us(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn median_of_odd_and_even() {
+        assert_eq!(median([3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median([4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(std::iter::empty()), None);
+    }
+
+    #[test]
+    fn command_delta_splits_script_calls() {
+        let before: CommandStats = [("evalsha".to_owned(), 10), ("hget".to_owned(), 10), ("info".to_owned(), 1)].into();
+        let after: CommandStats = [
+            ("evalsha".to_owned(), 14),
+            ("hget".to_owned(), 14),
+            ("subscribe".to_owned(), 1),
+            ("info".to_owned(), 2),
+        ]
+        .into();
+        let d = command_delta(&before, &after, &["hget"]);
+        assert_eq!(d, CommandDelta { client: 5, server: 9 });
+    }
+}

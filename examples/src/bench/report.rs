@@ -1,0 +1,168 @@
+//! One row type for every benchmark, printed as tables or JSON lines.
+
+use std::fmt::Write as _;
+
+use serde_json::{json, Map, Value};
+
+/// A stated goal and whether the measurement met it.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    /// E.g. `p50 <= 250 us`.
+    pub(crate) goal: String,
+    pub(crate) met: bool,
+}
+
+/// One line of results: an implementation on a backend at one concurrency.
+#[derive(Debug, Clone)]
+pub(crate) struct Row {
+    /// `uncontended`, `handoff`, …
+    pub(crate) bench: &'static str,
+    /// `dlock`, `baseline`, `poll-1ms`, …
+    pub(crate) imp: String,
+    /// `redis`, `memory`, …
+    pub(crate) backend: &'static str,
+    /// Tasks (uncontended) or contenders K (handoff).
+    pub(crate) concurrency: usize,
+    pub(crate) ops_per_sec: f64,
+    pub(crate) p50_us: f64,
+    pub(crate) p99_us: f64,
+    /// Client commands per acquisition (0 for in-process backends).
+    pub(crate) cmds_per_acquisition: Option<f64>,
+    /// Every server call per acquisition, Lua scripts' calls included.
+    pub(crate) server_cmds_per_acquisition: Option<f64>,
+    /// dlock / baseline throughput, on rows that have a baseline.
+    pub(crate) ratio: Option<f64>,
+    pub(crate) targets: Vec<Target>,
+    /// Measurements the medians were taken over.
+    pub(crate) rounds: usize,
+    /// Operations measured, all rounds together.
+    pub(crate) samples: u64,
+}
+
+impl Row {
+    /// The row as one JSON object.
+    pub(crate) fn to_json(&self) -> Value {
+        let mut m = Map::new();
+        m.insert("bench".into(), json!(self.bench));
+        m.insert("impl".into(), json!(self.imp));
+        m.insert("backend".into(), json!(self.backend));
+        m.insert("concurrency".into(), json!(self.concurrency));
+        m.insert("ops_per_sec".into(), json!(round(self.ops_per_sec, 1)));
+        m.insert("p50_us".into(), json!(round(self.p50_us, 1)));
+        m.insert("p99_us".into(), json!(round(self.p99_us, 1)));
+        if let Some(c) = self.cmds_per_acquisition {
+            m.insert("cmds_per_acquisition".into(), json!(round(c, 2)));
+        }
+        if let Some(c) = self.server_cmds_per_acquisition {
+            m.insert("server_cmds_per_acquisition".into(), json!(round(c, 2)));
+        }
+        if let Some(r) = self.ratio {
+            m.insert("ratio".into(), json!(round(r, 3)));
+        }
+        if !self.targets.is_empty() {
+            m.insert("targets".into(), json!(self.targets.iter().map(|t| t.goal.as_str()).collect::<Vec<_>>()));
+            m.insert("meets_targets".into(), json!(self.targets.iter().all(|t| t.met)));
+        }
+        m.insert("rounds".into(), json!(self.rounds));
+        m.insert("samples".into(), json!(self.samples));
+        Value::Object(m)
+    }
+}
+
+fn round(x: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (x * f).round() / f
+}
+
+/// One JSON object per line.
+pub(crate) fn json_lines(rows: &[Row]) -> String {
+    rows.iter().map(|r| format!("{}\n", r.to_json())).collect()
+}
+
+/// A table per benchmark, with a title line for each.
+pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
+    let mut out = String::new();
+    let mut benches: Vec<&str> = Vec::new();
+    for r in rows {
+        if !benches.contains(&r.bench) {
+            benches.push(r.bench);
+        }
+    }
+    for bench in benches {
+        let title = titles.iter().find(|(b, _)| *b == bench).map_or(bench, |(_, t)| t);
+        let _ = writeln!(out, "\n{title}");
+        let conc = if bench == "handoff" { "K" } else { "conc" };
+        let _ = writeln!(
+            out,
+            "{:<13} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>6}  targets",
+            "impl", "backend", conc, "ops/s", "p50 us", "p99 us", "cmds/acq", "srv/acq", "ratio"
+        );
+        for r in rows.iter().filter(|r| r.bench == bench) {
+            let opt = |v: Option<f64>, d: usize| v.map_or("-".to_owned(), |v| format!("{v:.d$}"));
+            let targets = r
+                .targets
+                .iter()
+                .map(|t| format!("{} {}", t.goal, if t.met { "ok" } else { "MISSED" }))
+                .collect::<Vec<_>>()
+                .join("; ");
+            let _ = writeln!(
+                out,
+                "{:<13} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>6}  {}",
+                r.imp,
+                r.backend,
+                r.concurrency,
+                r.ops_per_sec,
+                r.p50_us,
+                r.p99_us,
+                opt(r.cmds_per_acquisition, 2),
+                opt(r.server_cmds_per_acquisition, 1),
+                opt(r.ratio, 3),
+                targets
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row() -> Row {
+        Row {
+            bench: "handoff",
+            imp: "dlock".into(),
+            backend: "redis",
+            concurrency: 8,
+            ops_per_sec: 512.345,
+            p50_us: 180.04,
+            p99_us: 410.0,
+            cmds_per_acquisition: Some(4.0),
+            server_cmds_per_acquisition: Some(20.5),
+            ratio: None,
+            targets: vec![Target { goal: "p50 <= 250 us".into(), met: true }],
+            rounds: 3,
+            samples: 900,
+        }
+    }
+
+    #[test]
+    fn json_has_the_documented_keys() {
+        let v = row().to_json();
+        for key in ["bench", "impl", "backend", "concurrency", "ops_per_sec", "p50_us", "p99_us", "cmds_per_acquisition"] {
+            assert!(v.get(key).is_some(), "missing {key} in {v}");
+        }
+        assert_eq!(v["impl"], "dlock");
+        assert_eq!(v["ops_per_sec"], 512.3);
+        assert_eq!(v["meets_targets"], true);
+        assert!(v.get("ratio").is_none());
+    }
+
+    #[test]
+    fn tables_show_every_row_under_its_title() {
+        let t = tables(&[row()], &[("handoff", "HANDOFF TITLE")]);
+        assert!(t.contains("HANDOFF TITLE"));
+        assert!(t.contains("p50 <= 250 us ok"));
+        assert!(t.lines().any(|l| l.starts_with("dlock") && l.contains("redis")));
+    }
+}

@@ -1,0 +1,112 @@
+//! `dlock-bench`: what dlock costs, against hand-written Redis locks, in one
+//! run against one local `redis-server`.
+//!
+//! * uncontended acquire+release cycles/s and p50/p99 latency at concurrency
+//!   1, 16 and 256, for dlock and for a raw `SET NX PX` + compare-and-delete
+//!   baseline, with the ratio dlock/baseline;
+//! * contended handoff on one key with K = 2, 8 and 32 tasks in strict-handoff
+//!   mode: release → next-acquire latency and Redis commands per acquisition,
+//!   for dlock (Redis and in-process) and for a 1 ms poller and naive pub/sub.
+//!
+//! ```sh
+//! cargo run --release --bin dlock-bench              # tables; starts its own redis-server
+//! cargo run --release --bin dlock-bench -- --json    # one JSON object per line
+//! cargo run --release --bin dlock-bench -- --quick --redis-url redis://127.0.0.1:6379
+//! ```
+
+#[path = "../bench/mod.rs"]
+mod bench;
+
+use std::process::ExitCode;
+
+use bench::args::{Args, USAGE};
+use bench::{handoff, report, uncontended, BenchError, Env, Result};
+use dlock_testing::RedisServer;
+
+fn main() -> ExitCode {
+    let args = match Args::parse(std::env::args().skip(1)) {
+        Ok(Some(args)) => args,
+        Ok(None) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("dlock-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&args) {
+        Ok(out) => {
+            print!("{out}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("dlock-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<String> {
+    // Kept alive until the end of the run; dropping it stops the server.
+    let (_server, url) = match &args.redis_url {
+        Some(url) => (None, url.clone()),
+        None => {
+            let server = start_server()?;
+            let url = server.url();
+            (Some(server), url)
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| BenchError::Invariant(format!("cannot start the tokio runtime: {e}")))?;
+    runtime.block_on(async {
+        let env = Env::connect(&url).await?;
+        eprintln!(
+            "dlock-bench: redis {} at {}{}, windows of {:?} after {:?} warm-up, rounds {}/{} (uncontended/handoff), settle {:?}",
+            env.server_version,
+            env.url,
+            if args.redis_url.is_none() { " (own server)" } else { "" },
+            args.duration,
+            args.warmup,
+            args.uncontended_rounds,
+            args.handoff_rounds,
+            args.settle,
+        );
+        let mut rows = Vec::new();
+        if args.runs("uncontended") {
+            rows.extend(uncontended::run(&env, args).await?);
+        }
+        if args.runs("handoff") {
+            rows.extend(handoff::run(&env, args).await?);
+        }
+        Ok(if args.json {
+            report::json_lines(&rows)
+        } else {
+            let header = format!(
+                "dlock-bench against redis {} ({}), medians over rounds; cmds/acq = client commands per acquisition, \
+                 srv/acq = every server call incl. those inside Lua scripts",
+                env.server_version, env.url
+            );
+            let titles = [("uncontended", uncontended::TITLE), ("handoff", handoff::TITLE)];
+            format!("{header}\n{}", report::tables(&rows, &titles))
+        })
+    })
+}
+
+/// Starts a `redis-server` on a free loopback port.
+fn start_server() -> Result<RedisServer> {
+    let installed = std::process::Command::new("redis-server")
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !installed {
+        return Err(BenchError::Server(
+            "`redis-server` is not installed; install it (`apt-get install -y redis-server`) or pass --redis-url".into(),
+        ));
+    }
+    std::panic::catch_unwind(RedisServer::start)
+        .map_err(|_| BenchError::Server("it did not come up (see the message above); or pass --redis-url".into()))
+}

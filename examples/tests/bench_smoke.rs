@@ -1,0 +1,72 @@
+//! Runs the built `dlock-bench` with `--quick --json` (it starts its own
+//! redis-server) and checks that every row parses and carries the documented
+//! keys with plausible numbers. Speed targets live in the benchmark, not here.
+
+use std::collections::BTreeSet;
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn quick_json_run_prints_rows_for_both_benches() {
+    let out = Command::new(env!("CARGO_BIN_EXE_dlock-bench"))
+        .args(["--quick", "--json"])
+        .output()
+        .expect("run dlock-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "dlock-bench failed: {}\nstderr:\n{stderr}", out.status);
+    let stdout = String::from_utf8(out.stdout).expect("utf-8 output");
+
+    let rows: Vec<Value> = stdout
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON row ({e}): {l}")))
+        .collect();
+    assert!(!rows.is_empty(), "no rows; stderr:\n{stderr}");
+
+    let mut seen = BTreeSet::new();
+    for row in &rows {
+        for key in ["bench", "impl", "backend", "concurrency", "ops_per_sec", "p50_us", "p99_us"] {
+            assert!(row.get(key).is_some(), "row without `{key}`: {row}");
+        }
+        let bench = row["bench"].as_str().expect("bench is a string");
+        let imp = row["impl"].as_str().expect("impl is a string");
+        let backend = row["backend"].as_str().expect("backend is a string");
+        assert!(row["concurrency"].as_u64().is_some_and(|c| c >= 1), "concurrency: {row}");
+        for key in ["ops_per_sec", "p50_us", "p99_us"] {
+            let v = row[key].as_f64().unwrap_or(-1.0);
+            assert!(v > 0.0, "`{key}` must be a positive number: {row}");
+        }
+        assert!(row["p99_us"].as_f64() >= row["p50_us"].as_f64(), "p99 below p50: {row}");
+        if bench == "handoff" || backend == "redis" {
+            let cmds = row["cmds_per_acquisition"].as_f64();
+            assert!(cmds.is_some(), "row without cmds_per_acquisition: {row}");
+            if backend == "redis" {
+                assert!(cmds.unwrap_or(0.0) > 0.0, "a Redis lock needs commands: {row}");
+            }
+        }
+        seen.insert((bench.to_owned(), imp.to_owned(), backend.to_owned(), row["concurrency"].as_u64()));
+    }
+
+    for (bench, concurrencies) in [("uncontended", [1, 16, 256]), ("handoff", [2, 8, 32])] {
+        for c in concurrencies {
+            for (imp, backend) in [
+                ("dlock", "redis"),
+                ("dlock", "memory"),
+                (if bench == "uncontended" { "baseline" } else { "poll-1ms" }, "redis"),
+            ] {
+                assert!(
+                    seen.contains(&(bench.to_owned(), imp.to_owned(), backend.to_owned(), Some(c))),
+                    "no {bench} row for {imp}/{backend} at {c}; rows:\n{stdout}"
+                );
+            }
+        }
+    }
+    let ratios: Vec<f64> = rows
+        .iter()
+        .filter(|r| r["bench"] == "uncontended" && r["impl"] == "dlock" && r["backend"] == "redis")
+        .map(|r| r["ratio"].as_f64().unwrap_or(-1.0))
+        .collect();
+    assert_eq!(ratios.len(), 3);
+    assert!(ratios.iter().all(|r| *r > 0.0), "ratios must be positive: {ratios:?}");
+}
