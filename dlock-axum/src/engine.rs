@@ -1,47 +1,4 @@
 //! Putting the lock engine where handlers and layers find it.
-//!
-//! The [`#[lockable]`](crate::lockable) handlers and [`LockLayer`](crate::LockLayer)
-//! look for a [`Locker`] in the request extensions. One line installs it:
-//!
-//! ```
-//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_core::Error> {
-//! use axum::{routing::get, Router};
-//! use dlock_axum::LockerExt;
-//!
-//! let app: Router = Router::new()
-//!     .route("/", get(|| async { "hi" }))
-//!     .with_locker(dlock_axum::from_env().await?);
-//! # Ok(()) }
-//! ```
-//!
-//! `with_locker(locker)` is `.layer(axum::Extension(locker))`; either works.
-//!
-//! # A `Locker` in the application state
-//!
-//! Keep the engine in your state and implement [`FromRef`](axum::extract::FromRef)
-//! so handlers can take it with `State<Locker>`; install the same engine for
-//! the layers and macros before calling `with_state`:
-//!
-//! ```
-//! use axum::{extract::{FromRef, State}, routing::get, Router};
-//! use dlock_axum::LockerExt;
-//! use dlock_core::{Locker, MemoryBackend};
-//!
-//! #[derive(Clone)]
-//! struct AppState { locker: Locker }
-//!
-//! impl FromRef<AppState> for Locker {
-//!     fn from_ref(state: &AppState) -> Locker { state.locker.clone() }
-//! }
-//!
-//! async fn backend(State(locker): State<Locker>) -> &'static str { locker.backend_name() }
-//!
-//! let state = AppState { locker: Locker::new(MemoryBackend::new()) };
-//! let app: Router = Router::new()
-//!     .route("/backend", get(backend))
-//!     .with_locker(Locker::from_ref(&state))
-//!     .with_state(state);
-//! ```
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
@@ -72,13 +29,47 @@ pub async fn from_env() -> Result<Locker, dlock_core::Error> {
 
 /// Installs a [`Locker`] into every request of a router, in one line.
 ///
+/// `#[lockable]` handlers and [`LockLayer`](crate::LockLayer)
+/// look for a [`Locker`] in the request extensions. One line installs it:
+///
 /// ```
-/// use axum::{routing::post, Router};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_core::Error> {
+/// use axum::{routing::get, Router};
+/// use dlock_axum::LockerExt;
+///
+/// let app: Router = Router::new()
+///     .route("/", get(|| async { "hi" }))
+///     .with_locker(dlock_axum::from_env().await?);
+/// # Ok(()) }
+/// ```
+///
+/// `with_locker(locker)` is `.layer(axum::Extension(locker))`; either works.
+///
+/// # A `Locker` in the application state
+///
+/// Keep the engine in your state and implement [`FromRef`](axum::extract::FromRef)
+/// so handlers can take it with `State<Locker>`; install the same engine for
+/// the layers and macros before calling `with_state`:
+///
+/// ```
+/// use axum::{extract::{FromRef, State}, routing::get, Router};
 /// use dlock_axum::LockerExt;
 /// use dlock_core::{Locker, MemoryBackend};
 ///
-/// let locker = Locker::new(MemoryBackend::new());
-/// let app: Router = Router::new().route("/orders", post(|| async { "ok" })).with_locker(locker);
+/// #[derive(Clone)]
+/// struct AppState { locker: Locker }
+///
+/// impl FromRef<AppState> for Locker {
+///     fn from_ref(state: &AppState) -> Locker { state.locker.clone() }
+/// }
+///
+/// async fn backend(State(locker): State<Locker>) -> &'static str { locker.backend_name() }
+///
+/// let state = AppState { locker: Locker::new(MemoryBackend::new()) };
+/// let app: Router = Router::new()
+///     .route("/backend", get(backend))
+///     .with_locker(Locker::from_ref(&state))
+///     .with_state(state);
 /// ```
 pub trait LockerExt: Sized {
     /// Adds `locker` to the extensions of every request this router (or

@@ -1,1 +1,1 @@
-//! Runtime support for #[lockable]; not a public API.
+//! Runtime support for `#[lockable]`; not a public API.

@@ -14,21 +14,7 @@
 //! the `@Lockable(failCode)` of the Java starters is), `message` text for
 //! people.
 //!
-//! | status | `error` | `code` | when |
-//! |---|---|---|---|
-//! | 400 | `lock_key_field_missing` | 2001 | a field named in the lock key is not in the request |
-//! | 400 | `invalid_json` | 2002 | the body is not JSON, but the key needs a field of it |
-//! | 400 | `idempotency_token_missing` | 2003 | no one-time token was sent |
-//! | 400 | `idempotency_key_missing` | 2004 | no `Idempotency-Key` header was sent |
-//! | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
-//! | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
-//! | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
-//! | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request; a token unknown or already used |
-//! | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed |
-//! | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
-//! | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
-//! | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
-//! | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed, retry later |
+//! The cases and their codes are listed on [`Rejection`].
 //!
 //! Applications may answer their own errors in the same shape with
 //! [`Rejection::new`] (the `orders` example answers `409 sold_out` that way).
@@ -56,9 +42,27 @@ pub const DEFAULT_DUPLICATE_MESSAGE: &str = "duplicate submission, please retry 
 /// The default number of `duplicate_submission`.
 pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 
-/// A refusal with its HTTP status and JSON body; see the [module docs](self)
-/// for every case.
+/// A refusal with its HTTP status and JSON body
+/// `{"error": "<machine code>", "code": <number>, "message": "<text>"}`.
 ///
+/// | status | `error` | `code` | when |
+/// |---|---|---|---|
+/// | 400 | `lock_key_field_missing` | 2001 | a field named in the lock key is not in the request |
+/// | 400 | `invalid_json` | 2002 | the body is not JSON, but the key needs a field of it |
+/// | 400 | `idempotency_token_missing` | 2003 | no one-time token was sent |
+/// | 400 | `idempotency_key_missing` | 2004 | no `Idempotency-Key` header was sent |
+/// | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
+/// | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
+/// | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
+/// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request; a token unknown or already used |
+/// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed |
+/// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
+/// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
+/// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
+/// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed, retry later |
+///
+///
+
 /// ```
 /// use dlock_axum::Rejection;
 /// let r = Rejection::backend_unavailable();
