@@ -335,3 +335,21 @@ async fn orders_spend_their_token_once() {
     let unknown = request(addr, "GET", "/products/404", None).await.expect("GET");
     assert_eq!((unknown.status, unknown.json["error"].as_str()), (404, Some("product_not_found")));
 }
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_service_cleanly() {
+    let mut orders = Orders::start(&[]).await;
+    let pid = orders.child.id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().expect("run kill");
+    assert!(sent.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = orders.child.try_wait().expect("wait for orders") {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "orders still running 10 s after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "orders exited with {status} after SIGTERM");
+}
