@@ -61,8 +61,6 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed, retry later |
 ///
-///
-
 /// ```
 /// use dlock_axum::Rejection;
 /// let r = Rejection::backend_unavailable();
