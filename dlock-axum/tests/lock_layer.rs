@@ -362,3 +362,23 @@ fn layer_is_clone_and_debug() {
     let text = format!("{:?}", layer.clone());
     assert!(text.contains("product_id") && text.contains("stock"), "{text}");
 }
+
+#[tokio::test]
+async fn path_parts_work_under_router_layer_but_not_around_the_router() {
+    let locker = locker();
+    // `Router::layer` wraps each route, after the path was matched.
+    let app: Router = Router::new()
+        .route("/items/{id}", post(|| async { "ok" }))
+        .layer(LockLayer::new("item").path("id"))
+        .with_locker(locker.clone());
+    let held = locker.try_acquire(&locker.key("item").part("1").build().expect("key")).await.expect("free");
+    let res = app.clone().oneshot(post_json("/items/1", "{}")).await.expect("infallible");
+    assert_rejection(res, 409, "duplicate_submission").await;
+    assert_eq!(app.clone().oneshot(post_json("/items/2", "{}")).await.expect("infallible").status(), StatusCode::OK);
+    held.release().await.expect("release");
+
+    // Wrapped around the whole router, the layer runs before routing.
+    let outside = LockLayer::new("item").path("id").with_locker(locker).layer(app);
+    let res = outside.oneshot(post_json("/items/1", "{}")).await.expect("infallible");
+    assert_rejection(res, 500, "lock_misconfigured").await;
+}

@@ -61,7 +61,7 @@ pub(crate) async fn build_key(
                     path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|_| {
                         tracing::error!(
                             "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
-                             (`post(handler).layer(..)` or `Router::route_layer`), not `Router::layer`"
+                             or the router (`post(handler).layer(..)`, `Router::layer`), not around the router"
                         );
                         Rejection::misconfigured().with_message("the lock layer cannot see the route's path parameters")
                     })?);

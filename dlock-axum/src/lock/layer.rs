@@ -170,9 +170,10 @@ impl LockLayer {
 
     /// Adds a path parameter of the route (`/items/{id}` → `path("id")`).
     ///
-    /// Path parameters exist once the router has matched the route, so put
-    /// the layer on the route: `post(handler).layer(..)` or
-    /// `Router::route_layer`, not `Router::layer`.
+    /// Path parameters exist once the router has matched the route: put the
+    /// layer on the route (`post(handler).layer(..)`) or on the router
+    /// (`Router::layer` / `route_layer`, which wrap each route), not around
+    /// the whole router as a service; there it answers `500 lock_misconfigured`.
     pub fn path(self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.with(|s| s.parts.push(KeySource::Path(name)))
