@@ -1,20 +1,24 @@
 //! Contended handoff on one key, in strict-handoff mode.
 //!
-//! K tasks loop on the same key: acquire (waiting), hold, release, and — so
-//! that it cannot barge in before a parked waiter — wait until another task
-//! has taken the lock before competing again. A holder
-//! keeps the lock until all K-1 other tasks are inside their acquire call,
-//! and then for a further *settle* time (1 ms by default, plus a random
-//! 0–2 ms jitter; a dlock waiter needs two round trips to park), so every release is picked up by a task that was
-//! already parked waiting. The latency is from just before `release()` is
-//! called to the moment the next task's acquire returns; commands per
-//! acquisition come from `INFO commandstats` over the window.
+//! K tasks loop on the same key: acquire (waiting), hold, release. At every
+//! release the other K-1 tasks are parked waiting:
+//! * a holder keeps the lock until all K-1 others are inside their acquire
+//!   call, and then for a *settle* time (1 ms by default, plus a random
+//!   0–2 ms jitter) — a dlock waiter needs two round trips to park;
+//! * a task that released competes again only once another task has taken
+//!   the lock; otherwise its fresh first try would usually barge in ahead of
+//!   the parked waiters.
+//!
+//! The latency runs from just before `release()` is called to the moment the
+//! next task's acquire returns. Commands per acquisition are client commands
+//! from `INFO commandstats`, counted between two moments when no command is
+//! in flight (see [`measure`]).
 //!
 //! Implementations, all with a fixed lease:
 //! * `dlock/redis` and `dlock/memory`: [`Locker::acquire`](dlock_core::Locker::acquire) with a wait;
 //! * `poll-1ms/redis`: `SET NX PX`, sleeping 1 ms between attempts;
-//! * `pubsub-naive/redis`: `SET NX PX`; every release is published and wakes
-//!   *every* local waiter, and each one retries.
+//! * `pubsub-naive/redis`: `SET NX PX`; one shared subscription, and every
+//!   release wakes *every* local waiter, each of which retries.
 //!
 //! Because the holder waits for the settle time, throughput here says little;
 //! the latency and the commands are the figures that matter.
@@ -28,7 +32,7 @@ use tokio::sync::Notify;
 
 use super::args::Args;
 use super::locks::{BenchLock, DlockLock, RawLock};
-use super::measure::{run_window, CommandCounter, Sample, Timing};
+use super::measure::{command_delta, run_window, CommandCounter, CommandStats, Sample, Timing};
 use super::report::Row;
 use super::{target, BenchError, Env, Result, Series};
 
@@ -115,8 +119,8 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     }
     let mut rows = Vec::new();
     for ki in 0..CONTENDERS.len() {
-        for (ii, imp) in IMPLS.iter().enumerate() {
-            let mut row = series[ii][ki].row();
+        for (imp, per_k) in IMPLS.iter().zip(&series) {
+            let mut row = per_k[ki].row();
             if *imp == Impl::DlockRedis {
                 match row.concurrency {
                     8 => row.targets.push(target("p50", row.p50_us, true, 250.0, " us")),
@@ -145,9 +149,25 @@ struct Shared {
     released_at: AtomicU64,
     /// Notified whenever a task's acquire returned.
     taken: Notify,
+    /// Acquisitions so far.
+    acquisitions: AtomicU64,
+}
+
+/// Command counts at two quiet moments, with the acquisitions so far.
+#[derive(Debug, Default)]
+struct Quiet {
+    first: Option<(CommandStats, u64)>,
+    last: Option<(CommandStats, u64)>,
 }
 
 /// One window of K tasks handing one key around.
+///
+/// Commands are counted between two *quiet* moments rather than at the
+/// window's edges, which cut through acquisitions: a holder about to release
+/// with every other task parked knows that no command is in flight. The first
+/// such holder after the warm-up reads the counts, and the first one after
+/// the window (less a margin, so that one comes before the stop). Should a
+/// window be too short for that, the counts at its edges are used.
 async fn measure<L: BenchLock>(
     lock: L,
     k: usize,
@@ -159,8 +179,12 @@ async fn measure<L: BenchLock>(
     let shared = Arc::new(Shared::default());
     let internal = lock.script_internal_commands();
     let others = k.saturating_sub(1);
-    run_window(k, timing, counter.map(|c| (c, internal)), |task, clock, stop| {
-        let (lock, shared) = (lock.clone(), shared.clone());
+    let quiet = Arc::new(tokio::sync::Mutex::new(Quiet::default()));
+    let first_mark = u64::try_from(timing.warmup.as_nanos()).unwrap_or(u64::MAX);
+    let last_mark = first_mark
+        .saturating_add(u64::try_from((timing.duration.saturating_sub(timing.duration / 10)).as_nanos()).unwrap_or(0));
+    let mut sample = run_window(k, timing, counter.map(|c| (c, internal)), |task, clock, stop| {
+        let (lock, shared, quiet, counter) = (lock.clone(), shared.clone(), quiet.clone(), counter.cloned());
         async move {
             let mut records = Vec::with_capacity(1024);
             let mut rng = XorShift::seeded(clock.now_ns() ^ (task as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -169,6 +193,7 @@ async fn measure<L: BenchLock>(
                 shared.entered.notify_waiters();
                 let held = lock.acquire(0, true).await?;
                 let acquired = clock.now_ns();
+                shared.acquisitions.fetch_add(1, Ordering::SeqCst);
                 shared.inside.fetch_sub(1, Ordering::SeqCst);
                 let released = shared.released_at.swap(0, Ordering::SeqCst);
                 shared.taken.notify_waiters();
@@ -176,18 +201,31 @@ async fn measure<L: BenchLock>(
                     records.push((acquired, acquired.saturating_sub(released - 1)));
                 }
                 // Strict handoff: every other task must be waiting before we let go.
-                loop {
+                let all_parked = loop {
                     let entered = shared.entered.notified();
                     tokio::pin!(entered);
                     entered.as_mut().enable();
-                    if shared.inside.load(Ordering::SeqCst) >= others || stop.load(Ordering::SeqCst) {
-                        break;
+                    if shared.inside.load(Ordering::SeqCst) >= others {
+                        break true;
+                    }
+                    if stop.load(Ordering::SeqCst) {
+                        break false;
                     }
                     // The stop flag is not a notification; look at it now and then.
                     let _ = tokio::time::timeout(Duration::from_millis(20), entered).await;
-                }
+                };
                 if !stop.load(Ordering::SeqCst) {
                     settle_off_the_tick(settle, &mut rng).await?;
+                    if let (Some(counter), true) = (&counter, all_parked) {
+                        let now = clock.now_ns();
+                        let mut q = quiet.lock().await;
+                        let done = shared.acquisitions.load(Ordering::SeqCst);
+                        if q.first.is_none() && now >= first_mark {
+                            q.first = Some((counter.snapshot().await?, done));
+                        } else if q.first.is_some() && q.last.is_none() && now >= last_mark {
+                            q.last = Some((counter.snapshot().await?, done));
+                        }
+                    }
                 }
                 let handed_over = shared.taken.notified();
                 tokio::pin!(handed_over);
@@ -205,7 +243,25 @@ async fn measure<L: BenchLock>(
             Ok(records)
         }
     })
-    .await
+    .await?;
+    let q = quiet.lock().await;
+    sample.cmds_per_op = match (&q.first, &q.last) {
+        (Some((before, n0)), Some((after, n1))) if n1 > n0 => {
+            let d = command_delta(before, after, internal);
+            let n = (n1 - n0) as f64;
+            Some((d.client as f64 / n, d.server as f64 / n))
+        }
+        _ => {
+            if counter.is_some() {
+                eprintln!(
+                    "handoff K={k}: no two quiet moments in the window (too short or too slow); \
+                     commands counted at the window's edges instead, within a few per cent"
+                );
+            }
+            sample.cmds_per_op
+        }
+    };
+    Ok(sample)
 }
 
 /// The random part of a holder's hold time.
