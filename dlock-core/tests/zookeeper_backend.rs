@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend};
 use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions, LostReason};
-use dlock_testing::ZooKeeperServer;
+use dlock_testing::{FaultProxy, ZooKeeperServer};
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
@@ -87,8 +87,13 @@ backend_suite!(zookeeper());
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_expiry_fires_lost_and_frees_the_lock() {
     let server = ZooKeeperServer::start();
-    let holder_backend = backend(&server, Duration::from_millis(1_000)).await;
-    let session = holder_backend.session_info();
+    // The holder reaches the server through a proxy we can cut; the other
+    // client connects directly.
+    let proxy = FaultProxy::start(server.port());
+    let holder_backend =
+        ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", Duration::from_millis(1_000))
+            .await
+            .expect("connect through the proxy");
     let mut state = holder_backend.connection_state();
     let holder = locker(holder_backend);
     let other = locker(backend(&server, SESSION).await);
@@ -99,15 +104,12 @@ async fn session_expiry_fires_lost_and_frees_the_lock() {
         let (other, k) = (other.clone(), k.clone());
         tokio::spawn(async move { other.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(20))).await })
     };
-    // Expire the holder's session the way ZooKeeper's own tests do: a twin
-    // connection with the same session id closes it.
-    let twin = zk::Client::connector()
-        .with_session(session)
-        .connect(&server.connect_string())
-        .await
-        .expect("twin connection");
-    drop(twin);
+    proxy.cut();
     let started = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), state.wait_for(|s| *s != ConnectionState::Connected))
+        .await
+        .expect("the cut is noticed")
+        .expect("state channel");
     let reason = tokio::time::timeout(Duration::from_secs(10), g.lost()).await.expect("lost fires");
     assert!(matches!(reason, LostReason::SessionExpired | LostReason::Stolen), "{reason:?}");
     eprintln!("lost after {:?}: {reason:?}", started.elapsed());
@@ -118,6 +120,7 @@ async fn session_expiry_fires_lost_and_frees_the_lock() {
     let g2 = waiter.await.expect("task").expect("the other client acquires");
     assert!(g2.fencing_token() > g.fencing_token());
     g2.release().await.expect("release");
+    proxy.heal();
 }
 
 /// Waiters are served in arrival order, each watching only its predecessor.

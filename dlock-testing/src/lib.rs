@@ -11,6 +11,10 @@
 //! assert!(redis.command_calls("evalsha") == 0);
 //! ```
 
+mod proxy;
+
+pub use proxy::FaultProxy;
+
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -396,6 +400,11 @@ impl ZooKeeperServer {
         let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
         let mut answer = String::new();
         s.write_all(b"ruok").is_ok() && s.read_to_string(&mut answer).is_ok() && answer == "imok"
+    }
+
+    /// The client port.
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// `127.0.0.1:<port>`.
