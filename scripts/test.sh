@@ -21,4 +21,4 @@ java -version 2>&1 | head -1
 # The Debian package starts a system redis on 6379; the tests start their
 # own servers on free ports and never use it.
 # --all-features: the optional backends (ZooKeeper) are tested too.
-cargo test --workspace --all-features "$@"
+cargo test --workspace --all-features --no-fail-fast "$@"

@@ -162,15 +162,17 @@ async fn five_masters_survive_two_failures_and_refuse_at_three() {
 async fn losing_the_quorum_fires_lost() {
     let mut servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
     let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
-    let a = locker_for(&urls, 600).await;
+    // A lease long enough that a loaded 2-core machine still renews in
+    // time: the point is quorum arithmetic, not timer precision.
+    let a = locker_for(&urls, 2_000).await;
     let k = a.key("quorum-lost").part(1).build().expect("key");
     let g = a.acquire(&k, AcquireOptions::new()).await.expect("free");
     servers[0].kill();
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert!(!g.is_lost(), "2 of 3 is still a quorum: renewals go on");
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert!(!g.is_lost(), "2 of 3 is still a quorum: renewals carried the lock past its first lease");
     servers[1].kill();
     let started = Instant::now();
     let reason = tokio::time::timeout(Duration::from_secs(5), g.lost()).await.expect("lost fires");
     assert_eq!(reason, dlock_core::LostReason::RenewalFailed);
-    assert!(started.elapsed() < Duration::from_millis(1_500), "{:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_millis(3_000), "no later than the lease: {:?}", started.elapsed());
 }
