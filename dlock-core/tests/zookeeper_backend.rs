@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend};
 use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions, LostReason};
-use dlock_testing::{FaultProxy, ZooKeeperServer};
+use dlock_testing::{FaultProxy, ZooKeeperEnsemble, ZooKeeperServer};
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
@@ -203,4 +203,58 @@ async fn a_short_outage_suspends_without_losing_the_lock() {
         .expect("state channel");
     assert!(!g.is_lost());
     assert!(g.release().await.expect("release"), "the lock survived the outage");
+}
+
+/// The same recipe on a 3-server ensemble: a minority down does not stop
+/// locking, and a holder partitioned from every server loses its session
+/// (lost fires) while the next waiter gets the lock with a higher token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_server_ensemble_survives_a_member_and_expires_a_partitioned_holder() {
+    let mut ensemble = ZooKeeperEnsemble::start(3);
+    let proxies: Vec<FaultProxy> = (0..3).map(|i| FaultProxy::start(ensemble.port(i))).collect();
+    let via: Vec<String> = proxies.iter().map(|p| format!("127.0.0.1:{}", p.port())).collect();
+    let holder = locker(
+        ZooKeeperBackend::connect_with(&via.join(","), "dlock", Duration::from_millis(1_500))
+            .await
+            .expect("connect through the proxies"),
+    );
+    let other = locker(
+        ZooKeeperBackend::connect_with(&ensemble.connect_string(), "dlock", SESSION).await.expect("connect directly"),
+    );
+    let k = holder.key("ensemble").part(1).build().expect("key");
+    let wait = AcquireOptions::new().wait(Duration::from_secs(10));
+
+    ensemble.kill(2);
+    // Clients that were on the dead member move to another one; give them
+    // that long, then every round must succeed.
+    let moved = Instant::now() + Duration::from_secs(20);
+    loop {
+        let round = async {
+            holder.acquire(&k, wait.clone()).await?.release().await?;
+            other.acquire(&k, wait.clone()).await?.release().await
+        };
+        match round.await {
+            Ok(_) => break,
+            Err(e) if e.is_unavailable() && Instant::now() < moved => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(e) => panic!("a 2-of-3 ensemble must keep serving: {e}"),
+        }
+    }
+    for _ in 0..5 {
+        assert!(holder.acquire(&k, wait.clone()).await.expect("holder").release().await.expect("release"));
+        assert!(other.acquire(&k, wait.clone()).await.expect("other").release().await.expect("release"));
+    }
+
+    let g = holder.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    let waiter = {
+        let (other, k) = (other.clone(), k.clone());
+        tokio::spawn(async move { other.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(30))).await })
+    };
+    for p in &proxies {
+        p.cut();
+    }
+    let reason = tokio::time::timeout(Duration::from_secs(15), g.lost()).await.expect("lost fires");
+    assert!(matches!(reason, LostReason::SessionExpired | LostReason::Stolen), "{reason:?}");
+    let g2 = waiter.await.expect("task").expect("the other client acquires once the session expires");
+    assert!(g2.fencing_token() > g.fencing_token());
+    assert!(g2.release().await.expect("release"));
 }

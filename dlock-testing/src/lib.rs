@@ -11,8 +11,10 @@
 //! assert!(redis.command_calls("evalsha") == 0);
 //! ```
 
+mod ensemble;
 mod proxy;
 
+pub use ensemble::ZooKeeperEnsemble;
 pub use proxy::FaultProxy;
 
 use std::collections::HashMap;
@@ -347,7 +349,19 @@ pub struct ZooKeeperServer {
 }
 
 /// Where Debian's `zookeeper` package puts the server.
+const ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
 const ZOOKEEPER_CLASSPATH: &str = "/etc/zookeeper/conf:/usr/share/java/zookeeper.jar";
+
+/// Sends a four-letter word to a ZooKeeper server and returns its answer.
+fn zookeeper_answers(port: u16, word: &[u8]) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    s.write_all(word).ok()?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).ok()?;
+    Some(answer)
+}
 
 impl ZooKeeperServer {
     /// Starts a server and waits until it answers `ruok`.
@@ -358,7 +372,7 @@ impl ZooKeeperServer {
     /// not come up within 30 s.
     pub fn start() -> Self {
         assert!(
-            std::path::Path::new("/usr/share/java/zookeeper.jar").exists(),
+            std::path::Path::new(ZOOKEEPER_JAR).exists(),
             "ZooKeeper is not installed. The tests need a real server: run the README's test command \
              (`bash scripts/test.sh`), which installs it, or `apt-get install -y zookeeper`."
         );
@@ -395,11 +409,7 @@ impl ZooKeeperServer {
     }
 
     fn is_ok(&self) -> bool {
-        use std::io::{Read, Write};
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else { return false };
-        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-        let mut answer = String::new();
-        s.write_all(b"ruok").is_ok() && s.read_to_string(&mut answer).is_ok() && answer == "imok"
+        zookeeper_answers(self.port, b"ruok").as_deref() == Some("imok")
     }
 
     /// The client port.
