@@ -130,6 +130,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
             continue;
         };
         let app = app.clone();
+        let what = format!("{} {}", req.method(), req.uri());
         let answer = tokio::spawn(async move {
             let res = match app.oneshot(req).await {
                 Ok(res) => res,
@@ -139,6 +140,9 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
             let is_json = res.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
             let body = res.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
             let parses = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v["error"].is_string());
+            if status >= 500 && std::env::var_os("DLOCK_TORTURE_DEBUG").is_some() {
+                eprintln!("{status} {what}: {}", String::from_utf8_lossy(&body));
+            }
             Ok::<_, std::convert::Infallible>((status, is_json && parses))
         });
         match tokio::time::timeout(Duration::from_secs(5), answer).await {
@@ -147,7 +151,9 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
                 if status >= 500 {
                     server_errors += 1;
                 }
-                if (400..500).contains(&status) && !json_error {
+                // 404 is the router's own answer to `/p/` (no segment), before
+                // any lock layer runs; every other 4xx comes from the layer.
+                if (400..500).contains(&status) && status != 404 && !json_error {
                     non_json += 1;
                 }
             }

@@ -95,7 +95,7 @@ impl BrokenLock {
         loop {
             let started_ns = mono_ns();
             let got = match self.bug {
-                Bug::RedlockIgnoresElapsed => self.redlock_try(&key, owner).await?,
+                Bug::RedlockIgnoresElapsed => self.redlock_try(&key, owner, rng.chance(0.5)).await?,
                 Bug::GetThenSet => {
                     let mut c = self.nodes[0].clone();
                     let holder: Option<String> = c.get(&key).await?;
@@ -143,7 +143,7 @@ impl BrokenLock {
         }
     }
 
-    async fn redlock_try(&self, key: &str, owner: &str) -> redis::RedisResult<bool> {
+    async fn redlock_try(&self, key: &str, owner: &str, slow: bool) -> redis::RedisResult<bool> {
         let mut granted = Vec::new();
         for (i, node) in self.nodes.iter().enumerate() {
             let mut c = node.clone();
@@ -152,8 +152,11 @@ impl BrokenLock {
             if matches!(set, Ok(Some(_))) {
                 granted.push(i);
             }
-            // Slow links: each node answers after 0.3 × lease.
-            sleep(self.lease.mul_f64(0.3)).await;
+            // Half of the attempts cross slow links (each node answers
+            // after 0.3 × lease), as when one client's network degrades.
+            if slow {
+                sleep(self.lease.mul_f64(0.3)).await;
+            }
         }
         if granted.len() > self.nodes.len() / 2 {
             return Ok(true);
@@ -181,7 +184,7 @@ impl BrokenLock {
             loop {
                 // A renewer that sometimes stalls past the lease, as a GC
                 // pause or a starved thread would.
-                let pause = if rng.chance(0.25) { lease.mul_f64(1.5) } else { lease / 3 };
+                let pause = if rng.chance(0.4) { lease.mul_f64(1.5) } else { lease / 3 };
                 sleep(pause).await;
                 // The bug: no owner check, so it may extend someone else's key.
                 let extended: redis::RedisResult<bool> = c.pexpire(&key, i64::try_from(lease_ms).unwrap_or(i64::MAX)).await;

@@ -17,6 +17,7 @@ mod badinput;
 mod broken;
 mod checker;
 mod harness;
+mod herd;
 mod history;
 mod proxy;
 mod resource;
