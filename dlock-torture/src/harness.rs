@@ -123,6 +123,8 @@ pub(crate) struct Run {
     children: Vec<Child>,
     pub(crate) nemesis: History,
     next: u32,
+    /// When the last worker is due to stop on its own.
+    planned_end: std::time::Instant,
 }
 
 impl Run {
@@ -132,12 +134,13 @@ impl Run {
         std::fs::create_dir_all(&dir)?;
         let nemesis_path = dir.join("nemesis.jsonl");
         let nemesis = History::open(&nemesis_path)?;
-        Ok(Run { dir, histories: vec![nemesis_path], children: Vec::new(), nemesis, next: 0 })
+        Ok(Run { dir, histories: vec![nemesis_path], children: Vec::new(), nemesis, next: 0, planned_end: std::time::Instant::now() })
     }
 
     /// Starts a worker process; returns its pid.
     pub(crate) fn spawn(&mut self, mut cfg: WorkerConfig) -> std::io::Result<u32> {
         self.next += 1;
+        self.planned_end = self.planned_end.max(std::time::Instant::now() + Duration::from_millis(cfg.duration_ms));
         cfg.history = self.dir.join(format!("worker-{}.jsonl", self.next));
         cfg.seed ^= u64::from(self.next) << 40;
         self.histories.push(cfg.history.clone());
@@ -201,15 +204,20 @@ impl Run {
     }
 
     /// Waits for every worker to exit (they stop on their own after their
-    /// duration); kills any still running after `grace`.
-    pub(crate) fn join(&mut self, grace: Duration) {
-        let deadline = std::time::Instant::now() + grace;
+    /// duration); kills any still running `grace` after the last one was due
+    /// to stop, and returns how
+    /// many that were: a worker that cannot finish is a hang (a deadlock or
+    /// an acquire that ignores its deadline).
+    pub(crate) fn join(&mut self, grace: Duration) -> u32 {
+        let deadline = self.planned_end.max(std::time::Instant::now()) + grace;
+        let mut hung = 0;
         for child in &mut self.children {
             loop {
                 match child.try_wait() {
                     Ok(Some(_)) | Err(_) => break,
                     Ok(None) if std::time::Instant::now() >= deadline => {
                         eprintln!("dlock-torture: worker {} did not stop in time; killing it", child.id());
+                        hung += 1;
                         let _ = child.kill();
                         let _ = child.wait();
                         break;
@@ -218,6 +226,7 @@ impl Run {
                 }
             }
         }
+        hung
     }
 
     /// Checks the history against the resource.

@@ -137,8 +137,10 @@ async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String>
 }
 
 async fn finish(run: &mut Run, r: &mut Report, resource: &Resource, keys: u32, grace: Duration) -> Result<(), String> {
-    let join_grace = grace;
-    tokio::task::block_in_place(|| run.join(join_grace));
+    let hung = tokio::task::block_in_place(|| run.join(grace));
+    if hung > 0 {
+        r.fail(format!("{hung} worker(s) did not finish within {grace:?} of their end (hang)"));
+    }
     let findings = run.check(resource, keys).await?;
     r.absorb(&findings);
     if !r.safety_ok() {
@@ -564,7 +566,7 @@ async fn self_test(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         cfg.tasks = if variant == "broken-redlock-ignores-elapsed" { 2 } else { 3 };
         cfg.watchdog = false;
         cfg.wait_ms = 1000;
-        cfg.duration_ms = size.pick(2000, 10_000);
+        cfg.duration_ms = if variant == "broken-redlock-ignores-elapsed" { size.pick(4000, 15_000) } else { size.pick(2000, 10_000) };
         (cfg.lease_ms, cfg.cs_max_ms) = match variant {
             "broken-get-then-set" => (200, 2),
             "broken-renew-no-owner-check" => (60, 120),
@@ -597,7 +599,7 @@ async fn self_test(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         rows.push(r);
     }
     let zk = tokio::task::spawn_blocking(ZooKeeperServer::start).await.map_err(|e| format!("ZooKeeper did not start: {e}"))?;
-    let (waiters, rounds) = (size.pick(6, 12), size.pick(4, 20));
+    let (waiters, rounds) = (size.pick(8, 12), size.pick(4, 20));
     let (good_rel, good_wake) = crate::herd::wakeups_per_release(&zk.connect_string(), "/herd-good", waiters, rounds, false).await?;
     let (bad_rel, bad_wake) = crate::herd::wakeups_per_release(&zk.connect_string(), "/herd-bad", waiters, rounds, true).await?;
     let ratio = |w: u64, r: u64| if r == 0 { 0.0 } else { w as f64 / r as f64 };
