@@ -473,21 +473,33 @@ async fn zk_expire(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     cfg.keys = 2;
     cfg.tasks = 2;
     cfg.wait_ms = 3000;
-    cfg.duration_ms = episodes * 3500 + 2500;
+    cfg.duration_ms = episodes * 5500 + 2500;
     let procs = 3;
     for _ in 0..procs {
         run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
     }
     let mut rng = Rng::new(seed);
     let mut done = 0;
+    let started = mono_ns();
+    let total = cfg.duration_ms;
+    // (victim, time of SIGCONT) for the liveness check below.
+    let mut resumed = Vec::new();
     sleep(Duration::from_millis(1500)).await;
     for _ in 0..episodes {
         let Some(pid) = find_holder(&run, None, Duration::from_secs(2), &mut rng).await else { continue };
         run.signal(pid, Signal::STOP, "stop");
         sleep(Duration::from_millis(2500)).await;
         run.signal(pid, Signal::CONT, "cont");
+        resumed.push((pid, mono_ns()));
         done += 1;
-        sleep(Duration::from_millis(700)).await;
+        // Give the resumed client time to see the expiry, finish its stale
+        // section and take a lock again on a new session; then replace it,
+        // so every episode has live contenders.
+        sleep(Duration::from_millis(2000)).await;
+        tokio::task::block_in_place(|| run.kill(pid));
+        let mut again = cfg.clone();
+        again.duration_ms = total.saturating_sub((mono_ns() - started) / 1_000_000).max(1000);
+        run.spawn(again).map_err(|e| e.to_string())?;
     }
     let mut r = Report::new("zk-expire", "zookeeper (czxid tokens)", seed);
     r.expected_safe = true;
@@ -496,6 +508,16 @@ async fn zk_expire(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     r.fault_kind = "SIGSTOP holder 2500 ms > session 1000 ms".into();
     describe(&mut r, procs, &cfg);
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
+    let events = run.events();
+    let recovered = resumed
+        .iter()
+        .filter(|(pid, cont)| events.iter().any(|e| e.pid == *pid && e.op == "acq_ok" && e.t > *cont))
+        .count();
+    r.note(format!(
+        "liveness: {recovered}/{} paused clients took a lock again within 2 s of resuming (a client whose session \
+         expired needs a new session)",
+        resumed.len()
+    ));
     drop(zk);
     Ok(vec![r])
 }
