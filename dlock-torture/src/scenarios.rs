@@ -228,6 +228,9 @@ async fn pause(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     if r.stale_writes_refused == 0 && r.unfenced_lost == 0 {
         r.note("the pauses did not bite this run (no stale access, no unfenced loss)");
     }
+    if let Some(signalled) = r.stale_holds_signalled.clone() {
+        r.note(format!("holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"));
+    }
     Ok(vec![r])
 }
 
@@ -268,6 +271,7 @@ async fn kill_client(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
     if let Some(rec) = r.recovery_max_ms {
         let bound = cfg.lease_ms as f64 + 1000.0;
+        r.note(format!("orphan recovery (kill -> next grant of the victim's key) max {rec:.0} ms, bound {bound:.0} ms"));
         if rec > bound {
             r.fail(format!("orphan recovery {rec:.0} ms > lease + 1 s"));
         }
@@ -508,6 +512,9 @@ async fn zk_expire(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     r.fault_kind = "SIGSTOP holder 2500 ms > session 1000 ms".into();
     describe(&mut r, procs, &cfg);
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
+    if let Some(signalled) = r.stale_holds_signalled.clone() {
+        r.note(format!("holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"));
+    }
     let events = run.events();
     let recovered = resumed
         .iter()
@@ -565,6 +572,9 @@ async fn partition(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     describe(&mut r, procs, &cfg);
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
     r.note("fault injected with the in-harness TCP proxy, not network namespaces");
+    if let Some(signalled) = r.stale_holds_signalled.clone() {
+        r.note(format!("holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"));
+    }
     Ok(vec![r])
 }
 
