@@ -382,3 +382,12 @@ async fn path_parts_work_under_router_layer_but_not_around_the_router() {
     let res = outside.oneshot(post_json("/items/1", "{}")).await.expect("infallible");
     assert_rejection(res, 500, "lock_misconfigured").await;
 }
+
+#[tokio::test]
+async fn a_path_parameter_that_is_not_utf8_is_a_400_not_a_500() {
+    let app: Router = Router::new()
+        .route("/items/{id}", post(|| async { "ok" }).layer(LockLayer::new("item").path("id")))
+        .with_locker(locker());
+    let res = app.oneshot(post_json("/items/%FF%FE", "{}")).await.expect("infallible");
+    assert_rejection(res, 400, "lock_key_invalid").await;
+}

@@ -1,5 +1,6 @@
 //! Turning a request into a lock key.
 
+use axum::extract::rejection::RawPathParamsRejection;
 use axum::extract::{FromRequestParts, RawPathParams};
 use axum::http::request::Parts;
 use dlock_core::{escape_into, KeyPart, LockKey, Locker};
@@ -58,12 +59,17 @@ pub(crate) async fn build_key(
             }
             KeySource::Path(name) => {
                 if path_params.is_none() {
-                    path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|_| {
-                        tracing::error!(
-                            "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
-                             or the router (`post(handler).layer(..)`, `Router::layer`), not around the router"
-                        );
-                        Rejection::misconfigured().with_message("the lock layer cannot see the route's path parameters")
+                    path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|e| match e {
+                        // The client's fault (`/items/%FF`): a 400, not a 500.
+                        RawPathParamsRejection::InvalidUtf8InPathParam(_) => Rejection::lock_key_invalid()
+                            .with_message(format!("{source} is not valid UTF-8 once percent-decoded")),
+                        _ => {
+                            tracing::error!(
+                                "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
+                                 or the router (`post(handler).layer(..)`, `Router::layer`), not around the router"
+                            );
+                            Rejection::misconfigured().with_message("the lock layer cannot see the route's path parameters")
+                        }
                     })?);
                 }
                 let value = path_params

@@ -1,0 +1,224 @@
+//! Deliberately broken lock clients for `checker-self-test`. Each has one
+//! classic bug; the checker must catch every one under the same workload
+//! that the real dlock passes, or its "0 violations" elsewhere mean nothing.
+
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncCommands, Script};
+use tokio::sync::watch;
+use tokio::time::{sleep, Instant};
+
+use crate::history::mono_ns;
+use crate::rng::Rng;
+
+/// The bug a broken variant carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bug {
+    /// Release with a plain `DEL`, without checking the owner.
+    PlainDel,
+    /// Acquire as `GET`, then `SET` (not atomic).
+    GetThenSet,
+    /// Renew with `PEXPIRE` without checking the owner.
+    RenewNoOwnerCheck,
+    /// RedLock that measures validity from the end of the acquire, ignoring
+    /// the time the acquire took.
+    RedlockIgnoresElapsed,
+}
+
+impl Bug {
+    pub(crate) fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "broken-plain-del" => Bug::PlainDel,
+            "broken-get-then-set" => Bug::GetThenSet,
+            "broken-renew-no-owner-check" => Bug::RenewNoOwnerCheck,
+            "broken-redlock-ignores-elapsed" => Bug::RedlockIgnoresElapsed,
+            _ => return None,
+        })
+    }
+
+    /// Every variant's backend name, as the scenario table prints it.
+    pub(crate) const ALL: [&'static str; 4] =
+        ["broken-plain-del", "broken-get-then-set", "broken-renew-no-owner-check", "broken-redlock-ignores-elapsed"];
+}
+
+const RELEASE_IF_OWNER: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"#;
+
+/// A broken lock client over one Redis (or five, for the RedLock bug).
+#[derive(Clone)]
+pub(crate) struct BrokenLock {
+    bug: Bug,
+    nodes: Vec<MultiplexedConnection>,
+    lease: Duration,
+}
+
+impl std::fmt::Debug for BrokenLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokenLock").field("bug", &self.bug).finish()
+    }
+}
+
+/// A hold of a broken lock.
+#[derive(Debug)]
+pub(crate) struct BrokenHold {
+    key: String,
+    owner: String,
+    pub(crate) token: u64,
+    /// The validity the client believes in (fixed-lease variants).
+    pub(crate) valid_until_ns: Option<u64>,
+    lost: Option<watch::Receiver<bool>>,
+    renewer: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl BrokenLock {
+    pub(crate) async fn connect(bug: Bug, urls: &[String], lease: Duration) -> redis::RedisResult<Self> {
+        let mut nodes = Vec::new();
+        for url in urls {
+            nodes.push(redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?);
+        }
+        if nodes.is_empty() {
+            return Err(redis::RedisError::from((redis::ErrorKind::Client, "no Redis URL for the broken lock")));
+        }
+        Ok(BrokenLock { bug, nodes, lease })
+    }
+
+    fn lease_ms(&self) -> u64 {
+        u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// Tries until `deadline`; `None` when it did not get the lock.
+    pub(crate) async fn acquire(&self, key: u32, owner: &str, deadline: Instant, rng: &mut Rng) -> redis::RedisResult<Option<BrokenHold>> {
+        let key = format!("broken:{key}");
+        loop {
+            let started_ns = mono_ns();
+            let got = match self.bug {
+                Bug::RedlockIgnoresElapsed => self.redlock_try(&key, owner, rng.chance(0.5)).await?,
+                Bug::GetThenSet => {
+                    let mut c = self.nodes[0].clone();
+                    let holder: Option<String> = c.get(&key).await?;
+                    if holder.is_none() {
+                        // The gap a network round trip would leave between
+                        // the two commands.
+                        sleep(Duration::from_micros(rng.below(1500))).await;
+                        let () = c.set_options(&key, owner, redis::SetOptions::default().with_expiration(redis::SetExpiry::PX(self.lease_ms()))).await?;
+                        true
+                    } else {
+                        false
+                    }
+                }
+                Bug::PlainDel | Bug::RenewNoOwnerCheck => {
+                    let mut c = self.nodes[0].clone();
+                    let set: Option<String> = redis::cmd("SET")
+                        .arg(&key)
+                        .arg(owner)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(self.lease_ms())
+                        .query_async(&mut c)
+                        .await?;
+                    set.is_some()
+                }
+            };
+            if got {
+                let mut c = self.nodes[0].clone();
+                let token: u64 = c.incr(format!("{key}:fence"), 1u64).await?;
+                let lease_ns = u64::try_from(self.lease.as_nanos()).unwrap_or(u64::MAX / 4);
+                let mut hold = BrokenHold { key, owner: owner.to_owned(), token, valid_until_ns: None, lost: None, renewer: None };
+                match self.bug {
+                    // The bug: validity counted from *after* the slow
+                    // acquire; the correct one is started + lease − drift.
+                    Bug::RedlockIgnoresElapsed => hold.valid_until_ns = Some(mono_ns() + lease_ns),
+                    Bug::PlainDel | Bug::GetThenSet => hold.valid_until_ns = Some(started_ns + lease_ns),
+                    Bug::RenewNoOwnerCheck => self.start_renewer(&mut hold, rng.next_u64()),
+                }
+                return Ok(Some(hold));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            sleep(Duration::from_micros(500 + rng.below(2500))).await;
+        }
+    }
+
+    async fn redlock_try(&self, key: &str, owner: &str, slow: bool) -> redis::RedisResult<bool> {
+        let mut granted = Vec::new();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let mut c = node.clone();
+            let set: redis::RedisResult<Option<String>> =
+                redis::cmd("SET").arg(key).arg(owner).arg("NX").arg("PX").arg(self.lease_ms()).query_async(&mut c).await;
+            if matches!(set, Ok(Some(_))) {
+                granted.push(i);
+            }
+            // Half of the attempts cross slow links (each node answers
+            // after 0.3 × lease), as when one client's network degrades.
+            if slow {
+                sleep(self.lease.mul_f64(0.3)).await;
+            }
+        }
+        if granted.len() > self.nodes.len() / 2 {
+            return Ok(true);
+        }
+        self.release_all(key, owner).await;
+        Ok(false)
+    }
+
+    async fn release_all(&self, key: &str, owner: &str) {
+        for node in &self.nodes {
+            let mut c = node.clone();
+            let _: redis::RedisResult<i64> = Script::new(RELEASE_IF_OWNER).key(key).arg(owner).invoke_async(&mut c).await;
+        }
+    }
+
+    fn start_renewer(&self, hold: &mut BrokenHold, seed: u64) {
+        let (tx, rx) = watch::channel(false);
+        let mut c = self.nodes[0].clone();
+        let key = hold.key.clone();
+        let lease = self.lease;
+        let lease_ms = self.lease_ms();
+        hold.lost = Some(rx);
+        hold.renewer = Some(tokio::spawn(async move {
+            let mut rng = Rng::new(seed);
+            loop {
+                // A renewer that sometimes stalls past the lease, as a GC
+                // pause or a starved thread would.
+                let pause = if rng.chance(0.4) { lease.mul_f64(1.5) } else { lease / 3 };
+                sleep(pause).await;
+                // The bug: no owner check, so it may extend someone else's key.
+                let extended: redis::RedisResult<bool> = c.pexpire(&key, i64::try_from(lease_ms).unwrap_or(i64::MAX)).await;
+                if !matches!(extended, Ok(true)) {
+                    let _ = tx.send(true);
+                    return;
+                }
+            }
+        }));
+    }
+
+    /// Resolves when the client learns it lost the lock (never for the
+    /// fixed-lease variants: their belief ends at `valid_until_ns`).
+    pub(crate) async fn lost(&self, hold: &BrokenHold) {
+        match &hold.lost {
+            Some(rx) => {
+                let mut rx = rx.clone();
+                let _ = rx.wait_for(|lost| *lost).await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    pub(crate) async fn release(&self, hold: BrokenHold) -> redis::RedisResult<()> {
+        if let Some(r) = &hold.renewer {
+            r.abort();
+        }
+        match self.bug {
+            Bug::PlainDel => {
+                let mut c = self.nodes[0].clone();
+                let _: i64 = c.del(&hold.key).await?;
+            }
+            _ => self.release_all(&hold.key, &hold.owner).await,
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,275 @@
+//! The checker: reads the merged history and the resource's final state and
+//! computes C1 (overlapping believed holds), C2/C4 (lost updates on the
+//! fenced register, refused and accepted stale writes, token regressions,
+//! losses on the unfenced control) and C5 (wait times, orphan recovery).
+//! C6 (residue) needs the lock servers and is measured by the scenarios.
+
+use std::collections::HashMap;
+
+use crate::history::Event;
+
+/// What a history shows.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Findings {
+    pub(crate) acquisitions: u64,
+    pub(crate) acq_failures: u64,
+    pub(crate) acq_unavailable: u64,
+    /// Holds that began while another owner still believed it held the key.
+    pub(crate) overlaps: u64,
+    pub(crate) lost_updates: u64,
+    /// Fenced writes whose outcome is unknown (crash or error mid-write).
+    pub(crate) indeterminate: u64,
+    pub(crate) stale_refused: u64,
+    pub(crate) stale_accepted: u64,
+    pub(crate) token_regressions: u64,
+    pub(crate) unfenced_lost: u64,
+    pub(crate) lost_signals: u64,
+    /// Holds refused by fencing, and how many of them had seen their lost
+    /// signal by their first refused access.
+    pub(crate) stale_holds: u64,
+    pub(crate) stale_holds_signalled: u64,
+    pub(crate) waits_ns: Vec<u64>,
+    /// For every killed holder: kill → next grant of its key, ns.
+    pub(crate) recoveries_ns: Vec<u64>,
+}
+
+impl Findings {
+    pub(crate) fn wait_percentile_ms(&self, p: f64) -> f64 {
+        percentile_ms(&self.waits_ns, p)
+    }
+}
+
+pub(crate) fn percentile_ms(values: &[u64], p: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_unstable();
+    let idx = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[idx.min(v.len() - 1)] as f64 / 1e6
+}
+
+#[derive(Debug, Clone)]
+struct Interval {
+    owner: String,
+    start: u64,
+    end: u64,
+    lost_at: Option<u64>,
+    first_stale: Option<u64>,
+}
+
+/// The final state of one key on the resource.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct KeyState {
+    pub(crate) fenced: i64,
+    pub(crate) unfenced: i64,
+    /// (accepted, token, max before) in the resource's order.
+    pub(crate) decisions: Vec<(bool, u64, u64)>,
+}
+
+#[derive(Default)]
+struct PerKey {
+    acked_f: i64,
+    indet_f: i64,
+    acked_u: i64,
+    intervals: Vec<Interval>,
+}
+
+/// Checks `events` (sorted by time) against the resource's final state.
+/// `run_end` closes holds that never released.
+pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: u64) -> Findings {
+    let mut f = Findings::default();
+    let mut keys: HashMap<u32, PerKey> = HashMap::new();
+    // (pid, task) -> (key, interval) of the open hold
+    let mut open: HashMap<(u32, u32), (u32, Interval)> = HashMap::new();
+    let mut invoked: HashMap<(u32, u32), u64> = HashMap::new();
+    // A write invoked and never answered (its process died): indeterminate.
+    let mut pending_w: HashMap<(u32, u32, String), u32> = HashMap::new();
+    let mut kills: Vec<(u64, u32, Vec<u32>)> = Vec::new();
+
+    for e in events {
+        let id = (e.pid, e.task);
+        match e.op.as_str() {
+            "acq_invoke" => {
+                invoked.insert(id, e.t);
+            }
+            "acq_ok" => {
+                f.acquisitions += 1;
+                if let Some(t0) = invoked.remove(&id) {
+                    f.waits_ns.push(e.t.saturating_sub(t0));
+                }
+                let key = e.key.unwrap_or(0);
+                let iv = Interval {
+                    owner: e.owner.clone().unwrap_or_default(),
+                    start: e.t,
+                    end: e.vu.unwrap_or(u64::MAX),
+                    lost_at: None,
+                    first_stale: None,
+                };
+                if let Some((k, old)) = open.insert(id, (key, iv)) {
+                    keys.entry(k).or_default().intervals.push(old);
+                }
+            }
+            "acq_fail" => {
+                invoked.remove(&id);
+                f.acq_failures += 1;
+                if e.res.as_deref().is_some_and(|r| r == "quorum_unavailable" || r == "backend") {
+                    f.acq_unavailable += 1;
+                }
+            }
+            "lost" => {
+                f.lost_signals += 1;
+                if let Some((_, iv)) = open.get_mut(&id) {
+                    let end = e.vu.map_or(e.t, |vu| vu.min(e.t));
+                    iv.end = iv.end.min(end);
+                    iv.lost_at.get_or_insert(e.t);
+                }
+            }
+            "rel_invoke" => {
+                if let Some((k, mut iv)) = open.remove(&id) {
+                    iv.end = iv.end.min(e.t);
+                    keys.entry(k).or_default().intervals.push(iv);
+                }
+            }
+            "w_invoke" => {
+                pending_w.insert((e.pid, e.task, e.reg.clone().unwrap_or_default()), e.key.unwrap_or(0));
+            }
+            "write" => {
+                let reg = e.reg.clone().unwrap_or_default();
+                pending_w.remove(&(e.pid, e.task, reg.clone()));
+                let k = keys.entry(e.key.unwrap_or(0)).or_default();
+                match (reg.as_str(), e.res.as_deref()) {
+                    ("f", Some("ok")) => k.acked_f += 1,
+                    ("f", Some("stale")) => {
+                        f.stale_refused += 1;
+                        if let Some((_, iv)) = open.get_mut(&id) {
+                            iv.first_stale.get_or_insert(e.t);
+                        }
+                    }
+                    ("f", Some("error")) => k.indet_f += 1,
+                    ("u", Some("ok")) => k.acked_u += 1,
+                    _ => {}
+                }
+            }
+            "kill" => {
+                let target = e.target.unwrap_or(0);
+                let mut held = Vec::new();
+                let ids: Vec<(u32, u32)> = open.keys().filter(|(pid, _)| *pid == target).copied().collect();
+                for id in ids {
+                    if let Some((k, mut iv)) = open.remove(&id) {
+                        iv.end = iv.end.min(e.t);
+                        held.push(k);
+                        keys.entry(k).or_default().intervals.push(iv);
+                    }
+                }
+                kills.push((e.t, target, held));
+            }
+            _ => {}
+        }
+    }
+    for ((_, _, reg), key) in pending_w {
+        if reg == "f" {
+            keys.entry(key).or_default().indet_f += 1;
+        }
+    }
+    for (_, (k, mut iv)) in open.drain() {
+        iv.end = iv.end.min(run_end);
+        keys.entry(k).or_default().intervals.push(iv);
+    }
+
+    for (key, pk) in &mut keys {
+        let state = finals.get(key).cloned().unwrap_or_default();
+        // C2 on the fenced register: final must lie in [A, A + I].
+        let lost = (pk.acked_f - state.fenced).max(0);
+        f.lost_updates += u64::try_from(lost).unwrap_or(0);
+        f.indeterminate += u64::try_from(pk.indet_f).unwrap_or(0);
+        f.unfenced_lost += u64::try_from((pk.acked_u - state.unfenced).max(0)).unwrap_or(0);
+        // C4 recomputed from the resource's own log.
+        let mut max = 0u64;
+        let mut last_accepted = 0u64;
+        for &(accepted, token, _) in &state.decisions {
+            if accepted {
+                if token < max {
+                    f.stale_accepted += 1;
+                }
+                if token < last_accepted {
+                    f.token_regressions += 1;
+                }
+                last_accepted = token;
+            }
+            max = max.max(token);
+        }
+        // C1: a hold that starts before an earlier hold of another owner ended.
+        pk.intervals.sort_by_key(|iv| iv.start);
+        let mut active: Vec<&Interval> = Vec::new();
+        for iv in &pk.intervals {
+            active.retain(|a| a.end > iv.start);
+            if active.iter().any(|a| a.owner != iv.owner) {
+                f.overlaps += 1;
+            }
+            active.push(iv);
+            if let Some(stale_t) = iv.first_stale {
+                f.stale_holds += 1;
+                if iv.lost_at.is_some_and(|l| l <= stale_t) {
+                    f.stale_holds_signalled += 1;
+                }
+            }
+        }
+    }
+    // Orphan recovery: kill → the next grant of a key the victim held.
+    for (t, _, held) in kills {
+        for k in held {
+            let next = keys.get(&k).and_then(|pk| pk.intervals.iter().filter(|iv| iv.start > t).map(|iv| iv.start).min());
+            if let Some(next) = next {
+                f.recoveries_ns.push(next - t);
+            }
+        }
+    }
+    f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(t: u64, pid: u32, op: &str, owner: &str) -> Event {
+        Event { t, pid, op: op.into(), key: Some(0), owner: Some(owner.into()), token: Some(t), ..Event::default() }
+    }
+
+    #[test]
+    fn overlapping_holds_are_counted_and_disjoint_ones_are_not() {
+        let events = vec![
+            e(1, 1, "acq_ok", "a"),
+            e(5, 2, "acq_ok", "b"),
+            e(6, 1, "rel_invoke", "a"),
+            e(7, 2, "rel_invoke", "b"),
+            e(8, 3, "acq_ok", "c"),
+            e(9, 3, "rel_invoke", "c"),
+        ];
+        let f = check(&events, &HashMap::new(), 10);
+        assert_eq!(f.overlaps, 1);
+        assert_eq!(f.acquisitions, 3);
+    }
+
+    #[test]
+    fn a_lost_signal_ends_the_belief_at_the_known_validity() {
+        let mut lost = e(9, 1, "lost", "a");
+        lost.vu = Some(4);
+        let events = vec![e(1, 1, "acq_ok", "a"), e(5, 2, "acq_ok", "b"), lost, e(10, 1, "rel_invoke", "a"), e(11, 2, "rel_invoke", "b")];
+        assert_eq!(check(&events, &HashMap::new(), 12).overlaps, 0);
+    }
+
+    #[test]
+    fn lost_updates_and_stale_acceptance_are_found() {
+        let mut w = e(2, 1, "write", "a");
+        w.reg = Some("f".into());
+        w.res = Some("ok".into());
+        let mut w2 = w.clone();
+        w2.t = 3;
+        let finals = HashMap::from([(0, KeyState { fenced: 1, unfenced: 0, decisions: vec![(true, 5, 0), (true, 4, 5)] })]);
+        let f = check(&[e(1, 1, "acq_ok", "a"), w, w2, e(4, 1, "rel_invoke", "a")], &finals, 5);
+        assert_eq!(f.lost_updates, 1);
+        assert_eq!(f.stale_accepted, 1);
+        assert_eq!(f.token_regressions, 1);
+    }
+}

@@ -1,0 +1,253 @@
+//! The supervisor's side of a run: worker processes (this binary re-executed
+//! with the hidden `worker` subcommand), their histories, the nemesis's own
+//! log, and the scenario report.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::checker::{self, Findings, KeyState};
+use crate::history::{self, mono_ns, Event, History};
+use crate::resource::Resource;
+use crate::worker::WorkerConfig;
+
+/// One scenario's row in the table and object in `--json`.
+#[derive(Debug, Clone, Serialize, Default)]
+pub(crate) struct Report {
+    pub(crate) scenario: String,
+    pub(crate) backend: String,
+    /// Whether the backend promises safety under this fault.
+    pub(crate) expected_safe: bool,
+    /// Overlaps are expected (pauses, expiry): the fencing must catch them.
+    pub(crate) overlaps_informational: bool,
+    pub(crate) seed: u64,
+    pub(crate) processes: u32,
+    pub(crate) tasks: u32,
+    pub(crate) keys: u32,
+    pub(crate) lease_ms: u64,
+    pub(crate) operations: u64,
+    pub(crate) acq_failures: u64,
+    pub(crate) faults: u64,
+    pub(crate) fault_kind: String,
+    pub(crate) overlaps: u64,
+    pub(crate) lost_updates: u64,
+    pub(crate) indeterminate: u64,
+    pub(crate) stale_writes_refused: u64,
+    pub(crate) stale_accepted: u64,
+    pub(crate) token_regressions: u64,
+    pub(crate) unfenced_lost: u64,
+    pub(crate) lost_signals: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) stale_holds_signalled: Option<String>,
+    pub(crate) p50_wait_ms: f64,
+    pub(crate) p99_wait_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) recovery_max_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) residual_keys: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) refreshed_keys: Option<u64>,
+    /// For `checker-self-test` rows: whether the checker caught the bug.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) caught: Option<bool>,
+    pub(crate) notes: String,
+    /// Whether the row passes its own assertions.
+    pub(crate) pass: bool,
+}
+
+impl Report {
+    pub(crate) fn new(scenario: &str, backend: &str, seed: u64) -> Self {
+        Report { scenario: scenario.into(), backend: backend.into(), seed, pass: true, ..Report::default() }
+    }
+
+    /// Copies a history's findings in.
+    pub(crate) fn absorb(&mut self, f: &Findings) {
+        self.operations += f.acquisitions;
+        self.acq_failures += f.acq_failures;
+        self.overlaps += f.overlaps;
+        self.lost_updates += f.lost_updates;
+        self.indeterminate += f.indeterminate;
+        self.stale_writes_refused += f.stale_refused;
+        self.stale_accepted += f.stale_accepted;
+        self.token_regressions += f.token_regressions;
+        self.unfenced_lost += f.unfenced_lost;
+        self.lost_signals += f.lost_signals;
+        if f.stale_holds > 0 {
+            self.stale_holds_signalled = Some(format!("{}/{}", f.stale_holds_signalled, f.stale_holds));
+        }
+        self.p50_wait_ms = f.wait_percentile_ms(0.5);
+        self.p99_wait_ms = f.wait_percentile_ms(0.99);
+        if !f.recoveries_ns.is_empty() {
+            self.recovery_max_ms = Some(checker::percentile_ms(&f.recoveries_ns, 1.0));
+        }
+    }
+
+    /// The harness's verdict: an expected-safe row must lose nothing on the
+    /// fenced register, accept no stale write, and (unless overlaps are
+    /// expected under its fault) show no overlap.
+    pub(crate) fn safety_ok(&self) -> bool {
+        if !self.expected_safe {
+            return true;
+        }
+        self.lost_updates == 0
+            && self.stale_accepted == 0
+            && self.token_regressions == 0
+            && (self.overlaps_informational || self.overlaps == 0)
+    }
+
+    pub(crate) fn fail(&mut self, why: impl AsRef<str>) {
+        self.pass = false;
+        if !self.notes.is_empty() {
+            self.notes.push_str("; ");
+        }
+        self.notes.push_str("FAIL: ");
+        self.notes.push_str(why.as_ref());
+    }
+
+    pub(crate) fn note(&mut self, what: impl AsRef<str>) {
+        if !self.notes.is_empty() {
+            self.notes.push_str("; ");
+        }
+        self.notes.push_str(what.as_ref());
+    }
+}
+
+/// A run's processes and files.
+#[derive(Debug)]
+pub(crate) struct Run {
+    pub(crate) dir: PathBuf,
+    histories: Vec<PathBuf>,
+    children: Vec<Child>,
+    pub(crate) nemesis: History,
+    next: u32,
+    /// When the last worker is due to stop on its own.
+    planned_end: std::time::Instant,
+}
+
+impl Run {
+    pub(crate) fn new(name: &str) -> std::io::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("dlock-torture-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let nemesis_path = dir.join("nemesis.jsonl");
+        let nemesis = History::open(&nemesis_path)?;
+        Ok(Run { dir, histories: vec![nemesis_path], children: Vec::new(), nemesis, next: 0, planned_end: std::time::Instant::now() })
+    }
+
+    /// Starts a worker process; returns its pid.
+    pub(crate) fn spawn(&mut self, mut cfg: WorkerConfig) -> std::io::Result<u32> {
+        self.next += 1;
+        self.planned_end = self.planned_end.max(std::time::Instant::now() + Duration::from_millis(cfg.duration_ms));
+        cfg.history = self.dir.join(format!("worker-{}.jsonl", self.next));
+        cfg.seed ^= u64::from(self.next) << 40;
+        self.histories.push(cfg.history.clone());
+        let json = serde_json::to_string(&cfg).map_err(std::io::Error::other)?;
+        let exe = std::env::current_exe()?;
+        let child = Command::new(exe).arg("worker").arg(json).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit()).spawn()?;
+        let pid = child.id();
+        self.children.push(child);
+        Ok(pid)
+    }
+
+    pub(crate) fn log(&self, op: &str, target: Option<u32>) {
+        self.nemesis.log(&Event { target, ..Event::now(op) });
+    }
+
+    /// SIGKILLs a worker and logs it.
+    pub(crate) fn kill(&mut self, pid: u32) {
+        self.log("kill", Some(pid));
+        if let Some(child) = self.children.iter_mut().find(|c| c.id() == pid) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub(crate) fn signal(&self, pid: u32, sig: rustix::process::Signal, op: &str) {
+        self.log(op, Some(pid));
+        if let Some(p) = rustix::process::Pid::from_raw(i32::try_from(pid).unwrap_or(0)) {
+            if let Err(e) = rustix::process::kill_process(p, sig) {
+                eprintln!("dlock-torture: cannot signal {pid}: {e}");
+            }
+        }
+    }
+
+    pub(crate) fn events(&self) -> Vec<Event> {
+        history::read_all(&self.histories)
+    }
+
+    /// Pids of workers that hold a lock right now, by the history's tail.
+    pub(crate) fn holders(&self, among: Option<&[u32]>) -> Vec<u32> {
+        let mut open: HashMap<(u32, u32), bool> = HashMap::new();
+        for e in self.events() {
+            match e.op.as_str() {
+                "acq_ok" => {
+                    open.insert((e.pid, e.task), true);
+                }
+                "rel_invoke" => {
+                    open.remove(&(e.pid, e.task));
+                }
+                _ => {}
+            }
+        }
+        let live: Vec<u32> = self.children.iter().map(Child::id).collect();
+        let mut pids: Vec<u32> = open
+            .keys()
+            .map(|(pid, _)| *pid)
+            .filter(|p| live.contains(p) && among.is_none_or(|a| a.contains(p)))
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    /// Waits for every worker to exit (they stop on their own after their
+    /// duration); kills any still running `grace` after the last one was due
+    /// to stop, and returns how
+    /// many that were: a worker that cannot finish is a hang (a deadlock or
+    /// an acquire that ignores its deadline).
+    pub(crate) fn join(&mut self, grace: Duration) -> u32 {
+        let deadline = self.planned_end.max(std::time::Instant::now()) + grace;
+        let mut hung = 0;
+        for child in &mut self.children {
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) | Err(_) => break,
+                    Ok(None) if std::time::Instant::now() >= deadline => {
+                        eprintln!("dlock-torture: worker {} did not stop in time; killing it", child.id());
+                        hung += 1;
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }
+        hung
+    }
+
+    /// Checks the history against the resource.
+    pub(crate) async fn check(&self, resource: &Resource, keys: u32) -> Result<Findings, String> {
+        let mut finals = HashMap::new();
+        for k in 0..keys {
+            let (fenced, unfenced, decisions) = resource.snapshot(k).await.map_err(|e| format!("resource snapshot: {e}"))?;
+            finals.insert(k, KeyState { fenced, unfenced, decisions });
+        }
+        Ok(checker::check(&self.events(), &finals, mono_ns()))
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::env::var_os("DLOCK_TORTURE_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! The history every process appends to: one JSON line per event, written
+//! with a single `write(2)` so that `kill -9` loses at most the event in
+//! flight and lines from one file never interleave.
+//!
+//! Timestamps are `CLOCK_MONOTONIC` in nanoseconds. On Linux that clock is
+//! one system-wide counter (time since boot, not counting suspend), so the
+//! events of different processes on this box are ordered by it. A
+//! `std::time::Instant` reads the same clock but cannot be exported, and
+//! `/proc/uptime` only has 10 ms resolution, so the harness calls
+//! `clock_gettime` itself (through `rustix`, which keeps the crate free of
+//! `unsafe`).
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// Nanoseconds of `CLOCK_MONOTONIC`, comparable across processes.
+pub(crate) fn mono_ns() -> u64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    let secs = u64::try_from(ts.tv_sec).unwrap_or(0);
+    let nanos = u64::try_from(ts.tv_nsec).unwrap_or(0);
+    secs * 1_000_000_000 + nanos
+}
+
+/// Converts a tokio instant to the shared monotonic clock.
+pub(crate) fn instant_to_ns(at: tokio::time::Instant) -> u64 {
+    let now_i = tokio::time::Instant::now();
+    let now = mono_ns();
+    if at >= now_i {
+        now + u64::try_from((at - now_i).as_nanos()).unwrap_or(u64::MAX / 4)
+    } else {
+        now.saturating_sub(u64::try_from((now_i - at).as_nanos()).unwrap_or(0))
+    }
+}
+
+/// One history event. Fields that do not apply are left out of the JSON.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub(crate) struct Event {
+    /// `CLOCK_MONOTONIC` ns.
+    pub(crate) t: u64,
+    pub(crate) pid: u32,
+    #[serde(default)]
+    pub(crate) task: u32,
+    /// `acq_invoke`, `acq_ok`, `acq_fail`, `cs_enter`, `w_invoke`, `write`,
+    /// `cs_exit`, `rel_invoke`, `rel_ok`, `rel_err`, `lost`, and the
+    /// nemesis's `kill`, `stop`, `cont`, `restart`, `partition`, `heal`.
+    pub(crate) op: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) key: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) token: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) owner: Option<String>,
+    /// The end of the validity the client believes in, when it knows one
+    /// (fixed leases, and the lease end at the moment a loss is seen).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) vu: Option<u64>,
+    /// For `write`: `f` (fenced register) or `u` (unfenced control).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) reg: Option<String>,
+    /// For `write`: `ok` or `stale`; for `acq_fail`: the error kind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) res: Option<String>,
+    /// For `write`: the value written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) val: Option<i64>,
+    /// For nemesis events: the target process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) target: Option<u32>,
+}
+
+impl Event {
+    /// An event of this process, stamped now.
+    pub(crate) fn now(op: &str) -> Self {
+        Event { t: mono_ns(), pid: std::process::id(), op: op.to_owned(), ..Event::default() }
+    }
+}
+
+/// An append-only history file shared by the tasks of one process.
+#[derive(Debug)]
+pub(crate) struct History {
+    file: Mutex<File>,
+}
+
+impl History {
+    /// Opens (creating) `path` for appending.
+    pub(crate) fn open(path: &Path) -> std::io::Result<Self> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(History { file: Mutex::new(file) })
+    }
+
+    /// Appends one event as one `write(2)` of one line.
+    pub(crate) fn log(&self, event: &Event) {
+        let Ok(mut line) = serde_json::to_vec(event) else { return };
+        line.push(b'\n');
+        let mut file = match self.file.lock() {
+            Ok(f) => f,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        // A regular file in O_APPEND mode takes a short line whole; a failed
+        // write (disk full) would show up as a missing event, which the
+        // checker reports as indeterminate rather than hides.
+        if let Err(e) = file.write_all(&line) {
+            eprintln!("dlock-torture: cannot append to the history: {e}");
+        }
+    }
+}
+
+/// Reads every event of the given files, sorted by time. A torn last line
+/// (a process killed mid-write) is skipped.
+pub(crate) fn read_all(paths: &[std::path::PathBuf]) -> Vec<Event> {
+    let mut events = Vec::new();
+    for path in paths {
+        let Ok(file) = File::open(path) else { continue };
+        for line in BufReader::new(file).lines().map_while(Result::ok) {
+            if let Ok(e) = serde_json::from_str::<Event>(&line) {
+                events.push(e);
+            }
+        }
+    }
+    events.sort_by_key(|e| e.t);
+    events
+}

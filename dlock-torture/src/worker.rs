@@ -1,0 +1,269 @@
+//! The worker process: a tokio runtime whose tasks contend for K keys and
+//! do a read–sleep–write on the resource while holding a lock, logging
+//! every step to the history.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::backend::redis::{RedisBackend, RedisOptions};
+use dlock_core::backend::redlock::RedLockBackend;
+use dlock_core::backend::zookeeper::ZooKeeperBackend;
+use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions};
+use serde::{Deserialize, Serialize};
+use tokio::time::{sleep, Instant};
+
+use crate::broken::{BrokenHold, BrokenLock, Bug};
+use crate::history::{instant_to_ns, Event, History};
+use crate::resource::{Fenced, Resource};
+use crate::rng::Rng;
+
+/// What one worker process does; passed as JSON on its command line.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct WorkerConfig {
+    /// `redis`, `redlock`, `zookeeper` or a `broken-*` variant.
+    pub(crate) backend: String,
+    /// The lock servers.
+    pub(crate) urls: Vec<String>,
+    /// The resource server.
+    pub(crate) resource: String,
+    pub(crate) prefix: String,
+    pub(crate) history: PathBuf,
+    pub(crate) tasks: u32,
+    pub(crate) keys: u32,
+    /// Stop after this long.
+    pub(crate) duration_ms: u64,
+    /// The lease: a fixed lease unless `watchdog`.
+    pub(crate) lease_ms: u64,
+    pub(crate) watchdog: bool,
+    pub(crate) wait_ms: u64,
+    /// The critical section sleeps a random 0..cs_max_ms between read and write.
+    pub(crate) cs_max_ms: u64,
+    /// ZooKeeper session timeout.
+    pub(crate) session_ms: u64,
+    pub(crate) seed: u64,
+}
+
+enum Client {
+    Dlock(Locker),
+    Broken(BrokenLock),
+}
+
+enum Hold {
+    Dlock(LockGuard),
+    Broken(BrokenHold),
+}
+
+impl Hold {
+    fn token(&self) -> u64 {
+        match self {
+            Hold::Dlock(g) => g.fencing_token(),
+            Hold::Broken(h) => h.token,
+        }
+    }
+}
+
+/// Runs a worker to completion; the error says what could not start.
+pub(crate) fn run(config_json: &str) -> Result<(), String> {
+    let cfg: WorkerConfig = serde_json::from_str(config_json).map_err(|e| format!("bad worker config: {e}"))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start a tokio runtime: {e}"))?;
+    rt.block_on(run_async(cfg))
+}
+
+async fn connect(cfg: &WorkerConfig) -> Result<Client, String> {
+    let lease = Duration::from_millis(cfg.lease_ms);
+    if let Some(bug) = Bug::from_name(&cfg.backend) {
+        return BrokenLock::connect(bug, &cfg.urls, lease).await.map(Client::Broken).map_err(|e| e.to_string());
+    }
+    let first = cfg.urls.first().ok_or("no lock server URL")?;
+    let backend: Arc<dyn Backend> = match cfg.backend.as_str() {
+        "redis" => Arc::new(
+            RedisBackend::connect_with(
+                first,
+                &cfg.prefix,
+                RedisOptions::default()
+                    .with_connect_timeout(Duration::from_millis(200))
+                    .with_response_timeout(Duration::from_millis(cfg.lease_ms / 3).max(Duration::from_millis(20))),
+            )
+            .await
+            .map_err(|e| e.to_string())?,
+        ),
+        "redlock" => Arc::new(
+            RedLockBackend::connect_with(&cfg.urls, &cfg.prefix, Duration::from_millis(50)).await.map_err(|e| e.to_string())?,
+        ),
+        "zookeeper" => Arc::new(
+            ZooKeeperBackend::connect_with(first, &cfg.prefix, Duration::from_millis(cfg.session_ms))
+                .await
+                .map_err(|e| e.to_string())?,
+        ),
+        other => return Err(format!("unknown backend `{other}`")),
+    };
+    let options = LockerOptions::default().with_prefix(cfg.prefix.clone()).with_watchdog_lease(lease);
+    Locker::with_options(backend, options).map(Client::Dlock).map_err(|e| e.to_string())
+}
+
+async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
+    let history = Arc::new(History::open(&cfg.history).map_err(|e| format!("cannot open the history: {e}"))?);
+    let resource = Resource::connect(&cfg.resource).await.map_err(|e| format!("cannot reach the resource server: {e}"))?;
+    let client = Arc::new(connect(&cfg).await?);
+    let cfg = Arc::new(cfg);
+    let stop_at = Instant::now() + Duration::from_millis(cfg.duration_ms);
+    let mut tasks = Vec::new();
+    for task in 0..cfg.tasks {
+        let (cfg, history, resource, client) = (cfg.clone(), history.clone(), resource.clone(), client.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng::new(cfg.seed ^ (u64::from(std::process::id()) << 20) ^ u64::from(task));
+            let mut seq = 0u64;
+            while Instant::now() < stop_at {
+                seq += 1;
+                one_op(&cfg, &history, &resource, &client, task, seq, &mut rng).await;
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    Ok(())
+}
+
+fn ev(op: &str, task: u32, key: u32) -> Event {
+    Event { task, key: Some(key), ..Event::now(op) }
+}
+
+async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, client: &Client, task: u32, seq: u64, rng: &mut Rng) {
+    let key = u32::try_from(rng.below(u64::from(cfg.keys))).unwrap_or(0);
+    let owner = format!("{}-{task}-{seq}", std::process::id());
+    history.log(&Event { owner: Some(owner.clone()), ..ev("acq_invoke", task, key) });
+    let wait = Duration::from_millis(cfg.wait_ms);
+    let acquired: Result<Option<(Hold, Option<u64>, String)>, String> = match client {
+        Client::Dlock(locker) => {
+            let lock_key = match locker.key("torture").part(key).build() {
+                Ok(k) => k,
+                Err(e) => {
+                    history.log(&Event { res: Some(format!("invalid_key: {e}")), ..ev("acq_fail", task, key) });
+                    return;
+                }
+            };
+            let opts = AcquireOptions::new().wait(wait);
+            let opts = if cfg.watchdog { opts } else { opts.lease(Duration::from_millis(cfg.lease_ms)) };
+            match locker.acquire(&lock_key, opts).await {
+                Ok(g) => {
+                    let vu = (!cfg.watchdog).then(|| instant_to_ns(g.valid_until()));
+                    let owner = g.owner().as_str().to_owned();
+                    Ok(Some((Hold::Dlock(g), vu, owner)))
+                }
+                Err(e) if e.is_contention() => Ok(None),
+                Err(e) => Err(error_kind(&e)),
+            }
+        }
+        Client::Broken(b) => match b.acquire(key, &owner, Instant::now() + wait, rng).await {
+            Ok(Some(h)) => {
+                let vu = h.valid_until_ns;
+                Ok(Some((Hold::Broken(h), vu, owner.clone())))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => Err(format!("backend: {e}")),
+        },
+    };
+    let (hold, vu, owner) = match acquired {
+        Ok(Some(h)) => h,
+        Ok(None) => {
+            history.log(&Event { res: Some("timeout".into()), ..ev("acq_fail", task, key) });
+            return;
+        }
+        Err(kind) => {
+            history.log(&Event { res: Some(kind), ..ev("acq_fail", task, key) });
+            // A dead server answers at once; do not spin on it.
+            sleep(Duration::from_millis(5 + rng.below(20))).await;
+            return;
+        }
+    };
+    let token = hold.token();
+    history.log(&Event { token: Some(token), owner: Some(owner.clone()), vu, ..ev("acq_ok", task, key) });
+
+    let cs_sleep = Duration::from_millis(rng.below(cfg.cs_max_ms + 1));
+    let cs = critical_section(history, resource, task, key, token, cs_sleep);
+    tokio::pin!(cs);
+    // The section runs to its end even after a loss, like an application
+    // that ignores the signal: the resource's fencing must then refuse it.
+    let mut lost_seen = false;
+    loop {
+        tokio::select! {
+            _ = &mut cs => break,
+            vu_at_loss = lost(client, &hold), if !lost_seen => {
+                lost_seen = true;
+                history.log(&Event { token: Some(token), owner: Some(owner.clone()), vu: vu_at_loss, ..ev("lost", task, key) });
+            }
+        }
+    }
+    history.log(&Event { token: Some(token), ..ev("cs_exit", task, key) });
+    history.log(&Event { token: Some(token), owner: Some(owner.clone()), ..ev("rel_invoke", task, key) });
+    let released = match (client, hold) {
+        (_, Hold::Dlock(g)) => g.release().await.map(|held| if held { "freed" } else { "not_held" }).map_err(|e| e.to_string()),
+        (Client::Broken(b), Hold::Broken(h)) => b.release(h).await.map(|()| "freed").map_err(|e| e.to_string()),
+        (Client::Dlock(_), Hold::Broken(_)) => Err("a broken hold on the dlock client".to_owned()),
+    };
+    match released {
+        Ok(res) => history.log(&Event { res: Some(res.into()), ..ev("rel_ok", task, key) }),
+        Err(e) => history.log(&Event { res: Some(e), ..ev("rel_err", task, key) }),
+    }
+}
+
+/// Waits for the hold's lost signal; returns the validity end the client
+/// knew when it fired (the moment its belief should have ended).
+async fn lost(client: &Client, hold: &Hold) -> Option<u64> {
+    match (client, hold) {
+        (_, Hold::Dlock(g)) => {
+            g.lost().await;
+            Some(instant_to_ns(g.valid_until()))
+        }
+        (Client::Broken(b), Hold::Broken(h)) => {
+            b.lost(h).await;
+            None
+        }
+        (Client::Dlock(_), Hold::Broken(_)) => std::future::pending().await,
+    }
+}
+
+async fn critical_section(history: &History, resource: &Resource, task: u32, key: u32, token: u64, cs_sleep: Duration) {
+    history.log(&Event { token: Some(token), ..ev("cs_enter", task, key) });
+    let fenced = resource.fenced_read(key, token).await;
+    let plain = resource.read(key).await;
+    sleep(cs_sleep).await;
+    match fenced {
+        Ok(Fenced::Ok(v)) => {
+            history.log(&Event { token: Some(token), reg: Some("f".into()), ..ev("w_invoke", task, key) });
+            let res = match resource.fenced_write(key, token, v + 1).await {
+                Ok(Fenced::Ok(_)) => "ok",
+                Ok(Fenced::Stale) => "stale",
+                Err(_) => "error",
+            };
+            history.log(&Event { token: Some(token), reg: Some("f".into()), res: Some(res.into()), val: Some(v + 1), ..ev("write", task, key) });
+        }
+        Ok(Fenced::Stale) => {
+            history.log(&Event { token: Some(token), reg: Some("f".into()), res: Some("stale".into()), ..ev("write", task, key) });
+        }
+        Err(_) => {
+            history.log(&Event { token: Some(token), reg: Some("f".into()), res: Some("error".into()), ..ev("write", task, key) });
+        }
+    }
+    if let Ok(v) = plain {
+        history.log(&Event { token: Some(token), reg: Some("u".into()), ..ev("w_invoke", task, key) });
+        let res = if resource.write(key, v + 1).await.is_ok() { "ok" } else { "error" };
+        history.log(&Event { token: Some(token), reg: Some("u".into()), res: Some(res.into()), val: Some(v + 1), ..ev("write", task, key) });
+    }
+}
+
+fn error_kind(e: &dlock_core::Error) -> String {
+    match e {
+        dlock_core::Error::QuorumUnavailable { .. } => "quorum_unavailable".into(),
+        dlock_core::Error::Backend { .. } => "backend".into(),
+        dlock_core::Error::Cancelled => "cancelled".into(),
+        other => format!("other: {other}"),
+    }
+}
+

@@ -1,0 +1,82 @@
+//! CI runs the whole torture harness in its short form and checks the JSON
+//! it prints: every scenario reported, nothing lost where the backend
+//! promises safety, every broken lock caught by the checker.
+
+use std::collections::HashSet;
+use std::process::Command;
+
+use serde_json::Value;
+
+const SCENARIOS: [&str; 12] = [
+    "baseline",
+    "pause",
+    "kill-client",
+    "restart-redis",
+    "redlock-minority",
+    "redlock-majority",
+    "zk-expire",
+    "partition",
+    "checker-self-test",
+    "orphan-renewal",
+    "bad-input",
+    "idempotency-storm",
+];
+
+const BROKEN: [&str; 5] = [
+    "broken-plain-del",
+    "broken-get-then-set",
+    "broken-renew-no-owner-check",
+    "broken-redlock-ignores-elapsed",
+    "broken-zk-herd",
+];
+
+#[test]
+fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
+    let out = Command::new(env!("CARGO_BIN_EXE_dlock-torture"))
+        .args(["--short", "--json", "--seed", "20261123"])
+        .output()
+        .expect("run dlock-torture");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let rows: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}\nstderr:\n{stderr}")))
+        .collect();
+    assert!(out.status.success(), "dlock-torture failed ({:?}):\n{stdout}\nstderr:\n{stderr}", out.status);
+
+    let seen: HashSet<&str> = rows.iter().filter_map(|r| r["scenario"].as_str()).collect();
+    for s in SCENARIOS {
+        assert!(seen.contains(s), "scenario {s} missing from:\n{stdout}");
+    }
+    for r in &rows {
+        for field in ["scenario", "backend", "operations", "faults", "overlaps", "lost_updates", "stale_writes_refused", "expected_safe"] {
+            assert!(!r[field].is_null(), "{field} missing in {r}");
+        }
+        if r["expected_safe"] == true {
+            assert_eq!(r["lost_updates"], 0, "lost update where the backend promises safety: {r}");
+            assert_eq!(r["stale_accepted"], 0, "stale write accepted: {r}");
+            assert_eq!(r["pass"], true, "{r}");
+        }
+    }
+    for variant in BROKEN {
+        let row = rows
+            .iter()
+            .find(|r| r["scenario"] == "checker-self-test" && r["backend"] == variant)
+            .unwrap_or_else(|| panic!("self-test of {variant} missing"));
+        assert_eq!(row["caught"], true, "the checker missed {variant}: {row}");
+        if variant != "broken-zk-herd" {
+            assert!(row["overlaps"].as_u64().unwrap_or(0) > 0, "{row}");
+        }
+    }
+    // The unmitigated restart must show the violation the docs describe.
+    let unsafe_restart = rows
+        .iter()
+        .find(|r| r["scenario"] == "restart-redis" && r["expected_safe"] == false)
+        .expect("restart-redis without persistence");
+    assert!(unsafe_restart["overlaps"].as_u64().unwrap_or(0) > 0, "{unsafe_restart}");
+    // Work really happened where it should.
+    for s in ["baseline", "pause", "kill-client", "redlock-minority", "zk-expire", "partition", "orphan-renewal", "bad-input"] {
+        let ops: u64 = rows.iter().filter(|r| r["scenario"] == s).filter_map(|r| r["operations"].as_u64()).sum();
+        assert!(ops > 0, "{s} did no operations");
+    }
+}
