@@ -118,9 +118,21 @@ async fn session_expiry_fires_lost_and_frees_the_lock() {
         .expect("the session is reported lost")
         .expect("state channel");
     let g2 = waiter.await.expect("task").expect("the other client acquires");
-    assert!(g2.fencing_token() > g.fencing_token());
+    let second = g2.fencing_token();
+    assert!(second > g.fencing_token());
     g2.release().await.expect("release");
+
+    // Once the partition heals, the holder's backend opens a new session
+    // and locks again: one long pause must not disable it for good.
     proxy.heal();
+    tokio::time::timeout(Duration::from_secs(15), state.wait_for(|s| *s == ConnectionState::Connected))
+        .await
+        .expect("a new session after the partition heals")
+        .expect("state channel");
+    let g3 = holder.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("the holder locks again");
+    assert!(g3.fencing_token() > second);
+    assert!(g3.release().await.expect("release"));
+    assert!(!g.release().await.expect("release of the lost guard"), "the old guard's lock is gone");
 }
 
 /// Waiters are served in arrival order, each watching only its predecessor.

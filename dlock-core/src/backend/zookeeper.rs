@@ -8,7 +8,9 @@
 //! * The lease is the session: the guard's lost signal fires when the session
 //!   expires or our node is deleted. A disconnected ("suspended") session is
 //!   reported distinctly, through [`ZooKeeperBackend::connection_state`]; the
-//!   lock is still ours until the session timeout passes.
+//!   lock is still ours until the session timeout passes. After a session
+//!   is lost the backend opens a new one (with backoff) and goes on granting
+//!   locks; the guards of the old session have already fired `lost`.
 //! * The fencing token is our node's creation zxid: ZooKeeper's transaction
 //!   ids only grow, for every node of the ensemble, so it is strictly
 //!   increasing per key even when the lock's container node is removed and
@@ -23,7 +25,7 @@
 //!   lives. A crashed process loses its locks with its session.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -68,16 +70,28 @@ pub enum ConnectionState {
 /// # Ok(()) }
 /// ```
 pub struct ZooKeeperBackend {
-    client: zk::Client,
+    /// The session new locks are taken in; replaced when it is lost.
+    session: Arc<RwLock<Session>>,
     prefix: String,
+    /// The state across sessions, for [`ZooKeeperBackend::connection_state`].
     state: watch::Receiver<ConnectionState>,
     /// Our holds: (key, owner) -> (node path, fencing token, holds).
     holds: Holds,
 }
 
+/// One ZooKeeper session and its own state: a hold belongs to the session
+/// that created its node and dies with it.
+#[derive(Clone)]
+struct Session {
+    client: zk::Client,
+    state: watch::Receiver<ConnectionState>,
+}
+
 #[derive(Debug)]
 struct Hold {
     node: String,
+    /// The session whose ephemeral node this is.
+    client: zk::Client,
     fence: u64,
     count: u32,
     /// The end of the lease; the expiry task deletes the node then unless
@@ -113,47 +127,23 @@ impl ZooKeeperBackend {
     /// string; [`Error::Backend`] when no server answers within the session
     /// timeout.
     pub async fn connect_with(connect_string: &str, prefix: &str, session_timeout: Duration) -> Result<Self> {
-        let connecting = zk::Client::connector()
-            .with_session_timeout(session_timeout)
-            .with_connection_timeout(session_timeout.min(Duration::from_secs(2)))
-            .connect(connect_string);
-        let client = match tokio::time::timeout(session_timeout + Duration::from_secs(1), connecting).await {
-            Ok(Ok(client)) => client,
-            Ok(Err(e @ zk::Error::BadArguments(_))) => {
-                return Err(Error::config("DLOCK_ZOOKEEPER", format!("cannot use `{connect_string}`: {e}")))
-            }
-            Ok(Err(e)) => {
-                return Err(Error::Backend {
-                    backend: "zookeeper",
-                    message: format!("cannot connect to `{connect_string}`: {e}"),
-                    source: Some(Box::new(e)),
-                })
-            }
-            Err(_) => {
-                return Err(Error::backend("zookeeper", format!("no session with `{connect_string}` within {session_timeout:?}")))
-            }
-        };
-        let (tx, rx) = watch::channel(ConnectionState::Connected);
-        let mut states = client.state_watcher();
-        tokio::spawn(async move {
-            loop {
-                let state = states.changed().await;
-                let mapped = match state {
-                    zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly => ConnectionState::Connected,
-                    zk::SessionState::Disconnected => ConnectionState::Suspended,
-                    _ => ConnectionState::Lost,
-                };
-                match mapped {
-                    ConnectionState::Suspended => tracing::warn!("ZooKeeper session suspended: locks held until the session timeout"),
-                    ConnectionState::Lost => tracing::error!(?state, "ZooKeeper session lost: every lock of this process is gone"),
-                    ConnectionState::Connected => tracing::info!("ZooKeeper session reconnected"),
-                }
-                if tx.send(mapped).is_err() || mapped == ConnectionState::Lost {
-                    return;
-                }
-            }
-        });
-        Ok(ZooKeeperBackend { client, prefix: prefix.to_owned(), state: rx, holds: Holds::default() })
+        let first = open_session(connect_string, session_timeout).await?;
+        let (public, state) = watch::channel(ConnectionState::Connected);
+        let session = Arc::new(RwLock::new(first));
+        let holds = Holds::default();
+        tokio::spawn(supervise(
+            Arc::downgrade(&session),
+            Arc::downgrade(&holds),
+            public,
+            connect_string.to_owned(),
+            session_timeout,
+        ));
+        Ok(ZooKeeperBackend { session, prefix: prefix.to_owned(), state, holds })
+    }
+
+    /// The current session.
+    fn current(&self) -> Session {
+        self.session.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The session's state, to tell a suspended connection from a lost one.
@@ -166,7 +156,7 @@ impl ZooKeeperBackend {
     /// timeout would).
     #[doc(hidden)]
     pub fn session_info(&self) -> zk::SessionInfo {
-        self.client.session().clone()
+        self.current().client.session().clone()
     }
 
     /// The container node of `key`.
@@ -204,9 +194,9 @@ impl ZooKeeperBackend {
         }
     }
 
-    fn grant(&self, node: &str, fence: u64, lease: Duration) -> Grant {
-        let mut states = self.state.clone();
-        let (client, node) = (self.client.clone(), node.to_owned());
+    fn grant(session: &Session, node: &str, fence: u64, lease: Duration) -> Grant {
+        let mut states = session.state.clone();
+        let (client, node) = (session.client.clone(), node.to_owned());
         let lost: BoxFuture<'static, LostReason> = Box::pin(async move {
             let node_gone = async {
                 loop {
@@ -245,28 +235,28 @@ impl ZooKeeperBackend {
 
     /// Creates our sequential node, creating the lock's container node on
     /// the way. Returns the node's path and its creation zxid.
-    async fn create_node(&self, dir: &str) -> Result<(String, u64)> {
+    async fn create_node(client: &zk::Client, dir: &str) -> Result<(String, u64)> {
         let name = format!("{dir}/_c_{}{LOCK_NAME}", random_hex::<16>()?);
         let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
         let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
         for _ in 0..8 {
-            match self.client.create(&name, &[], &ephemeral).await {
+            match client.create(&name, &[], &ephemeral).await {
                 Ok((stat, sequence)) => {
                     return Ok((format!("{name}{sequence}"), u64::try_from(stat.czxid).unwrap_or(0)));
                 }
                 // The container is missing, or was just reaped: make it again.
-                Err(zk::Error::NoNode) => match self.client.mkdir(dir, &container).await {
+                Err(zk::Error::NoNode) => match client.mkdir(dir, &container).await {
                     Ok(()) | Err(zk::Error::NodeExists) => continue,
                     Err(e) => return Err(zk_error(e)),
                 },
                 Err(zk::Error::ConnectionLoss) => {
                     // The create may have happened: look for our unique name
                     // (ZOOKEEPER-1262) before trying again.
-                    let children = self.client.list_children(dir).await.map_err(zk_error)?;
+                    let children = client.list_children(dir).await.map_err(zk_error)?;
                     let base = name.rsplit('/').next().unwrap_or_default();
                     if let Some(child) = children.iter().find(|c| c.starts_with(base)) {
                         let path = format!("{dir}/{child}");
-                        let (_, stat) = self.client.get_data(&path).await.map_err(zk_error)?;
+                        let (_, stat) = client.get_data(&path).await.map_err(zk_error)?;
                         return Ok((path, u64::try_from(stat.czxid).unwrap_or(0)));
                     }
                 }
@@ -278,14 +268,14 @@ impl ZooKeeperBackend {
 
     /// Deletes our node (only ours: the path is unique to this contender),
     /// retrying transient failures, then the lock's node if it is empty.
-    async fn delete_node(&self, node: &str) -> Result<bool> {
+    async fn delete_node(client: &zk::Client, node: &str) -> Result<bool> {
         let mut last = None;
         for attempt in 0..3 {
-            match self.client.delete(node, None).await {
+            match client.delete(node, None).await {
                 Ok(()) => {
                     if let Some((dir, _)) = node.rsplit_once('/') {
                         // Fails harmlessly when another contender is inside.
-                        let _ = self.client.delete(dir, None).await;
+                        let _ = client.delete(dir, None).await;
                     }
                     return Ok(true);
                 }
@@ -306,11 +296,17 @@ impl ZooKeeperBackend {
     }
 
     /// Waits until `node` sorts first among the contenders of `dir`.
-    async fn wait_turn(&self, req: &AcquireRequest, dir: &str, node: &str, cancel: &CancellationToken) -> Result<()> {
+    async fn wait_turn(
+        client: &zk::Client,
+        req: &AcquireRequest,
+        dir: &str,
+        node: &str,
+        cancel: &CancellationToken,
+    ) -> Result<()> {
         let started = Instant::now();
         let ours = node.rsplit('/').next().unwrap_or_default();
         loop {
-            let mut children = self.client.list_children(dir).await.map_err(zk_error)?;
+            let mut children = client.list_children(dir).await.map_err(zk_error)?;
             children.retain(|c| c.contains(LOCK_NAME));
             children.sort_by_key(|c| sequence_of(c));
             let Some(position) = children.iter().position(|c| c == ours) else {
@@ -323,7 +319,7 @@ impl ZooKeeperBackend {
                 return Err(contention(req, started));
             };
             let predecessor = format!("{dir}/{}", children[position - 1]);
-            let (stat, watcher) = self.client.check_and_watch_stat(&predecessor).await.map_err(zk_error)?;
+            let (stat, watcher) = client.check_and_watch_stat(&predecessor).await.map_err(zk_error)?;
             if stat.is_none() {
                 continue;
             }
@@ -338,6 +334,103 @@ impl ZooKeeperBackend {
 }
 
 type Holds = Arc<Mutex<HashMap<(LockKey, Owner), Hold>>>;
+
+/// Opens a session and maps its states to [`ConnectionState`] on a channel
+/// of its own.
+async fn open_session(connect_string: &str, session_timeout: Duration) -> Result<Session> {
+    let connecting = zk::Client::connector()
+        .with_session_timeout(session_timeout)
+        .with_connection_timeout(session_timeout.min(Duration::from_secs(2)))
+        .connect(connect_string);
+    let client = match tokio::time::timeout(session_timeout + Duration::from_secs(1), connecting).await {
+        Ok(Ok(client)) => client,
+        Ok(Err(e @ zk::Error::BadArguments(_))) => {
+            return Err(Error::config("DLOCK_ZOOKEEPER", format!("cannot use `{connect_string}`: {e}")))
+        }
+        Ok(Err(e)) => {
+            return Err(Error::Backend {
+                backend: "zookeeper",
+                message: format!("cannot connect to `{connect_string}`: {e}"),
+                source: Some(Box::new(e)),
+            })
+        }
+        Err(_) => {
+            return Err(Error::backend("zookeeper", format!("no session with `{connect_string}` within {session_timeout:?}")))
+        }
+    };
+    let (tx, state) = watch::channel(ConnectionState::Connected);
+    let mut states = client.state_watcher();
+    tokio::spawn(async move {
+        loop {
+            let mapped = match states.changed().await {
+                zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly => ConnectionState::Connected,
+                zk::SessionState::Disconnected => ConnectionState::Suspended,
+                _ => ConnectionState::Lost,
+            };
+            if tx.send(mapped).is_err() || mapped == ConnectionState::Lost {
+                return;
+            }
+        }
+    });
+    Ok(Session { client, state })
+}
+
+/// Follows the current session: reports its states on the backend's channel
+/// and, when it is lost, forgets its holds (their guards have fired `lost`)
+/// and opens a new session, retrying with backoff, so that one long pause
+/// does not leave the process unable to lock for the rest of its life.
+/// Ends when the backend is dropped.
+async fn supervise(
+    session: Weak<RwLock<Session>>,
+    holds: Weak<Mutex<HashMap<(LockKey, Owner), Hold>>>,
+    public: watch::Sender<ConnectionState>,
+    connect_string: String,
+    session_timeout: Duration,
+) {
+    loop {
+        let Some(current) = session.upgrade() else { return };
+        let (mut state, lost_id) = {
+            let s = current.read().unwrap_or_else(|p| p.into_inner());
+            (s.state.clone(), s.client.session_id())
+        };
+        drop(current);
+        loop {
+            let now = *state.borrow_and_update();
+            match now {
+                ConnectionState::Suspended => tracing::warn!("ZooKeeper session suspended: locks held until the session timeout"),
+                ConnectionState::Lost => tracing::error!("ZooKeeper session lost: every lock it held is gone"),
+                ConnectionState::Connected => tracing::debug!("ZooKeeper session connected"),
+            }
+            public.send_replace(now);
+            if now == ConnectionState::Lost || state.changed().await.is_err() {
+                break;
+            }
+        }
+        public.send_replace(ConnectionState::Lost);
+        if let Some(holds) = holds.upgrade() {
+            lock_holds(&holds).retain(|_, h| h.client.session_id() != lost_id);
+        }
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if session.strong_count() == 0 {
+                return;
+            }
+            match open_session(&connect_string, session_timeout).await {
+                Ok(fresh) => {
+                    let Some(current) = session.upgrade() else { return };
+                    *current.write().unwrap_or_else(|p| p.into_inner()) = fresh;
+                    tracing::info!("ZooKeeper: new session opened after the old one was lost");
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in = ?backoff, "ZooKeeper: cannot open a new session yet");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+}
 
 fn lock_holds(holds: &Mutex<HashMap<(LockKey, Owner), Hold>>) -> std::sync::MutexGuard<'_, HashMap<(LockKey, Owner), Hold>> {
     // Every update of the map is a single insert, remove or field write, so a
@@ -391,24 +484,27 @@ impl Backend for ZooKeeperBackend {
                 hold.count += 1;
                 (hold.node.clone(), hold.fence)
             });
+            let session = self.current();
             if let Some((node, fence)) = joined {
-                let grant = self.grant(&node, fence, req.lease);
+                let grant = Self::grant(&session, &node, fence, req.lease);
                 self.extend(&id, grant.valid_until);
                 return Ok(grant);
             }
             let dir = self.lock_path(&req.key);
-            let (node, fence) = self.create_node(&dir).await?;
-            if let Err(e) = self.wait_turn(req, &dir, &node, cancel).await {
+            let client = &session.client;
+            let (node, fence) = Self::create_node(client, &dir).await?;
+            if let Err(e) = Self::wait_turn(client, req, &dir, &node, cancel).await {
                 // Leave no node behind: a timeout, a cancel or an error gives up our place.
-                if let Err(del) = self.delete_node(&node).await {
+                if let Err(del) = Self::delete_node(client, &node).await {
                     tracing::warn!(error = %del, node, "could not delete an abandoned lock node; it goes with the session");
                 }
                 return Err(e);
             }
-            let grant = self.grant(&node, fence, req.lease);
+            let grant = Self::grant(&session, &node, fence, req.lease);
             let (expires, expiry) = watch::channel(grant.valid_until);
-            self.holds().insert(id.clone(), Hold { node: node.clone(), fence, count: 1, expires });
-            tokio::spawn(expire(self.client.clone(), self.holds.clone(), id, node, expiry));
+            let hold = Hold { node: node.clone(), client: client.clone(), fence, count: 1, expires };
+            self.holds().insert(id.clone(), hold);
+            tokio::spawn(expire(client.clone(), self.holds.clone(), id, node, expiry));
             Ok(grant)
         })
     }
@@ -420,11 +516,11 @@ impl Backend for ZooKeeperBackend {
         lease: Duration,
     ) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
-            let node = self.holds().get(&(key.clone(), owner.clone())).map(|h| h.node.clone());
-            let Some(node) = node else { return Ok(Renewal::Lost) };
+            let hold = self.holds().get(&(key.clone(), owner.clone())).map(|h| (h.node.clone(), h.client.clone()));
+            let Some((node, client)) = hold else { return Ok(Renewal::Lost) };
             let sent = Instant::now();
-            match self.client.check_stat(&node).await {
-                Ok(Some(stat)) if stat.ephemeral_owner == self.client.session_id().0 => {
+            match client.check_stat(&node).await {
+                Ok(Some(stat)) if stat.ephemeral_owner == client.session_id().0 => {
                     self.extend(&(key.clone(), owner.clone()), sent + lease);
                     Ok(Renewal::Held { valid_until: sent + lease })
                 }
@@ -445,10 +541,11 @@ impl Backend for ZooKeeperBackend {
                         hold.count -= 1;
                         return Ok(Release::StillHeld(hold.count));
                     }
-                    Some(hold) => hold.node.clone(),
+                    Some(hold) => (hold.node.clone(), hold.client.clone()),
                 }
             };
-            let result = self.delete_node(&node).await;
+            let (node, client) = node;
+            let result = Self::delete_node(&client, &node).await;
             // Forget the hold only once ZooKeeper no longer has the node.
             if result.is_ok() {
                 self.holds().remove(&id);
