@@ -521,8 +521,8 @@ async fn zk_expire(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         .filter(|(pid, cont)| events.iter().any(|e| e.pid == *pid && e.op == "acq_ok" && e.t > *cont))
         .count();
     r.note(format!(
-        "liveness: {recovered}/{} paused clients took a lock again within 2 s of resuming (a client whose session \
-         expired needs a new session)",
+        "liveness: {recovered}/{} paused clients took a lock again within 2 s of resuming (on a new session: the \
+         expired one cannot)",
         resumed.len()
     ));
     drop(zk);
