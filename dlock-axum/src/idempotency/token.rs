@@ -30,7 +30,8 @@ pub struct TokenResponse {
 impl TokenResponse {
     /// `{"token": ..., "expires_in_secs": ...}`.
     pub fn to_json(&self) -> String {
-        serde_json::json!({"token": self.token, "expires_in_secs": self.expires_in_secs}).to_string()
+        // Written by hand to keep the documented field order.
+        format!("{{\"token\":{},\"expires_in_secs\":{}}}", serde_json::Value::from(self.token.as_str()), self.expires_in_secs)
     }
 }
 
