@@ -32,6 +32,7 @@
 //! `503 lock_backend_unavailable` (fail closed), never a 500 or a hang.
 
 mod engine;
+pub mod idempotency;
 pub mod lock;
 mod rejection;
 mod request;

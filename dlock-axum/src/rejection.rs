@@ -58,6 +58,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed |
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
+/// | 500 | `idempotency_response_too_large` | 2902 | the route's response exceeds the size the idempotency layer stores |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed, retry later |
 ///
@@ -132,6 +133,11 @@ rejections! {
     /// The lock service cannot be reached; the request is refused (fail closed).
     backend_unavailable => (SERVICE_UNAVAILABLE, "lock_backend_unavailable", 2501,
         "lock service unavailable, please retry later");
+    /// The route answered with a body larger than the idempotency layer may
+    /// store; the key was freed and the answer withheld, since it could not
+    /// be replayed.
+    idempotency_response_too_large => (INTERNAL_SERVER_ERROR, "idempotency_response_too_large", 2902,
+        "the response is too large to be stored for idempotent replay");
     /// The service is misconfigured (no engine installed, invalid options).
     misconfigured => (INTERNAL_SERVER_ERROR, "lock_misconfigured", 2901, "the lock service is misconfigured");
 }

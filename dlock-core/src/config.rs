@@ -60,6 +60,7 @@ impl BackendKind {
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
 /// | `DLOCK_IDEMPOTENCY_TTL_SECS` | life of tokens and stored responses | `86400` |
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
+/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]) | the lock backend's Redis, else in process |
 ///
 /// An empty variable counts as unset.
 ///
@@ -91,6 +92,9 @@ pub struct Config {
     pub idempotency_ttl: Duration,
     /// Most body bytes read to derive a key.
     pub max_body_bytes: usize,
+    /// Where idempotency records live when it is not the lock backend's
+    /// Redis (`DLOCK_IDEMPOTENCY_REDIS_URL`).
+    pub idempotency_redis_url: Option<String>,
 }
 
 impl Default for Config {
@@ -102,6 +106,7 @@ impl Default for Config {
             wait: Duration::ZERO,
             idempotency_ttl: Duration::from_secs(86_400),
             max_body_bytes: 64 * 1024,
+            idempotency_redis_url: None,
         }
     }
 }
@@ -180,7 +185,17 @@ impl Config {
             Some(n) => usize::try_from(n).map_err(|_| Error::config("DLOCK_MAX_BODY_BYTES", "too large for this machine"))?,
             None => defaults.max_body_bytes,
         };
-        Ok(Config { backend, prefix, lease, wait, idempotency_ttl, max_body_bytes })
+        let idempotency_redis_url = get("DLOCK_IDEMPOTENCY_REDIS_URL");
+        if let Some(url) = &idempotency_redis_url {
+            const SCHEMES: [&str; 5] = ["redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://"];
+            if !SCHEMES.iter().any(|s| url.starts_with(s) && url.len() > s.len()) {
+                return Err(Error::config(
+                    "DLOCK_IDEMPOTENCY_REDIS_URL",
+                    "must be a Redis URL (`redis://`, `rediss://`, `redis+cluster://`, `rediss+cluster://` or `redis+sentinel://`)",
+                ));
+            }
+        }
+        Ok(Config { backend, prefix, lease, wait, idempotency_ttl, max_body_bytes, idempotency_redis_url })
     }
 
     /// The engine defaults of this configuration.
@@ -226,6 +241,48 @@ impl Config {
             }
         };
         Locker::with_options(backend, self.locker_options())
+    }
+}
+
+impl Config {
+    /// Connects the idempotency store that goes with this configuration.
+    ///
+    /// | lock backend | records live in |
+    /// |---|---|
+    /// | `memory` | this process ([`MemoryStore`](crate::idempotency::MemoryStore)), unless `DLOCK_IDEMPOTENCY_REDIS_URL` is set |
+    /// | `redis` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same Redis as the locks |
+    /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset → this process, with a warning (instances do not share records) |
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+    /// let store = dlock_core::Config::default().idempotency_store().await?;
+    /// assert_eq!(store.name(), "memory");
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisStore::connect`](crate::idempotency::RedisStore::connect).
+    pub async fn idempotency_store(&self) -> Result<Arc<dyn crate::idempotency::IdempotencyStore>> {
+        let url = match (&self.idempotency_redis_url, &self.backend) {
+            (Some(url), _) => Some(url.as_str()),
+            (None, BackendKind::Redis { url }) => Some(url.as_str()),
+            (None, BackendKind::Memory) => None,
+            (None, other) => {
+                tracing::warn!(
+                    backend = other.name(),
+                    "DLOCK_IDEMPOTENCY_REDIS_URL is not set: idempotency records stay in this process and are not shared between instances"
+                );
+                None
+            }
+        };
+        match url {
+            None => Ok(Arc::new(crate::idempotency::MemoryStore::new(&self.prefix))),
+            #[cfg(feature = "redis")]
+            Some(url) => Ok(Arc::new(crate::idempotency::RedisStore::connect(url, &self.prefix).await?)),
+            #[cfg(not(feature = "redis"))]
+            Some(_) => Err(Error::config("DLOCK_IDEMPOTENCY_REDIS_URL", "dlock-core was built without the `redis` feature")),
+        }
     }
 }
 
@@ -287,6 +344,16 @@ mod tests {
             three.expect("odd").backend,
             BackendKind::RedLock { urls: vec!["redis://a".into(), "redis://b".into(), "redis://c".into()] }
         );
+    }
+
+    #[test]
+    fn idempotency_redis_url_is_checked() {
+        let c = Config::from_lookup(|v| (v == "DLOCK_IDEMPOTENCY_REDIS_URL").then(|| "redis://10.0.0.2:7001".into()))
+            .expect("valid");
+        assert_eq!(c.idempotency_redis_url.as_deref(), Some("redis://10.0.0.2:7001"));
+        let e = Config::from_lookup(|v| (v == "DLOCK_IDEMPOTENCY_REDIS_URL").then(|| "http://x".into()))
+            .expect_err("not redis");
+        assert!(e.to_string().contains("DLOCK_IDEMPOTENCY_REDIS_URL"));
     }
 
     #[test]

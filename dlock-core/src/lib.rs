@@ -27,6 +27,7 @@ pub mod backend;
 mod config;
 mod error;
 mod guard;
+pub mod idempotency;
 mod key;
 mod locker;
 mod owner;

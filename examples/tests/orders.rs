@@ -315,19 +315,27 @@ async fn orders_spend_their_token_once() {
     assert_eq!(request(addr, "PUT", "/products/5", Some(&json!({"stock": 2}))).await.expect("PUT").status, 200);
     let order = json!({"product": {"id": 5}, "quantity": 1});
 
-    let first = request(addr, "POST", "/orders?token=t-1", Some(&order)).await.expect("order");
+    // Real one-time tokens from the service.
+    let token = || async {
+        let r = request(addr, "GET", "/idempotency/token", None).await.expect("token");
+        assert_eq!(r.status, 200, "{}", r.json);
+        r.json["token"].as_str().expect("token").to_owned()
+    };
+    let t1 = token().await;
+    let first = request(addr, "POST", &format!("/orders?token={t1}"), Some(&order)).await.expect("order");
     assert_eq!(first.status, 201, "{}", first.json);
     assert!(first.json["order_id"].as_str().is_some_and(|s| !s.is_empty()), "{}", first.json);
     assert_eq!((first.json["product_id"].clone(), first.json["quantity"].clone()), (json!(5), json!(1)));
 
-    let again = request(addr, "POST", "/orders?token=t-1", Some(&order)).await.expect("order");
+    let again = request(addr, "POST", &format!("/orders?token={t1}"), Some(&order)).await.expect("order");
     assert_eq!((again.status, again.json["error"].as_str()), (409, Some("duplicate_submission")), "{}", again.json);
 
     let missing = request(addr, "POST", "/orders", Some(&order)).await.expect("order");
     assert_eq!(missing.status, 400, "{}", missing.json);
 
     let big = json!({"product": {"id": 5}, "quantity": 5});
-    let sold_out = request(addr, "POST", "/orders?token=t-2", Some(&big)).await.expect("order");
+    let t2 = token().await;
+    let sold_out = request(addr, "POST", &format!("/orders?token={t2}"), Some(&big)).await.expect("order");
     assert_eq!((sold_out.status, sold_out.json["error"].as_str()), (409, Some("sold_out")), "{}", sold_out.json);
 
     let product = request(addr, "GET", "/products/5", None).await.expect("GET");

@@ -25,7 +25,14 @@
 //!   behind `LockLayer::new("product.stock").json("product_id")`; 409 `sold_out`
 //! * `POST /orders?token=T` `{"product":{"id":id},"quantity":q}` → 201
 //!   `{"order_id":..,"product_id":..,"quantity":..}`; locked on `order.create`
-//!   by product and token; the token is spent once
+//!   by product and token; `T` comes from `GET /idempotency/token` and is
+//!   spent once (`400 idempotency_token_missing`, `409 duplicate_submission`)
+//! * `GET /idempotency/token` → `{"token": "...", "expires_in_secs": n}`
+//! * `POST /payments` with `Idempotency-Key: K`, `{"order_id": "...", "amount": n}`
+//!   → 201 `{"payment_id":..,"order_id":..,"amount":..}` after ~200 ms of work;
+//!   a retry replays it (`Idempotent-Replayed: true`), `409
+//!   idempotency_request_in_progress` while running, `422
+//!   idempotency_key_mismatch` for another body, `400` without a key
 //!
 //! Every error is `{"error": "...", "code": n, "message": "..."}`.
 
@@ -50,6 +57,8 @@ use tracing_subscriber::EnvFilter;
 mod model;
 #[path = "../orders/store.rs"]
 mod store;
+#[path = "../orders/payments.rs"]
+mod payments;
 
 use model::{CreateOrder, ProductId, ProductRef, ReduceStock, SetStock, TokenParam};
 use store::{Stock, Store, StoreError};
@@ -61,6 +70,8 @@ const STOCK_WAIT: Duration = Duration::from_secs(5);
 struct App {
     locker: Locker,
     store: Store,
+    /// One-time order tokens and `Idempotency-Key` records.
+    idem: dlock_axum::idempotency::Idempotency,
     /// `ORDERS_UNLOCKED=1`: sell without the stock lock.
     unlocked: bool,
 }
@@ -73,10 +84,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let config = Config::from_env()?;
     let locker = config.build().await?;
-    let store = match non_empty_env("ORDERS_REDIS_URL") {
-        Some(url) => Store::redis(&url).await?,
+    let orders_redis_url = non_empty_env("ORDERS_REDIS_URL");
+    let store = match &orders_redis_url {
+        Some(url) => Store::redis(url).await?,
         None => Store::memory(),
     };
+    let idem = payments::idempotency(&config, orders_redis_url.as_deref()).await?;
     let unlocked = non_empty_env("ORDERS_UNLOCKED").is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
     let addr: SocketAddr = non_empty_env("ORDERS_ADDR")
         .unwrap_or_else(|| "127.0.0.1:3000".into())
@@ -84,7 +97,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_err(|e| format!("ORDERS_ADDR: {e}"))?;
 
     let store_kind = store.kind();
-    let app = App { locker: locker.clone(), store, unlocked };
+    let app = App { locker: locker.clone(), store, idem, unlocked };
     let router = router(app);
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(
@@ -121,6 +134,7 @@ fn router(app: App) -> Router {
         .route("/products/{id}", get(get_product).put(put_product))
         .route("/stock/reduce", reduce)
         .route("/orders", create)
+        .merge(payments::routes(&app.idem, app.store.clone()))
         .layer(middleware::from_fn(access_log))
         .with_locker(app.locker.clone())
         .with_state(app)
@@ -290,7 +304,7 @@ async fn create_order(
         return Err(invalid_quantity().into());
     }
     let ProductRef { id } = product;
-    if !spend_token(&app.store, &token).await? {
+    if !payments::spend_token(&app.idem, &token).await? {
         return Err(Rejection::duplicate_submission()
             .with_message("this order token is unknown or was already used")
             .into());
@@ -301,13 +315,6 @@ async fn create_order(
     app.store.record_order(&order_id, &order).await?;
     tracing::debug!(%order_id, product = %id, quantity, remaining, "order placed");
     Ok((StatusCode::CREATED, Json(order)).into_response())
-}
-
-/// Spends a one-time order token. Until the idempotency tokens of
-/// `GET /idempotency/token` exist, any non-empty token is accepted once (per
-/// process in memory, across instances when the store is Redis).
-async fn spend_token(store: &Store, token: &str) -> Result<bool, StoreError> {
-    store.spend_token(token).await
 }
 
 fn new_order_id() -> Result<String, AppError> {

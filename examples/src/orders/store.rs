@@ -1,11 +1,11 @@
-//! Where the `orders` service keeps products, orders and spent tokens: in
+//! Where the `orders` service keeps products, orders and payments: in
 //! process, or in a Redis shared by several instances.
 //!
 //! Products are read and written with plain `GET` / `SET` on purpose: the
 //! read-modify-write of stock is not atomic, so only the lock keeps
 //! concurrent sales from overselling.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,7 +35,8 @@ impl From<redis::RedisError> for StoreError {
     }
 }
 
-/// Products, orders and spent order tokens.
+/// Products, orders and payments. (One-time order tokens live in the
+/// idempotency store, see `payments.rs`.)
 #[derive(Clone)]
 pub(crate) enum Store {
     /// In this process only.
@@ -58,12 +59,10 @@ impl fmt::Debug for Store {
 pub(crate) struct MemoryStore {
     products: HashMap<String, Stock>,
     orders: HashMap<String, String>,
-    tokens: HashSet<String>,
+    payments: HashMap<String, String>,
 }
 
 const PREFIX: &str = "orders";
-/// How long a spent token is remembered in Redis.
-const TOKEN_TTL_SECS: u64 = 86_400;
 
 fn product_key(id: &str) -> String {
     format!("{PREFIX}:product:{id}")
@@ -123,25 +122,6 @@ impl Store {
         }
     }
 
-    /// Marks `token` spent. `true` the first time, `false` ever after (per
-    /// process in memory; across instances in Redis, with one `SET NX`).
-    pub(crate) async fn spend_token(&self, token: &str) -> Result<bool, StoreError> {
-        match self {
-            Store::Memory(m) => Ok(m.lock().await.tokens.insert(token.to_owned())),
-            Store::Redis(conn) => {
-                let set: Option<String> = redis::cmd("SET")
-                    .arg(format!("{PREFIX}:token:{token}"))
-                    .arg(1)
-                    .arg("NX")
-                    .arg("EX")
-                    .arg(TOKEN_TTL_SECS)
-                    .query_async(&mut conn.clone())
-                    .await?;
-                Ok(set.is_some())
-            }
-        }
-    }
-
     /// Records an order (its JSON) under `order_id`.
     pub(crate) async fn record_order(&self, order_id: &str, order: &serde_json::Value) -> Result<(), StoreError> {
         match self {
@@ -151,6 +131,20 @@ impl Store {
             }
             Store::Redis(conn) => {
                 let () = conn.clone().set(format!("{PREFIX}:order:{order_id}"), order.to_string()).await?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Records a payment (its JSON) under `payment_id`.
+    pub(crate) async fn record_payment(&self, payment_id: &str, payment: &serde_json::Value) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.lock().await.payments.insert(payment_id.to_owned(), payment.to_string());
+                Ok(())
+            }
+            Store::Redis(conn) => {
+                let () = conn.clone().set(format!("{PREFIX}:payment:{payment_id}"), payment.to_string()).await?;
                 Ok(())
             }
         }

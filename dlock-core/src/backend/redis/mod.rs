@@ -209,6 +209,12 @@ impl RedisBackend {
         })
     }
 
+    /// The command connection, shared with the idempotency store so that it
+    /// follows the same cluster routing and Sentinel failovers.
+    pub(crate) fn command_conn(&self) -> Conn {
+        self.conn.clone()
+    }
+
     async fn try_once(&self, req: &AcquireRequest) -> Result<Attempt> {
         Ok(match self.try_on_node(req).await? {
             NodeAttempt::Granted { grant, .. } => Attempt::Acquired(grant),
@@ -323,7 +329,7 @@ fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
 /// The command connection: one server, a cluster routed by key slot, or the
 /// master a set of Sentinels names.
 #[derive(Clone)]
-enum Conn {
+pub(crate) enum Conn {
     Single(ConnectionManager),
     Cluster(redis::cluster_async::ClusterConnection),
     Sentinel(SentinelConn),
@@ -333,7 +339,7 @@ enum Conn {
 /// connection fails or the server says it is a read-only replica (after a
 /// failover).
 #[derive(Clone)]
-struct SentinelConn {
+pub(crate) struct SentinelConn {
     sentinel: Arc<tokio::sync::Mutex<SentinelClient>>,
     current: Arc<std::sync::RwLock<ConnectionManager>>,
     /// The master's client, for the subscriber to follow.

@@ -1,0 +1,131 @@
+//! Request idempotency over HTTP: one-time tokens and `Idempotency-Key`.
+//!
+//! **Token mode** (a form that must be submitted once): the client fetches a
+//! token from [`Idempotency::token_handler`] (`{"token": "...",
+//! "expires_in_secs": n}`) and sends it with the submit, in the header
+//! `Idempotency-Token` or a query parameter ([`TokenLayer::query_param`]).
+//! [`TokenLayer`] consumes it atomically before the route runs: missing →
+//! `400 idempotency_token_missing`; unknown, expired or used →
+//! `409 duplicate_submission`. Of any number of concurrent submits of one
+//! token, exactly one reaches the route.
+//!
+//! **Key mode** (IETF "The Idempotency-Key HTTP Header Field", Stripe):
+//! [`IdempotencyLayer`] — see there for the rules, the scope default and the
+//! failure policy.
+//!
+//! Both answer `503 lock_backend_unavailable` when the store cannot be reached
+//! (fail closed: never run a request whose duplicate could not be ruled out).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! use std::sync::Arc;
+//! use axum::{body::Body, http::Request, routing::{get, post}, Router};
+//! use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, TokenLayer};
+//! use dlock_core::idempotency::MemoryStore;
+//! use tower::ServiceExt;
+//!
+//! let idem = Idempotency::new(Arc::new(MemoryStore::new("dlock")));
+//! let app: Router = Router::new()
+//!     .route("/idempotency/token", get(idem.token_handler()))
+//!     .route("/orders", post(|| async { "placed" }).layer(TokenLayer::new(idem.clone()).query_param("token")))
+//!     .route("/payments", post(|| async { "paid" }).layer(IdempotencyLayer::new(idem.clone())));
+//!
+//! let res = app.clone().oneshot(Request::post("/orders").body(Body::empty()).unwrap()).await.unwrap();
+//! assert_eq!(res.status(), 400); // idempotency_token_missing
+//! let res = app.oneshot(Request::post("/payments").header("idempotency-key", "k-1").body(Body::empty()).unwrap()).await.unwrap();
+//! assert_eq!(res.status(), 200);
+//! # }
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::idempotency::IdempotencyStore;
+
+mod key;
+mod token;
+
+pub use key::{IdempotencyLayer, IdempotencyService, ScopeFn, DEFAULT_STORED_HEADERS};
+pub use token::{TokenLayer, TokenService, TokenResponse};
+
+/// The header a retried response carries.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+/// The request header of key mode.
+pub const KEY_HEADER: &str = "idempotency-key";
+/// The request header of token mode.
+pub const TOKEN_HEADER: &str = "idempotency-token";
+/// Longest accepted `Idempotency-Key`.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A store and the TTL of its tokens and stored responses, shared by the
+/// token endpoint and the layers.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// let cfg = dlock_core::Config::from_env()?;
+/// let idem = dlock_axum::idempotency::Idempotency::from_config(&cfg).await?;
+/// assert_eq!(idem.ttl(), cfg.idempotency_ttl);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Idempotency {
+    store: Arc<dyn IdempotencyStore>,
+    ttl: Duration,
+}
+
+impl Idempotency {
+    /// Records in `store`, living 24 hours (`DLOCK_IDEMPOTENCY_TTL_SECS`' default).
+    pub fn new(store: Arc<dyn IdempotencyStore>) -> Self {
+        Idempotency { store, ttl: dlock_core::Config::default().idempotency_ttl }
+    }
+
+    /// The store [`Config::idempotency_store`](dlock_core::Config::idempotency_store)
+    /// picks, with the configured TTL.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be connected.
+    pub async fn from_config(cfg: &dlock_core::Config) -> dlock_core::Result<Self> {
+        Ok(Idempotency { store: cfg.idempotency_store().await?, ttl: cfg.idempotency_ttl })
+    }
+
+    /// Changes how long tokens and stored responses live.
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long tokens and stored responses live.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
+        &self.store
+    }
+
+    /// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`,
+    /// or `503 lock_backend_unavailable`. Mount it where clients ask for tokens.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use axum::{body::Body, http::Request, routing::get, Router};
+    /// use tower::ServiceExt;
+    /// let idem = dlock_axum::idempotency::Idempotency::new(std::sync::Arc::new(dlock_core::idempotency::MemoryStore::new("d")));
+    /// let app: Router = Router::new().route("/idempotency/token", get(idem.token_handler()));
+    /// let res = app.oneshot(Request::get("/idempotency/token").body(Body::empty()).unwrap()).await.unwrap();
+    /// assert_eq!(res.status(), 200);
+    /// # }
+    /// ```
+    pub fn token_handler(
+        &self,
+    ) -> impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>> + Clone + Send + Sync + 'static
+    {
+        let idem = self.clone();
+        move || {
+            let idem = idem.clone();
+            Box::pin(async move { token::issue(&idem).await })
+        }
+    }
+}

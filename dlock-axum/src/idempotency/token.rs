@@ -1,0 +1,166 @@
+//! Token mode: issue and consume one-time tokens.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use tower::{Layer, Service};
+
+use super::{Idempotency, TOKEN_HEADER};
+use crate::Rejection;
+
+/// The body of the token endpoint.
+///
+/// ```
+/// let body = dlock_axum::idempotency::TokenResponse { token: "ab".into(), expires_in_secs: 60 }.to_json();
+/// assert_eq!(body, r#"{"token":"ab","expires_in_secs":60}"#);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenResponse {
+    /// The one-time token.
+    pub token: String,
+    /// Seconds until it expires.
+    pub expires_in_secs: u64,
+}
+
+impl TokenResponse {
+    /// `{"token": ..., "expires_in_secs": ...}`.
+    pub fn to_json(&self) -> String {
+        // Written by hand to keep the documented field order.
+        format!("{{\"token\":{},\"expires_in_secs\":{}}}", serde_json::Value::from(self.token.as_str()), self.expires_in_secs)
+    }
+}
+
+pub(super) async fn issue(idem: &Idempotency) -> Response {
+    match idem.store.issue_token(idem.ttl).await {
+        Ok(token) => {
+            let body = TokenResponse { token, expires_in_secs: idem.ttl.as_secs() }.to_json();
+            let mut res = Response::new(Body::from(body));
+            res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            // A token must never be served from a cache to a second client.
+            res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            res
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "dlock: issuing an idempotency token failed");
+            Rejection::from_lock_error(&e).into_response()
+        }
+    }
+}
+
+/// Consumes a one-time token before the route runs.
+///
+/// Reads the `Idempotency-Token` header, else the query parameter set with
+/// [`TokenLayer::query_param`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::sync::Arc;
+/// use axum::{body::Body, http::Request, routing::post, Router};
+/// use dlock_axum::idempotency::{Idempotency, TokenLayer};
+/// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
+/// use tower::ServiceExt;
+///
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new("d")));
+/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem.clone())));
+/// let token = idem.store().issue_token(idem.ttl()).await.unwrap();
+/// let submit = || Request::post("/submit").header("idempotency-token", &token).body(Body::empty()).unwrap();
+/// assert_eq!(app.clone().oneshot(submit()).await.unwrap().status(), 200);
+/// assert_eq!(app.oneshot(submit()).await.unwrap().status(), 409);
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct TokenLayer {
+    idem: Idempotency,
+    query_param: Option<String>,
+    duplicate: Rejection,
+}
+
+impl TokenLayer {
+    /// Tokens from the `Idempotency-Token` header.
+    pub fn new(idem: Idempotency) -> Self {
+        TokenLayer { idem, query_param: None, duplicate: Rejection::duplicate_submission() }
+    }
+
+    /// Also accept the token as the query parameter `name` (`?token=...`).
+    pub fn query_param(mut self, name: impl Into<String>) -> Self {
+        self.query_param = Some(name.into());
+        self
+    }
+
+    /// The answer to a used or unknown token (default `409 duplicate_submission`).
+    pub fn duplicate_rejection(mut self, rejection: Rejection) -> Self {
+        self.duplicate = rejection;
+        self
+    }
+}
+
+impl<S> Layer<S> for TokenLayer {
+    type Service = TokenService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TokenService { inner, layer: self.clone() }
+    }
+}
+
+/// The service of [`TokenLayer`].
+#[derive(Debug, Clone)]
+pub struct TokenService<S> {
+    inner: S,
+    layer: TokenLayer,
+}
+
+impl<S> TokenService<S> {
+    fn token(&self, req: &Request<Body>) -> Option<String> {
+        if let Some(v) = req.headers().get(TOKEN_HEADER).and_then(|v| v.to_str().ok()) {
+            return Some(v.trim().to_owned()).filter(|t| !t.is_empty());
+        }
+        let name = self.layer.query_param.as_deref()?;
+        form_urlencoded::parse(req.uri().query()?.as_bytes())
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.trim().to_owned())
+            .filter(|t| !t.is_empty())
+    }
+}
+
+impl<S> Service<Request<Body>> for TokenService<S>
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let token = self.token(&req);
+        let layer = self.layer.clone();
+        Box::pin(async move {
+            let Some(token) = token else {
+                return Ok(Rejection::idempotency_token_missing().into_response());
+            };
+            match layer.idem.store.consume_token(&token).await {
+                Ok(true) => inner.call(req).await,
+                Ok(false) => Ok(layer.duplicate.clone().into_response()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "dlock: consuming an idempotency token failed");
+                    let mut res = Rejection::from_lock_error(&e).into_response();
+                    if res.status() == StatusCode::SERVICE_UNAVAILABLE {
+                        res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                    }
+                    Ok(res)
+                }
+            }
+        })
+    }
+}

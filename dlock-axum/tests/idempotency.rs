@@ -1,0 +1,288 @@
+//! IdempotencyLayer and TokenLayer on the memory store, driven with oneshot.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{to_bytes, Body};
+use axum::http::{Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, TokenLayer};
+use dlock_core::idempotency::MemoryStore;
+use tower::ServiceExt;
+
+fn idem() -> Idempotency {
+    Idempotency::new(Arc::new(MemoryStore::new("t")))
+}
+
+async fn send(app: &Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+    let res = app.clone().oneshot(req).await.expect("infallible");
+    let (parts, body) = res.into_parts();
+    (parts.status, parts.headers, to_bytes(body, usize::MAX).await.expect("body").to_vec())
+}
+
+fn error_of(body: &[u8]) -> String {
+    let v: serde_json::Value = serde_json::from_slice(body).expect("json error");
+    v["error"].as_str().expect("error field").to_owned()
+}
+
+fn pay(key: Option<&str>, body: &str) -> Request<Body> {
+    let mut b = Request::post("/pay");
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    b.body(Body::from(body.to_owned())).expect("request")
+}
+
+/// A route that counts its runs and answers 201 with a fresh id.
+fn counting_app(layer: IdempotencyLayer, runs: Arc<AtomicUsize>, delay: Duration) -> Router {
+    Router::new().route(
+        "/pay",
+        post(move |body: String| {
+            let runs = runs.clone();
+            async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                tokio::time::sleep(delay).await;
+                (
+                    StatusCode::CREATED,
+                    [("content-type", "application/json"), ("location", "/pay/1"), ("x-not-stored", "1")],
+                    format!("{{\"run\":{n},\"echo\":{body:?}}}"),
+                )
+            }
+        })
+        .layer(layer),
+    )
+}
+
+#[tokio::test]
+async fn missing_and_malformed_keys_are_400() {
+    let app = counting_app(IdempotencyLayer::new(idem()), Arc::default(), Duration::ZERO);
+    let (s, _, b) = send(&app, pay(None, "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_key_missing"));
+    for bad in ["", "has space", &"x".repeat(256), "tab\tkey"] {
+        let (s, _, b) = send(&app, pay(Some(bad), "{}")).await;
+        assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_key_invalid"), "{bad:?}");
+    }
+    let (s, _, _) = send(&app, pay(Some(&"x".repeat(255)), "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn replay_is_byte_for_byte_with_stored_headers() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::ZERO);
+    let (s1, h1, b1) = send(&app, pay(Some("k"), "{\"a\":1}")).await;
+    let (s2, h2, b2) = send(&app, pay(Some("k"), "{\"a\":1}")).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!((s1, &b1), (s2, &b2));
+    assert_eq!(h2["content-type"], h1["content-type"]);
+    assert_eq!(h2["location"], "/pay/1");
+    assert_eq!(h2["idempotent-replayed"], "true");
+    assert!(h1.get("idempotent-replayed").is_none());
+    assert!(h2.get("x-not-stored").is_none(), "only selected headers are stored");
+}
+
+#[tokio::test]
+async fn mismatch_is_422_and_in_progress_is_409() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::from_millis(200));
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, pay(Some("k"), "{\"a\":1}")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (s, _, b) = send(&app, pay(Some("k"), "{\"a\":1}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_request_in_progress"));
+    let (s, _, b) = send(&app, pay(Some("k"), "{\"a\":2}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_mismatch"));
+    assert_eq!(first.await.expect("task").0, StatusCode::CREATED);
+    let (s, _, b) = send(&app, pay(Some("k"), "{\"a\":2}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_mismatch"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn scopes_keep_callers_apart() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::ZERO);
+    let as_user = |auth: &str| {
+        Request::post("/pay").header("idempotency-key", "same").header("authorization", auth).body(Body::from("{}")).expect("req")
+    };
+    let (_, _, alice) = send(&app, as_user("Bearer alice")).await;
+    let (_, h, bob) = send(&app, as_user("Bearer bob")).await;
+    assert_ne!(alice, bob, "bob must not get alice's response");
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let (_, h, again) = send(&app, as_user("Bearer alice")).await;
+    assert_eq!((again, h["idempotent-replayed"].to_str().expect("ascii")), (alice, "true"));
+}
+
+#[tokio::test]
+async fn server_errors_free_the_key_client_errors_are_stored() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new().route(
+        "/pay",
+        post(move |body: String| {
+            let n = r.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if body == "flaky" && n == 0 {
+                    StatusCode::SERVICE_UNAVAILABLE.into_response()
+                } else if body == "bad" {
+                    (StatusCode::BAD_REQUEST, "bad amount").into_response()
+                } else {
+                    (StatusCode::CREATED, "ok").into_response()
+                }
+            }
+        })
+        .layer(IdempotencyLayer::new(idem())),
+    );
+    assert_eq!(send(&app, pay(Some("f"), "flaky")).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(send(&app, pay(Some("f"), "flaky")).await.0, StatusCode::CREATED, "503 freed the key");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(send(&app, pay(Some("b"), "bad")).await.0, StatusCode::BAD_REQUEST);
+    let (s, h, b) = send(&app, pay(Some("b"), "bad")).await;
+    assert_eq!((s, b.as_slice(), h["idempotent-replayed"].to_str().expect("ascii")), (StatusCode::BAD_REQUEST, &b"bad amount"[..], "true"));
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_frees_its_key() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new().route(
+        "/pay",
+        post(move || {
+            let n = r.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    panic!("handler bug");
+                }
+                (StatusCode::CREATED, "ok")
+            }
+        })
+        .layer(IdempotencyLayer::new(idem())),
+    );
+    let panicked = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, pay(Some("p"), "{}")).await }
+    })
+    .await;
+    assert!(panicked.expect_err("the panic goes on").is_panic());
+    // The key is freed in the background; give that task a moment.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let (s, h, _) = send(&app, pay(Some("p"), "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(h.get("idempotent-replayed").is_none(), "ran again");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn stored_responses_expire() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(idem().with_ttl(Duration::from_millis(100)));
+    let app = counting_app(layer, runs.clone(), Duration::ZERO);
+    send(&app, pay(Some("e"), "{}")).await;
+    assert_eq!(send(&app, pay(Some("e"), "{}")).await.1["idempotent-replayed"], "true");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(send(&app, pay(Some("e"), "{}")).await.1.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn oversized_bodies_are_refused_clearly() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(idem()).max_body_bytes(8).max_response_bytes(10);
+    let app = counting_app(layer, runs.clone(), Duration::ZERO);
+    let (s, _, b) = send(&app, pay(Some("big"), "0123456789")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"));
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // The route's answer is longer than 10 bytes: not stored, key freed.
+    let (s, _, b) = send(&app, pay(Some("r"), "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::INTERNAL_SERVER_ERROR, "idempotency_response_too_large"));
+    let (s, _, _) = send(&app, pay(Some("r"), "{}")).await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the key was freed, so the retry ran");
+}
+
+#[tokio::test]
+async fn tokens_are_issued_and_spent_once() {
+    let idem = idem();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let app: Router = Router::new().route("/idempotency/token", get(idem.token_handler())).route(
+        "/orders",
+        post(move || {
+            h.fetch_add(1, Ordering::SeqCst);
+            async { "placed" }
+        })
+        .layer(TokenLayer::new(idem.clone()).query_param("token")),
+    );
+    let (s, h, b) = send(&app, Request::get("/idempotency/token").body(Body::empty()).expect("req")).await;
+    assert_eq!((s, h["content-type"].to_str().expect("ascii")), (StatusCode::OK, "application/json"));
+    let v: serde_json::Value = serde_json::from_slice(&b).expect("json");
+    let token = v["token"].as_str().expect("token").to_owned();
+    assert_eq!(token.len(), 32);
+    assert_eq!(v["expires_in_secs"], 86_400);
+
+    let (s, _, b) = send(&app, Request::post("/orders").body(Body::empty()).expect("req")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_token_missing"));
+    let by_query = || Request::post(format!("/orders?token={token}")).body(Body::empty()).expect("req");
+    assert_eq!(send(&app, by_query()).await.0, StatusCode::OK);
+    let (s, _, b) = send(&app, by_query()).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "duplicate_submission"));
+    let (s, _, _) = send(&app, Request::post("/orders?token=made-up").body(Body::empty()).expect("req")).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+
+    // Header form, and a storm of one token: exactly one gets through.
+    let (_, _, b) = send(&app, Request::get("/idempotency/token").body(Body::empty()).expect("req")).await;
+    let token = serde_json::from_slice::<serde_json::Value>(&b).expect("json")["token"].as_str().expect("t").to_owned();
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let (app, token) = (app.clone(), token.clone());
+            tokio::spawn(async move {
+                send(&app, Request::post("/orders").header("idempotency-token", token).body(Body::empty()).expect("req"))
+                    .await
+                    .0
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            StatusCode::OK => ok += 1,
+            StatusCode::CONFLICT => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(ok, 1);
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_of_one_key_runs_once() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::from_millis(100));
+    let tasks: Vec<_> = (0..30)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, pay(Some("storm"), "{}")).await })
+        })
+        .collect();
+    let mut created = 0;
+    for t in tasks {
+        let (s, h, _) = t.await.expect("task");
+        match s {
+            StatusCode::CREATED => {
+                assert!(h.get("idempotent-replayed").is_none());
+                created += 1
+            }
+            StatusCode::CONFLICT => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!((created, runs.load(Ordering::SeqCst)), (1, 1));
+}
+

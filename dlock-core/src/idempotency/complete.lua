@@ -1,0 +1,8 @@
+-- KEYS[1] record; ARGV[1] owner, ARGV[2] encoded response, ARGV[3] ttl ms.
+if redis.call('HGET', KEYS[1], 's') ~= 'p' or redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2])
+redis.call('HDEL', KEYS[1], 'o')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1

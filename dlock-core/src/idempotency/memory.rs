@@ -1,0 +1,166 @@
+//! The in-process store: one mutex-protected map, entries expire lazily.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TOKEN_BYTES};
+use crate::backend::BoxFuture;
+use crate::error::{Error, Result};
+
+/// Sweep every expired entry once the maps grew by this many inserts, so
+/// that records nobody asks for again do not pile up.
+const SWEEP_EVERY: usize = 1024;
+
+/// Idempotency records of one process.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
+/// let store = MemoryStore::new("dlock");
+/// let t = store.issue_token(std::time::Duration::from_secs(1)).await?;
+/// assert!(store.consume_token(&t).await?);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    tokens: HashMap<String, Instant>,
+    records: HashMap<(String, String), Record>,
+    inserts: usize,
+}
+
+#[derive(Debug)]
+struct Record {
+    fingerprint: String,
+    expires: Instant,
+    state: State,
+}
+
+#[derive(Debug)]
+enum State {
+    InProgress { owner: String },
+    Completed(StoredResponse),
+}
+
+impl MemoryStore {
+    /// An empty store. The prefix is accepted for symmetry with
+    /// [`RedisStore`](super::RedisStore); nothing is shared here.
+    pub fn new(_prefix: &str) -> Self {
+        MemoryStore { inner: Mutex::new(Inner::default()) }
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Inner>> {
+        self.inner.lock().map_err(|_| Error::backend("memory", "idempotency store poisoned by a panic"))
+    }
+}
+
+impl Inner {
+    fn inserted(&mut self, now: Instant) {
+        self.inserts += 1;
+        if self.inserts >= SWEEP_EVERY {
+            self.inserts = 0;
+            self.tokens.retain(|_, exp| *exp > now);
+            self.records.retain(|_, r| r.expires > now);
+        }
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(async move {
+            let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            inner.tokens.insert(token.clone(), now + ttl);
+            inner.inserted(now);
+            Ok(token)
+        })
+    }
+
+    fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            if !token_well_formed(token) {
+                return Ok(false);
+            }
+            let mut inner = self.lock()?;
+            Ok(inner.tokens.remove(token).is_some_and(|exp| exp > Instant::now()))
+        })
+    }
+
+    fn begin<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+        fingerprint: &'a str,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Begin>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            let id = (scope.to_owned(), key.to_owned());
+            if let Some(r) = inner.records.get(&id).filter(|r| r.expires > now) {
+                return Ok(if r.fingerprint != fingerprint {
+                    Begin::Mismatch
+                } else {
+                    match &r.state {
+                        State::InProgress { .. } => Begin::InProgress,
+                        State::Completed(resp) => Begin::Completed(resp.clone()),
+                    }
+                });
+            }
+            let claim = Claim::new(scope, key)?;
+            inner.records.insert(
+                id,
+                Record {
+                    fingerprint: fingerprint.to_owned(),
+                    expires: now + lease,
+                    state: State::InProgress { owner: claim.owner.clone() },
+                },
+            );
+            inner.inserted(now);
+            Ok(Begin::New(claim))
+        })
+    }
+
+    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse, ttl: Duration) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            let id = (claim.scope.clone(), claim.key.clone());
+            match inner.records.get_mut(&id) {
+                Some(r) if r.expires > now && matches!(&r.state, State::InProgress { owner } if *owner == claim.owner) => {
+                    r.state = State::Completed(response.clone());
+                    r.expires = now + ttl;
+                    Ok(true)
+                }
+                _ => Ok(false),
+            }
+        })
+    }
+
+    fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            let id = (claim.scope.clone(), claim.key.clone());
+            let ours = inner.records.get(&id).is_some_and(|r| {
+                r.expires > now && matches!(&r.state, State::InProgress { owner } if *owner == claim.owner)
+            });
+            if ours {
+                inner.records.remove(&id);
+            }
+            Ok(ours)
+        })
+    }
+}

@@ -1,0 +1,273 @@
+//! Request idempotency stores: one-time tokens and `Idempotency-Key` records.
+//!
+//! * **Tokens** — [`IdempotencyStore::issue_token`] makes a 128-bit token from
+//!   the OS CSPRNG that lives for a TTL; [`IdempotencyStore::consume_token`]
+//!   deletes it in one atomic step (Redis: one `DEL` whose count says whether
+//!   this caller removed it), so of any number of concurrent submits exactly
+//!   one sees `true`. Never GET-then-DEL: two callers could both see it.
+//! * **Keys** — [`IdempotencyStore::begin`] claims `(scope, key)` atomically
+//!   and answers [`Begin::New`] (run the handler), [`Begin::InProgress`],
+//!   [`Begin::Completed`] (the stored response) or [`Begin::Mismatch`] (same
+//!   key, other request). The in-progress record carries its own lease, so a
+//!   crashed instance cannot leave the key stuck; [`IdempotencyStore::complete`]
+//!   stores the response for a TTL and [`IdempotencyStore::abandon`] frees the
+//!   key. Both check the [`Claim`]'s owner, so a request whose lease ran out
+//!   cannot overwrite the record of the request that claimed the key after it.
+//!
+//! [`MemoryStore`] serves one process; [`RedisStore`] shares records between
+//! instances (single server, Cluster or Sentinel URLs, as the lock backend).
+//! [`Config::idempotency_store`](crate::Config::idempotency_store) picks one.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+//! use dlock_core::idempotency::{Begin, IdempotencyStore, MemoryStore, StoredResponse};
+//! use std::time::Duration;
+//!
+//! let store = MemoryStore::new("dlock");
+//! let token = store.issue_token(Duration::from_secs(60)).await?;
+//! assert!(store.consume_token(&token).await?);
+//! assert!(!store.consume_token(&token).await?); // spent
+//!
+//! let fp = dlock_core::idempotency::fingerprint(&["POST", "/pay", "{}"]);
+//! let Begin::New(claim) = store.begin("alice", "k1", &fp, Duration::from_secs(30)).await? else { unreachable!() };
+//! store.complete(&claim, &StoredResponse::new(201, vec![], b"ok".to_vec()), Duration::from_secs(60)).await?;
+//! assert!(matches!(store.begin("alice", "k1", &fp, Duration::from_secs(30)).await?, Begin::Completed(_)));
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::backend::BoxFuture;
+use crate::error::{Error, Result};
+
+mod memory;
+#[cfg(feature = "redis")]
+mod redis;
+
+pub use memory::MemoryStore;
+#[cfg(feature = "redis")]
+pub use self::redis::RedisStore;
+
+/// Random bytes in a token: 128 bits, shown as 32 hex characters.
+pub const TOKEN_BYTES: usize = 16;
+
+/// A store of one-time tokens and idempotency-key records.
+///
+/// Dyn-compatible: the HTTP layer holds an `Arc<dyn IdempotencyStore>`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
+/// let store: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new("dlock"));
+/// assert_eq!(store.name(), "memory");
+/// ```
+pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
+    /// `memory` or `redis`, for logs.
+    fn name(&self) -> &'static str;
+
+    /// Issues a fresh token that can be consumed once within `ttl`.
+    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>>;
+
+    /// Consumes `token`: `true` for exactly one caller while the token lives;
+    /// `false` when it is unknown, expired or already used.
+    fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>>;
+
+    /// Claims `key` within `scope` for a request whose `fingerprint` is given,
+    /// with an in-progress record that expires after `lease`.
+    fn begin<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+        fingerprint: &'a str,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Begin>>;
+
+    /// Stores the response of a claimed key for `ttl`. `Ok(false)` when the
+    /// claim is no longer ours (its lease ran out and another request took it).
+    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse, ttl: Duration) -> BoxFuture<'a, Result<bool>>;
+
+    /// Frees a claimed key so that a retry runs again. `Ok(false)` when the
+    /// claim is no longer ours.
+    fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>>;
+}
+
+/// The answer of [`IdempotencyStore::begin`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Begin {
+    /// The key was free and is now ours: run the handler, then complete or abandon.
+    New(Claim),
+    /// Another request holds the key and has not finished.
+    InProgress,
+    /// A request with this key and fingerprint finished; here is its response.
+    Completed(StoredResponse),
+    /// The key was used with a different fingerprint.
+    Mismatch,
+}
+
+/// Proof of a [`Begin::New`]: which key, and the random owner that claimed it.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// use dlock_core::idempotency::{Begin, IdempotencyStore, MemoryStore};
+/// let store = MemoryStore::new("dlock");
+/// let Begin::New(claim) = store.begin("s", "k", "fp", std::time::Duration::from_secs(5)).await? else { unreachable!() };
+/// assert_eq!((claim.scope(), claim.key()), ("s", "k"));
+/// assert!(store.abandon(&claim).await?);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    scope: String,
+    key: String,
+    owner: String,
+}
+
+impl Claim {
+    fn new(scope: &str, key: &str) -> Result<Self> {
+        Ok(Claim { scope: scope.to_owned(), key: key.to_owned(), owner: crate::owner::random_hex::<TOKEN_BYTES>()? })
+    }
+
+    /// The scope the key was claimed in.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The idempotency key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The random id of the claiming request.
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+}
+
+/// A response as stored for replay: status, selected headers, body.
+///
+/// ```
+/// use dlock_core::idempotency::StoredResponse;
+/// let r = StoredResponse::new(201, vec![("content-type".into(), b"application/json".to_vec())], b"{}".to_vec());
+/// assert_eq!(StoredResponse::decode(&r.encode()).expect("round trip"), r);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// Header names (lower case) and raw values, in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The body bytes.
+    pub body: Vec<u8>,
+}
+
+impl StoredResponse {
+    /// A response from its parts.
+    pub fn new(status: u16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Self {
+        StoredResponse { status, headers, body }
+    }
+
+    /// A self-delimiting binary form: status, header count, length-prefixed
+    /// names and values, then the body (no serde in dlock-core).
+    pub fn encode(&self) -> Vec<u8> {
+        let size = 6 + self.headers.iter().map(|(n, v)| 8 + n.len() + v.len()).sum::<usize>() + self.body.len();
+        let mut out = Vec::with_capacity(size);
+        out.extend_from_slice(&self.status.to_be_bytes());
+        out.extend_from_slice(&len32(self.headers.len()).to_be_bytes());
+        for (name, value) in &self.headers {
+            out.extend_from_slice(&len32(name.len()).to_be_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&len32(value.len()).to_be_bytes());
+            out.extend_from_slice(value);
+        }
+        out.extend_from_slice(&self.body);
+        out
+    }
+
+    /// The inverse of [`StoredResponse::encode`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the bytes are not a stored response (a
+    /// foreign value under our key).
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let bad = || Error::backend("idempotency", "a stored response is corrupt");
+        let mut rest = bytes;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            if rest.len() < n {
+                return Err(bad());
+            }
+            let (head, tail) = rest.split_at(n);
+            rest = tail;
+            Ok(head)
+        };
+        let u32_of = |b: &[u8]| -> Result<usize> {
+            let arr: [u8; 4] = b.try_into().map_err(|_| bad())?;
+            Ok(u32::from_be_bytes(arr) as usize)
+        };
+        let status = u16::from_be_bytes(take(2)?.try_into().map_err(|_| bad())?);
+        let count = u32_of(take(4)?)?;
+        let mut headers = Vec::with_capacity(count.min(64));
+        for _ in 0..count {
+            let n = u32_of(take(4)?)?;
+            let name = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
+            let v = u32_of(take(4)?)?;
+            headers.push((name, take(v)?.to_vec()));
+        }
+        let body = rest.to_vec();
+        Ok(StoredResponse { status, headers, body })
+    }
+}
+
+fn len32(n: usize) -> u32 {
+    // Headers and bodies above 4 GiB are refused long before (body limit).
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// A fingerprint of request parts (e.g. method, path, body): SHA-1 over the
+/// length-prefixed parts, so `["ab", "c"]` and `["a", "bc"]` differ.
+///
+/// SHA-1 is enough here: the fingerprint only tells one caller's retries
+/// apart from a different request under the same key in the caller's own
+/// scope; a collision could only replay the caller's own response.
+///
+/// ```
+/// use dlock_core::idempotency::fingerprint;
+/// assert_ne!(fingerprint(&["ab", "c"]), fingerprint(&["a", "bc"]));
+/// assert_eq!(fingerprint(&["POST"]).len(), 40);
+/// ```
+pub fn fingerprint<P: AsRef<[u8]>>(parts: &[P]) -> String {
+    let mut h = sha1_smol::Sha1::new();
+    for p in parts {
+        let p = p.as_ref();
+        h.update(&(p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    h.digest().to_string()
+}
+
+/// Whether `token` has the shape of one we issue (32 lower-case hex), so
+/// that junk never reaches the store as a key.
+pub(crate) fn token_well_formed(token: &str) -> bool {
+    token.len() == TOKEN_BYTES * 2 && token.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn corrupt_records_are_errors_not_panics() {
+        assert!(StoredResponse::decode(&[0]).is_err());
+        assert!(StoredResponse::decode(&[0, 200, 0, 0, 0, 9]).is_err());
+        let r = StoredResponse::new(200, vec![("a".into(), vec![])], vec![]);
+        assert_eq!(StoredResponse::decode(&r.encode()).expect("decode"), r);
+    }
+
+    #[test]
+    fn token_shape() {
+        assert!(token_well_formed(&"a".repeat(32)));
+        assert!(!token_well_formed("A".repeat(32).as_str()));
+        assert!(!token_well_formed("abc"));
+    }
+}

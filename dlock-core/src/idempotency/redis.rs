@@ -1,0 +1,177 @@
+//! The Redis store.
+//!
+//! * A token is the key `prefix:idem:t:<token>` (value `1`, TTL); consuming
+//!   it is one `DEL`, and only the caller whose `DEL` counted 1 proceeds.
+//! * A key record is a hash `prefix:idem:k:<sha1(scope, key)>` with fields
+//!   `s` (`p` in progress / `c` completed), `f` fingerprint, `o` owner while
+//!   in progress, `r` the encoded response. Its TTL is the lease while in
+//!   progress, then the response TTL. Begin, complete and abandon are one Lua
+//!   script each, touching only this key, so they are atomic and run on the
+//!   one node of a Redis Cluster that owns its slot.
+//!
+//! Scope and key are hashed into the Redis key so that any bytes a client
+//! sends give a short, fixed-shape key that no other `(scope, key)` can reach.
+
+use std::time::Duration;
+
+use redis::Script;
+
+use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TOKEN_BYTES};
+use crate::backend::redis::{redis_error, Conn, RedisBackend};
+use crate::backend::BoxFuture;
+use crate::error::{Error, Result};
+
+/// Idempotency records in Redis, shared by every instance on that Redis.
+///
+/// ```no_run
+/// # async fn demo() -> dlock_core::Result<()> {
+/// use dlock_core::idempotency::{IdempotencyStore, RedisStore};
+/// let store = RedisStore::connect("redis://127.0.0.1:6400", "dlock").await?;
+/// let token = store.issue_token(std::time::Duration::from_secs(60)).await?;
+/// assert!(store.consume_token(&token).await?);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: Conn,
+    prefix: String,
+    begin: Script,
+    complete: Script,
+    abandon: Script,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects to `url` (any URL the Redis lock backend takes: single,
+    /// `redis+cluster://`, `redis+sentinel://`) with the backend's timeouts.
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisBackend::connect`]: [`Error::Config`] for a bad URL,
+    /// [`Error::Backend`] when Redis cannot be reached in time.
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
+        let backend = RedisBackend::connect(url, prefix).await?;
+        Ok(Self::from_backend(&backend, prefix))
+    }
+
+    /// Shares the command connection of a Redis lock backend.
+    pub fn from_backend(backend: &RedisBackend, prefix: &str) -> Self {
+        RedisStore {
+            conn: backend.command_conn(),
+            prefix: prefix.to_owned(),
+            begin: Script::new(include_str!("begin.lua")),
+            complete: Script::new(include_str!("complete.lua")),
+            abandon: Script::new(include_str!("abandon.lua")),
+        }
+    }
+
+    fn token_key(&self, token: &str) -> String {
+        format!("{}:idem:t:{token}", self.prefix)
+    }
+
+    fn record_key(&self, scope: &str, key: &str) -> String {
+        format!("{}:idem:k:{}", self.prefix, fingerprint(&[scope, key]))
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl IdempotencyStore for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(async move {
+            let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
+            let () = redis::cmd("SET")
+                .arg(self.token_key(&token))
+                .arg(1)
+                .arg("PX")
+                .arg(ms(ttl))
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(redis_error)?;
+            Ok(token)
+        })
+    }
+
+    fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            if !token_well_formed(token) {
+                return Ok(false);
+            }
+            let removed: i64 = redis::cmd("DEL")
+                .arg(self.token_key(token))
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(redis_error)?;
+            Ok(removed == 1)
+        })
+    }
+
+    fn begin<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+        fingerprint: &'a str,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Begin>> {
+        Box::pin(async move {
+            let claim = Claim::new(scope, key)?;
+            let reply: redis::Value = self
+                .begin
+                .key(self.record_key(scope, key))
+                .arg(fingerprint)
+                .arg(claim.owner())
+                .arg(ms(lease))
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(redis_error)?;
+            let unexpected = |v: &redis::Value| Error::backend("redis", format!("unexpected reply from the begin script: {v:?}"));
+            let redis::Value::Array(items) = &reply else { return Err(unexpected(&reply)) };
+            Ok(match items.as_slice() {
+                [redis::Value::Int(0)] => Begin::New(claim),
+                [redis::Value::Int(1)] => Begin::InProgress,
+                [redis::Value::Int(3)] => Begin::Mismatch,
+                [redis::Value::Int(2), redis::Value::BulkString(bytes)] => Begin::Completed(StoredResponse::decode(bytes)?),
+                _ => return Err(unexpected(&reply)),
+            })
+        })
+    }
+
+    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse, ttl: Duration) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let done: i64 = self
+                .complete
+                .key(self.record_key(claim.scope(), claim.key()))
+                .arg(claim.owner())
+                .arg(response.encode())
+                .arg(ms(ttl))
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(redis_error)?;
+            Ok(done == 1)
+        })
+    }
+
+    fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let done: i64 = self
+                .abandon
+                .key(self.record_key(claim.scope(), claim.key()))
+                .arg(claim.owner())
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(redis_error)?;
+            Ok(done == 1)
+        })
+    }
+}

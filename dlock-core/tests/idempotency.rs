@@ -1,0 +1,170 @@
+//! One behavioural suite for the idempotency stores, run against the memory
+//! store and a real redis-server (and a Redis Cluster).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::idempotency::{fingerprint, Begin, IdempotencyStore, MemoryStore, RedisStore, StoredResponse};
+
+async fn suite(store: Arc<dyn IdempotencyStore>) {
+    tokens(&store).await;
+    keys(&store).await;
+    owner_checks(&store).await;
+    lease_expiry(&store).await;
+    response_expiry(&store).await;
+    concurrent_tokens(store.clone()).await;
+    concurrent_begin(store).await;
+}
+
+async fn tokens(store: &Arc<dyn IdempotencyStore>) {
+    let a = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let b = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    assert_ne!(a, b);
+    assert_eq!(a.len(), 32, "128 bits as hex");
+    assert!(store.consume_token(&a).await.expect("consume"));
+    assert!(!store.consume_token(&a).await.expect("consume"), "used twice");
+    assert!(!store.consume_token("not-a-token").await.expect("consume"));
+    assert!(!store.consume_token(&"0".repeat(32)).await.expect("consume"), "never issued");
+    let short = store.issue_token(Duration::from_millis(50)).await.expect("issue");
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert!(!store.consume_token(&short).await.expect("consume"), "expired");
+    assert!(store.consume_token(&b).await.expect("consume"));
+}
+
+async fn keys(store: &Arc<dyn IdempotencyStore>) {
+    let lease = Duration::from_secs(30);
+    let fp = fingerprint(&["POST", "/pay", "{\"a\":1}"]);
+    let other = fingerprint(&["POST", "/pay", "{\"a\":2}"]);
+    let Begin::New(claim) = store.begin("alice", "k1", &fp, lease).await.expect("begin") else {
+        panic!("first begin must claim")
+    };
+    assert_eq!(store.begin("alice", "k1", &fp, lease).await.expect("begin"), Begin::InProgress);
+    assert_eq!(store.begin("alice", "k1", &other, lease).await.expect("begin"), Begin::Mismatch);
+    // Another scope is another key.
+    let Begin::New(bob) = store.begin("bob", "k1", &fp, lease).await.expect("begin") else { panic!("scoped") };
+    let response = StoredResponse::new(
+        201,
+        vec![("content-type".into(), b"application/json".to_vec()), ("x-bin".into(), vec![0, 255, 10])],
+        b"{\"payment_id\":\"p1\"}\0\xff".to_vec(),
+    );
+    assert!(store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"));
+    assert!(!store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"), "only once");
+    assert_eq!(store.begin("alice", "k1", &fp, lease).await.expect("begin"), Begin::Completed(response.clone()));
+    assert_eq!(store.begin("alice", "k1", &other, lease).await.expect("begin"), Begin::Mismatch);
+    assert_eq!(store.begin("bob", "k1", &fp, lease).await.expect("begin"), Begin::InProgress);
+    // Abandon frees the key; a retry claims it again.
+    assert!(store.abandon(&bob).await.expect("abandon"));
+    assert!(!store.abandon(&bob).await.expect("abandon"), "already freed");
+    let Begin::New(again) = store.begin("bob", "k1", &other, lease).await.expect("begin") else {
+        panic!("freed key can be claimed, even with another payload")
+    };
+    assert!(store.abandon(&again).await.expect("abandon"));
+    // Scope/key boundaries cannot be shifted to reach another record.
+    assert!(matches!(store.begin("alic", "ek1", &fp, lease).await.expect("begin"), Begin::New(_)));
+}
+
+async fn owner_checks(store: &Arc<dyn IdempotencyStore>) {
+    let fp = fingerprint(&["x"]);
+    let Begin::New(first) = store.begin("s", "lease", &fp, Duration::from_millis(60)).await.expect("begin") else {
+        panic!("claim")
+    };
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    let Begin::New(second) = store.begin("s", "lease", &fp, Duration::from_secs(30)).await.expect("begin") else {
+        panic!("lease ran out, key is free")
+    };
+    let resp = StoredResponse::new(200, vec![], b"late".to_vec());
+    assert!(!store.complete(&first, &resp, Duration::from_secs(30)).await.expect("complete"), "stale owner");
+    assert!(!store.abandon(&first).await.expect("abandon"), "stale owner");
+    assert_eq!(store.begin("s", "lease", &fp, Duration::from_secs(30)).await.expect("begin"), Begin::InProgress);
+    assert!(store.complete(&second, &resp, Duration::from_secs(30)).await.expect("complete"));
+}
+
+async fn lease_expiry(store: &Arc<dyn IdempotencyStore>) {
+    // A crashed instance: claimed, never completed nor abandoned.
+    let fp = fingerprint(&["crash"]);
+    assert!(matches!(store.begin("s", "crash", &fp, Duration::from_millis(80)).await.expect("begin"), Begin::New(_)));
+    assert_eq!(store.begin("s", "crash", &fp, Duration::from_secs(1)).await.expect("begin"), Begin::InProgress);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(matches!(store.begin("s", "crash", &fp, Duration::from_secs(1)).await.expect("begin"), Begin::New(_)));
+}
+
+async fn response_expiry(store: &Arc<dyn IdempotencyStore>) {
+    let fp = fingerprint(&["ttl"]);
+    let Begin::New(c) = store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin") else { panic!("claim") };
+    let resp = StoredResponse::new(204, vec![], vec![]);
+    assert!(store.complete(&c, &resp, Duration::from_millis(80)).await.expect("complete"));
+    assert_eq!(store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin"), Begin::Completed(resp));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(matches!(store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin"), Begin::New(_)));
+}
+
+async fn concurrent_tokens(store: Arc<dyn IdempotencyStore>) {
+    let token = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (store, token) = (store.clone(), token.clone());
+            tokio::spawn(async move { store.consume_token(&token).await.expect("consume") })
+        })
+        .collect();
+    let mut won = 0;
+    for t in tasks {
+        won += usize::from(t.await.expect("task"));
+    }
+    assert_eq!(won, 1, "exactly one consumer");
+}
+
+async fn concurrent_begin(store: Arc<dyn IdempotencyStore>) {
+    let fp = fingerprint(&["storm"]);
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (store, fp) = (store.clone(), fp.clone());
+            tokio::spawn(async move { store.begin("s", "storm", &fp, Duration::from_secs(30)).await.expect("begin") })
+        })
+        .collect();
+    let mut new = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            Begin::New(_) => new += 1,
+            Begin::InProgress => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(new, 1, "exactly one claim");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store() {
+    suite(Arc::new(MemoryStore::new("t"))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_store() {
+    let redis = dlock_testing::RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), "t").await.expect("connect");
+    redis.reset_stats();
+    suite(Arc::new(store)).await;
+    assert_eq!(redis.command_calls("get"), 0, "tokens are consumed with DEL, never GET");
+    // 5 well-formed consumes in `tokens`, 50 in the storm, and the 2 DELs the
+    // abandon script makes when it frees a key.
+    assert_eq!(redis.command_calls("del"), 5 + 50 + 2, "one DEL per consume");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_cluster_store() {
+    let cluster = dlock_testing::RedisCluster::start(3);
+    let store = RedisStore::connect(&cluster.url(), "t").await.expect("connect");
+    suite(Arc::new(store)).await;
+}
+
+#[tokio::test]
+async fn dead_redis_is_an_error_not_a_hang() {
+    let mut redis = dlock_testing::RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), "t").await.expect("connect");
+    redis.kill();
+    let started = std::time::Instant::now();
+    let err = store.consume_token(&"a".repeat(32)).await.expect_err("server is down");
+    assert!(err.is_unavailable(), "{err}");
+    let err = store.begin("s", "k", "fp", Duration::from_secs(1)).await.expect_err("server is down");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

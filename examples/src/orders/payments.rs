@@ -1,0 +1,100 @@
+//! The `orders` service's idempotency: where records live, the one-time order
+//! tokens, and `POST /payments` behind `Idempotency-Key`.
+//!
+//! Records live where instances can share them: the idempotency store of the
+//! `DLOCK_*` configuration when that is Redis (`DLOCK_BACKEND=redis`, or
+//! `DLOCK_IDEMPOTENCY_REDIS_URL`); otherwise the Redis of `ORDERS_REDIS_URL`;
+//! otherwise this process.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+use dlock_axum::Rejection;
+use dlock_core::idempotency::RedisStore;
+use dlock_core::{BackendKind, Config};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::store::Store;
+
+/// The simulated work of a payment, long enough for duplicates to overlap.
+const PAYMENT_WORK: Duration = Duration::from_millis(200);
+
+/// The idempotency store and TTL for this service (see the module docs).
+pub(crate) async fn idempotency(config: &Config, orders_redis_url: Option<&str>) -> dlock_core::Result<Idempotency> {
+    let shared_by_config = config.idempotency_redis_url.is_some() || matches!(config.backend, BackendKind::Redis { .. });
+    match orders_redis_url {
+        Some(url) if !shared_by_config => {
+            let store = RedisStore::connect(url, &config.prefix).await?;
+            Ok(Idempotency::new(Arc::new(store)).with_ttl(config.idempotency_ttl))
+        }
+        _ => Idempotency::from_config(config).await,
+    }
+}
+
+/// Spends a one-time order token from `GET /idempotency/token`: `Ok(true)`
+/// for exactly one request, whichever instance it reaches.
+pub(crate) async fn spend_token(idem: &Idempotency, token: &str) -> Result<bool, Rejection> {
+    idem.store().consume_token(token).await.map_err(|e| {
+        tracing::warn!(error = %e, "idempotency store unavailable");
+        Rejection::from_lock_error(&e)
+    })
+}
+
+/// `GET /idempotency/token` and `POST /payments`.
+pub(crate) fn routes<S: Clone + Send + Sync + 'static>(idem: &Idempotency, store: Store) -> Router<S> {
+    Router::new()
+        .route("/idempotency/token", get(idem.token_handler()))
+        .route("/payments", post(create_payment).layer(IdempotencyLayer::new(idem.clone())))
+        .with_state(store)
+}
+
+#[derive(Debug, Deserialize)]
+struct CreatePayment {
+    order_id: String,
+    amount: i64,
+}
+
+/// `POST /payments` `{"order_id": "...", "amount": n}` → 201
+/// `{"payment_id", "order_id", "amount"}`, once per `Idempotency-Key`.
+async fn create_payment(State(store): State<Store>, body: axum::body::Bytes) -> Response {
+    let CreatePayment { order_id, amount } = match serde_json::from_slice(&body) {
+        Ok(p) => p,
+        Err(e) => {
+            return Rejection::new(StatusCode::BAD_REQUEST, "invalid_payment", 3007, format!("expected {{\"order_id\": string, \"amount\": integer}}: {e}"))
+                .into_response()
+        }
+    };
+    if amount < 1 || order_id.is_empty() {
+        return Rejection::new(StatusCode::BAD_REQUEST, "invalid_payment", 3007, "amount must be at least 1 and order_id non-empty")
+            .into_response();
+    }
+    tokio::time::sleep(PAYMENT_WORK).await;
+    let mut bytes = [0u8; 12];
+    let payment_id = match getrandom::fill(&mut bytes) {
+        Ok(()) => bytes.iter().fold(String::from("pay_"), |mut s, b| {
+            s.push_str(&format!("{b:02x}"));
+            s
+        }),
+        Err(e) => {
+            tracing::error!(error = %e, "OS random source failed");
+            return Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "payment_id_unavailable", 3008, "cannot create a payment id")
+                .into_response();
+        }
+    };
+    let payment = json!({"payment_id": payment_id, "order_id": order_id, "amount": amount});
+    if let Err(e) = store.record_payment(&payment_id, &payment).await {
+        tracing::warn!(error = %e, "store unavailable");
+        // A 503 frees the idempotency key, so the client's retry runs again.
+        return Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", 3004, "the store is unavailable, please retry later")
+            .into_response();
+    }
+    tracing::info!(%payment_id, "payment recorded");
+    (StatusCode::CREATED, Json(payment)).into_response()
+}

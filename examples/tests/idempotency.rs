@@ -1,0 +1,205 @@
+//! Idempotency across two `orders` processes sharing one real Redis: a storm
+//! of one token or one `Idempotency-Key` executes exactly once, every other
+//! answer is a replay or a 409.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dlock_testing::RedisServer;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// A response: status, headers (lower-case names) and the raw body.
+#[derive(Debug, Clone)]
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("status {}, body not JSON ({e}): {:?}", self.status, self.body))
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection (`connection: close`, so the
+/// body ends with the stream; axum answers these bodies unchunked).
+async fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n", body.len());
+    for (n, v) in headers {
+        head.push_str(&format!("{n}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    let exchange = async {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(head.as_bytes()).await.expect("write");
+        stream.write_all(body.as_bytes()).await.expect("write");
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.expect("read");
+        raw
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(30), exchange).await.expect("answer within 30 s");
+    let text = String::from_utf8(raw).expect("utf-8 reply");
+    let (head, body) = text.split_once("\r\n\r\n").expect("header end");
+    let mut lines = head.lines();
+    let status = lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|s| s.parse().ok()).expect("status");
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect::<Vec<_>>();
+    assert!(!headers.iter().any(|(n, v)| n == "transfer-encoding" && v.contains("chunked")), "unexpected chunked reply");
+    Reply { status, headers, body: body.to_owned() }
+}
+
+/// One running `orders` process, killed on drop.
+struct Orders {
+    child: Child,
+    addr: String,
+}
+
+impl Orders {
+    async fn start(redis_url: &str) -> Orders {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_orders"));
+        cmd.env("ORDERS_ADDR", "127.0.0.1:0")
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .env("DLOCK_BACKEND", "redis")
+            .env("DLOCK_REDIS_URL", redis_url)
+            .env("ORDERS_REDIS_URL", redis_url)
+            .env_remove("ORDERS_UNLOCKED")
+            .env_remove("DLOCK_IDEMPOTENCY_REDIS_URL")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("start the orders binary");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("listening on http://").nth(1) {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr.split_whitespace().next().unwrap_or_default().to_owned());
+                    }
+                }
+            }
+        });
+        let addr = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30)))
+            .await
+            .expect("join")
+            .expect("orders logged its address within 30 s");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while request(&addr, "GET", "/health", &[], "").await.status != 200 {
+            assert!(Instant::now() < deadline, "orders not healthy within 30 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Orders { child, addr }
+    }
+}
+
+impl Drop for Orders {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn payment_count(redis: &RedisServer) -> usize {
+    let keys: Vec<String> = redis::cmd("KEYS").arg("orders:payment:*").query(&mut redis.connection()).expect("KEYS");
+    keys.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_token_twenty_submits_two_instances_one_order() {
+    let redis = RedisServer::start();
+    let (a, b) = (Orders::start(&redis.url()).await, Orders::start(&redis.url()).await);
+    assert_eq!(request(&a.addr, "PUT", "/products/9", &[], r#"{"stock": 100}"#).await.status, 200);
+    let issued = request(&b.addr, "GET", "/idempotency/token", &[], "").await;
+    assert_eq!(issued.status, 200, "{}", issued.body);
+    let token = issued.json()["token"].as_str().expect("token").to_owned();
+    assert_eq!(issued.json()["expires_in_secs"], 86_400);
+
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let addr = if i % 2 == 0 { a.addr.clone() } else { b.addr.clone() };
+            let path = format!("/orders?token={token}");
+            tokio::spawn(async move { request(&addr, "POST", &path, &[], r#"{"product": {"id": 9}, "quantity": 1}"#).await })
+        })
+        .collect();
+    let (mut created, mut duplicate) = (0, 0);
+    for t in tasks {
+        let r = t.await.expect("task");
+        match (r.status, r.json()["error"].as_str().map(str::to_owned)) {
+            (201, _) => created += 1,
+            (409, Some(e)) if e == "duplicate_submission" => duplicate += 1,
+            other => panic!("unexpected {other:?}: {}", r.body),
+        }
+    }
+    assert_eq!((created, duplicate), (1, 19));
+    let product = request(&a.addr, "GET", "/products/9", &[], "").await.json();
+    assert_eq!(product["sold"], 1, "exactly one execution");
+
+    let missing = request(&a.addr, "POST", "/orders", &[], r#"{"product": {"id": 9}, "quantity": 1}"#).await;
+    // 400 either way; today the route's LockLayer (keyed on `token`) answers
+    // `lock_key_field_missing` before the handler can say `idempotency_token_missing`.
+    assert_eq!(missing.status, 400, "{}", missing.body);
+    let made_up = request(&a.addr, "POST", "/orders?token=t-1", &[], r#"{"product": {"id": 9}, "quantity": 1}"#).await;
+    assert_eq!((made_up.status, made_up.json()["error"].clone()), (409, json!("duplicate_submission")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_storm_across_two_instances_pays_once() {
+    let redis = RedisServer::start();
+    let (a, b) = (Orders::start(&redis.url()).await, Orders::start(&redis.url()).await);
+    let body = r#"{"order_id": "ord_1", "amount": 4200}"#;
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let addr = if i % 2 == 0 { a.addr.clone() } else { b.addr.clone() };
+            tokio::spawn(async move { request(&addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await })
+        })
+        .collect();
+    let (mut created, mut in_progress, mut replayed) = (Vec::new(), 0, 0);
+    for t in tasks {
+        let r = t.await.expect("task");
+        match (r.status, r.header("idempotent-replayed")) {
+            (201, None) => created.push(r),
+            (201, Some("true")) => replayed += 1,
+            (409, _) => {
+                assert_eq!(r.json()["error"], "idempotency_request_in_progress", "{}", r.body);
+                in_progress += 1
+            }
+            _ => panic!("unexpected {r:?}"),
+        }
+    }
+    assert_eq!(created.len(), 1, "exactly one execution ({in_progress} in progress, {replayed} replays)");
+    assert_eq!(payment_count(&redis), 1);
+    let first = &created[0];
+    let p = first.json();
+    assert!(p["payment_id"].as_str().is_some_and(|s| s.starts_with("pay_")));
+    assert_eq!((p["order_id"].clone(), p["amount"].clone()), (json!("ord_1"), json!(4200)));
+
+    // After completion every retry, on either instance, is the same bytes.
+    for addr in [&a.addr, &b.addr] {
+        let again = request(addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await;
+        assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")));
+        assert_eq!(again.body, first.body, "byte for byte");
+        assert_eq!(again.header("content-type"), first.header("content-type"));
+    }
+    assert_eq!(payment_count(&redis), 1);
+
+    let other = request(&b.addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], r#"{"order_id": "ord_1", "amount": 1}"#).await;
+    assert_eq!((other.status, other.json()["error"].clone()), (422, json!("idempotency_key_mismatch")));
+    let none = request(&a.addr, "POST", "/payments", &[], body).await;
+    assert_eq!((none.status, none.json()["error"].clone()), (400, json!("idempotency_key_missing")));
+    // Another caller (other credentials) with the same key is a new payment.
+    let bob = request(&a.addr, "POST", "/payments", &[("idempotency-key", "pay-storm"), ("authorization", "Bearer bob")], body).await;
+    assert_eq!((bob.status, bob.header("idempotent-replayed")), (201, None));
+    assert_ne!(bob.body, first.body);
+    assert_eq!(payment_count(&redis), 2);
+}
