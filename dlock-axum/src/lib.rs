@@ -42,6 +42,7 @@ mod request;
 pub mod __private;
 
 pub use dlock_core;
+pub use dlock_macros::lockable;
 pub use engine::{from_env, locker_from_extensions, Engine, LockerExt};
 pub use lock::LockLayer;
 pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};

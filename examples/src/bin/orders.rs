@@ -24,7 +24,7 @@
 //! * `POST /stock/reduce` `{"product_id": id, "quantity": q}` → `{"product_id":..,"remaining":..}`,
 //!   behind `LockLayer::new("product.stock").json("product_id")`; 409 `sold_out`
 //! * `POST /orders?token=T` `{"product":{"id":id},"quantity":q}` → 201
-//!   `{"order_id":..,"product_id":..,"quantity":..}`; locked on `order.create`
+//!   `{"order_id":..,"product_id":..,"quantity":..}`; `#[lockable]` on `order.create`
 //!   by product and token; `T` comes from `GET /idempotency/token` and is
 //!   spent once (`400 idempotency_token_missing`, `409 duplicate_submission`)
 //! * `GET /idempotency/token` → `{"token": "...", "expires_in_secs": n}`
@@ -47,7 +47,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dlock_axum::{LockLayer, LockOutcome, LockerExt, Rejection};
+use dlock_axum::{lockable, LockLayer, LockOutcome, LockerExt, Rejection};
 use dlock_core::{AcquireOptions, Config, Locker};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -126,14 +126,11 @@ fn router(app: App) -> Router {
     } else {
         reduce.layer(LockLayer::new("product.stock").json("product_id").wait(STOCK_WAIT))
     };
-    // Until `#[lockable]` is available the same lock is a layer; the handler
-    // is written so that the attribute replaces this `.layer(..)`.
-    let create = post(create_order).layer(LockLayer::new("order.create").json("product.id").query("token"));
     Router::new()
         .route("/health", get(health))
         .route("/products/{id}", get(get_product).put(put_product))
         .route("/stock/reduce", reduce)
-        .route("/orders", create)
+        .route("/orders", post(create_order))
         .merge(payments::routes(&app.idem, app.store.clone()))
         .layer(middleware::from_fn(access_log))
         .with_locker(app.locker.clone())
@@ -291,7 +288,7 @@ async fn reduce_stock(
 /// `POST /orders?token=T`, the seed's `createOrder`: one order per product
 /// and token at a time, the token spent once, the stock reduced under the
 /// same lock as `/stock/reduce`.
-// #[lockable(key = "order.create", fields = ["product.id", "token"])]
+#[lockable(key = "order.create", fields = ["product.id", "token"])]
 async fn create_order(
     State(app): State<App>,
     Query(TokenParam { token }): Query<TokenParam>,

@@ -1,0 +1,8 @@
+use dlock_axum::lockable;
+
+#[lockable(key = "")]
+async fn handler() -> &'static str {
+    "ok"
+}
+
+fn main() {}

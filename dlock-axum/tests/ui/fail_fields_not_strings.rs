@@ -1,0 +1,8 @@
+use dlock_axum::lockable;
+
+#[lockable(key = "k", fields = [id])]
+async fn handler(id: String) -> String {
+    id
+}
+
+fn main() {}

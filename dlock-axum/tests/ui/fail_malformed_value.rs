@@ -1,0 +1,8 @@
+use dlock_axum::lockable;
+
+#[lockable(key = "k", wait_ms = "5s")]
+async fn handler() -> &'static str {
+    "ok"
+}
+
+fn main() {}

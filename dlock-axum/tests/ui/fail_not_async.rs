@@ -1,0 +1,8 @@
+use dlock_axum::lockable;
+
+#[lockable(key = "k")]
+fn handler() -> &'static str {
+    "ok"
+}
+
+fn main() {}

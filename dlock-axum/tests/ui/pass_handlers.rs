@@ -1,0 +1,55 @@
+//! Handlers that must compile and still be axum handlers.
+use axum::extract::{Path, Query, State};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dlock_axum::lockable;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Customer {
+    id: String,
+}
+
+#[derive(Deserialize)]
+struct Order {
+    customer: Customer,
+    sku: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct TokenParam {
+    token: String,
+}
+
+#[derive(Clone)]
+struct AppState;
+
+#[lockable(key = "order.create", fields = ["order.customer.id", "order.sku", "t"], wait_ms = 100, lease_ms = 5000,
+           message = "busy", code = 7)]
+async fn create(
+    State(_s): State<AppState>,
+    Query(TokenParam { token: t }): Query<TokenParam>,
+    Json(mut order): Json<Order>,
+) -> Result<String, (axum::http::StatusCode, String)> {
+    order.sku = None;
+    Ok(format!("{t} {}", order.customer.id))
+}
+
+#[lockable(key = "tuple", fields = ["pair.0", "pair.1"])]
+#[axum::debug_handler]
+async fn tuple(Path(pair): Path<(u32, String)>) -> String {
+    pair.1
+}
+
+#[lockable(key = "plain")]
+async fn plain(body: String) -> String {
+    body
+}
+
+fn main() {
+    let _app: Router = Router::new()
+        .route("/orders", post(create))
+        .route("/tuple/{a}/{b}", get(tuple))
+        .route("/plain", post(plain))
+        .with_state(AppState);
+}
