@@ -246,7 +246,7 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
 
     let mut parts = Vec::new();
     for f in &args.fields {
-        if !idents.iter().any(|i| *i == f.root) {
+        if !idents.contains(&f.root) {
             let bound: Vec<String> = idents.iter().map(ToString::to_string).collect();
             let hint = if bound.is_empty() { "no argument binds a name".to_owned() } else { format!("bound: {}", bound.join(", ")) };
             return Err(syn::Error::new(f.lit.span(), format!("`{}` is not bound by any argument of this handler ({hint})", f.root)));
