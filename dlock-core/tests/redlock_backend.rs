@@ -176,3 +176,33 @@ async fn losing_the_quorum_fires_lost() {
     assert_eq!(reason, dlock_core::LostReason::RenewalFailed);
     assert!(started.elapsed() < Duration::from_millis(3_000), "no later than the lease: {:?}", started.elapsed());
 }
+
+/// Many waiters of one process on one key are each woken by some release:
+/// with 30 s leases, every task must get its turn long before a lease could
+/// run out. (Each node's subscriber keeps one wake-up per channel, so every
+/// local waiter must share it; a waiter with a private one slept until its
+/// wait ended.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_waiters_are_all_woken_by_releases() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let locker = locker_for(&urls, 30_000).await;
+    let k = locker.key("local-waiters").part(1).build().expect("key");
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (locker, k) = (locker.clone(), k.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..5 {
+                let opts = AcquireOptions::new().lease(Duration::from_secs(30)).wait(Duration::from_secs(60));
+                let g = locker.acquire(&k, opts).await.expect("acquire");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                assert!(g.release().await.expect("release"));
+            }
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(20), t).await.expect("no waiter sleeps until its lease ends").expect("task");
+    }
+    eprintln!("40 handoffs among 8 local waiters in {:?}", started.elapsed());
+}

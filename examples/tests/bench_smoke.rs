@@ -38,7 +38,7 @@ fn quick_json_run_prints_rows_for_both_benches() {
             assert!(v > 0.0, "`{key}` must be a positive number: {row}");
         }
         assert!(row["p99_us"].as_f64() >= row["p50_us"].as_f64(), "p99 below p50: {row}");
-        if bench == "handoff" || backend == "redis" {
+        if (bench == "handoff" || backend == "redis") && !bench.starts_with("backends") {
             let cmds = row["cmds_per_acquisition"].as_f64();
             assert!(cmds.is_some(), "row without cmds_per_acquisition: {row}");
             if backend == "redis" {
@@ -69,4 +69,18 @@ fn quick_json_run_prints_rows_for_both_benches() {
         .collect();
     assert_eq!(ratios.len(), 3);
     assert!(ratios.iter().all(|r| *r > 0.0), "ratios must be positive: {ratios:?}");
+    // The distributed backends, measured in the same run (CI builds with
+    // --all-features, so ZooKeeper is in).
+    for backend in ["redis", "redlock-3", "redlock-5", "zookeeper"] {
+        for c in [1, 16] {
+            assert!(seen.contains(&("backends".to_owned(), "dlock".to_owned(), backend.to_owned(), Some(c))), "no backends row for {backend} at {c}");
+        }
+        assert!(
+            seen.contains(&("backends-handoff".to_owned(), "dlock".to_owned(), backend.to_owned(), Some(8))),
+            "no backends-handoff row for {backend}"
+        );
+    }
+    let backend_ratios: Vec<f64> =
+        rows.iter().filter(|r| r["bench"] == "backends" && r["backend"] != "redis").filter_map(|r| r["ratio"].as_f64()).collect();
+    assert_eq!(backend_ratios.len(), 6, "a ratio to single Redis on every backends row");
 }

@@ -59,6 +59,11 @@ pub struct RedLockBackend {
     node_timeout: Duration,
     /// Our own holds: (key, owner) -> (fencing token, holds).
     holds: Mutex<HashMap<(LockKey, Owner), (u64, u32)>>,
+    /// One wake-up per lock channel, shared by every node's subscriber and
+    /// every local waiter of that lock: each node's subscriber keeps the
+    /// first `Notify` it is given for a channel, so all waiters must bring
+    /// the same one or later waiters sleep on a `Notify` nobody signals.
+    wakeups: Mutex<HashMap<String, std::sync::Weak<Notify>>>,
 }
 
 impl std::fmt::Debug for RedLockBackend {
@@ -106,7 +111,7 @@ impl RedLockBackend {
                 other => other,
             })?);
         }
-        Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default() })
+        Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default(), wakeups: Mutex::default() })
     }
 
     fn quorum(&self) -> usize {
@@ -246,8 +251,19 @@ impl RedLockBackend {
     }
 
     async fn register(&self, key: &LockKey) -> SharedRegistration {
-        let notify = Arc::new(Notify::new());
         let channel = release_channel(key);
+        let notify = {
+            let mut wakeups = self.wakeups.lock().unwrap_or_else(|p| p.into_inner());
+            wakeups.retain(|_, w| w.strong_count() > 0);
+            match wakeups.get(&channel).and_then(std::sync::Weak::upgrade) {
+                Some(notify) => notify,
+                None => {
+                    let notify = Arc::new(Notify::new());
+                    wakeups.insert(channel.clone(), Arc::downgrade(&notify));
+                    notify
+                }
+            }
+        };
         let registrations = join_all(
             self.nodes.iter().map(|n| n.subscriber.register_shared(channel.clone(), Some(notify.clone()))),
         )

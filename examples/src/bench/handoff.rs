@@ -168,7 +168,7 @@ struct Quiet {
 /// such holder after the warm-up reads the counts, and the first one after
 /// the window (less a margin, so that one comes before the stop). Should a
 /// window be too short for that, the counts at its edges are used.
-async fn measure<L: BenchLock>(
+pub(crate) async fn measure<L: BenchLock>(
     lock: L,
     k: usize,
     settle: Duration,

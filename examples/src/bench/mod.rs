@@ -6,6 +6,7 @@
 //! name in [`args::BENCHES`].
 
 pub(crate) mod args;
+pub(crate) mod backends;
 pub(crate) mod handoff;
 pub(crate) mod locks;
 pub(crate) mod measure;

@@ -93,7 +93,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
 }
 
 /// One window of `concurrency` tasks, each cycling on its own slot.
-async fn measure<L: BenchLock>(
+pub(crate) async fn measure<L: BenchLock>(
     lock: L,
     concurrency: usize,
     timing: Timing,

@@ -20,7 +20,7 @@ mod bench;
 use std::process::ExitCode;
 
 use bench::args::{Args, USAGE};
-use bench::{handoff, report, uncontended, BenchError, Env, Result};
+use bench::{backends, handoff, report, uncontended, BenchError, Env, Result};
 use dlock_testing::RedisServer;
 
 fn main() -> ExitCode {
@@ -81,6 +81,9 @@ fn run(args: &Args) -> Result<String> {
         if args.runs("handoff") {
             rows.extend(handoff::run(&env, args).await?);
         }
+        if args.runs("backends") {
+            rows.extend(backends::run(&env, args).await?);
+        }
         Ok(if args.json {
             report::json_lines(&rows)
         } else {
@@ -89,7 +92,12 @@ fn run(args: &Args) -> Result<String> {
                  srv/acq = every server call incl. those inside Lua scripts",
                 env.server_version, env.url
             );
-            let titles = [("uncontended", uncontended::TITLE), ("handoff", handoff::TITLE)];
+            let titles = [
+                ("uncontended", uncontended::TITLE),
+                ("handoff", handoff::TITLE),
+                ("backends", backends::TITLE),
+                ("backends-handoff", backends::HANDOFF_TITLE),
+            ];
             format!("{header}\n{}", report::tables(&rows, &titles))
         })
     })
