@@ -38,7 +38,7 @@ fn quick_json_run_prints_rows_for_both_benches() {
             assert!(v > 0.0, "`{key}` must be a positive number: {row}");
         }
         assert!(row["p99_us"].as_f64() >= row["p50_us"].as_f64(), "p99 below p50: {row}");
-        if (bench == "handoff" || backend == "redis") && !bench.starts_with("backends") {
+        if (bench == "handoff" || backend == "redis") && !bench.starts_with("backends") && bench != "http" {
             let cmds = row["cmds_per_acquisition"].as_f64();
             assert!(cmds.is_some(), "row without cmds_per_acquisition: {row}");
             if backend == "redis" {
@@ -83,4 +83,8 @@ fn quick_json_run_prints_rows_for_both_benches() {
     let backend_ratios: Vec<f64> =
         rows.iter().filter(|r| r["bench"] == "backends" && r["backend"] != "redis").filter_map(|r| r["ratio"].as_f64()).collect();
     assert_eq!(backend_ratios.len(), 6, "a ratio to single Redis on every backends row");
+    // The HTTP layer against the route alone and the raw SET NX route.
+    for (imp, backend) in [("no-layer", "memory"), ("layer", "memory"), ("layer", "redis"), ("raw-route", "redis")] {
+        assert!(seen.contains(&("http".to_owned(), imp.to_owned(), backend.to_owned(), Some(16))), "no http row for {imp}/{backend}");
+    }
 }

@@ -20,7 +20,7 @@ mod bench;
 use std::process::ExitCode;
 
 use bench::args::{Args, USAGE};
-use bench::{backends, handoff, report, uncontended, BenchError, Env, Result};
+use bench::{backends, handoff, http, report, uncontended, BenchError, Env, Result};
 use dlock_testing::RedisServer;
 
 fn main() -> ExitCode {
@@ -81,6 +81,9 @@ fn run(args: &Args) -> Result<String> {
         if args.runs("handoff") {
             rows.extend(handoff::run(&env, args).await?);
         }
+        if args.runs("http") {
+            rows.extend(http::run(&env, args).await?);
+        }
         if args.runs("backends") {
             rows.extend(backends::run(&env, args).await?);
         }
@@ -95,6 +98,7 @@ fn run(args: &Args) -> Result<String> {
             let titles = [
                 ("uncontended", uncontended::TITLE),
                 ("handoff", handoff::TITLE),
+                ("http", http::TITLE),
                 ("backends", backends::TITLE),
                 ("backends-handoff", backends::HANDOFF_TITLE),
             ];

@@ -1,0 +1,220 @@
+//! What the HTTP layer costs: a `POST /stock/reduce`-style route served by
+//! axum on loopback, driven by keep-alive HTTP/1.1 connections from this
+//! process, each request with a product id of its own (no contention, so
+//! the figure is the layer's overhead, not waiting).
+//!
+//! * `no-layer/memory`: the route alone — the baseline of the layer;
+//! * `layer/memory`: the route behind `LockLayer::new("product.stock").json("product_id")`
+//!   on the in-process backend (target: ≥ 0.9 of the route alone);
+//! * `layer/redis`: the same layer on the bench's Redis;
+//! * `raw-route/redis`: a hand-written route that does `SET NX PX` and a
+//!   compare-and-delete `EVALSHA` around the same handler (target: the layer
+//!   on Redis ≥ 0.9 of it).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::Router;
+use dlock_axum::{LockLayer, LockerExt};
+use dlock_core::{Locker, MemoryBackend};
+use redis::aio::MultiplexedConnection;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::args::Args;
+use super::measure::{median, run_window, Timing};
+use super::report::Row;
+use super::{target, BenchError, Env, Result, Series};
+
+/// Keep-alive connections driving the server.
+pub(crate) const CONNECTIONS: usize = 16;
+
+pub(crate) const TITLE: &str = "http: POST /stock/reduce-style route on loopback, 16 keep-alive connections, a product id \
+     per request (ops = requests/s; ratio = vs the route without the layer, or vs the raw SET NX route on Redis)";
+
+/// The route's own work: parse the body, answer. Kept small so the layer's
+/// cost shows.
+async fn reduce(body: Bytes) -> (StatusCode, &'static str) {
+    let ok = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("product_id").is_some());
+    if ok {
+        (StatusCode::OK, "{\"remaining\":1}")
+    } else {
+        (StatusCode::BAD_REQUEST, "{}")
+    }
+}
+
+/// The hand-written lock a user would write without dlock.
+#[derive(Clone)]
+struct Raw {
+    conn: MultiplexedConnection,
+    script: Arc<redis::Script>,
+    prefix: String,
+    tokens: Arc<AtomicU64>,
+}
+
+async fn raw_reduce(State(raw): State<Raw>, body: Bytes) -> (StatusCode, &'static str) {
+    let Some(id) = serde_json::from_slice::<serde_json::Value>(&body).ok().and_then(|v| v.get("product_id").cloned()) else {
+        return (StatusCode::BAD_REQUEST, "{}");
+    };
+    let key = format!("{}:raw:{id}", raw.prefix);
+    let token = raw.tokens.fetch_add(1, Ordering::Relaxed).to_string();
+    let mut conn = raw.conn.clone();
+    let got: Option<String> =
+        match redis::cmd("SET").arg(&key).arg(&token).arg("NX").arg("PX").arg(30_000).query_async(&mut conn).await {
+            Ok(v) => v,
+            Err(_) => return (StatusCode::SERVICE_UNAVAILABLE, "{}"),
+        };
+    if got.is_none() {
+        return (StatusCode::CONFLICT, "{}");
+    }
+    let out = reduce(body).await;
+    let _: redis::RedisResult<i64> = raw.script.key(&key).arg(&token).invoke_async(&mut conn).await;
+    out
+}
+
+/// Serves `router` on a free loopback port until the returned handle is
+/// aborted.
+async fn serve(router: Router) -> Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await.map_err(|e| BenchError::Server(format!("bind: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| BenchError::Server(format!("address: {e}")))?;
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok((addr, task))
+}
+
+/// One window of keep-alive connections posting distinct product ids.
+async fn measure(addr: std::net::SocketAddr, timing: Timing, round: usize) -> Result<super::measure::Sample> {
+    let ids = Arc::new(AtomicU64::new((round as u64) << 40));
+    run_window(CONNECTIONS, timing, None, move |_slot, clock, stop| {
+        let ids = ids.clone();
+        async move {
+            let mut conn = TcpStream::connect(addr).await.map_err(|e| BenchError::Invariant(format!("connect: {e}")))?;
+            let _ = conn.set_nodelay(true);
+            let mut records = Vec::with_capacity(4096);
+            let mut buf = vec![0u8; 4096];
+            while !stop.load(Ordering::Relaxed) {
+                let id = ids.fetch_add(1, Ordering::Relaxed);
+                let body = format!("{{\"product_id\":{id},\"quantity\":1}}");
+                let req = format!(
+                    "POST /stock/reduce HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let started = clock.now_ns();
+                conn.write_all(req.as_bytes()).await.map_err(|e| BenchError::Invariant(format!("write: {e}")))?;
+                let status = read_response(&mut conn, &mut buf).await?;
+                if status != 200 {
+                    return Err(BenchError::Invariant(format!("the route answered {status}")));
+                }
+                let done = clock.now_ns();
+                records.push((done, done - started));
+            }
+            Ok(records)
+        }
+    })
+    .await
+}
+
+/// Reads one response (headers plus a `content-length` body) and returns
+/// its status.
+async fn read_response(conn: &mut TcpStream, buf: &mut [u8]) -> Result<u16> {
+    let mut have = 0;
+    loop {
+        let n = conn.read(&mut buf[have..]).await.map_err(|e| BenchError::Invariant(format!("read: {e}")))?;
+        if n == 0 {
+            return Err(BenchError::Invariant("the server closed the connection".into()));
+        }
+        have += n;
+        let text = String::from_utf8_lossy(&buf[..have]);
+        if let Some(end) = text.find("\r\n\r\n") {
+            let head = &text[..end];
+            let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+                .unwrap_or(0);
+            if have >= end + 4 + len {
+                return Ok(status);
+            }
+        }
+        if have == buf.len() {
+            return Err(BenchError::Invariant("response larger than the read buffer".into()));
+        }
+    }
+}
+
+/// Runs every round and returns the rows.
+pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
+    let timing = Timing { warmup: args.warmup, duration: args.duration };
+    let memory = Locker::new(MemoryBackend::new());
+    let layer = || LockLayer::new("product.stock").json("product_id");
+    let raw = Raw {
+        conn: env.conn.clone(),
+        script: Arc::new(redis::Script::new(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+        )),
+        prefix: env.prefix.clone(),
+        tokens: Arc::new(AtomicU64::new(1)),
+    };
+    let routers: [(&'static str, &'static str, Router); 4] = [
+        ("no-layer", "memory", Router::new().route("/stock/reduce", post(reduce))),
+        ("layer", "memory", Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_locker(memory)),
+        (
+            "layer",
+            "redis",
+            Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_locker(env.redis_locker.clone()),
+        ),
+        ("raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(raw)),
+    ];
+    let mut served = Vec::new();
+    for (imp, backend, router) in routers {
+        let (addr, task) = serve(router).await?;
+        served.push((Series::new("http", imp, backend, CONNECTIONS), addr, task));
+    }
+    let mut ratio_memory = Vec::new();
+    let mut ratio_redis = Vec::new();
+    let rounds = args.uncontended_rounds;
+    for round in 0..rounds {
+        let n = served.len();
+        for i in 0..n {
+            // Rotate who goes first, so no route always meets a warmer machine.
+            let j = (i + round) % n;
+            let addr = served[j].1;
+            let sample = measure(addr, timing, round * n + j).await?;
+            served[j].0.samples.push(sample);
+        }
+        let last = |i: usize| served[i].0.samples.last().map_or(0.0, |s| s.ops_per_sec);
+        if last(0) > 0.0 {
+            ratio_memory.push(last(1) / last(0));
+        }
+        if last(3) > 0.0 {
+            ratio_redis.push(last(2) / last(3));
+        }
+        eprintln!(
+            "http round {}/{rounds}: req/s no-layer {:.0}, layer/memory {:.0}, layer/redis {:.0}, raw-route/redis {:.0}",
+            round + 1,
+            last(0),
+            last(1),
+            last(2),
+            last(3)
+        );
+    }
+    let mut rows = Vec::new();
+    for (i, (series, _, task)) in served.iter().enumerate() {
+        task.abort();
+        let mut row = series.row();
+        row.cmds_per_acquisition = None;
+        row.server_cmds_per_acquisition = None;
+        if i == 1 || i == 2 {
+            let ratio = median(if i == 1 { ratio_memory.iter().copied() } else { ratio_redis.iter().copied() }).unwrap_or(0.0);
+            row.ratio = Some(ratio);
+            row.targets.push(target("ratio", ratio, false, 0.9, ""));
+        }
+        rows.push(row);
+    }
+    Ok(rows)
+}
