@@ -304,6 +304,7 @@ mod tests {
             ("payload_too_large", 413),
             ("idempotency_key_mismatch", 422),
             ("lock_backend_unavailable", 503),
+            ("idempotency_response_too_large", 500),
             ("lock_misconfigured", 500),
         ];
         let all: Vec<Rejection> = ALL.iter().map(|f| f()).collect();

@@ -136,7 +136,10 @@ async fn five_masters_survive_two_failures_and_refuse_at_three() {
     assert!(phase("5 of 5 up").await > 20);
     servers[0].kill();
     servers[1].kill();
-    assert!(phase("3 of 5 up").await > 20, "a majority must keep working");
+    // Slower than with 5 up: a try that fails (the key is held) still sends
+    // its undo to the dead nodes, whose command might land late, and waits
+    // the node timeout (100 ms) for them.
+    assert!(phase("3 of 5 up").await > 5, "a majority must keep working");
     servers[2].kill();
     tokio::time::sleep(Duration::from_millis(600)).await; // leases of holders end
     let errors_before = quorum_errors.load(Ordering::SeqCst);

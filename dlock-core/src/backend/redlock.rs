@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use super::redis::subscriber::Registration;
 use super::redis::{release_channel, NodeAttempt, RedisBackend, RedisOptions};
 use super::wait::{acquire_loop, Attempt};
-use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -64,6 +64,10 @@ pub struct RedLockBackend {
     /// first `Notify` it is given for a channel, so all waiters must bring
     /// the same one or later waiters sleep on a `Notify` nobody signals.
     wakeups: Mutex<HashMap<String, std::sync::Weak<Notify>>>,
+    /// Local contenders of a key queue here (FIFO) and only the head of the
+    /// queue competes on the masters: waiters of one process racing each
+    /// other for a quorum would split the votes and back off again and again.
+    turns: Mutex<HashMap<LockKey, std::sync::Weak<tokio::sync::Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for RedLockBackend {
@@ -111,7 +115,7 @@ impl RedLockBackend {
                 other => other,
             })?);
         }
-        Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default(), wakeups: Mutex::default() })
+        Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default(), wakeups: Mutex::default(), turns: Mutex::default() })
     }
 
     fn quorum(&self) -> usize {
@@ -250,6 +254,18 @@ impl RedLockBackend {
         }
     }
 
+    /// The local queue of `key`.
+    fn turn(&self, key: &LockKey) -> Arc<tokio::sync::Mutex<()>> {
+        let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
+        turns.retain(|_, t| t.strong_count() > 0);
+        if let Some(turn) = turns.get(key).and_then(std::sync::Weak::upgrade) {
+            return turn;
+        }
+        let turn = Arc::new(tokio::sync::Mutex::new(()));
+        turns.insert(key.clone(), Arc::downgrade(&turn));
+        turn
+    }
+
     async fn register(&self, key: &LockKey) -> SharedRegistration {
         let channel = release_channel(key);
         let notify = {
@@ -302,7 +318,34 @@ impl Backend for RedLockBackend {
         req: &'a AcquireRequest,
         cancel: &'a CancellationToken,
     ) -> BoxFuture<'a, Result<Grant>> {
-        Box::pin(acquire_loop(req, cancel, move || self.try_once(req), move || self.register(&req.key)))
+        Box::pin(async move {
+            let started = Instant::now();
+            let reentry = {
+                let holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+                holds.contains_key(&(req.key.clone(), req.owner.clone()))
+            };
+            // A re-entry does not queue: the queue's head may be waiting for
+            // exactly this hold to end.
+            let _turn = if reentry {
+                None
+            } else {
+                let turn = self.turn(&req.key);
+                let guard = match turn.clone().try_lock_owned() {
+                    Ok(guard) => guard,
+                    Err(_) => {
+                        let Some(deadline) = req.deadline else { return Err(contention(req, started)) };
+                        tokio::select! {
+                            biased;
+                            _ = cancel.cancelled() => return Err(Error::Cancelled),
+                            guard = turn.lock_owned() => guard,
+                            _ = tokio::time::sleep_until(deadline) => return Err(contention(req, started)),
+                        }
+                    }
+                };
+                Some(guard)
+            };
+            acquire_loop(req, cancel, move || self.try_once(req), move || self.register(&req.key)).await
+        })
     }
 
     fn renew<'a>(
