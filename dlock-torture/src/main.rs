@@ -23,6 +23,7 @@ mod proxy;
 mod resource;
 mod rng;
 mod scenarios;
+mod storm;
 mod worker;
 
 use std::process::ExitCode;

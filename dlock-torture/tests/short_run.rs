@@ -75,7 +75,7 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         .expect("restart-redis without persistence");
     assert!(unsafe_restart["overlaps"].as_u64().unwrap_or(0) > 0, "{unsafe_restart}");
     // Work really happened where it should.
-    for s in ["baseline", "pause", "kill-client", "redlock-minority", "zk-expire", "partition", "orphan-renewal", "bad-input"] {
+    for s in ["baseline", "pause", "kill-client", "redlock-minority", "zk-expire", "partition", "orphan-renewal", "bad-input", "idempotency-storm"] {
         let ops: u64 = rows.iter().filter(|r| r["scenario"] == s).filter_map(|r| r["operations"].as_u64()).sum();
         assert!(ops > 0, "{s} did no operations");
     }

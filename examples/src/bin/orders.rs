@@ -13,6 +13,7 @@
 //! | `ORDERS_ADDR` | listen address (`:0` picks a free port) | `127.0.0.1:3000` |
 //! | `ORDERS_REDIS_URL` | keep products and orders in this Redis (plain `GET`/`SET`), shared by instances | in process |
 //! | `ORDERS_UNLOCKED` | `1`: no lock on the stock (shows the oversell) | off |
+//! | `ORDERS_PAYMENT_LEASE_MS` | how long a crashed instance's in-progress payment blocks its `Idempotency-Key` | `60000` |
 //! | `DLOCK_*` | the lock backend, see dlock-core's `Config` | in process |
 //! | `RUST_LOG` | log filter | `info` |
 //!
@@ -72,6 +73,8 @@ struct App {
     store: Store,
     /// One-time order tokens and `Idempotency-Key` records.
     idem: dlock_axum::idempotency::Idempotency,
+    /// `ORDERS_PAYMENT_LEASE_MS`: the in-progress lease of `POST /payments`.
+    payment_lease: std::time::Duration,
     /// `ORDERS_UNLOCKED=1`: sell without the stock lock.
     unlocked: bool,
 }
@@ -90,6 +93,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => Store::memory(),
     };
     let idem = payments::idempotency(&config, orders_redis_url.as_deref()).await?;
+    let payment_lease = match non_empty_env("ORDERS_PAYMENT_LEASE_MS") {
+        Some(v) => match v.parse::<u64>() {
+            Ok(ms) if ms > 0 => std::time::Duration::from_millis(ms),
+            _ => return Err(format!("ORDERS_PAYMENT_LEASE_MS: expected a positive number of milliseconds, got `{v}`").into()),
+        },
+        None => std::time::Duration::from_secs(60),
+    };
     let unlocked = non_empty_env("ORDERS_UNLOCKED").is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
     let addr: SocketAddr = non_empty_env("ORDERS_ADDR")
         .unwrap_or_else(|| "127.0.0.1:3000".into())
@@ -97,7 +107,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_err(|e| format!("ORDERS_ADDR: {e}"))?;
 
     let store_kind = store.kind();
-    let app = App { locker: locker.clone(), store, idem, unlocked };
+    let app = App { locker: locker.clone(), store, idem, unlocked, payment_lease };
     let router = router(app);
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(
@@ -131,7 +141,7 @@ fn router(app: App) -> Router {
         .route("/products/{id}", get(get_product).put(put_product))
         .route("/stock/reduce", reduce)
         .route("/orders", post(create_order))
-        .merge(payments::routes(&app.idem, app.store.clone()))
+        .merge(payments::routes(&app.idem, app.payment_lease, app.store.clone()))
         .layer(middleware::from_fn(access_log))
         .with_locker(app.locker.clone())
         .with_state(app)

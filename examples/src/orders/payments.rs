@@ -47,11 +47,12 @@ pub(crate) async fn spend_token(idem: &Idempotency, token: &str) -> Result<bool,
     })
 }
 
-/// `GET /idempotency/token` and `POST /payments`.
-pub(crate) fn routes<S: Clone + Send + Sync + 'static>(idem: &Idempotency, store: Store) -> Router<S> {
+/// `GET /idempotency/token` and `POST /payments` (whose in-progress claim
+/// blocks its key for at most `lease` if this instance dies).
+pub(crate) fn routes<S: Clone + Send + Sync + 'static>(idem: &Idempotency, lease: Duration, store: Store) -> Router<S> {
     Router::new()
         .route("/idempotency/token", get(idem.token_handler()))
-        .route("/payments", post(create_payment).layer(IdempotencyLayer::new(idem.clone())))
+        .route("/payments", post(create_payment).layer(IdempotencyLayer::new(idem.clone()).lease(lease)))
         .with_state(store)
 }
 

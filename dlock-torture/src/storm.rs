@@ -1,0 +1,379 @@
+//! `idempotency-storm`: duplicate submissions (Idempotency-Keys on
+//! `POST /payments`, one-time tokens on `POST /orders`) across two `orders`
+//! processes sharing one Redis, one of them killed with SIGKILL mid-storm.
+//! Each logical request must execute at most once, and no key may stay in
+//! progress past its lease: afterwards every key is retried on the survivor
+//! until it answers 2xx.
+//!
+//! The `orders` binary is looked up next to this one (`cargo test` and
+//! `cargo build --workspace` put it there; for `cargo run --bin
+//! dlock-torture` run `cargo build --bin orders` first), or at
+//! `DLOCK_TORTURE_ORDERS_BIN`. Missing, the row fails.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dlock_testing::RedisServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+
+use crate::harness::Report;
+use crate::rng::Rng;
+use crate::scenarios::Size;
+
+/// In-progress lease of `POST /payments` given to both instances.
+const LEASE: Duration = Duration::from_millis(3000);
+/// Slack past the lease for the survivor to answer a freed key.
+const MARGIN: Duration = Duration::from_millis(3000);
+
+fn orders_binary() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("DLOCK_TORTURE_ORDERS_BIN") {
+        let p = PathBuf::from(p);
+        return if p.is_file() { Ok(p) } else { Err(format!("DLOCK_TORTURE_ORDERS_BIN={} is not a file", p.display())) };
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot locate this binary: {e}"))?;
+    let dir = exe.parent().ok_or("this binary has no directory")?;
+    let p = dir.join(format!("orders{}", std::env::consts::EXE_SUFFIX));
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(format!("the `orders` binary is not at {} (run `cargo build --workspace --all-features --bin orders` first, or set DLOCK_TORTURE_ORDERS_BIN)", p.display()))
+    }
+}
+
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    replayed: bool,
+    body: String,
+}
+
+/// One HTTP/1.1 request on a fresh connection (`connection: close`).
+async fn request(addr: &str, method: &str, path: &str, key: Option<&str>, body: &str) -> Result<Reply, String> {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n", body.len());
+    if let Some(k) = key {
+        head.push_str(&format!("idempotency-key: {k}\r\n"));
+    }
+    head.push_str("\r\n");
+    let exchange = async {
+        let mut stream = TcpStream::connect(addr).await.map_err(|e| format!("connect: {e}"))?;
+        stream.write_all(head.as_bytes()).await.map_err(|e| format!("write: {e}"))?;
+        stream.write_all(body.as_bytes()).await.map_err(|e| format!("write: {e}"))?;
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.map_err(|e| format!("read: {e}"))?;
+        Ok::<_, String>(raw)
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(30), exchange).await.map_err(|_| "no answer within 30 s".to_owned())??;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").ok_or("connection closed before the headers ended")?;
+    let mut lines = head.lines();
+    let status = lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|s| s.parse().ok()).ok_or("no status line")?;
+    let replayed = lines.any(|l| l.split_once(':').is_some_and(|(n, v)| n.trim().eq_ignore_ascii_case("idempotent-replayed") && v.trim() == "true"));
+    Ok(Reply { status, replayed, body: body.to_owned() })
+}
+
+/// One `orders` process; killed (SIGKILL) on drop if still running.
+struct Orders {
+    child: Child,
+    addr: String,
+}
+
+impl Orders {
+    async fn start(bin: &PathBuf, redis_url: &str) -> Result<Orders, String> {
+        let mut child = Command::new(bin)
+            .env("ORDERS_ADDR", "127.0.0.1:0")
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .env("DLOCK_BACKEND", "redis")
+            .env("DLOCK_REDIS_URL", redis_url)
+            .env("ORDERS_REDIS_URL", redis_url)
+            .env("ORDERS_PAYMENT_LEASE_MS", LEASE.as_millis().to_string())
+            .env_remove("ORDERS_UNLOCKED")
+            .env_remove("DLOCK_IDEMPOTENCY_REDIS_URL")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("listening on http://").nth(1) {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr.split_whitespace().next().unwrap_or_default().to_owned());
+                    }
+                }
+            }
+        });
+        let mut orders = Orders { child, addr: String::new() };
+        orders.addr = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30)))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|_| "orders did not log its address within 30 s".to_owned())?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if matches!(request(&orders.addr, "GET", "/health", None, "").await, Ok(r) if r.status == 200) {
+                return Ok(orders);
+            }
+            if Instant::now() > deadline {
+                return Err("orders not healthy within 30 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Orders {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Job {
+    Pay(u32),
+    Token(u32),
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    requests: u64,
+    executed: u64,
+    replays: u64,
+    in_progress_409: u64,
+    duplicate_409: u64,
+    killed_errors: u64,
+    survivor_errors: u64,
+    other: HashMap<u16, u64>,
+    token_created: Vec<u32>,
+    /// Fresh (not replayed) 2xx answers per payment key.
+    fresh: Vec<u32>,
+    sample: Option<String>,
+}
+
+pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
+    let mut r = Report::new("idempotency-storm", "redis+orders", seed);
+    r.expected_safe = true;
+    let bin = match orders_binary() {
+        Ok(b) => b,
+        Err(e) => {
+            r.fail(e);
+            return Ok(r);
+        }
+    };
+    let (keys, dups, tokens, inflight) = if size.short { (200u32, 10u32, 20u32, 64usize) } else { (1000, 10, 100, 128) };
+    r.processes = 2;
+    r.tasks = inflight as u32;
+    r.keys = keys;
+    r.lease_ms = LEASE.as_millis() as u64;
+    r.fault_kind = "kill -9 orders A mid-storm".into();
+
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let a = Arc::new(Mutex::new(Some(Orders::start(&bin, &url).await?)));
+    let b = Orders::start(&bin, &url).await?;
+    let a_addr = a.lock().map_err(|_| "poisoned")?.as_ref().map(|o| o.addr.clone()).unwrap_or_default();
+    let b_addr = b.addr.clone();
+    let stock = request(&b_addr, "PUT", "/products/9", None, &format!(r#"{{"stock": {}}}"#, tokens * 10)).await?;
+    if stock.status != 200 {
+        return Err(format!("PUT /products/9: {} {}", stock.status, stock.body));
+    }
+    let mut token_list = Vec::new();
+    for _ in 0..tokens {
+        let t = request(&b_addr, "GET", "/idempotency/token", None, "").await?;
+        let v: serde_json::Value = serde_json::from_str(&t.body).map_err(|e| format!("token reply {} not JSON ({e}): {}", t.status, t.body))?;
+        token_list.push(v["token"].as_str().ok_or_else(|| format!("no token in {}", t.body))?.to_owned());
+    }
+    let token_list = Arc::new(token_list);
+
+    // Every duplicate of every logical request, each to A or B at random,
+    // in a rolling wave: a request's duplicates are sent close together (a
+    // jitter of 5 % of the run), so requests are in progress on A all along
+    // the storm, and when A dies.
+    let mut rng = Rng::new(seed);
+    let mut jobs: Vec<(u64, Job, bool)> = Vec::new();
+    let span = 1_000_000u64;
+    for _ in 0..dups {
+        for i in 0..keys {
+            jobs.push((u64::from(i) * span / u64::from(keys) + rng.below(span / 20), Job::Pay(i), rng.chance(0.5)));
+        }
+        for t in 0..tokens {
+            jobs.push((u64::from(t) * span / u64::from(tokens) + rng.below(span / 20), Job::Token(t), rng.chance(0.5)));
+        }
+    }
+    jobs.sort_by_key(|j| j.0);
+    let total = jobs.len() as u64;
+    let kill_after = total / 4 + rng.below(total / 4);
+
+    let tally = Arc::new(Mutex::new(Tally { token_created: vec![0; tokens as usize], fresh: vec![0; keys as usize], ..Tally::default() }));
+    let done = Arc::new(AtomicU64::new(0));
+    let killed_at: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
+    let gate = Arc::new(Semaphore::new(inflight));
+    let started = Instant::now();
+    let mut handles = Vec::with_capacity(jobs.len());
+    for (_, job, to_a) in jobs {
+        let permit = gate.clone().acquire_owned().await.map_err(|e| e.to_string())?;
+        if done.load(Ordering::SeqCst) >= kill_after {
+            let mut k = killed_at.lock().map_err(|_| "poisoned")?;
+            if k.is_none() {
+                if let Some(mut o) = a.lock().map_err(|_| "poisoned")?.take() {
+                    o.child.kill().map_err(|e| format!("kill -9 A: {e}"))?;
+                    let _ = o.child.wait();
+                }
+                *k = Some(Instant::now());
+            }
+        }
+        let (addr, tally, done, tokens) = (if to_a { a_addr.clone() } else { b_addr.clone() }, tally.clone(), done.clone(), token_list.clone());
+        let killed_at = killed_at.clone();
+        handles.push(tokio::spawn(async move {
+            let reply = match job {
+                Job::Pay(i) => request(&addr, "POST", "/payments", Some(&format!("storm-{seed}-{i}")), &format!(r#"{{"order_id": "ord_{i}", "amount": {}}}"#, 100 + i)).await,
+                Job::Token(t) => request(&addr, "POST", &format!("/orders?token={}", tokens[t as usize]), None, r#"{"product": {"id": 9}, "quantity": 1}"#).await,
+            };
+            done.fetch_add(1, Ordering::SeqCst);
+            drop(permit);
+            let a_dead = killed_at.lock().map(|k| k.is_some()).unwrap_or(true);
+            let Ok(mut t) = tally.lock() else { return };
+            t.requests += 1;
+            match (job, reply) {
+                (_, Err(_)) if to_a && a_dead => t.killed_errors += 1,
+                (_, Err(e)) => {
+                    t.survivor_errors += 1;
+                    t.sample.get_or_insert(e);
+                }
+                (_, Ok(rep)) if rep.status >= 500 && to_a && a_dead => t.killed_errors += 1,
+                (Job::Pay(_), Ok(rep)) if (200..300).contains(&rep.status) && rep.replayed => t.replays += 1,
+                (Job::Pay(i), Ok(rep)) if (200..300).contains(&rep.status) => {
+                    t.executed += 1;
+                    t.fresh[i as usize] += 1;
+                }
+                (Job::Pay(_), Ok(rep)) if rep.status == 409 && rep.body.contains("idempotency_request_in_progress") => t.in_progress_409 += 1,
+                (Job::Token(k), Ok(rep)) if rep.status == 201 => t.token_created[k as usize] += 1,
+                (Job::Token(_), Ok(rep)) if rep.status == 409 && rep.body.contains("duplicate_submission") => t.duplicate_409 += 1,
+                (_, Ok(rep)) => {
+                    *t.other.entry(rep.status).or_default() += 1;
+                    t.sample.get_or_insert(format!("{} {}", rep.status, rep.body));
+                }
+            }
+        }));
+    }
+    for h in handles {
+        h.await.map_err(|e| e.to_string())?;
+    }
+    let storm_s = started.elapsed().as_secs_f64();
+    let killed = killed_at.lock().map_err(|_| "poisoned")?.unwrap_or_else(Instant::now);
+    if let Some(mut o) = a.lock().map_err(|_| "poisoned")?.take() {
+        // The storm ended before the kill point: kill now, still a kill mid-run.
+        let _ = o.child.kill();
+        let _ = o.child.wait();
+    }
+    r.faults = 1;
+
+    // Every key must answer 2xx on the survivor within lease + margin.
+    let deadline = std::cmp::max(killed + LEASE, Instant::now()) + MARGIN;
+    let retry_gate = Arc::new(Semaphore::new(inflight));
+    let mut retries = Vec::new();
+    for i in 0..keys {
+        let (addr, gate) = (b_addr.clone(), retry_gate.clone());
+        retries.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await.ok();
+            let mut sent = 0u64;
+            loop {
+                sent += 1;
+                let rep = request(&addr, "POST", "/payments", Some(&format!("storm-{seed}-{i}")), &format!(r#"{{"order_id": "ord_{i}", "amount": {}}}"#, 100 + i)).await;
+                match rep {
+                    Ok(rep) if (200..300).contains(&rep.status) => return (sent, Ok((Instant::now(), !rep.replayed))),
+                    Ok(rep) if Instant::now() > deadline => return (sent, Err(format!("{} {}", rep.status, rep.body.trim()))),
+                    Err(e) if Instant::now() > deadline => return (sent, Err(e)),
+                    _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        }));
+    }
+    let (mut stuck, mut recovery, mut retry_requests, mut retry_fresh) = (Vec::new(), Duration::ZERO, 0u64, vec![0u32; keys as usize]);
+    for (i, h) in retries.into_iter().enumerate() {
+        let (sent, outcome) = h.await.map_err(|e| e.to_string())?;
+        retry_requests += sent;
+        match outcome {
+            Ok((at, fresh)) => {
+                recovery = recovery.max(at.saturating_duration_since(killed));
+                retry_fresh[i] += u32::from(fresh);
+            }
+            Err(last) => stuck.push(format!("storm-{seed}-{i} ({last})")),
+        }
+    }
+
+    // Executions per logical payment: the records `orders` wrote.
+    let mut conn = redis.connection();
+    let records: Vec<String> = redis::cmd("KEYS").arg("orders:payment:*").query(&mut conn).map_err(|e| e.to_string())?;
+    let mut per_order: HashMap<String, u64> = HashMap::new();
+    for k in &records {
+        let v: String = redis::cmd("GET").arg(k).query(&mut conn).map_err(|e| e.to_string())?;
+        let p: serde_json::Value = serde_json::from_str(&v).map_err(|e| format!("{k}: {e}"))?;
+        *per_order.entry(p["order_id"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
+    }
+    let pay_double: u64 = per_order.values().map(|n| n.saturating_sub(1)).sum();
+    let missing = (0..keys).filter(|i| per_order.get(&format!("ord_{i}")).copied().unwrap_or(0) == 0).count();
+    let product = request(&b_addr, "GET", "/products/9", None, "").await?;
+    let sold = serde_json::from_str::<serde_json::Value>(&product.body).ok().and_then(|v| v["sold"].as_u64()).ok_or_else(|| format!("GET /products/9: {}", product.body))?;
+
+    let t = tally.lock().map_err(|_| "poisoned")?;
+    // A double execution whose clients saw fewer fresh answers than there are
+    // records lost one answer with the killed instance: it ran the payment
+    // and died before its response was stored, and the key ran again after
+    // the lease.
+    let (mut doubled, mut unanswered) = (Vec::new(), 0u64);
+    for (i, (storm, retry)) in t.fresh.iter().zip(&retry_fresh).enumerate() {
+        let n = per_order.get(&format!("ord_{i}")).copied().unwrap_or(0);
+        if n > 1 {
+            let seen = storm + retry;
+            doubled.push(format!("storm-{seed}-{i}: {n} records, {seen} fresh 2xx answers"));
+            if u64::from(seen) < n {
+                unanswered += 1;
+            }
+        }
+    }
+    let token_double: u64 = t.token_created.iter().map(|&n| u64::from(n.saturating_sub(1))).sum();
+    let tokens_spent = t.token_created.iter().filter(|&&n| n > 0).count();
+    let sold_double = sold.saturating_sub(u64::from(tokens));
+    let doubles = pay_double + token_double + sold_double;
+    r.operations = t.requests + retry_requests;
+    r.lost_updates = doubles;
+    r.overlaps = doubles;
+    r.recovery_max_ms = Some(recovery.as_secs_f64() * 1000.0);
+    r.note(format!(
+        "{keys} keys x {dups} + {tokens} tokens x {dups} in {storm_s:.1} s, A killed after {kill_after}/{total}: payments {} executed, {} replayed, {} x 409 in progress; tokens {tokens_spent}/{tokens} spent by one 201, {} x 409 duplicate, {sold} sold; {} killed-instance errors (expected), {} survivor errors, other {:?}; {retry_requests} retries on B, every key 2xx within {:.0} ms of the kill",
+        t.executed, t.replays, t.in_progress_409, t.duplicate_409, t.killed_errors, t.survivor_errors, t.other, recovery.as_secs_f64() * 1000.0
+    ));
+    if let Some(s) = &t.sample {
+        r.note(format!("first unexpected answer: {s}"));
+    }
+    if doubles > 0 {
+        r.fail(format!(
+            "double executions: {pay_double} payments ({}{}), {token_double} tokens with two 201s, {sold_double} orders beyond the token count",
+            doubled.iter().take(5).cloned().collect::<Vec<_>>().join(", "),
+            if unanswered > 0 { format!("; {unanswered} of these keys ran on A, which died after recording the payment and before its response was stored, and ran again on B after the lease") } else { String::new() }
+        ));
+    }
+    if !stuck.is_empty() {
+        r.fail(format!("{} key(s) stuck past lease + {MARGIN:?}: {}", stuck.len(), stuck.iter().take(5).cloned().collect::<Vec<_>>().join(", ")));
+    }
+    if missing > 0 && stuck.is_empty() {
+        r.fail(format!("{missing} key(s) answered 2xx with no payment recorded"));
+    }
+    if t.survivor_errors > 0 {
+        r.fail(format!("{} request(s) to the surviving instance failed at the connection", t.survivor_errors));
+    }
+    if t.executed == 0 || tokens_spent == 0 {
+        r.fail("the storm executed nothing");
+    }
+    Ok(r)
+}
