@@ -54,7 +54,12 @@ pub type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 /// is not stored: the key is freed and the client gets
 /// `500 idempotency_response_too_large`, never a silently unstored success.
 /// If storing fails (store down after the route ran) the route's response is
-/// still returned and the key stays in progress until its lease ends.
+/// still returned and the key stays in progress until its lease ends. An
+/// instance that dies after the route's side effect and before its response
+/// is stored leaves the key in progress until the lease ends; then a retry
+/// runs the route again. For at-most-once across crashes, key the side
+/// effect itself on the `Idempotency-Key` (the `orders` example records its
+/// payment with `SET NX` on caller + key).
 ///
 /// **Scope.** By default the scope is a SHA-1 of the `Authorization` header,
 /// so callers with different credentials never see each other's responses;

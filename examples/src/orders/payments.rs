@@ -64,7 +64,7 @@ struct CreatePayment {
 
 /// `POST /payments` `{"order_id": "...", "amount": n}` → 201
 /// `{"payment_id", "order_id", "amount"}`, once per `Idempotency-Key`.
-async fn create_payment(State(store): State<Store>, body: axum::body::Bytes) -> Response {
+async fn create_payment(State(store): State<Store>, headers: axum::http::HeaderMap, body: axum::body::Bytes) -> Response {
     let CreatePayment { order_id, amount } = match serde_json::from_slice(&body) {
         Ok(p) => p,
         Err(e) => {
@@ -90,12 +90,27 @@ async fn create_payment(State(store): State<Store>, body: axum::body::Bytes) -> 
         }
     };
     let payment = json!({"payment_id": payment_id, "order_id": order_id, "amount": amount});
-    if let Err(e) = store.record_payment(&payment_id, &payment).await {
-        tracing::warn!(error = %e, "store unavailable");
-        // A 503 frees the idempotency key, so the client's retry runs again.
-        return Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", 3004, "the store is unavailable, please retry later")
-            .into_response();
+    // The effect is keyed by the caller and its Idempotency-Key (the layer
+    // guarantees the header), the same scope the layer uses.
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let (caller, key) = (header("authorization"), header("idempotency-key"));
+    let claim = format!("{}:{caller}:{key}", caller.len());
+    match store.record_payment_once(&claim, &payment_id, &payment).await {
+        Ok(None) => {
+            tracing::info!(%payment_id, "payment recorded");
+            (StatusCode::CREATED, Json(payment)).into_response()
+        }
+        Ok(Some(earlier)) => {
+            // A retry after an instance died between paying and storing its
+            // answer: answer with the payment that was made.
+            tracing::info!("payment already made under this Idempotency-Key");
+            (StatusCode::CREATED, [(axum::http::header::CONTENT_TYPE, "application/json")], earlier).into_response()
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "store unavailable");
+            // A 503 frees the idempotency key, so the client's retry runs again.
+            Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", 3004, "the store is unavailable, please retry later")
+                .into_response()
+        }
     }
-    tracing::info!(%payment_id, "payment recorded");
-    (StatusCode::CREATED, Json(payment)).into_response()
 }

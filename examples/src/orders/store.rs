@@ -60,6 +60,7 @@ pub(crate) struct MemoryStore {
     products: HashMap<String, Stock>,
     orders: HashMap<String, String>,
     payments: HashMap<String, String>,
+    payment_claims: HashMap<String, String>,
 }
 
 const PREFIX: &str = "orders";
@@ -136,16 +137,41 @@ impl Store {
         }
     }
 
-    /// Records a payment (its JSON) under `payment_id`.
-    pub(crate) async fn record_payment(&self, payment_id: &str, payment: &serde_json::Value) -> Result<(), StoreError> {
+    /// Records a payment once per `claim` (the caller and its
+    /// `Idempotency-Key`), atomically: returns `None` when this call recorded
+    /// it, or the payment recorded earlier under the same claim. The
+    /// idempotency layer stores the response only after the handler ran, so
+    /// an instance killed between the two would let the retry run the
+    /// handler again; keying the effect itself makes that retry find the
+    /// first payment instead of making a second one.
+    pub(crate) async fn record_payment_once(
+        &self,
+        claim: &str,
+        payment_id: &str,
+        payment: &serde_json::Value,
+    ) -> Result<Option<String>, StoreError> {
         match self {
             Store::Memory(m) => {
-                m.lock().await.payments.insert(payment_id.to_owned(), payment.to_string());
-                Ok(())
+                let mut m = m.lock().await;
+                if let Some(existing) = m.payment_claims.get(claim) {
+                    return Ok(Some(existing.clone()));
+                }
+                m.payment_claims.insert(claim.to_owned(), payment.to_string());
+                m.payments.insert(payment_id.to_owned(), payment.to_string());
+                Ok(None)
             }
             Store::Redis(conn) => {
-                let () = conn.clone().set(format!("{PREFIX}:payment:{payment_id}"), payment.to_string()).await?;
-                Ok(())
+                let script = redis::Script::new(
+                    "if redis.call('SET', KEYS[1], ARGV[1], 'NX') then redis.call('SET', KEYS[2], ARGV[1]) return false end \
+                     return redis.call('GET', KEYS[1])",
+                );
+                let existing: Option<String> = script
+                    .key(format!("{PREFIX}:paykey:{claim}"))
+                    .key(format!("{PREFIX}:payment:{payment_id}"))
+                    .arg(payment.to_string())
+                    .invoke_async(&mut conn.clone())
+                    .await?;
+                Ok(existing)
             }
         }
     }
