@@ -87,4 +87,8 @@ fn quick_json_run_prints_rows_for_both_benches() {
     for (imp, backend) in [("no-layer", "memory"), ("layer", "memory"), ("layer", "redis"), ("raw-route", "redis")] {
         assert!(seen.contains(&("http".to_owned(), imp.to_owned(), backend.to_owned(), Some(16))), "no http row for {imp}/{backend}");
     }
+    // Idempotency-Key mode: the route alone, first requests and replays.
+    for (imp, backend) in [("no-layer", "memory"), ("first-request", "redis"), ("replay", "redis"), ("first-request", "memory"), ("replay", "memory")] {
+        assert!(seen.contains(&("idempotency".to_owned(), imp.to_owned(), backend.to_owned(), Some(8))), "no idempotency row for {imp}/{backend}");
+    }
 }

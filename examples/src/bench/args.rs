@@ -5,7 +5,7 @@ use std::time::Duration;
 use super::{BenchError, Result};
 
 /// The benchmarks this binary knows, in the order they run.
-pub(crate) const BENCHES: &[&str] = &["uncontended", "handoff", "http", "backends"];
+pub(crate) const BENCHES: &[&str] = &["uncontended", "handoff", "http", "idempotency", "backends"];
 
 pub(crate) const USAGE: &str = "\
 usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--settle-us N]
@@ -21,7 +21,8 @@ usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--
   --settle-us N    strict handoff: the holder keeps the lock N us (plus a random
                    0-2 ms) after the last waiter entered acquire, so that it is
                    parked (default 1000)
-  --bench NAMES    run only these benchmarks: uncontended, handoff, http, backends
+  --bench NAMES    run only these benchmarks: uncontended, handoff, http, idempotency,
+                   backends
   --quick          tiny sizes, for a CI smoke test";
 
 /// Parsed options.

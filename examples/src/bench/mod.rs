@@ -9,6 +9,7 @@ pub(crate) mod args;
 pub(crate) mod backends;
 pub(crate) mod handoff;
 pub(crate) mod http;
+pub(crate) mod idempotency;
 pub(crate) mod locks;
 pub(crate) mod measure;
 pub(crate) mod report;

@@ -20,7 +20,7 @@ mod bench;
 use std::process::ExitCode;
 
 use bench::args::{Args, USAGE};
-use bench::{backends, handoff, http, report, uncontended, BenchError, Env, Result};
+use bench::{backends, handoff, http, idempotency, report, uncontended, BenchError, Env, Result};
 use dlock_testing::RedisServer;
 
 fn main() -> ExitCode {
@@ -84,6 +84,9 @@ fn run(args: &Args) -> Result<String> {
         if args.runs("http") {
             rows.extend(http::run(&env, args).await?);
         }
+        if args.runs("idempotency") {
+            rows.extend(idempotency::run(&env, args).await?);
+        }
         if args.runs("backends") {
             rows.extend(backends::run(&env, args).await?);
         }
@@ -99,6 +102,7 @@ fn run(args: &Args) -> Result<String> {
                 ("uncontended", uncontended::TITLE),
                 ("handoff", handoff::TITLE),
                 ("http", http::TITLE),
+                ("idempotency", idempotency::TITLE),
                 ("backends", backends::TITLE),
                 ("backends-handoff", backends::HANDOFF_TITLE),
             ];

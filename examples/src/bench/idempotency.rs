@@ -1,0 +1,150 @@
+//! The cost of `Idempotency-Key` mode on a fast handler, through the axum
+//! router in process (no sockets, so the layer's own cost shows):
+//!
+//! * `no-layer` — the route alone (the baseline of this run);
+//! * `first-request` — every request a new key: claim + store, two scripts
+//!   on Redis (or the memory store);
+//! * `replay` — every request the same, finished key: one script on Redis,
+//!   the stored response replayed.
+//!
+//! `ratio` is the row's requests/s over `no-layer`'s, measured in the same round.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+use dlock_core::idempotency::{IdempotencyStore, MemoryStore, RedisStore};
+use tower::Service;
+
+use super::args::Args;
+use super::measure::{median, run_window, CommandCounter, Sample, Timing};
+use super::report::Row;
+use super::{BenchError, Env, Result, Series};
+
+pub(crate) const TITLE: &str = "idempotency key mode on a fast handler, in-process router (ops = requests/s; ratio = vs no-layer in the same round)";
+
+/// Tasks sending requests at once.
+const CONCURRENCY: usize = 8;
+
+/// Commands the idempotency scripts make inside Redis.
+const SCRIPT_INTERNAL: &[&str] = &["hget", "hset", "hdel", "pexpire", "del"];
+
+fn app(layer: Option<IdempotencyLayer>) -> Router {
+    let route = post(|| async { (StatusCode::CREATED, [("content-type", "application/json")], r#"{"payment_id":"pay_1","amount":1}"#) });
+    let route = match layer {
+        Some(l) => route.layer(l),
+        None => route,
+    };
+    Router::new().route("/pay", route)
+}
+
+/// How each request picks its key.
+#[derive(Clone, Copy)]
+enum Keys {
+    None,
+    Fresh,
+    Same,
+}
+
+async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&CommandCounter>) -> Result<Sample> {
+    let seq = Arc::new(AtomicU64::new(0));
+    let run = format!("{}", std::process::id());
+    if let Keys::Same = keys {
+        // Complete the key once, so that every measured request is a replay.
+        let req = Request::post("/pay")
+            .header("idempotency-key", format!("b{run}-replayed"))
+            .body(Body::from(r#"{"amount":1}"#))
+            .map_err(|e| BenchError::Invariant(e.to_string()))?;
+        let first = match router.clone().call(req).await {
+            Ok(res) => res,
+            Err(never) => match never {},
+        };
+        if first.status() != StatusCode::CREATED {
+            return Err(BenchError::Invariant(format!("the first request answered {}", first.status())));
+        }
+    }
+    run_window(CONCURRENCY, timing, counter.map(|c| (c, SCRIPT_INTERNAL)), |_, clock, stop| {
+        let (mut router, seq, run) = (router.clone(), seq.clone(), run.clone());
+        async move {
+            let mut records = Vec::with_capacity(4096);
+            while !stop.load(Ordering::Relaxed) {
+                let mut req = Request::post("/pay");
+                match keys {
+                    Keys::None => {}
+                    Keys::Fresh => req = req.header("idempotency-key", format!("b{run}-{}", seq.fetch_add(1, Ordering::Relaxed))),
+                    Keys::Same => req = req.header("idempotency-key", format!("b{run}-replayed")),
+                }
+                let req = req.body(Body::from(r#"{"amount":1}"#)).map_err(|e| BenchError::Invariant(e.to_string()))?;
+                let started = clock.now_ns();
+                let res = match router.call(req).await {
+                    Ok(res) => res,
+                    Err(never) => match never {},
+                };
+                let done = clock.now_ns();
+                if res.status() != StatusCode::CREATED {
+                    return Err(BenchError::Invariant(format!("the route answered {}", res.status())));
+                }
+                records.push((done, done - started));
+                // In-process routes never wait, so without this a worker
+                // would never give the window's timer a turn.
+                if records.len() % 32 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            Ok(records)
+        }
+    })
+    .await
+}
+
+/// Runs every round and returns the rows.
+pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
+    let timing = Timing { warmup: args.warmup, duration: args.duration };
+    let redis: Arc<dyn IdempotencyStore> = Arc::new(RedisStore::connect(&env.url, &env.prefix).await?);
+    let memory: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new(&env.prefix));
+    let plain = app(None);
+    let redis_app = app(Some(IdempotencyLayer::new(Idempotency::new(redis))));
+    let memory_app = app(Some(IdempotencyLayer::new(Idempotency::new(memory))));
+
+    let mut base = Series::new("idempotency", "no-layer", "memory", CONCURRENCY);
+    let mut cases = [
+        (Series::new("idempotency", "first-request", "redis", CONCURRENCY), redis_app.clone(), Keys::Fresh, Vec::new()),
+        (Series::new("idempotency", "replay", "redis", CONCURRENCY), redis_app, Keys::Same, Vec::new()),
+        (Series::new("idempotency", "first-request", "memory", CONCURRENCY), memory_app.clone(), Keys::Fresh, Vec::new()),
+        (Series::new("idempotency", "replay", "memory", CONCURRENCY), memory_app, Keys::Same, Vec::new()),
+    ];
+    let rounds = args.uncontended_rounds;
+    for round in 0..rounds {
+        let b = measure(plain.clone(), Keys::None, timing, None).await?;
+        for (series, router, keys, ratios) in cases.iter_mut() {
+            let counter = (series.backend == "redis").then_some(&env.counter);
+            let s = measure(router.clone(), *keys, timing, counter).await?;
+            if b.ops_per_sec > 0.0 {
+                ratios.push(s.ops_per_sec / b.ops_per_sec);
+            }
+            series.samples.push(s);
+        }
+        eprintln!(
+            "idempotency round {}/{rounds}: no-layer {:.0}/s, {}",
+            round + 1,
+            b.ops_per_sec,
+            cases
+                .iter()
+                .map(|(s, ..)| format!("{} {} {:.0}/s", s.imp, s.backend, s.samples.last().map_or(0.0, |x| x.ops_per_sec)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        base.samples.push(b);
+    }
+    let mut rows = vec![base.row()];
+    for (series, _, _, ratios) in &cases {
+        let mut row = series.row();
+        row.ratio = median(ratios.iter().copied());
+        rows.push(row);
+    }
+    Ok(rows)
+}
