@@ -4,11 +4,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::oneshot;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::backend::{AcquireRequest, Backend, CancellationToken};
+use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken};
 use crate::error::{Error, Result};
 use crate::guard::LockGuard;
 use crate::key::{KeyBuilder, LockKey};
@@ -236,8 +239,9 @@ impl Locker {
     /// # Cancellation safety
     ///
     /// Dropping the returned future at any point leaves no lock behind and no
-    /// renewal running: the request runs on its own task, which releases a
-    /// grant that arrives after the caller has gone.
+    /// renewal running: an attempt still in flight is finished on a task of
+    /// its own, which stops waiting and releases a grant that arrives after
+    /// the caller has gone.
     pub async fn acquire(&self, key: &LockKey, opts: AcquireOptions) -> Result<LockGuard> {
         let owner = match opts.owner {
             Some(owner) => owner,
@@ -259,30 +263,61 @@ impl Locker {
             deadline: (!wait.is_zero()).then(|| started + wait),
         };
         let cancel = CancellationToken::new();
-        let _cancel_when_dropped = cancel.clone().drop_guard();
-        let (tx, rx) = oneshot::channel();
         let backend = self.backend.clone();
         let span = tracing::debug_span!("dlock.acquire", key = %key, backend = backend.name(), wait_ms = wait.as_millis() as u64);
-        tokio::spawn(
-            async move {
-                let result = backend.acquire(&req, &cancel).await;
-                let waited_us = started.elapsed().as_micros() as u64;
-                match &result {
-                    Ok(g) => tracing::debug!(waited_us, fence = g.fencing_token, "acquired"),
-                    Err(Error::Cancelled) => tracing::debug!(waited_us, "caller gave up"),
-                    Err(e) if e.is_contention() => tracing::debug!(waited_us, "held by another owner"),
-                    Err(e) => tracing::warn!(waited_us, error = %e, "acquire failed"),
-                }
-                let result = result.map(|grant| LockGuard::start(backend, req, grant, watchdog));
-                // When the caller is gone the guard comes back here and its
-                // Drop releases the lock in the background.
-                drop(tx.send(result));
+        let in_flight = cancel.clone();
+        let attempt = async move {
+            let result = backend.acquire(&req, &in_flight).await;
+            let waited_us = started.elapsed().as_micros() as u64;
+            match &result {
+                Ok(g) => tracing::debug!(waited_us, fence = g.fencing_token, "acquired"),
+                Err(Error::Cancelled) => tracing::debug!(waited_us, "caller gave up"),
+                Err(e) if e.is_contention() => tracing::debug!(waited_us, "held by another owner"),
+                Err(e) => tracing::warn!(waited_us, error = %e, "acquire failed"),
             }
-            .instrument(span),
-        );
-        match rx.await {
-            Ok(result) => result,
-            Err(_) => Err(Error::backend(self.backend.name(), "the acquire task ended without an answer")),
+            result.map(|grant| LockGuard::start(backend, req, grant, watchdog))
+        }
+        .instrument(span);
+        InFlight { attempt: Some(Box::pin(attempt)), cancel }.await
+    }
+}
+
+/// An acquire attempt, run inline on the caller's task.
+///
+/// A command already sent is not undone by dropping its future, so a caller
+/// that gives up mid-flight hands the attempt to a task that sees it through:
+/// the cancellation token ends any wait, and a grant that still arrives is
+/// dropped there, which releases it. Running inline until then spares the
+/// common path a task spawn and a cross-thread wake-up per acquire.
+struct InFlight {
+    attempt: Option<BoxFuture<'static, Result<LockGuard>>>,
+    cancel: CancellationToken,
+}
+
+impl Future for InFlight {
+    type Output = Result<LockGuard>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(attempt) = self.attempt.as_mut() else {
+            return Poll::Ready(Err(Error::backend("dlock", "acquire polled after it finished")));
+        };
+        let result = std::task::ready!(attempt.as_mut().poll(cx));
+        self.attempt = None;
+        Poll::Ready(result)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(attempt) = self.attempt.take() else {
+            return;
+        };
+        self.cancel.cancel();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move { drop(attempt.await) });
+            }
+            Err(_) => tracing::warn!("acquire abandoned outside a tokio runtime; a grant in flight is freed by its lease"),
         }
     }
 }

@@ -1,11 +1,15 @@
 //! Owner tokens: who holds a lock.
 
+use std::cell::RefCell;
 use std::fmt;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
 
-/// The identity of a lock holder: 128 bits from the operating system's CSPRNG,
-/// written as 32 hex digits.
+/// The identity of a lock holder: 128 bits from a CSPRNG, written as 32 hex
+/// digits.
 ///
 /// Every acquire without an explicit owner gets a fresh one. Pass the same
 /// owner to nested acquires of the same key to make them reentrant (the HTTP
@@ -22,7 +26,8 @@ use crate::error::{Error, Result};
 pub struct Owner(String);
 
 impl Owner {
-    /// A fresh owner from the OS random source.
+    /// A fresh owner from a CSPRNG (ChaCha12 per thread, seeded and reseeded
+    /// from the operating system's random source).
     ///
     /// # Errors
     ///
@@ -38,11 +43,39 @@ impl Owner {
     }
 }
 
-/// `N` random bytes from the OS CSPRNG as lower-case hex.
+/// Draws per thread between two reseeds from the OS: a system call per
+/// token costed a lock cycle more than the rest of the client side did.
+const RESEED_AFTER: u32 = 4096;
+
+thread_local! {
+    static RNG: RefCell<Option<(StdRng, u32)>> = const { RefCell::new(None) };
+}
+
+/// `N` random bytes from a ChaCha12 CSPRNG (rand's `StdRng`) kept per
+/// thread and seeded from the OS random source, as lower-case hex.
+///
+/// A process that forks and keeps using dlock in the child without `exec`
+/// would share the parent's stream; a tokio runtime does not survive a fork,
+/// so that does not happen in practice.
 pub(crate) fn random_hex<const N: usize>() -> Result<String> {
     let mut bytes = [0u8; N];
-    getrandom::fill(&mut bytes)
-        .map_err(|e| Error::backend("os-random", format!("OS random source failed: {e}")))?;
+    RNG.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let rng = match slot.as_mut() {
+            Some((rng, draws)) if *draws < RESEED_AFTER => {
+                *draws += 1;
+                rng
+            }
+            _ => {
+                let mut seed = [0u8; 32];
+                getrandom::fill(&mut seed)
+                    .map_err(|e| Error::backend("os-random", format!("OS random source failed: {e}")))?;
+                &mut slot.insert((StdRng::from_seed(seed), 1)).0
+            }
+        };
+        rng.fill_bytes(&mut bytes);
+        Ok::<_, Error>(())
+    })?;
     let mut s = String::with_capacity(N * 2);
     for b in bytes {
         s.push(hex(b >> 4));
@@ -65,5 +98,29 @@ impl fmt::Debug for Owner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Only a prefix: the full token lets anyone holding it release the lock.
         write!(f, "Owner({}…)", &self.0[..8.min(self.0.len())])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::{random_hex, RESEED_AFTER};
+
+    /// Across reseeds and threads no token repeats (each thread's generator
+    /// has its own OS seed).
+    #[test]
+    fn tokens_do_not_repeat_across_reseeds_and_threads() {
+        let draws = RESEED_AFTER as usize * 2 + 10;
+        let per_thread = move |_| (0..draws).map(|_| random_hex::<16>().expect("random")).collect::<Vec<_>>();
+        let threads: Vec<_> = (0..4).map(|i| std::thread::spawn(move || per_thread(i))).collect();
+        let mut seen = HashSet::new();
+        for t in threads {
+            for token in t.join().expect("thread") {
+                assert_eq!(token.len(), 32);
+                assert!(seen.insert(token), "a token repeated");
+            }
+        }
+        assert_eq!(seen.len(), draws * 4);
     }
 }

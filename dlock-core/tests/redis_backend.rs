@@ -44,6 +44,42 @@ async fn redis() -> Redis {
 
 backend_suite!(redis());
 
+/// A release publishes only when an acquire found the lock held and waits:
+/// uncontended cycles cost the server no PUBLISH.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_announce_themselves_only_when_someone_waits() {
+    let server = RedisServer::start();
+    let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
+    let k = a.key("announce").part(1).build().expect("key");
+    server.reset_stats();
+    for _ in 0..20 {
+        let wait = AcquireOptions::new().lease(Duration::from_secs(30)).wait(Duration::from_secs(1));
+        a.acquire(&k, wait).await.expect("free").release().await.expect("release");
+    }
+    let publishes = |server: &RedisServer| server.command_stats().get("publish").copied().unwrap_or(0);
+    assert_eq!(publishes(&server), 0, "uncontended releases published");
+
+    let g = a.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free");
+    let waiter = tokio::spawn(async move {
+        let started = Instant::now();
+        let g = b.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30)).wait(Duration::from_secs(10))).await;
+        let waited = started.elapsed();
+        let released = match g {
+            Ok(g) => g.release().await.expect("release"),
+            Err(e) => panic!("the waiter did not get the lock: {e}"),
+        };
+        (released, waited)
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(g.release().await.expect("release"));
+    let (released, waited) = waiter.await.expect("waiter");
+    assert!(released);
+    assert!(waited < Duration::from_secs(5), "woken by the release, not the lease: {waited:?}");
+    // The holder's release, and the waiter's own: a grant won by waiting is
+    // announced too, since other waiters of its process may be parked behind.
+    assert_eq!(publishes(&server), 2, "awaited releases publish");
+}
+
 /// While it waits, a waiter costs the server a bounded handful of commands
 /// however long the wait is: no polling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -189,7 +189,13 @@ impl Backend for MemoryBackend {
         Box::pin(acquire_loop(
             req,
             cancel,
-            move || std::future::ready(Ok(self.try_once(req))),
+            // Always ready, so it spends the task's cooperative budget like
+            // tokio's own primitives: a loop that only locks and unlocks
+            // in-process keys still lets the other tasks of its worker run.
+            move |_| async move {
+                tokio::task::coop::consume_budget().await;
+                Ok(self.try_once(req))
+            },
             move || std::future::ready(self.register(&req.key)),
         ))
     }

@@ -103,7 +103,9 @@ impl RedLockBackend {
             ));
         }
         let options = RedisOptions::default().with_response_timeout(Duration::from_secs(1));
-        let connecting = urls.iter().map(|url| RedisBackend::connect_with(url.as_ref(), prefix, options.clone()));
+        let connecting = urls.iter().map(|url| async {
+            RedisBackend::connect_with(url.as_ref(), prefix, options.clone()).await.map(RedisBackend::with_clock_fencing)
+        });
         let mut nodes = Vec::with_capacity(urls.len());
         for (i, node) in join_all(connecting).await.into_iter().enumerate() {
             nodes.push(node.map_err(|e| match e {
@@ -168,12 +170,12 @@ impl RedLockBackend {
         Error::QuorumUnavailable { granted, nodes: self.nodes.len(), needed: self.quorum() }
     }
 
-    async fn try_once(&self, req: &AcquireRequest) -> Result<Attempt> {
+    async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
         let started = Instant::now();
         let granted_in =
             |a: &[(usize, NodeAttempt)]| a.iter().filter(|(_, a)| matches!(a, NodeAttempt::Granted { .. })).count();
         let answers = self
-            .on_all(|_, node| node.try_on_node(req), |a, failed| self.settled(granted_in(a), a.len(), failed))
+            .on_all(|_, node| node.try_on_node(req, awaited), |a, failed| self.settled(granted_in(a), a.len(), failed))
             .await;
         let (mut fence, mut all_reentries) = (0, true);
         let (mut granted, mut holder_ttl) = (0, None::<Duration>);
@@ -344,7 +346,7 @@ impl Backend for RedLockBackend {
                 };
                 Some(guard)
             };
-            acquire_loop(req, cancel, move || self.try_once(req), move || self.register(&req.key)).await
+            acquire_loop(req, cancel, move |awaited| self.try_once(req, awaited), move || self.register(&req.key)).await
         })
     }
 

@@ -27,6 +27,12 @@ const TTL_SLACK: Duration = Duration::from_millis(1);
 
 /// Runs `attempt` until it acquires, the deadline passes or `cancel` fires.
 ///
+/// `attempt(awaited)` tries once; `awaited` is true for the tries made after
+/// subscribing: a backend that announces releases only when someone waits
+/// marks the lock as awaited on such a try, held or granted (a grant, since
+/// other waiters of this process may be parked behind it and will not try
+/// again until they are woken).
+///
 /// `subscribe` is called once, only when the first try finds the key held and
 /// the caller is willing to wait; what it returns must be notified (one
 /// waiter per release is enough) whenever the key may have come free, for as
@@ -39,14 +45,14 @@ pub(crate) async fn acquire_loop<A, AF, S, SF, W>(
     subscribe: S,
 ) -> Result<Grant>
 where
-    A: FnMut() -> AF,
+    A: FnMut(bool) -> AF,
     AF: Future<Output = Result<Attempt>>,
     S: FnOnce() -> SF,
     SF: Future<Output = W>,
     W: AsRef<Notify>,
 {
     let started = Instant::now();
-    if let Attempt::Acquired(grant) = attempt().await? {
+    if let Attempt::Acquired(grant) = attempt(false).await? {
         return Ok(grant);
     }
     let Some(deadline) = req.deadline else {
@@ -59,7 +65,7 @@ where
         // Registered before the try, so a release between the try and the
         // sleep still wakes us.
         notified.as_mut().enable();
-        let retry_in = match attempt().await? {
+        let retry_in = match attempt(true).await? {
             Attempt::Acquired(grant) => return Ok(grant),
             Attempt::Held { retry_in } => retry_in,
         };

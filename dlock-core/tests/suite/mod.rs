@@ -325,6 +325,36 @@ pub(crate) async fn mutual_exclusion_under_contention<H: Harness>(h: &H) {
     assert_eq!(counter.load(Ordering::SeqCst), TASKS * PER_TASK, "lost updates: mutual exclusion broken");
 }
 
+/// Waiters of one process are woken one per release; the one that wins must
+/// leave its own release announced, or the others sleep until the holder's
+/// lease runs out. Here leases (60 s) outlast the wait (20 s), so a missed
+/// wake-up fails an acquire.
+pub(crate) async fn waiters_of_one_client_are_woken_in_turn<H: Harness>(h: &H) {
+    const TASKS: u64 = 8;
+    const PER_TASK: u64 = 16;
+    let locker = h.client().await;
+    let k = key(&locker, "in-turn");
+    let counter = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..TASKS {
+        let (locker, k, counter) = (locker.clone(), k.clone(), counter.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..PER_TASK {
+                let opts = fixed(60_000).wait(Duration::from_secs(20));
+                let g = locker.acquire(&k, opts).await.expect("woken by a release within the wait");
+                let read = counter.load(Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_micros(200)).await;
+                counter.store(read + 1, Ordering::SeqCst);
+                assert!(g.release().await.expect("release"));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(counter.load(Ordering::SeqCst), TASKS * PER_TASK);
+}
+
 /// Expands one `#[tokio::test]` per suite function for a harness.
 #[macro_export]
 macro_rules! backend_suite {
@@ -344,6 +374,7 @@ macro_rules! backend_suite {
             deleting_the_key_behind_the_guards_back_fires_lost,
             dropping_a_guard_releases_it,
             mutual_exclusion_under_contention,
+            waiters_of_one_client_are_woken_in_turn,
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn cancelled_acquires_leave_nothing_behind() {

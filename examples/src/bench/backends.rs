@@ -148,5 +148,6 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
 fn without_commands(mut row: Row) -> Row {
     row.cmds_per_acquisition = None;
     row.server_cmds_per_acquisition = None;
+    row.server_cpu_us = None;
     row
 }

@@ -58,14 +58,28 @@ impl std::fmt::Debug for CommandCounter {
 /// `command -> calls`, as `INFO commandstats` reports them.
 pub(crate) type CommandStats = HashMap<String, u64>;
 
+/// The entry of a [`CommandStats`] that holds the server main thread's CPU
+/// time in µs rather than a command count.
+const SERVER_CPU_US: &str = "~server_cpu_us";
+
 impl CommandCounter {
     pub(crate) fn new(conn: MultiplexedConnection) -> Self {
         CommandCounter { conn }
     }
 
     pub(crate) async fn snapshot(&self) -> Result<CommandStats> {
-        let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut self.conn.clone()).await?;
-        Ok(dlock_testing::parse_command_stats(&info))
+        let info: String = redis::cmd("INFO").arg("commandstats").arg("cpu").query_async(&mut self.conn.clone()).await?;
+        let mut stats = dlock_testing::parse_command_stats(&info);
+        // The main thread's CPU time: what runs the commands and scripts.
+        let cpu_secs: f64 = info
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("used_cpu_user_main_thread:").or_else(|| l.strip_prefix("used_cpu_sys_main_thread:"))
+            })
+            .filter_map(|v| v.trim().parse::<f64>().ok())
+            .sum();
+        stats.insert(SERVER_CPU_US.to_owned(), (cpu_secs * 1e6) as u64);
+        Ok(stats)
     }
 }
 
@@ -76,6 +90,8 @@ pub(crate) struct CommandDelta {
     pub(crate) client: u64,
     /// Every call, including those a Lua script makes (HGET, PUBLISH, …).
     pub(crate) server: u64,
+    /// CPU time of the server's main thread, µs.
+    pub(crate) server_cpu_us: u64,
 }
 
 /// The difference `after - before`, not counting our own `INFO` calls.
@@ -87,10 +103,14 @@ pub(crate) struct CommandDelta {
 pub(crate) fn command_delta(before: &CommandStats, after: &CommandStats, script_internal: &[&str]) -> CommandDelta {
     let mut delta = CommandDelta::default();
     for (name, &calls) in after {
+        let d = calls.saturating_sub(before.get(name).copied().unwrap_or(0));
+        if name == SERVER_CPU_US {
+            delta.server_cpu_us = d;
+            continue;
+        }
         if name == "info" {
             continue;
         }
-        let d = calls.saturating_sub(before.get(name).copied().unwrap_or(0));
         delta.server += d;
         if !script_internal.contains(&name.as_str()) {
             delta.client += d;
@@ -109,6 +129,9 @@ pub(crate) struct Sample {
     pub(crate) ops: u64,
     /// Commands per operation: (client, server). `None` without a counter.
     pub(crate) cmds_per_op: Option<(f64, f64)>,
+    /// Server main-thread CPU µs per operation (INFO's, a few µs per
+    /// window, included). `None` without a counter.
+    pub(crate) server_cpu_us_per_op: Option<f64>,
 }
 
 /// The nearest-rank percentile `q` (0..=1) of sorted nanoseconds, in µs.
@@ -206,6 +229,7 @@ where
         p99_us: percentile_us(&latencies, 0.99),
         ops,
         cmds_per_op: delta.filter(|_| ops > 0).map(|d| (d.client as f64 / ops as f64, d.server as f64 / ops as f64)),
+        server_cpu_us_per_op: delta.filter(|_| ops > 0).map(|d| d.server_cpu_us as f64 / ops as f64),
     })
 }
 
@@ -240,6 +264,6 @@ mod tests {
         ]
         .into();
         let d = command_delta(&before, &after, &["hget"]);
-        assert_eq!(d, CommandDelta { client: 5, server: 9 });
+        assert_eq!(d, CommandDelta { client: 5, server: 9, server_cpu_us: 0 });
     }
 }

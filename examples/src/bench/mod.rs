@@ -159,6 +159,7 @@ impl Series {
             p99_us: median(self.samples.iter().map(|s| s.p99_us)).unwrap_or(0.0),
             cmds_per_acquisition: cmds(|c| c.0),
             server_cmds_per_acquisition: if in_process { None } else { cmds(|c| c.1) },
+            server_cpu_us: median(self.samples.iter().filter_map(|s| s.server_cpu_us_per_op)),
             ratio: None,
             targets: Vec::new(),
             rounds: self.samples.len(),

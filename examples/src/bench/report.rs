@@ -30,6 +30,8 @@ pub(crate) struct Row {
     pub(crate) cmds_per_acquisition: Option<f64>,
     /// Every server call per acquisition, Lua scripts' calls included.
     pub(crate) server_cmds_per_acquisition: Option<f64>,
+    /// Server main-thread CPU µs per operation.
+    pub(crate) server_cpu_us: Option<f64>,
     /// dlock / baseline throughput, on rows that have a baseline.
     pub(crate) ratio: Option<f64>,
     pub(crate) targets: Vec<Target>,
@@ -55,6 +57,9 @@ impl Row {
         }
         if let Some(c) = self.server_cmds_per_acquisition {
             m.insert("server_cmds_per_acquisition".into(), json!(round(c, 2)));
+        }
+        if let Some(c) = self.server_cpu_us {
+            m.insert("server_cpu_us".into(), json!(round(c, 2)));
         }
         if let Some(r) = self.ratio {
             m.insert("ratio".into(), json!(round(r, 3)));
@@ -94,8 +99,8 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
         let conc = if bench == "handoff" { "K" } else { "conc" };
         let _ = writeln!(
             out,
-            "{:<13} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>6}  targets",
-            "impl", "backend", conc, "ops/s", "p50 us", "p99 us", "cmds/acq", "srv/acq", "ratio"
+            "{:<13} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6}  targets",
+            "impl", "backend", conc, "ops/s", "p50 us", "p99 us", "cmds/acq", "srv/acq", "srv us", "ratio"
         );
         for r in rows.iter().filter(|r| r.bench == bench) {
             let opt = |v: Option<f64>, d: usize| v.map_or("-".to_owned(), |v| format!("{v:.d$}"));
@@ -107,7 +112,7 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
                 .join("; ");
             let _ = writeln!(
                 out,
-                "{:<13} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>6}  {}",
+                "{:<13} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>7} {:>6}  {}",
                 r.imp,
                 r.backend,
                 r.concurrency,
@@ -116,6 +121,7 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
                 r.p99_us,
                 opt(r.cmds_per_acquisition, 2),
                 opt(r.server_cmds_per_acquisition, 1),
+                opt(r.server_cpu_us, 1),
                 opt(r.ratio, 3),
                 targets
             );
@@ -139,6 +145,7 @@ mod tests {
             p99_us: 410.0,
             cmds_per_acquisition: Some(4.0),
             server_cmds_per_acquisition: Some(20.5),
+            server_cpu_us: Some(12.5),
             ratio: None,
             targets: vec![Target { goal: "p50 <= 250 us".into(), met: true }],
             rounds: 3,

@@ -1,26 +1,51 @@
 -- Take the lock, or re-enter it, or report how long the holder has left.
--- KEYS[1] lock hash {o = owner, n = holds, f = fencing token}
+-- KEYS[1] lock hash {o = owner, n = holds, f = fencing token, w = someone waits}
 -- KEYS[2] fencing counter (same hash tag, so same cluster slot)
--- ARGV[1] owner token, ARGV[2] lease in ms, ARGV[3] counter life in seconds
+-- ARGV[1] owner token, ARGV[2] lease in ms, ARGV[3] counter life in seconds,
+-- ARGV[4] '1' when the caller waits for release announcements: mark the lock
+-- as awaited, held or granted (a winning waiter may have others parked behind
+-- it in its process, which only its release will wake),
+-- ARGV[5] 'clock' for clock-based fencing tokens (RedLock), else 'counter'
 -- Returns {1, fencing token, holds} when granted (holds > 1: a re-entry),
 -- {0, remaining ms of the holder} when held.
-local holder = redis.call('HGET', KEYS[1], 'o')
-if holder == false then
-  -- The token is max(last + 1, server time in us): it keeps growing even if
-  -- the counter key expires or is lost, as long as the server clock does not
-  -- step back.
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-  local token = math.max(last + 1, now)
-  redis.call('SET', KEYS[2], string.format('%d', token), 'EX', ARGV[3])
-  redis.call('HSET', KEYS[1], 'o', ARGV[1], 'n', 1, 'f', string.format('%d', token))
+local lock = redis.call('HMGET', KEYS[1], 'o', 'f')
+if lock[1] == false then
+  local token
+  if ARGV[5] == 'clock' then
+    -- RedLock: max(last + 1, server time in us), so that the tokens of every
+    -- node follow the clock and the largest of any quorum keeps growing.
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    token = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)
+    redis.call('SET', KEYS[2], string.format('%d', token), 'EX', ARGV[3])
+  else
+    token = redis.call('INCR', KEYS[2])
+    if token == 1 then
+      -- No counter yet, or it expired or was lost: start from the server time
+      -- in us. A counter grows by one per grant, far slower than the clock,
+      -- so a restarted one still exceeds every token handed out before (as
+      -- long as the server clock does not step back). Its life is set once.
+      local t = redis.call('TIME')
+      token = tonumber(t[1]) * 1000000 + tonumber(t[2])
+      redis.call('SET', KEYS[2], string.format('%d', token), 'EX', ARGV[3])
+    end
+  end
+  if ARGV[4] == '1' then
+    redis.call('HSET', KEYS[1], 'o', ARGV[1], 'n', 1, 'f', string.format('%d', token), 'w', 1)
+  else
+    redis.call('HSET', KEYS[1], 'o', ARGV[1], 'n', 1, 'f', string.format('%d', token))
+  end
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, token, 1}
 end
-if holder == ARGV[1] then
+if lock[1] == ARGV[1] then
   local holds = redis.call('HINCRBY', KEYS[1], 'n', 1)
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, tonumber(redis.call('HGET', KEYS[1], 'f')), holds}
+  return {1, tonumber(lock[2]), holds}
+end
+if ARGV[4] == '1' then
+  -- Asks the holder's release to announce itself; releases nobody waits for
+  -- skip the PUBLISH.
+  redis.call('HSET', KEYS[1], 'w', 1)
 end
 return {0, redis.call('PTTL', KEYS[1])}

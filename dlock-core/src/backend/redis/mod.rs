@@ -1,16 +1,19 @@
 //! The single-Redis backend.
 //!
 //! * A lock is a hash `prefix:{name:parts}` with fields `o` (owner), `n`
-//!   (holds, for re-entry) and `f` (fencing token); its TTL is the lease.
+//!   (holds, for re-entry), `f` (fencing token) and `w` (set by an acquire
+//!   that will wait for the release); its TTL is the lease.
 //! * Its fencing counter `prefix:{name:parts}:fence` shares the hash tag, so
-//!   both live in one Redis Cluster slot. Tokens are `max(last + 1, server
-//!   time in µs)`, so they keep growing even if the counter (kept 7 days after
-//!   the last grant) expires.
+//!   both live in one Redis Cluster slot. Each grant `INCR`s it; a missing
+//!   counter (first grant, or expired 7 days after it was created, or lost in
+//!   a restart) starts again from the server time in µs, which is ahead of
+//!   every token handed out before, since a counter grows by one per grant.
 //! * Acquire, renew and release are one Lua script each (EVALSHA), with the
 //!   owner checked inside the script. A refused acquire returns the holder's
 //!   remaining TTL in the same call.
-//! * Release publishes on `prefix:{name:parts}:released`; waiters of this
-//!   process share one subscriber connection (see `subscriber.rs`).
+//! * Release publishes on `prefix:{name:parts}:released` when `w` says
+//!   someone waits (uncontended releases skip it); waiters of this process
+//!   share one subscriber connection (see `subscriber.rs`).
 //!
 //! All commands go through one multiplexed connection (redis-rs
 //! `ConnectionManager`, which reconnects), with connect and response
@@ -52,7 +55,9 @@ pub(crate) mod subscriber;
 
 use subscriber::Subscriber;
 
-/// How long the fencing counter outlives the last grant of its key.
+/// How long a fencing counter lives from its first grant. When it is gone
+/// the next grant restarts it from the server clock, which is ahead of every
+/// token it handed out.
 const FENCE_COUNTER_SECS: u64 = 7 * 24 * 3600;
 
 /// Timeouts of the Redis connections.
@@ -106,6 +111,8 @@ pub struct RedisBackend {
     acquire: Script,
     renew: Script,
     release: Script,
+    /// Fencing tokens from the server clock instead of a counter (RedLock).
+    clock_fencing: bool,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -206,7 +213,20 @@ impl RedisBackend {
             acquire: Script::new(include_str!("acquire.lua")),
             renew: Script::new(include_str!("renew.lua")),
             release: Script::new(include_str!("release.lua")),
+            clock_fencing: false,
         })
+    }
+
+    /// Makes every fencing token `max(last + 1, server time in µs)`.
+    ///
+    /// RedLock takes the largest token of a quorum of independent nodes. With
+    /// per-node counters a later quorum's largest could be smaller than an
+    /// earlier one's (the nodes' counters start and move apart); tokens that
+    /// follow each node's clock grow together on every node, as long as the
+    /// nodes' clocks agree to within the time between two grants.
+    pub(crate) fn with_clock_fencing(mut self) -> Self {
+        self.clock_fencing = true;
+        self
     }
 
     /// The command connection, shared with the idempotency store so that it
@@ -215,16 +235,18 @@ impl RedisBackend {
         self.conn.clone()
     }
 
-    async fn try_once(&self, req: &AcquireRequest) -> Result<Attempt> {
-        Ok(match self.try_on_node(req).await? {
+    async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
+        Ok(match self.try_on_node(req, awaited).await? {
             NodeAttempt::Granted { grant, .. } => Attempt::Acquired(grant),
             NodeAttempt::Held { retry_in } => Attempt::Held { retry_in },
         })
     }
 
     /// One acquire script call, telling a re-entry from a fresh grant (RedLock
-    /// needs the difference to keep a re-entry's fencing token).
-    pub(crate) async fn try_on_node(&self, req: &AcquireRequest) -> Result<NodeAttempt> {
+    /// needs the difference to keep a re-entry's fencing token). `awaited`:
+    /// the caller waits for releases, so the lock's release must announce
+    /// itself (see `wait::acquire_loop`).
+    pub(crate) async fn try_on_node(&self, req: &AcquireRequest, awaited: bool) -> Result<NodeAttempt> {
         let sent = Instant::now();
         let reply: Vec<i64> = self
             .acquire
@@ -233,6 +255,8 @@ impl RedisBackend {
             .arg(req.owner.as_str())
             .arg(lease_ms(req.lease))
             .arg(FENCE_COUNTER_SECS)
+            .arg(if awaited { "1" } else { "0" })
+            .arg(if self.clock_fencing { "clock" } else { "counter" })
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(redis_error)?;
@@ -274,7 +298,7 @@ impl Backend for RedisBackend {
         Box::pin(acquire_loop(
             req,
             cancel,
-            move || self.try_once(req),
+            move |awaited| self.try_once(req, awaited),
             move || self.subscriber.register(release_channel(&req.key)),
         ))
     }

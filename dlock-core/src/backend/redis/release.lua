@@ -1,13 +1,16 @@
--- Give back one hold, only for its owner; announce the release to waiters.
+-- Give back one hold, only for its owner; announce the release when someone
+-- waits for it (an acquire that found the lock held set `w`).
 -- KEYS[1] lock hash; ARGV[1] owner, ARGV[2] release channel.
 -- Returns -1 when not held by this owner, the holds left when re-entered, 0 when freed.
-if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
+local lock = redis.call('HMGET', KEYS[1], 'o', 'n', 'w')
+if lock[1] ~= ARGV[1] then
   return -1
 end
-local left = redis.call('HINCRBY', KEYS[1], 'n', -1)
-if left > 0 then
-  return left
+if tonumber(lock[2]) > 1 then
+  return redis.call('HINCRBY', KEYS[1], 'n', -1)
 end
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], '')
+if lock[3] then
+  redis.call('PUBLISH', ARGV[2], '')
+end
 return 0
