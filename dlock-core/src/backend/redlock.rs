@@ -103,9 +103,7 @@ impl RedLockBackend {
             ));
         }
         let options = RedisOptions::default().with_response_timeout(Duration::from_secs(1));
-        let connecting = urls.iter().map(|url| async {
-            RedisBackend::connect_with(url.as_ref(), prefix, options.clone()).await.map(RedisBackend::with_clock_fencing)
-        });
+        let connecting = urls.iter().map(|url| RedisBackend::connect_with(url.as_ref(), prefix, options.clone()));
         let mut nodes = Vec::with_capacity(urls.len());
         for (i, node) in join_all(connecting).await.into_iter().enumerate() {
             nodes.push(node.map_err(|e| match e {
@@ -177,7 +175,7 @@ impl RedLockBackend {
         let answers = self
             .on_all(|_, node| node.try_on_node(req, awaited), |a, failed| self.settled(granted_in(a), a.len(), failed))
             .await;
-        let (mut fence, mut all_reentries) = (0, true);
+        let (mut fence, mut any_reentry) = (0, false);
         let (mut granted, mut holder_ttl) = (0, None::<Duration>);
         let mut held_by_others = vec![false; self.nodes.len()];
         for (i, answer) in &answers {
@@ -185,7 +183,7 @@ impl RedLockBackend {
                 NodeAttempt::Granted { grant, reentry } => {
                     granted += 1;
                     fence = fence.max(grant.fencing_token);
-                    all_reentries &= *reentry;
+                    any_reentry |= *reentry;
                 }
                 NodeAttempt::Held { retry_in } => {
                     held_by_others[*i] = true;
@@ -198,7 +196,7 @@ impl RedLockBackend {
         let drift = req.lease / 100 + Duration::from_millis(2);
         let valid_until = started + req.lease.saturating_sub(drift);
         if granted >= self.quorum() && Instant::now() < valid_until {
-            let fencing_token = self.hold(&req.key, &req.owner, fence, all_reentries);
+            let fencing_token = self.hold(&req.key, &req.owner, fence, any_reentry);
             return Ok(Attempt::Acquired(Grant { fencing_token, valid_until, lost: None }));
         }
         // Undo on every node that granted, or did not answer (its command may
@@ -232,9 +230,13 @@ impl RedLockBackend {
         Ok(Attempt::Held { retry_in })
     }
 
-    /// Records a hold of ours and returns its fencing token: a re-entry (on
-    /// every node of the quorum) keeps the token of the hold it joins, since
-    /// different quorums may see different per-node maxima.
+    /// Records a hold of ours and returns its fencing token: a re-entry keeps
+    /// the token of the hold it joins, since different quorums may see
+    /// different per-node maxima. It is a re-entry when we hold the key here
+    /// and some node of the quorum says so: the outer acquire's commands to
+    /// the nodes it did not wait for may land after ours, so those nodes can
+    /// answer with a fresh grant. Only when every node grants afresh did our
+    /// earlier hold lapse, and the grant takes a new token.
     fn hold(&self, key: &LockKey, owner: &Owner, fence: u64, reentry: bool) -> u64 {
         let mut holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
         let entry = holds.entry((key.clone(), owner.clone())).or_insert((fence, 0));

@@ -4,31 +4,21 @@
 -- ARGV[1] owner token, ARGV[2] lease in ms, ARGV[3] counter life in seconds,
 -- ARGV[4] '1' when the caller waits for release announcements: mark the lock
 -- as awaited, held or granted (a winning waiter may have others parked behind
--- it in its process, which only its release will wake),
--- ARGV[5] 'clock' for clock-based fencing tokens (RedLock), else 'counter'
+-- it in its process, which only its release will wake)
 -- Returns {1, fencing token, holds} when granted (holds > 1: a re-entry),
 -- {0, remaining ms of the holder} when held.
 local lock = redis.call('HMGET', KEYS[1], 'o', 'f')
 if lock[1] == false then
-  local token
-  if ARGV[5] == 'clock' then
-    -- RedLock: max(last + 1, server time in us), so that the tokens of every
-    -- node follow the clock and the largest of any quorum keeps growing.
-    local t = redis.call('TIME')
-    local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    token = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)
+  -- The token is max(last + 1, server time in us): it keeps growing when the
+  -- counter expires, is lost in a restart, or lags on a promoted replica, as
+  -- long as the server clock does not step back. SET ... GET writes the
+  -- common case (the clock is ahead) and reads the last token in one call.
+  local t = redis.call('TIME')
+  local token = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local last = tonumber(redis.call('SET', KEYS[2], string.format('%d', token), 'EX', ARGV[3], 'GET') or '0')
+  if last >= token then
+    token = last + 1
     redis.call('SET', KEYS[2], string.format('%d', token), 'EX', ARGV[3])
-  else
-    token = redis.call('INCR', KEYS[2])
-    if token == 1 then
-      -- No counter yet, or it expired or was lost: start from the server time
-      -- in us. A counter grows by one per grant, far slower than the clock,
-      -- so a restarted one still exceeds every token handed out before (as
-      -- long as the server clock does not step back). Its life is set once.
-      local t = redis.call('TIME')
-      token = tonumber(t[1]) * 1000000 + tonumber(t[2])
-      redis.call('SET', KEYS[2], string.format('%d', token), 'EX', ARGV[3])
-    end
   end
   if ARGV[4] == '1' then
     redis.call('HSET', KEYS[1], 'o', ARGV[1], 'n', 1, 'f', string.format('%d', token), 'w', 1)

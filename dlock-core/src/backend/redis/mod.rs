@@ -4,10 +4,10 @@
 //!   (holds, for re-entry), `f` (fencing token) and `w` (set by an acquire
 //!   that will wait for the release); its TTL is the lease.
 //! * Its fencing counter `prefix:{name:parts}:fence` shares the hash tag, so
-//!   both live in one Redis Cluster slot. Each grant `INCR`s it; a missing
-//!   counter (first grant, or expired 7 days after it was created, or lost in
-//!   a restart) starts again from the server time in µs, which is ahead of
-//!   every token handed out before, since a counter grows by one per grant.
+//!   both live in one Redis Cluster slot. Tokens are `max(last + 1, server
+//!   time in µs)`, so they keep growing even if the counter (kept 7 days after
+//!   the last grant) expires, is lost in a restart or lags on a promoted
+//!   replica.
 //! * Acquire, renew and release are one Lua script each (EVALSHA), with the
 //!   owner checked inside the script. A refused acquire returns the holder's
 //!   remaining TTL in the same call.
@@ -55,9 +55,7 @@ pub(crate) mod subscriber;
 
 use subscriber::Subscriber;
 
-/// How long a fencing counter lives from its first grant. When it is gone
-/// the next grant restarts it from the server clock, which is ahead of every
-/// token it handed out.
+/// How long the fencing counter outlives the last grant of its key.
 const FENCE_COUNTER_SECS: u64 = 7 * 24 * 3600;
 
 /// Timeouts of the Redis connections.
@@ -111,8 +109,6 @@ pub struct RedisBackend {
     acquire: Script,
     renew: Script,
     release: Script,
-    /// Fencing tokens from the server clock instead of a counter (RedLock).
-    clock_fencing: bool,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -213,20 +209,7 @@ impl RedisBackend {
             acquire: Script::new(include_str!("acquire.lua")),
             renew: Script::new(include_str!("renew.lua")),
             release: Script::new(include_str!("release.lua")),
-            clock_fencing: false,
         })
-    }
-
-    /// Makes every fencing token `max(last + 1, server time in µs)`.
-    ///
-    /// RedLock takes the largest token of a quorum of independent nodes. With
-    /// per-node counters a later quorum's largest could be smaller than an
-    /// earlier one's (the nodes' counters start and move apart); tokens that
-    /// follow each node's clock grow together on every node, as long as the
-    /// nodes' clocks agree to within the time between two grants.
-    pub(crate) fn with_clock_fencing(mut self) -> Self {
-        self.clock_fencing = true;
-        self
     }
 
     /// The command connection, shared with the idempotency store so that it
@@ -256,7 +239,6 @@ impl RedisBackend {
             .arg(lease_ms(req.lease))
             .arg(FENCE_COUNTER_SECS)
             .arg(if awaited { "1" } else { "0" })
-            .arg(if self.clock_fencing { "clock" } else { "counter" })
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(redis_error)?;
