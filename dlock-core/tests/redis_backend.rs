@@ -80,6 +80,50 @@ async fn releases_announce_themselves_only_when_someone_waits() {
     assert_eq!(publishes(&server), 2, "awaited releases publish");
 }
 
+/// T7b: the shared subscriber connection is killed (`CLIENT KILL TYPE
+/// pubsub`) while 16 tasks wait; the holder releases right after the kill
+/// (the announcement is likely lost) or once the subscriber is back. Every
+/// waiter still gets the lock in turn, long before any lease (30 s) or wait
+/// (20 s) runs out: a reconnect wakes the waiters to try again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_survive_a_killed_subscriber_connection() {
+    let server = RedisServer::start();
+    let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
+    for (round, pause_after_kill) in [Duration::ZERO, Duration::from_millis(500)].into_iter().enumerate() {
+        let k = a.key("pubsub-kill").part(round).build().expect("key");
+        let holder = a.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free");
+        let mut waiters = Vec::new();
+        for _ in 0..16 {
+            let (b, k) = (b.clone(), k.clone());
+            waiters.push(tokio::spawn(async move {
+                let started = Instant::now();
+                let opts = AcquireOptions::new().lease(Duration::from_secs(30)).wait(Duration::from_secs(20));
+                let g = b.acquire(&k, opts).await.expect("a waiter got the lock within its wait");
+                let waited = started.elapsed();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                assert!(g.release().await.expect("release"));
+                waited
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let killed: u64 =
+            redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub").query(&mut server.connection()).expect("CLIENT KILL");
+        // The waiters' subscriber (the holder's has no channel, so it is not
+        // in pub/sub mode).
+        assert_eq!(killed, 1, "the subscriber connection was killed");
+        tokio::time::sleep(pause_after_kill).await;
+        let released_at = Instant::now();
+        assert!(holder.release().await.expect("release"));
+        let mut longest = Duration::ZERO;
+        for w in waiters {
+            longest = longest.max(w.await.expect("waiter"));
+        }
+        // 16 short holds in turn; a missed wake-up would wait out 20 s.
+        assert!(released_at.elapsed() < Duration::from_secs(10), "round {round}: took {:?}", released_at.elapsed());
+        assert!(longest < Duration::from_secs(12), "round {round}: a waiter waited {longest:?}");
+    }
+}
+
 /// While it waits, a waiter costs the server a bounded handful of commands
 /// however long the wait is: no polling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
