@@ -391,3 +391,42 @@ async fn a_path_parameter_that_is_not_utf8_is_a_400_not_a_500() {
     let res = app.oneshot(post_json("/items/%FF%FE", "{}")).await.expect("infallible");
     assert_rejection(res, 400, "lock_key_invalid").await;
 }
+
+/// A handler stuck past the layer's `max_hold` stops holding the lock: the
+/// watchdog (lease 200 ms) stops renewing at 300 ms, and a request for the
+/// same key gets through while the first is still stuck, with a higher
+/// fencing token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_hold_frees_the_lock_of_a_stuck_handler() {
+    let locker = Locker::with_options(
+        Arc::new(MemoryBackend::new()),
+        dlock_core::LockerOptions::default().with_watchdog_lease(Duration::from_millis(200)),
+    )
+    .expect("options");
+    let handler = |Extension(FencingToken(fence)): Extension<FencingToken>, body: Bytes| async move {
+        if body.as_ref() == b"{\"id\":1,\"stuck\":true}" {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+        fence.to_string()
+    };
+    let layer = LockLayer::new("stuck").json("id").max_hold(Duration::from_millis(300));
+    let app = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker);
+    let stuck = tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"id":1,"stuck":true}"#)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let res = app.clone().oneshot(post_json("/r", r#"{"id":1}"#)).await.expect("infallible");
+    assert_rejection(res, 409, "duplicate_submission").await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let res = app.clone().oneshot(post_json("/r", r#"{"id":1}"#)).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK, "freed after max_hold + lease");
+    let later: u64 = String::from_utf8(res.into_body().collect().await.expect("body").to_bytes().to_vec())
+        .expect("utf-8")
+        .parse()
+        .expect("fence");
+    let first = stuck.await.expect("task").expect("infallible");
+    assert_eq!(first.status(), StatusCode::OK);
+    let first: u64 = String::from_utf8(first.into_body().collect().await.expect("body").to_bytes().to_vec())
+        .expect("utf-8")
+        .parse()
+        .expect("fence");
+    assert!(later > first, "the later holder's fence {later} is above the stuck one's {first}");
+}

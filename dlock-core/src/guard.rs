@@ -71,7 +71,13 @@ impl std::fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
-    pub(crate) fn start(backend: Arc<dyn Backend>, req: AcquireRequest, grant: Grant, watchdog: bool) -> Self {
+    pub(crate) fn start(
+        backend: Arc<dyn Backend>,
+        req: AcquireRequest,
+        grant: Grant,
+        watchdog: bool,
+        max_hold: Option<Duration>,
+    ) -> Self {
         let (tx, rx) = watch::channel(GuardState { valid_until: grant.valid_until, lost: None });
         let needs_monitor = watchdog || grant.lost.is_some();
         let (state_tx, stop_monitor) = if needs_monitor {
@@ -82,6 +88,7 @@ impl LockGuard {
                 owner: req.owner.clone(),
                 lease: req.lease,
                 watchdog,
+                renew_until: max_hold.map(|m| Instant::now() + m),
                 state: tx,
                 stop: stop.clone(),
             };
@@ -221,6 +228,8 @@ struct Monitor {
     owner: Owner,
     lease: Duration,
     watchdog: bool,
+    /// No renewal is sent at or after this instant (`max_hold`).
+    renew_until: Option<Instant>,
     state: watch::Sender<GuardState>,
     stop: CancellationToken,
 }
@@ -238,12 +247,14 @@ impl Monitor {
         let mut next = Instant::now() + interval;
         loop {
             let valid_until = self.state.borrow().valid_until;
+            let renewing = self.watchdog && self.renew_until.is_none_or(|until| next < until);
+            let expiry = if self.watchdog { LostReason::MaxHoldExceeded } else { LostReason::LeaseExpired };
             tokio::select! {
                 biased;
                 _ = self.stop.cancelled() => return,
                 reason = &mut backend_lost => return self.lose(reason),
-                _ = sleep_until(valid_until), if !self.watchdog => return self.lose(LostReason::LeaseExpired),
-                _ = sleep_until(next), if self.watchdog => {}
+                _ = sleep_until(valid_until), if !renewing => return self.lose(expiry),
+                _ = sleep_until(next), if renewing => {}
             }
             let sent = Instant::now();
             let renewal = tokio::select! {

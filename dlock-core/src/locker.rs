@@ -118,6 +118,7 @@ pub struct AcquireOptions {
     wait: Option<Duration>,
     lease: Option<Duration>,
     owner: Option<Owner>,
+    max_hold: Option<Duration>,
 }
 
 impl AcquireOptions {
@@ -143,6 +144,24 @@ impl AcquireOptions {
     /// renew it while the guard lives.
     pub fn watchdog(mut self) -> Self {
         self.lease = None;
+        self
+    }
+
+    /// Watchdog mode only: stop renewing `max_hold` after the grant, so a
+    /// holder that hangs while its process stays alive (a stuck handler, a
+    /// deadlock) cannot keep the lock forever. The lease then runs out,
+    /// [`LockGuard::lost`] fires with [`LostReason::MaxHoldExceeded`] and
+    /// others can take the key, with a higher fencing token.
+    ///
+    /// [`LostReason::MaxHoldExceeded`]: crate::LostReason::MaxHoldExceeded
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dlock_core::AcquireOptions;
+    /// let opts = AcquireOptions::new().watchdog().max_hold(Duration::from_secs(60));
+    /// ```
+    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+        self.max_hold = Some(max_hold);
         self
     }
 
@@ -255,6 +274,7 @@ impl Locker {
         if lease.is_zero() {
             return Err(Error::config("lease", "a lease must be longer than zero"));
         }
+        let max_hold = opts.max_hold;
         let started = Instant::now();
         let req = AcquireRequest {
             key: key.clone(),
@@ -275,7 +295,7 @@ impl Locker {
                 Err(e) if e.is_contention() => tracing::debug!(waited_us, "held by another owner"),
                 Err(e) => tracing::warn!(waited_us, error = %e, "acquire failed"),
             }
-            result.map(|grant| LockGuard::start(backend, req, grant, watchdog))
+            result.map(|grant| LockGuard::start(backend, req, grant, watchdog, max_hold))
         }
         .instrument(span);
         InFlight { attempt: Some(Box::pin(attempt)), cancel }.await

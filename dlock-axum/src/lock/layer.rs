@@ -46,6 +46,7 @@ pub(crate) struct Spec {
     pub(crate) parts: Vec<KeySource>,
     pub(crate) wait: Option<Duration>,
     pub(crate) lease: Option<Duration>,
+    pub(crate) max_hold: Option<Duration>,
     pub(crate) message: Option<Cow<'static, str>>,
     pub(crate) code: Option<u32>,
     pub(crate) max_body_bytes: Option<usize>,
@@ -138,6 +139,7 @@ impl LockLayer {
                 parts: Vec::new(),
                 wait: None,
                 lease: None,
+                max_hold: None,
                 message: None,
                 code: None,
                 max_body_bytes: None,
@@ -202,6 +204,14 @@ impl LockLayer {
     /// A fixed lease (default: watchdog mode, renewed while the request runs).
     pub fn lease(self, lease: Duration) -> Self {
         self.with(|s| s.lease = Some(lease))
+    }
+
+    /// In watchdog mode, stop renewing once a request has held the lock this
+    /// long, so a stuck handler cannot keep it forever (the handler can see
+    /// it through the [`FencingToken`](crate::FencingToken) its storage
+    /// refuses afterwards).
+    pub fn max_hold(self, max_hold: Duration) -> Self {
+        self.with(|s| s.max_hold = Some(max_hold))
     }
 
     /// The `message` of the `409 duplicate_submission` answer.

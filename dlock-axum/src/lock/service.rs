@@ -202,6 +202,9 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
     if let Some(lease) = spec.lease {
         opts = opts.lease(lease);
     }
+    if let Some(max_hold) = spec.max_hold {
+        opts = opts.max_hold(max_hold);
+    }
     let started = Instant::now();
     match locker.acquire(&key, opts).await {
         Ok(guard) => {

@@ -114,6 +114,9 @@ pub enum LostReason {
     LeaseExpired,
     /// The session that carried the lock expired (ZooKeeper).
     SessionExpired,
+    /// The watchdog stopped renewing at the acquire's `max_hold` and the
+    /// lease ran out.
+    MaxHoldExceeded,
 }
 
 impl std::fmt::Display for LostReason {
@@ -123,6 +126,7 @@ impl std::fmt::Display for LostReason {
             LostReason::RenewalFailed => "renewals failed until the lease ran out",
             LostReason::LeaseExpired => "the lease ran out before release",
             LostReason::SessionExpired => "the session holding the lock expired",
+            LostReason::MaxHoldExceeded => "held longer than its max_hold; the watchdog stopped renewing",
         })
     }
 }

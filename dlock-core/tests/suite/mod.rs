@@ -355,6 +355,27 @@ pub(crate) async fn waiters_of_one_client_are_woken_in_turn<H: Harness>(h: &H) {
     assert_eq!(counter.load(Ordering::SeqCst), TASKS * PER_TASK);
 }
 
+/// T3b: a holder that hangs while its process lives keeps its watchdog
+/// renewing; `max_hold` bounds that. Renewed past its 300 ms lease until
+/// then, the lock is free soon after, the stalled guard's lost signal says
+/// why, and the next holder's fencing token is higher.
+pub(crate) async fn max_hold_stops_the_watchdog<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "max-hold");
+    let granted = Instant::now();
+    let stalled = a.acquire(&k, AcquireOptions::new().watchdog().max_hold(Duration::from_millis(900))).await.expect("free");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(b.try_acquire(&k).await.is_err(), "renewed past its lease before max_hold");
+    let next = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("free after max_hold");
+    let held = granted.elapsed();
+    assert!(held >= Duration::from_millis(900), "freed before max_hold: {held:?}");
+    assert!(held < Duration::from_secs(5), "max_hold 900 ms + lease 300 ms, freed only after {held:?}");
+    assert_eq!(stalled.lost().await, LostReason::MaxHoldExceeded);
+    assert!(next.fencing_token() > stalled.fencing_token());
+    assert!(!stalled.release().await.expect("release"), "the stalled guard no longer holds it");
+    assert!(next.release().await.expect("release"));
+}
+
 /// Expands one `#[tokio::test]` per suite function for a harness.
 #[macro_export]
 macro_rules! backend_suite {
@@ -375,6 +396,7 @@ macro_rules! backend_suite {
             dropping_a_guard_releases_it,
             mutual_exclusion_under_contention,
             waiters_of_one_client_are_woken_in_turn,
+            max_hold_stops_the_watchdog,
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn cancelled_acquires_leave_nothing_behind() {
