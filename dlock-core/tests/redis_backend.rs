@@ -362,3 +362,113 @@ async fn sentinel_follows_a_failover() {
     assert!(g.fencing_token() > first, "tokens still grow on the new master (server time)");
     assert!(g.release().await.expect("release"));
 }
+
+/// Writes `megabytes` of 1 KiB filler keys with a TTL, as another tenant of
+/// the server would; returns whether the server refused one as out of memory.
+fn fill_with_ttl_keys(server: &RedisServer, megabytes: usize) -> bool {
+    let mut conn = server.connection();
+    let value = "x".repeat(1024);
+    for batch in 0..megabytes {
+        let mut pipe = redis::pipe();
+        for i in 0..1024 {
+            pipe.cmd("SET").arg(format!("filler:{batch}:{i}")).arg(&value).arg("EX").arg(600).ignore();
+        }
+        if let Err(e) = pipe.query::<()>(&mut conn) {
+            assert!(e.to_string().contains("OOM"), "{e}");
+            return true;
+        }
+    }
+    false
+}
+
+/// T11d: locks are keys with a TTL, exactly what `volatile-*` policies
+/// evict. The negative control shows held locks evicted and taken by others
+/// (dlock warns about such a policy at start-up). Under `noeviction` a full
+/// server keeps every held lock, refuses new ones with an error that says
+/// why, and still lets holders release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_server_evicts_locks_only_under_an_evicting_policy() {
+    for policy in ["volatile-lru", "noeviction"] {
+        let server = RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", policy]);
+        let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
+        let keys: Vec<_> = (0..50).map(|i| a.key("full").part(i).build().expect("key")).collect();
+        let mut guards = Vec::new();
+        for k in &keys {
+            guards.push(a.acquire(k, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free"));
+        }
+        let refused = fill_with_ttl_keys(&server, 12);
+        let mut stolen = 0;
+        for k in &keys {
+            if let Ok(g) = b.try_acquire(k).await {
+                stolen += 1;
+                drop(g);
+            }
+        }
+        if policy == "volatile-lru" {
+            assert!(stolen > 0, "volatile-lru evicted no held lock: the control shows nothing");
+            continue;
+        }
+        assert!(refused, "noeviction: the filler should hit maxmemory");
+        // Right at the limit a small script may still fit; be clearly over it.
+        let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("1mb").query(&mut server.connection()).expect("CONFIG");
+        assert_eq!(stolen, 0, "noeviction: a held lock was taken by someone else");
+        let fresh = a.key("full").part("new").build().expect("key");
+        let err = b.try_acquire(&fresh).await.expect_err("no room for a new lock");
+        assert!(err.is_unavailable(), "{err}");
+        assert!(err.to_string().contains("out of memory"), "{err}");
+        for g in guards {
+            assert!(g.release().await.expect("a full server still lets holders release"));
+        }
+    }
+}
+
+/// T11b: a wrong password is a configuration error naming the variable, and
+/// the password appears in no message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_names_the_variable_and_not_the_password() {
+    let server = RedisServer::start();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("right-Secret-1")
+        .query(&mut server.connection())
+        .expect("CONFIG SET requirepass");
+    let url = format!("redis://:wrong-Secret-2@127.0.0.1:{}", server.port());
+    let err = RedisBackend::connect(&url, "dlock").await.expect_err("wrong password");
+    let text = format!("{err} {err:?}");
+    assert!(err.is_misconfigured(), "{text}");
+    assert!(text.contains("DLOCK_REDIS_URL"), "{text}");
+    assert!(!text.contains("Secret"), "the password leaked: {text}");
+    let ok = format!("redis://:right-Secret-1@127.0.0.1:{}", server.port());
+    let locker = locker_for(&ok, 300).await;
+    let k = locker.key("auth").part(1).build().expect("key");
+    locker.try_acquire(&k).await.expect("free").release().await.expect("release");
+}
+
+/// T11a: a user limited to the lock namespace (`~dlock:* &dlock:*`, no
+/// dangerous commands) can do everything dlock needs: take, wait on a
+/// release announcement, re-enter, renew with the watchdog, release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_limited_to_the_lock_namespace_is_enough() {
+    let server = RedisServer::start();
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "locker", "on", ">pw", "resetkeys", "~dlock:*", "resetchannels", "&dlock:*", "+@all", "-@dangerous"])
+        .query(&mut server.connection())
+        .expect("ACL SETUSER");
+    let url = format!("redis://locker:pw@127.0.0.1:{}", server.port());
+    let (a, b) = (locker_for(&url, 300).await, locker_for(&url, 300).await);
+    let k = a.key("acl").part(1).build().expect("key");
+    let me = dlock_core::Owner::random().expect("random");
+    let outer = a.acquire(&k, AcquireOptions::new().owner(me.clone())).await.expect("free");
+    let inner = a.acquire(&k, AcquireOptions::new().owner(me)).await.expect("re-entry");
+    let waiter = tokio::spawn(async move { b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(5))).await });
+    tokio::time::sleep(Duration::from_millis(600)).await; // two watchdog renewals
+    assert!(!outer.is_lost());
+    assert!(inner.release().await.expect("release inner"));
+    let released = Instant::now();
+    assert!(outer.release().await.expect("release outer"));
+    let g = waiter.await.expect("task").expect("the waiter gets the lock");
+    assert!(released.elapsed() < Duration::from_secs(2), "woken by the announcement");
+    assert!(g.fencing_token() > 0);
+    assert!(g.release().await.expect("release"));
+}

@@ -152,7 +152,7 @@ impl RedisBackend {
         )
         .await
         .map_err(|_| Error::backend("redis", format!("no answer from {} within the connect timeout", redact(url))))?
-        .map_err(redis_error)?;
+        .map_err(|e| connect_error(url, e))?;
         warn_on_evicting_policy(conn.clone()).await;
         Self::finish(Conn::Single(conn), watch::channel(client).1, prefix).await
     }
@@ -538,8 +538,25 @@ fn lease_ms(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+/// A wrong user or password is a configuration error naming the variable
+/// (never the password); anything else as [`redis_error`].
+fn connect_error(url: &str, e: redis::RedisError) -> Error {
+    if e.kind() == redis::ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
+        return Error::config(
+            "DLOCK_REDIS_URL",
+            format!("Redis at {} refused the user or password in the URL ({:?})", redact(url), e.kind()),
+        );
+    }
+    redis_error(e)
+}
+
 pub(crate) fn redis_error(e: redis::RedisError) -> Error {
-    let message = if e.is_timeout() {
+    let message = if e.code() == Some("OOM") || e.to_string().contains("OOM command not allowed") {
+        format!(
+            "Redis is out of memory (maxmemory reached under `noeviction`): no new locks until memory is freed; \
+             held locks stay held and can be released: {e}"
+        )
+    } else if e.is_timeout() {
         format!("Redis did not answer in time: {e}")
     } else if e.is_connection_refusal() || e.is_connection_dropped() || e.is_io_error() {
         format!("cannot reach Redis: {e}")
