@@ -128,6 +128,32 @@ impl RedisServer {
         }
     }
 
+    /// Stops the server cleanly with `SHUTDOWN` (an AOF is flushed and
+    /// fsynced; without persistence the data is gone all the same), falling
+    /// back to SIGKILL when it does not exit within 10 s.
+    pub fn shutdown(&mut self) {
+        if let Ok(mut conn) = self.try_connection() {
+            // The server closes the connection instead of answering.
+            let _ = redis::cmd("SHUTDOWN").query::<()>(&mut conn);
+        }
+        if let Some(mut child) = self.child.take() {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server after [`kill`](Self::kill) or
+    /// [`shutdown`](Self::shutdown), on the same port and data directory.
+    pub fn start_again(&mut self) {
+        if self.child.is_none() {
+            self.spawn();
+        }
+    }
+
     /// Starts the server again on the same port.
     pub fn restart(&mut self) {
         self.kill();
