@@ -209,3 +209,41 @@ async fn local_waiters_are_all_woken_by_releases() {
     }
     eprintln!("40 handoffs among 8 local waiters in {:?}", started.elapsed());
 }
+
+/// T5c, scripted (the Redis docs' RedLock caveat): A holds on nodes 1-3
+/// (4 and 5 are down when it locks, then come back empty); node 3 restarts
+/// empty. B then gets 3, 4, 5, a majority, while A's grant is still valid:
+/// RedLock without persistence is not mutually exclusive across restarts,
+/// and this test documents it. With AOF `appendfsync always` node 3 comes
+/// back with A's key and B is refused. (The fencing tokens still order the
+/// two: B's is higher, so a fenced resource refuses A.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_empty_can_grant_a_second_quorum() {
+    for persistence in [&[][..], &["--appendonly", "yes", "--appendfsync", "always"][..]] {
+        let mut servers: Vec<RedisServer> = (0..5).map(|_| RedisServer::start_with(persistence)).collect();
+        let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+        let a = locker_for(&urls, 300).await;
+        let k = a.key("restarted-empty").part(1).build().expect("key");
+        servers[3].kill();
+        servers[4].kill();
+        let held = a.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("quorum of 1-3");
+        servers[3].start_again();
+        servers[4].start_again();
+        servers[2].kill();
+        servers[2].start_again();
+        // B is another process, connecting after the restarts.
+        let b = locker_for(&urls, 300).await;
+        let second = b.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await;
+        if persistence.is_empty() {
+            let second = second.expect("documented unsafety: nodes 3-5 grant B while A holds");
+            assert!(!held.is_lost(), "A still believes it holds the lock");
+            assert!(second.fencing_token() > held.fencing_token(), "fencing still orders them");
+            drop(second);
+        } else {
+            let err = second.expect_err("node 3 kept A's key");
+            assert!(err.is_contention(), "{err}");
+        }
+        // A's connections to the restarted nodes broke; the answer does not matter.
+        let _ = held.release().await;
+    }
+}

@@ -217,6 +217,30 @@ async fn a_short_outage_suspends_without_losing_the_lock() {
     assert!(g.release().await.expect("release"), "the lock survived the outage");
 }
 
+/// T8b, long arm: the server is down longer than the session timeout (and
+/// comes back with its data). The holder must count its session as lost
+/// (like Curator's LOST) before anyone else can be granted the lock, and the
+/// next holder's token is higher: no double grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_longer_than_the_session_loses_the_lock_before_anyone_else_gets_it() {
+    let mut server = ZooKeeperServer::start();
+    let session = Duration::from_secs(3);
+    let a = locker(backend(&server, session).await);
+    let k = a.key("long-outage").part(1).build().expect("key");
+    let held = a.acquire(&k, AcquireOptions::new()).await.expect("free");
+    server.kill();
+    tokio::time::sleep(session + Duration::from_millis(1500)).await;
+    server.restart();
+    let lost = tokio::time::timeout(Duration::from_secs(15), held.lost()).await.expect("lost fired after the long outage");
+    assert!(matches!(lost, LostReason::SessionExpired | LostReason::RenewalFailed | LostReason::Stolen), "{lost:?}");
+    let b = locker(backend(&server, SESSION).await);
+    let next = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(20))).await.expect("free once A's session is gone");
+    assert!(held.is_lost(), "A knew before B was granted");
+    assert!(next.fencing_token() > held.fencing_token());
+    assert!(next.release().await.expect("release"));
+    assert!(!held.release().await.unwrap_or(false), "A no longer holds it");
+}
+
 /// The same recipe on a 3-server ensemble: a minority down does not stop
 /// locking, and a holder partitioned from every server loses its session
 /// (lost fires) while the next waiter gets the lock with a higher token.
