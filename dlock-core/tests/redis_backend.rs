@@ -472,3 +472,13 @@ async fn a_user_limited_to_the_lock_namespace_is_enough() {
     assert!(g.fencing_token() > 0);
     assert!(g.release().await.expect("release"));
 }
+
+/// TLS is not compiled in (the `redis` crate's TLS features are off to keep
+/// the build lean): a `rediss://` URL is a start-up error saying so, not a
+/// plain-text connection.
+#[tokio::test]
+async fn a_tls_url_is_refused_at_start_up() {
+    let err = RedisBackend::connect("rediss://127.0.0.1:6380", "dlock").await.expect_err("no TLS support");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("DLOCK_REDIS_URL") && err.to_string().contains("TLS"), "{err}");
+}

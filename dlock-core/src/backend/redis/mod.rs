@@ -20,8 +20,8 @@
 //! timeouts so a dead server gives an error, never a hang.
 //!
 //! **Redis Cluster**: a URL `redis+cluster://host1:port1,host2:port2,…`
-//! (seed nodes; `rediss+cluster://` for TLS, `user:password@` before the
-//! first host) uses redis-rs's async cluster connection. Every key of one
+//! (seed nodes, `user:password@` before the first host; `rediss+cluster://`
+//! would be TLS, which this build leaves out) uses redis-rs's async cluster connection. Every key of one
 //! lock shares a hash tag, so each script runs on the one node that owns the
 //! lock's slot; release announcements are ordinary `PUBLISH`es, which a
 //! cluster forwards to every node, so the waiters of a process subscribe on
