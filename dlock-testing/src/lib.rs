@@ -11,9 +11,11 @@
 //! assert!(redis.command_calls("evalsha") == 0);
 //! ```
 
+mod announce;
 mod ensemble;
 mod proxy;
 
+pub use announce::announced_address;
 pub use ensemble::ZooKeeperEnsemble;
 pub use proxy::FaultProxy;
 

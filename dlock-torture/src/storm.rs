@@ -11,7 +11,6 @@
 //! `DLOCK_TORTURE_ORDERS_BIN`. Missing, the row fails.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,22 +100,11 @@ impl Orders {
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(addr) = line.split("listening on http://").nth(1) {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr.split_whitespace().next().unwrap_or_default().to_owned());
-                    }
-                }
-            }
-        });
         let mut orders = Orders { child, addr: String::new() };
-        orders.addr = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30)))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|_| "orders did not log its address within 30 s".to_owned())?;
+        orders.addr =
+            tokio::task::spawn_blocking(move || dlock_testing::announced_address(stdout, Duration::from_secs(30), None))
+                .await
+                .map_err(|e| e.to_string())??;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if matches!(request(&orders.addr, "GET", "/health", None, "").await, Ok(r) if r.status == 200) {

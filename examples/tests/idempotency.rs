@@ -2,7 +2,6 @@
 //! of one token or one `Idempotency-Key` executes exactly once, every other
 //! answer is a replay or a 409.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -79,21 +78,11 @@ impl Orders {
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("start the orders binary");
         let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(addr) = line.split("listening on http://").nth(1) {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr.split_whitespace().next().unwrap_or_default().to_owned());
-                    }
-                }
-            }
-        });
-        let addr = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30)))
-            .await
-            .expect("join")
-            .expect("orders logged its address within 30 s");
+        let addr =
+            tokio::task::spawn_blocking(move || dlock_testing::announced_address(stdout, Duration::from_secs(30), None))
+                .await
+                .expect("join")
+                .expect("orders logged its address within 30 s");
         let deadline = Instant::now() + Duration::from_secs(30);
         while request(&addr, "GET", "/health", &[], "").await.status != 200 {
             assert!(Instant::now() < deadline, "orders not healthy within 30 s");

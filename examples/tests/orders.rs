@@ -3,7 +3,6 @@
 //! they do; a dead Redis is a quick 503 and the service recovers when Redis
 //! returns.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -118,26 +117,12 @@ impl Orders {
         let mut child = cmd.spawn().expect("start the orders binary");
         let stdout = child.stdout.take().expect("piped stdout");
         // The log line names the port the OS picked; the rest of the log is
-        // passed on so a failing test shows it.
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(addr) = line.split("listening on http://").nth(1) {
-                    let addr = addr.split_whitespace().next().unwrap_or_default().to_owned();
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr);
-                    }
-                }
-                if std::env::var_os("ORDERS_TEST_LOG").is_some() {
-                    eprintln!("[orders] {line}");
-                }
-            }
-        });
-        let addr = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30)))
+        // shown with ORDERS_TEST_LOG set, so a failing test can tell why.
+        let echo = std::env::var_os("ORDERS_TEST_LOG").is_some().then_some("orders");
+        let addr = tokio::task::spawn_blocking(move || dlock_testing::announced_address(stdout, Duration::from_secs(30), echo))
             .await
             .expect("join")
-            .unwrap_or_else(|_| panic!("orders did not log its address within 30 s (it may have failed to start)"));
+            .unwrap_or_else(|e| panic!("orders: {e}"));
         let orders = Orders { child, addr };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {

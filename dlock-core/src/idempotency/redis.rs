@@ -17,7 +17,7 @@ use std::time::Duration;
 use redis::Script;
 
 use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TOKEN_BYTES};
-use crate::backend::redis::{redis_error, Conn, RedisBackend};
+use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
@@ -79,10 +79,6 @@ impl RedisStore {
     }
 }
 
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
 impl IdempotencyStore for RedisStore {
     fn name(&self) -> &'static str {
         "redis"
@@ -95,7 +91,7 @@ impl IdempotencyStore for RedisStore {
                 .arg(self.token_key(&token))
                 .arg(1)
                 .arg("PX")
-                .arg(ms(ttl))
+                .arg(lease_ms(ttl))
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(redis_error)?;
@@ -131,7 +127,7 @@ impl IdempotencyStore for RedisStore {
                 .key(self.record_key(scope, key))
                 .arg(fingerprint)
                 .arg(claim.owner())
-                .arg(ms(lease))
+                .arg(lease_ms(lease))
                 .invoke_async(&mut self.conn.clone())
                 .await
                 .map_err(redis_error)?;
@@ -154,7 +150,7 @@ impl IdempotencyStore for RedisStore {
                 .key(self.record_key(claim.scope(), claim.key()))
                 .arg(claim.owner())
                 .arg(response.encode())
-                .arg(ms(ttl))
+                .arg(lease_ms(ttl))
                 .invoke_async(&mut self.conn.clone())
                 .await
                 .map_err(redis_error)?;

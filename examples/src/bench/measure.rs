@@ -55,12 +55,20 @@ impl std::fmt::Debug for CommandCounter {
     }
 }
 
-/// `command -> calls`, as `INFO commandstats` reports them.
-pub(crate) type CommandStats = HashMap<String, u64>;
+/// One reading of the server: `command -> calls` as `INFO commandstats`
+/// reports them, and the CPU time of its main thread (what runs the commands
+/// and scripts), µs.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CommandStats {
+    calls: HashMap<String, u64>,
+    cpu_us: u64,
+}
 
-/// The entry of a [`CommandStats`] that holds the server main thread's CPU
-/// time in µs rather than a command count.
-const SERVER_CPU_US: &str = "~server_cpu_us";
+impl<const N: usize> From<[(String, u64); N]> for CommandStats {
+    fn from(calls: [(String, u64); N]) -> Self {
+        CommandStats { calls: calls.into(), cpu_us: 0 }
+    }
+}
 
 impl CommandCounter {
     pub(crate) fn new(conn: MultiplexedConnection) -> Self {
@@ -69,8 +77,6 @@ impl CommandCounter {
 
     pub(crate) async fn snapshot(&self) -> Result<CommandStats> {
         let info: String = redis::cmd("INFO").arg("commandstats").arg("cpu").query_async(&mut self.conn.clone()).await?;
-        let mut stats = dlock_testing::parse_command_stats(&info);
-        // The main thread's CPU time: what runs the commands and scripts.
         let cpu_secs: f64 = info
             .lines()
             .filter_map(|l| {
@@ -78,8 +84,7 @@ impl CommandCounter {
             })
             .filter_map(|v| v.trim().parse::<f64>().ok())
             .sum();
-        stats.insert(SERVER_CPU_US.to_owned(), (cpu_secs * 1e6) as u64);
-        Ok(stats)
+        Ok(CommandStats { calls: dlock_testing::parse_command_stats(&info), cpu_us: (cpu_secs * 1e6) as u64 })
     }
 }
 
@@ -101,16 +106,12 @@ pub(crate) struct CommandDelta {
 /// only ever issues from inside its scripts; they count as server calls, not
 /// client commands.
 pub(crate) fn command_delta(before: &CommandStats, after: &CommandStats, script_internal: &[&str]) -> CommandDelta {
-    let mut delta = CommandDelta::default();
-    for (name, &calls) in after {
-        let d = calls.saturating_sub(before.get(name).copied().unwrap_or(0));
-        if name == SERVER_CPU_US {
-            delta.server_cpu_us = d;
-            continue;
-        }
+    let mut delta = CommandDelta { server_cpu_us: after.cpu_us.saturating_sub(before.cpu_us), ..CommandDelta::default() };
+    for (name, &calls) in &after.calls {
         if name == "info" {
             continue;
         }
+        let d = calls.saturating_sub(before.calls.get(name).copied().unwrap_or(0));
         delta.server += d;
         if !script_internal.contains(&name.as_str()) {
             delta.client += d;

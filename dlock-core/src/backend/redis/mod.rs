@@ -534,7 +534,9 @@ pub fn release_channel(key: &LockKey) -> String {
     format!("{key}:released")
 }
 
-fn lease_ms(lease: Duration) -> u64 {
+/// A duration as whole milliseconds for `PX` / `PEXPIRE`, at least 1 (0 is
+/// an error there).
+pub(crate) fn lease_ms(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
