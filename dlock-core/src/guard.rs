@@ -7,15 +7,17 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::{sleep_until, Instant};
 
-use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, Release, Renewal};
+use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, Release};
 use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
+use crate::watchdog::{self, Filed, NewHold, Watchdog};
 
+/// What a guard and whoever watches it on its behalf share.
 #[derive(Debug, Clone, Copy)]
-struct GuardState {
-    valid_until: Instant,
-    lost: Option<LostReason>,
+pub(crate) struct GuardState {
+    pub(crate) valid_until: Instant,
+    pub(crate) lost: Option<LostReason>,
 }
 
 /// A held lock.
@@ -27,8 +29,8 @@ struct GuardState {
 /// * [`release`](Self::release) gives it back and says whether we still held
 ///   it. Dropping an unreleased guard releases it in the background.
 ///
-/// In watchdog mode a task renews the lease every lease/3 until the guard is
-/// released or dropped.
+/// In watchdog mode the engine's watchdog renews the lease every lease/3
+/// until the guard is released or dropped.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -51,10 +53,14 @@ pub struct LockGuard {
     owner: Owner,
     fencing_token: u64,
     watchdog: bool,
+    /// When `max_hold` stops the renewals.
+    renew_until: Option<Instant>,
     state: watch::Receiver<GuardState>,
-    /// Keeps the state channel open when no monitor task owns the sender.
-    _state_tx: Option<watch::Sender<GuardState>>,
-    stop_monitor: Option<CancellationToken>,
+    /// Keeps the state channel open for as long as the guard lives.
+    _state_tx: watch::Sender<GuardState>,
+    renewals: Option<(Watchdog, Filed)>,
+    /// Stops the task that waits for the backend's own lost signal.
+    stop_session_watch: Option<CancellationToken>,
     released: bool,
 }
 
@@ -72,40 +78,42 @@ impl std::fmt::Debug for LockGuard {
 
 impl LockGuard {
     pub(crate) fn start(
+        watchdog: &Watchdog,
         backend: Arc<dyn Backend>,
         req: AcquireRequest,
         grant: Grant,
-        watchdog: bool,
+        renewed: bool,
         max_hold: Option<Duration>,
     ) -> Self {
+        // The backend measured `valid_until` from before its request was
+        // sent: the grant is at least that old, and no clock read is needed.
+        let granted_at = grant.valid_until.checked_sub(req.lease).unwrap_or_else(Instant::now);
         let (tx, rx) = watch::channel(GuardState { valid_until: grant.valid_until, lost: None });
-        let needs_monitor = watchdog || grant.lost.is_some();
-        let (state_tx, stop_monitor) = if needs_monitor {
-            let stop = CancellationToken::new();
-            let monitor = Monitor {
-                backend: backend.clone(),
+        let renew_until = if renewed { max_hold.map(|m| granted_at + m) } else { None };
+        let renewals = renewed.then(|| {
+            let filed = watchdog.file(NewHold {
                 key: req.key.clone(),
                 owner: req.owner.clone(),
                 lease: req.lease,
-                watchdog,
-                renew_until: max_hold.map(|m| Instant::now() + m),
-                state: tx,
-                stop: stop.clone(),
-            };
-            tokio::spawn(monitor.run(grant.lost));
-            (None, Some(stop))
-        } else {
-            (Some(tx), None)
-        };
+                renew_until,
+                valid_until: grant.valid_until,
+                granted_at,
+                state: tx.clone(),
+            });
+            (watchdog.clone(), filed)
+        });
+        let stop_session_watch = grant.lost.map(|lost| watch_session(req.key.clone(), lost, tx.clone()));
         LockGuard {
             backend,
             key: req.key,
             owner: req.owner,
             fencing_token: grant.fencing_token,
-            watchdog,
+            watchdog: renewed,
+            renew_until,
             state: rx,
-            _state_tx: state_tx,
-            stop_monitor,
+            _state_tx: tx,
+            renewals,
+            stop_session_watch,
             released: false,
         }
     }
@@ -138,7 +146,7 @@ impl LockGuard {
     /// Whether the lock may no longer be ours (see [`lost`](Self::lost)).
     pub fn is_lost(&self) -> bool {
         let s = *self.state.borrow();
-        s.lost.is_some() || (!self.watchdog && Instant::now() >= s.valid_until)
+        s.lost.is_some() || Instant::now() >= s.valid_until
     }
 
     /// Resolves when the lock may no longer be ours: a renewal found the key
@@ -158,15 +166,23 @@ impl LockGuard {
             if let Some(reason) = s.lost {
                 return reason;
             }
+            // Only a renewal moves `valid_until`; if none came in time the
+            // lease is gone, whatever became of the watchdog.
             tokio::select! {
                 changed = rx.changed() => if changed.is_err() {
-                    // The monitor ended without a verdict (it only does so when
-                    // stopped); the lease is all we can still vouch for.
                     sleep_until(s.valid_until).await;
-                    return LostReason::LeaseExpired;
+                    return self.expiry_reason(s.valid_until);
                 },
-                _ = sleep_until(s.valid_until), if !self.watchdog => return LostReason::LeaseExpired,
+                _ = sleep_until(s.valid_until) => return self.expiry_reason(s.valid_until),
             }
+        }
+    }
+
+    fn expiry_reason(&self, valid_until: Instant) -> LostReason {
+        if self.watchdog {
+            watchdog::expiry_reason(self.renew_until, valid_until)
+        } else {
+            LostReason::LeaseExpired
         }
     }
 
@@ -180,18 +196,23 @@ impl LockGuard {
     pub async fn release(mut self) -> Result<bool> {
         self.released = true;
         self.stop();
-        let started = Instant::now();
+        let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
         let result = self.backend.release(&self.key, &self.owner).await;
-        let took_us = started.elapsed().as_micros() as u64;
         match &result {
-            Ok(r) => tracing::debug!(key = %self.key, outcome = ?r, took_us, "dlock.release"),
-            Err(e) => tracing::warn!(key = %self.key, error = %e, took_us, "dlock.release failed"),
+            Ok(r) => {
+                let took_us = started.map(|s| s.elapsed().as_micros() as u64);
+                tracing::debug!(key = %self.key, outcome = ?r, took_us, "dlock.release")
+            }
+            Err(e) => tracing::warn!(key = %self.key, error = %e, "dlock.release failed"),
         }
         result.map(|r| r != Release::NotHeld)
     }
 
     fn stop(&mut self) {
-        if let Some(stop) = self.stop_monitor.take() {
+        if let Some((watchdog, filed)) = self.renewals.take() {
+            watchdog.unfile(filed);
+        }
+        if let Some(stop) = self.stop_session_watch.take() {
             stop.cancel();
         }
     }
@@ -219,76 +240,24 @@ impl Drop for LockGuard {
     }
 }
 
-/// The task that renews a watchdog lease and watches the backend's own
-/// lost signal. It never outlives the guard: the guard cancels `stop` on
-/// release and on drop.
-struct Monitor {
-    backend: Arc<dyn Backend>,
-    key: LockKey,
-    owner: Owner,
-    lease: Duration,
-    watchdog: bool,
-    /// No renewal is sent at or after this instant (`max_hold`).
-    renew_until: Option<Instant>,
-    state: watch::Sender<GuardState>,
-    stop: CancellationToken,
-}
-
-impl Monitor {
-    async fn run(self, backend_lost: Option<BoxFuture<'static, LostReason>>) {
-        let backend_lost = async move {
-            match backend_lost {
-                Some(f) => f.await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::pin!(backend_lost);
-        let interval = self.lease / 3;
-        let mut next = Instant::now() + interval;
-        loop {
-            let valid_until = self.state.borrow().valid_until;
-            let renewing = self.watchdog && self.renew_until.is_none_or(|until| next < until);
-            let expiry = if self.watchdog { LostReason::MaxHoldExceeded } else { LostReason::LeaseExpired };
-            tokio::select! {
-                biased;
-                _ = self.stop.cancelled() => return,
-                reason = &mut backend_lost => return self.lose(reason),
-                _ = sleep_until(valid_until), if !renewing => return self.lose(expiry),
-                _ = sleep_until(next), if renewing => {}
-            }
-            let sent = Instant::now();
-            let renewal = tokio::select! {
-                biased;
-                _ = self.stop.cancelled() => return,
-                reason = &mut backend_lost => return self.lose(reason),
-                _ = sleep_until(valid_until) => return self.lose(LostReason::RenewalFailed),
-                r = self.backend.renew(&self.key, &self.owner, self.lease) => r,
-            };
-            match renewal {
-                Ok(Renewal::Held { valid_until }) => {
-                    tracing::trace!(key = %self.key, took_us = sent.elapsed().as_micros() as u64, "dlock.renew");
-                    // The backend measures from its own send; never extend past
-                    // what our clock can vouch for.
-                    let valid_until = valid_until.min(sent + self.lease);
-                    self.state.send_modify(|s| s.valid_until = valid_until);
-                    next = sent + interval;
-                }
-                Ok(Renewal::Lost) => return self.lose(LostReason::Stolen),
-                Err(e) => {
-                    tracing::warn!(key = %self.key, error = %e, "dlock.renew failed; retrying until the lease ends");
-                    // Retry sooner than the regular interval, but no more than
-                    // ten times per lease.
-                    next = Instant::now() + (self.lease / 10).max(Duration::from_millis(1));
-                }
-            }
+/// Waits for the backend's own lost signal (a ZooKeeper session expiring)
+/// until the guard stops it.
+fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: watch::Sender<GuardState>) -> CancellationToken {
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            biased;
+            _ = stopped.cancelled() => {}
+            reason = lost => if !stopped.is_cancelled() {
+                tracing::warn!(key = %key, %reason, "dlock.lost");
+                // The first verdict stands (the watchdog may have seen the
+                // lease end first); a later one only describes its aftermath.
+                state.send_modify(|s| {
+                    s.lost.get_or_insert(reason);
+                });
+            },
         }
-    }
-
-    fn lose(&self, reason: LostReason) {
-        if self.stop.is_cancelled() {
-            return;
-        }
-        tracing::warn!(key = %self.key, %reason, "dlock.lost");
-        self.state.send_modify(|s| s.lost = Some(reason));
-    }
+    });
+    stop
 }

@@ -28,7 +28,9 @@ const NONE_PART: &str = "%N";
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LockKey {
-    full: String,
+    // Shared: a key is cloned into the guard, the watchdog and the backend's
+    // tables for every acquire.
+    full: std::sync::Arc<str>,
 }
 
 impl LockKey {
@@ -100,7 +102,7 @@ impl KeyBuilder {
                 self.full.len()
             )));
         }
-        Ok(LockKey { full: self.full })
+        Ok(LockKey { full: self.full.into() })
     }
 }
 

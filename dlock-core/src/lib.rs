@@ -31,6 +31,7 @@ pub mod idempotency;
 mod key;
 mod locker;
 mod owner;
+mod watchdog;
 
 pub use backend::{Backend, LostReason, MemoryBackend};
 pub use config::{BackendKind, Config};

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 /// assert_eq!(a.as_str().len(), 32);
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Owner(String);
+pub struct Owner(std::sync::Arc<str>);
 
 impl Owner {
     /// A fresh owner from a CSPRNG (ChaCha12 per thread, seeded and reseeded
@@ -34,7 +34,7 @@ impl Owner {
     /// [`Error::Backend`] when the OS random source fails (it does not on any
     /// supported platform, but a lock must never fall back to weak tokens).
     pub fn random() -> Result<Self> {
-        Ok(Owner(random_hex::<16>()?))
+        Ok(Owner(random_hex::<16>()?.into()))
     }
 
     /// The token as sent to the backend.

@@ -46,7 +46,8 @@ struct State {
 #[derive(Debug, Default)]
 struct Slot {
     holder: Option<Holder>,
-    notify: Arc<Notify>,
+    /// Made by the first waiter: most keys are never waited for.
+    notify: Option<Arc<Notify>>,
     waiters: usize,
 }
 
@@ -59,6 +60,13 @@ struct Holder {
 }
 
 impl Slot {
+    /// Wakes one waiter, if anyone ever waited here.
+    fn wake_one(&self) {
+        if let Some(notify) = &self.notify {
+            notify.notify_one();
+        }
+    }
+
     /// The holder whose lease has not run out.
     fn live_holder(&mut self, now: Instant) -> Option<&mut Holder> {
         if self.holder.as_ref().is_some_and(|h| h.expires_at <= now) {
@@ -106,13 +114,13 @@ impl MemoryBackend {
         let mut state = self.state();
         let slot = state.slots.entry(key.clone()).or_default();
         slot.waiters += 1;
-        Registration { backend: self, key: key.clone(), notify: slot.notify.clone() }
+        let notify = slot.notify.get_or_insert_with(Default::default).clone();
+        Registration { backend: self, key: key.clone(), notify }
     }
 
     /// Drops the map entry of a key nobody holds or waits for, so that
     /// one-off keys do not accumulate.
-    fn forget_if_idle(state: &mut State, key: &LockKey) {
-        let now = Instant::now();
+    fn forget_if_idle(state: &mut State, key: &LockKey, now: Instant) {
         if let Some(slot) = state.slots.get_mut(key) {
             if slot.waiters == 0 && slot.live_holder(now).is_none() {
                 state.slots.remove(key);
@@ -124,26 +132,28 @@ impl MemoryBackend {
     /// `forceUnlock`). Returns whether it was held. The holder's guard sees
     /// the loss at its next renewal.
     pub fn force_unlock(&self, key: &LockKey) -> bool {
+        let now = Instant::now();
         let mut state = self.state();
         let held = match state.slots.get_mut(key) {
             Some(slot) => {
-                let held = slot.live_holder(Instant::now()).is_some();
+                let held = slot.live_holder(now).is_some();
                 slot.holder = None;
-                slot.notify.notify_one();
+                slot.wake_one();
                 held
             }
             None => false,
         };
-        Self::forget_if_idle(&mut state, key);
+        Self::forget_if_idle(&mut state, key, now);
         held
     }
 
     /// How many keys the table currently tracks (held or waited for).
     pub fn len(&self) -> usize {
+        let now = Instant::now();
         let mut state = self.state();
         let keys: Vec<LockKey> = state.slots.keys().cloned().collect();
         for k in &keys {
-            Self::forget_if_idle(&mut state, k);
+            Self::forget_if_idle(&mut state, k, now);
         }
         state.slots.len()
     }
@@ -172,7 +182,7 @@ impl Drop for Registration<'_> {
         if let Some(slot) = state.slots.get_mut(&self.key) {
             slot.waiters = slot.waiters.saturating_sub(1);
         }
-        MemoryBackend::forget_if_idle(&mut state, &self.key);
+        MemoryBackend::forget_if_idle(&mut state, &self.key, Instant::now());
     }
 }
 
@@ -229,14 +239,14 @@ impl Backend for MemoryBackend {
                 }
                 Some(h) if &h.owner == owner => {
                     slot.holder = None;
-                    slot.notify.notify_one();
+                    slot.wake_one();
                     Release::Freed
                 }
                 _ => Release::NotHeld,
             },
             None => Release::NotHeld,
         };
-        Self::forget_if_idle(&mut state, key);
+        Self::forget_if_idle(&mut state, key, now);
         Box::pin(std::future::ready(Ok(release)))
     }
 }

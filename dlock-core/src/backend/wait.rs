@@ -51,13 +51,14 @@ where
     SF: Future<Output = W>,
     W: AsRef<Notify>,
 {
-    let started = Instant::now();
     if let Attempt::Acquired(grant) = attempt(false).await? {
         return Ok(grant);
     }
     let Some(deadline) = req.deadline else {
-        return Err(contention(req, started));
+        return Err(contention(req, Instant::now()));
     };
+    // The clock is read only once there is a wait to time.
+    let started = Instant::now();
     let wakeups = subscribe().await;
     loop {
         let notified = wakeups.as_ref().notified();

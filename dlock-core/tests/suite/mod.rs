@@ -376,6 +376,58 @@ pub(crate) async fn max_hold_stops_the_watchdog<H: Harness>(h: &H) {
     assert!(next.release().await.expect("release"));
 }
 
+/// Every watchdog-mode hold of an engine is renewed by one shared task, not
+/// a task per guard: hundreds of holds stay renewed past several leases,
+/// and the runtime carries no task per hold.
+pub(crate) async fn one_watchdog_renews_every_hold<H: Harness>(h: &H) {
+    const HOLDS: u64 = 200;
+    let (a, b) = (h.client().await, h.client().await);
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let tasks_before = metrics.num_alive_tasks();
+    let mut guards = Vec::new();
+    for i in 0..HOLDS {
+        let k = a.key("many").part(i).build().expect("short key");
+        guards.push(a.acquire(&k, AcquireOptions::new()).await.expect("free key"));
+    }
+    // ZooKeeper guards also watch their session's own lost signal.
+    if a.backend_name() != "zookeeper" {
+        let extra = metrics.num_alive_tasks().saturating_sub(tasks_before);
+        assert!(extra < 5, "{extra} tasks for {HOLDS} holds");
+    }
+    tokio::time::sleep(Duration::from_millis(1_000)).await; // > 3 leases of 300 ms
+    for g in &guards {
+        assert!(!g.is_lost(), "{} renewed", g.key());
+        assert!(b.try_acquire(g.key()).await.is_err(), "{} still held", g.key());
+    }
+    for g in guards {
+        assert!(g.release().await.expect("release"));
+    }
+    assert_eq!(h.lock_keys_left().await, 0);
+}
+
+/// The shared watchdog task dies with the runtime that started it; the next
+/// hold starts a new one on its own runtime instead of never being renewed.
+pub(crate) async fn holds_outlive_the_runtime_that_started_the_watchdog<H: Harness>(h: &H) {
+    let (a, b) = (h.client().await, h.client().await);
+    let k = key(&a, "runtime-gone");
+    let (other, k2) = (a.clone(), k.clone());
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        rt.block_on(async {
+            let g = other.acquire(&k2, AcquireOptions::new()).await.expect("free key");
+            assert!(g.release().await.expect("release"));
+        });
+        // Dropping the runtime drops the watchdog task it ran.
+    })
+    .join()
+    .expect("the other runtime's thread");
+    let g = a.acquire(&k, AcquireOptions::new()).await.expect("free key");
+    tokio::time::sleep(Duration::from_millis(1_000)).await; // > 3 leases of 300 ms
+    assert!(!g.is_lost(), "renewed by a new watchdog task");
+    assert!(b.try_acquire(&k).await.is_err(), "still held");
+    assert!(g.release().await.expect("release"));
+}
+
 /// Expands one `#[tokio::test]` per suite function for a harness.
 #[macro_export]
 macro_rules! backend_suite {
@@ -397,6 +449,8 @@ macro_rules! backend_suite {
             mutual_exclusion_under_contention,
             waiters_of_one_client_are_woken_in_turn,
             max_hold_stops_the_watchdog,
+            one_watchdog_renews_every_hold,
+            holds_outlive_the_runtime_that_started_the_watchdog,
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn cancelled_acquires_leave_nothing_behind() {

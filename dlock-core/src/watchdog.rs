@@ -1,0 +1,329 @@
+//! The watchdog: one task per [`Locker`](crate::Locker) renews every lease
+//! held in watchdog mode, like Redisson's shared timer, instead of a task per
+//! guard.
+//!
+//! A guard files its hold in a schedule ordered by the instant something is
+//! due (the next renewal, or the end of the lease when no renewal may be
+//! sent). Filing and unfiling a hold is a map insert and remove under one
+//! short lock: no task spawn, no wake-up, nothing to cancel per request. The
+//! task sleeps until the earliest instant in the schedule and is woken only
+//! when a hold is filed earlier than that.
+//!
+//! Nothing here can lose a lock silently: a guard reads its own
+//! `valid_until`, which only a successful renewal moves forward, so if this
+//! task stops (its runtime shut down) the guard's lost signal still fires
+//! when the lease it can vouch for ends; the next guard filed starts a new
+//! task, which adopts every hold still filed.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::{watch, Notify};
+use tokio::time::{sleep_until, Instant};
+
+use crate::backend::{Backend, LostReason, Renewal};
+use crate::error::Result;
+use crate::guard::GuardState;
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// Renews the watchdog-mode holds of one engine. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Watchdog {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Watchdog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.shared.lock();
+        f.debug_struct("Watchdog").field("holds", &s.holds.len()).field("running", &s.running).finish()
+    }
+}
+
+struct Shared {
+    backend: Arc<dyn Backend>,
+    schedule: Mutex<Schedule>,
+    wake: Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Schedule> {
+        // A panic while holding this lock leaves the schedule consistent
+        // (every mutation is a single insert or remove), so poisoning is
+        // not a reason to stop renewing.
+        self.schedule.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[derive(Default)]
+struct Schedule {
+    holds: HashMap<u64, Hold>,
+    /// `(instant, hold id)`: when each hold next needs attention.
+    due: BTreeSet<(Instant, u64)>,
+    next_id: u64,
+    /// Whether a task serves this schedule.
+    running: bool,
+    /// When the task wakes if nothing earlier is filed.
+    sleeping_until: Option<Instant>,
+}
+
+impl Schedule {
+    fn file(&mut self, id: u64) {
+        if let Some(hold) = self.holds.get_mut(&id) {
+            hold.filed_at = hold.attention();
+            self.due.insert((hold.filed_at, id));
+        }
+    }
+
+    fn unfile(&mut self, id: u64) -> Option<Hold> {
+        let hold = self.holds.remove(&id)?;
+        self.due.remove(&(hold.filed_at, id));
+        Some(hold)
+    }
+}
+
+/// What the schedule knows of one guard.
+struct Hold {
+    key: LockKey,
+    owner: Owner,
+    lease: Duration,
+    /// No renewal is sent at or after this instant (`max_hold`).
+    renew_until: Option<Instant>,
+    valid_until: Instant,
+    next_renewal: Instant,
+    renewing: bool,
+    filed_at: Instant,
+    state: watch::Sender<GuardState>,
+}
+
+impl Hold {
+    fn may_renew(&self) -> bool {
+        self.renew_until.is_none_or(|until| self.next_renewal < until)
+    }
+
+    /// The next instant this hold needs the task: its renewal, or the end
+    /// of the lease when no renewal is coming.
+    fn attention(&self) -> Instant {
+        if self.renewing || !self.may_renew() {
+            self.valid_until
+        } else {
+            self.next_renewal.min(self.valid_until)
+        }
+    }
+
+    fn lose(self, reason: LostReason) {
+        tracing::warn!(key = %self.key, %reason, "dlock.lost");
+        self.state.send_modify(|s| {
+            // The first verdict stands: a later one only describes its aftermath.
+            s.lost.get_or_insert(reason);
+        });
+    }
+}
+
+/// Why a watchdog lease ran out: `max_hold` stopped the renewals, or they
+/// failed. The guard decides the same way from the same instants.
+pub(crate) fn expiry_reason(renew_until: Option<Instant>, valid_until: Instant) -> LostReason {
+    if renew_until.is_some_and(|until| valid_until >= until) {
+        LostReason::MaxHoldExceeded
+    } else {
+        LostReason::RenewalFailed
+    }
+}
+
+/// A hold filed with the watchdog; unfile it when the guard goes.
+#[derive(Debug)]
+pub(crate) struct Filed {
+    id: u64,
+}
+
+/// One hold to file.
+pub(crate) struct NewHold {
+    pub(crate) key: LockKey,
+    pub(crate) owner: Owner,
+    pub(crate) lease: Duration,
+    pub(crate) renew_until: Option<Instant>,
+    pub(crate) valid_until: Instant,
+    pub(crate) granted_at: Instant,
+    pub(crate) state: watch::Sender<GuardState>,
+}
+
+impl Watchdog {
+    pub(crate) fn new(backend: Arc<dyn Backend>) -> Self {
+        Watchdog {
+            shared: Arc::new(Shared { backend, schedule: Mutex::new(Schedule::default()), wake: Notify::new() }),
+        }
+    }
+
+    /// Starts renewing a hold every lease/3.
+    pub(crate) fn file(&self, new: NewHold) -> Filed {
+        let hold = Hold {
+            next_renewal: new.granted_at + new.lease / 3,
+            key: new.key,
+            owner: new.owner,
+            lease: new.lease,
+            renew_until: new.renew_until,
+            valid_until: new.valid_until,
+            renewing: false,
+            filed_at: new.valid_until,
+            state: new.state,
+        };
+        let (id, start, wake) = {
+            let mut s = self.shared.lock();
+            let id = s.next_id;
+            s.next_id += 1;
+            s.holds.insert(id, hold);
+            s.file(id);
+            let at = s.holds.get(&id).map(|h| h.filed_at);
+            let start = !s.running;
+            s.running = true;
+            // No deadline: the task sleeps until woken.
+            let wake = !start && at.is_some_and(|at| s.sleeping_until.is_none_or(|until| at < until));
+            (id, start, wake)
+        };
+        if start {
+            self.start();
+        } else if wake {
+            self.shared.wake.notify_one();
+        }
+        Filed { id }
+    }
+
+    /// Stops renewing a hold. A renewal already sent completes, and its
+    /// answer is ignored.
+    pub(crate) fn unfile(&self, filed: Filed) {
+        self.shared.lock().unfile(filed.id);
+    }
+
+    fn start(&self) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                // `Serving` is made here, not in the task: a task dropped
+                // before its first poll must still mark the schedule unserved.
+                runtime.spawn(run(Serving { shared: self.shared.clone(), done: false }));
+            }
+            Err(_) => {
+                self.shared.lock().running = false;
+                tracing::warn!("dlock: lock taken outside a tokio runtime; its lease is not renewed");
+            }
+        }
+    }
+}
+
+/// Marks the schedule unserved when the task ends for any reason, including
+/// its runtime shutting down, so the next hold filed starts a new one.
+struct Serving {
+    shared: Arc<Shared>,
+    /// Set when the task ended on its own and already said so under the
+    /// schedule's lock (a new task may be serving by the time this drops).
+    done: bool,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut s = self.shared.lock();
+            s.running = false;
+            s.sleeping_until = None;
+        }
+    }
+}
+
+type RenewalResult = (u64, Instant, Result<Renewal>);
+
+async fn run(mut serving: Serving) {
+    let shared = serving.shared.clone();
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        let now = Instant::now();
+        let mut to_send = Vec::new();
+        let deadline = {
+            let mut s = shared.lock();
+            while let Some(&(at, id)) = s.due.first() {
+                if at > now {
+                    break;
+                }
+                s.due.pop_first();
+                let Some(hold) = s.holds.get_mut(&id) else { continue };
+                if now >= hold.valid_until {
+                    let reason = if hold.renewing {
+                        LostReason::RenewalFailed
+                    } else {
+                        expiry_reason(hold.renew_until, hold.valid_until)
+                    };
+                    if let Some(hold) = s.holds.remove(&id) {
+                        hold.lose(reason);
+                    }
+                    continue;
+                }
+                // Due and still valid: the renewal is due (or a stale entry
+                // of a hold filed again, which `file` puts back in place).
+                if !hold.renewing && hold.may_renew() && now >= hold.next_renewal {
+                    hold.renewing = true;
+                    to_send.push((id, hold.key.clone(), hold.owner.clone(), hold.lease));
+                }
+                s.file(id);
+            }
+            if s.holds.is_empty() && in_flight.is_empty() && to_send.is_empty() {
+                // Under the lock, so a hold filed from now on starts a task.
+                s.running = false;
+                s.sleeping_until = None;
+                serving.done = true;
+                return;
+            }
+            let deadline = s.due.first().map(|&(at, _)| at);
+            s.sleeping_until = deadline;
+            deadline
+        };
+        for (id, key, owner, lease) in to_send {
+            let backend = shared.backend.clone();
+            in_flight.push(async move {
+                let sent = Instant::now();
+                let result = backend.renew(&key, &owner, lease).await;
+                (id, sent, result)
+            });
+        }
+        // Without a deadline only an answer or a newly filed hold can matter.
+        let sleep = sleep_until(deadline.unwrap_or_else(|| now + Duration::from_secs(3600)));
+        tokio::select! {
+            biased;
+            Some(answer) = in_flight.next(), if !in_flight.is_empty() => settle(&shared, answer),
+            _ = shared.wake.notified() => {}
+            _ = sleep => {}
+        }
+    }
+}
+
+/// Applies a renewal's answer to its hold, if the guard still has it.
+fn settle(shared: &Shared, (id, sent, result): RenewalResult) {
+    let mut s = shared.lock();
+    let Some(hold) = s.holds.get_mut(&id) else { return };
+    hold.renewing = false;
+    match result {
+        Ok(Renewal::Held { valid_until }) => {
+            tracing::trace!(key = %hold.key, took_us = sent.elapsed().as_micros() as u64, "dlock.renew");
+            // The backend measures from its own send; never extend past what
+            // our clock can vouch for.
+            let valid_until = valid_until.min(sent + hold.lease);
+            hold.valid_until = valid_until;
+            hold.next_renewal = sent + hold.lease / 3;
+            hold.state.send_modify(|st| st.valid_until = valid_until);
+        }
+        Ok(Renewal::Lost) => {
+            if let Some(hold) = s.unfile(id) {
+                hold.lose(LostReason::Stolen);
+            }
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(key = %hold.key, error = %e, "dlock.renew failed; retrying until the lease ends");
+            // Sooner than the regular interval, but no more than ten times
+            // per lease.
+            hold.next_renewal = Instant::now() + (hold.lease / 10).max(Duration::from_millis(1));
+        }
+    }
+    let filed_at = hold.filed_at;
+    s.due.remove(&(filed_at, id));
+    s.file(id);
+}
