@@ -14,10 +14,12 @@
 mod announce;
 mod ensemble;
 mod proxy;
+mod zk_proxy;
 
 pub use announce::announced_address;
 pub use ensemble::ZooKeeperEnsemble;
 pub use proxy::FaultProxy;
+pub use zk_proxy::{ZooKeeperProxy, CREATE_OP_CODES};
 
 use std::collections::HashMap;
 use std::net::TcpListener;
