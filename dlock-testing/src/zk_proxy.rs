@@ -11,7 +11,7 @@
 //! `ReplyHeader { xid: i32, zxid: i64, err: i32 }` (xid -1 is a watch
 //! notification, -2 a ping).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,6 +24,21 @@ use std::time::Duration;
 /// `createTTL` (21). `multi` (14) is not inspected.
 pub const CREATE_OP_CODES: [i32; 4] = [1, 15, 19, 21];
 
+/// ZooKeeper's `createContainer` request type (19), the create of a lock's
+/// parent node, for [`ZooKeeperProxy::drop_replies`].
+pub const CREATE_CONTAINER: i32 = 19;
+
+/// How the proxy ends a connection whose reply it swallowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hangup {
+    /// An orderly close (FIN) both ways: the client reads end-of-stream.
+    Close,
+    /// A reset (RST, `SO_LINGER` 0) towards the client, which reads
+    /// `ECONNRESET`, the way a crashed middlebox or server looks; the
+    /// server side is closed.
+    Reset,
+}
+
 /// Frames longer than this end the connection: ZooKeeper's own limit
 /// (`jute.maxbuffer`) is 1 MiB by default, so a bigger length means the
 /// stream is out of step, not that a big record is coming.
@@ -35,7 +50,8 @@ const MAX_FRAME: usize = 16 << 20;
 /// when its reply comes back the proxy swallows it and closes both sides of
 /// that connection. The client sees `ConnectionLoss` for a create that
 /// happened, reconnects through the proxy and resumes the same session.
-/// Stops on drop.
+/// [`ZooKeeperProxy::drop_replies`] picks the request types and whether the
+/// connection is closed or reset ([`Hangup`]). Stops on drop.
 ///
 /// ```no_run
 /// let zk = dlock_testing::ZooKeeperServer::start();
@@ -43,7 +59,9 @@ const MAX_FRAME: usize = 16 << 20;
 /// let connect = format!("127.0.0.1:{}", proxy.port()); // give this to the client under test
 /// proxy.drop_create_replies(1);
 /// // … the client creates a node: it exists, but the client got ConnectionLoss …
-/// assert!(proxy.dropped_replies() <= 1);
+/// // Or lose the reply of the next create of a container node, with a reset:
+/// proxy.drop_replies(&[dlock_testing::CREATE_CONTAINER], 1, dlock_testing::Hangup::Reset);
+/// println!("{} replies lost", proxy.dropped_replies());
 /// ```
 #[derive(Debug)]
 pub struct ZooKeeperProxy {
@@ -54,9 +72,11 @@ pub struct ZooKeeperProxy {
 #[derive(Debug, Default)]
 struct Shared {
     stopped: AtomicBool,
-    /// How many more create replies to lose.
-    armed: AtomicU64,
+    /// Which replies to lose, first match wins.
+    arms: Mutex<Vec<Arm>>,
     dropped: AtomicU64,
+    /// Lost replies by request type.
+    dropped_by_op: Mutex<HashMap<i32, u64>>,
     dropped_created: AtomicU64,
     creates: AtomicU64,
     connections: AtomicU64,
@@ -69,27 +89,53 @@ impl Shared {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes one drop from the armed count, if any is left.
-    fn take_drop(&self) -> bool {
-        self.armed.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+    fn arms(&self) -> MutexGuard<'_, Vec<Arm>> {
+        self.arms.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn close(&self, id: u64) {
-        if let Some(pair) = self.live().remove(&id) {
-            for s in pair {
-                let _ = s.shutdown(Shutdown::Both);
+    /// Takes one drop for a request of type `op`, if one is armed.
+    fn take_drop(&self, op: i32) -> Option<Hangup> {
+        let mut arms = self.arms();
+        let arm = arms.iter_mut().find(|a| a.left > 0 && a.ops.contains(&op))?;
+        arm.left -= 1;
+        let how = arm.how;
+        arms.retain(|a| a.left > 0);
+        Some(how)
+    }
+
+    fn close(&self, id: u64, how: Hangup) {
+        let Some([client, server]) = self.live().remove(&id) else { return };
+        let _ = server.shutdown(Shutdown::Both);
+        match how {
+            Hangup::Close => {
+                let _ = client.shutdown(Shutdown::Both);
+            }
+            Hangup::Reset => {
+                // With linger 0 the last close of the socket sends RST. A
+                // read shutdown sends nothing but wakes our own reader of
+                // this socket, whose exit closes the last descriptor.
+                let _ = socket2::SockRef::from(&client).set_linger(Some(Duration::ZERO));
+                let _ = client.shutdown(Shutdown::Read);
             }
         }
     }
 }
 
-/// One connection's state shared by its two directions: the xids of the
-/// creates whose replies are to be lost.
+/// Replies to lose: the next `left` requests whose type is in `ops`.
+#[derive(Debug)]
+struct Arm {
+    ops: Vec<i32>,
+    left: u64,
+    how: Hangup,
+}
+
+/// One connection's state shared by its two directions: the requests
+/// whose replies are to be lost, by xid, with their type.
 #[derive(Debug, Default)]
-struct Doomed(Mutex<HashSet<i32>>);
+struct Doomed(Mutex<HashMap<i32, (i32, Hangup)>>);
 
 impl Doomed {
-    fn set(&self) -> MutexGuard<'_, HashSet<i32>> {
+    fn map(&self) -> MutexGuard<'_, HashMap<i32, (i32, Hangup)>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -136,19 +182,34 @@ impl ZooKeeperProxy {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Loses the replies of the next `n` creates (added to any still armed).
+    /// Loses the replies of the next `n` creates of any kind
+    /// ([`CREATE_OP_CODES`]), closing the connection each time.
     pub fn drop_create_replies(&self, n: u64) {
-        self.shared.armed.fetch_add(n, Ordering::SeqCst);
+        self.drop_replies(&CREATE_OP_CODES, n, Hangup::Close);
+    }
+
+    /// Loses the replies of the next `n` requests whose type is in `ops`
+    /// and ends their connection as `how` says. Arms are used in the order
+    /// they were set.
+    pub fn drop_replies(&self, ops: &[i32], n: u64, how: Hangup) {
+        if n > 0 {
+            self.shared.arms().push(Arm { ops: ops.to_vec(), left: n, how });
+        }
     }
 
     /// Stops losing replies; returns how many drops were still armed.
     pub fn disarm(&self) -> u64 {
-        self.shared.armed.swap(0, Ordering::SeqCst)
+        self.shared.arms().drain(..).map(|a| a.left).sum()
     }
 
-    /// Create replies lost so far.
+    /// Replies lost so far.
     pub fn dropped_replies(&self) -> u64 {
         self.shared.dropped.load(Ordering::SeqCst)
+    }
+
+    /// Replies lost so far to requests of type `op`.
+    pub fn dropped_replies_of(&self, op: i32) -> u64 {
+        self.shared.dropped_by_op.lock().unwrap_or_else(|p| p.into_inner()).get(&op).copied().unwrap_or(0)
     }
 
     /// Of [`ZooKeeperProxy::dropped_replies`], those that reported success:
@@ -174,7 +235,7 @@ impl Drop for ZooKeeperProxy {
         self.shared.stopped.store(true, Ordering::SeqCst);
         let ids: Vec<u64> = self.shared.live().keys().copied().collect();
         for id in ids {
-            self.shared.close(id);
+            self.shared.close(id, Hangup::Close);
         }
         // Wake the accept loop so its thread sees `stopped` and ends.
         let _ = TcpStream::connect(("127.0.0.1", self.port));
@@ -190,12 +251,12 @@ fn serve(shared: &Arc<Shared>, id: u64, client: TcpStream, server: TcpStream) ->
     let (sh, dm) = (shared.clone(), doomed.clone());
     std::thread::spawn(move || {
         let _ = requests(&sh, &dm, client, server);
-        sh.close(id);
+        sh.close(id, Hangup::Close);
     });
     let sh = shared.clone();
     std::thread::spawn(move || {
-        let _ = replies(&sh, &doomed, s2, c2);
-        sh.close(id);
+        let how = replies(&sh, &doomed, s2, c2).unwrap_or(Hangup::Close);
+        sh.close(id, how);
     });
     Ok(())
 }
@@ -230,10 +291,13 @@ fn requests(shared: &Shared, doomed: &Doomed, mut client: TcpStream, mut server:
         if let (Some(xid), Some(op)) = (be_i32(&frame, 4), be_i32(&frame, 8)) {
             if CREATE_OP_CODES.contains(&op) {
                 shared.creates.fetch_add(1, Ordering::SeqCst);
-                // Marked before the request leaves, so its reply cannot
-                // overtake the mark.
-                if shared.take_drop() {
-                    doomed.set().insert(xid);
+            }
+            // Marked before the request leaves, so its reply cannot
+            // overtake the mark. Pings and watch resets (negative xids)
+            // are never lost.
+            if xid >= 0 {
+                if let Some(how) = shared.take_drop(op) {
+                    doomed.map().insert(xid, (op, how));
                 }
             }
         }
@@ -242,8 +306,8 @@ fn requests(shared: &Shared, doomed: &Doomed, mut client: TcpStream, mut server:
 }
 
 /// Server to client: forwards every frame except the reply of a doomed
-/// create, which ends the connection instead.
-fn replies(shared: &Shared, doomed: &Doomed, mut server: TcpStream, mut client: TcpStream) -> io::Result<()> {
+/// request, which ends the connection instead, as the returned hang-up says.
+fn replies(shared: &Shared, doomed: &Doomed, mut server: TcpStream, mut client: TcpStream) -> io::Result<Hangup> {
     let mut frame = Vec::with_capacity(1024);
     // The ConnectResponse has no ReplyHeader.
     read_frame(&mut server, &mut frame)?;
@@ -251,12 +315,14 @@ fn replies(shared: &Shared, doomed: &Doomed, mut server: TcpStream, mut client: 
     loop {
         read_frame(&mut server, &mut frame)?;
         if let Some(xid) = be_i32(&frame, 4) {
-            if xid >= 0 && doomed.set().remove(&xid) {
+            let lost = if xid >= 0 { doomed.map().remove(&xid) } else { None };
+            if let Some((op, how)) = lost {
                 shared.dropped.fetch_add(1, Ordering::SeqCst);
-                if be_i32(&frame, 16) == Some(0) {
+                *shared.dropped_by_op.lock().unwrap_or_else(|p| p.into_inner()).entry(op).or_default() += 1;
+                if CREATE_OP_CODES.contains(&op) && be_i32(&frame, 16) == Some(0) {
                     shared.dropped_created.fetch_add(1, Ordering::SeqCst);
                 }
-                return Ok(());
+                return Ok(how);
             }
         }
         client.write_all(&frame)?;
@@ -294,12 +360,16 @@ mod tests {
     }
 
     #[test]
-    fn arming_is_counted_down() {
+    fn arms_are_counted_down_in_order_and_by_type() {
         let shared = Shared::default();
-        assert!(!shared.take_drop());
-        shared.armed.store(2, Ordering::SeqCst);
-        assert!(shared.take_drop());
-        assert!(shared.take_drop());
-        assert!(!shared.take_drop());
+        assert_eq!(shared.take_drop(15), None);
+        shared.arms().push(Arm { ops: vec![CREATE_CONTAINER], left: 1, how: Hangup::Reset });
+        shared.arms().push(Arm { ops: CREATE_OP_CODES.to_vec(), left: 2, how: Hangup::Close });
+        assert_eq!(shared.take_drop(8), None, "getChildren2 is not armed");
+        assert_eq!(shared.take_drop(15), Some(Hangup::Close));
+        assert_eq!(shared.take_drop(CREATE_CONTAINER), Some(Hangup::Reset), "the first matching arm wins");
+        assert_eq!(shared.take_drop(CREATE_CONTAINER), Some(Hangup::Close));
+        assert_eq!(shared.take_drop(15), None, "all used");
+        assert!(shared.arms().is_empty());
     }
 }
