@@ -109,6 +109,31 @@ fn zk_error(e: zk::Error) -> Error {
     Error::Backend { backend: "zookeeper", message: format!("ZooKeeper request failed: {e}"), source: Some(Box::new(e)) }
 }
 
+/// Whether an error is the server's answer to the request, as opposed to
+/// a lost connection or timeout after which the request may or may not
+/// have been applied.
+fn answered(e: &zk::Error) -> bool {
+    matches!(
+        e,
+        zk::Error::NoNode
+            | zk::Error::NodeExists
+            | zk::Error::NoAuth
+            | zk::Error::BadVersion
+            | zk::Error::NoChildrenForEphemerals
+            | zk::Error::NotEmpty
+            | zk::Error::InvalidAcl
+            | zk::Error::BadArguments(_)
+            | zk::Error::Unimplemented
+            | zk::Error::QuotaExceeded
+            | zk::Error::NotReadOnly
+            // The session is over: an ephemeral node it made is gone too.
+            | zk::Error::SessionExpired
+            | zk::Error::SessionMoved
+            | zk::Error::AuthFailed
+            | zk::Error::ClientClosed
+    )
+}
+
 impl ZooKeeperBackend {
     /// Connects with the default session timeout (10 s).
     ///
@@ -235,10 +260,19 @@ impl ZooKeeperBackend {
 
     /// Creates our sequential node, creating the lock's container node on
     /// the way. Returns the node's path and its creation zxid.
+    ///
+    /// A create whose reply is lost may still have happened (ZOOKEEPER-1262):
+    /// every failure that is not the server's own answer is followed by a
+    /// look for our node, found by the random prefix only we use, before
+    /// trying again. Giving up without that look would leave a node that
+    /// sorts ahead of every later contender for as long as our session
+    /// lives, and the session survives the reconnect.
     async fn create_node(client: &zk::Client, dir: &str) -> Result<(String, u64)> {
-        let name = format!("{dir}/_c_{}{LOCK_NAME}", random_hex::<16>()?);
+        let prefix = format!("_c_{}{LOCK_NAME}", random_hex::<16>()?);
+        let name = format!("{dir}/{prefix}");
         let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
         let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        let mut last = None;
         for _ in 0..8 {
             match client.create(&name, &[], &ephemeral).await {
                 Ok((stat, sequence)) => {
@@ -247,23 +281,56 @@ impl ZooKeeperBackend {
                 // The container is missing, or was just reaped: make it again.
                 Err(zk::Error::NoNode) => match client.mkdir(dir, &container).await {
                     Ok(()) | Err(zk::Error::NodeExists) => continue,
+                    // Made or not, the next create tells.
+                    Err(e) if !answered(&e) => last = Some(e),
                     Err(e) => return Err(zk_error(e)),
                 },
-                Err(zk::Error::ConnectionLoss) => {
-                    // The create may have happened: look for our unique name
-                    // (ZOOKEEPER-1262) before trying again.
-                    let children = client.list_children(dir).await.map_err(zk_error)?;
-                    let base = name.rsplit('/').next().unwrap_or_default();
-                    if let Some(child) = children.iter().find(|c| c.starts_with(base)) {
-                        let path = format!("{dir}/{child}");
-                        let (_, stat) = client.get_data(&path).await.map_err(zk_error)?;
-                        return Ok((path, u64::try_from(stat.czxid).unwrap_or(0)));
+                Err(e) if !answered(&e) => {
+                    tracing::debug!(error = %e, dir, "create's outcome unknown; looking for our node");
+                    if let Some(found) = Self::find_node(client, dir, &prefix).await? {
+                        return Ok(found);
                     }
+                    last = Some(e);
                 }
                 Err(e) => return Err(zk_error(e)),
             }
         }
-        Err(Error::backend("zookeeper", format!("could not create a lock node under `{dir}`")))
+        Err(last.map_or_else(|| Error::backend("zookeeper", format!("could not create a lock node under `{dir}`")), zk_error))
+    }
+
+    /// Our node under `dir`, by the prefix only we use, with its creation
+    /// zxid; `None` when the server never made it.
+    async fn find_node(client: &zk::Client, dir: &str, prefix: &str) -> Result<Option<(String, u64)>> {
+        let mut last = None;
+        for attempt in 0..6 {
+            if attempt > 0 {
+                // The client is reconnecting; a request sent now waits for it.
+                tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
+            }
+            let children = match client.list_children(dir).await {
+                Ok(children) => children,
+                // No lock node, so no node of ours in it.
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(e) if !answered(&e) => {
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(zk_error(e)),
+            };
+            let Some(child) = children.iter().find(|c| c.starts_with(prefix)) else { return Ok(None) };
+            let path = format!("{dir}/{child}");
+            match client.check_stat(&path).await {
+                Ok(Some(stat)) => return Ok(Some((path, u64::try_from(stat.czxid).unwrap_or(0)))),
+                // Ours, yet gone: only the session's end deletes it, and
+                // the next create will say so.
+                Ok(None) => return Ok(None),
+                Err(e) if !answered(&e) => last = Some(e),
+                Err(e) => return Err(zk_error(e)),
+            }
+        }
+        let e = last.map_or_else(|| Error::backend("zookeeper", "lookup failed"), zk_error);
+        tracing::warn!(error = %e, dir, prefix, "cannot tell whether a lost create made our node; it goes with the session");
+        Err(e)
     }
 
     /// Deletes our node (only ours: the path is unique to this contender),
