@@ -335,18 +335,18 @@ impl ZooKeeperBackend {
 
     /// Deletes our node (only ours: the path is unique to this contender),
     /// retrying transient failures, then the lock's node if it is empty.
+    /// Returns whether the node was ours until this delete.
+    ///
+    /// A delete whose reply was lost may have happened; the retry then finds
+    /// no node, which means our own delete went through, not that the lock
+    /// had been lost already.
     async fn delete_node(client: &zk::Client, node: &str) -> Result<bool> {
         let mut last = None;
+        let mut maybe_deleted = false;
         for attempt in 0..3 {
-            match client.delete(node, None).await {
-                Ok(()) => {
-                    if let Some((dir, _)) = node.rsplit_once('/') {
-                        // Fails harmlessly when another contender is inside.
-                        let _ = client.delete(dir, None).await;
-                    }
-                    return Ok(true);
-                }
-                Err(zk::Error::NoNode) => return Ok(false),
+            let deleted = match client.delete(node, None).await {
+                Ok(()) => true,
+                Err(zk::Error::NoNode) => maybe_deleted,
                 Err(e @ (zk::Error::SessionExpired | zk::Error::ClientClosed)) => {
                     // The node died with the session.
                     tracing::debug!(error = %e, node, "lock node went with the session");
@@ -354,10 +354,19 @@ impl ZooKeeperBackend {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, node, attempt, "deleting a lock node failed; retrying");
+                    maybe_deleted |= !answered(&e);
                     last = Some(e);
                     tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                    continue;
+                }
+            };
+            if deleted {
+                if let Some((dir, _)) = node.rsplit_once('/') {
+                    // Fails harmlessly when another contender is inside.
+                    let _ = client.delete(dir, None).await;
                 }
             }
+            return Ok(deleted);
         }
         Err(last.map_or_else(|| Error::backend("zookeeper", "delete failed"), zk_error))
     }
