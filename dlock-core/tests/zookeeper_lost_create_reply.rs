@@ -7,10 +7,12 @@
 //! replies, on a real ZooKeeper. Half of the lost replies end the
 //! connection with a close (the client reads end-of-stream) and half with a
 //! reset (`ECONNRESET`); each contender also loses the reply of one create
-//! of the lock's container node.
+//! of the lock's container node. Every third release loses the reply of its
+//! delete, which must still count as freeing the lock.
 //!
 //! `DLOCK_T8D_DROPS` sets how many successful creates lose their reply
-//! (default 50; the long arm is 200 or 500).
+//! (default 200, a few seconds; the research plan's CI size is 50, its long
+//! arm 500).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,12 +20,12 @@ use std::time::Duration;
 
 use dlock_core::backend::zookeeper::ZooKeeperBackend;
 use dlock_core::{AcquireOptions, Backend, Locker, LockerOptions};
-use dlock_testing::{Hangup, ZooKeeperProxy, ZooKeeperServer, CREATE_CONTAINER, CREATE_OP_CODES};
+use dlock_testing::{Hangup, ZooKeeperProxy, ZooKeeperServer, CREATE_CONTAINER, CREATE_OP_CODES, DELETE};
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
 const CONTENDERS: usize = 4;
-const DEFAULT_DROPS: u64 = 50;
+const DEFAULT_DROPS: u64 = 200;
 /// Every acquisition must end well within this (a deadlock shows as a
 /// `Timeout` error, a hang as the outer timeout).
 const WAIT: Duration = Duration::from_secs(20);
@@ -115,7 +117,11 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
                 record.counter.store(seen + 1, Ordering::SeqCst);
                 record.acquisitions.fetch_add(1, Ordering::SeqCst);
                 record.inside.fetch_sub(1, Ordering::SeqCst);
-                assert!(guard.release().await.expect("release"), "contender {c}: the lock was lost while held");
+                if (round + c as u64).is_multiple_of(3) {
+                    proxies[c].drop_replies(&[DELETE], 1, hangup(round / 3));
+                }
+                let freed = guard.release().await.unwrap_or_else(|e| panic!("contender {c}: release failed in round {round}: {e}"));
+                assert!(freed, "contender {c}: release in round {round} says the lock was no longer held");
             }
             proxies[c].disarm();
         }));
@@ -139,11 +145,12 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
     let dropped: u64 = proxies.iter().map(ZooKeeperProxy::dropped_replies).sum();
     let dropped_ok = dropped_successful(&proxies);
     let dropped_containers: u64 = proxies.iter().map(|p| p.dropped_replies_of(CREATE_CONTAINER)).sum();
+    let dropped_deletes: u64 = proxies.iter().map(|p| p.dropped_replies_of(DELETE)).sum();
     let reconnects: u64 = proxies.iter().map(|p| p.connections().saturating_sub(1)).sum();
     let fences = record.fences.lock().expect("fences").clone();
     eprintln!(
-        "T8d: {acquisitions} acquisitions by {CONTENDERS} contenders in {elapsed:?}; create replies lost: {dropped} \
-         ({dropped_ok} of created lock nodes, {dropped_containers} of container creates); reconnects {reconnects}; overlaps {}; counter {counter}; \
+        "T8d: {acquisitions} acquisitions by {CONTENDERS} contenders in {elapsed:?}; replies lost: {dropped} \
+         ({dropped_ok} of created lock nodes, {dropped_containers} of container creates, {dropped_deletes} of deletes); reconnects {reconnects}; overlaps {}; counter {counter}; \
          orphans {}; longest wait {} ms",
         record.overlaps.load(Ordering::SeqCst),
         orphans.len(),
@@ -152,6 +159,7 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
 
     assert!(dropped_ok >= target, "only {dropped_ok} successful creates lost their reply, wanted {target}");
     assert!(dropped_containers >= 1, "no container create lost its reply");
+    assert!(dropped_deletes >= 1, "no delete lost its reply");
     assert!(reconnects >= dropped, "each lost reply closes the connection: {reconnects} reconnects for {dropped} drops");
     let after: Vec<_> = backends.iter().map(|b| b.session_info().id().0).collect();
     assert_eq!(after, sessions, "the clients resumed their sessions; none expired");

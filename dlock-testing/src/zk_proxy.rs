@@ -28,6 +28,10 @@ pub const CREATE_OP_CODES: [i32; 4] = [1, 15, 19, 21];
 /// parent node, for [`ZooKeeperProxy::drop_replies`].
 pub const CREATE_CONTAINER: i32 = 19;
 
+/// ZooKeeper's `delete` request type (2), for
+/// [`ZooKeeperProxy::drop_replies`].
+pub const DELETE: i32 = 2;
+
 /// How the proxy ends a connection whose reply it swallowed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Hangup {
