@@ -287,10 +287,14 @@ impl ZooKeeperBackend {
                 },
                 Err(e) if !answered(&e) => {
                     tracing::debug!(error = %e, dir, "create's outcome unknown; looking for our node");
-                    if let Some(found) = Self::find_node(client, dir, &prefix).await? {
-                        return Ok(found);
+                    match Self::find_node(client, dir, &prefix).await {
+                        Ok(Some(found)) => return Ok(found),
+                        Ok(None) => last = Some(e),
+                        Err(lookup) => {
+                            tokio::spawn(sweep(client.clone(), dir.to_owned(), prefix));
+                            return Err(lookup);
+                        }
                     }
-                    last = Some(e);
                 }
                 Err(e) => return Err(zk_error(e)),
             }
@@ -539,6 +543,35 @@ async fn expire(client: zk::Client, holds: Holds, id: (LockKey, Owner), node: St
     }
 }
 
+/// Deletes, in the background, our node under `dir` whose name starts with
+/// `name`, when we could neither find it again after a lost reply nor
+/// delete it after giving up our place. Nobody else would: it would sort
+/// ahead of every later contender for as long as our session lives, and the
+/// session outlives reconnects. Ends when the node is deleted or not there,
+/// or the session is over.
+async fn sweep(client: zk::Client, dir: String, name: String) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+        let children = match client.list_children(&dir).await {
+            Ok(children) => children,
+            Err(zk::Error::NoNode) => return,
+            Err(e) if answered(&e) => {
+                tracing::warn!(error = %e, dir, name, "giving up on a possible orphan lock node");
+                return;
+            }
+            Err(_) => continue,
+        };
+        let Some(child) = children.iter().find(|c| c.starts_with(&name)) else { return };
+        let node = format!("{dir}/{child}");
+        if ZooKeeperBackend::delete_node(&client, &node).await.is_ok() {
+            tracing::info!(node, "deleted an orphan lock node");
+            return;
+        }
+    }
+}
+
 /// The sequence suffix of a node name, for ordering.
 fn sequence_of(name: &str) -> u64 {
     name.rsplit(LOCK_NAME).next().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX)
@@ -572,7 +605,9 @@ impl Backend for ZooKeeperBackend {
             if let Err(e) = Self::wait_turn(client, req, &dir, &node, cancel).await {
                 // Leave no node behind: a timeout, a cancel or an error gives up our place.
                 if let Err(del) = Self::delete_node(client, &node).await {
-                    tracing::warn!(error = %del, node, "could not delete an abandoned lock node; it goes with the session");
+                    tracing::warn!(error = %del, node, "could not delete an abandoned lock node yet; retrying in the background");
+                    let name = node.rsplit('/').next().unwrap_or_default().to_owned();
+                    tokio::spawn(sweep(client.clone(), dir.clone(), name));
                 }
                 return Err(e);
             }
