@@ -169,3 +169,60 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
     assert!(fences.windows(2).all(|w| w[0] < w[1]), "fencing tokens must grow with every grant: {fences:?}");
     drop(lockers);
 }
+
+/// The create's reply is lost and so are the replies of every look for the
+/// node that follows, so the acquire cannot tell whether it made one and
+/// fails. The node it did make must not stay: it would sort first and
+/// block every other contender for as long as the session lives, and the
+/// session survives the reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_be_found_again_is_swept_up() {
+    const GET_CHILDREN: i32 = 8;
+    let server = ZooKeeperServer::start();
+    let proxy = ZooKeeperProxy::start(server.port());
+    let unlucky = Arc::new(
+        ZooKeeperBackend::connect_with(&proxy.connect_string(), "dlock", Duration::from_secs(10))
+            .await
+            .expect("connect through the proxy"),
+    );
+    let session = unlucky.session_info().id().0;
+    let other = ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", Duration::from_secs(10))
+        .await
+        .expect("connect");
+    let (unlucky_locker, other) = (
+        Locker::with_options(unlucky.clone() as Arc<dyn Backend>, LockerOptions::default()).expect("locker"),
+        Locker::with_options(Arc::new(other) as Arc<dyn Backend>, LockerOptions::default()).expect("locker"),
+    );
+    let key = other.key("t8d").part("sweep").build().expect("key");
+    let dir = unlucky.lock_path(&key);
+
+    // The lock's node exists, so the create makes our node at once.
+    let first = other.acquire(&key, AcquireOptions::new()).await.expect("free");
+    proxy.drop_create_replies(1);
+    proxy.drop_replies(&[GET_CHILDREN], 6, Hangup::Reset);
+    let err = unlucky_locker
+        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(5)))
+        .await
+        .expect_err("the lookups all fail");
+    eprintln!("acquire after a lost create and lost lookups: {err}");
+    assert_eq!(proxy.dropped_successful_creates(), 1, "the node was made and its reply lost");
+    assert_eq!(proxy.dropped_replies_of(GET_CHILDREN), 6);
+    first.release().await.expect("release");
+
+    // Without the sweep, the orphan sorts first and this waits it out.
+    let started = Instant::now();
+    let g = other
+        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(15)))
+        .await
+        .expect("the orphan is swept up and the lock granted");
+    eprintln!("granted {:?} after the release", started.elapsed());
+    g.release().await.expect("release");
+    let raw = zk::Client::connect(&server.connect_string()).await.expect("plain client");
+    let left = match raw.list_children(&dir).await {
+        Ok(children) => children,
+        Err(zk::Error::NoNode) => Vec::new(),
+        Err(e) => panic!("list {dir}: {e}"),
+    };
+    assert!(left.is_empty(), "nodes left: {left:?}");
+    assert_eq!(unlucky.session_info().id().0, session, "the session survived, so only the sweep removed the node");
+}
