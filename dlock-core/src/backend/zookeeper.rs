@@ -17,6 +17,12 @@
 //!   re-created (a per-parent sequence number would restart at 0).
 //! * Release deletes only our own node, retrying a failed delete; the lock's
 //!   node is removed when it is empty, so one-off keys do not pile up.
+//! * A reply lost with the connection (ZOOKEEPER-1262) leaves the outcome
+//!   unknown. After a create, we look for our node by its random prefix
+//!   (Curator's protection mode); a node we can neither find nor delete is
+//!   swept up by a background task, since no one else would delete it while
+//!   our session, which survives reconnects, lives. A delete whose retry
+//!   finds nothing had gone through.
 //! * Re-entry is counted in process (as Curator does): an owner that holds a
 //!   key gets the same node and token again.
 //! * Leases are honoured as on the other backends: a hold that is neither
