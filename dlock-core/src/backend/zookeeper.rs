@@ -563,8 +563,13 @@ async fn sweep(client: zk::Client, dir: String, name: String) {
         let children = match client.list_children(&dir).await {
             Ok(children) => children,
             Err(zk::Error::NoNode) => return,
+            Err(e @ (zk::Error::SessionExpired | zk::Error::SessionMoved | zk::Error::ClientClosed | zk::Error::AuthFailed)) => {
+                // An ephemeral node goes with its session.
+                tracing::debug!(error = %e, dir, name, "session over; no orphan left to sweep");
+                return;
+            }
             Err(e) if answered(&e) => {
-                tracing::warn!(error = %e, dir, name, "giving up on a possible orphan lock node");
+                tracing::warn!(error = %e, dir, name, "giving up on a possible orphan lock node; it goes with the session");
                 return;
             }
             Err(_) => continue,
