@@ -14,10 +14,12 @@
 mod announce;
 mod ensemble;
 mod proxy;
+mod zk_proxy;
 
 pub use announce::announced_address;
 pub use ensemble::ZooKeeperEnsemble;
 pub use proxy::FaultProxy;
+pub use zk_proxy::{Hangup, ZooKeeperProxy, CREATE_CONTAINER, CREATE_OP_CODES, DELETE};
 
 use std::collections::HashMap;
 use std::net::TcpListener;

@@ -17,6 +17,12 @@
 //!   re-created (a per-parent sequence number would restart at 0).
 //! * Release deletes only our own node, retrying a failed delete; the lock's
 //!   node is removed when it is empty, so one-off keys do not pile up.
+//! * A reply lost with the connection (ZOOKEEPER-1262) leaves the outcome
+//!   unknown. After a create, we look for our node by its random prefix
+//!   (Curator's protection mode); a node we can neither find nor delete is
+//!   swept up by a background task, since no one else would delete it while
+//!   our session, which survives reconnects, lives. A delete whose retry
+//!   finds nothing had gone through.
 //! * Re-entry is counted in process (as Curator does): an owner that holds a
 //!   key gets the same node and token again.
 //! * Leases are honoured as on the other backends: a hold that is neither
@@ -107,6 +113,31 @@ impl std::fmt::Debug for ZooKeeperBackend {
 
 fn zk_error(e: zk::Error) -> Error {
     Error::Backend { backend: "zookeeper", message: format!("ZooKeeper request failed: {e}"), source: Some(Box::new(e)) }
+}
+
+/// Whether an error is the server's answer to the request, as opposed to
+/// a lost connection or timeout after which the request may or may not
+/// have been applied.
+fn answered(e: &zk::Error) -> bool {
+    matches!(
+        e,
+        zk::Error::NoNode
+            | zk::Error::NodeExists
+            | zk::Error::NoAuth
+            | zk::Error::BadVersion
+            | zk::Error::NoChildrenForEphemerals
+            | zk::Error::NotEmpty
+            | zk::Error::InvalidAcl
+            | zk::Error::BadArguments(_)
+            | zk::Error::Unimplemented
+            | zk::Error::QuotaExceeded
+            | zk::Error::NotReadOnly
+            // The session is over: an ephemeral node it made is gone too.
+            | zk::Error::SessionExpired
+            | zk::Error::SessionMoved
+            | zk::Error::AuthFailed
+            | zk::Error::ClientClosed
+    )
 }
 
 impl ZooKeeperBackend {
@@ -235,10 +266,19 @@ impl ZooKeeperBackend {
 
     /// Creates our sequential node, creating the lock's container node on
     /// the way. Returns the node's path and its creation zxid.
+    ///
+    /// A create whose reply is lost may still have happened (ZOOKEEPER-1262):
+    /// every failure that is not the server's own answer is followed by a
+    /// look for our node, found by the random prefix only we use, before
+    /// trying again. Giving up without that look would leave a node that
+    /// sorts ahead of every later contender for as long as our session
+    /// lives, and the session survives the reconnect.
     async fn create_node(client: &zk::Client, dir: &str) -> Result<(String, u64)> {
-        let name = format!("{dir}/_c_{}{LOCK_NAME}", random_hex::<16>()?);
+        let prefix = format!("_c_{}{LOCK_NAME}", random_hex::<16>()?);
+        let name = format!("{dir}/{prefix}");
         let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
         let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        let mut last = None;
         for _ in 0..8 {
             match client.create(&name, &[], &ephemeral).await {
                 Ok((stat, sequence)) => {
@@ -247,39 +287,76 @@ impl ZooKeeperBackend {
                 // The container is missing, or was just reaped: make it again.
                 Err(zk::Error::NoNode) => match client.mkdir(dir, &container).await {
                     Ok(()) | Err(zk::Error::NodeExists) => continue,
+                    // Made or not, the next create tells.
+                    Err(e) if !answered(&e) => last = Some(e),
                     Err(e) => return Err(zk_error(e)),
                 },
-                Err(zk::Error::ConnectionLoss) => {
-                    // The create may have happened: look for our unique name
-                    // (ZOOKEEPER-1262) before trying again.
-                    let children = client.list_children(dir).await.map_err(zk_error)?;
-                    let base = name.rsplit('/').next().unwrap_or_default();
-                    if let Some(child) = children.iter().find(|c| c.starts_with(base)) {
-                        let path = format!("{dir}/{child}");
-                        let (_, stat) = client.get_data(&path).await.map_err(zk_error)?;
-                        return Ok((path, u64::try_from(stat.czxid).unwrap_or(0)));
+                Err(e) if !answered(&e) => {
+                    tracing::debug!(error = %e, dir, "create's outcome unknown; looking for our node");
+                    match Self::find_node(client, dir, &prefix).await {
+                        Ok(Some(found)) => return Ok(found),
+                        Ok(None) => last = Some(e),
+                        Err(lookup) => {
+                            tokio::spawn(sweep(client.clone(), dir.to_owned(), prefix));
+                            return Err(lookup);
+                        }
                     }
                 }
                 Err(e) => return Err(zk_error(e)),
             }
         }
-        Err(Error::backend("zookeeper", format!("could not create a lock node under `{dir}`")))
+        Err(last.map_or_else(|| Error::backend("zookeeper", format!("could not create a lock node under `{dir}`")), zk_error))
+    }
+
+    /// Our node under `dir`, by the prefix only we use, with its creation
+    /// zxid; `None` when the server never made it.
+    async fn find_node(client: &zk::Client, dir: &str, prefix: &str) -> Result<Option<(String, u64)>> {
+        let mut last = None;
+        for attempt in 0..6 {
+            if attempt > 0 {
+                // The client is reconnecting; a request sent now waits for it.
+                tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
+            }
+            let children = match client.list_children(dir).await {
+                Ok(children) => children,
+                // No lock node, so no node of ours in it.
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(e) if !answered(&e) => {
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(zk_error(e)),
+            };
+            let Some(child) = children.iter().find(|c| c.starts_with(prefix)) else { return Ok(None) };
+            let path = format!("{dir}/{child}");
+            match client.check_stat(&path).await {
+                Ok(Some(stat)) => return Ok(Some((path, u64::try_from(stat.czxid).unwrap_or(0)))),
+                // Ours, yet gone: only the session's end deletes it, and
+                // the next create will say so.
+                Ok(None) => return Ok(None),
+                Err(e) if !answered(&e) => last = Some(e),
+                Err(e) => return Err(zk_error(e)),
+            }
+        }
+        let e = last.map_or_else(|| Error::backend("zookeeper", "lookup failed"), zk_error);
+        tracing::warn!(error = %e, dir, prefix, "cannot tell whether a lost create made our node; it goes with the session");
+        Err(e)
     }
 
     /// Deletes our node (only ours: the path is unique to this contender),
     /// retrying transient failures, then the lock's node if it is empty.
+    /// Returns whether the node was ours until this delete.
+    ///
+    /// A delete whose reply was lost may have happened; the retry then finds
+    /// no node, which means our own delete went through, not that the lock
+    /// had been lost already.
     async fn delete_node(client: &zk::Client, node: &str) -> Result<bool> {
         let mut last = None;
+        let mut maybe_deleted = false;
         for attempt in 0..3 {
-            match client.delete(node, None).await {
-                Ok(()) => {
-                    if let Some((dir, _)) = node.rsplit_once('/') {
-                        // Fails harmlessly when another contender is inside.
-                        let _ = client.delete(dir, None).await;
-                    }
-                    return Ok(true);
-                }
-                Err(zk::Error::NoNode) => return Ok(false),
+            let deleted = match client.delete(node, None).await {
+                Ok(()) => true,
+                Err(zk::Error::NoNode) => maybe_deleted,
                 Err(e @ (zk::Error::SessionExpired | zk::Error::ClientClosed)) => {
                     // The node died with the session.
                     tracing::debug!(error = %e, node, "lock node went with the session");
@@ -287,10 +364,19 @@ impl ZooKeeperBackend {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, node, attempt, "deleting a lock node failed; retrying");
+                    maybe_deleted |= !answered(&e);
                     last = Some(e);
                     tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                    continue;
+                }
+            };
+            if deleted {
+                if let Some((dir, _)) = node.rsplit_once('/') {
+                    // Fails harmlessly when another contender is inside.
+                    let _ = client.delete(dir, None).await;
                 }
             }
+            return Ok(deleted);
         }
         Err(last.map_or_else(|| Error::backend("zookeeper", "delete failed"), zk_error))
     }
@@ -463,6 +549,40 @@ async fn expire(client: zk::Client, holds: Holds, id: (LockKey, Owner), node: St
     }
 }
 
+/// Deletes, in the background, our node under `dir` whose name starts with
+/// `name`, when we could neither find it again after a lost reply nor
+/// delete it after giving up our place. Nobody else would: it would sort
+/// ahead of every later contender for as long as our session lives, and the
+/// session outlives reconnects. Ends when the node is deleted or not there,
+/// or the session is over.
+async fn sweep(client: zk::Client, dir: String, name: String) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+        let children = match client.list_children(&dir).await {
+            Ok(children) => children,
+            Err(zk::Error::NoNode) => return,
+            Err(e @ (zk::Error::SessionExpired | zk::Error::SessionMoved | zk::Error::ClientClosed | zk::Error::AuthFailed)) => {
+                // An ephemeral node goes with its session.
+                tracing::debug!(error = %e, dir, name, "session over; no orphan left to sweep");
+                return;
+            }
+            Err(e) if answered(&e) => {
+                tracing::warn!(error = %e, dir, name, "giving up on a possible orphan lock node; it goes with the session");
+                return;
+            }
+            Err(_) => continue,
+        };
+        let Some(child) = children.iter().find(|c| c.starts_with(&name)) else { return };
+        let node = format!("{dir}/{child}");
+        if ZooKeeperBackend::delete_node(&client, &node).await.is_ok() {
+            tracing::info!(node, "deleted an orphan lock node");
+            return;
+        }
+    }
+}
+
 /// The sequence suffix of a node name, for ordering.
 fn sequence_of(name: &str) -> u64 {
     name.rsplit(LOCK_NAME).next().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX)
@@ -496,7 +616,9 @@ impl Backend for ZooKeeperBackend {
             if let Err(e) = Self::wait_turn(client, req, &dir, &node, cancel).await {
                 // Leave no node behind: a timeout, a cancel or an error gives up our place.
                 if let Err(del) = Self::delete_node(client, &node).await {
-                    tracing::warn!(error = %del, node, "could not delete an abandoned lock node; it goes with the session");
+                    tracing::warn!(error = %del, node, "could not delete an abandoned lock node yet; retrying in the background");
+                    let name = node.rsplit('/').next().unwrap_or_default().to_owned();
+                    tokio::spawn(sweep(client.clone(), dir.clone(), name));
                 }
                 return Err(e);
             }
