@@ -15,7 +15,7 @@
 //! when the lease it can vouch for ends; the next guard filed starts a new
 //! task, which adopts every hold still filed.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -59,10 +59,9 @@ impl Shared {
 
 #[derive(Default)]
 struct Schedule {
-    holds: HashMap<u64, Hold>,
+    holds: Holds,
     /// `(instant, hold id)`: when each hold next needs attention.
     due: BTreeSet<(Instant, u64)>,
-    next_id: u64,
     /// Whether a task serves this schedule.
     running: bool,
     /// When the task wakes if nothing earlier is filed.
@@ -71,16 +70,71 @@ struct Schedule {
 
 impl Schedule {
     fn file(&mut self, id: u64) {
-        if let Some(hold) = self.holds.get_mut(&id) {
+        if let Some(hold) = self.holds.get_mut(id) {
             hold.filed_at = hold.attention();
             self.due.insert((hold.filed_at, id));
         }
     }
 
     fn unfile(&mut self, id: u64) -> Option<Hold> {
-        let hold = self.holds.remove(&id)?;
+        let hold = self.holds.remove(id)?;
         self.due.remove(&(hold.filed_at, id));
         Some(hold)
+    }
+}
+
+/// The filed holds: a slab, since filing and unfiling happen once per
+/// request. An id is a slot index plus the slot's generation, so the late
+/// answer of a renewal for an unfiled hold never reaches the hold filed in
+/// its slot after it.
+#[derive(Default)]
+struct Holds {
+    slots: Vec<(u32, Option<Hold>)>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl Holds {
+    fn insert(&mut self, hold: Hold) -> u64 {
+        self.len += 1;
+        let index = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push((0, None));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.0 = slot.0.wrapping_add(1);
+        slot.1 = Some(hold);
+        (u64::from(slot.0) << 32) | u64::from(index)
+    }
+
+    fn get_mut(&mut self, id: u64) -> Option<&mut Hold> {
+        let (generation, index) = ((id >> 32) as u32, id as u32);
+        match self.slots.get_mut(index as usize) {
+            Some((g, hold)) if *g == generation => hold.as_mut(),
+            _ => None,
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Hold> {
+        let (generation, index) = ((id >> 32) as u32, id as u32);
+        let hold = match self.slots.get_mut(index as usize) {
+            Some((g, hold)) if *g == generation => hold.take()?,
+            _ => return None,
+        };
+        self.free.push(index);
+        self.len -= 1;
+        Some(hold)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -171,11 +225,9 @@ impl Watchdog {
         };
         let (id, start, wake) = {
             let mut s = self.shared.lock();
-            let id = s.next_id;
-            s.next_id += 1;
-            s.holds.insert(id, hold);
+            let id = s.holds.insert(hold);
             s.file(id);
-            let at = s.holds.get(&id).map(|h| h.filed_at);
+            let at = s.holds.get_mut(id).map(|h| h.filed_at);
             let start = !s.running;
             s.running = true;
             // No deadline: the task sleeps until woken.
@@ -245,14 +297,14 @@ async fn run(mut serving: Serving) {
                     break;
                 }
                 s.due.pop_first();
-                let Some(hold) = s.holds.get_mut(&id) else { continue };
+                let Some(hold) = s.holds.get_mut(id) else { continue };
                 if now >= hold.valid_until {
                     let reason = if hold.renewing {
                         LostReason::RenewalFailed
                     } else {
                         expiry_reason(hold.renew_until, hold.valid_until)
                     };
-                    if let Some(hold) = s.holds.remove(&id) {
+                    if let Some(hold) = s.holds.remove(id) {
                         hold.lose(reason);
                     }
                     continue;
@@ -298,7 +350,7 @@ async fn run(mut serving: Serving) {
 /// Applies a renewal's answer to its hold, if the guard still has it.
 fn settle(shared: &Shared, (id, sent, result): RenewalResult) {
     let mut s = shared.lock();
-    let Some(hold) = s.holds.get_mut(&id) else { return };
+    let Some(hold) = s.holds.get_mut(id) else { return };
     hold.renewing = false;
     match result {
         Ok(Renewal::Held { valid_until }) => {
@@ -326,4 +378,40 @@ fn settle(shared: &Shared, (id, sent, result): RenewalResult) {
     let filed_at = hold.filed_at;
     s.due.remove(&(filed_at, id));
     s.file(id);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hold() -> Hold {
+        let (state, _) = watch::channel(GuardState { valid_until: Instant::now(), lost: None });
+        let now = Instant::now();
+        Hold {
+            key: LockKey::builder("t", "k").build().expect("key"),
+            owner: Owner::random().expect("owner"),
+            lease: Duration::from_secs(1),
+            renew_until: None,
+            valid_until: now,
+            next_renewal: now,
+            renewing: false,
+            filed_at: now,
+            state,
+        }
+    }
+
+    #[test]
+    fn a_stale_id_never_reaches_the_next_hold_in_its_slot() {
+        let mut holds = Holds::default();
+        let first = holds.insert(hold());
+        assert!(holds.remove(first).is_some());
+        let second = holds.insert(hold());
+        assert_eq!(first as u32, second as u32, "the slot is reused");
+        assert!(holds.get_mut(first).is_none());
+        assert!(holds.remove(first).is_none());
+        assert!(holds.get_mut(second).is_some());
+        assert_eq!(holds.len(), 1);
+        assert!(holds.remove(second).is_some());
+        assert!(holds.is_empty());
+    }
 }

@@ -19,6 +19,12 @@ impl KeyPart for JsonPart<'_> {
         match self.0 {
             Value::Null => None::<&str>.write_part(out),
             Value::String(s) => escape_into(s, out),
+            // Digits, sign, '.', 'e': nothing to escape, so no detour
+            // through a temporary string.
+            Value::Number(n) => {
+                use std::fmt::Write;
+                let _ = write!(out, "{n}");
+            }
             other => escape_into(&other.to_string(), out),
         }
     }

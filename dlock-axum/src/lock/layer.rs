@@ -7,6 +7,7 @@ use axum::http::HeaderName;
 use dlock_core::Locker;
 use tower::Layer;
 
+use super::json::Want;
 use super::service::Lock;
 
 /// Where one part of the lock key comes from.
@@ -44,6 +45,8 @@ impl fmt::Display for KeySource {
 pub(crate) struct Spec {
     pub(crate) name: String,
     pub(crate) parts: Vec<KeySource>,
+    /// What of the JSON body the key needs.
+    pub(crate) json_want: Want,
     pub(crate) wait: Option<Duration>,
     pub(crate) lease: Option<Duration>,
     pub(crate) max_hold: Option<Duration>,
@@ -137,6 +140,7 @@ impl LockLayer {
             spec: Arc::new(Spec {
                 name: name.into(),
                 parts: Vec::new(),
+                json_want: Want::Nothing,
                 wait: None,
                 lease: None,
                 max_hold: None,
@@ -160,8 +164,11 @@ impl LockLayer {
     /// parses it once and hands the same bytes on to the route.
     pub fn json(self, path: impl Into<String>) -> Self {
         let path = path.into();
-        let segments = path.split('.').map(str::to_owned).collect();
-        self.with(|s| s.parts.push(KeySource::Json { path, segments }))
+        let segments: Vec<String> = path.split('.').map(str::to_owned).collect();
+        self.with(|s| {
+            s.json_want.add(&segments);
+            s.parts.push(KeySource::Json { path, segments })
+        })
     }
 
     /// Adds a query-string parameter (percent-decoded; the first if repeated).

@@ -47,6 +47,7 @@
 //! Refusals are responses (see [`Rejection`](crate::Rejection)); the route's
 //! own error type passes through unchanged.
 
+mod json;
 mod key;
 mod layer;
 mod service;

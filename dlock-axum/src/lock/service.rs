@@ -11,7 +11,6 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use dlock_core::{AcquireOptions, LockKey, Locker};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use serde_json::Value;
 use std::time::Instant;
 use tower::Service;
 
@@ -128,11 +127,13 @@ where
     S::Response: IntoResponse,
 {
     let method = req.method().clone();
-    let path = req.uri().path().to_owned();
+    // A cheap clone (shared bytes), for the log lines.
+    let uri = req.uri().clone();
+    let path = uri.path();
     let prepared = match prepare(&spec, req).await {
         Ok(p) => p,
         Err(refusal) => {
-            log_refusal(&spec, &method, &path, &refusal);
+            log_refusal(&spec, &method, path, &refusal);
             let mut response = refusal.rejection.into_response();
             response.extensions_mut().insert(refusal.outcome);
             return Ok(response);
@@ -182,7 +183,7 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
             Refusal::invalid(Rejection::misconfigured())
         })?;
         let bytes = read_body(&parts.headers, body, limit).await.map_err(Refusal::invalid)?;
-        let json: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        let json = super::json::read(&bytes, &spec.json_want).map_err(|e| {
             Refusal::invalid(Rejection::invalid_json().with_message(format!("the request body is not valid JSON: {e}")))
         })?;
         (Body::from(bytes), Some(json))

@@ -1,0 +1,246 @@
+//! Reading only the JSON fields a key needs.
+//!
+//! The whole body is still checked to be one valid JSON value, but only the
+//! objects on the way to a key field are built; every other value is skipped
+//! without allocating. The result is a [`Value`] with just those paths, so
+//! the key is derived exactly as from the full document.
+
+use std::fmt;
+
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+/// What to keep of a JSON value.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) enum Want {
+    /// Nothing is read from the body.
+    #[default]
+    Nothing,
+    /// The whole value: a key field ends here.
+    All,
+    /// Only these members (object keys, or array indices as text), each
+    /// with what to keep of it.
+    Members(Vec<(String, Want)>),
+}
+
+impl Want {
+    /// Adds a field path (`["product", "id"]`).
+    pub(crate) fn add(&mut self, segments: &[String]) {
+        let Some((first, rest)) = segments.split_first() else {
+            *self = Want::All;
+            return;
+        };
+        match self {
+            Want::All => {}
+            Want::Nothing => {
+                let mut child = Want::Nothing;
+                child.add(rest);
+                *self = Want::Members(vec![(first.clone(), child)]);
+            }
+            Want::Members(members) => match members.iter_mut().find(|(name, _)| name == first) {
+                Some((_, child)) => child.add(rest),
+                None => {
+                    let mut child = Want::Nothing;
+                    child.add(rest);
+                    members.push((first.clone(), child));
+                }
+            },
+        }
+    }
+}
+
+/// Parses `body` as one JSON value and keeps what `want` names.
+pub(crate) fn read(body: &[u8], want: &Want) -> serde_json::Result<Value> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = Pruned(want).deserialize(&mut de)?;
+    de.end()?;
+    Ok(value)
+}
+
+struct Pruned<'w>(&'w Want);
+
+impl<'de> DeserializeSeed<'de> for Pruned<'_> {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        match self.0 {
+            Want::All => Value::deserialize(d),
+            Want::Nothing => {
+                IgnoredAny::deserialize(d)?;
+                Ok(Value::Null)
+            }
+            Want::Members(members) => d.deserialize_any(Members(members)),
+        }
+    }
+}
+
+/// Visits a value on the way to key fields: objects and arrays keep only the
+/// wanted members, scalars are kept as they are (a path cannot go through
+/// them, which the lookup then reports as a missing field).
+struct Members<'w>(&'w [(String, Want)]);
+
+impl Members<'_> {
+    fn position(&self, name: &str) -> Option<usize> {
+        self.0.iter().position(|(wanted, _)| wanted == name)
+    }
+
+    /// Array indices are matched as numbers, as the lookup parses them
+    /// (`items.01` is element 1).
+    fn position_of_index(&self, index: usize) -> Option<usize> {
+        self.0.iter().position(|(wanted, _)| wanted.parse::<usize>() == Ok(index))
+    }
+}
+
+impl<'de> Visitor<'de> for Members<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(found) = map.next_key_seed(KeyIn(&self))? {
+            match found {
+                Some(i) => {
+                    let (name, want) = &self.0[i];
+                    let value = map.next_value_seed(Pruned(want))?;
+                    // The last duplicate wins, as when parsing into a `Value`.
+                    out.insert(name.clone(), value);
+                }
+                None => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(Value::Object(out))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        let mut index = 0usize;
+        loop {
+            // Unwanted elements stay as `null` placeholders so that the
+            // wanted ones keep their index.
+            let element = match self.position_of_index(index) {
+                Some(i) => seq.next_element_seed(Pruned(&self.0[i].1))?,
+                None => seq.next_element::<IgnoredAny>()?.map(|_| Value::Null),
+            };
+            match element {
+                Some(v) => out.push(v),
+                None => break,
+            }
+            index += 1;
+        }
+        Ok(Value::Array(out))
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+}
+
+/// An object key, compared with the wanted names without allocating (keys
+/// without escapes are borrowed from the body).
+struct KeyIn<'a, 'w>(&'a Members<'w>);
+
+impl<'de> DeserializeSeed<'de> for KeyIn<'_, '_> {
+    type Value = Option<usize>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<usize>, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyIn<'_, '_> {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Option<usize>, E> {
+        Ok(self.0.position(v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lock::key::lookup;
+    use serde_json::json;
+
+    fn want(paths: &[&str]) -> (Want, Vec<Vec<String>>) {
+        let mut w = Want::Nothing;
+        let segs: Vec<Vec<String>> = paths.iter().map(|p| p.split('.').map(str::to_owned).collect()).collect();
+        for s in &segs {
+            w.add(s);
+        }
+        (w, segs)
+    }
+
+    /// Every path finds in the pruned value exactly what it finds in the
+    /// whole document, including where it finds nothing.
+    #[test]
+    fn pruned_lookups_equal_full_lookups() {
+        let doc = json!({
+            "product": {"id": 7, "tags": ["a", {"sku": "x\"y"}], "name": "p:1"},
+            "token": null, "qty": 1.5, "flag": true, "big": 18446744073709551615u64,
+            "esc\"aped": {"k": [1, 2, 3]}, "list": [[0, 1], {"a": {"b": "deep"}}]
+        });
+        let body = serde_json::to_vec(&doc).expect("json");
+        let paths = [
+            "product.id", "product.tags.1.sku", "product.tags.0", "product.tags.9", "product.id.x", "token", "qty",
+            "flag", "big", "esc\"aped.k.2", "list.1.a.b", "list.0.1", "list.1", "list.01.a", "product", "nope", "product.name",
+        ];
+        let (w, segs) = want(&paths);
+        let pruned = read(&body, &w).expect("valid");
+        for (p, s) in paths.iter().zip(&segs) {
+            assert_eq!(lookup(&pruned, s), lookup(&doc, s), "{p}");
+        }
+    }
+
+    #[test]
+    fn invalid_json_is_refused_even_where_nothing_is_kept() {
+        let (w, _) = want(&["a"]);
+        for bad in [&b"{\"a\": 1, \"b\": [1,}"[..], b"{\"a\": 1} x", b"", b"{\"a\": tru}", b"{\"b\": \"\\q\"}"] {
+            assert!(read(bad, &w).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn the_last_duplicate_wins() {
+        let (w, s) = want(&["a"]);
+        let v = read(br#"{"a": 1, "a": 2}"#, &w).expect("valid");
+        assert_eq!(lookup(&v, &s[0]), Some(&json!(2)));
+    }
+
+    #[test]
+    fn a_whole_path_swallows_its_longer_paths() {
+        let (w, s) = want(&["a.b", "a"]);
+        let v = read(br#"{"a": {"b": 1, "c": 2}}"#, &w).expect("valid");
+        assert_eq!(lookup(&v, &s[1]), Some(&json!({"b": 1, "c": 2})));
+        assert_eq!(lookup(&v, &s[0]), Some(&json!(1)));
+    }
+}
