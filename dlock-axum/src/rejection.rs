@@ -58,6 +58,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed |
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
+/// | 429 | `too_many_locks` | 2401 | the principal already holds the most locks a layer allows at once |
 /// | 500 | `idempotency_response_too_large` | 2902 | the route's response exceeds the size the idempotency layer stores |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed, retry later |
@@ -130,6 +131,9 @@ rejections! {
     /// The same `Idempotency-Key` was used with a different payload.
     idempotency_key_mismatch => (UNPROCESSABLE_ENTITY, "idempotency_key_mismatch", 2201,
         "this idempotency key was used with a different request");
+    /// The principal (say, the `x-user-id` header) already holds as many
+    /// locks through this layer as it may at once.
+    too_many_locks => (TOO_MANY_REQUESTS, "too_many_locks", 2401, "too many locks held at once, please retry later");
     /// The lock service cannot be reached; the request is refused (fail closed).
     backend_unavailable => (SERVICE_UNAVAILABLE, "lock_backend_unavailable", 2501,
         "lock service unavailable, please retry later");
@@ -303,6 +307,7 @@ mod tests {
             ("request_body_unreadable", 400),
             ("payload_too_large", 413),
             ("idempotency_key_mismatch", 422),
+            ("too_many_locks", 429),
             ("lock_backend_unavailable", 503),
             ("idempotency_response_too_large", 500),
             ("lock_misconfigured", 500),

@@ -85,19 +85,23 @@ pub enum LockOutcome {
         /// The rejection's machine code.
         error: String,
     },
+    /// The principal already held as many locks through the layer as it
+    /// may: `429`, no lock was asked for.
+    OverQuota,
     /// No engine installed or invalid options: `500`.
     Misconfigured,
 }
 
 impl LockOutcome {
     /// A short word for logs: `acquired`, `busy`, `unavailable`, `invalid`,
-    /// `misconfigured`.
+    /// `over_quota`, `misconfigured`.
     pub fn as_str(&self) -> &'static str {
         match self {
             LockOutcome::Acquired { .. } => "acquired",
             LockOutcome::Busy { .. } => "busy",
             LockOutcome::Unavailable => "unavailable",
             LockOutcome::Invalid { .. } => "invalid",
+            LockOutcome::OverQuota => "over_quota",
             LockOutcome::Misconfigured => "misconfigured",
         }
     }

@@ -430,3 +430,89 @@ async fn max_hold_frees_the_lock_of_a_stuck_handler() {
         .expect("fence");
     assert!(later > first, "the later holder's fence {later} is above the stuck one's {first}");
 }
+
+/// T11e: one principal asks for 10,000 locks at once. Only the cap's worth
+/// is taken (the rest are refused with 429 before any lock is asked for),
+/// another principal is served meanwhile, the stuck holds end at `max_hold`
+/// so their keys are free to others, and the cap is given back when the
+/// requests finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_cannot_hold_more_locks_than_its_cap() {
+    const CAP: usize = 100;
+    const ASKED: usize = 10_000;
+    let locker = Locker::with_options(
+        Arc::new(MemoryBackend::new()),
+        dlock_core::LockerOptions::default().with_watchdog_lease(Duration::from_millis(200)),
+    )
+    .expect("options");
+    let (let_go, go) = tokio::sync::watch::channel(false);
+    let entered = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let entered = entered.clone();
+        move |body: Bytes| {
+            let (mut go, entered) = (go.clone(), entered.clone());
+            async move {
+                entered.fetch_add(1, Ordering::SeqCst);
+                if body.as_ref().starts_with(b"{\"id\":\"greedy") {
+                    let _ = go.wait_for(|go| *go).await;
+                }
+                body
+            }
+        }
+    };
+    let layer = LockLayer::new("report").json("id").max_holds_per_principal("x-user-id", CAP).max_hold(Duration::from_millis(300));
+    let app = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker.clone());
+    let as_user = |user: &str, id: String| {
+        Request::post("/r").header("x-user-id", user).body(Body::from(format!("{{\"id\":\"{id}\"}}"))).expect("request")
+    };
+
+    let greedy: Vec<_> =
+        (0..ASKED).map(|i| tokio::spawn(app.clone().oneshot(as_user("greedy", format!("greedy-{i}"))))).collect();
+    let deadline = tokio::time::Instant::now() + LONG;
+    while entered.load(Ordering::SeqCst) < CAP && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Others are not affected by the greedy principal's cap.
+    let res = app.clone().oneshot(as_user("other", "other-1".into())).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+
+    // Wait for every refusal to come back; the holders stay stuck.
+    while greedy.iter().filter(|t| t.is_finished()).count() < ASKED - CAP && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (mut held, mut refused) = (Vec::new(), 0);
+    for t in greedy {
+        if t.is_finished() {
+            let res = t.await.expect("task").expect("infallible");
+            assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::OverQuota)));
+            assert_rejection(res, 429, "too_many_locks").await;
+            refused += 1;
+        } else {
+            held.push(t);
+        }
+    }
+    assert_eq!((held.len(), refused), (CAP, ASKED - CAP), "exactly the cap is held");
+    assert_eq!(entered.load(Ordering::SeqCst), CAP + 1, "the refused never reached the handler");
+
+    // The stuck holds end at max_hold: their keys are free to others while
+    // the greedy requests are still running.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let mut taken = 0;
+    for i in 0..ASKED {
+        let key = locker.key("report").part(format!("greedy-{i}")).build().expect("key");
+        if let Ok(g) = locker.try_acquire(&key).await {
+            taken += 1;
+            g.release().await.expect("release");
+        }
+    }
+    assert_eq!(taken, ASKED, "no greedy hold outlived max_hold");
+
+    // Finished requests give their holds back.
+    let _ = let_go.send(true);
+    for t in held {
+        assert_eq!(t.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+    let res = app.oneshot(as_user("greedy", "greedy-again".into())).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK, "the cap is free again");
+}

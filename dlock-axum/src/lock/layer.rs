@@ -8,6 +8,7 @@ use dlock_core::Locker;
 use tower::Layer;
 
 use super::json::Want;
+use super::quota::Quota;
 use super::service::Lock;
 
 /// Where one part of the lock key comes from.
@@ -54,6 +55,7 @@ pub(crate) struct Spec {
     pub(crate) code: Option<u32>,
     pub(crate) max_body_bytes: Option<usize>,
     pub(crate) locker: Option<Locker>,
+    pub(crate) quota: Option<Arc<Quota>>,
 }
 
 impl Spec {
@@ -148,6 +150,7 @@ impl LockLayer {
                 code: None,
                 max_body_bytes: None,
                 locker: None,
+                quota: None,
             }),
         }
     }
@@ -236,6 +239,36 @@ impl LockLayer {
     /// `DLOCK_MAX_BODY_BYTES`, 64 KiB). A larger body is refused with `413`.
     pub fn max_body_bytes(self, limit: usize) -> Self {
         self.with(|s| s.max_body_bytes = Some(limit))
+    }
+
+    /// At most `max` locks held at once through this layer by requests with
+    /// the same value of the `header` (the principal: a user id, an API key
+    /// name). A request beyond that is refused with `429 too_many_locks`
+    /// before any lock is asked for, so one client cannot hold thousands of
+    /// renewed locks; its holds end as they are released, or at
+    /// [`max_hold`](Self::max_hold). Requests without the header share one
+    /// anonymous principal. Counted in this process, per layer (a service
+    /// with N instances allows N × `max`).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dlock_axum::LockLayer;
+    /// let layer = LockLayer::new("report.build").json("report_id")
+    ///     .max_holds_per_principal("x-user-id", 20)
+    ///     .max_hold(Duration::from_secs(60));
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// When `header` is not a valid header name, or `max` is zero: both are
+    /// programming errors found on start-up.
+    pub fn max_holds_per_principal(self, header: &str, max: usize) -> Self {
+        let header = match HeaderName::from_bytes(header.as_bytes()) {
+            Ok(name) => name,
+            Err(_) => panic!("LockLayer::max_holds_per_principal: `{header}` is not a valid HTTP header name"),
+        };
+        assert!(max > 0, "LockLayer::max_holds_per_principal: a cap of 0 would refuse every request");
+        self.with(|s| s.quota = Some(Arc::new(Quota::new(header, max))))
     }
 
     /// Uses `locker` instead of the one installed in the request extensions.

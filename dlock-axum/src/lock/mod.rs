@@ -50,6 +50,7 @@
 mod json;
 mod key;
 mod layer;
+mod quota;
 mod service;
 
 pub use layer::LockLayer;

@@ -16,6 +16,7 @@ use tower::Service;
 
 use super::key::build_key;
 use super::layer::Spec;
+use super::quota::Permit;
 use crate::engine::no_engine;
 use crate::rejection::Rejection;
 use crate::request::{FencingToken, LockOutcome, RequestOwner};
@@ -139,7 +140,9 @@ where
             return Ok(response);
         }
     };
-    let Prepared { guard, key, req, waited } = prepared;
+    // The permit, if the layer caps holds per principal, is given back when
+    // this function ends, after the release below.
+    let Prepared { guard, key, req, waited, permit: _permit } = prepared;
     let fencing_token = guard.fencing_token();
     tracing::info!(
         lock = %spec.name, key = %key, outcome = "acquired", fence = fencing_token,
@@ -164,6 +167,7 @@ where
 
 struct Prepared {
     guard: dlock_core::LockGuard,
+    permit: Option<Permit>,
     key: LockKey,
     req: Request<Body>,
     waited: Duration,
@@ -206,11 +210,22 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
     if let Some(max_hold) = spec.max_hold {
         opts = opts.max_hold(max_hold);
     }
+    let permit = match &spec.quota {
+        Some(quota) => Some(quota.take(&parts.headers).map_err(|over| Refusal {
+            rejection: Rejection::too_many_locks().with_message(format!(
+                "the requests with this {} header already hold {} locks here; retry when one has finished",
+                over.header, over.max
+            )),
+            outcome: LockOutcome::OverQuota,
+            key: Some(key.clone()),
+        })?),
+        None => None,
+    };
     let started = Instant::now();
     match locker.acquire(&key, opts).await {
         Ok(guard) => {
             parts.extensions.insert(FencingToken(guard.fencing_token()));
-            Ok(Prepared { guard, key, req: Request::from_parts(parts, body), waited: started.elapsed() })
+            Ok(Prepared { guard, permit, key, req: Request::from_parts(parts, body), waited: started.elapsed() })
         }
         Err(e) => {
             let waited = started.elapsed();
@@ -264,7 +279,7 @@ fn log_refusal(spec: &Spec, method: &axum::http::Method, path: &str, refusal: &R
         LockOutcome::Busy { waited } => tracing::info!(
             lock = %spec.name, key, outcome, status, error, waited_ms = waited.as_millis() as u64, %method, path, "dlock.request"
         ),
-        LockOutcome::Invalid { .. } => {
+        LockOutcome::Invalid { .. } | LockOutcome::OverQuota => {
             tracing::info!(lock = %spec.name, key, outcome, status, error, %method, path, "dlock.request")
         }
         LockOutcome::Unavailable => {
