@@ -31,6 +31,7 @@ pub mod idempotency;
 mod key;
 mod locker;
 mod owner;
+mod tls;
 
 pub use backend::{Backend, LostReason, MemoryBackend};
 pub use config::{BackendKind, Config};
@@ -39,3 +40,4 @@ pub use guard::LockGuard;
 pub use key::{escape_into, KeyBuilder, KeyPart, LockKey, MAX_KEY_LEN};
 pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
 pub use owner::Owner;
+pub use tls::RedisTls;

@@ -14,10 +14,12 @@
 mod announce;
 mod ensemble;
 mod proxy;
+mod tls;
 
 pub use announce::announced_address;
 pub use ensemble::ZooKeeperEnsemble;
 pub use proxy::FaultProxy;
+pub use tls::{TestCertificates, TlsRedisServer};
 
 use std::collections::HashMap;
 use std::net::TcpListener;
