@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::backend::{Backend, MemoryBackend};
 use crate::error::{Error, Result};
 use crate::locker::{validate_prefix, Locker, LockerOptions, DEFAULT_LEASE};
+use crate::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
 
 /// Which coordination service holds the locks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,8 +62,14 @@ impl BackendKind {
 /// | `DLOCK_IDEMPOTENCY_TTL_SECS` | life of tokens and stored responses | `86400` |
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
 /// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]) | the lock backend's Redis, else in process |
+/// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
+/// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
 ///
-/// An empty variable counts as unset.
+/// An empty variable counts as unset. The TLS files apply to every
+/// `rediss://` URL (lock backend, RedLock masters, idempotency store); they
+/// are read and parsed here, so a missing or malformed file is an error
+/// naming its variable. Without the `tls` feature a `rediss://` URL or a TLS
+/// file is an error that says to enable it.
 ///
 /// ```
 /// use dlock_core::{BackendKind, Config};
@@ -95,6 +102,10 @@ pub struct Config {
     /// Where idempotency records live when it is not the lock backend's
     /// Redis (`DLOCK_IDEMPOTENCY_REDIS_URL`).
     pub idempotency_redis_url: Option<String>,
+    /// CA and client certificate for `rediss://` connections
+    /// (`DLOCK_REDIS_CA_FILE`, `DLOCK_REDIS_CLIENT_CERT_FILE`,
+    /// `DLOCK_REDIS_CLIENT_KEY_FILE`); `None`: the system trust store.
+    pub redis_tls: Option<RedisTls>,
 }
 
 impl Default for Config {
@@ -107,6 +118,7 @@ impl Default for Config {
             idempotency_ttl: Duration::from_secs(86_400),
             max_body_bytes: 64 * 1024,
             idempotency_redis_url: None,
+            redis_tls: None,
         }
     }
 }
@@ -195,7 +207,30 @@ impl Config {
                 ));
             }
         }
-        Ok(Config { backend, prefix, lease, wait, idempotency_ttl, max_body_bytes, idempotency_redis_url })
+        match &backend {
+            BackendKind::Redis { url } => check_url_supported("DLOCK_REDIS_URL", url)?,
+            BackendKind::RedLock { urls } => {
+                for url in urls {
+                    check_url_supported("DLOCK_REDLOCK_URLS", url)?;
+                }
+            }
+            BackendKind::Memory | BackendKind::ZooKeeper { .. } => {}
+        }
+        if let Some(url) = &idempotency_redis_url {
+            check_url_supported("DLOCK_IDEMPOTENCY_REDIS_URL", url)?;
+        }
+        let redis_tls = redis_tls(&get)?;
+        Ok(Config { backend, prefix, lease, wait, idempotency_ttl, max_body_bytes, idempotency_redis_url, redis_tls })
+    }
+
+    /// The Redis connection options of this configuration (TLS material).
+    #[cfg(feature = "redis")]
+    pub fn redis_options(&self) -> crate::backend::redis::RedisOptions {
+        let options = crate::backend::redis::RedisOptions::default();
+        match &self.redis_tls {
+            Some(tls) => options.with_tls(tls.clone()),
+            None => options,
+        }
     }
 
     /// The engine defaults of this configuration.
@@ -221,11 +256,19 @@ impl Config {
             BackendKind::Memory => Arc::new(MemoryBackend::new()),
             #[cfg(feature = "redis")]
             BackendKind::Redis { url } => {
-                Arc::new(crate::backend::redis::RedisBackend::connect(url, &self.prefix).await?)
+                Arc::new(crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?)
             }
             #[cfg(feature = "redis")]
             BackendKind::RedLock { urls } => {
-                Arc::new(crate::backend::redlock::RedLockBackend::connect(urls, &self.prefix).await?)
+                Arc::new(
+                    crate::backend::redlock::RedLockBackend::connect_with_options(
+                        urls,
+                        &self.prefix,
+                        crate::backend::redlock::DEFAULT_NODE_TIMEOUT,
+                        self.redis_options(),
+                    )
+                    .await?,
+                )
             }
             #[cfg(not(feature = "redis"))]
             BackendKind::Redis { .. } | BackendKind::RedLock { .. } => {
@@ -279,11 +322,32 @@ impl Config {
         match url {
             None => Ok(Arc::new(crate::idempotency::MemoryStore::new(&self.prefix))),
             #[cfg(feature = "redis")]
-            Some(url) => Ok(Arc::new(crate::idempotency::RedisStore::connect(url, &self.prefix).await?)),
+            Some(url) => {
+                Ok(Arc::new(crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options()).await?))
+            }
             #[cfg(not(feature = "redis"))]
             Some(_) => Err(Error::config("DLOCK_IDEMPOTENCY_REDIS_URL", "dlock-core was built without the `redis` feature")),
         }
     }
+}
+
+/// The TLS files, loaded and parsed now so that a bad one stops start-up.
+fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> {
+    let (ca, cert, key) = (get(CA_FILE_VAR), get(CLIENT_CERT_VAR), get(CLIENT_KEY_VAR));
+    if ca.is_none() && cert.is_none() && key.is_none() {
+        return Ok(None);
+    }
+    let mut tls = RedisTls::new();
+    if let Some(ca) = ca {
+        tls = tls.with_ca_file(ca)?;
+    }
+    tls = match (cert, key) {
+        (Some(cert), Some(key)) => tls.with_client_files(cert, key)?,
+        (Some(_), None) => return Err(Error::config(CLIENT_KEY_VAR, format!("must be set when {CLIENT_CERT_VAR} is"))),
+        (None, Some(_)) => return Err(Error::config(CLIENT_CERT_VAR, format!("must be set when {CLIENT_KEY_VAR} is"))),
+        (None, None) => tls,
+    };
+    Ok(Some(tls))
 }
 
 fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {

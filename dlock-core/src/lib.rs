@@ -31,6 +31,7 @@ pub mod idempotency;
 mod key;
 mod locker;
 mod owner;
+mod tls;
 mod watchdog;
 
 pub use backend::{Backend, LostReason, MemoryBackend};
@@ -40,3 +41,4 @@ pub use guard::LockGuard;
 pub use key::{escape_into, KeyBuilder, KeyPart, LockKey, MAX_KEY_LEN};
 pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
 pub use owner::Owner;
+pub use tls::RedisTls;

@@ -14,11 +14,13 @@
 mod announce;
 mod ensemble;
 mod proxy;
+mod tls;
 mod zk_proxy;
 
 pub use announce::announced_address;
 pub use ensemble::ZooKeeperEnsemble;
 pub use proxy::FaultProxy;
+pub use tls::{TestCertificates, TlsRedisServer};
 pub use zk_proxy::{Hangup, ZooKeeperProxy, CREATE_CONTAINER, CREATE_OP_CODES, DELETE};
 
 use std::collections::HashMap;

@@ -96,13 +96,38 @@ impl RedLockBackend {
     /// odd and at least 3 or a URL is malformed; [`Error::Backend`] naming the
     /// node that cannot be reached.
     pub async fn connect_with<S: AsRef<str>>(urls: &[S], prefix: &str, node_timeout: Duration) -> Result<Self> {
+        Self::connect_with_options(urls, prefix, node_timeout, RedisOptions::default()).await
+    }
+
+    /// As [`connect_with`](Self::connect_with), with the connection options
+    /// of every master (timeouts, TLS material for `rediss://` URLs).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> dlock_core::Result<()> {
+    /// use dlock_core::backend::redis::RedisOptions;
+    /// use dlock_core::backend::redlock::{RedLockBackend, DEFAULT_NODE_TIMEOUT};
+    /// use dlock_core::RedisTls;
+    /// let urls = ["rediss://10.0.0.1:6380", "rediss://10.0.0.2:6380", "rediss://10.0.0.3:6380"];
+    /// let options = RedisOptions::default().with_tls(RedisTls::new().with_ca_file("ca.crt")?);
+    /// let backend = RedLockBackend::connect_with_options(&urls, "dlock", DEFAULT_NODE_TIMEOUT, options).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`connect_with`](Self::connect_with).
+    pub async fn connect_with_options<S: AsRef<str>>(
+        urls: &[S],
+        prefix: &str,
+        node_timeout: Duration,
+        options: RedisOptions,
+    ) -> Result<Self> {
         if urls.len() < 3 || urls.len().is_multiple_of(2) {
             return Err(Error::config(
                 "DLOCK_REDLOCK_URLS",
                 format!("needs an odd number of at least 3 Redis URLs, got {}", urls.len()),
             ));
         }
-        let options = RedisOptions::default().with_response_timeout(Duration::from_secs(1));
         let connecting = urls.iter().map(|url| RedisBackend::connect_with(url.as_ref(), prefix, options.clone()));
         let mut nodes = Vec::with_capacity(urls.len());
         for (i, node) in join_all(connecting).await.into_iter().enumerate() {

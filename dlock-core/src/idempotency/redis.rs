@@ -17,7 +17,7 @@ use std::time::Duration;
 use redis::Script;
 
 use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TOKEN_BYTES};
-use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend};
+use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend, RedisOptions};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
@@ -55,7 +55,27 @@ impl RedisStore {
     /// As [`RedisBackend::connect`]: [`Error::Config`] for a bad URL,
     /// [`Error::Backend`] when Redis cannot be reached in time.
     pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
-        let backend = RedisBackend::connect(url, prefix).await?;
+        Self::connect_with(url, prefix, RedisOptions::default()).await
+    }
+
+    /// As [`connect`](Self::connect), with connection options (timeouts,
+    /// TLS material for a `rediss://` URL).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> dlock_core::Result<()> {
+    /// use dlock_core::backend::redis::RedisOptions;
+    /// use dlock_core::idempotency::RedisStore;
+    /// use dlock_core::RedisTls;
+    /// let options = RedisOptions::default().with_tls(RedisTls::new().with_ca_file("ca.crt")?);
+    /// let store = RedisStore::connect_with("rediss://10.0.0.1:6380", "dlock", options).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisBackend::connect_with`].
+    pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
+        let backend = RedisBackend::connect_with(url, prefix, options).await?;
         Ok(Self::from_backend(&backend, prefix))
     }
 

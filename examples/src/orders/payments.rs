@@ -31,7 +31,7 @@ pub(crate) async fn idempotency(config: &Config, orders_redis_url: Option<&str>)
     let shared_by_config = config.idempotency_redis_url.is_some() || matches!(config.backend, BackendKind::Redis { .. });
     match orders_redis_url {
         Some(url) if !shared_by_config => {
-            let store = RedisStore::connect(url, &config.prefix).await?;
+            let store = RedisStore::connect_with(url, &config.prefix, config.redis_options()).await?;
             Ok(Idempotency::new(Arc::new(store)).with_ttl(config.idempotency_ttl))
         }
         _ => Idempotency::from_config(config).await,

@@ -21,7 +21,7 @@
 //!
 //! **Redis Cluster**: a URL `redis+cluster://host1:port1,host2:port2,…`
 //! (seed nodes, `user:password@` before the first host; `rediss+cluster://`
-//! would be TLS, which this build leaves out) uses redis-rs's async cluster connection. Every key of one
+//! for TLS, verified against the system trust store) uses redis-rs's async cluster connection. Every key of one
 //! lock shares a hash tag, so each script runs on the one node that owns the
 //! lock's slot; release announcements are ordinary `PUBLISH`es, which a
 //! cluster forwards to every node, so the waiters of a process subscribe on
@@ -34,6 +34,13 @@
 //! the subscriber follows to the new master. Replication is asynchronous, so
 //! a failover can lose a lock that the old master granted: Sentinel buys
 //! availability, not safety.
+//!
+//! **TLS** (feature `tls`): `rediss://` connects with TLS (redis-rs over
+//! native-tls, i.e. the system OpenSSL), verifying the server against the
+//! system trust store or the CA of [`RedisOptions::with_tls`]; the same
+//! material serves the subscriber connection. A handshake that fails at
+//! start-up is an [`Error::Config`] that says it is a TLS/certificate
+//! problem. Without the feature a `rediss://` URL is refused at start-up.
 
 use std::time::Duration;
 
@@ -50,6 +57,7 @@ use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Releas
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
+use crate::tls::{is_tls_url, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR};
 
 pub(crate) mod subscriber;
 
@@ -69,11 +77,12 @@ const FENCE_COUNTER_SECS: u64 = 7 * 24 * 3600;
 pub struct RedisOptions {
     connect_timeout: Duration,
     response_timeout: Duration,
+    tls: Option<RedisTls>,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
-        RedisOptions { connect_timeout: Duration::from_secs(1), response_timeout: Duration::from_secs(1) }
+        RedisOptions { connect_timeout: Duration::from_secs(1), response_timeout: Duration::from_secs(1), tls: None }
     }
 }
 
@@ -88,6 +97,25 @@ impl RedisOptions {
     pub fn with_response_timeout(mut self, t: Duration) -> Self {
         self.response_timeout = t;
         self
+    }
+
+    /// The CA (and client certificate) for `rediss://` URLs; plain
+    /// `redis://` URLs ignore it (with a warning).
+    ///
+    /// ```no_run
+    /// # fn demo() -> dlock_core::Result<()> {
+    /// use dlock_core::backend::redis::RedisOptions;
+    /// use dlock_core::RedisTls;
+    /// let opts = RedisOptions::default().with_tls(RedisTls::new().with_ca_file("/etc/redis/ca.crt")?);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_tls(mut self, tls: RedisTls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    fn custom_tls(&self) -> Option<&RedisTls> {
+        self.tls.as_ref().filter(|t| t.is_custom())
     }
 }
 
@@ -137,14 +165,14 @@ impl RedisBackend {
     /// [`Error::Config`] for a malformed URL or a missing ACL permission,
     /// [`Error::Backend`] when the server cannot be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
+        crate::tls::check_url_supported("DLOCK_REDIS_URL", url)?;
         if let Some(seeds) = cluster_seeds(url) {
             return Self::connect_cluster(url, &seeds, prefix, options).await;
         }
         if let Some(target) = sentinel_target(url) {
             return Self::connect_sentinel(url, target?, prefix, options).await;
         }
-        let client = redis::Client::open(url)
-            .map_err(|e| Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis URL: {e}", redact(url))))?;
+        let client = open_client(url, &options)?;
         let config = manager_config(&options);
         let conn = tokio::time::timeout(
             options.connect_timeout + options.response_timeout,
@@ -152,7 +180,7 @@ impl RedisBackend {
         )
         .await
         .map_err(|_| Error::backend("redis", format!("no answer from {} within the connect timeout", redact(url))))?
-        .map_err(|e| connect_error(url, e))?;
+        .map_err(|e| connect_error(url, e, &options))?;
         warn_on_evicting_policy(conn.clone()).await;
         Self::finish(Conn::Single(conn), watch::channel(client).1, prefix).await
     }
@@ -161,6 +189,15 @@ impl RedisBackend {
         let invalid = |e: redis::RedisError| {
             Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis Cluster URL: {e}", redact(url)))
         };
+        if is_tls_url(url) && options.custom_tls().is_some() {
+            // redis-rs hands a custom CA to cluster nodes only in its rustls
+            // build; this one uses native-tls (the system OpenSSL).
+            return Err(Error::config(
+                CA_FILE_VAR,
+                "a custom CA or client certificate is not supported with `rediss+cluster://`: \
+                 add the CA to the system trust store (or point SSL_CERT_FILE at it) and unset the DLOCK_REDIS_*_FILE variables",
+            ));
+        }
         let cluster = redis::cluster::ClusterClient::builder(seeds.iter().map(String::as_str))
             .connection_timeout(options.connect_timeout)
             .response_timeout(options.response_timeout)
@@ -170,7 +207,7 @@ impl RedisBackend {
         let conn = tokio::time::timeout(options.connect_timeout * 3, cluster.get_async_connection())
             .await
             .map_err(|_| Error::backend("redis", format!("no answer from the cluster {} in time", redact(url))))?
-            .map_err(redis_error)?;
+            .map_err(|e| connect_error(url, e, &options))?;
         let first = seeds.first().map(String::as_str).unwrap_or_default();
         let client = redis::Client::open(first).map_err(invalid)?;
         Self::finish(Conn::Cluster(conn), watch::channel(client).1, prefix).await
@@ -322,6 +359,29 @@ impl Backend for RedisBackend {
             })
         })
     }
+}
+
+/// The client for one server, with the TLS material when the URL asks for
+/// TLS.
+fn open_client(url: &str, options: &RedisOptions) -> Result<redis::Client> {
+    let invalid =
+        |e: redis::RedisError| Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis URL: {e}", redact(url)));
+    if let Some(tls) = options.custom_tls() {
+        if !is_tls_url(url) {
+            tracing::warn!(url = %redact(url), "TLS files are set but the URL is not `rediss://`: they are not used");
+        } else {
+            #[cfg(feature = "tls")]
+            return redis::Client::build_with_tls(url, tls.certificates()).map_err(invalid);
+            #[cfg(not(feature = "tls"))]
+            {
+                // Unreachable in practice (custom material cannot be built
+                // without the feature), but never connect without it.
+                let _ = tls;
+                return Err(Error::config(CA_FILE_VAR, "TLS is not built into this dlock: enable the `tls` feature"));
+            }
+        }
+    }
+    redis::Client::open(url).map_err(invalid)
 }
 
 fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
@@ -542,14 +602,74 @@ pub(crate) fn lease_ms(lease: Duration) -> u64 {
 
 /// A wrong user or password is a configuration error naming the variable
 /// (never the password); anything else as [`redis_error`].
-fn connect_error(url: &str, e: redis::RedisError) -> Error {
+fn connect_error(url: &str, e: redis::RedisError, options: &RedisOptions) -> Error {
     if e.kind() == redis::ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
         return Error::config(
             "DLOCK_REDIS_URL",
             format!("Redis at {} refused the user or password in the URL ({:?})", redact(url), e.kind()),
         );
     }
+    if is_tls_url(url) {
+        if let Some(failure) = tls_failure(&e) {
+            let (var, hint) = match failure {
+                TlsFailure::Untrusted => (
+                    CA_FILE_VAR,
+                    "the server's certificate is not trusted or does not name this host: \
+                     point DLOCK_REDIS_CA_FILE at the CA that signed it",
+                ),
+                TlsFailure::ClientCertificate => (
+                    CLIENT_CERT_VAR,
+                    "the server refused this client's certificate or wants one (`tls-auth-clients yes`): \
+                     set DLOCK_REDIS_CLIENT_CERT_FILE and DLOCK_REDIS_CLIENT_KEY_FILE",
+                ),
+                TlsFailure::Other => (CA_FILE_VAR, "check the TLS set-up of client and server"),
+            };
+            return Error::config(var, format!("TLS handshake with {} failed: {hint} ({e})", redact(url)));
+        }
+        // With TLS 1.3 the server checks the client certificate after the
+        // client considers the handshake done, and its alert is lost when it
+        // resets the connection: all the client sees is the reset.
+        let has_client_cert = options.custom_tls().is_some_and(RedisTls::has_client_certificate);
+        if e.is_connection_dropped() && !e.is_connection_refusal() && !has_client_cert {
+            return Error::Backend {
+                backend: "redis",
+                message: format!(
+                    "{} closed the TLS connection right after the handshake; a server with `tls-auth-clients yes` does \
+                     this to a client without a certificate: set DLOCK_REDIS_CLIENT_CERT_FILE and \
+                     DLOCK_REDIS_CLIENT_KEY_FILE ({e})",
+                    redact(url)
+                ),
+                source: Some(Box::new(e)),
+            };
+        }
+    }
     redis_error(e)
+}
+
+enum TlsFailure {
+    Untrusted,
+    ClientCertificate,
+    Other,
+}
+
+/// Sorts a TLS failure out of a connection error by its OpenSSL text (redis-rs
+/// wraps the native-tls error without a kind of its own).
+fn tls_failure(e: &redis::RedisError) -> Option<TlsFailure> {
+    let text = e.to_string().to_ascii_lowercase();
+    if text.contains("certificate verify failed")
+        || text.contains("unable to get local issuer")
+        || text.contains("self-signed certificate")
+        || text.contains("hostname mismatch")
+        || text.contains("ip address mismatch")
+    {
+        Some(TlsFailure::Untrusted)
+    } else if text.contains("certificate required") || text.contains("bad certificate") || text.contains("unknown ca") {
+        Some(TlsFailure::ClientCertificate)
+    } else if text.contains("ssl") || text.contains("tls") || text.contains("handshake") {
+        Some(TlsFailure::Other)
+    } else {
+        None
+    }
 }
 
 pub(crate) fn redis_error(e: redis::RedisError) -> Error {
