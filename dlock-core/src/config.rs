@@ -61,6 +61,7 @@ impl BackendKind {
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
 /// | `DLOCK_IDEMPOTENCY_TTL_SECS` | life of tokens and stored responses | `86400` |
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
+/// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
 /// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]) | the lock backend's Redis, else in process |
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
@@ -106,6 +107,9 @@ pub struct Config {
     /// (`DLOCK_REDIS_CA_FILE`, `DLOCK_REDIS_CLIENT_CERT_FILE`,
     /// `DLOCK_REDIS_CLIENT_KEY_FILE`); `None`: the system trust store.
     pub redis_tls: Option<RedisTls>,
+    /// No grants from a Redis that restarted or lost its data until it has
+    /// been up this long (`DLOCK_RESTART_QUARANTINE_MS`; zero: off).
+    pub restart_quarantine: Duration,
 }
 
 impl Default for Config {
@@ -119,6 +123,7 @@ impl Default for Config {
             max_body_bytes: 64 * 1024,
             idempotency_redis_url: None,
             redis_tls: None,
+            restart_quarantine: Duration::ZERO,
         }
     }
 }
@@ -220,13 +225,32 @@ impl Config {
             check_url_supported("DLOCK_IDEMPOTENCY_REDIS_URL", url)?;
         }
         let redis_tls = redis_tls(&get)?;
-        Ok(Config { backend, prefix, lease, wait, idempotency_ttl, max_body_bytes, idempotency_redis_url, redis_tls })
+        let restart_quarantine = millis(&get, "DLOCK_RESTART_QUARANTINE_MS")?.unwrap_or(Duration::ZERO);
+        if !restart_quarantine.is_zero() && restart_quarantine < lease {
+            tracing::warn!(
+                quarantine_ms = restart_quarantine.as_millis() as u64,
+                lease_ms = lease.as_millis() as u64,
+                "DLOCK_RESTART_QUARANTINE_MS is shorter than the watchdog lease: a lock granted before a restart may \
+                 still be held when the quarantine ends"
+            );
+        }
+        Ok(Config {
+            backend,
+            prefix,
+            lease,
+            wait,
+            idempotency_ttl,
+            max_body_bytes,
+            idempotency_redis_url,
+            redis_tls,
+            restart_quarantine,
+        })
     }
 
     /// The Redis connection options of this configuration (TLS material).
     #[cfg(feature = "redis")]
     pub fn redis_options(&self) -> crate::backend::redis::RedisOptions {
-        let options = crate::backend::redis::RedisOptions::default();
+        let options = crate::backend::redis::RedisOptions::default().with_restart_quarantine(self.restart_quarantine);
         match &self.redis_tls {
             Some(tls) => options.with_tls(tls.clone()),
             None => options,

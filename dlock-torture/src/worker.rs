@@ -41,6 +41,9 @@ pub(crate) struct WorkerConfig {
     pub(crate) cs_max_ms: u64,
     /// ZooKeeper session timeout.
     pub(crate) session_ms: u64,
+    /// Redis restart quarantine (`DLOCK_RESTART_QUARANTINE_MS`); 0: off.
+    #[serde(default)]
+    pub(crate) quarantine_ms: u64,
     pub(crate) seed: u64,
 }
 
@@ -87,7 +90,8 @@ async fn connect(cfg: &WorkerConfig) -> Result<Client, String> {
                 &cfg.prefix,
                 RedisOptions::default()
                     .with_connect_timeout(Duration::from_millis(200))
-                    .with_response_timeout(Duration::from_millis(cfg.lease_ms / 3).max(Duration::from_millis(20))),
+                    .with_response_timeout(Duration::from_millis(cfg.lease_ms / 3).max(Duration::from_millis(20)))
+                    .with_restart_quarantine(Duration::from_millis(cfg.quarantine_ms)),
             )
             .await
             .map_err(|e| e.to_string())?,

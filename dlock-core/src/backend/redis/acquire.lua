@@ -5,8 +5,14 @@
 -- ARGV[4] '1' when the caller waits for release announcements: mark the lock
 -- as awaited, held or granted (a winning waiter may have others parked behind
 -- it in its process, which only its release will wake)
+-- KEYS[3], ARGV[5] = '1' (only with the restart quarantine): a data marker
+-- without TTL; when it is gone the server lost its data, and nothing is
+-- granted (the client quarantines it, see restart.rs).
 -- Returns {1, fencing token, holds} when granted (holds > 1: a re-entry),
--- {0, remaining ms of the holder} when held.
+-- {0, remaining ms of the holder} when held, {2} when the marker is gone.
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then
+  return {2}
+end
 local lock = redis.call('HMGET', KEYS[1], 'o', 'f')
 if lock[1] == false then
   -- The token is max(last + 1, server time in us): it keeps growing when the

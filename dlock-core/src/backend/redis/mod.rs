@@ -59,8 +59,10 @@ use crate::key::LockKey;
 use crate::owner::Owner;
 use crate::tls::{is_tls_url, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR};
 
+mod restart;
 pub(crate) mod subscriber;
 
+use restart::RestartGuard;
 use subscriber::Subscriber;
 
 /// How long the fencing counter outlives the last grant of its key.
@@ -78,11 +80,17 @@ pub struct RedisOptions {
     connect_timeout: Duration,
     response_timeout: Duration,
     tls: Option<RedisTls>,
+    restart_quarantine: Duration,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
-        RedisOptions { connect_timeout: Duration::from_secs(1), response_timeout: Duration::from_secs(1), tls: None }
+        RedisOptions {
+            connect_timeout: Duration::from_secs(1),
+            response_timeout: Duration::from_secs(1),
+            tls: None,
+            restart_quarantine: Duration::ZERO,
+        }
     }
 }
 
@@ -114,6 +122,25 @@ impl RedisOptions {
         self
     }
 
+    /// After the server restarts or loses its data, grant nothing until it
+    /// has been up this long (set it to the longest lease any client uses);
+    /// zero (the default) turns the check off. See
+    /// `DLOCK_RESTART_QUARANTINE_MS` and [`RELIABILITY.md`]: without
+    /// persistence, a restarted Redis otherwise grants locks whose earlier
+    /// holders are still running.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dlock_core::backend::redis::RedisOptions;
+    /// let opts = RedisOptions::default().with_restart_quarantine(Duration::from_secs(30));
+    /// ```
+    ///
+    /// [`RELIABILITY.md`]: https://github.com/dlock-rs/dlock/blob/main/RELIABILITY.md
+    pub fn with_restart_quarantine(mut self, quarantine: Duration) -> Self {
+        self.restart_quarantine = quarantine;
+        self
+    }
+
     fn custom_tls(&self) -> Option<&RedisTls> {
         self.tls.as_ref().filter(|t| t.is_custom())
     }
@@ -133,6 +160,7 @@ impl RedisOptions {
 #[derive(Clone)]
 pub struct RedisBackend {
     conn: Conn,
+    restart: Option<Arc<RestartGuard>>,
     pub(crate) subscriber: Subscriber,
     acquire: Script,
     renew: Script,
@@ -182,7 +210,7 @@ impl RedisBackend {
         .map_err(|_| Error::backend("redis", format!("no answer from {} within the connect timeout", redact(url))))?
         .map_err(|e| connect_error(url, e, &options))?;
         warn_on_evicting_policy(conn.clone()).await;
-        Self::finish(Conn::Single(conn), watch::channel(client).1, prefix).await
+        Self::finish(Conn::Single(conn), watch::channel(client).1, prefix, &options).await
     }
 
     async fn connect_cluster(url: &str, seeds: &[String], prefix: &str, options: RedisOptions) -> Result<Self> {
@@ -210,7 +238,7 @@ impl RedisBackend {
             .map_err(|e| connect_error(url, e, &options))?;
         let first = seeds.first().map(String::as_str).unwrap_or_default();
         let client = redis::Client::open(first).map_err(invalid)?;
-        Self::finish(Conn::Cluster(conn), watch::channel(client).1, prefix).await
+        Self::finish(Conn::Cluster(conn), watch::channel(client).1, prefix, &options).await
     }
 
     async fn connect_sentinel(url: &str, target: SentinelTarget, prefix: &str, options: RedisOptions) -> Result<Self> {
@@ -234,19 +262,47 @@ impl RedisBackend {
         let conn = SentinelConn::connect(sentinel, config, options.connect_timeout).await?;
         let client = conn.client.subscribe();
         warn_on_evicting_policy(conn.current()).await;
-        Self::finish(Conn::Sentinel(conn), client, prefix).await
+        Self::finish(Conn::Sentinel(conn), client, prefix, &options).await
     }
 
-    async fn finish(conn: Conn, client: watch::Receiver<redis::Client>, prefix: &str) -> Result<Self> {
+    async fn finish(
+        conn: Conn,
+        client: watch::Receiver<redis::Client>,
+        prefix: &str,
+        options: &RedisOptions,
+    ) -> Result<Self> {
         let probe = format!("{prefix}:{{dlock-probe}}:released");
         let subscriber = Subscriber::start(client, &probe).await?;
+        let restart = if options.restart_quarantine.is_zero() {
+            None
+        } else if matches!(conn, Conn::Cluster(_)) {
+            // The data marker lives in one slot, and a lock script may only
+            // touch the slot of its key.
+            return Err(Error::config(
+                "DLOCK_RESTART_QUARANTINE_MS",
+                "the restart quarantine is not available with Redis Cluster; unset it, or use AOF with appendfsync always",
+            ));
+        } else {
+            Some(Arc::new(RestartGuard::new(options.restart_quarantine, prefix)))
+        };
         Ok(RedisBackend {
             conn,
+            restart,
             subscriber,
             acquire: Script::new(include_str!("acquire.lua")),
             renew: Script::new(include_str!("renew.lua")),
             release: Script::new(include_str!("release.lua")),
         })
+    }
+
+    /// A failed command; a broken connection may mean a restarted server.
+    fn failed(&self, e: redis::RedisError) -> Error {
+        if let Some(guard) = &self.restart {
+            if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
+                guard.suspect();
+            }
+        }
+        redis_error(e)
     }
 
     /// The command connection, shared with the idempotency store so that it
@@ -267,18 +323,31 @@ impl RedisBackend {
     /// the caller waits for releases, so the lock's release must announce
     /// itself (see `wait::acquire_loop`).
     pub(crate) async fn try_on_node(&self, req: &AcquireRequest, awaited: bool) -> Result<NodeAttempt> {
-        let sent = Instant::now();
-        let reply: Vec<i64> = self
-            .acquire
-            .key(req.key.as_str())
-            .key(fence_key(&req.key))
-            .arg(req.owner.as_str())
-            .arg(lease_ms(req.lease))
-            .arg(FENCE_COUNTER_SECS)
-            .arg(if awaited { "1" } else { "0" })
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(redis_error)?;
+        let mut remarked = false;
+        let (reply, sent) = loop {
+            if let Some(guard) = &self.restart {
+                guard.check(&self.conn).await?;
+            }
+            let sent = Instant::now();
+            let mut invocation = self.acquire.key(req.key.as_str());
+            invocation
+                .key(fence_key(&req.key))
+                .arg(req.owner.as_str())
+                .arg(lease_ms(req.lease))
+                .arg(FENCE_COUNTER_SECS)
+                .arg(if awaited { "1" } else { "0" });
+            if let Some(guard) = &self.restart {
+                invocation.key(guard.marker.as_str()).arg("1");
+            }
+            let reply: Vec<i64> = invocation.invoke_async(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
+            match (&self.restart, reply.as_slice()) {
+                (Some(guard), [2]) if !remarked => {
+                    guard.marker_missing(&self.conn).await?;
+                    remarked = true;
+                }
+                _ => break (reply, sent),
+            }
+        };
         Ok(match reply.as_slice() {
             [1, token, holds] => NodeAttempt::Granted {
                 grant: Grant {
@@ -337,7 +406,7 @@ impl Backend for RedisBackend {
                 .arg(lease_ms(lease))
                 .invoke_async(&mut self.conn.clone())
                 .await
-                .map_err(redis_error)?;
+                .map_err(|e| self.failed(e))?;
             Ok(if extended == 1 { Renewal::Held { valid_until: sent + lease } } else { Renewal::Lost })
         })
     }
@@ -351,7 +420,7 @@ impl Backend for RedisBackend {
                 .arg(release_channel(key))
                 .invoke_async(&mut self.conn.clone())
                 .await
-                .map_err(redis_error)?;
+                .map_err(|e| self.failed(e))?;
             Ok(match left {
                 0 => Release::Freed,
                 n if n > 0 => Release::StillHeld(u32::try_from(n).unwrap_or(u32::MAX)),

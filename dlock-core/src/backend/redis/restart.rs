@@ -1,0 +1,183 @@
+//! Restart quarantine: no grants from a Redis that may have lost its locks,
+//! until every lease granted before the loss has run out.
+//!
+//! A Redis restarted without persistence (or with `appendfsync everysec`
+//! after a crash, or flushed) has forgotten locks whose holders still
+//! believe they hold them; granting the keys again at once puts two holders
+//! in the critical section. The Redis documentation's remedy is to keep the
+//! restarted server unavailable for the longest lease. dlock enforces it in
+//! the client when `DLOCK_RESTART_QUARANTINE_MS` is set (to at least the
+//! longest lease any client uses):
+//!
+//! * **run_id**: after a connection error, and at the first contact, the
+//!   backend reads `INFO server`. A server whose `run_id` is new to this
+//!   client and whose uptime is below the quarantine grants nothing until
+//!   its uptime reaches it.
+//! * **data marker**: a key without TTL that the acquire script checks. A
+//!   restart that this client did not notice (it was idle) or a `FLUSHALL`
+//!   leaves it missing; the client then sits out a quarantine before it sets
+//!   the marker again, so no client grants earlier than one quarantine after
+//!   the loss.
+//!
+//! A quarantined acquire fails with [`Error::Backend`] (`503` over HTTP):
+//! unavailable, never unsafe. Renewals need no quarantine (they only extend
+//! a key that is still there).
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{redis_error, Conn};
+use crate::error::{Error, Result};
+
+/// The restart guard of one Redis server (one RedLock node).
+#[derive(Debug)]
+pub(crate) struct RestartGuard {
+    quarantine: Duration,
+    /// The key the acquire script checks.
+    pub(crate) marker: String,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// The server's `run_id` when we last checked.
+    run_id: Option<String>,
+    /// A connection error happened since the last check.
+    suspect: bool,
+    /// No grants before this instant.
+    until: Option<Instant>,
+    /// The marker was found missing and a full quarantine has been sat out
+    /// since: the marker may be set again.
+    marker_wait_done: bool,
+}
+
+impl RestartGuard {
+    pub(crate) fn new(quarantine: Duration, prefix: &str) -> Self {
+        RestartGuard {
+            quarantine,
+            marker: format!("{prefix}:{{dlock-data-marker}}"),
+            state: Mutex::new(State { run_id: None, suspect: true, until: None, marker_wait_done: false }),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Single-field updates only: a poisoned state is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The connection failed: the server may have restarted.
+    pub(crate) fn suspect(&self) {
+        self.state().suspect = true;
+    }
+
+    fn refuse(&self, left: Duration, why: &str) -> Error {
+        Error::backend(
+            "redis",
+            format!(
+                "{why}; no grants for {} ms more (DLOCK_RESTART_QUARANTINE_MS = {} ms), so that no lease granted \
+                 before it can still be running",
+                left.as_millis(),
+                self.quarantine.as_millis()
+            ),
+        )
+    }
+
+    /// Before a grant: refuses while quarantined, and checks the server's
+    /// identity when a restart is in doubt.
+    pub(crate) async fn check(&self, conn: &Conn) -> Result<()> {
+        {
+            let mut s = self.state();
+            let now = Instant::now();
+            match s.until {
+                Some(until) if now < until => return Err(self.refuse(until - now, "the Redis server restarted or lost data")),
+                Some(_) => s.until = None,
+                None => {}
+            }
+            if !s.suspect {
+                return Ok(());
+            }
+        }
+        let (run_id, uptime) = self.server_identity(conn).await?;
+        let mut s = self.state();
+        let restarted = s.run_id.as_deref() != Some(run_id.as_str());
+        s.run_id = Some(run_id);
+        s.suspect = false;
+        if restarted && uptime < self.quarantine {
+            let left = self.quarantine - uptime;
+            s.until = Some(Instant::now() + left);
+            return Err(self.refuse(left, &format!("the Redis server has been up only {} s", uptime.as_secs())));
+        }
+        Ok(())
+    }
+
+    /// The acquire script found the data marker missing. Returns `Ok` when
+    /// the marker has been set again and the acquire may be retried.
+    pub(crate) async fn marker_missing(&self, conn: &Conn) -> Result<()> {
+        let wait_done = self.state().marker_wait_done;
+        if wait_done {
+            let mut c = conn.clone();
+            let _: () = redis::cmd("SET")
+                .arg(&self.marker)
+                .arg("1")
+                .arg("NX")
+                .query_async(&mut c)
+                .await
+                .map_err(|e| self.failed(e))?;
+            // Cleared only once the marker is set: a RedLock attempt may drop
+            // this future half-way, and must not have to wait again.
+            self.state().marker_wait_done = false;
+            tracing::info!(marker = %self.marker, "dlock: restart quarantine over; Redis grants locks again");
+            return Ok(());
+        }
+        let (run_id, uptime) = self.server_identity(conn).await?;
+        let mut s = self.state();
+        // Lost at restart: the quarantine counts from the start. Lost while
+        // up (a flush): from now, the latest the loss can have happened.
+        let left = if uptime < self.quarantine { self.quarantine - uptime } else { self.quarantine };
+        s.run_id = Some(run_id);
+        s.suspect = false;
+        s.until = Some(Instant::now() + left);
+        s.marker_wait_done = true;
+        tracing::warn!(marker = %self.marker, left_ms = left.as_millis() as u64, "dlock: Redis lost its data; quarantined");
+        Err(self.refuse(left, "the Redis server lost its data (restart without persistence, or a flush)"))
+    }
+
+    fn failed(&self, e: redis::RedisError) -> Error {
+        if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
+            self.suspect();
+        }
+        redis_error(e)
+    }
+
+    /// `run_id` and uptime from `INFO server`.
+    async fn server_identity(&self, conn: &Conn) -> Result<(String, Duration)> {
+        let mut c = conn.clone();
+        let info: String = redis::cmd("INFO").arg("server").query_async(&mut c).await.map_err(|e| self.failed(e))?;
+        parse_identity(&info).ok_or_else(|| {
+            Error::backend("redis", "INFO server gave no run_id and uptime_in_seconds; cannot check for restarts")
+        })
+    }
+}
+
+fn parse_identity(info: &str) -> Option<(String, Duration)> {
+    let field = |name: &str| {
+        info.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(':')).map(str::trim))
+    };
+    let run_id = field("run_id")?.to_owned();
+    let uptime = field("uptime_in_seconds")?.parse::<u64>().ok()?;
+    Some((run_id, Duration::from_secs(uptime)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identity_is_read_from_info_server() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nrun_id:abc123\r\ntcp_port:6379\r\nuptime_in_seconds:42\r\n";
+        assert_eq!(parse_identity(info), Some(("abc123".into(), Duration::from_secs(42))));
+        assert_eq!(parse_identity("# Server\r\nrun_id:x\r\n"), None);
+    }
+}

@@ -1,0 +1,199 @@
+//! The restart quarantine (`DLOCK_RESTART_QUARANTINE_MS`): a Redis that
+//! restarted without persistence, or lost its data, grants nothing until
+//! every lease granted before could have run out (R6; the client-quarantine
+//! arms of T4 and T5c in reliability.md). Each test also runs the same moves
+//! without the quarantine, to show the violation it prevents.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::backend::redis::{RedisBackend, RedisOptions};
+use dlock_core::backend::redlock::RedLockBackend;
+use dlock_core::{AcquireOptions, Backend, Error, LockGuard, LockKey, Locker, LockerOptions};
+use dlock_testing::RedisServer;
+use tokio::time::Instant;
+
+const LEASE: Duration = Duration::from_secs(2);
+const QUARANTINE: Duration = Duration::from_secs(2);
+
+fn locker(backend: impl Backend) -> Locker {
+    Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default()).expect("options")
+}
+
+async fn redis_locker(url: &str, quarantine: Duration) -> Locker {
+    let options = RedisOptions::default().with_restart_quarantine(quarantine);
+    locker(RedisBackend::connect_with(url, "dlock", options).await.expect("connect"))
+}
+
+fn fixed() -> AcquireOptions {
+    AcquireOptions::new().lease(LEASE)
+}
+
+/// Tries until granted (errors while the server is away or quarantined),
+/// returning the guard and the refusals seen on the way.
+async fn acquire_eventually(locker: &Locker, key: &LockKey) -> (LockGuard, Vec<Error>) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut refusals = Vec::new();
+    loop {
+        match locker.acquire(key, fixed()).await {
+            Ok(g) => return (g, refusals),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never granted; last refusal: {e}");
+                refusals.push(e);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// The first use of a server with the quarantine on: its data marker is
+/// not there yet, which cannot be told from a flush, so it sits out one
+/// quarantine before it sets the marker (once per server lifetime).
+async fn first_use(locker: &Locker) {
+    let k = locker.key("first-use").part(1).build().expect("key");
+    let started = Instant::now();
+    let (g, refusals) = acquire_eventually(locker, &k).await;
+    // RedLock reports the quarantined nodes as a missing quorum.
+    let refused = |e: &Error| quarantined(e) || matches!(e, Error::QuorumUnavailable { .. });
+    assert!(refusals.iter().any(refused), "a server without the marker is quarantined first: {refusals:?}");
+    assert!(started.elapsed() >= QUARANTINE - Duration::from_millis(100));
+    assert!(g.release().await.expect("release"));
+}
+
+fn quarantined(e: &Error) -> bool {
+    matches!(e, Error::Backend { .. }) && e.to_string().contains("DLOCK_RESTART_QUARANTINE_MS")
+}
+
+/// T4, client-quarantine arm: A holds two keys on a Redis without
+/// persistence; the server restarts empty. A client without the quarantine
+/// takes A's key at once (the documented violation); a client with it is
+/// refused until A's lease has run out, then granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_grants_nothing_until_the_quarantine_is_over() {
+    let mut server = RedisServer::start();
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await; // up longer than the quarantine
+    let url = server.url();
+    let a = redis_locker(&url, QUARANTINE).await;
+    first_use(&a).await;
+    let guarded = redis_locker(&url, QUARANTINE).await;
+    let unguarded = redis_locker(&url, Duration::ZERO).await;
+    let (k1, k2) = (a.key("restart").part(1).build().expect("key"), a.key("restart").part(2).build().expect("key"));
+    let held1 = a.acquire(&k1, fixed()).await.expect("A takes k1");
+    let held2 = a.acquire(&k2, fixed()).await.expect("A takes k2");
+    // Both clients have talked to the server before it restarts.
+    assert!(guarded.try_acquire(&k1).await.expect_err("held").is_contention());
+    assert!(unguarded.try_acquire(&k2).await.expect_err("held").is_contention());
+
+    server.restart();
+    let restarted = Instant::now();
+
+    let (stolen, _) = acquire_eventually(&unguarded, &k2).await;
+    assert!(Instant::now() < held2.valid_until(), "the control took k2 while A's lease on it still ran");
+
+    let (granted, refusals) = acquire_eventually(&guarded, &k1).await;
+    assert!(Instant::now() >= held1.valid_until(), "granted k1 while A's lease could still run");
+    assert!(restarted.elapsed() >= QUARANTINE - Duration::from_millis(100), "{:?}", restarted.elapsed());
+    assert!(refusals.iter().any(quarantined), "refused as quarantined: {refusals:?}");
+    assert!(granted.fencing_token() > held1.fencing_token(), "fencing tokens still grow (clock floor)");
+    drop((stolen, granted, held1, held2));
+}
+
+/// The data marker: a flush that no connection error announced is caught
+/// by the acquire script, and quarantined from the moment it is seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flushed_server_is_quarantined_from_when_the_loss_is_seen() {
+    let server = RedisServer::start();
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
+    let url = server.url();
+    let a = redis_locker(&url, QUARANTINE).await;
+    first_use(&a).await;
+    let b = redis_locker(&url, QUARANTINE).await;
+    let k = a.key("flushed").part(1).build().expect("key");
+    let held = a.acquire(&k, fixed()).await.expect("A takes k");
+    assert!(b.try_acquire(&k).await.expect_err("held").is_contention(), "B has checked the server");
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+    let flushed = Instant::now();
+    let first = b.try_acquire(&k).await.expect_err("the loss is seen");
+    assert!(quarantined(&first), "{first}");
+    assert!(first.to_string().contains("lost its data"), "{first}");
+
+    let (granted, _) = acquire_eventually(&b, &k).await;
+    assert!(flushed.elapsed() >= QUARANTINE, "granted {:?} after the flush", flushed.elapsed());
+    assert!(Instant::now() >= held.valid_until());
+    drop((granted, held));
+}
+
+/// T5c, mitigation arm: A holds a quorum {1, 2, 3} of five masters; 3, 4
+/// and 5 restart empty; B, connecting after, would get a second quorum
+/// {3, 4, 5} (see `a_node_restarted_empty_can_grant_a_second_quorum`). With
+/// the quarantine the restarted nodes grant nothing until A's lease is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_redlock_nodes_are_quarantined() {
+    let mut servers: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
+    let redlock = |urls: Vec<String>, options: RedisOptions| async move {
+        let backend = RedLockBackend::connect_with_options(&urls, "dlock", Duration::from_millis(100), options)
+            .await
+            .expect("connect");
+        locker(backend)
+    };
+    let a = redlock(urls.clone(), options.clone()).await;
+    first_use(&a).await;
+    // A quorum answered that first use; the nodes that were not waited for
+    // may be sitting out their own first quarantine. Use them until every
+    // node has its marker.
+    let marked = |s: &RedisServer| {
+        let n: u64 = redis::cmd("EXISTS").arg("dlock:{dlock-data-marker}").query(&mut s.connection()).expect("EXISTS");
+        n == 1
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !servers.iter().all(marked) {
+        assert!(Instant::now() < deadline, "every node gets its data marker");
+        let k = a.key("first-use").part(2).build().expect("key");
+        let (g, _) = acquire_eventually(&a, &k).await;
+        assert!(g.release().await.expect("release"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let k = a.key("restarted-empty").part(1).build().expect("key");
+    servers[3].kill();
+    servers[4].kill();
+    let held = a.acquire(&k, fixed()).await.expect("quorum of nodes 1-3");
+    servers[3].start_again();
+    servers[4].start_again();
+    servers[2].restart();
+    let restarted = Instant::now();
+
+    let b = redlock(urls, options).await;
+    let first = b.try_acquire(&k).await.expect_err("nodes 3-5 are quarantined, 1-2 held");
+    assert!(!first.is_contention() || first.to_string().contains("quorum"), "{first}");
+    let (granted, _) = acquire_eventually(&b, &k).await;
+    assert!(Instant::now() >= held.valid_until(), "a second quorum while A's lease ran");
+    assert!(restarted.elapsed() >= QUARANTINE - Duration::from_millis(100));
+    drop((granted, held));
+}
+
+/// `DLOCK_RESTART_QUARANTINE_MS`: off by default, a number of milliseconds.
+#[test]
+fn the_quarantine_is_a_config_option_with_a_default_of_off() {
+    let cfg = dlock_core::Config::from_lookup(|v| (v == "DLOCK_RESTART_QUARANTINE_MS").then(|| "30000".into())).expect("valid");
+    assert_eq!(cfg.restart_quarantine, Duration::from_secs(30));
+    let cfg = dlock_core::Config::from_lookup(|_| None).expect("valid");
+    assert!(cfg.restart_quarantine.is_zero());
+    let err = dlock_core::Config::from_lookup(|v| (v == "DLOCK_RESTART_QUARANTINE_MS").then(|| "soon".into()))
+        .expect_err("not a number");
+    assert!(err.to_string().contains("DLOCK_RESTART_QUARANTINE_MS"), "{err}");
+}
+
+/// The quarantine needs one slot for its marker: with Redis Cluster it is a
+/// start-up error naming the variable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quarantine_is_refused_with_redis_cluster() {
+    let cluster = dlock_testing::RedisCluster::start(3);
+    let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
+    let err = RedisBackend::connect_with(&cluster.url(), "dlock", options).await.expect_err("not with a cluster");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("DLOCK_RESTART_QUARANTINE_MS"), "{err}");
+}
