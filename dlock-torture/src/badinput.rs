@@ -1,4 +1,6 @@
-//! `bad-input`: a seeded fuzz loop over the LockLayer's key derivation,
+//! `bad-input`: a seeded fuzz loop over the LockLayer's key derivation and
+//! the `#[lockable]` macro's runtime path (its hidden extractor building the
+//! key from the handler's own extractors),
 //! driven through `tower::ServiceExt::oneshot` (no sockets): malformed and
 //! deeply nested JSON, huge numbers, separators, NUL and Unicode in fields,
 //! oversized bodies, wrong content types, non-UTF-8 headers, query strings
@@ -10,9 +12,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::extract::{Json, Query};
 use axum::routing::{get, post};
 use axum::Router;
-use dlock_axum::{LockLayer, LockerExt};
+use dlock_axum::{lockable, LockLayer, LockerExt};
 use dlock_core::{LockKey, Locker, MemoryBackend};
 use http::{HeaderValue, Request};
 use http_body_util::BodyExt;
@@ -24,9 +27,50 @@ use crate::scenarios::Size;
 
 const BODY_LIMIT: usize = 4096;
 
+#[derive(serde::Deserialize)]
+struct TextProduct {
+    id: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct TextOrder {
+    product: TextProduct,
+}
+
+#[derive(serde::Deserialize)]
+struct NumberProduct {
+    id: u64,
+}
+
+#[derive(serde::Deserialize)]
+struct NumberOrder {
+    product: NumberProduct,
+}
+
+#[derive(serde::Deserialize)]
+struct TokenParam {
+    token: Option<String>,
+}
+
+/// The seed's `createOrder` shape, with text ids (`None` for `null`).
+#[lockable(key = "fuzz.macro", fields = ["order.product.id", "token"], wait_ms = 0)]
+async fn macro_text(Query(TokenParam { token }): Query<TokenParam>, Json(order): Json<TextOrder>) -> &'static str {
+    let _ = (token, order.product.id);
+    "ok"
+}
+
+/// The same with numeric ids.
+#[lockable(key = "fuzz.macro.n", fields = ["order.product.id", "token"], wait_ms = 0)]
+async fn macro_number(Query(TokenParam { token }): Query<TokenParam>, Json(order): Json<NumberOrder>) -> &'static str {
+    let _ = (token, order.product.id);
+    "ok"
+}
+
 fn app() -> Router {
     let ok = || async { "ok" };
     Router::new()
+        .route("/m", post(macro_text))
+        .route("/mn", post(macro_number))
         .route("/j", post(ok).layer(LockLayer::new("fuzz.json").json("order.id").json("items.0.sku").max_body_bytes(BODY_LIMIT)))
         .route("/q", get(ok).layer(LockLayer::new("fuzz.query").query("q")))
         .route("/h", get(ok).layer(LockLayer::new("fuzz.header").header("x-tenant")))
@@ -57,6 +101,18 @@ fn json_value(rng: &mut Rng) -> String {
 
 fn json_body(rng: &mut Rng) -> (Vec<u8>, &'static str) {
     let valid = format!("{{\"order\":{{\"id\":{}}},\"items\":[{{\"sku\":{}}}]}}", json_value(rng), json_value(rng));
+    corrupt(rng, valid)
+}
+
+/// A body for the `#[lockable]` handlers: `{"product": {"id": …}}`.
+fn macro_body(rng: &mut Rng) -> (Vec<u8>, &'static str) {
+    let valid = format!("{{\"product\":{{\"id\":{}}},\"extra\":{}}}", json_value(rng), json_value(rng));
+    corrupt(rng, valid)
+}
+
+/// Sometimes breaks a valid body: cut, nested too deep, too large, not
+/// UTF-8, the wrong content type.
+fn corrupt(rng: &mut Rng, valid: String) -> (Vec<u8>, &'static str) {
     match rng.below(8) {
         0 => {
             let cut = usize::try_from(rng.below(valid.len() as u64)).unwrap_or(0);
@@ -80,7 +136,17 @@ fn percent_bytes(rng: &mut Rng) -> String {
 }
 
 fn request(rng: &mut Rng) -> Option<Request<Body>> {
-    match rng.below(4) {
+    match rng.below(6) {
+        4 | 5 => {
+            let (body, ct) = macro_body(rng);
+            let path = if rng.chance(0.5) { "/m" } else { "/mn" };
+            let uri = match rng.below(4) {
+                0 => path.to_owned(),
+                1 => format!("{path}?token={}", percent_bytes(rng)),
+                _ => format!("{path}?token={}", nasty_string(rng).replace(' ', "+").replace('\0', "%00")),
+            };
+            Request::post(uri).header("content-type", ct).body(Body::from(body)).ok()
+        }
         0 => {
             let (body, ct) = json_body(rng);
             Request::post("/j").header("content-type", ct).body(Body::from(body)).ok()
@@ -114,7 +180,7 @@ fn rss_kb() -> u64 {
 }
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
-    let mut r = Report::new("bad-input", "memory (LockLayer via tower oneshot)", seed);
+    let mut r = Report::new("bad-input", "memory (LockLayer and #[lockable] via tower oneshot)", seed);
     r.expected_safe = true;
     r.processes = 1;
     r.fault_kind = "malformed requests".into();
@@ -123,6 +189,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let mut rng = Rng::new(seed);
     let rss_before = rss_kb();
     let (mut server_errors, mut panics, mut non_json, mut unbuildable) = (0u64, 0u64, 0u64, 0u64);
+    let (mut macro_cases, mut extractor_rejections) = (0u64, 0u64);
     let mut statuses: HashMap<u16, u64> = HashMap::new();
     for _ in 0..cases {
         let Some(req) = request(&mut rng) else {
@@ -131,6 +198,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         };
         let app = app.clone();
         let what = format!("{} {}", req.method(), req.uri());
+        let macro_route = req.uri().path().starts_with("/m");
         let answer = tokio::spawn(async move {
             let res = match app.oneshot(req).await {
                 Ok(res) => res,
@@ -143,17 +211,29 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
             if status >= 500 && std::env::var_os("DLOCK_TORTURE_DEBUG").is_some() {
                 eprintln!("{status} {what}: {}", String::from_utf8_lossy(&body));
             }
-            Ok::<_, std::convert::Infallible>((status, is_json && parses))
+            Ok::<_, std::convert::Infallible>((status, is_json && parses, is_json))
         });
         match tokio::time::timeout(Duration::from_secs(5), answer).await {
-            Ok(Ok(Ok((status, json_error)))) => {
+            Ok(Ok(Ok((status, json_error, json_body)))) => {
                 *statuses.entry(status).or_default() += 1;
                 if status >= 500 {
                     server_errors += 1;
                 }
+                if macro_route {
+                    macro_cases += 1;
+                    // Before the lock, the handler's own `Query`/`Json`
+                    // extractors answer with axum's plain-text rejections; a
+                    // JSON answer is dlock's and must be its error shape.
+                    if (400..500).contains(&status) {
+                        if json_body && !json_error {
+                            non_json += 1;
+                        } else if !json_body {
+                            extractor_rejections += 1;
+                        }
+                    }
                 // 404 is the router's own answer to `/p/` (no segment), before
                 // any lock layer runs; every other 4xx comes from the layer.
-                if (400..500).contains(&status) && status != 404 && !json_error {
+                } else if (400..500).contains(&status) && status != 404 && !json_error {
                     non_json += 1;
                 }
             }
@@ -170,6 +250,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     codes.sort_unstable();
     r.note(format!(
         "statuses {codes:?}; 5xx {server_errors}; panics {panics}; 4xx without a JSON error {non_json}; \
+         #[lockable] cases {macro_cases} (axum extractor rejections among them {extractor_rejections}); \
          requests the http crate refused to build {unbuildable}; key collisions {collisions}; RSS {rss_before} → {rss_after} kB"
     ));
     if server_errors > 0 || panics > 0 || non_json > 0 || collisions > 0 {
