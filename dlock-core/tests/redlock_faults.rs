@@ -1,0 +1,273 @@
+//! RedLock under network faults that only per-client proxies can make
+//! (reliability.md T5d and T5e): every client reaches each of the 5
+//! redis-servers through a `FaultProxy` of its own, so one client can be
+//! partitioned from some nodes, or see some nodes as slow, while the other
+//! clients are not.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dlock_core::backend::redlock::{RedLockBackend, DEFAULT_NODE_TIMEOUT};
+use dlock_core::{AcquireOptions, Backend, Error, LockKey, Locker, LockerOptions};
+use dlock_testing::{FaultProxy, RedisServer};
+use tokio::time::Instant;
+
+/// One client process: a locker whose path to node `i` is `proxies[i]`.
+struct Client {
+    proxies: Vec<FaultProxy>,
+    locker: Locker,
+}
+
+async fn client(servers: &[RedisServer], node_timeout: Duration) -> Client {
+    let proxies: Vec<FaultProxy> = servers.iter().map(|s| FaultProxy::start(s.port())).collect();
+    let urls: Vec<String> = proxies.iter().map(|p| format!("redis://127.0.0.1:{}", p.port())).collect();
+    let backend =
+        RedLockBackend::connect_with(&urls, "dlock", node_timeout).await.expect("connect to the test redis-servers");
+    let locker = Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default())
+        .expect("valid options");
+    Client { proxies, locker }
+}
+
+/// The owner recorded in node `server`'s copy of the lock, if it has one.
+fn owner_on(server: &RedisServer, key: &LockKey) -> Option<String> {
+    redis::cmd("HGET").arg(key.as_str()).arg("o").query(&mut server.connection()).expect("HGET")
+}
+
+/// Lock hashes (not fencing counters, which outlive locks by design) left
+/// on `server`.
+fn lock_keys_on(server: &RedisServer) -> Vec<String> {
+    let keys: Vec<String> = redis::cmd("KEYS").arg("dlock:*").query(&mut server.connection()).expect("KEYS");
+    keys.into_iter().filter(|k| k.ends_with('}')).collect()
+}
+
+/// The protected resource of the fencing argument: it accepts a write only
+/// with a token at least as high as the last one it accepted.
+#[derive(Debug, Default)]
+struct FencedRegister {
+    state: Mutex<(u64, i64)>,
+}
+
+impl FencedRegister {
+    fn read(&self) -> i64 {
+        self.state.lock().expect("register").1
+    }
+
+    /// `Err(highest token seen)` when `token` is stale.
+    fn write(&self, token: u64, value: i64) -> Result<(), u64> {
+        let mut state = self.state.lock().expect("register");
+        if token < state.0 {
+            return Err(state.0);
+        }
+        *state = (token, value);
+        Ok(())
+    }
+}
+
+/// T5d, Kleppmann's clock-jump case, emulated: A cannot reach nodes 4 and
+/// 5 and locks 1-3; node 3's clock jumps forward, which we emulate by
+/// expiring A's key there early (`DEL`); B cannot reach 1 and 2 and locks
+/// 3-5 while A's validity has not ended. Both guards believe they hold the
+/// lock: RedLock's mutual exclusion rests on the nodes' clocks, and this
+/// test documents the violation. What still protects the resource is
+/// fencing: B's token is higher, so a register that checks tokens refuses
+/// A's write after B's, while an unchecked one loses B's update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clock_jump_on_one_node_gives_two_holders_and_fencing_refuses_the_stale_one() {
+    let servers: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
+    let a = client(&servers, DEFAULT_NODE_TIMEOUT).await;
+    let b = client(&servers, DEFAULT_NODE_TIMEOUT).await;
+    let k = a.locker.key("clock-jump").part(1).build().expect("key");
+    let lease = AcquireOptions::new().lease(Duration::from_secs(30));
+
+    // A is partitioned from nodes 4 and 5 and locks 1, 2, 3: a quorum.
+    a.proxies[3].cut();
+    a.proxies[4].cut();
+    let held_a = a.locker.acquire(&k, lease.clone()).await.expect("A: quorum of nodes 1-3");
+    let holders: Vec<Option<String>> = servers.iter().map(|s| owner_on(s, &k)).collect();
+    let a_owner = Some(held_a.owner().as_str().to_owned());
+    assert_eq!(holders, [a_owner.clone(), a_owner.clone(), a_owner.clone(), None, None], "A holds on 1-3 only");
+
+    // Node 3's clock jumps forward past A's expiry: the key is gone early.
+    let deleted: u64 = redis::cmd("DEL").arg(k.as_str()).query(&mut servers[2].connection()).expect("DEL");
+    assert_eq!(deleted, 1);
+
+    // B is partitioned from nodes 1 and 2 and asks 3, 4, 5: all grant.
+    b.proxies[0].cut();
+    b.proxies[1].cut();
+    let held_b = b.locker.acquire(&k, lease.clone()).await.expect("documented unsafety: nodes 3-5 grant B");
+    let b_owner = Some(held_b.owner().as_str().to_owned());
+    let holders: Vec<Option<String>> = servers.iter().map(|s| owner_on(s, &k)).collect();
+    assert_eq!(holders, [a_owner.clone(), a_owner, b_owner.clone(), b_owner.clone(), b_owner]);
+
+    // The violation: both guards are valid at the same instant.
+    let now = Instant::now();
+    assert!(!held_a.is_lost() && held_a.valid_until() > now, "A still believes it holds the lock");
+    assert!(!held_b.is_lost() && held_b.valid_until() > now, "B believes it holds the lock");
+
+    // Fencing orders them: B's grant is later, so its token is higher.
+    assert!(
+        held_b.fencing_token() > held_a.fencing_token(),
+        "B's token {} must exceed A's {}",
+        held_b.fencing_token(),
+        held_a.fencing_token()
+    );
+
+    // Both do a read-modify-write of a counter, interleaved the way the
+    // overlap allows: both read, B writes, then A writes.
+    let fenced = FencedRegister::default();
+    // The control is the same register with every write sent with the
+    // highest token, i.e. not checked.
+    let unfenced = FencedRegister::default();
+    let (seen_a, seen_b) = (fenced.read(), fenced.read());
+    let (plain_a, plain_b) = (unfenced.read(), unfenced.read());
+    fenced.write(held_b.fencing_token(), seen_b + 1).expect("B holds the newest token");
+    unfenced.write(u64::MAX, plain_b + 1).expect("unchecked");
+    let refused = fenced.write(held_a.fencing_token(), seen_a + 1);
+    unfenced.write(u64::MAX, plain_a + 1).expect("unchecked");
+    assert_eq!(refused, Err(held_b.fencing_token()), "A's stale write is refused");
+    assert_eq!(fenced.read(), 1, "the fenced counter holds exactly B's increment");
+    // Two holders incremented the control; one increment is lost.
+    assert_eq!(unfenced.read(), 1, "without fencing the overlap loses an update");
+
+    // B's release frees 3-5; A's frees 1-2 (node 3 is B's, 4-5 unreachable).
+    assert!(held_b.release().await.expect("B releases on a quorum"));
+    let _ = held_a.release().await;
+    for (i, s) in servers.iter().enumerate() {
+        assert!(lock_keys_on(s).is_empty(), "node {} kept a lock key", i + 1);
+    }
+}
+
+/// T5e: slow nodes under contention. Every client sees nodes 3 and 4 answer
+/// 0.4 × lease late and node 5 1.1 × lease late (later than the node
+/// timeout, so it never counts). Several clients with several tasks each
+/// contend on a few keys with a fixed lease. Checked:
+///
+/// * no acquire returns a guard whose validity has already ended (the
+///   time the slow quorum took is deducted, `lease − elapsed − drift`);
+/// * the lock is exclusive: a non-atomic read-modify-write of a counter
+///   per key, done while holding it, ends exact, and no two holders of a
+///   key are ever inside at once;
+/// * with every guard released and every attempt finished, no lock key is
+///   left on any node: failed attempts and undos leave nothing behind, even
+///   on the node whose replies nobody waits for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_nodes_never_yield_an_expired_guard_and_leave_no_keys() {
+    const CLIENTS: usize = 3;
+    const TASKS_PER_CLIENT: usize = 5;
+    const KEYS: usize = 4;
+    const TARGET: u64 = 300;
+    let lease = Duration::from_millis(500);
+    let budget = Duration::from_secs(45);
+
+    let servers: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
+    // The node timeout is the lease: a 0.4 × lease node answers in time,
+    // the 1.1 × lease one never does.
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let c = client(&servers, lease).await;
+        c.proxies[2].set_delay(lease * 2 / 5);
+        c.proxies[3].set_delay(lease * 2 / 5);
+        c.proxies[4].set_delay(lease * 11 / 10);
+        clients.push(c);
+    }
+    let keys: Vec<LockKey> =
+        (0..KEYS).map(|i| clients[0].locker.key("slow-nodes").part(i as u64).build().expect("key")).collect();
+
+    let counters: Arc<Vec<AtomicU64>> = Arc::new((0..KEYS).map(|_| AtomicU64::new(0)).collect());
+    let inside: Arc<Vec<AtomicBool>> = Arc::new((0..KEYS).map(|_| AtomicBool::new(false)).collect());
+    let acquired: Arc<Vec<AtomicU64>> = Arc::new((0..KEYS).map(|_| AtomicU64::new(0)).collect());
+    let total = Arc::new(AtomicU64::new(0));
+    let overlaps = Arc::new(AtomicU64::new(0));
+    let expired_on_return = Arc::new(AtomicU64::new(0));
+    let outlived_validity = Arc::new(AtomicU64::new(0));
+    let errors: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
+    let min_validity_us = Arc::new(AtomicU64::new(u64::MAX));
+    let started = Instant::now();
+
+    let mut tasks = Vec::new();
+    for (c, cl) in clients.iter().enumerate() {
+        for t in 0..TASKS_PER_CLIENT {
+            let locker = cl.locker.clone();
+            let keys = keys.clone();
+            let (counters, inside, acquired, total, overlaps) =
+                (counters.clone(), inside.clone(), acquired.clone(), total.clone(), overlaps.clone());
+            let (expired_on_return, outlived_validity, errors, min_validity_us) =
+                (expired_on_return.clone(), outlived_validity.clone(), errors.clone(), min_validity_us.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut i = c * TASKS_PER_CLIENT + t;
+                while total.load(Ordering::SeqCst) < TARGET && started.elapsed() < budget {
+                    i += 1;
+                    let k = i % KEYS;
+                    let opts = AcquireOptions::new().lease(lease).wait(lease * 10);
+                    let guard = match locker.acquire(&keys[k], opts).await {
+                        Ok(g) => g,
+                        Err(e) => {
+                            let kind = match e {
+                                Error::Timeout { .. } | Error::Busy { .. } => "contention",
+                                Error::QuorumUnavailable { .. } => "quorum unavailable",
+                                other => panic!("unexpected error: {other}"),
+                            };
+                            *errors.lock().expect("errors").entry(kind.into()).or_default() += 1;
+                            continue;
+                        }
+                    };
+                    let now = Instant::now();
+                    if guard.valid_until() <= now {
+                        expired_on_return.fetch_add(1, Ordering::SeqCst);
+                    } else {
+                        let us = u64::try_from((guard.valid_until() - now).as_micros()).unwrap_or(u64::MAX);
+                        min_validity_us.fetch_min(us, Ordering::SeqCst);
+                    }
+                    if inside[k].swap(true, Ordering::SeqCst) {
+                        overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                    // A read-modify-write a second holder would break.
+                    let seen = counters[k].load(Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    counters[k].store(seen + 1, Ordering::SeqCst);
+                    inside[k].store(false, Ordering::SeqCst);
+                    if Instant::now() >= guard.valid_until() {
+                        // The section outran the lock (a stalled machine):
+                        // exclusion was then not the lock's to give.
+                        outlived_validity.fetch_add(1, Ordering::SeqCst);
+                    }
+                    acquired[k].fetch_add(1, Ordering::SeqCst);
+                    total.fetch_add(1, Ordering::SeqCst);
+                    guard.release().await.expect("release reaches a quorum");
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let elapsed = started.elapsed();
+    let total = total.load(Ordering::SeqCst);
+    let errors = errors.lock().expect("errors").clone();
+    eprintln!(
+        "slow nodes: {total} acquisitions in {elapsed:?}, smallest validity left on return {:?}, errors {errors:?}",
+        Duration::from_micros(min_validity_us.load(Ordering::SeqCst))
+    );
+
+    // Every attempt and release has returned, and no request is delayed (only
+    // replies are), so every command has landed: a lock key still on a node
+    // now is a leftover, not one about to be deleted. Leftovers would live
+    // on for up to a lease, so this count is taken well inside that.
+    let left: Vec<(usize, Vec<String>)> =
+        servers.iter().enumerate().map(|(i, s)| (i + 1, lock_keys_on(s))).filter(|(_, k)| !k.is_empty()).collect();
+    assert!(left.is_empty(), "lock keys left behind (node, keys): {left:?}");
+
+    assert_eq!(expired_on_return.load(Ordering::SeqCst), 0, "an acquire returned an already expired guard");
+    assert_eq!(outlived_validity.load(Ordering::SeqCst), 0, "a 1 ms section outlived its validity: the run is not meaningful");
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holders of one key at once");
+    for k in 0..KEYS {
+        assert_eq!(
+            counters[k].load(Ordering::SeqCst),
+            acquired[k].load(Ordering::SeqCst),
+            "key {k}: lost updates on the counter"
+        );
+    }
+    assert!(total >= TARGET / 2, "only {total} acquisitions in {elapsed:?}: slow nodes must slow RedLock, not stop it");
+}
