@@ -271,3 +271,23 @@ async fn slow_nodes_never_yield_an_expired_guard_and_leave_no_keys() {
     }
     assert!(total >= TARGET / 2, "only {total} acquisitions in {elapsed:?}: slow nodes must slow RedLock, not stop it");
 }
+
+/// Found by T5e: a client's first acquire through nodes that answer in
+/// 0.4 × the node timeout failed with `QuorumUnavailable`. Each node's first
+/// script call took three round trips (EVALSHA, NOSCRIPT, SCRIPT LOAD,
+/// EVALSHA again), past the node timeout. RedLock now loads its scripts on
+/// every node when it connects, so the first acquire costs one round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_acquire_through_slow_nodes_is_one_round_trip() {
+    let servers: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
+    let node_timeout = Duration::from_millis(500);
+    let c = client(&servers, node_timeout).await;
+    for p in &c.proxies {
+        p.set_delay(node_timeout * 2 / 5);
+    }
+    let k = c.locker.key("first-acquire").part(1).build().expect("key");
+    let started = Instant::now();
+    let g = c.locker.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(5))).await.expect("a quorum answers in time");
+    assert!(started.elapsed() >= node_timeout * 2 / 5, "the replies were delayed");
+    assert!(g.release().await.expect("release"));
+}

@@ -104,16 +104,26 @@ impl RedLockBackend {
         }
         let options = RedisOptions::default().with_response_timeout(Duration::from_secs(1));
         let connecting = urls.iter().map(|url| RedisBackend::connect_with(url.as_ref(), prefix, options.clone()));
-        let mut nodes = Vec::with_capacity(urls.len());
-        for (i, node) in join_all(connecting).await.into_iter().enumerate() {
-            nodes.push(node.map_err(|e| match e {
+        let on_node = |i: usize| {
+            move |e| match e {
                 Error::Backend { message, source, .. } => Error::Backend {
                     backend: "redlock",
                     message: format!("node {} of DLOCK_REDLOCK_URLS: {message}", i + 1),
                     source,
                 },
                 other => other,
-            })?);
+            }
+        };
+        let mut nodes = Vec::with_capacity(urls.len());
+        for (i, node) in join_all(connecting).await.into_iter().enumerate() {
+            nodes.push(node.map_err(on_node(i))?);
+        }
+        // Loaded now, so that a node's first acquire is one round trip: with
+        // a cold script cache it takes three and a slow node misses the node
+        // timeout (found by the slow-node test, T5e). A node that restarts
+        // later loses its cache and pays that once more, on one attempt.
+        for (i, loaded) in join_all(nodes.iter().map(RedisBackend::load_scripts)).await.into_iter().enumerate() {
+            loaded.map_err(on_node(i))?;
         }
         Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default(), wakeups: Mutex::default(), turns: Mutex::default() })
     }
