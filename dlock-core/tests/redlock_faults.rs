@@ -427,3 +427,34 @@ async fn the_expiry_watch_reports_a_lock_key_left_to_expire() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(watch.finish(), [(2, "dlock:{left}".to_owned())]);
 }
+
+/// Found by T5e: with a node timeout longer than the lease, an attempt kept
+/// waiting for slow nodes after its validity was used up (their answers can
+/// no longer make a grant), while its grants on the fast nodes expired
+/// before its undo reached them. An attempt now stops waiting when its
+/// validity ends. Here the lease is 200 ms and 3 of 5 nodes answer 800 ms
+/// late (inside the 900 ms node timeout): the attempt gives up at ~196 ms
+/// and its undo waits for the slow nodes' answers, ~1 s in all, and the
+/// caller is told the quorum was unavailable. Before, it waited for the slow
+/// grants, found them too late, and told the caller the lock was busy,
+/// though nobody held it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_stops_waiting_when_its_validity_ends() {
+    let servers: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
+    let lease = Duration::from_millis(200);
+    let slow = Duration::from_millis(800);
+    let c = client(&servers, Duration::from_millis(900)).await;
+    for p in &c.proxies[2..] {
+        p.set_delay(slow);
+    }
+    let k = c.locker.key("past-validity").part(1).build().expect("key");
+    let started = Instant::now();
+    let err = c.locker.acquire(&k, AcquireOptions::new().lease(lease)).await.expect_err("no quorum in time");
+    let took = started.elapsed();
+    assert!(matches!(err, Error::QuorumUnavailable { granted: 2, .. }), "{err}");
+    assert!(took >= slow, "the undo waits for the slow nodes: {took:?}");
+    assert!(took < lease + slow + Duration::from_millis(300), "kept waiting past the validity: {took:?}");
+    for s in &servers {
+        assert!(lock_keys_on(s).is_empty());
+    }
+}
