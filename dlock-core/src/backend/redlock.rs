@@ -6,8 +6,10 @@
 //! * acquire is granted only with a quorum and only if the remaining
 //!   validity `lease − elapsed − drift` (drift = lease × 1 % + 2 ms) is
 //!   positive; the guard's [`valid_until`](crate::LockGuard::valid_until) is
-//!   that validity. A failed attempt releases on *every* node, including
-//!   those that did not answer (their command may still land).
+//!   that validity. An attempt waits for nodes no longer than that validity
+//!   (answers after it cannot make a grant). A failed attempt releases on
+//!   *every* node, including those that did not answer (their command may
+//!   still land).
 //! * a split vote (some grants, no quorum) retries after a random jitter so
 //!   competing clients do not collide forever; otherwise waiters sleep until
 //!   a release is announced on any node's pub/sub or the holders' TTL ends.
