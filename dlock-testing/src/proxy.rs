@@ -1,11 +1,12 @@
-//! A TCP proxy that can cut the line: a network partition between one
-//! client and a server, without root, iptables or namespaces.
+//! A TCP proxy that can cut the line or slow it down: a network partition
+//! or a slow link between one client and a server, without root, iptables,
+//! namespaces or `tc`.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Forwards `127.0.0.1:<port()>` to a server. [`FaultProxy::cut`] closes
 /// every connection and refuses new ones until [`FaultProxy::heal`], so the
@@ -30,6 +31,27 @@ struct Shared {
     cut: AtomicBool,
     stopped: AtomicBool,
     live: Mutex<Vec<TcpStream>>,
+    /// Extra latency of server → client bytes, in µs.
+    reply_delay_us: AtomicU64,
+    /// Extra latency of client → server bytes, in µs.
+    request_delay_us: AtomicU64,
+}
+
+/// Which way a pipe carries bytes, so it knows which delay applies.
+#[derive(Debug, Clone, Copy)]
+enum Direction {
+    Request,
+    Reply,
+}
+
+impl Shared {
+    fn delay(&self, direction: Direction) -> Duration {
+        let us = match direction {
+            Direction::Request => &self.request_delay_us,
+            Direction::Reply => &self.reply_delay_us,
+        };
+        Duration::from_micros(us.load(Ordering::SeqCst))
+    }
 }
 
 impl Shared {
@@ -74,8 +96,8 @@ impl FaultProxy {
                     live.push(c2);
                     live.push(s2);
                 }
-                pipe(client.try_clone(), server.try_clone());
-                pipe(server.try_clone(), client.try_clone());
+                pipe(client.try_clone(), server.try_clone(), s.clone(), Direction::Request);
+                pipe(server.try_clone(), client.try_clone(), s.clone(), Direction::Reply);
             }
         });
         FaultProxy { port, shared }
@@ -97,24 +119,78 @@ impl FaultProxy {
     pub fn heal(&self) {
         self.shared.cut.store(false, Ordering::SeqCst);
     }
+
+    /// Makes the server slow as the client sees it: every byte the server
+    /// sends is passed on `delay` after it arrived, on live connections and
+    /// new ones, so a reply reaches the client that much later while the
+    /// request itself lands on time. Bytes are never reordered: lowering
+    /// the delay does not let later bytes overtake those already held.
+    /// `Duration::ZERO` (the default) forwards at once.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// let redis = dlock_testing::RedisServer::start();
+    /// let proxy = dlock_testing::FaultProxy::start(redis.port());
+    /// proxy.set_delay(Duration::from_millis(200)); // every reply is 200 ms late
+    /// ```
+    pub fn set_delay(&self, delay: Duration) {
+        self.shared.reply_delay_us.store(micros(delay), Ordering::SeqCst);
+    }
+
+    /// Like [`FaultProxy::set_delay`] for the other direction: every byte the
+    /// client sends reaches the server `delay` late, so a command lands (and
+    /// takes effect) that much after it was sent.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// let redis = dlock_testing::RedisServer::start();
+    /// let proxy = dlock_testing::FaultProxy::start(redis.port());
+    /// proxy.set_request_delay(Duration::from_millis(200)); // commands land 200 ms late
+    /// ```
+    pub fn set_request_delay(&self, delay: Duration) {
+        self.shared.request_delay_us.store(micros(delay), Ordering::SeqCst);
+    }
 }
 
-fn pipe(from: std::io::Result<TcpStream>, to: std::io::Result<TcpStream>) {
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Copies `from` to `to`: a reader thread stamps each chunk with the time
+/// it may leave, a writer thread passes the chunks on in order once due, so
+/// a delay holds bytes back without reordering them and without stalling
+/// the reads (a slow link, not a stalled server).
+fn pipe(from: std::io::Result<TcpStream>, to: std::io::Result<TcpStream>, shared: Arc<Shared>, direction: Direction) {
     let (Ok(mut from), Ok(mut to)) = (from, to) else { return };
+    let Ok(from_for_writer) = from.try_clone() else { return };
+    let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
     std::thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         loop {
             match from.read(&mut buf) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
-                    if to.write_all(&buf[..n]).is_err() {
+                    let due = Instant::now() + shared.delay(direction);
+                    if tx.send((due, buf[..n].to_vec())).is_err() {
                         break;
                     }
                 }
             }
         }
+    });
+    std::thread::spawn(move || {
+        // Ends when the reader is gone and every held chunk is written.
+        for (due, bytes) in rx {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            if to.write_all(&bytes).is_err() {
+                break;
+            }
+        }
         let _ = to.shutdown(Shutdown::Both);
-        let _ = from.shutdown(Shutdown::Both);
+        let _ = from_for_writer.shutdown(Shutdown::Both);
     });
 }
 

@@ -6,8 +6,10 @@
 //! * acquire is granted only with a quorum and only if the remaining
 //!   validity `lease − elapsed − drift` (drift = lease × 1 % + 2 ms) is
 //!   positive; the guard's [`valid_until`](crate::LockGuard::valid_until) is
-//!   that validity. A failed attempt releases on *every* node, including
-//!   those that did not answer (their command may still land).
+//!   that validity. An attempt waits for nodes no longer than that validity
+//!   (answers after it cannot make a grant). A failed attempt releases on
+//!   *every* node, including those that did not answer (their command may
+//!   still land).
 //! * a split vote (some grants, no quorum) retries after a random jitter so
 //!   competing clients do not collide forever; otherwise waiters sleep until
 //!   a release is announced on any node's pub/sub or the holders' TTL ends.
@@ -129,16 +131,26 @@ impl RedLockBackend {
             ));
         }
         let connecting = urls.iter().map(|url| RedisBackend::connect_with(url.as_ref(), prefix, options.clone()));
-        let mut nodes = Vec::with_capacity(urls.len());
-        for (i, node) in join_all(connecting).await.into_iter().enumerate() {
-            nodes.push(node.map_err(|e| match e {
+        let on_node = |i: usize| {
+            move |e| match e {
                 Error::Backend { message, source, .. } => Error::Backend {
                     backend: "redlock",
                     message: format!("node {} of DLOCK_REDLOCK_URLS: {message}", i + 1),
                     source,
                 },
                 other => other,
-            })?);
+            }
+        };
+        let mut nodes = Vec::with_capacity(urls.len());
+        for (i, node) in join_all(connecting).await.into_iter().enumerate() {
+            nodes.push(node.map_err(on_node(i))?);
+        }
+        // Loaded now, so that a node's first acquire is one round trip: with
+        // a cold script cache it takes three and a slow node misses the node
+        // timeout (found by the slow-node test, T5e). A node that restarts
+        // later loses its cache and pays that once more, on one attempt.
+        for (i, loaded) in join_all(nodes.iter().map(RedisBackend::load_scripts)).await.into_iter().enumerate() {
+            loaded.map_err(on_node(i))?;
         }
         Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default(), wakeups: Mutex::default(), turns: Mutex::default() })
     }
@@ -147,19 +159,23 @@ impl RedLockBackend {
         self.nodes.len() / 2 + 1
     }
 
-    /// Runs `step` on every node at once, each bounded by the node timeout,
-    /// and returns as soon as `decided` says the outcome is known (a quorum
+    /// Runs `step` on every node at once, each bounded by `timeout`, and
+    /// returns as soon as `decided` says the outcome is known (a quorum
     /// agreed, or can no longer agree): a dead node costs its timeout only
     /// when the live ones cannot decide without it. Answers come with their
     /// node's index; a node without an answer failed, timed out or was not
     /// waited for. Steps still running are dropped; a command they already
     /// sent may still land, which every caller handles.
-    async fn on_all<'a, T, F, Fut>(&'a self, step: F, decided: impl Fn(&[(usize, T)], usize) -> bool) -> Vec<(usize, T)>
+    async fn on_all<'a, T, F, Fut>(
+        &'a self,
+        timeout: Duration,
+        step: F,
+        decided: impl Fn(&[(usize, T)], usize) -> bool,
+    ) -> Vec<(usize, T)>
     where
         F: Fn(usize, &'a RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<T>> + 'a,
     {
-        let timeout = self.node_timeout;
         let mut pending: FuturesUnordered<_> = self
             .nodes
             .iter()
@@ -197,8 +213,18 @@ impl RedLockBackend {
         let started = Instant::now();
         let granted_in =
             |a: &[(usize, NodeAttempt)]| a.iter().filter(|(_, a)| matches!(a, NodeAttempt::Granted { .. })).count();
+        let drift = req.lease / 100 + Duration::from_millis(2);
+        let validity = req.lease.saturating_sub(drift);
+        // An answer that comes after the validity is used up cannot make a
+        // grant, so the wait ends there even when the node timeout is longer:
+        // waiting on would only let our grants on the other nodes expire
+        // before the undo below reaches them, blocking the key for a lease.
         let answers = self
-            .on_all(|_, node| node.try_on_node(req, awaited), |a, failed| self.settled(granted_in(a), a.len(), failed))
+            .on_all(
+                self.node_timeout.min(validity),
+                |_, node| node.try_on_node(req, awaited),
+                |a, failed| self.settled(granted_in(a), a.len(), failed),
+            )
             .await;
         let (mut fence, mut any_reentry) = (0, false);
         let (mut granted, mut holder_ttl) = (0, None::<Duration>);
@@ -218,8 +244,7 @@ impl RedLockBackend {
                 }
             }
         }
-        let drift = req.lease / 100 + Duration::from_millis(2);
-        let valid_until = started + req.lease.saturating_sub(drift);
+        let valid_until = started + validity;
         if granted >= self.quorum() && Instant::now() < valid_until {
             let fencing_token = self.hold(&req.key, &req.owner, fence, any_reentry);
             return Ok(Attempt::Acquired(Grant { fencing_token, valid_until, lost: None }));
@@ -232,6 +257,7 @@ impl RedLockBackend {
         if answered_held < self.nodes.len() {
             let held_by_others = &held_by_others;
             self.on_all(
+                self.node_timeout,
                 |i, node| async move {
                     if held_by_others[i] {
                         Ok(Release::NotHeld)
@@ -387,7 +413,9 @@ impl Backend for RedLockBackend {
             let sent = Instant::now();
             let held_in = |a: &[(usize, Renewal)]| a.iter().filter(|(_, a)| matches!(a, Renewal::Held { .. })).count();
             let answers = self
-                .on_all(|_, node| node.renew(key, owner, lease), |a, failed| self.settled(held_in(a), a.len(), failed))
+                .on_all(self.node_timeout, |_, node| node.renew(key, owner, lease), |a, failed| {
+                    self.settled(held_in(a), a.len(), failed)
+                })
                 .await;
             let held = held_in(&answers);
             let lost = answers.len() - held;
@@ -408,7 +436,7 @@ impl Backend for RedLockBackend {
             // is not on anyone's hot path, and a node we skip keeps a stray
             // hold until its lease ends.
             self.unhold(key, owner);
-            let answers = self.on_all(|_, node| node.release(key, owner), |_, _| false).await;
+            let answers = self.on_all(self.node_timeout, |_, node| node.release(key, owner), |_, _| false).await;
             let freed = answers.iter().filter(|(_, a)| matches!(a, Release::Freed)).count();
             let still: Vec<u32> =
                 answers.iter().filter_map(|(_, a)| if let Release::StillHeld(n) = a { Some(*n) } else { None }).collect();

@@ -318,6 +318,18 @@ impl RedisBackend {
         })
     }
 
+    /// Loads the lock scripts into the server's script cache. A script
+    /// missing from it costs its first call two more round trips (EVALSHA
+    /// answered NOSCRIPT, then SCRIPT LOAD and EVALSHA again), which on a
+    /// slow RedLock node is enough to miss the node timeout.
+    pub(crate) async fn load_scripts(&self) -> Result<()> {
+        let mut conn = self.conn.clone();
+        for script in [&self.acquire, &self.renew, &self.release] {
+            script.prepare_invoke().load_async(&mut conn).await.map_err(redis_error)?;
+        }
+        Ok(())
+    }
+
     /// One acquire script call, telling a re-entry from a fresh grant (RedLock
     /// needs the difference to keep a re-entry's fencing token). `awaited`:
     /// the caller waits for releases, so the lock's release must announce
