@@ -159,9 +159,11 @@ impl Run {
     /// SIGKILLs a worker and logs it.
     pub(crate) fn kill(&mut self, pid: u32) {
         self.log("kill", Some(pid));
-        if let Some(child) = self.children.iter_mut().find(|c| c.id() == pid) {
+        if let Some(i) = self.children.iter().position(|c| c.id() == pid) {
+            let mut child = self.children.swap_remove(i);
             let _ = child.kill();
             let _ = child.wait();
+            // Reaped: no longer a worker to pick as a holder or to join.
         }
     }
 

@@ -31,7 +31,7 @@ use std::process::ExitCode;
 use harness::Report;
 
 const USAGE: &str = "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N]\n\
-scenarios: baseline pause kill-client restart-redis redlock-minority redlock-majority zk-expire \
+scenarios: baseline pause kill-client restart-redis redlock-minority redlock-majority redlock-restart zk-expire \
 partition checker-self-test orphan-renewal bad-input idempotency-storm";
 
 struct Args {

@@ -97,7 +97,14 @@ async fn connect(cfg: &WorkerConfig) -> Result<Client, String> {
             .map_err(|e| e.to_string())?,
         ),
         "redlock" => Arc::new(
-            RedLockBackend::connect_with(&cfg.urls, &cfg.prefix, Duration::from_millis(50)).await.map_err(|e| e.to_string())?,
+            RedLockBackend::connect_with_options(
+                &cfg.urls,
+                &cfg.prefix,
+                Duration::from_millis(50),
+                RedisOptions::default().with_restart_quarantine(Duration::from_millis(cfg.quarantine_ms)),
+            )
+            .await
+            .map_err(|e| e.to_string())?,
         ),
         "zookeeper" => Arc::new(
             ZooKeeperBackend::connect_with(first, &cfg.prefix, Duration::from_millis(cfg.session_ms))
