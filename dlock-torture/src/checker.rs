@@ -204,10 +204,17 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
         let mut active: Vec<&Interval> = Vec::new();
         for iv in &pk.intervals {
             active.retain(|a| a.end > iv.start);
-            if active.iter().any(|a| a.owner != iv.owner) {
+            // A hold whose known validity had ended before its grant was even
+            // logged (its process was paused between the two) was never
+            // believed at any moment the history can place; its true belief
+            // preceded the pause and the next grant.
+            let believed = iv.end > iv.start;
+            if believed && active.iter().any(|a| a.owner != iv.owner) {
                 f.overlaps += 1;
             }
-            active.push(iv);
+            if believed {
+                active.push(iv);
+            }
             if let Some(stale_t) = iv.first_stale {
                 f.stale_holds += 1;
                 if iv.lost_at.is_some_and(|l| l <= stale_t) {
@@ -249,6 +256,21 @@ mod tests {
         let f = check(&events, &HashMap::new(), 10);
         assert_eq!(f.overlaps, 1);
         assert_eq!(f.acquisitions, 3);
+    }
+
+    /// A grant logged only after its process was resumed, with a validity
+    /// that had already ended: not an overlap with the hold taken meanwhile.
+    #[test]
+    fn a_hold_logged_after_its_validity_is_not_an_overlap() {
+        let mut lost = e(6, 2, "lost", "b");
+        lost.vu = Some(3);
+        let events = vec![e(1, 1, "acq_ok", "a"), e(5, 2, "acq_ok", "b"), lost, e(7, 1, "rel_invoke", "a"), e(8, 2, "rel_invoke", "b")];
+        assert_eq!(check(&events, &HashMap::new(), 12).overlaps, 0);
+        // The same hold still believed past its log time does overlap.
+        let mut lost = e(6, 2, "lost", "b");
+        lost.vu = Some(6);
+        let events = vec![e(1, 1, "acq_ok", "a"), e(5, 2, "acq_ok", "b"), lost, e(7, 1, "rel_invoke", "a"), e(8, 2, "rel_invoke", "b")];
+        assert_eq!(check(&events, &HashMap::new(), 12).overlaps, 1);
     }
 
     #[test]
