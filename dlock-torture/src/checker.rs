@@ -28,6 +28,12 @@ pub(crate) struct Findings {
     /// signal by their first refused access.
     pub(crate) stale_holds: u64,
     pub(crate) stale_holds_signalled: u64,
+    /// Releases answered "not held" (`release()` = false: the lease had
+    /// run out, and maybe another owner held the key): T6c's typed result.
+    pub(crate) released_not_held: u64,
+    /// How long each acquire took to answer "unavailable" (T5b: a typed
+    /// error within a bound, not a hang).
+    pub(crate) unavailable_ns: Vec<u64>,
     pub(crate) waits_ns: Vec<u64>,
     /// For every killed holder: kill → next grant of its key, ns.
     pub(crate) recoveries_ns: Vec<u64>,
@@ -111,10 +117,13 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                 }
             }
             "acq_fail" => {
-                invoked.remove(&id);
+                let asked = invoked.remove(&id);
                 f.acq_failures += 1;
                 if e.res.as_deref().is_some_and(|r| r == "quorum_unavailable" || r == "backend") {
                     f.acq_unavailable += 1;
+                    if let Some(t0) = asked {
+                        f.unavailable_ns.push(e.t.saturating_sub(t0));
+                    }
                 }
             }
             "lost" => {
@@ -131,6 +140,7 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                     keys.entry(k).or_default().intervals.push(iv);
                 }
             }
+            "rel_ok" if e.res.as_deref() == Some("not_held") => f.released_not_held += 1,
             "w_invoke" => {
                 pending_w.insert((e.pid, e.task, e.reg.clone().unwrap_or_default()), e.key.unwrap_or(0));
             }
