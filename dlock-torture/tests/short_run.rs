@@ -7,13 +7,14 @@ use std::process::Command;
 
 use serde_json::Value;
 
-const SCENARIOS: [&str; 12] = [
+const SCENARIOS: [&str; 13] = [
     "baseline",
     "pause",
     "kill-client",
     "restart-redis",
     "redlock-minority",
     "redlock-majority",
+    "redlock-restart",
     "zk-expire",
     "partition",
     "checker-self-test",
