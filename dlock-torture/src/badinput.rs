@@ -265,7 +265,83 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     if server_errors > 0 || panics > 0 || non_json > 0 || collisions > 0 {
         r.fail("bad input produced a 5xx, a panic, a non-JSON error or a key collision");
     }
+    match huge_and_slow_bodies(&app).await {
+        Ok(note) => r.note(note),
+        Err(e) => r.fail(e),
+    }
     Ok(r)
+}
+
+fn infallible<T>(r: Result<T, std::convert::Infallible>) -> T {
+    match r {
+        Ok(t) => t,
+        Err(never) => match never {},
+    }
+}
+
+/// One megabyte of zeros, streamed over and over without allocating.
+static ZEROS: [u8; 1 << 20] = [0; 1 << 20];
+
+/// A 100 MB body streamed without `Content-Length` and one that declares
+/// 100 MB: both refused with 413 after reading at most the limit, with
+/// memory bounded. A slow sender: while its body trickles in, no lock is
+/// held for it (the layer reads the body before it acquires), so another
+/// request on the same key is served at once.
+async fn huge_and_slow_bodies(app: &Router) -> Result<String, String> {
+    use futures_util::StreamExt;
+
+    let rss_before = rss_kb();
+    let chunks = futures_util::stream::iter(0..100).map(|_| Ok::<_, std::io::Error>(axum::body::Bytes::from_static(&ZEROS)));
+    let streamed = Request::post("/j").header("content-type", "application/json").body(Body::from_stream(chunks));
+    let declared = Request::post("/j")
+        .header("content-type", "application/json")
+        .header("content-length", (100u64 << 20).to_string())
+        .body(Body::from("{}"));
+    let mut statuses = Vec::new();
+    for req in [streamed, declared] {
+        let req = req.map_err(|e| format!("building a huge request: {e}"))?;
+        let res = tokio::time::timeout(Duration::from_secs(10), app.clone().oneshot(req))
+            .await
+            .map_err(|_| "a 100 MB body was not refused within 10 s".to_owned())
+            .map(infallible)?;
+        statuses.push(res.status().as_u16());
+    }
+    let grown_kb = rss_kb().saturating_sub(rss_before);
+    if statuses != [413, 413] || grown_kb > 16 * 1024 {
+        return Err(format!("100 MB bodies: statuses {statuses:?} (want 413, 413), RSS grew {grown_kb} kB"));
+    }
+
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::io::Error>>(1);
+    let trickle = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+    let slow = Request::post("/j")
+        .header("content-type", "application/json")
+        .body(Body::from_stream(trickle))
+        .map_err(|e| format!("building the slow request: {e}"))?;
+    let slow = tokio::spawn(app.clone().oneshot(slow));
+    let body = r#"{"order":{"id":"slow"},"items":[{"sku":1}]}"#;
+    let (head, tail) = body.split_at(10);
+    tx.send(Ok(axum::body::Bytes::from_static(head.as_bytes()))).await.map_err(|_| "the slow body was dropped")?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Same key, sent whole while the slow body is still arriving.
+    let fast = Request::post("/j").header("content-type", "application/json").body(Body::from(body)).map_err(|e| e.to_string())?;
+    let fast = tokio::time::timeout(Duration::from_secs(2), app.clone().oneshot(fast))
+        .await
+        .map_err(|_| "a request waited for a slow sender's body".to_owned())
+        .map(infallible)?;
+    tx.send(Ok(axum::body::Bytes::from_static(tail.as_bytes()))).await.map_err(|_| "the slow body was dropped")?;
+    drop(tx);
+    let slow = tokio::time::timeout(Duration::from_secs(5), slow)
+        .await
+        .map_err(|_| "the slow request did not finish".to_owned())?
+        .map_err(|e| format!("the slow request's task: {e}"))
+        .map(infallible)?;
+    if (fast.status().as_u16(), slow.status().as_u16()) != (200, 200) {
+        return Err(format!("slow sender: same-key request {} while the body trickled, slow one {}", fast.status(), slow.status()));
+    }
+    Ok(format!(
+        "100 MB bodies (streamed, and declared): 413 and 413, RSS +{grown_kb} kB; a same-key request served while a slow \
+         sender's body trickled in (no lock held during body reads)"
+    ))
 }
 
 /// Builds keys from random tuples full of separators and escapes; two
