@@ -167,12 +167,10 @@ impl LockGuard {
                 return reason;
             }
             // Only a renewal moves `valid_until`; if none came in time the
-            // lease is gone, whatever became of the watchdog.
+            // lease is gone, whatever became of the watchdog. (`changed` does
+            // not fail: the guard holds a sender.)
             tokio::select! {
-                changed = rx.changed() => if changed.is_err() {
-                    sleep_until(s.valid_until).await;
-                    return self.expiry_reason(s.valid_until);
-                },
+                _ = rx.changed() => {}
                 _ = sleep_until(s.valid_until) => return self.expiry_reason(s.valid_until),
             }
         }

@@ -69,11 +69,14 @@ struct Schedule {
 }
 
 impl Schedule {
-    fn file(&mut self, id: u64) {
-        if let Some(hold) = self.holds.get_mut(id) {
-            hold.filed_at = hold.attention();
-            self.due.insert((hold.filed_at, id));
-        }
+    /// Files a hold under the instant it next needs attention, moving it
+    /// from where it was filed before; returns that instant.
+    fn file(&mut self, id: u64) -> Option<Instant> {
+        let hold = self.holds.get_mut(id)?;
+        self.due.remove(&(hold.filed_at, id));
+        hold.filed_at = hold.attention();
+        self.due.insert((hold.filed_at, id));
+        Some(hold.filed_at)
     }
 
     fn unfile(&mut self, id: u64) -> Option<Hold> {
@@ -226,8 +229,7 @@ impl Watchdog {
         let (id, start, wake) = {
             let mut s = self.shared.lock();
             let id = s.holds.insert(hold);
-            s.file(id);
-            let at = s.holds.get_mut(id).map(|h| h.filed_at);
+            let at = s.file(id);
             let start = !s.running;
             s.running = true;
             // No deadline: the task sleeps until woken.
@@ -375,8 +377,6 @@ fn settle(shared: &Shared, (id, sent, result): RenewalResult) {
             hold.next_renewal = Instant::now() + (hold.lease / 10).max(Duration::from_millis(1));
         }
     }
-    let filed_at = hold.filed_at;
-    s.due.remove(&(filed_at, id));
     s.file(id);
 }
 

@@ -31,22 +31,20 @@ impl Want {
             *self = Want::All;
             return;
         };
-        match self {
-            Want::All => {}
-            Want::Nothing => {
-                let mut child = Want::Nothing;
-                child.add(rest);
-                *self = Want::Members(vec![(first.clone(), child)]);
-            }
-            Want::Members(members) => match members.iter_mut().find(|(name, _)| name == first) {
-                Some((_, child)) => child.add(rest),
-                None => {
-                    let mut child = Want::Nothing;
-                    child.add(rest);
-                    members.push((first.clone(), child));
-                }
-            },
+        if let Want::Nothing = self {
+            *self = Want::Members(Vec::new());
         }
+        if let Want::Members(members) = self {
+            let at = match members.iter().position(|(name, _)| name == first) {
+                Some(at) => at,
+                None => {
+                    members.push((first.clone(), Want::Nothing));
+                    members.len() - 1
+                }
+            };
+            members[at].1.add(rest);
+        }
+        // `All` already keeps everything below it.
     }
 }
 

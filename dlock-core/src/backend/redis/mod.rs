@@ -297,12 +297,10 @@ impl RedisBackend {
 
     /// A failed command; a broken connection may mean a restarted server.
     fn failed(&self, e: redis::RedisError) -> Error {
-        if let Some(guard) = &self.restart {
-            if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
-                guard.suspect();
-            }
+        match &self.restart {
+            Some(guard) => guard.failed(e),
+            None => redis_error(e),
         }
-        redis_error(e)
     }
 
     /// The command connection, shared with the idempotency store so that it
@@ -542,7 +540,7 @@ impl SentinelConn {
     }
 
     fn should_refresh(e: &redis::RedisError) -> bool {
-        e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout() || e.code() == Some("READONLY")
+        lost_connection(e) || e.code() == Some("READONLY")
     }
 }
 
@@ -753,6 +751,12 @@ fn tls_failure(e: &redis::RedisError) -> Option<TlsFailure> {
     }
 }
 
+/// The connection broke, refused or timed out (rather than the server
+/// answering with an error): the server may be gone, restarted or failed over.
+pub(crate) fn lost_connection(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout()
+}
+
 pub(crate) fn redis_error(e: redis::RedisError) -> Error {
     let message = if e.code() == Some("OOM") || e.to_string().contains("OOM command not allowed") {
         format!(
@@ -761,7 +765,7 @@ pub(crate) fn redis_error(e: redis::RedisError) -> Error {
         )
     } else if e.is_timeout() {
         format!("Redis did not answer in time: {e}")
-    } else if e.is_connection_refusal() || e.is_connection_dropped() || e.is_io_error() {
+    } else if lost_connection(&e) {
         format!("cannot reach Redis: {e}")
     } else {
         e.to_string()

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{redis_error, Conn};
+use super::{lost_connection, redis_error, Conn};
 use crate::error::{Error, Result};
 
 /// The restart guard of one Redis server (one RedLock node).
@@ -68,7 +68,7 @@ impl RestartGuard {
     }
 
     /// The connection failed: the server may have restarted.
-    pub(crate) fn suspect(&self) {
+    fn suspect(&self) {
         self.state().suspect = true;
     }
 
@@ -144,8 +144,9 @@ impl RestartGuard {
         Err(self.refuse(left, "the Redis server lost its data (restart without persistence, or a flush)"))
     }
 
-    fn failed(&self, e: redis::RedisError) -> Error {
-        if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
+    /// A command failed; a broken connection may mean a restarted server.
+    pub(crate) fn failed(&self, e: redis::RedisError) -> Error {
+        if lost_connection(&e) {
             self.suspect();
         }
         redis_error(e)
