@@ -106,6 +106,16 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0";
 
+/// The least a lock with fencing tokens must do to grant: `SET NX PX` and,
+/// when it succeeds, `INCR` of a companion counter, atomically (one script).
+/// No reentrancy, no restart-proof token, no waiter flag, a counter that
+/// never expires: the floor under any fenced Redis lock, dlock included.
+const FENCED_SET_NX: &str = r"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+return 0";
+
 /// How a hand-written lock waits for a held key.
 enum Waiting {
     /// Never: the uncontended baseline only ever tries once.
@@ -168,6 +178,8 @@ pub(crate) struct RawLock {
     token_prefix: String,
     next_token: AtomicU64,
     waiting: Waiting,
+    /// Takes the lock with [`FENCED_SET_NX`] instead of a bare `SET NX PX`.
+    fenced: Option<Script>,
 }
 
 impl std::fmt::Debug for RawLock {
@@ -196,12 +208,21 @@ impl RawLock {
             token_prefix: Owner::random()?.as_str().to_owned(),
             next_token: AtomicU64::new(0),
             waiting,
+            fenced: None,
         })
     }
 
     /// Tries once; for the uncontended baseline.
     pub(crate) fn try_once(conn: MultiplexedConnection, name: &str, slots: usize) -> Result<Self> {
         Self::with(conn, name, slots, COMPARE_AND_DELETE, Waiting::TryOnce)
+    }
+
+    /// Tries once with a fencing token ([`FENCED_SET_NX`]); the uncontended
+    /// fenced floor.
+    pub(crate) fn fenced_try_once(conn: MultiplexedConnection, name: &str, slots: usize) -> Result<Self> {
+        let mut lock = Self::with(conn, name, slots, COMPARE_AND_DELETE, Waiting::TryOnce)?;
+        lock.fenced = Some(Script::new(FENCED_SET_NX));
+        Ok(lock)
     }
 
     /// Retries `SET NX` every `interval` while the key is held.
@@ -227,6 +248,16 @@ impl RawLock {
     }
 
     async fn set_nx(&self, key: &str, token: &str) -> Result<bool> {
+        if let Some(fenced) = &self.fenced {
+            let fence: u64 = fenced
+                .key(key)
+                .key(format!("{key}:fence"))
+                .arg(token)
+                .arg(LEASE.as_millis() as u64)
+                .invoke_async(&mut self.conn.clone())
+                .await?;
+            return Ok(fence > 0);
+        }
         let reply: Option<String> = redis::cmd("SET")
             .arg(key)
             .arg(token)
@@ -285,6 +316,10 @@ impl BenchLock for RawLock {
     }
 
     fn script_internal_commands(&self) -> &'static [&'static str] {
-        &["get", "del", "publish"]
+        if self.fenced.is_some() {
+            &["set", "incr", "get", "del"]
+        } else {
+            &["get", "del", "publish"]
+        }
     }
 }

@@ -161,6 +161,7 @@ impl Series {
             server_cmds_per_acquisition: if in_process { None } else { cmds(|c| c.1) },
             server_cpu_us: median(self.samples.iter().filter_map(|s| s.server_cpu_us_per_op)),
             ratio: None,
+            vs_floor: None,
             targets: Vec::new(),
             rounds: self.samples.len(),
             samples: self.samples.iter().map(|s| s.ops).sum(),

@@ -34,6 +34,8 @@ pub(crate) struct Row {
     pub(crate) server_cpu_us: Option<f64>,
     /// dlock / baseline throughput, on rows that have a baseline.
     pub(crate) ratio: Option<f64>,
+    /// dlock / the fenced floor (uncontended rows on Redis).
+    pub(crate) vs_floor: Option<f64>,
     pub(crate) targets: Vec<Target>,
     /// Measurements the medians were taken over.
     pub(crate) rounds: usize,
@@ -63,6 +65,9 @@ impl Row {
         }
         if let Some(r) = self.ratio {
             m.insert("ratio".into(), json!(round(r, 3)));
+        }
+        if let Some(r) = self.vs_floor {
+            m.insert("ratio_vs_fenced_floor".into(), json!(round(r, 3)));
         }
         if !self.targets.is_empty() {
             m.insert("targets".into(), json!(self.targets.iter().map(|t| t.goal.as_str()).collect::<Vec<_>>()));
@@ -99,20 +104,23 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
         let conc = if bench == "handoff" { "K" } else { "conc" };
         let _ = writeln!(
             out,
-            "{:<13} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6}  targets",
+            "{:<14} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6}  targets",
             "impl", "backend", conc, "ops/s", "p50 us", "p99 us", "cmds/acq", "srv/acq", "srv us", "ratio"
         );
         for r in rows.iter().filter(|r| r.bench == bench) {
             let opt = |v: Option<f64>, d: usize| v.map_or("-".to_owned(), |v| format!("{v:.d$}"));
-            let targets = r
+            let mut targets = r
                 .targets
                 .iter()
                 .map(|t| format!("{} {}", t.goal, if t.met { "ok" } else { "MISSED" }))
                 .collect::<Vec<_>>()
                 .join("; ");
+            if let Some(v) = r.vs_floor {
+                targets.push_str(&format!("; {v:.3} of the fenced floor"));
+            }
             let _ = writeln!(
                 out,
-                "{:<13} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>7} {:>6}  {}",
+                "{:<14} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>7} {:>6}  {}",
                 r.imp,
                 r.backend,
                 r.concurrency,
@@ -147,6 +155,7 @@ mod tests {
             server_cmds_per_acquisition: Some(20.5),
             server_cpu_us: Some(12.5),
             ratio: None,
+            vs_floor: None,
             targets: vec![Target { goal: "p50 <= 250 us".into(), met: true }],
             rounds: 3,
             samples: 900,
