@@ -9,7 +9,10 @@
 //! * `layer/redis`: the same layer on the bench's Redis;
 //! * `raw-route/redis`: a hand-written route that does `SET NX PX` and a
 //!   compare-and-delete `EVALSHA` around the same handler (target: the layer
-//!   on Redis ≥ 0.9 of it).
+//!   on Redis ≥ 0.9 of it);
+//! * `fenced-raw-route/redis`: the same with a fencing token (`SET NX PX` +
+//!   `INCR` in one script, as the uncontended bench's fenced floor), to show
+//!   how much of the gap fencing explains.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,6 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::args::Args;
+use super::locks::FENCED_SET_NX;
 use super::measure::{median, run_window, Timing};
 use super::report::Row;
 use super::{target, BenchError, Env, Result, Series};
@@ -52,6 +56,8 @@ async fn reduce(body: Bytes) -> (StatusCode, &'static str) {
 struct Raw {
     conn: MultiplexedConnection,
     script: Arc<redis::Script>,
+    /// Take the lock with [`FENCED_SET_NX`] rather than a bare `SET NX PX`.
+    fenced: Option<Arc<redis::Script>>,
     prefix: String,
     tokens: Arc<AtomicU64>,
 }
@@ -63,13 +69,29 @@ async fn raw_reduce(State(raw): State<Raw>, body: Bytes) -> (StatusCode, &'stati
     let key = format!("{}:raw:{id}", raw.prefix);
     let token = raw.tokens.fetch_add(1, Ordering::Relaxed).to_string();
     let mut conn = raw.conn.clone();
-    let got: Option<String> =
-        match redis::cmd("SET").arg(&key).arg(&token).arg("NX").arg("PX").arg(30_000).query_async(&mut conn).await {
-            Ok(v) => v,
-            Err(_) => return (StatusCode::SERVICE_UNAVAILABLE, "{}"),
-        };
-    if got.is_none() {
-        return (StatusCode::CONFLICT, "{}");
+    let got = match &raw.fenced {
+        Some(fenced) => fenced
+            .key(&key)
+            .key(format!("{key}:fence"))
+            .arg(&token)
+            .arg(30_000)
+            .invoke_async::<u64>(&mut conn)
+            .await
+            .map(|fence| fence > 0),
+        None => redis::cmd("SET")
+            .arg(&key)
+            .arg(&token)
+            .arg("NX")
+            .arg("PX")
+            .arg(30_000)
+            .query_async::<Option<String>>(&mut conn)
+            .await
+            .map(|v| v.is_some()),
+    };
+    match got {
+        Ok(true) => {}
+        Ok(false) => return (StatusCode::CONFLICT, "{}"),
+        Err(_) => return (StatusCode::SERVICE_UNAVAILABLE, "{}"),
     }
     let out = reduce(body).await;
     let _: redis::RedisResult<i64> = raw.script.key(&key).arg(&token).invoke_async(&mut conn).await;
@@ -157,10 +179,16 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         script: Arc::new(redis::Script::new(
             "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
         )),
+        fenced: None,
         prefix: env.prefix.clone(),
         tokens: Arc::new(AtomicU64::new(1)),
     };
-    let routers: [(&'static str, &'static str, Router); 4] = [
+    let fenced = Raw {
+        fenced: Some(Arc::new(redis::Script::new(FENCED_SET_NX))),
+        prefix: format!("{}:fenced", env.prefix),
+        ..raw.clone()
+    };
+    let routers: [(&'static str, &'static str, Router); 5] = [
         ("no-layer", "memory", Router::new().route("/stock/reduce", post(reduce))),
         ("layer", "memory", Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_locker(memory)),
         (
@@ -169,6 +197,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
             Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_locker(env.redis_locker.clone()),
         ),
         ("raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(raw)),
+        ("fenced-raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(fenced)),
     ];
     let mut served = Vec::new();
     for (imp, backend, router) in routers {
@@ -177,6 +206,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     }
     let mut ratio_memory = Vec::new();
     let mut ratio_redis = Vec::new();
+    let mut ratio_fenced = Vec::new();
     let rounds = args.uncontended_rounds;
     for round in 0..rounds {
         let n = served.len();
@@ -194,13 +224,18 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         if last(3) > 0.0 {
             ratio_redis.push(last(2) / last(3));
         }
+        if last(4) > 0.0 {
+            ratio_fenced.push(last(2) / last(4));
+        }
         eprintln!(
-            "http round {}/{rounds}: req/s no-layer {:.0}, layer/memory {:.0}, layer/redis {:.0}, raw-route/redis {:.0}",
+            "http round {}/{rounds}: req/s no-layer {:.0}, layer/memory {:.0}, layer/redis {:.0}, raw-route/redis {:.0}, \
+             fenced-raw-route/redis {:.0}",
             round + 1,
             last(0),
             last(1),
             last(2),
-            last(3)
+            last(3),
+            last(4)
         );
     }
     let mut rows = Vec::new();
@@ -213,6 +248,9 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
             let ratio = median(if i == 1 { ratio_memory.iter().copied() } else { ratio_redis.iter().copied() }).unwrap_or(0.0);
             row.ratio = Some(ratio);
             row.targets.push(target("ratio", ratio, false, 0.9, ""));
+        }
+        if i == 2 {
+            row.vs_floor = median(ratio_fenced.iter().copied());
         }
         rows.push(row);
     }

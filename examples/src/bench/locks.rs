@@ -110,7 +110,7 @@ return 0";
 /// when it succeeds, `INCR` of a companion counter, atomically (one script).
 /// No reentrancy, no restart-proof token, no waiter flag, a counter that
 /// never expires: the floor under any fenced Redis lock, dlock included.
-const FENCED_SET_NX: &str = r"
+pub(crate) const FENCED_SET_NX: &str = r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
