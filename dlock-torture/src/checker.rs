@@ -38,8 +38,8 @@ pub(crate) struct Findings {
     pub(crate) unavailable_ns: Vec<u64>,
     pub(crate) waits_ns: Vec<u64>,
     /// C3: op ids acknowledged on the fenced set (accepted, then the
-    /// section ended), and those of them missing from the final set, in
-    /// acknowledgement order.
+    /// section ended), and those of them missing from the final set, key
+    /// by key in acknowledgement order.
     pub(crate) set_acked: u64,
     pub(crate) set_missing: Vec<String>,
     /// C3 on the unfenced set control.
@@ -183,7 +183,6 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                     keys.entry(k).or_default().intervals.push(iv);
                 }
             }
-
             "w_invoke" => {
                 pending_w.insert((e.pid, e.task, e.reg.clone().unwrap_or_default()), e.key.unwrap_or(0));
             }
