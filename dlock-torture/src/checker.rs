@@ -1,10 +1,12 @@
 //! The checker: reads the merged history and the resource's final state and
 //! computes C1 (overlapping believed holds), C2/C4 (lost updates on the
 //! fenced register, refused and accepted stale writes, token regressions,
-//! losses on the unfenced control) and C5 (wait times, orphan recovery).
+//! losses on the unfenced control), C3 (set-full: every op id whose write
+//! to a set register was acknowledged must be in the final set) and C5
+//! (wait times, orphan recovery).
 //! C6 (residue) needs the lock servers and is measured by the scenarios.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::history::Event;
 
@@ -35,6 +37,19 @@ pub(crate) struct Findings {
     /// error within a bound, not a hang).
     pub(crate) unavailable_ns: Vec<u64>,
     pub(crate) waits_ns: Vec<u64>,
+    /// C3: op ids acknowledged on the fenced set (accepted, then the
+    /// section ended), and those of them missing from the final set, key
+    /// by key in acknowledgement order.
+    pub(crate) set_acked: u64,
+    pub(crate) set_missing: Vec<String>,
+    /// C3 on the unfenced set control.
+    pub(crate) unfenced_set_acked: u64,
+    pub(crate) unfenced_set_missing: Vec<String>,
+    /// From the first acquire call to the last release answer, ns.
+    pub(crate) span_ns: u64,
+    /// What the workers' in-process tables held at their end (`residue`
+    /// events), when the backend is in-process.
+    pub(crate) residue: Option<u64>,
     /// For every killed holder: kill → next grant of its key, ns.
     pub(crate) recoveries_ns: Vec<u64>,
 }
@@ -71,6 +86,9 @@ pub(crate) struct KeyState {
     pub(crate) unfenced: i64,
     /// (accepted, token, max before) in the resource's order.
     pub(crate) decisions: Vec<(bool, u64, u64)>,
+    /// The fenced set's and the unfenced set control's final op ids.
+    pub(crate) set: HashSet<String>,
+    pub(crate) unfenced_set: HashSet<String>,
 }
 
 #[derive(Default)]
@@ -78,8 +96,13 @@ struct PerKey {
     acked_f: i64,
     indet_f: i64,
     acked_u: i64,
+    /// Op ids whose set write was acknowledged: (fenced set?, id).
+    acked_sets: Vec<(bool, String)>,
     intervals: Vec<Interval>,
 }
+
+/// A set write accepted by the resource: (key, to the fenced set?, op id).
+type SetWrite = (u32, bool, String);
 
 /// Checks `events` (sorted by time) against the resource's final state.
 /// `run_end` closes holds that never released.
@@ -92,13 +115,33 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
     // A write invoked and never answered (its process died): indeterminate.
     let mut pending_w: HashMap<(u32, u32, String), u32> = HashMap::new();
     let mut kills: Vec<(u64, u32, Vec<u32>)> = Vec::new();
+    // Set writes accepted in the current section of (pid, task): they count
+    // as acknowledged once its `cs_exit` is logged.
+    let mut set_written: HashMap<(u32, u32), Vec<SetWrite>> = HashMap::new();
+    let (mut first_invoke, mut last_answer) = (None, 0u64);
 
     for e in events {
         let id = (e.pid, e.task);
         match e.op.as_str() {
             "acq_invoke" => {
                 invoked.insert(id, e.t);
+                first_invoke.get_or_insert(e.t);
             }
+            "rel_ok" | "rel_err" => {
+                last_answer = last_answer.max(e.t);
+                if e.res.as_deref() == Some("not_held") {
+                    f.released_not_held += 1;
+                }
+            }
+            "cs_enter" => {
+                set_written.remove(&id);
+            }
+            "cs_exit" => {
+                for (key, fenced, op) in set_written.remove(&id).unwrap_or_default() {
+                    keys.entry(key).or_default().acked_sets.push((fenced, op));
+                }
+            }
+            "residue" => *f.residue.get_or_insert(0) += u64::try_from(e.val.unwrap_or(0)).unwrap_or(0),
             "acq_ok" => {
                 f.acquisitions += 1;
                 if let Some(t0) = invoked.remove(&id) {
@@ -140,7 +183,6 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                     keys.entry(k).or_default().intervals.push(iv);
                 }
             }
-            "rel_ok" if e.res.as_deref() == Some("not_held") => f.released_not_held += 1,
             "w_invoke" => {
                 pending_w.insert((e.pid, e.task, e.reg.clone().unwrap_or_default()), e.key.unwrap_or(0));
             }
@@ -158,6 +200,11 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                     }
                     ("f", Some("error")) => k.indet_f += 1,
                     ("u", Some("ok")) => k.acked_u += 1,
+                    (set @ ("s" | "us"), Some("ok")) => {
+                        if let Some(op) = e.id.clone() {
+                            set_written.entry(id).or_default().push((e.key.unwrap_or(0), set == "s", op));
+                        }
+                    }
                     _ => {}
                 }
             }
@@ -185,6 +232,26 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
     for (_, (k, mut iv)) in open.drain() {
         iv.end = iv.end.min(run_end);
         keys.entry(k).or_default().intervals.push(iv);
+    }
+
+    f.span_ns = first_invoke.map_or(0, |t0| last_answer.saturating_sub(t0));
+    let mut key_order: Vec<u32> = keys.keys().copied().collect();
+    key_order.sort_unstable();
+    for key in &key_order {
+        let Some(pk) = keys.get(key) else { continue };
+        let state = finals.get(key);
+        // C3: an acknowledged id absent from the final set was lost.
+        for (fenced, op) in &pk.acked_sets {
+            let (acked, missing, set) = if *fenced {
+                (&mut f.set_acked, &mut f.set_missing, state.map(|s| &s.set))
+            } else {
+                (&mut f.unfenced_set_acked, &mut f.unfenced_set_missing, state.map(|s| &s.unfenced_set))
+            };
+            *acked += 1;
+            if !set.is_some_and(|s| s.contains(op)) {
+                missing.push(op.clone());
+            }
+        }
     }
 
     for (key, pk) in &mut keys {
@@ -291,6 +358,45 @@ mod tests {
         assert_eq!(check(&events, &HashMap::new(), 12).overlaps, 0);
     }
 
+    fn set_write(t: u64, pid: u32, reg: &str, res: &str, op: &str) -> Event {
+        Event { reg: Some(reg.into()), res: Some(res.into()), id: Some(op.into()), ..e(t, pid, "write", "x") }
+    }
+
+    /// C3: an id acknowledged (accepted, then `cs_exit`) but absent from the
+    /// final set is missing; an id refused, or whose section never ended
+    /// (its process died after the write), is not required.
+    #[test]
+    fn set_full_names_acknowledged_ids_missing_from_the_final_set() {
+        let events = vec![
+            e(1, 1, "cs_enter", "a"),
+            set_write(2, 1, "s", "ok", "1-0-1"),
+            set_write(3, 1, "us", "ok", "1-0-1"),
+            e(4, 1, "cs_exit", "a"),
+            e(5, 2, "cs_enter", "b"),
+            set_write(6, 2, "s", "ok", "2-0-1"),
+            set_write(7, 2, "us", "ok", "2-0-1"),
+            e(8, 2, "cs_exit", "b"),
+            e(9, 3, "cs_enter", "c"),
+            set_write(10, 3, "s", "stale", "3-0-1"),
+            e(11, 3, "cs_exit", "c"),
+            e(12, 4, "cs_enter", "d"),
+            set_write(13, 4, "s", "ok", "4-0-1"),
+        ];
+        let finals = HashMap::from([(
+            0,
+            KeyState {
+                set: HashSet::from(["1-0-1".to_owned()]),
+                unfenced_set: HashSet::from(["1-0-1".to_owned(), "2-0-1".to_owned()]),
+                ..KeyState::default()
+            },
+        )]);
+        let f = check(&events, &finals, 20);
+        assert_eq!(f.set_acked, 2);
+        assert_eq!(f.set_missing, vec!["2-0-1".to_owned()]);
+        assert_eq!(f.unfenced_set_acked, 2);
+        assert!(f.unfenced_set_missing.is_empty());
+    }
+
     #[test]
     fn lost_updates_and_stale_acceptance_are_found() {
         let mut w = e(2, 1, "write", "a");
@@ -298,7 +404,8 @@ mod tests {
         w.res = Some("ok".into());
         let mut w2 = w.clone();
         w2.t = 3;
-        let finals = HashMap::from([(0, KeyState { fenced: 1, unfenced: 0, decisions: vec![(true, 5, 0), (true, 4, 5)] })]);
+        let finals =
+            HashMap::from([(0, KeyState { fenced: 1, unfenced: 0, decisions: vec![(true, 5, 0), (true, 4, 5)], ..KeyState::default() })]);
         let f = check(&[e(1, 1, "acq_ok", "a"), w, w2, e(4, 1, "rel_invoke", "a")], &finals, 5);
         assert_eq!(f.lost_updates, 1);
         assert_eq!(f.stale_accepted, 1);

@@ -5,13 +5,14 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
 
 use crate::checker::{self, Findings, KeyState};
 use crate::history::{self, mono_ns, Event, History};
-use crate::resource::Resource;
+use crate::resource::{Resource, SetReg};
 use crate::worker::WorkerConfig;
 
 /// One scenario's row in the table and object in `--json`.
@@ -39,6 +40,12 @@ pub(crate) struct Report {
     pub(crate) stale_accepted: u64,
     pub(crate) token_regressions: u64,
     pub(crate) unfenced_lost: u64,
+    /// C3: acknowledged op ids missing from the final fenced set.
+    pub(crate) set_missing: u64,
+    /// C3 on the unfenced set control (lost under a broken lock or a fault).
+    pub(crate) unfenced_set_missing: u64,
+    /// Op ids acknowledged on the fenced set (what C3 checked).
+    pub(crate) set_acked: u64,
     pub(crate) lost_signals: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) stale_holds_signalled: Option<String>,
@@ -75,6 +82,25 @@ impl Report {
         self.token_regressions += f.token_regressions;
         self.unfenced_lost += f.unfenced_lost;
         self.lost_signals += f.lost_signals;
+        self.set_acked += f.set_acked;
+        self.set_missing += f.set_missing.len() as u64;
+        self.unfenced_set_missing += f.unfenced_set_missing.len() as u64;
+        if !f.set_missing.is_empty() {
+            self.note(format!(
+                "C3: {} of {} acknowledged op ids missing from the fenced set, first {}",
+                f.set_missing.len(),
+                f.set_acked,
+                first_ids(&f.set_missing)
+            ));
+        }
+        if !f.unfenced_set_missing.is_empty() {
+            self.note(format!(
+                "C3 control: {} of {} acknowledged op ids missing from the unfenced set, first {}",
+                f.unfenced_set_missing.len(),
+                f.unfenced_set_acked,
+                first_ids(&f.unfenced_set_missing)
+            ));
+        }
         if f.stale_holds > 0 {
             self.stale_holds_signalled = Some(format!("{}/{}", f.stale_holds_signalled, f.stale_holds));
         }
@@ -86,13 +112,14 @@ impl Report {
     }
 
     /// The harness's verdict: an expected-safe row must lose nothing on the
-    /// fenced register, accept no stale write, and (unless overlaps are
+    /// fenced counter or the fenced set, accept no stale write, and (unless overlaps are
     /// expected under its fault) show no overlap.
     pub(crate) fn safety_ok(&self) -> bool {
         if !self.expected_safe {
             return true;
         }
         self.lost_updates == 0
+            && self.set_missing == 0
             && self.stale_accepted == 0
             && self.token_regressions == 0
             && (self.overlaps_informational || self.overlaps == 0)
@@ -113,6 +140,32 @@ impl Report {
         }
         self.notes.push_str(what.as_ref());
     }
+}
+
+/// The first few of a list of op ids, for a note.
+fn first_ids(ids: &[String]) -> String {
+    const SHOWN: usize = 5;
+    let mut s = ids.iter().take(SHOWN).cloned().collect::<Vec<_>>().join(", ");
+    if ids.len() > SHOWN {
+        s.push_str(", …");
+    }
+    s
+}
+
+/// How many op ids each key's set registers take in a run (C3). Every
+/// section on a key reads and rewrites the whole set, so the traffic grows
+/// with the square of the ids it takes; the cap keeps a long run's sets
+/// under ~40 kB and the short run's (debug build, CI) under ~6 kB, while
+/// still covering the first few hundred sections of every key, where every
+/// scenario's faults begin.
+const SET_CAP_SHORT: u32 = 300;
+const SET_CAP_LONG: u32 = 2000;
+
+static SET_CAP: AtomicU32 = AtomicU32::new(SET_CAP_LONG);
+
+/// Chooses the set registers' cap for the run's size (`--short`).
+pub(crate) fn size_set_registers(short: bool) {
+    SET_CAP.store(if short { SET_CAP_SHORT } else { SET_CAP_LONG }, Ordering::Relaxed);
 }
 
 /// A run's processes and files.
@@ -143,6 +196,7 @@ impl Run {
         self.planned_end = self.planned_end.max(std::time::Instant::now() + Duration::from_millis(cfg.duration_ms));
         cfg.history = self.dir.join(format!("worker-{}.jsonl", self.next));
         cfg.seed ^= u64::from(self.next) << 40;
+        cfg.set_cap = SET_CAP.load(Ordering::Relaxed);
         self.histories.push(cfg.history.clone());
         let json = serde_json::to_string(&cfg).map_err(std::io::Error::other)?;
         let exe = std::env::current_exe()?;
@@ -236,7 +290,9 @@ impl Run {
         let mut finals = HashMap::new();
         for k in 0..keys {
             let (fenced, unfenced, decisions) = resource.snapshot(k).await.map_err(|e| format!("resource snapshot: {e}"))?;
-            finals.insert(k, KeyState { fenced, unfenced, decisions });
+            let set = resource.set_snapshot(SetReg::Fenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
+            let unfenced_set = resource.set_snapshot(SetReg::Unfenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
+            finals.insert(k, KeyState { fenced, unfenced, decisions, set, unfenced_set });
         }
         Ok(checker::check(&self.events(), &finals, mono_ns()))
     }

@@ -45,8 +45,8 @@ pub(crate) struct Event {
     #[serde(default)]
     pub(crate) task: u32,
     /// `acq_invoke`, `acq_ok`, `acq_fail`, `cs_enter`, `w_invoke`, `write`,
-    /// `cs_exit`, `rel_invoke`, `rel_ok`, `rel_err`, `lost`, and the
-    /// nemesis's `kill`, `stop`, `cont`, `restart`, `partition`, `heal`.
+    /// `cs_exit`, `rel_invoke`, `rel_ok`, `rel_err`, `lost`, `residue` (a
+    /// worker's in-process lock table at its end), and the nemesis's `kill`, `stop`, `cont`, `restart`, `partition`, `heal`.
     pub(crate) op: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) key: Option<u32>,
@@ -58,18 +58,22 @@ pub(crate) struct Event {
     /// (fixed leases, and the lease end at the moment a loss is seen).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) vu: Option<u64>,
-    /// For `write`: `f` (fenced register) or `u` (unfenced control).
+    /// For `write`: `f` (fenced counter), `u` (unfenced control), `s`
+    /// (fenced set) or `us` (unfenced set control).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) reg: Option<String>,
     /// For `write`: `ok` or `stale`; for `acq_fail`: the error kind.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) res: Option<String>,
-    /// For `write`: the value written.
+    /// For `write`: the value written; for `residue`: the keys left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) val: Option<i64>,
     /// For nemesis events: the target process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) target: Option<u32>,
+    /// For `write` to a set register (`s`, `us`): the op id added to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) id: Option<String>,
 }
 
 impl Event {

@@ -104,6 +104,7 @@ fn main() -> ExitCode {
     };
     eprintln!("dlock-torture: seed {} ({})", args.seed, if args.short { "short" } else { "long" });
     let size = scenarios::Size { short: args.short };
+    harness::size_set_registers(args.short);
     let mut rows: Vec<Report> = Vec::new();
     if !args.json {
         println!("{}", header());

@@ -9,19 +9,22 @@ use std::time::Duration;
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::RedLockBackend;
 use dlock_core::backend::zookeeper::ZooKeeperBackend;
-use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions};
+use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions, MemoryBackend};
 use serde::{Deserialize, Serialize};
 use tokio::time::{sleep, Instant};
 
 use crate::broken::{BrokenHold, BrokenLock, Bug};
 use crate::history::{instant_to_ns, Event, History};
-use crate::resource::{Fenced, Resource};
+use crate::resource::{Fenced, Resource, SetAccess, SetReg};
 use crate::rng::Rng;
 
 /// What one worker process does; passed as JSON on its command line.
+///
+/// `backend` `memory` is dlock's in-process table: it cannot span
+/// processes, so its contenders are the tasks of one worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct WorkerConfig {
-    /// `redis`, `redlock`, `zookeeper` or a `broken-*` variant.
+    /// `redis`, `redlock`, `zookeeper`, `memory` or a `broken-*` variant.
     pub(crate) backend: String,
     /// The lock servers.
     pub(crate) urls: Vec<String>,
@@ -44,6 +47,10 @@ pub(crate) struct WorkerConfig {
     /// Redis restart quarantine (`DLOCK_RESTART_QUARANTINE_MS`); 0: off.
     #[serde(default)]
     pub(crate) quarantine_ms: u64,
+    /// How many op ids each key's set registers take (C3); 0: no set
+    /// accesses. [`crate::harness::Run::spawn`] sets the run's cap.
+    #[serde(default)]
+    pub(crate) set_cap: u32,
     pub(crate) seed: u64,
 }
 
@@ -77,10 +84,18 @@ pub(crate) fn run(config_json: &str) -> Result<(), String> {
     rt.block_on(run_async(cfg))
 }
 
-async fn connect(cfg: &WorkerConfig) -> Result<Client, String> {
+/// The client, and the in-process table when the backend is `memory` (to
+/// report what is left in it at the end).
+async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend>>), String> {
     let lease = Duration::from_millis(cfg.lease_ms);
     if let Some(bug) = Bug::from_name(&cfg.backend) {
-        return BrokenLock::connect(bug, &cfg.urls, lease).await.map(Client::Broken).map_err(|e| e.to_string());
+        return BrokenLock::connect(bug, &cfg.urls, lease).await.map(|b| (Client::Broken(b), None)).map_err(|e| e.to_string());
+    }
+    let options = LockerOptions::default().with_prefix(cfg.prefix.clone()).with_watchdog_lease(lease);
+    if cfg.backend == "memory" {
+        let table = Arc::new(MemoryBackend::new());
+        let locker = Locker::with_options(table.clone(), options).map_err(|e| e.to_string())?;
+        return Ok((Client::Dlock(locker), Some(table)));
     }
     let first = cfg.urls.first().ok_or("no lock server URL")?;
     let backend: Arc<dyn Backend> = match cfg.backend.as_str() {
@@ -113,14 +128,14 @@ async fn connect(cfg: &WorkerConfig) -> Result<Client, String> {
         ),
         other => return Err(format!("unknown backend `{other}`")),
     };
-    let options = LockerOptions::default().with_prefix(cfg.prefix.clone()).with_watchdog_lease(lease);
-    Locker::with_options(backend, options).map(Client::Dlock).map_err(|e| e.to_string())
+    Locker::with_options(backend, options).map(|l| (Client::Dlock(l), None)).map_err(|e| e.to_string())
 }
 
 async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
     let history = Arc::new(History::open(&cfg.history).map_err(|e| format!("cannot open the history: {e}"))?);
     let resource = Resource::connect(&cfg.resource).await.map_err(|e| format!("cannot reach the resource server: {e}"))?;
-    let client = Arc::new(connect(&cfg).await?);
+    let (client, table) = connect(&cfg).await?;
+    let client = Arc::new(client);
     let cfg = Arc::new(cfg);
     let stop_at = Instant::now() + Duration::from_millis(cfg.duration_ms);
     let mut tasks = Vec::new();
@@ -138,6 +153,12 @@ async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
     for t in tasks {
         let _ = t.await;
     }
+    if let Some(table) = table {
+        // C6 for the in-process backend: every task has released, so the
+        // table must be empty; the supervisor reads this from the history.
+        let left = i64::try_from(table.len()).unwrap_or(i64::MAX);
+        history.log(&Event { val: Some(left), ..Event::now("residue") });
+    }
     Ok(())
 }
 
@@ -148,6 +169,8 @@ fn ev(op: &str, task: u32, key: u32) -> Event {
 async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, client: &Client, task: u32, seq: u64, rng: &mut Rng) {
     let key = u32::try_from(rng.below(u64::from(cfg.keys))).unwrap_or(0);
     let owner = format!("{}-{task}-{seq}", std::process::id());
+    // The op id the set registers take: unique in the run (pids differ).
+    let op_id = owner.clone();
     history.log(&Event { owner: Some(owner.clone()), ..ev("acq_invoke", task, key) });
     let wait = Duration::from_millis(cfg.wait_ms);
     let acquired: Result<Option<(Hold, Option<u64>, String)>, String> = match client {
@@ -197,7 +220,7 @@ async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, clie
     history.log(&Event { token: Some(token), owner: Some(owner.clone()), vu, ..ev("acq_ok", task, key) });
 
     let cs_sleep = Duration::from_millis(rng.below(cfg.cs_max_ms + 1));
-    let cs = critical_section(history, resource, task, key, token, cs_sleep);
+    let cs = critical_section(history, resource, Section { task, key, token, op_id: &op_id, set_cap: cfg.set_cap }, cs_sleep);
     tokio::pin!(cs);
     // The section runs to its end even after a loss, like an application
     // that ignores the signal: the resource's fencing must then refuse it.
@@ -240,10 +263,28 @@ async fn lost(client: &Client, hold: &Hold) -> Option<u64> {
     }
 }
 
-async fn critical_section(history: &History, resource: &Resource, task: u32, key: u32, token: u64, cs_sleep: Duration) {
+/// Who is in a critical section, and for what.
+struct Section<'a> {
+    task: u32,
+    key: u32,
+    token: u64,
+    op_id: &'a str,
+    set_cap: u32,
+}
+
+async fn critical_section(history: &History, resource: &Resource, s: Section<'_>, cs_sleep: Duration) {
+    let Section { task, key, token, .. } = s;
     history.log(&Event { token: Some(token), ..ev("cs_enter", task, key) });
     let fenced = resource.fenced_read(key, token).await;
     let plain = resource.read(key).await;
+    // Both set registers are read before the sleep and written after it,
+    // like the counter: a non-atomic read-modify-write of the whole set.
+    let mut sets = Vec::new();
+    if s.set_cap > 0 {
+        for reg in [SetReg::Fenced, SetReg::Unfenced] {
+            sets.push((reg, resource.set_read(reg, key, token, s.set_cap).await));
+        }
+    }
     sleep(cs_sleep).await;
     match fenced {
         Ok(Fenced::Ok(v)) => {
@@ -266,6 +307,31 @@ async fn critical_section(history: &History, resource: &Resource, task: u32, key
         history.log(&Event { token: Some(token), reg: Some("u".into()), ..ev("w_invoke", task, key) });
         let res = if resource.write(key, v + 1).await.is_ok() { "ok" } else { "error" };
         history.log(&Event { token: Some(token), reg: Some("u".into()), res: Some(res.into()), val: Some(v + 1), ..ev("write", task, key) });
+    }
+    for (reg, read) in sets {
+        let logged = |res: &str| Event {
+            token: Some(token),
+            reg: Some(reg.name().into()),
+            res: Some(res.into()),
+            id: Some(s.op_id.to_owned()),
+            ..ev("write", task, key)
+        };
+        match read {
+            Ok(SetAccess::Ok(mut ids)) => {
+                ids.push(s.op_id.to_owned());
+                history.log(&Event { token: Some(token), reg: Some(reg.name().into()), ..ev("w_invoke", task, key) });
+                let res = match resource.set_write(reg, key, token, &ids).await {
+                    Ok(SetAccess::Ok(_)) => "ok",
+                    Ok(SetAccess::Stale) => "stale",
+                    Ok(SetAccess::Full) | Err(_) => "error",
+                };
+                history.log(&logged(res));
+            }
+            Ok(SetAccess::Stale) => history.log(&logged("stale")),
+            // Past the cap: the set is left alone, and nothing is logged.
+            Ok(SetAccess::Full) => {}
+            Err(_) => history.log(&logged("error")),
+        }
     }
 }
 

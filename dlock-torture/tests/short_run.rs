@@ -56,6 +56,9 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         if r["expected_safe"] == true {
             assert_eq!(r["lost_updates"], 0, "lost update where the backend promises safety: {r}");
             assert_eq!(r["stale_accepted"], 0, "stale write accepted: {r}");
+            if !r["set_missing"].is_null() {
+                assert_eq!(r["set_missing"], 0, "C3: acknowledged op id missing from the fenced set: {r}");
+            }
             assert_eq!(r["pass"], true, "{r}");
         }
     }
@@ -68,6 +71,19 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         if variant != "broken-zk-herd" {
             assert!(row["overlaps"].as_u64().unwrap_or(0) > 0, "{row}");
         }
+        if variant == "broken-plain-del" || variant == "broken-get-then-set" {
+            assert!(row["unfenced_set_missing"].as_u64().unwrap_or(0) > 0, "C3 missed the ids {variant} lost: {row}");
+        }
+    }
+    // T1: a baseline row per backend, each with work done and nothing left.
+    for backend in ["redis", "redlock", "zookeeper", "memory"] {
+        let row = rows
+            .iter()
+            .find(|r| r["scenario"] == "baseline" && r["backend"] == backend)
+            .unwrap_or_else(|| panic!("baseline of {backend} missing"));
+        assert!(row["operations"].as_u64().unwrap_or(0) > 0, "{row}");
+        assert!(row["set_acked"].as_u64().unwrap_or(0) > 0, "C3 checked nothing: {row}");
+        assert_eq!(row["residual_keys"], 0, "{row}");
     }
     // The unmitigated restart must show the violation the docs describe.
     let unsafe_restart = rows
