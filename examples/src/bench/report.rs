@@ -104,7 +104,7 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
         let conc = if bench == "handoff" { "K" } else { "conc" };
         let _ = writeln!(
             out,
-            "{:<14} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6}  targets",
+            "{:<16} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6}  targets",
             "impl", "backend", conc, "ops/s", "p50 us", "p99 us", "cmds/acq", "srv/acq", "srv us", "ratio"
         );
         for r in rows.iter().filter(|r| r.bench == bench) {
@@ -120,7 +120,7 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
             }
             let _ = writeln!(
                 out,
-                "{:<14} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>7} {:>6}  {}",
+                "{:<16} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>7} {:>6}  {}",
                 r.imp,
                 r.backend,
                 r.concurrency,
