@@ -31,8 +31,10 @@ pub type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 
 /// `Idempotency-Key` handling for a route, per the IETF draft and Stripe.
 ///
-/// * No `Idempotency-Key` → `400 idempotency_key_missing`; empty, longer than
-///   255 bytes or with characters outside visible ASCII (`!`..`~`) →
+/// * No `Idempotency-Key` → `400 idempotency_key_missing`. The key may come
+///   bare (`k1`) or quoted as the draft's structured-field string (`"k1"`);
+///   both are the same key. A key (inside the quotes) that is empty, longer
+///   than 255 bytes or has characters outside visible ASCII (`!`..`~`) →
 ///   `400 idempotency_key_invalid`.
 /// * The request is fingerprinted (method, path with query, body; the body
 ///   is read up to `max_body_bytes`, `413 payload_too_large` beyond).

@@ -3,7 +3,10 @@
 //! The whole body is still checked to be one valid JSON value, but only the
 //! objects on the way to a key field are built; every other value is skipped
 //! without allocating. The result is a [`Value`] with just those paths, so
-//! the key is derived exactly as from the full document.
+//! the key is derived exactly as from the full document. A body is refused
+//! exactly when parsing it into a [`Value`] fails, nesting limit and number
+//! range included (found by the `lock_layer` fuzz target: serde_json's own
+//! `IgnoredAny` skips without either check).
 
 use std::fmt;
 
@@ -65,7 +68,7 @@ impl<'de> DeserializeSeed<'de> for Pruned<'_> {
         match self.0 {
             Want::All => Value::deserialize(d),
             Want::Nothing => {
-                IgnoredAny::deserialize(d)?;
+                Skip.deserialize(d)?;
                 Ok(Value::Null)
             }
             Want::Members(members) => d.deserialize_any(Members(members)),
@@ -108,7 +111,7 @@ impl<'de> Visitor<'de> for Members<'_> {
                     out.insert(name.clone(), value);
                 }
                 None => {
-                    map.next_value::<IgnoredAny>()?;
+                    map.next_value_seed(Skip)?;
                 }
             }
         }
@@ -123,7 +126,7 @@ impl<'de> Visitor<'de> for Members<'_> {
             // wanted ones keep their index.
             let element = match self.position_of_index(index) {
                 Some(i) => seq.next_element_seed(Pruned(&self.0[i].1))?,
-                None => seq.next_element::<IgnoredAny>()?.map(|_| Value::Null),
+                None => seq.next_element_seed(Skip)?.map(|()| Value::Null),
             };
             match element {
                 Some(v) => out.push(v),
@@ -156,6 +159,66 @@ impl<'de> Visitor<'de> for Members<'_> {
 
     fn visit_unit<E>(self) -> Result<Value, E> {
         Ok(Value::Null)
+    }
+}
+
+/// Skips one value without keeping it. Unlike `IgnoredAny`, which
+/// serde_json skips by a fast path that neither limits nesting nor checks
+/// that numbers fit an `f64`, it goes through `deserialize_any`, so the body
+/// is held to the same rules as when parsed into a [`Value`] (128 levels,
+/// `1e400` refused): a body a route's `Json` extractor would refuse is not
+/// let through to it.
+struct Skip;
+
+impl<'de> DeserializeSeed<'de> for Skip {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(Skip)
+    }
+}
+
+impl<'de> Visitor<'de> for Skip {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_key::<IgnoredAny>()?.is_some() {
+            map.next_value_seed(Skip)?;
+        }
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Skip)?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
     }
 }
 
@@ -225,6 +288,25 @@ mod tests {
         for bad in [&b"{\"a\": 1, \"b\": [1,}"[..], b"{\"a\": 1} x", b"", b"{\"a\": tru}", b"{\"b\": \"\\q\"}"] {
             assert!(read(bad, &w).is_err(), "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    /// What a `Value` parse refuses is refused, even inside members that are
+    /// skipped: nesting past serde_json's 128 levels, numbers past `f64`.
+    #[test]
+    fn skipped_members_are_held_to_the_value_rules() {
+        let (w, _) = want(&["a.b"]);
+        let deep = format!(r#"{{"x": {}{}, "a": {{"b": 1}}}}"#, "[".repeat(200), "]".repeat(200));
+        let shallow = format!(r#"{{"x": {}{}, "a": {{"b": 1}}}}"#, "[".repeat(100), "]".repeat(100));
+        let huge = r#"{"x": 1e400, "a": {"b": 1}}"#;
+        let huge_in_array = r#"{"x": [0, -1e999], "a": {"b": 1}}"#;
+        for body in [deep.as_str(), shallow.as_str(), huge, huge_in_array] {
+            let full = serde_json::from_str::<Value>(body);
+            let pruned = read(body.as_bytes(), &w);
+            assert_eq!(pruned.is_ok(), full.is_ok(), "{}: {:?}", &body[..40.min(body.len())], full.err());
+        }
+        assert!(read(shallow.as_bytes(), &w).is_ok());
+        assert!(read(deep.as_bytes(), &w).is_err());
+        assert!(read(huge.as_bytes(), &w).is_err());
     }
 
     #[test]
