@@ -35,6 +35,12 @@ pub(crate) struct Findings {
     /// error within a bound, not a hang).
     pub(crate) unavailable_ns: Vec<u64>,
     pub(crate) waits_ns: Vec<u64>,
+    /// Grants that logged their validity left on return (`left_us`), and
+    /// how many of them had none left (R3: never return an expired guard).
+    pub(crate) validity_logged: u64,
+    pub(crate) expired_on_return: u64,
+    /// The smallest validity left on return, µs.
+    pub(crate) min_left_us: Option<i64>,
     /// For every killed holder: kill → next grant of its key, ns.
     pub(crate) recoveries_ns: Vec<u64>,
 }
@@ -101,6 +107,11 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
             }
             "acq_ok" => {
                 f.acquisitions += 1;
+                if let Some(left) = e.left_us {
+                    f.validity_logged += 1;
+                    f.expired_on_return += u64::from(left <= 0);
+                    f.min_left_us = Some(f.min_left_us.map_or(left, |m| m.min(left)));
+                }
                 if let Some(t0) = invoked.remove(&id) {
                     f.waits_ns.push(e.t.saturating_sub(t0));
                 }
@@ -289,6 +300,22 @@ mod tests {
         lost.vu = Some(4);
         let events = vec![e(1, 1, "acq_ok", "a"), e(5, 2, "acq_ok", "b"), lost, e(10, 1, "rel_invoke", "a"), e(11, 2, "rel_invoke", "b")];
         assert_eq!(check(&events, &HashMap::new(), 12).overlaps, 0);
+    }
+
+    /// R3: a grant that logged no validity left is counted; one with time
+    /// left is not, and grants that logged nothing are not judged.
+    #[test]
+    fn grants_returned_with_their_validity_over_are_counted() {
+        let mut late = e(1, 1, "acq_ok", "a");
+        late.left_us = Some(-300);
+        let mut on_time = e(3, 2, "acq_ok", "b");
+        on_time.left_us = Some(250_000);
+        let unlogged = e(5, 3, "acq_ok", "c");
+        let f = check(&[late, e(2, 1, "rel_invoke", "a"), on_time, e(4, 2, "rel_invoke", "b"), unlogged], &HashMap::new(), 6);
+        assert_eq!(f.acquisitions, 3);
+        assert_eq!(f.validity_logged, 2);
+        assert_eq!(f.expired_on_return, 1);
+        assert_eq!(f.min_left_us, Some(-300));
     }
 
     #[test]

@@ -70,6 +70,11 @@ pub(crate) struct Event {
     /// For nemesis events: the target process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) target: Option<u32>,
+    /// For `acq_ok`: the validity the guard had left when `acquire`
+    /// returned, in µs on the guard's own clock (negative: it returned a
+    /// guard whose validity was already over, which R3 forbids).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) left_us: Option<i64>,
 }
 
 impl Event {
