@@ -10,7 +10,7 @@
 //!
 //! Per episode: the holder takes the key (watchdog lease 300 ms, renewed
 //! every 100 ms) and holds it a while; the cut starts; the probe polls
-//! `PTTL` every 2 ms until the key is gone on the server, then the other
+//! `PEXPIRETIME` every 2 ms until the key is gone on the server, then the other
 //! client takes it; the heal comes 2 × lease after the cut; for 300 ms
 //! after, the probe reads the key's owner every 5 ms.
 //!
@@ -18,12 +18,15 @@
 //! silent loss otherwise); the owner never went back to the old holder
 //! after another took the key (a resurrection); the other client was not
 //! granted the key before the holder's own validity ended (an overlap).
-//! The LockLost latency is measured from the moment the server let the key
-//! go (the first `PTTL` that answered "no such key": Redis expires a key on
-//! access the moment its TTL is over, so this is the lease's true end to
-//! within the 2 ms poll), and also, in the note, from the end of the
-//! validity the holder could vouch for (its last successful renewal's send
-//! + lease).
+//! The LockLost latency is measured from the lease's end as the *server*
+//! kept it: the key's `PEXPIRETIME` (absolute Unix ms, read every 2 ms
+//! during the cut, the latest value: a renewal sent just before the cut may
+//! still land), against the wall-clock moment the holder saw `lost` — one
+//! machine, one clock, ms resolution. That is the moment another client can
+//! take the key, and it does not move with the harness's own scheduling
+//! (a stall of this process delays the signal and shows in the figure).
+//! The note also gives it from the end of the validity the holder could
+//! vouch for (its last successful renewal's send + lease).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,13 +49,17 @@ const WATCH_AFTER_HEAL: Duration = Duration::from_millis(300);
 /// What one episode showed.
 #[derive(Debug, Default)]
 struct Episode {
-    /// The key vanished on the server during the cut (`PTTL` = -2).
+    /// The key vanished on the server during the cut (`PEXPIRETIME` = -2).
     gone_at: Option<Instant>,
     /// The other client's grant.
     taken_at: Option<Instant>,
     /// The holder's lost signal, and the validity end it knew then.
     lost_at: Option<Instant>,
     valid_until: Option<Instant>,
+    /// The lease's end as the server kept it (`PEXPIRETIME`, Unix ms, the
+    /// latest read during the cut), and the lost signal on the same clock.
+    server_end_ms: Option<i64>,
+    lost_wall_ms: Option<f64>,
     /// Owner reads after the heal that named the old holder again, after
     /// the key had expired on the server.
     resurrections: u64,
@@ -130,8 +137,9 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         })
         .count();
     let ms = |a: Instant, b: Instant| if a >= b { (a - b).as_secs_f64() * 1e3 } else { -((b - a).as_secs_f64() * 1e3) };
+    // Redis counts a key expired once its clock's ms is past PEXPIRETIME.
     let from_server: Vec<f64> =
-        results.iter().filter_map(|e| Some(ms(e.lost_at?, e.gone_at?))).collect();
+        results.iter().filter_map(|e| Some(e.lost_wall_ms? - (e.server_end_ms? + 1) as f64)).collect();
     let from_client: Vec<f64> =
         results.iter().filter_map(|e| Some(ms(e.lost_at?, e.valid_until?))).collect();
     let not_held = results.iter().filter(|e| e.released_held == Some(false)).count();
@@ -144,8 +152,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     r.lost_latency_p50_ms = percentile(&from_server, 0.5);
     r.lost_latency_p99_ms = percentile(&from_server, 0.99);
     r.note(format!(
-        "silent lease losses: {silent}/{}; LockLost latency from the key's expiry on the server p50 {:.1} ms, p99 {:.1} ms, \
-         max {:.1} ms (negative: signalled before the key was free)",
+        "silent lease losses: {silent}/{}; LockLost latency from the lease's end on the server (PEXPIRETIME, ms \
+         resolution) p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (negative: signalled before the key was free)",
         expired.len(),
         percentile(&from_server, 0.5).unwrap_or(0.0),
         percentile(&from_server, 0.99).unwrap_or(0.0),
@@ -202,25 +210,34 @@ async fn episode(
     };
     let mut e = Episode::default();
     let signal = async {
-        timeout_at(heal_at + Duration::from_millis(500), ga.lost()).await.ok().map(|_| Instant::now())
+        timeout_at(heal_at + Duration::from_millis(500), ga.lost()).await.ok().map(|_| (Instant::now(), unix_ms()))
     };
     let mut probe2 = probe.clone();
     let taker = async {
+        // `PEXPIRETIME` (Unix ms; -2 once the key is gone) both finds the
+        // expiry and records the lease end the server kept: the latest read,
+        // since a renewal sent just before the cut may still land.
+        let mut server_end = None;
         // Until the heal: after it, a key still there was renewed.
         while Instant::now() < heal_at {
-            let pttl: i64 = redis::cmd("PTTL").arg(&name).query_async(&mut probe2).await.map_err(|e| e.to_string())?;
-            if pttl == -2 {
+            let at: i64 = redis::cmd("PEXPIRETIME").arg(&name).query_async(&mut probe2).await.map_err(|e| e.to_string())?;
+            if at == -2 {
                 let gone = Instant::now();
                 let gb = other.acquire(&ga_key(other, &name)?, AcquireOptions::new().wait(LEASE)).await.ok();
-                return Ok::<_, String>((Some(gone), gb.map(|g| (Instant::now(), g))));
+                return Ok::<_, String>((Some(gone), server_end, gb.map(|g| (Instant::now(), g))));
+            }
+            if at > 0 {
+                server_end = Some(server_end.map_or(at, |s: i64| s.max(at)));
             }
             sleep(Duration::from_millis(2)).await;
         }
-        Ok((None, None))
+        Ok((None, server_end, None))
     };
-    let (lost_at, taken) = tokio::join!(signal, taker);
-    let (gone_at, gb) = taken?;
-    e.lost_at = lost_at;
+    let (lost, taken) = tokio::join!(signal, taker);
+    let (gone_at, server_end, gb) = taken?;
+    e.lost_at = lost.map(|(at, _)| at);
+    e.lost_wall_ms = lost.map(|(_, wall)| wall);
+    e.server_end_ms = server_end;
     e.valid_until = Some(ga.valid_until());
     e.gone_at = gone_at;
     healer.await.map_err(|e| e.to_string())?;
@@ -251,6 +268,12 @@ async fn episode(
         Err(_) => e.release_error = true,
     }
     Ok(e)
+}
+
+/// Now on the wall clock, in Unix ms: the clock Redis' `PEXPIRETIME`
+/// answers on (one machine, one clock).
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 /// The same lock key, built by the other client.

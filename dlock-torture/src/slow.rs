@@ -12,9 +12,12 @@
 //! Checks: C1 and C2 through the usual history checker; no grant returned
 //! with its validity already over (each `acq_ok` logs what was left); after
 //! the run, no lock key on any master (C6), plus every lock key that Redis
-//! *expired* during the run, from keyspace notifications: in a run where
-//! every holder releases within its validity and every failed attempt
-//! undoes its grants, a lock key that expires was left behind.
+//! *expired* during the run, from keyspace notifications. A holder that
+//! releases within its validity deletes its keys, and so does a failed
+//! attempt's undo: a lock key that expires was left behind, unless a hold of
+//! that key was released only after its validity ended (a quorum that came
+//! late plus the section outlasting the lease on a loaded machine), whose
+//! keys expire by design. Those are counted apart.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,7 +28,7 @@ use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
-use crate::history::Event;
+use crate::history::{mono_ns, Event};
 use crate::resource::Resource;
 use crate::scenarios::{config, describe, finish, residue, Size};
 
@@ -65,7 +68,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     cfg.tasks = 8;
     cfg.cs_max_ms = 20;
     cfg.wait_ms = LEASE_MS * 5;
-    cfg.duration_ms = size.pick(50_000, 110_000);
+    cfg.duration_ms = size.pick(50_000, 150_000);
     let procs = 3;
     for _ in 0..procs {
         run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
@@ -90,10 +93,15 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     // A leftover of the run's last lease needs that lease to expire.
     sleep(lease + Duration::from_millis(200)).await;
     let expired = tokio::task::block_in_place(|| expiries.finish());
+    let events = run.events();
+    let late = late_releases(&events);
+    let (explained, leftovers): (Vec<&Expiry>, Vec<&Expiry>) = expired.iter().partition(|x| {
+        late.iter().any(|h| Some(h.key) == x.key && x.t + 10_000_000 >= h.valid_until && x.t <= h.valid_until + lease_ns())
+    });
 
-    let (waited, overran, worst) = overruns(&run.events(), Duration::from_millis(cfg.wait_ms));
+    let (waited, overran, worst) = overruns(&events, Duration::from_millis(cfg.wait_ms));
     r.note(format!(
-        "grants and timeouts that first found the key held (each such attempt undid its grants): {waited}; acquires \
+        "acquires that found the key held at least once (each such try undoes what it sent): {waited}; acquires \
          that returned more than one lease after their {} ms wait: {overran}, the latest {:.0} ms after it",
         cfg.wait_ms,
         worst.as_secs_f64() * 1e3
@@ -109,15 +117,25 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     if let Some(min) = findings.min_left_us {
         r.note(format!("smallest validity left on return {:.1} ms of a {LEASE_MS} ms lease", min as f64 / 1000.0));
     }
-    r.note(format!("lock keys Redis expired instead of a release or undo deleting them, over the whole run: {expired}"));
+    r.note(format!(
+        "holds released only after their validity ended (section + a slow quorum past the lease; their keys expire by \
+         design): {}; lock keys Redis expired during the run: {}, of which explained by those holds {}, left behind {}",
+        late.len(),
+        expired.len(),
+        explained.len(),
+        leftovers.len()
+    ));
     if expired_on_return > 0 {
         r.fail("an acquire returned a guard whose validity was already over");
     }
     if left > 0 {
         r.fail("lock keys left on a node after every worker finished");
     }
-    if expired > 0 {
-        r.fail("lock keys were left to expire during the run");
+    if !leftovers.is_empty() {
+        r.fail(format!(
+            "lock keys left to expire by a failed attempt or a release (key index, node): {:?}",
+            leftovers.iter().take(5).map(|x| (x.key, x.node)).collect::<Vec<_>>()
+        ));
     }
     if !size.short && r.operations < LONG_TARGET {
         r.note(format!("only {} acquisitions, below the table's {LONG_TARGET}", r.operations));
@@ -157,20 +175,70 @@ fn overruns(events: &[Event], wait: Duration) -> (u64, u64, Duration) {
     (waited, overran, worst)
 }
 
+fn lease_ns() -> u64 {
+    LEASE_MS * 1_000_000
+}
+
+/// A hold whose release began after its fixed lease's validity had ended.
+struct LateHold {
+    key: u32,
+    valid_until: u64,
+}
+
+/// Holds released (or left unreleased) after their validity ended: the
+/// section plus a quorum that came late can outlast a lease on a loaded
+/// machine. Their keys expire on the nodes by design, not as leftovers.
+fn late_releases(events: &[Event]) -> Vec<LateHold> {
+    let mut open: HashMap<(u32, u32), (u32, u64)> = HashMap::new();
+    let mut late = Vec::new();
+    for e in events {
+        match e.op.as_str() {
+            "acq_ok" => {
+                if let (Some(key), Some(vu)) = (e.key, e.vu) {
+                    open.insert((e.pid, e.task), (key, vu));
+                }
+            }
+            "rel_invoke" => {
+                if let Some((key, vu)) = open.remove(&(e.pid, e.task)) {
+                    if e.t >= vu {
+                        late.push(LateHold { key, valid_until: vu });
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    late.extend(open.into_values().map(|(key, valid_until)| LateHold { key, valid_until }));
+    late
+}
+
+/// A lock key Redis expired: its key index, node and when (`mono_ns`).
+#[derive(Debug)]
+struct Expiry {
+    key: Option<u32>,
+    node: usize,
+    t: u64,
+}
+
+/// The worker's key index in a lock hash's name, `torture:{torture:<k>}`.
+fn key_index(name: &str) -> Option<u32> {
+    name.strip_prefix("torture:{torture:")?.strip_suffix('}')?.parse().ok()
+}
+
 /// Counts lock keys that Redis expires on any of the nodes, from keyspace
 /// notifications (`notify-keyspace-events Ex`). Unlike a count at the end,
 /// this sees leftovers from the whole run. One thread per node, on its own
 /// blocking connection, because a subscribed connection can do nothing else.
 struct ExpiryWatch {
     stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<u64>>,
+    threads: Vec<std::thread::JoinHandle<Vec<Expiry>>>,
 }
 
 impl ExpiryWatch {
     fn start(nodes: &[RedisServer]) -> Result<Self, String> {
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
-        for node in nodes {
+        for (node_no, node) in nodes.iter().enumerate() {
             let client = redis::Client::open(node.url()).map_err(|e| e.to_string())?;
             let mut conn = client.get_connection().map_err(|e| format!("expiry watch: {e}"))?;
             redis::cmd("CONFIG")
@@ -186,13 +254,16 @@ impl ExpiryWatch {
                 let subscribed = pubsub.subscribe("__keyevent@0__:expired").is_ok()
                     && pubsub.set_read_timeout(Some(Duration::from_millis(100))).is_ok();
                 let _ = ready_tx.send(subscribed);
-                let mut expired = 0;
+                let mut expired = Vec::new();
                 while subscribed && !stop_thread.load(Ordering::SeqCst) {
                     if let Ok(msg) = pubsub.get_message() {
+                        let t = mono_ns();
                         // Lock hashes end in `}`; fencing counters (`…:fence`)
                         // outlive locks and expire by design.
-                        if msg.get_payload::<String>().is_ok_and(|k| k.starts_with("torture") && k.ends_with('}')) {
-                            expired += 1;
+                        if let Ok(k) = msg.get_payload::<String>() {
+                            if k.starts_with("torture") && k.ends_with('}') {
+                                expired.push(Expiry { key: key_index(&k), node: node_no + 1, t });
+                            }
                         }
                     }
                 }
@@ -206,9 +277,9 @@ impl ExpiryWatch {
         Ok(ExpiryWatch { stop, threads })
     }
 
-    /// Stops watching; returns how many lock keys expired.
-    fn finish(self) -> u64 {
+    /// Stops watching; returns every lock key that expired.
+    fn finish(self) -> Vec<Expiry> {
         self.stop.store(true, Ordering::SeqCst);
-        self.threads.into_iter().map(|t| t.join().unwrap_or(0)).sum()
+        self.threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect()
     }
 }
