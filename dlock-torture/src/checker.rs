@@ -50,6 +50,12 @@ pub(crate) struct Findings {
     /// What the workers' in-process tables held at their end (`residue`
     /// events), when the backend is in-process.
     pub(crate) residue: Option<u64>,
+    /// Grants that logged their validity left on return (`left_us`), and
+    /// how many of them had none left (R3: never return an expired guard).
+    pub(crate) validity_logged: u64,
+    pub(crate) expired_on_return: u64,
+    /// The smallest validity left on return, µs.
+    pub(crate) min_left_us: Option<i64>,
     /// For every killed holder: kill → next grant of its key, ns.
     pub(crate) recoveries_ns: Vec<u64>,
 }
@@ -144,6 +150,11 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
             "residue" => *f.residue.get_or_insert(0) += u64::try_from(e.val.unwrap_or(0)).unwrap_or(0),
             "acq_ok" => {
                 f.acquisitions += 1;
+                if let Some(left) = e.left_us {
+                    f.validity_logged += 1;
+                    f.expired_on_return += u64::from(left <= 0);
+                    f.min_left_us = Some(f.min_left_us.map_or(left, |m| m.min(left)));
+                }
                 if let Some(t0) = invoked.remove(&id) {
                     f.waits_ns.push(e.t.saturating_sub(t0));
                 }
@@ -395,6 +406,22 @@ mod tests {
         assert_eq!(f.set_missing, vec!["2-0-1".to_owned()]);
         assert_eq!(f.unfenced_set_acked, 2);
         assert!(f.unfenced_set_missing.is_empty());
+    }
+
+    /// R3: a grant that logged no validity left is counted; one with time
+    /// left is not, and grants that logged nothing are not judged.
+    #[test]
+    fn grants_returned_with_their_validity_over_are_counted() {
+        let mut late = e(1, 1, "acq_ok", "a");
+        late.left_us = Some(-300);
+        let mut on_time = e(3, 2, "acq_ok", "b");
+        on_time.left_us = Some(250_000);
+        let unlogged = e(5, 3, "acq_ok", "c");
+        let f = check(&[late, e(2, 1, "rel_invoke", "a"), on_time, e(4, 2, "rel_invoke", "b"), unlogged], &HashMap::new(), 6);
+        assert_eq!(f.acquisitions, 3);
+        assert_eq!(f.validity_logged, 2);
+        assert_eq!(f.expired_on_return, 1);
+        assert_eq!(f.min_left_us, Some(-300));
     }
 
     #[test]

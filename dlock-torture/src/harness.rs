@@ -60,6 +60,22 @@ pub(crate) struct Report {
     /// For `checker-self-test` rows: whether the checker caught the bug.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) caught: Option<bool>,
+    /// Grants returned with their validity already over (R3, T5e).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) expired_on_return: Option<u64>,
+    /// T6a: episodes where the key expired on the server and the holder's
+    /// lost signal never fired, and renewals that gave a key taken by
+    /// another owner back to the old holder.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) silent_losses: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) resurrections: Option<u64>,
+    /// T6a: lease end → lost signal, ms (negative: signalled before the
+    /// key was free).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) lost_latency_p50_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) lost_latency_p99_ms: Option<f64>,
     pub(crate) notes: String,
     /// Whether the row passes its own assertions.
     pub(crate) pass: bool,
@@ -108,6 +124,9 @@ impl Report {
         self.p99_wait_ms = f.wait_percentile_ms(0.99);
         if !f.recoveries_ns.is_empty() {
             self.recovery_max_ms = Some(checker::percentile_ms(&f.recoveries_ns, 1.0));
+        }
+        if f.validity_logged > 0 {
+            self.expired_on_return = Some(self.expired_on_return.unwrap_or(0) + f.expired_on_return);
         }
     }
 

@@ -74,6 +74,11 @@ pub(crate) struct Event {
     /// For `write` to a set register (`s`, `us`): the op id added to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) id: Option<String>,
+    /// For `acq_ok`: the validity the guard had left when `acquire`
+    /// returned, in µs on the guard's own clock (negative: it returned a
+    /// guard whose validity was already over, which R3 forbids).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) left_us: Option<i64>,
 }
 
 impl Event {

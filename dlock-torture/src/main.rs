@@ -20,9 +20,11 @@ mod harness;
 mod herd;
 mod history;
 mod proxy;
+mod renewal;
 mod resource;
 mod rng;
 mod scenarios;
+mod slow;
 mod storm;
 mod worker;
 
@@ -31,8 +33,8 @@ use std::process::ExitCode;
 use harness::Report;
 
 const USAGE: &str = "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N]\n\
-scenarios: baseline pause kill-client restart-redis redlock-minority redlock-majority redlock-restart zk-expire \
-partition checker-self-test orphan-renewal bad-input idempotency-storm";
+scenarios: baseline pause kill-client restart-redis redlock-minority redlock-majority redlock-restart redlock-slow zk-expire \
+partition renewal-failure checker-self-test orphan-renewal bad-input idempotency-storm";
 
 struct Args {
     short: bool,

@@ -27,7 +27,7 @@ pub(crate) struct Size {
 }
 
 impl Size {
-    fn pick<T>(self, short: T, long: T) -> T {
+    pub(crate) fn pick<T>(self, short: T, long: T) -> T {
         if self.short {
             short
         } else {
@@ -37,7 +37,7 @@ impl Size {
 }
 
 /// Every scenario's name, in run order.
-pub(crate) const ALL: [&str; 13] = [
+pub(crate) const ALL: [&str; 15] = [
     "baseline",
     "pause",
     "kill-client",
@@ -45,8 +45,10 @@ pub(crate) const ALL: [&str; 13] = [
     "redlock-minority",
     "redlock-majority",
     "redlock-restart",
+    "redlock-slow",
     "zk-expire",
     "partition",
+    "renewal-failure",
     "checker-self-test",
     "orphan-renewal",
     "bad-input",
@@ -62,8 +64,10 @@ pub(crate) async fn run(name: &str, size: Size, seed: u64) -> Vec<Report> {
         "redlock-minority" => redlock(size, seed, false).await,
         "redlock-majority" => redlock(size, seed, true).await,
         "redlock-restart" => redlock_restart(size, seed).await,
+        "redlock-slow" => crate::slow::run(size, seed).await.map(|r| vec![r]),
         "zk-expire" => zk_expire(size, seed).await,
         "partition" => partition(size, seed).await,
+        "renewal-failure" => crate::renewal::run(size, seed).await.map(|r| vec![r]),
         "checker-self-test" => self_test(size, seed).await,
         "orphan-renewal" => orphan_renewal(size, seed).await,
         "bad-input" => crate::badinput::run(size, seed).await.map(|r| vec![r]),
@@ -80,7 +84,7 @@ pub(crate) async fn run(name: &str, size: Size, seed: u64) -> Vec<Report> {
     }
 }
 
-fn config(backend: &str, urls: Vec<String>, resource: &RedisServer, seed: u64) -> WorkerConfig {
+pub(crate) fn config(backend: &str, urls: Vec<String>, resource: &RedisServer, seed: u64) -> WorkerConfig {
     WorkerConfig {
         backend: backend.into(),
         urls,
@@ -98,11 +102,12 @@ fn config(backend: &str, urls: Vec<String>, resource: &RedisServer, seed: u64) -
         quarantine_ms: 0,
         // Run::spawn sets the run's cap.
         set_cap: 0,
+        node_timeout_ms: 0,
         seed,
     }
 }
 
-fn describe(r: &mut Report, procs: u32, cfg: &WorkerConfig) {
+pub(crate) fn describe(r: &mut Report, procs: u32, cfg: &WorkerConfig) {
     r.processes = procs;
     r.tasks = cfg.tasks;
     r.keys = cfg.keys;
@@ -111,7 +116,7 @@ fn describe(r: &mut Report, procs: u32, cfg: &WorkerConfig) {
 
 /// C6 on a Redis lock server: lock hashes left, and how many of them have a
 /// PTTL that grows between two samples 2 × renew interval apart.
-async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String> {
+pub(crate) async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String> {
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
     let mut c = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
     let all: Vec<String> = c.keys("torture*").await.map_err(|e| e.to_string())?;
@@ -137,7 +142,7 @@ async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String>
     Ok((locks.len() as u64, refreshed))
 }
 
-async fn finish(run: &mut Run, r: &mut Report, resource: &Resource, keys: u32, grace: Duration) -> Result<Findings, String> {
+pub(crate) async fn finish(run: &mut Run, r: &mut Report, resource: &Resource, keys: u32, grace: Duration) -> Result<Findings, String> {
     let hung = tokio::task::block_in_place(|| run.join(grace));
     if hung > 0 {
         r.fail(format!("{hung} worker(s) did not finish within {grace:?} of their end (hang)"));

@@ -51,6 +51,9 @@ pub(crate) struct WorkerConfig {
     /// accesses. [`crate::harness::Run::spawn`] sets the run's cap.
     #[serde(default)]
     pub(crate) set_cap: u32,
+    /// RedLock's per-node timeout; 0: the default 50 ms.
+    #[serde(default)]
+    pub(crate) node_timeout_ms: u64,
     pub(crate) seed: u64,
 }
 
@@ -115,7 +118,7 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
             RedLockBackend::connect_with_options(
                 &cfg.urls,
                 &cfg.prefix,
-                Duration::from_millis(50),
+                Duration::from_millis(if cfg.node_timeout_ms == 0 { 50 } else { cfg.node_timeout_ms }),
                 RedisOptions::default().with_restart_quarantine(Duration::from_millis(cfg.quarantine_ms)),
             )
             .await
@@ -173,6 +176,7 @@ async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, clie
     let op_id = owner.clone();
     history.log(&Event { owner: Some(owner.clone()), ..ev("acq_invoke", task, key) });
     let wait = Duration::from_millis(cfg.wait_ms);
+    let mut left_us = None;
     let acquired: Result<Option<(Hold, Option<u64>, String)>, String> = match client {
         Client::Dlock(locker) => {
             let lock_key = match locker.key("torture").part(key).build() {
@@ -186,6 +190,7 @@ async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, clie
             let opts = if cfg.watchdog { opts } else { opts.lease(Duration::from_millis(cfg.lease_ms)) };
             match locker.acquire(&lock_key, opts).await {
                 Ok(g) => {
+                    left_us = Some(validity_left_us(g.valid_until()));
                     let vu = (!cfg.watchdog).then(|| instant_to_ns(g.valid_until()));
                     let owner = g.owner().as_str().to_owned();
                     Ok(Some((Hold::Dlock(g), vu, owner)))
@@ -217,7 +222,7 @@ async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, clie
         }
     };
     let token = hold.token();
-    history.log(&Event { token: Some(token), owner: Some(owner.clone()), vu, ..ev("acq_ok", task, key) });
+    history.log(&Event { token: Some(token), owner: Some(owner.clone()), vu, left_us, ..ev("acq_ok", task, key) });
 
     let cs_sleep = Duration::from_millis(rng.below(cfg.cs_max_ms + 1));
     let cs = critical_section(history, resource, Section { task, key, token, op_id: &op_id, set_cap: cfg.set_cap }, cs_sleep);
@@ -244,6 +249,17 @@ async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, clie
     match released {
         Ok(res) => history.log(&Event { res: Some(res.into()), ..ev("rel_ok", task, key) }),
         Err(e) => history.log(&Event { res: Some(e), ..ev("rel_err", task, key) }),
+    }
+}
+
+/// What is left of a guard's validity now, in µs; negative when it is over.
+fn validity_left_us(valid_until: Instant) -> i64 {
+    let now = Instant::now();
+    let us = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+    if valid_until > now {
+        us(valid_until - now)
+    } else {
+        -us(now - valid_until)
     }
 }
 

@@ -7,7 +7,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-const SCENARIOS: [&str; 13] = [
+const SCENARIOS: [&str; 15] = [
     "baseline",
     "pause",
     "kill-client",
@@ -15,8 +15,10 @@ const SCENARIOS: [&str; 13] = [
     "redlock-minority",
     "redlock-majority",
     "redlock-restart",
+    "redlock-slow",
     "zk-expire",
     "partition",
+    "renewal-failure",
     "checker-self-test",
     "orphan-renewal",
     "bad-input",
@@ -91,8 +93,28 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         .find(|r| r["scenario"] == "restart-redis" && r["expected_safe"] == false)
         .expect("restart-redis without persistence");
     assert!(unsafe_restart["overlaps"].as_u64().unwrap_or(0) > 0, "{unsafe_restart}");
+    // T5e and T6a: their own figures, not only the shared columns.
+    let slow = rows.iter().find(|r| r["scenario"] == "redlock-slow").expect("redlock-slow row");
+    assert_eq!(slow["expired_on_return"], 0, "{slow}");
+    assert_eq!(slow["residual_keys"], 0, "{slow}");
+    let renewal = rows.iter().find(|r| r["scenario"] == "renewal-failure").expect("renewal-failure row");
+    assert_eq!(renewal["silent_losses"], 0, "{renewal}");
+    assert_eq!(renewal["resurrections"], 0, "{renewal}");
+    assert!(!renewal["lost_latency_p99_ms"].is_null(), "{renewal}");
     // Work really happened where it should.
-    for s in ["baseline", "pause", "kill-client", "redlock-minority", "zk-expire", "partition", "orphan-renewal", "bad-input", "idempotency-storm"] {
+    for s in [
+        "baseline",
+        "pause",
+        "kill-client",
+        "redlock-minority",
+        "redlock-slow",
+        "zk-expire",
+        "partition",
+        "renewal-failure",
+        "orphan-renewal",
+        "bad-input",
+        "idempotency-storm",
+    ] {
         let ops: u64 = rows.iter().filter(|r| r["scenario"] == s).filter_map(|r| r["operations"].as_u64()).sum();
         assert!(ops > 0, "{s} did no operations");
     }
