@@ -51,7 +51,7 @@ async fn acquire_retrying(locker: &Locker, key: &dlock_core::LockKey, within: Du
 /// expire the sessions of the old leader's clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_leader_loses_its_holders_lock_before_anyone_else_gets_it() {
-    holder_on_an_isolated_member(true).await;
+    partitions(true).await;
 }
 
 /// A follower, cut off from the leader and the other follower (a minority
@@ -59,7 +59,20 @@ async fn an_isolated_leader_loses_its_holders_lock_before_anyone_else_gets_it() 
 /// isolated follower's clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_follower_loses_its_holders_lock_before_anyone_else_gets_it() {
-    holder_on_an_isolated_member(false).await;
+    partitions(false).await;
+}
+
+/// `DLOCK_T8E_PARTITIONS` (default 1) partitions in a row on one ensemble,
+/// each healed before the next (reliability.md's nightly size is 20).
+async fn partitions(isolate_leader: bool) {
+    let rounds: usize = match std::env::var("DLOCK_T8E_PARTITIONS") {
+        Ok(v) => v.parse().unwrap_or_else(|_| panic!("DLOCK_T8E_PARTITIONS must be a positive integer, not `{v}`")),
+        Err(_) => 1,
+    };
+    let ensemble = Arc::new(ZooKeeperEnsemble::start_partitionable(3));
+    for round in 0..rounds {
+        holder_on_an_isolated_member(&ensemble, isolate_leader, round).await;
+    }
 }
 
 /// The holder's session lives on the member that is isolated (connect
@@ -68,8 +81,7 @@ async fn an_isolated_follower_loses_its_holders_lock_before_anyone_else_gets_it(
 /// its guard fires `lost` within the session timeout and before the waiter
 /// is granted; the waiter's fencing token is higher; after healing, every
 /// member serves and the holder's backend locks again in a new session.
-async fn holder_on_an_isolated_member(isolate_leader: bool) {
-    let ensemble = Arc::new(ZooKeeperEnsemble::start_partitionable(3));
+async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate_leader: bool, round: usize) {
     let leader = ensemble.wait_formed(Duration::from_secs(60));
     let (isolated, other) = if isolate_leader { (leader, (leader + 1) % 3) } else { ((leader + 1) % 3, (leader + 2) % 3) };
     let what = if isolate_leader { "leader" } else { "follower" };
@@ -81,7 +93,7 @@ async fn holder_on_an_isolated_member(isolate_leader: bool) {
     // loss from the session, not from failed renewals.
     let holder = locker(holder_backend, Duration::from_secs(30));
     let waiter = locker(connect(ensemble.port(other), Duration::from_secs(10)).await, Duration::from_secs(30));
-    let key = holder.key("t8e").part(1).build().expect("key");
+    let key = holder.key("t8e").part(round).build().expect("key");
     let held = holder.acquire(&key, AcquireOptions::new()).await.expect("the key is free");
     let held_token = held.fencing_token();
 
@@ -124,7 +136,7 @@ async fn holder_on_an_isolated_member(isolate_leader: bool) {
     let lost_state_at = lost_state.await.expect("task");
     let elected = elected.await.expect("task");
     eprintln!(
-        "T8e {what} (member {isolated}) isolated (session {session:?}): majority's leader (member, after) {elected:?}; holder suspended \
+        "T8e round {round}: {what} (member {isolated}) isolated (session {session:?}): majority's leader (member, after) {elected:?}; holder suspended \
          after {suspended_at:?}, guard lost after {lost_at:?} ({reason:?}), session reported lost after \
          {lost_state_at:?}; waiter granted after {granted_at:?} ({errors} errors on the way); tokens {held_token} -> {}",
         next.fencing_token()
