@@ -588,7 +588,12 @@ async fn heartbeat(session: Weak<RwLock<Session>>, id: zk::SessionId, confirmed:
         let sent = Instant::now();
         match client.check_stat("/").await {
             Ok(_) => confirm(&confirmed, sent),
-            Err(zk::Error::SessionExpired | zk::Error::ClientClosed | zk::Error::AuthFailed) => return,
+            Err(zk::Error::SessionExpired | zk::Error::SessionMoved | zk::Error::ClientClosed | zk::Error::AuthFailed) => {
+                return
+            }
+            // Any other answer (a chroot without `/`'s permission, say) came
+            // from a server that touched the session all the same.
+            Err(e) if answered(&e) => confirm(&confirmed, sent),
             Err(_) => {}
         }
         drop(client);
