@@ -173,3 +173,19 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
     assert!(g.release().await.expect("release"));
     assert!(!held.release().await.unwrap_or(false), "the isolated holder's lock is gone");
 }
+
+/// The other side of counting the session timeout ourselves: a holder whose
+/// session stays connected keeps its lock for many session timeouts (the
+/// heartbeat keeps confirming it), so the early `lost` is no false alarm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connected_holder_keeps_its_lock_past_many_session_timeouts() {
+    let server = dlock_testing::ZooKeeperServer::start();
+    let session = Duration::from_millis(800);
+    let backend = ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", session).await.expect("connect");
+    let holder = locker(backend, Duration::from_secs(30));
+    let key = holder.key("t8e-healthy").part(1).build().expect("key");
+    let held = holder.acquire(&key, AcquireOptions::new()).await.expect("the key is free");
+    tokio::time::sleep(session * 5).await;
+    assert!(!held.is_lost(), "a connected session's lock is not lost");
+    assert!(held.release().await.expect("release"), "and still ours");
+}
