@@ -570,7 +570,7 @@ async fn supervise(
 }
 
 /// Reads `/`'s stat every quarter of the session timeout and records when
-/// each answered read was sent (see [`Session::confirmed`]). Zookeeper's own
+/// each answered read was sent (see [`Session::confirmed`]). ZooKeeper's own
 /// pings keep the session alive but are invisible to us. Holds no client
 /// between reads, so a dropped backend closes its session; ends when the
 /// backend is dropped or the session is replaced or over.
