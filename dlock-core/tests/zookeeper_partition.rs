@@ -1,8 +1,11 @@
-//! T8e (reliability.md §9): the leader of a 3-server ensemble isolated from
-//! its peers while its clients can still reach it, without network
-//! namespaces: every peer connection goes through a `FaultProxy`
-//! (`ZooKeeperEnsemble::start_partitionable`), and isolating a member cuts
-//! every proxy to and from it.
+//! T8e (reliability.md §9): the leader (or a follower) of a 3-server
+//! ensemble isolated from its peers while its clients can still reach it,
+//! without network namespaces: every peer connection goes through a
+//! `FaultProxy` (`ZooKeeperEnsemble::start_partitionable`), and isolating a
+//! member cuts every proxy to and from it. A holder whose session lives on
+//! the isolated member must count its lock lost before the majority grants
+//! it to anyone else; and, the other side of that, a holder that stays
+//! connected must not.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +25,7 @@ async fn connect(port: u16, session: Duration) -> ZooKeeperBackend {
     ZooKeeperBackend::connect_with(&format!("127.0.0.1:{port}"), "dlock", session).await.expect("connect to one member")
 }
 
-/// Instants at which the holder's state changed, relative to `t0`.
+/// How long after `t0` the state first was `want` (`None` if not within 60 s).
 async fn first(mut state: watch::Receiver<ConnectionState>, want: ConnectionState, t0: Instant) -> Option<Duration> {
     tokio::time::timeout(Duration::from_secs(60), state.wait_for(|s| *s == want)).await.ok()?.ok()?;
     Some(t0.elapsed())
@@ -175,17 +178,20 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
 }
 
 /// The other side of counting the session timeout ourselves: a holder whose
-/// session stays connected keeps its lock for many session timeouts (the
+/// session stays connected keeps its lock for several session timeouts (the
 /// heartbeat keeps confirming it), so the early `lost` is no false alarm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connected_holder_keeps_its_lock_past_many_session_timeouts() {
+async fn a_connected_holder_keeps_its_lock_past_several_session_timeouts() {
     let server = dlock_testing::ZooKeeperServer::start();
-    let session = Duration::from_millis(800);
+    // Not much shorter: the JVMs of the other tests compete for the CPU,
+    // and a server that cannot answer for a session timeout may expire
+    // the session itself.
+    let session = Duration::from_secs(2);
     let backend = ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", session).await.expect("connect");
     let holder = locker(backend, Duration::from_secs(30));
     let key = holder.key("t8e-healthy").part(1).build().expect("key");
     let held = holder.acquire(&key, AcquireOptions::new()).await.expect("the key is free");
-    tokio::time::sleep(session * 5).await;
+    tokio::time::sleep(session * 4).await;
     assert!(!held.is_lost(), "a connected session's lock is not lost");
     assert!(held.release().await.expect("release"), "and still ours");
 }
