@@ -508,6 +508,11 @@ fn mntr(port: u16) -> std::io::Result<BTreeMap<String, String>> {
 }
 
 /// Parses `mntr` output: one `name<TAB>value` per line.
+///
+/// ```
+/// let m = dlock_testing::parse_mntr("zk_server_state\tleader\nzk_watch_count\t3\n");
+/// assert_eq!(m["zk_watch_count"], "3");
+/// ```
 pub fn parse_mntr(answer: &str) -> BTreeMap<String, String> {
     answer
         .lines()
@@ -522,6 +527,13 @@ pub fn parse_mntr(answer: &str) -> BTreeMap<String, String> {
 /// created, deleted, data changed, children changed): the sum of the
 /// `zk_sum_node_*_watch_count` summaries of `mntr` (ZooKeeper 3.6+).
 /// `None` when the server does not report them.
+///
+/// ```no_run
+/// let zk = dlock_testing::ZooKeeperServer::start();
+/// let before = dlock_testing::watches_fired(&zk.mntr().expect("mntr")).expect("ZooKeeper 3.6+");
+/// // … clients set watches and change nodes …
+/// let fired = dlock_testing::watches_fired(&zk.mntr().expect("mntr")).expect("ZooKeeper 3.6+") - before;
+/// ```
 pub fn watches_fired(metrics: &BTreeMap<String, String>) -> Option<u64> {
     ["created", "deleted", "changed", "children"]
         .iter()
