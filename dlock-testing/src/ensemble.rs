@@ -4,7 +4,14 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::{free_port, zookeeper_answers, ZOOKEEPER_CLASSPATH, ZOOKEEPER_JAR};
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Arc;
+
+use crate::proxy::Greeting;
+use crate::{free_port, zookeeper_answers, FaultProxy, ZOOKEEPER_CLASSPATH, ZOOKEEPER_JAR};
 
 /// `size` ZooKeeper servers (Debian's package, 128 MB heap each) forming one
 /// ensemble on loopback, with a 100 ms tick. Killed on drop.
@@ -18,6 +25,19 @@ use crate::{free_port, zookeeper_answers, ZOOKEEPER_CLASSPATH, ZOOKEEPER_JAR};
 pub struct ZooKeeperEnsemble {
     members: Vec<Member>,
     dir: PathBuf,
+    /// The peer links of [`ZooKeeperEnsemble::start_partitionable`]: every
+    /// connection member `from` opens to member `to` (quorum and election
+    /// port) goes through one of these.
+    links: Vec<Link>,
+}
+
+/// The proxies member `from` reaches member `to`'s peer ports through.
+#[derive(Debug)]
+struct Link {
+    from: usize,
+    to: usize,
+    quorum: FaultProxy,
+    election: FaultProxy,
 }
 
 #[derive(Debug)]
@@ -36,6 +56,31 @@ impl ZooKeeperEnsemble {
     /// When Java or the `zookeeper` package is missing, or the ensemble does
     /// not form within 60 s.
     pub fn start(size: usize) -> Self {
+        Self::start_with(size, false)
+    }
+
+    /// Like [`ZooKeeperEnsemble::start`], but each member reaches every
+    /// other member's quorum and election ports through a [`FaultProxy`] of
+    /// its own (one per direction, pair and port), so
+    /// [`ZooKeeperEnsemble::isolate`] can cut a member off from its peers
+    /// while clients still reach it: a leader isolated in its own
+    /// partition, without network namespaces or root.
+    ///
+    /// ```no_run
+    /// let zk = dlock_testing::ZooKeeperEnsemble::start_partitionable(3);
+    /// let leader = zk.leader().expect("a formed ensemble has a leader");
+    /// zk.isolate(leader);     // the others elect a new leader
+    /// zk.heal();              // the old one rejoins as a follower
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// As [`ZooKeeperEnsemble::start`].
+    pub fn start_partitionable(size: usize) -> Self {
+        Self::start_with(size, true)
+    }
+
+    fn start_with(size: usize, partitionable: bool) -> Self {
         assert!(
             std::path::Path::new(ZOOKEEPER_JAR).exists(),
             "ZooKeeper is not installed. The tests need a real server: run the README's test command \
@@ -43,13 +88,42 @@ impl ZooKeeperEnsemble {
         );
         let dir = std::env::temp_dir().join(format!("dlock-zk-ensemble-{}-{}", std::process::id(), free_port()));
         let ports: Vec<(u16, u16, u16)> = (0..size).map(|_| (free_port(), free_port(), free_port())).collect();
-        let servers: String = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (_, peer, election))| format!("server.{}=127.0.0.1:{peer}:{election}\n", i + 1))
-            .collect();
+        let mut links = Vec::new();
+        if partitionable {
+            // Where each link's receiver is told to dial the sender back:
+            // the proxy of the opposite link, filled in once it exists.
+            let mut dial_back = Vec::new();
+            for from in 0..size {
+                for (to, (_, peer, election)) in ports.iter().enumerate() {
+                    if from != to {
+                        let back = Arc::new(AtomicU16::new(0));
+                        let election = FaultProxy::start_link(*election, Some(election_greeting(back.clone())));
+                        links.push(Link { from, to, quorum: FaultProxy::start_link(*peer, None), election });
+                        dial_back.push((from, to, back));
+                    }
+                }
+            }
+            for (from, to, back) in dial_back {
+                if let Some(l) = links.iter().find(|l| l.from == to && l.to == from) {
+                    back.store(l.election.port(), Ordering::SeqCst);
+                }
+            }
+        }
         let mut members = Vec::new();
         for (i, (client, _, _)) in ports.iter().enumerate() {
+            // Member i binds its own peer ports and dials the others at
+            // their proxies (or directly when there are none).
+            let servers: String = ports
+                .iter()
+                .enumerate()
+                .map(|(j, (_, peer, election))| {
+                    let (peer, election) = links
+                        .iter()
+                        .find(|l| l.from == i && l.to == j)
+                        .map_or((*peer, *election), |l| (l.quorum.port(), l.election.port()));
+                    format!("server.{}=127.0.0.1:{peer}:{election}\n", j + 1)
+                })
+                .collect();
             let data = dir.join(format!("data-{}", i + 1));
             std::fs::create_dir_all(&data).expect("create a data directory for ZooKeeper");
             std::fs::write(data.join("myid"), format!("{}\n", i + 1)).expect("write myid");
@@ -59,7 +133,7 @@ impl ZooKeeperEnsemble {
                 format!(
                     "tickTime=100\ninitLimit=100\nsyncLimit=50\ndataDir={}\nclientPort={client}\n\
                      clientPortAddress=127.0.0.1\nminSessionTimeout=200\nmaxSessionTimeout=60000\n\
-                     admin.enableServer=false\n4lw.commands.whitelist=ruok,stat,srvr\n\
+                     admin.enableServer=false\n4lw.commands.whitelist=ruok,stat,srvr,mntr\n\
                      znode.container.checkIntervalMs=1000\n{servers}",
                     data.display()
                 ),
@@ -67,7 +141,7 @@ impl ZooKeeperEnsemble {
             .expect("write zoo.cfg");
             members.push(Member { child: None, client_port: *client, cfg });
         }
-        let mut ensemble = ZooKeeperEnsemble { members, dir };
+        let mut ensemble = ZooKeeperEnsemble { members, dir, links };
         for i in 0..size {
             ensemble.spawn(i);
         }
@@ -98,6 +172,76 @@ impl ZooKeeperEnsemble {
     /// is a leader or a follower of a formed quorum.
     fn serves(&self, i: usize) -> bool {
         zookeeper_answers(self.members[i].client_port, b"srvr").is_some_and(|a| a.contains("Mode: "))
+    }
+
+    /// Member `i`'s role as `srvr` names it (`leader`, `follower`), or
+    /// `None` while it serves no clients (looking for a leader, isolated
+    /// from a quorum, or down).
+    pub fn mode(&self, i: usize) -> Option<String> {
+        let answer = zookeeper_answers(self.members[i].client_port, b"srvr")?;
+        answer.lines().find_map(|l| l.strip_prefix("Mode: ")).map(|m| m.trim().to_owned())
+    }
+
+    /// The member that is leader now, if exactly one says so.
+    pub fn leader(&self) -> Option<usize> {
+        let leaders: Vec<usize> = (0..self.members.len()).filter(|&i| self.mode(i).as_deref() == Some("leader")).collect();
+        match leaders[..] {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+
+    /// Member `i`'s `mntr` metrics (see [`crate::ZooKeeperServer::mntr`]).
+    ///
+    /// # Errors
+    ///
+    /// When the member does not answer, or serves no clients.
+    pub fn mntr(&self, i: usize) -> std::io::Result<BTreeMap<String, String>> {
+        crate::mntr(self.members[i].client_port)
+    }
+
+    /// Cuts member `i` off from every other member, both ways, on the
+    /// quorum and the election ports: its peer connections are closed and
+    /// new ones refused until [`ZooKeeperEnsemble::heal`]. Its client port
+    /// stays reachable. Only for an ensemble from
+    /// [`ZooKeeperEnsemble::start_partitionable`].
+    ///
+    /// # Panics
+    ///
+    /// When the ensemble was started without peer proxies.
+    pub fn isolate(&self, i: usize) {
+        assert!(!self.links.is_empty(), "isolate needs ZooKeeperEnsemble::start_partitionable");
+        for l in self.links.iter().filter(|l| l.from == i || l.to == i) {
+            l.quorum.cut();
+            l.election.cut();
+        }
+    }
+
+    /// Lets every peer connection through again.
+    pub fn heal(&self) {
+        for l in &self.links {
+            l.quorum.heal();
+            l.election.heal();
+        }
+    }
+
+    /// Waits until every member serves clients again and one is leader;
+    /// returns the leader.
+    ///
+    /// # Panics
+    ///
+    /// When that does not happen within `within`.
+    pub fn wait_formed(&self, within: Duration) -> usize {
+        let deadline = Instant::now() + within;
+        loop {
+            if (0..self.members.len()).all(|i| self.serves(i)) {
+                if let Some(leader) = self.leader() {
+                    return leader;
+                }
+            }
+            assert!(Instant::now() < deadline, "the ZooKeeper ensemble did not form again within {within:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// `127.0.0.1:p1,127.0.0.1:p2,…`.
@@ -135,11 +279,85 @@ impl ZooKeeperEnsemble {
     }
 }
 
+/// Rewrites the address in ZooKeeper's election handshake. A server that
+/// receives a connection from a peer with a lower id closes it and dials
+/// back the address the peer sent in its `InitialMessage` (`long version,
+/// long sid, int length, "host:port"`), not the one its own config names
+/// for that peer; left alone, that dial-back would bypass the proxies.
+/// Older handshakes (a non-negative version: the sid alone) pass unchanged.
+fn election_greeting(dial_back: Arc<AtomicU16>) -> Greeting {
+    Arc::new(move |client: &mut TcpStream| {
+        let mut version = [0u8; 8];
+        client.read_exact(&mut version)?;
+        let mut out = version.to_vec();
+        if i64::from_be_bytes(version) >= 0 {
+            return Ok(out);
+        }
+        let mut sid = [0u8; 8];
+        client.read_exact(&mut sid)?;
+        out.extend_from_slice(&sid);
+        let mut len = [0u8; 4];
+        client.read_exact(&mut len)?;
+        // ZooKeeper itself refuses addresses longer than 4096 bytes.
+        let len = usize::try_from(i32::from_be_bytes(len))
+            .ok()
+            .filter(|n| *n <= 4096)
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "bad election handshake"))?;
+        let mut addr = vec![0u8; len];
+        client.read_exact(&mut addr)?;
+        let ours = format!("127.0.0.1:{}", dial_back.load(Ordering::SeqCst));
+        let ours_len = i32::try_from(ours.len()).map_err(|_| std::io::Error::other("address too long"))?;
+        out.extend_from_slice(&ours_len.to_be_bytes());
+        out.extend_from_slice(ours.as_bytes());
+        Ok(out)
+    })
+}
+
 impl Drop for ZooKeeperEnsemble {
     fn drop(&mut self) {
         for i in 0..self.members.len() {
             self.kill(i);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::atomic::AtomicU16;
+    use std::sync::Arc;
+
+    use super::election_greeting;
+
+    fn greet(bytes: Vec<u8>, dial_back: u16) -> std::io::Result<Vec<u8>> {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let writer = std::thread::spawn(move || TcpStream::connect(addr).expect("connect").write_all(&bytes).expect("write"));
+        let (mut s, _) = listener.accept().expect("accept");
+        writer.join().expect("writer");
+        election_greeting(Arc::new(AtomicU16::new(dial_back)))(&mut s)
+    }
+
+    #[test]
+    fn the_election_handshake_names_the_proxy_to_dial_back() {
+        let mut hello = (-65535i64).to_be_bytes().to_vec();
+        hello.extend_from_slice(&3i64.to_be_bytes());
+        let addr = b"127.0.0.1:40123";
+        hello.extend_from_slice(&(addr.len() as i32).to_be_bytes());
+        hello.extend_from_slice(addr);
+        let out = greet(hello.clone(), 5555).expect("a well-formed handshake");
+        assert_eq!(&out[..16], &hello[..16], "version and sid pass unchanged");
+        assert_eq!(i32::from_be_bytes(out[16..20].try_into().expect("4 bytes")), 14);
+        assert_eq!(&out[20..], b"127.0.0.1:5555");
+
+        // The old protocol sends the sid alone.
+        assert_eq!(greet(3i64.to_be_bytes().to_vec(), 5555).expect("old handshake"), 3i64.to_be_bytes());
+        // A length out of range ends the connection.
+        let mut bad = (-65535i64).to_be_bytes().to_vec();
+        bad.extend_from_slice(&3i64.to_be_bytes());
+        bad.extend_from_slice(&(-1i32).to_be_bytes());
+        assert!(greet(bad, 5555).is_err());
     }
 }

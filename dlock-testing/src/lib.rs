@@ -21,9 +21,9 @@ pub use announce::announced_address;
 pub use ensemble::ZooKeeperEnsemble;
 pub use proxy::FaultProxy;
 pub use tls::{TestCertificates, TlsRedisServer};
-pub use zk_proxy::{Hangup, ZooKeeperProxy, CREATE_CONTAINER, CREATE_OP_CODES, DELETE};
+pub use zk_proxy::{Hangup, ZooKeeperProxy, CREATE_CONTAINER, CREATE_OP_CODES, DELETE, GET_CHILDREN, GET_CHILDREN2};
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -414,7 +414,7 @@ impl ZooKeeperServer {
         let cfg = format!(
             "tickTime=100\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
              minSessionTimeout=200\nmaxSessionTimeout=60000\nadmin.enableServer=false\n\
-             4lw.commands.whitelist=ruok,stat\nznode.container.checkIntervalMs=1000\n",
+             4lw.commands.whitelist=ruok,stat,srvr,mntr\nznode.container.checkIntervalMs=1000\n",
             dir.join("data").display()
         );
         std::fs::write(dir.join("zoo.cfg"), cfg).expect("write zoo.cfg");
@@ -462,6 +462,25 @@ impl ZooKeeperServer {
         }
     }
 
+    /// The server's own metrics (the `mntr` four-letter word), as
+    /// `zk_name -> value`: counted by the server, so independent of what a
+    /// client believes it sent or received. ZooKeeper 3.6+ reports watch
+    /// triggers there, e.g. `zk_sum_node_deleted_watch_count` (watchers
+    /// fired by deletes so far).
+    ///
+    /// ```no_run
+    /// let zk = dlock_testing::ZooKeeperServer::start();
+    /// let m = zk.mntr().expect("mntr");
+    /// assert_eq!(m["zk_server_state"], "standalone");
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When the server does not answer or answers with no metrics.
+    pub fn mntr(&self) -> std::io::Result<BTreeMap<String, String>> {
+        mntr(self.port)
+    }
+
     /// Starts the server again on the same port with the same data.
     pub fn restart(&mut self) {
         self.kill();
@@ -474,6 +493,52 @@ impl Drop for ZooKeeperServer {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// `mntr` on the server at `port`, parsed.
+fn mntr(port: u16) -> std::io::Result<BTreeMap<String, String>> {
+    let answer = zookeeper_answers(port, b"mntr")
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::ConnectionRefused, format!("no mntr answer from port {port}")))?;
+    let metrics = parse_mntr(&answer);
+    if metrics.is_empty() {
+        // A server outside a quorum answers "This ZooKeeper instance is not currently serving requests".
+        return Err(std::io::Error::other(format!("mntr on port {port}: {}", answer.trim())));
+    }
+    Ok(metrics)
+}
+
+/// Parses `mntr` output: one `name<TAB>value` per line.
+///
+/// ```
+/// let m = dlock_testing::parse_mntr("zk_server_state\tleader\nzk_watch_count\t3\n");
+/// assert_eq!(m["zk_watch_count"], "3");
+/// ```
+pub fn parse_mntr(answer: &str) -> BTreeMap<String, String> {
+    answer
+        .lines()
+        .filter_map(|line| {
+            let (name, value) = line.split_once('\t')?;
+            Some((name.trim().to_owned(), value.trim().to_owned()))
+        })
+        .collect()
+}
+
+/// Watchers fired so far on the server, by every kind of event (node
+/// created, deleted, data changed, children changed): the sum of the
+/// `zk_sum_node_*_watch_count` summaries of `mntr` (ZooKeeper 3.6+).
+/// `None` when the server does not report them.
+///
+/// ```no_run
+/// let zk = dlock_testing::ZooKeeperServer::start();
+/// let before = dlock_testing::watches_fired(&zk.mntr().expect("mntr")).expect("ZooKeeper 3.6+");
+/// // … clients set watches and change nodes …
+/// let fired = dlock_testing::watches_fired(&zk.mntr().expect("mntr")).expect("ZooKeeper 3.6+") - before;
+/// ```
+pub fn watches_fired(metrics: &BTreeMap<String, String>) -> Option<u64> {
+    ["created", "deleted", "changed", "children"]
+        .iter()
+        .map(|kind| metrics.get(&format!("zk_sum_node_{kind}_watch_count"))?.parse::<u64>().ok())
+        .sum()
 }
 
 /// Parses `cmdstat_get:calls=3,usec=…` lines.
@@ -496,5 +561,16 @@ mod tests {
         let m = super::parse_command_stats(s);
         assert_eq!(m["evalsha"], 12);
         assert_eq!(m["ping"], 1);
+    }
+
+    #[test]
+    fn parses_mntr_and_sums_watch_triggers() {
+        let s = "zk_version\t3.8.0-1, built on x\nzk_server_state\tleader\n\
+                 zk_sum_node_created_watch_count\t1\nzk_sum_node_deleted_watch_count\t40\n\
+                 zk_sum_node_changed_watch_count\t0\nzk_sum_node_children_watch_count\t2\n";
+        let m = super::parse_mntr(s);
+        assert_eq!(m["zk_server_state"], "leader");
+        assert_eq!(super::watches_fired(&m), Some(43));
+        assert_eq!(super::watches_fired(&super::parse_mntr("zk_server_state\tleader\n")), None);
     }
 }

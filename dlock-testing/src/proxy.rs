@@ -37,6 +37,10 @@ struct Shared {
     request_delay_us: AtomicU64,
 }
 
+/// Reads a connection's first message from the client and returns what to
+/// send upstream instead (see [`FaultProxy::start_link`]).
+pub(crate) type Greeting = Arc<dyn Fn(&mut TcpStream) -> std::io::Result<Vec<u8>> + Send + Sync>;
+
 /// Which way a pipe carries bytes, so it knows which delay applies.
 #[derive(Debug, Clone, Copy)]
 enum Direction {
@@ -70,6 +74,24 @@ impl FaultProxy {
     ///
     /// When no loopback port can be bound.
     pub fn start(upstream: u16) -> Self {
+        Self::start_inner(upstream, None)
+    }
+
+    /// A proxy for a link between two servers of a cluster, which differs
+    /// from [`FaultProxy::start`] in two ways. An upstream that refuses
+    /// the connection is retried for up to 5 s before the client's
+    /// connection is closed: the client's own connect already succeeded
+    /// (to the proxy), so it cannot retry a refusal it never saw, as a
+    /// ZooKeeper follower dialling a leader that is not listening yet
+    /// would. And with a `greeting`, the first bytes a client sends on each
+    /// connection are read by it (with a 2 s read timeout) and what it
+    /// returns is sent upstream in their place; a greeting that fails ends
+    /// that connection.
+    pub(crate) fn start_link(upstream: u16, greeting: Option<Greeting>) -> Self {
+        Self::start_inner(upstream, Some(Link { greeting }))
+    }
+
+    fn start_inner(upstream: u16, link: Option<Link>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port for the proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let shared = Arc::new(Shared::default());
@@ -85,19 +107,20 @@ impl FaultProxy {
                     let _ = client.shutdown(Shutdown::Both);
                     continue;
                 }
-                let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(2)) else {
-                    let _ = client.shutdown(Shutdown::Both);
-                    continue;
-                };
-                let _ = client.set_nodelay(true);
-                let _ = server.set_nodelay(true);
-                if let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) {
-                    let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
-                    live.push(c2);
-                    live.push(s2);
+                match &link {
+                    None => {
+                        let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(2)) else {
+                            let _ = client.shutdown(Shutdown::Both);
+                            continue;
+                        };
+                        forward(&s, client, server);
+                    }
+                    Some(link) => {
+                        // In a thread of its own: retries and greetings must not stall the accept loop.
+                        let (greeting, s) = (link.greeting.clone(), s.clone());
+                        std::thread::spawn(move || link_connection(&s, upstream, client, greeting.as_ref()));
+                    }
                 }
-                pipe(client.try_clone(), server.try_clone(), s.clone(), Direction::Request);
-                pipe(server.try_clone(), client.try_clone(), s.clone(), Direction::Reply);
             }
         });
         FaultProxy { port, shared }
@@ -150,6 +173,69 @@ impl FaultProxy {
     pub fn set_request_delay(&self, delay: Duration) {
         self.shared.request_delay_us.store(micros(delay), Ordering::SeqCst);
     }
+}
+
+/// How a [`FaultProxy::start_link`] proxy treats each connection.
+struct Link {
+    greeting: Option<Greeting>,
+}
+
+/// Registers both sockets (so a cut closes them) and pipes both ways.
+fn forward(shared: &Arc<Shared>, client: TcpStream, server: TcpStream) {
+    register(shared, &client, &server);
+    pipes(shared, client, server);
+}
+
+fn register(shared: &Shared, client: &TcpStream, server: &TcpStream) {
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    if let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) {
+        let mut live = shared.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.push(c2);
+        live.push(s2);
+    }
+}
+
+fn pipes(shared: &Arc<Shared>, client: TcpStream, server: TcpStream) {
+    pipe(client.try_clone(), server.try_clone(), shared.clone(), Direction::Request);
+    pipe(server.try_clone(), client.try_clone(), shared.clone(), Direction::Reply);
+}
+
+/// One connection of a link proxy: dial the upstream until it answers (or
+/// the link is cut), pass the greeting, then forward.
+fn link_connection(shared: &Arc<Shared>, upstream: SocketAddr, mut client: TcpStream, greeting: Option<&Greeting>) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut server = loop {
+        if shared.cut.load(Ordering::SeqCst) || shared.stopped.load(Ordering::SeqCst) {
+            let _ = client.shutdown(Shutdown::Both);
+            return;
+        }
+        match TcpStream::connect_timeout(&upstream, Duration::from_secs(2)) {
+            Ok(server) => break server,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(_) => {
+                let _ = client.shutdown(Shutdown::Both);
+                return;
+            }
+        }
+    };
+    // Registered before the cut flag is read: a cut from now on closes
+    // these sockets, and one that came before is seen below.
+    register(shared, &client, &server);
+    let greeted = match greeting {
+        None => Ok(()),
+        Some(greeting) => client
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .and_then(|()| greeting(&mut client))
+            .and_then(|bytes| server.write_all(&bytes))
+            .and_then(|()| client.set_read_timeout(None)),
+    };
+    if greeted.is_err() || shared.cut.load(Ordering::SeqCst) {
+        let _ = client.shutdown(Shutdown::Both);
+        let _ = server.shutdown(Shutdown::Both);
+        return;
+    }
+    pipes(shared, client, server);
 }
 
 fn micros(d: Duration) -> u64 {

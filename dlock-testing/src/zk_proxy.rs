@@ -11,7 +11,7 @@
 //! `ReplyHeader { xid: i32, zxid: i64, err: i32 }` (xid -1 is a watch
 //! notification, -2 a ping).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -31,6 +31,14 @@ pub const CREATE_CONTAINER: i32 = 19;
 /// ZooKeeper's `delete` request type (2), for
 /// [`ZooKeeperProxy::drop_replies`].
 pub const DELETE: i32 = 2;
+
+/// ZooKeeper's `getChildren` request type (8), what zookeeper-client's
+/// `list_children` sends, for [`ZooKeeperProxy::requests_of`].
+pub const GET_CHILDREN: i32 = 8;
+
+/// ZooKeeper's `getChildren2` request type (12, children with the parent's
+/// stat), for [`ZooKeeperProxy::requests_of`].
+pub const GET_CHILDREN2: i32 = 12;
 
 /// How the proxy ends a connection whose reply it swallowed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +91,12 @@ struct Shared {
     dropped_by_op: Mutex<HashMap<i32, u64>>,
     dropped_created: AtomicU64,
     creates: AtomicU64,
+    /// Requests forwarded, by type.
+    requests: Mutex<HashMap<i32, u64>>,
+    /// Watch notifications (xid -1) passed to clients.
+    notifications: AtomicU64,
+    /// Of those, `NodeDeleted` for a node the same connection deleted.
+    own_delete_notifications: AtomicU64,
     connections: AtomicU64,
     /// Both sockets of each open connection, to close them on drop.
     live: Mutex<HashMap<u64, [TcpStream; 2]>>,
@@ -134,13 +148,22 @@ struct Arm {
 }
 
 /// One connection's state shared by its two directions: the requests
-/// whose replies are to be lost, by xid, with their type.
+/// whose replies are to be lost, by xid, with their type; and the paths
+/// this connection asked to delete, to tell a client's notification of its
+/// own delete from one about somebody else's node.
 #[derive(Debug, Default)]
-struct Doomed(Mutex<HashMap<i32, (i32, Hangup)>>);
+struct Doomed {
+    replies: Mutex<HashMap<i32, (i32, Hangup)>>,
+    deleted: Mutex<HashSet<String>>,
+}
 
 impl Doomed {
     fn map(&self) -> MutexGuard<'_, HashMap<i32, (i32, Hangup)>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.replies.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn deleted(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.deleted.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -227,6 +250,33 @@ impl ZooKeeperProxy {
         self.shared.creates.load(Ordering::SeqCst)
     }
 
+    /// Requests of type `op` forwarded so far, on every connection (e.g.
+    /// [`GET_CHILDREN`]): counted on the wire, so independent of what the
+    /// client under test reports.
+    ///
+    /// ```no_run
+    /// let zk = dlock_testing::ZooKeeperServer::start();
+    /// let proxy = dlock_testing::ZooKeeperProxy::start(zk.port());
+    /// // … clients work through `proxy.connect_string()` …
+    /// println!("{} getChildren", proxy.requests_of(dlock_testing::GET_CHILDREN));
+    /// ```
+    pub fn requests_of(&self, op: i32) -> u64 {
+        self.shared.requests.lock().unwrap_or_else(|p| p.into_inner()).get(&op).copied().unwrap_or(0)
+    }
+
+    /// Watch notifications (replies with xid -1) passed to clients so far:
+    /// one per watcher the server fired for a client behind this proxy.
+    pub fn notifications(&self) -> u64 {
+        self.shared.notifications.load(Ordering::SeqCst)
+    }
+
+    /// Of [`ZooKeeperProxy::notifications`], those telling a client that a
+    /// node it deleted itself is gone (it had a watch on its own node):
+    /// these wake nobody who is waiting.
+    pub fn own_delete_notifications(&self) -> u64 {
+        self.shared.own_delete_notifications.load(Ordering::SeqCst)
+    }
+
     /// Client connections accepted so far (a client reconnects after each
     /// lost reply).
     pub fn connections(&self) -> u64 {
@@ -283,6 +333,16 @@ fn be_i32(frame: &[u8], at: usize) -> Option<i32> {
     frame.get(at..at + 4).and_then(|b| b.try_into().ok()).map(i32::from_be_bytes)
 }
 
+/// The `NodeDeleted` type of a watch notification.
+const NODE_DELETED: i32 = 2;
+
+/// A jute `ustring` (4-byte length, UTF-8 bytes) at `at`.
+fn jute_string(frame: &[u8], at: usize) -> Option<String> {
+    let len = usize::try_from(be_i32(frame, at)?).ok()?;
+    let bytes = frame.get(at + 4..at + 4 + len)?;
+    String::from_utf8(bytes.to_vec()).ok()
+}
+
 /// Client to server: marks the creates whose replies are to be lost, then
 /// forwards every frame unchanged.
 fn requests(shared: &Shared, doomed: &Doomed, mut client: TcpStream, mut server: TcpStream) -> io::Result<()> {
@@ -295,6 +355,13 @@ fn requests(shared: &Shared, doomed: &Doomed, mut client: TcpStream, mut server:
         if let (Some(xid), Some(op)) = (be_i32(&frame, 4), be_i32(&frame, 8)) {
             if CREATE_OP_CODES.contains(&op) {
                 shared.creates.fetch_add(1, Ordering::SeqCst);
+            }
+            *shared.requests.lock().unwrap_or_else(|p| p.into_inner()).entry(op).or_default() += 1;
+            if op == DELETE {
+                // DeleteRequest { path: ustring, version: int } after the header.
+                if let Some(path) = jute_string(&frame, 12) {
+                    doomed.deleted().insert(path);
+                }
             }
             // Marked before the request leaves, so its reply cannot
             // overtake the mark. Pings and watch resets (negative xids)
@@ -319,6 +386,18 @@ fn replies(shared: &Shared, doomed: &Doomed, mut server: TcpStream, mut client: 
     loop {
         read_frame(&mut server, &mut frame)?;
         if let Some(xid) = be_i32(&frame, 4) {
+            if xid == -1 {
+                shared.notifications.fetch_add(1, Ordering::SeqCst);
+                // WatcherEvent { type: int, state: int, path: ustring } after
+                // the ReplyHeader; type 2 is NodeDeleted.
+                if be_i32(&frame, 20) == Some(NODE_DELETED) {
+                    if let Some(path) = jute_string(&frame, 28) {
+                        if doomed.deleted().remove(&path) {
+                            shared.own_delete_notifications.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                }
+            }
             let lost = if xid >= 0 { doomed.map().remove(&xid) } else { None };
             if let Some((op, how)) = lost {
                 shared.dropped.fetch_add(1, Ordering::SeqCst);
@@ -361,6 +440,17 @@ mod tests {
         let err = read_frame(&mut s, &mut frame).expect_err("negative length");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
         writer.join().expect("writer");
+    }
+
+    #[test]
+    fn jute_strings_are_read_within_the_frame() {
+        let mut frame = vec![0u8; 12];
+        frame.extend_from_slice(&5i32.to_be_bytes());
+        frame.extend_from_slice(b"/a/b1");
+        assert_eq!(jute_string(&frame, 12).as_deref(), Some("/a/b1"));
+        frame.truncate(frame.len() - 1);
+        assert_eq!(jute_string(&frame, 12), None, "a length past the frame's end");
+        assert_eq!(jute_string(&(-1i32).to_be_bytes(), 0), None, "a null string");
     }
 
     #[test]

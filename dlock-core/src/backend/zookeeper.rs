@@ -8,7 +8,17 @@
 //! * The lease is the session: the guard's lost signal fires when the session
 //!   expires or our node is deleted. A disconnected ("suspended") session is
 //!   reported distinctly, through [`ZooKeeperBackend::connection_state`]; the
-//!   lock is still ours until the session timeout passes. After a session
+//!   lock is still ours until the session timeout passes. "Passes" is
+//!   counted from our side, not by waiting to hear of the expiry: a
+//!   heartbeat read every quarter of the session timeout records when the
+//!   last request the server answered was sent, and the lost signal fires at
+//!   that instant plus the negotiated timeout (less a small margin), the
+//!   earliest the ensemble could expire the session. Waiting for the
+//!   client's own verdict would be late: cut off from every server (its
+//!   leader isolated, say), it declares the session expired only after 7/5
+//!   of the timeout, while the rest of the ensemble may expire it and grant
+//!   the lock after one timeout (measured in
+//!   `dlock-core/tests/zookeeper_partition.rs`). After a session
 //!   is lost the backend opens a new one (with backoff) and goes on granting
 //!   locks; the guards of the old session have already fired `lost`.
 //! * The fencing token is our node's creation zxid: ZooKeeper's transaction
@@ -91,6 +101,27 @@ pub struct ZooKeeperBackend {
 struct Session {
     client: zk::Client,
     state: watch::Receiver<ConnectionState>,
+    /// When the latest request that the server answered was sent. The
+    /// server touched the session after that, so it cannot expire it before
+    /// this instant plus the session timeout.
+    confirmed: Arc<Mutex<Instant>>,
+}
+
+/// The margin the lost signal keeps before the earliest instant the server
+/// could expire the session, for the delay of our own timer.
+fn expiry_margin(timeout: Duration) -> Duration {
+    (timeout / 10).min(Duration::from_millis(500))
+}
+
+fn confirmed_at(confirmed: &Mutex<Instant>) -> Instant {
+    *confirmed.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn confirm(confirmed: &Mutex<Instant>, sent: Instant) {
+    let mut at = confirmed.lock().unwrap_or_else(|p| p.into_inner());
+    if sent > *at {
+        *at = sent;
+    }
 }
 
 #[derive(Debug)]
@@ -227,6 +258,7 @@ impl ZooKeeperBackend {
 
     fn grant(session: &Session, node: &str, fence: u64, lease: Duration) -> Grant {
         let mut states = session.state.clone();
+        let confirmed = session.confirmed.clone();
         let (client, node) = (session.client.clone(), node.to_owned());
         let lost: BoxFuture<'static, LostReason> = Box::pin(async move {
             let node_gone = async {
@@ -256,9 +288,24 @@ impl ZooKeeperBackend {
                 let _ = states.wait_for(|s| *s == ConnectionState::Lost).await;
                 LostReason::SessionExpired
             };
+            // The server may have expired the session by now, whether or
+            // not we have heard of it (see the module documentation).
+            let session_may_be_over = async {
+                let timeout = client.session_timeout();
+                let allowed = timeout.saturating_sub(expiry_margin(timeout));
+                loop {
+                    let at = confirmed_at(&confirmed) + allowed;
+                    tokio::time::sleep_until(at).await;
+                    if confirmed_at(&confirmed) + allowed <= Instant::now() {
+                        tracing::warn!(node, ?timeout, "no answer from ZooKeeper for a session timeout: the lock may be gone");
+                        return LostReason::SessionExpired;
+                    }
+                }
+            };
             tokio::select! {
                 r = node_gone => r,
                 r = session_lost => r,
+                r = session_may_be_over => r,
             }
         });
         Grant { fencing_token: fence, valid_until: Instant::now() + lease, lost: Some(lost) }
@@ -424,6 +471,9 @@ type Holds = Arc<Mutex<HashMap<(LockKey, Owner), Hold>>>;
 /// Opens a session and maps its states to [`ConnectionState`] on a channel
 /// of its own.
 async fn open_session(connect_string: &str, session_timeout: Duration) -> Result<Session> {
+    // The server starts the session's clock when our connect request
+    // arrives, which is after this.
+    let started = Instant::now();
     let connecting = zk::Client::connector()
         .with_session_timeout(session_timeout)
         .with_connection_timeout(session_timeout.min(Duration::from_secs(2)))
@@ -458,7 +508,7 @@ async fn open_session(connect_string: &str, session_timeout: Duration) -> Result
             }
         }
     });
-    Ok(Session { client, state })
+    Ok(Session { client, state, confirmed: Arc::new(Mutex::new(started)) })
 }
 
 /// Follows the current session: reports its states on the backend's channel
@@ -475,11 +525,12 @@ async fn supervise(
 ) {
     loop {
         let Some(current) = session.upgrade() else { return };
-        let (mut state, lost_id) = {
+        let (mut state, lost_id, confirmed) = {
             let s = current.read().unwrap_or_else(|p| p.into_inner());
-            (s.state.clone(), s.client.session_id())
+            (s.state.clone(), s.client.session_id(), s.confirmed.clone())
         };
         drop(current);
+        tokio::spawn(heartbeat(session.clone(), lost_id, confirmed));
         loop {
             let now = *state.borrow_and_update();
             match now {
@@ -515,6 +566,38 @@ async fn supervise(
                 }
             }
         }
+    }
+}
+
+/// Reads `/`'s stat every quarter of the session timeout and records when
+/// each answered read was sent (see [`Session::confirmed`]). ZooKeeper's own
+/// pings keep the session alive but are invisible to us. Holds no client
+/// between reads, so a dropped backend closes its session; ends when the
+/// backend is dropped or the session is replaced or over.
+async fn heartbeat(session: Weak<RwLock<Session>>, id: zk::SessionId, confirmed: Arc<Mutex<Instant>>) {
+    loop {
+        let client = {
+            let Some(current) = session.upgrade() else { return };
+            let s = current.read().unwrap_or_else(|p| p.into_inner());
+            if s.client.session_id() != id {
+                return;
+            }
+            s.client.clone()
+        };
+        let every = client.session_timeout() / 4;
+        let sent = Instant::now();
+        match client.check_stat("/").await {
+            Ok(_) => confirm(&confirmed, sent),
+            Err(zk::Error::SessionExpired | zk::Error::SessionMoved | zk::Error::ClientClosed | zk::Error::AuthFailed) => {
+                return
+            }
+            // Any other answer (a chroot without `/`'s permission, say) came
+            // from a server that touched the session all the same.
+            Err(e) if answered(&e) => confirm(&confirmed, sent),
+            Err(_) => {}
+        }
+        drop(client);
+        tokio::time::sleep_until(sent + every).await;
     }
 }
 

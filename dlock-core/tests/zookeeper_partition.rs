@@ -1,0 +1,197 @@
+//! T8e (reliability.md §9): the leader (or a follower) of a 3-server
+//! ensemble isolated from its peers while its clients can still reach it,
+//! without network namespaces: every peer connection goes through a
+//! `FaultProxy` (`ZooKeeperEnsemble::start_partitionable`), and isolating a
+//! member cuts every proxy to and from it. A holder whose session lives on
+//! the isolated member must count its lock lost before the majority grants
+//! it to anyone else; and, the other side of that, a holder that stays
+//! connected must not.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend};
+use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions};
+use dlock_testing::ZooKeeperEnsemble;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+fn locker(backend: ZooKeeperBackend, watchdog_lease: Duration) -> Locker {
+    let opts = LockerOptions::default().with_watchdog_lease(watchdog_lease);
+    Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, opts).expect("valid options")
+}
+
+async fn connect(port: u16, session: Duration) -> ZooKeeperBackend {
+    ZooKeeperBackend::connect_with(&format!("127.0.0.1:{port}"), "dlock", session).await.expect("connect to one member")
+}
+
+/// How long after `t0` the state first was `want` (`None` if not within 60 s).
+async fn first(mut state: watch::Receiver<ConnectionState>, want: ConnectionState, t0: Instant) -> Option<Duration> {
+    tokio::time::timeout(Duration::from_secs(60), state.wait_for(|s| *s == want)).await.ok()?.ok()?;
+    Some(t0.elapsed())
+}
+
+/// Takes the lock from `locker`, retrying errors (the waiter's own member
+/// loses the leader too and reconnects), until `within`.
+async fn acquire_retrying(locker: &Locker, key: &dlock_core::LockKey, within: Duration) -> (LockGuard, u32) {
+    let deadline = Instant::now() + within;
+    let mut errors = 0;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "the waiter was not granted within {within:?} ({errors} errors)");
+        match locker.acquire(key, AcquireOptions::new().wait(left)).await {
+            Ok(g) => return (g, errors),
+            Err(e) => {
+                assert!(e.is_unavailable() || e.is_contention(), "unexpected error: {e}");
+                errors += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// The leader, cut off from both followers: they elect a new leader and
+/// expire the sessions of the old leader's clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_isolated_leader_loses_its_holders_lock_before_anyone_else_gets_it() {
+    partitions(true).await;
+}
+
+/// A follower, cut off from the leader and the other follower (a minority
+/// of one): the majority keeps its leader and expires the sessions of the
+/// isolated follower's clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_isolated_follower_loses_its_holders_lock_before_anyone_else_gets_it() {
+    partitions(false).await;
+}
+
+/// `DLOCK_T8E_PARTITIONS` (default 1) partitions in a row on one ensemble,
+/// each healed before the next (reliability.md's nightly size is 20).
+async fn partitions(isolate_leader: bool) {
+    let rounds: usize = match std::env::var("DLOCK_T8E_PARTITIONS") {
+        Ok(v) => v.parse().unwrap_or_else(|_| panic!("DLOCK_T8E_PARTITIONS must be a positive integer, not `{v}`")),
+        Err(_) => 1,
+    };
+    let ensemble = Arc::new(ZooKeeperEnsemble::start_partitionable(3));
+    for round in 0..rounds {
+        holder_on_an_isolated_member(&ensemble, isolate_leader, round).await;
+    }
+}
+
+/// The holder's session lives on the member that is isolated (connect
+/// string = that member only), the waiter's on another member. Checks: the
+/// holder is reported suspended within a third of the session timeout and
+/// its guard fires `lost` within the session timeout and before the waiter
+/// is granted; the waiter's fencing token is higher; after healing, every
+/// member serves and the holder's backend locks again in a new session.
+async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate_leader: bool, round: usize) {
+    let leader = ensemble.wait_formed(Duration::from_secs(60));
+    let (isolated, other) = if isolate_leader { (leader, (leader + 1) % 3) } else { ((leader + 1) % 3, (leader + 2) % 3) };
+    let what = if isolate_leader { "leader" } else { "follower" };
+    let session = Duration::from_secs(3);
+
+    let holder_backend = connect(ensemble.port(isolated), session).await;
+    let state = holder_backend.connection_state();
+    // A watchdog lease longer than the session: the guard must learn of the
+    // loss from the session, not from failed renewals.
+    let holder = locker(holder_backend, Duration::from_secs(30));
+    let waiter = locker(connect(ensemble.port(other), Duration::from_secs(10)).await, Duration::from_secs(30));
+    let key = holder.key("t8e").part(round).build().expect("key");
+    let held = holder.acquire(&key, AcquireOptions::new()).await.expect("the key is free");
+    let held_token = held.fencing_token();
+
+    let granted = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move {
+            let (g, errors) = acquire_retrying(&waiter, &key, Duration::from_secs(60)).await;
+            (Instant::now(), g, errors)
+        })
+    };
+    // The waiter is queued behind the holder before the partition.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let t0 = Instant::now();
+    ensemble.isolate(isolated);
+    let elected = {
+        let ensemble = ensemble.clone();
+        tokio::task::spawn_blocking(move || {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                // The majority's leader: a new one, or the same when a follower was cut off.
+                if let Some(new) = ensemble.leader().filter(|l| *l != isolated) {
+                    return Some((new, t0.elapsed()));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            None
+        })
+    };
+    let suspended = tokio::spawn(first(state.clone(), ConnectionState::Suspended, t0));
+    let lost_state = tokio::spawn(first(state.clone(), ConnectionState::Lost, t0));
+    let lost_guard = {
+        let held = &held;
+        async move { (held.lost().await, t0.elapsed()) }
+    };
+    let ((reason, lost_at), granted) = tokio::join!(lost_guard, granted);
+    let (granted_instant, next, errors) = granted.expect("waiter task");
+    let granted_at = granted_instant - t0;
+    let suspended_at = suspended.await.expect("task");
+    let lost_state_at = lost_state.await.expect("task");
+    let elected = elected.await.expect("task");
+    eprintln!(
+        "T8e round {round}: {what} (member {isolated}) isolated (session {session:?}): majority's leader (member, after) {elected:?}; holder suspended \
+         after {suspended_at:?}, guard lost after {lost_at:?} ({reason:?}), session reported lost after \
+         {lost_state_at:?}; waiter granted after {granted_at:?} ({errors} errors on the way); tokens {held_token} -> {}",
+        next.fencing_token()
+    );
+    assert!(elected.is_some(), "the majority has a leader");
+
+    assert!(next.fencing_token() > held_token, "the waiter's token is above the isolated holder's");
+    let suspended_at = suspended_at.expect("the holder is reported suspended");
+    assert!(suspended_at <= session / 3, "suspended within a third of the session: {suspended_at:?}");
+    assert!(held.is_lost(), "the holder knows it lost the lock");
+    assert!(lost_at <= session, "the holder counts the lock lost within the session timeout: {lost_at:?}");
+    assert!(
+        lost_at <= granted_at,
+        "mutual exclusion: the waiter was granted at {granted_at:?} while the holder believed it held until {lost_at:?}"
+    );
+    let next_token = next.fencing_token();
+    assert!(next.release().await.expect("release"));
+
+    // Heal: the ensemble serves again on every member, the isolated one included.
+    ensemble.heal();
+    let leader_after = ensemble.wait_formed(Duration::from_secs(60));
+    eprintln!("T8e healed: leader {leader_after}, the isolated member {isolated} now {:?}", ensemble.mode(isolated));
+    let again = locker(connect(ensemble.port(isolated), session).await, Duration::from_secs(30));
+    let g = again.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("the isolated member serves again");
+    assert!(g.fencing_token() > next_token);
+    assert!(g.release().await.expect("release"));
+    // The holder's backend opens a new session and locks again.
+    let mut state = state;
+    tokio::time::timeout(Duration::from_secs(30), state.wait_for(|s| *s == ConnectionState::Connected))
+        .await
+        .expect("a new session after the heal")
+        .expect("state channel");
+    let g = holder.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("the holder locks again");
+    assert!(g.release().await.expect("release"));
+    assert!(!held.release().await.unwrap_or(false), "the isolated holder's lock is gone");
+}
+
+/// The other side of counting the session timeout ourselves: a holder whose
+/// session stays connected keeps its lock for several session timeouts (the
+/// heartbeat keeps confirming it), so the early `lost` is no false alarm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connected_holder_keeps_its_lock_past_several_session_timeouts() {
+    let server = dlock_testing::ZooKeeperServer::start();
+    // Not much shorter: the JVMs of the other tests compete for the CPU,
+    // and a server that cannot answer for a session timeout may expire
+    // the session itself.
+    let session = Duration::from_secs(2);
+    let backend = ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", session).await.expect("connect");
+    let holder = locker(backend, Duration::from_secs(30));
+    let key = holder.key("t8e-healthy").part(1).build().expect("key");
+    let held = holder.acquire(&key, AcquireOptions::new()).await.expect("the key is free");
+    tokio::time::sleep(session * 4).await;
+    assert!(!held.is_lost(), "a connected session's lock is not lost");
+    assert!(held.release().await.expect("release"), "and still ours");
+}
