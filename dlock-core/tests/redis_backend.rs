@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions, LostReason};
-use dlock_testing::RedisServer;
+use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::Instant;
 
 struct Redis {
@@ -490,4 +490,57 @@ async fn a_tls_url_is_refused_at_start_up() {
     });
     let text = cfg.expect_err("refused when the configuration is read").to_string();
     assert!(text.contains("DLOCK_REDIS_URL") && text.contains("`tls` feature"), "{text}");
+}
+
+/// A slow server neither queues waiters behind each other nor stretches a
+/// wait. 16 waiters on 16 held keys start at once through a proxy that makes
+/// every round trip 300 ms long; the keys are released 1.2 s later. Every
+/// waiter must be subscribed by then and take its key: when the subscriber
+/// sent (un)subscribes one at a time, awaiting each confirmation, the last
+/// waiters were still queued for their subscription when their 3 s wait
+/// ran out (seen with a slow RedLock node in the `redlock-slow` scenario).
+/// A 17th waiter, on a key never released, must give up on time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_server_queues_no_waiter_and_stretches_no_wait() {
+    let server = RedisServer::start();
+    let holder = locker_for(&server.url(), 30_000).await;
+    let keys: Vec<LockKey> = (0..17).map(|i| holder.key("slow-server").part(i).build().expect("key")).collect();
+    let mut guards = Vec::new();
+    for k in &keys {
+        guards.push(holder.acquire(k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free"));
+    }
+    let proxy = FaultProxy::start(server.port());
+    let waiter = locker_for(&format!("redis://127.0.0.1:{}", proxy.port()), 30_000).await;
+    proxy.set_request_delay(Duration::from_millis(150));
+    proxy.set_delay(Duration::from_millis(150));
+    let started = Instant::now();
+    let tasks: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let (waiter, k) = (waiter.clone(), k.clone());
+            let wait = Duration::from_secs(if i == 16 { 1 } else { 3 });
+            tokio::spawn(async move {
+                let result = waiter.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30)).wait(wait)).await;
+                (result, started.elapsed())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let never = guards.pop().expect("17 guards");
+    for g in guards {
+        assert!(g.release().await.expect("release"));
+    }
+    for (i, task) in tasks.into_iter().enumerate() {
+        let (result, took) = task.await.expect("task");
+        if i == 16 {
+            assert!(matches!(result, Err(dlock_core::Error::Timeout { .. })), "{result:?}");
+            // The wait, plus the one round trip that may be in flight at its end.
+            assert!(took < Duration::from_millis(2_000), "a 1 s wait took {took:?}");
+        } else {
+            let guard = result.unwrap_or_else(|e| panic!("waiter {i} did not get its released key after {took:?}: {e}"));
+            drop(guard);
+        }
+    }
+    drop(never);
 }

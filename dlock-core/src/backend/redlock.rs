@@ -57,7 +57,7 @@ pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 /// # Ok(()) }
 /// ```
 pub struct RedLockBackend {
-    nodes: Vec<RedisBackend>,
+    nodes: Vec<Arc<RedisBackend>>,
     node_timeout: Duration,
     /// Our own holds: (key, owner) -> (fencing token, holds).
     holds: Mutex<HashMap<(LockKey, Owner), (u64, u32)>>,
@@ -143,13 +143,13 @@ impl RedLockBackend {
         };
         let mut nodes = Vec::with_capacity(urls.len());
         for (i, node) in join_all(connecting).await.into_iter().enumerate() {
-            nodes.push(node.map_err(on_node(i))?);
+            nodes.push(Arc::new(node.map_err(on_node(i))?));
         }
         // Loaded now, so that a node's first acquire is one round trip: with
         // a cold script cache it takes three and a slow node misses the node
         // timeout (found by the slow-node test, T5e). A node that restarts
         // later loses its cache and pays that once more, on one attempt.
-        for (i, loaded) in join_all(nodes.iter().map(RedisBackend::load_scripts)).await.into_iter().enumerate() {
+        for (i, loaded) in join_all(nodes.iter().map(|n| n.load_scripts())).await.into_iter().enumerate() {
             loaded.map_err(on_node(i))?;
         }
         Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default(), wakeups: Mutex::default(), turns: Mutex::default() })
@@ -164,24 +164,31 @@ impl RedLockBackend {
     /// agreed, or can no longer agree): a dead node costs its timeout only
     /// when the live ones cannot decide without it. Answers come with their
     /// node's index; a node without an answer failed, timed out or was not
-    /// waited for. Steps still running are dropped; a command they already
-    /// sent may still land, which every caller handles.
-    async fn on_all<'a, T, F, Fut>(
-        &'a self,
+    /// waited for.
+    ///
+    /// Steps still running when the outcome is known finish on a task of
+    /// their own (each within `timeout`). Dropping them would not only lose
+    /// their answers: redis-rs does not send a queued command whose reply
+    /// nobody waits for any more, so a lock granted on a bare quorum would
+    /// never reach the other nodes, and losing one node of that quorum would
+    /// lose the lock (seen as a flaky `losing_the_quorum_fires_lost`).
+    async fn on_all<T, F, Fut>(
+        &self,
         timeout: Duration,
         step: F,
         decided: impl Fn(&[(usize, T)], usize) -> bool,
     ) -> Vec<(usize, T)>
     where
-        F: Fn(usize, &'a RedisBackend) -> Fut,
-        Fut: std::future::Future<Output = Result<T>> + 'a,
+        T: Send + 'static,
+        F: Fn(usize, Arc<RedisBackend>) -> Fut,
+        Fut: std::future::Future<Output = Result<T>> + Send + 'static,
     {
         let mut pending: FuturesUnordered<_> = self
             .nodes
             .iter()
             .enumerate()
             .map(|(i, node)| {
-                let fut = step(i, node);
+                let fut = step(i, node.clone());
                 async move { (i, tokio::time::timeout(timeout, fut).await.ok().and_then(|r| r.ok())) }
             })
             .collect();
@@ -194,6 +201,9 @@ impl RedLockBackend {
             if decided(&answers, failed) {
                 break;
             }
+        }
+        if !pending.is_empty() {
+            tokio::spawn(async move { while pending.next().await.is_some() {} });
         }
         answers
     }
@@ -222,7 +232,10 @@ impl RedLockBackend {
         let answers = self
             .on_all(
                 self.node_timeout.min(validity),
-                |_, node| node.try_on_node(req, awaited),
+                |_, node| {
+                    let req = req.clone();
+                    async move { node.try_on_node(&req, awaited).await }
+                },
                 |a, failed| self.settled(granted_in(a), a.len(), failed),
             )
             .await;
@@ -258,11 +271,14 @@ impl RedLockBackend {
             let held_by_others = &held_by_others;
             self.on_all(
                 self.node_timeout,
-                |i, node| async move {
-                    if held_by_others[i] {
-                        Ok(Release::NotHeld)
-                    } else {
-                        node.release(&req.key, &req.owner).await
+                |i, node| {
+                    let (skip, key, owner) = (held_by_others[i], req.key.clone(), req.owner.clone());
+                    async move {
+                        if skip {
+                            Ok(Release::NotHeld)
+                        } else {
+                            node.release(&key, &owner).await
+                        }
                     }
                 },
                 |_, _| false,
@@ -335,18 +351,37 @@ impl RedLockBackend {
                 }
             }
         };
-        let registrations = join_all(
-            self.nodes.iter().map(|n| n.subscriber.register_shared(channel.clone(), Some(notify.clone()))),
-        )
-        .await;
-        SharedRegistration { notify, _registrations: registrations }
+        // A release that succeeds reaches a quorum of nodes and announces
+        // itself on each; any two quorums share a node. So once a quorum of
+        // our subscriptions is confirmed, every successful release is heard,
+        // and a slow node's confirmation need not hold the waiter up. The
+        // other subscriptions go on (the actors send them whether or not
+        // their futures are polled) and end with this registration.
+        let mut pending: FuturesUnordered<_> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                let (subscriber, channel, notify) = (n.subscriber.clone(), channel.clone(), notify.clone());
+                Box::pin(async move { subscriber.register_shared(channel, Some(notify)).await }) as BoxFuture<'static, _>
+            })
+            .collect();
+        let mut confirmed = Vec::with_capacity(self.nodes.len());
+        while confirmed.len() < self.quorum() {
+            match pending.next().await {
+                Some(registration) => confirmed.push(registration),
+                None => break,
+            }
+        }
+        SharedRegistration { notify, _confirmed: confirmed, _pending: pending }
     }
 }
 
-/// Registrations on every node feeding one `Notify`.
+/// Registrations on every node feeding one `Notify`; dropping it
+/// unregisters on every node, confirmed or not.
 struct SharedRegistration {
     notify: Arc<Notify>,
-    _registrations: Vec<Registration>,
+    _confirmed: Vec<Registration>,
+    _pending: FuturesUnordered<BoxFuture<'static, Registration>>,
 }
 
 impl AsRef<Notify> for SharedRegistration {
@@ -413,9 +448,14 @@ impl Backend for RedLockBackend {
             let sent = Instant::now();
             let held_in = |a: &[(usize, Renewal)]| a.iter().filter(|(_, a)| matches!(a, Renewal::Held { .. })).count();
             let answers = self
-                .on_all(self.node_timeout, |_, node| node.renew(key, owner, lease), |a, failed| {
-                    self.settled(held_in(a), a.len(), failed)
-                })
+                .on_all(
+                    self.node_timeout,
+                    |_, node| {
+                        let (key, owner) = (key.clone(), owner.clone());
+                        async move { node.renew(&key, &owner, lease).await }
+                    },
+                    |a, failed| self.settled(held_in(a), a.len(), failed),
+                )
                 .await;
             let held = held_in(&answers);
             let lost = answers.len() - held;
@@ -436,7 +476,16 @@ impl Backend for RedLockBackend {
             // is not on anyone's hot path, and a node we skip keeps a stray
             // hold until its lease ends.
             self.unhold(key, owner);
-            let answers = self.on_all(self.node_timeout, |_, node| node.release(key, owner), |_, _| false).await;
+            let answers = self
+                .on_all(
+                    self.node_timeout,
+                    |_, node| {
+                        let (key, owner) = (key.clone(), owner.clone());
+                        async move { node.release(&key, &owner).await }
+                    },
+                    |_, _| false,
+                )
+                .await;
             let freed = answers.iter().filter(|(_, a)| matches!(a, Release::Freed)).count();
             let still: Vec<u32> =
                 answers.iter().filter_map(|(_, a)| if let Release::StillHeld(n) = a { Some(*n) } else { None }).collect();

@@ -59,7 +59,14 @@ where
     };
     // The clock is read only once there is a wait to time.
     let started = Instant::now();
-    let wakeups = subscribe().await;
+    // Subscribing waits for the server's confirmation, which a slow server
+    // may give late: it must not carry the wait past its deadline.
+    let wakeups = tokio::select! {
+        biased;
+        _ = cancel.cancelled() => return Err(Error::Cancelled),
+        w = subscribe() => w,
+        _ = tokio::time::sleep_until(deadline) => return Err(contention(req, started)),
+    };
     loop {
         let notified = wakeups.as_ref().notified();
         tokio::pin!(notified);

@@ -4,8 +4,14 @@
 //! waiters)`. The first local waiter of a key subscribes to its release
 //! channel, the last one to leave unsubscribes; a release message wakes one
 //! local waiter (the one that will take the lock), not all of them. Because
-//! one task performs every (un)subscribe in order, an unsubscribe can never
-//! overtake a later subscribe of the same channel.
+//! one task sends every (un)subscribe in order, an unsubscribe can never
+//! overtake a later subscribe of the same channel. The actor does not wait
+//! for a confirmation before sending the next command: on a slow server
+//! (100 ms away, or a RedLock node that answers late) waiting in turn made
+//! every waiter queue behind every other key's (un)subscribe, and waits ran
+//! seconds past their deadline (found by the `redlock-slow` torture
+//! scenario). A waiter is answered once its channel's subscription is
+//! confirmed, so its next try happens while releases are heard.
 //!
 //! When the connection drops, every waiter is woken to try again, and the
 //! actor reconnects and resubscribes; until then waiters still wake when the
@@ -15,7 +21,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use redis::aio::{PubSubSink, PubSubStream};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
@@ -81,7 +89,15 @@ impl Subscriber {
         })?;
         let _ = sink.unsubscribe(probe_channel).await;
         let (tx, rx) = mpsc::unbounded_channel();
-        let actor = Actor { client, commands: rx, channels: HashMap::new(), conn: Some((sink, stream)) };
+        let actor = Actor {
+            client,
+            commands: rx,
+            channels: HashMap::new(),
+            conn: Some((sink, stream)),
+            epoch: 0,
+            generations: 0,
+            confirmations: FuturesUnordered::new(),
+        };
         tokio::spawn(actor.run());
         Ok(Subscriber { commands: tx })
     }
@@ -93,13 +109,21 @@ impl Subscriber {
 
     /// Registers a waiter whose wake-ups go to `shared` when this is the
     /// channel's first waiter (RedLock passes one `Notify` per key to every
-    /// node, so a release on any node wakes the key's waiters).
+    /// node, so a release on any node wakes the key's waiters). Resolves once
+    /// the subscription is confirmed (at once without a connection: the
+    /// waiter then wakes at the holder's TTL, or when the actor reconnects).
+    ///
+    /// Dropping the future after its first poll still unregisters.
     pub(crate) async fn register_shared(&self, channel: String, shared: Option<Arc<Notify>>) -> Registration {
         let (reply, answer) = oneshot::channel();
         let _ = self.commands.send(Command::Register { channel: channel.clone(), shared, reply });
-        // If the actor is gone the waiter still wakes at the holder's TTL.
-        let notify = answer.await.unwrap_or_default();
-        Registration { notify, channel, commands: self.commands.clone() }
+        // The actor counts this waiter from now on; if we are dropped before
+        // the answer, the registration's `Drop` uncounts it.
+        let mut registration = Registration { notify: Arc::default(), channel, commands: self.commands.clone() };
+        if let Ok(notify) = answer.await {
+            registration.notify = notify;
+        }
+        registration
     }
 }
 
@@ -114,13 +138,31 @@ async fn connect(client: &redis::Client) -> Result<(PubSubSink, PubSubStream)> {
 struct Entry {
     notify: Arc<Notify>,
     waiters: usize,
+    /// Tells this entry's subscription from an earlier one of the same
+    /// channel whose confirmation may still be on its way.
+    generation: u64,
+    /// Waiters to answer once the subscription is confirmed.
+    unconfirmed: Vec<oneshot::Sender<Arc<Notify>>>,
 }
+
+/// What a sent (un)subscribe was, for when its confirmation comes.
+enum Sent {
+    Subscribe { channel: String, generation: u64 },
+    Unsubscribe,
+}
+
+/// A sent command's confirmation: what it was, on which connection.
+type Confirmation = BoxFuture<'static, (Sent, u64, redis::RedisResult<()>)>;
 
 struct Actor {
     client: watch::Receiver<redis::Client>,
     commands: mpsc::UnboundedReceiver<Command>,
     channels: HashMap<String, Entry>,
     conn: Option<(PubSubSink, PubSubStream)>,
+    /// Counts connections, so a late answer of a dropped one is ignored.
+    epoch: u64,
+    generations: u64,
+    confirmations: FuturesUnordered<Confirmation>,
 }
 
 impl Actor {
@@ -132,6 +174,7 @@ impl Actor {
                 match connect(&client).await {
                     Ok(conn) => {
                         self.conn = Some(conn);
+                        self.epoch += 1;
                         backoff = Duration::from_millis(50);
                         self.resubscribe().await;
                     }
@@ -165,6 +208,9 @@ impl Actor {
                     Some(cmd) => self.handle(cmd).await,
                     None => return,
                 },
+                Some((sent, epoch, result)) = self.confirmations.next(), if !self.confirmations.is_empty() => {
+                    self.confirmed(sent, epoch, result);
+                }
                 msg = message => match msg {
                     Some(msg) => {
                         if let Some(entry) = self.channels.get(msg.get_channel_name()) {
@@ -180,41 +226,89 @@ impl Actor {
     async fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Register { channel, shared, reply } => {
-                let entry = self
-                    .channels
-                    .entry(channel.clone())
-                    .or_insert_with(|| Entry { notify: shared.unwrap_or_default(), waiters: 0 });
+                let generation = self.generations;
+                let entry = self.channels.entry(channel.clone()).or_insert_with(|| Entry {
+                    notify: shared.unwrap_or_default(),
+                    waiters: 0,
+                    generation,
+                    unconfirmed: Vec::new(),
+                });
                 entry.waiters += 1;
-                let notify = entry.notify.clone();
-                if entry.waiters == 1 {
-                    if let Some((sink, _)) = &mut self.conn {
-                        if let Err(e) = sink.subscribe(&channel).await {
-                            tracing::warn!(error = %e, channel, "dlock subscribe failed");
-                            self.disconnected();
-                        }
-                    }
+                if entry.waiters == 1 && self.conn.is_some() {
+                    self.generations += 1;
+                    entry.unconfirmed.push(reply);
+                    self.send(channel.clone(), Sent::Subscribe { channel, generation });
+                } else if entry.unconfirmed.is_empty() {
+                    let _ = reply.send(entry.notify.clone());
+                } else {
+                    // The channel's subscription is on its way: wait with the first waiter.
+                    entry.unconfirmed.push(reply);
                 }
-                let _ = reply.send(notify);
             }
             Command::Unregister { channel } => {
                 let Some(entry) = self.channels.get_mut(&channel) else { return };
                 entry.waiters = entry.waiters.saturating_sub(1);
                 if entry.waiters == 0 {
                     self.channels.remove(&channel);
-                    if let Some((sink, _)) = &mut self.conn {
-                        if sink.unsubscribe(&channel).await.is_err() {
-                            self.disconnected();
-                        }
+                    if self.conn.is_some() {
+                        self.send(channel, Sent::Unsubscribe);
                     }
                 }
             }
         }
     }
 
-    /// Messages may have been missed: let every waiter try again.
+    /// Sends an (un)subscribe now, and keeps its confirmation for later.
+    ///
+    /// The sink hands the command to the connection on the future's first
+    /// poll, so polling it once here keeps commands in the order they were
+    /// made.
+    fn send(&mut self, channel: String, sent: Sent) {
+        let Some((sink, _)) = &self.conn else { return };
+        let mut sink = sink.clone();
+        let subscribe = matches!(sent, Sent::Subscribe { .. });
+        let mut confirmation: BoxFuture<'static, redis::RedisResult<()>> = Box::pin(async move {
+            if subscribe {
+                sink.subscribe(&channel).await
+            } else {
+                sink.unsubscribe(&channel).await
+            }
+        });
+        let epoch = self.epoch;
+        match (&mut confirmation).now_or_never() {
+            Some(result) => self.confirmed(sent, epoch, result),
+            None => self.confirmations.push(Box::pin(confirmation.map(move |result| (sent, epoch, result)))),
+        }
+    }
+
+    fn confirmed(&mut self, sent: Sent, epoch: u64, result: redis::RedisResult<()>) {
+        if epoch != self.epoch {
+            // A connection since dropped: `resubscribe` answered its waiters.
+            return;
+        }
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "dlock (un)subscribe failed");
+            self.disconnected();
+            return;
+        }
+        if let Sent::Subscribe { channel, generation } = sent {
+            if let Some(entry) = self.channels.get_mut(&channel).filter(|e| e.generation == generation) {
+                for reply in entry.unconfirmed.drain(..) {
+                    let _ = reply.send(entry.notify.clone());
+                }
+            }
+        }
+    }
+
+    /// Messages may have been missed: let every waiter try again, and answer
+    /// those still waiting for a confirmation (they fall back to the TTL).
     fn disconnected(&mut self) {
         self.conn = None;
-        for entry in self.channels.values() {
+        self.epoch += 1;
+        for entry in self.channels.values_mut() {
+            for reply in entry.unconfirmed.drain(..) {
+                let _ = reply.send(entry.notify.clone());
+            }
             entry.notify.notify_waiters();
         }
     }
