@@ -366,13 +366,26 @@ async fn pause(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     Ok(vec![r])
 }
 
+/// T2 on Redis and on RedLock (5 masters, AOF always): holders killed with
+/// `kill -9` must leave no lock behind past their lease.
 async fn kill_client(size: Size, seed: u64) -> Result<Vec<Report>, String> {
-    let lock = RedisServer::start();
+    let mut rows = Vec::new();
+    for redlock in [false, true] {
+        rows.push(kill_client_on(redlock, size, seed).await?);
+    }
+    Ok(rows)
+}
+
+async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, String> {
+    let aof = ["--appendonly", "yes", "--appendfsync", "always"];
+    let lock: Vec<RedisServer> =
+        if redlock { (0..5).map(|_| RedisServer::start_with(&aof)).collect() } else { vec![RedisServer::start()] };
     let res_server = RedisServer::start();
     let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
     let mut run = Run::new("kill-client").map_err(|e| e.to_string())?;
     let kills = size.pick(4u64, 40);
-    let mut cfg = config("redis", vec![lock.url()], &res_server, seed);
+    let backend = if redlock { "redlock" } else { "redis" };
+    let mut cfg = config(backend, lock.iter().map(RedisServer::url).collect(), &res_server, seed);
     cfg.lease_ms = 500;
     cfg.keys = 3;
     cfg.cs_max_ms = 10;
@@ -395,7 +408,8 @@ async fn kill_client(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         again.duration_ms = total.saturating_sub((mono_ns() - started) / 1_000_000).max(500);
         run.spawn(again).map_err(|e| e.to_string())?;
     }
-    let mut r = Report::new("kill-client", "redis", seed);
+    let label = if redlock { "redlock (5 nodes, AOF always)" } else { "redis" };
+    let mut r = Report::new("kill-client", label, seed);
     r.expected_safe = true;
     r.faults = done;
     r.fault_kind = "kill -9 a holder, lease 500 ms (watchdog)".into();
@@ -409,13 +423,18 @@ async fn kill_client(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         }
     }
     sleep(Duration::from_millis(cfg.lease_ms + 100)).await;
-    let (left, refreshed) = residue(&lock.url(), Duration::from_millis(cfg.lease_ms / 3)).await?;
+    let (mut left, mut refreshed) = (0, 0);
+    for server in &lock {
+        let (l, f) = residue(&server.url(), Duration::from_millis(cfg.lease_ms / 3)).await?;
+        left += l;
+        refreshed += f;
+    }
     r.residual_keys = Some(left);
     r.refreshed_keys = Some(refreshed);
     if left > 0 {
         r.fail("lock keys of killed holders outlived their lease");
     }
-    Ok(vec![r])
+    Ok(r)
 }
 
 /// The deterministic restart probe: A holds, the lock server restarts
