@@ -13,8 +13,14 @@ use std::time::Duration;
 use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend};
 use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions};
 use dlock_testing::ZooKeeperEnsemble;
-use tokio::sync::watch;
+use tokio::sync::{watch, Mutex};
 use tokio::time::Instant;
+
+/// One test of this file at a time: each starts JVMs (a 3-server ensemble,
+/// or a server), and seven JVMs starting at once on a 2-core CI runner took
+/// more than 30 s to answer, and the timing these tests check stretches
+/// with the load.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::const_new(());
 
 fn locker(backend: ZooKeeperBackend, watchdog_lease: Duration) -> Locker {
     let opts = LockerOptions::default().with_watchdog_lease(watchdog_lease);
@@ -54,6 +60,7 @@ async fn acquire_retrying(locker: &Locker, key: &dlock_core::LockKey, within: Du
 /// expire the sessions of the old leader's clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_leader_loses_its_holders_lock_before_anyone_else_gets_it() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     partitions(true).await;
 }
 
@@ -62,6 +69,7 @@ async fn an_isolated_leader_loses_its_holders_lock_before_anyone_else_gets_it() 
 /// isolated follower's clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_follower_loses_its_holders_lock_before_anyone_else_gets_it() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     partitions(false).await;
 }
 
@@ -182,6 +190,7 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
 /// heartbeat keeps confirming it), so the early `lost` is no false alarm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connected_holder_keeps_its_lock_past_several_session_timeouts() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let server = dlock_testing::ZooKeeperServer::start();
     // Not much shorter: the JVMs of the other tests compete for the CPU,
     // and a server that cannot answer for a session timeout may expire

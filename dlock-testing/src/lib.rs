@@ -433,9 +433,9 @@ impl ZooKeeperServer {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start ZooKeeper with java ({e}); run `bash scripts/test.sh`"));
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + Duration::from_secs(60);
         while !self.is_ok() {
-            assert!(Instant::now() < deadline, "ZooKeeper on port {} did not come up within 30 s", self.port);
+            assert!(Instant::now() < deadline, "ZooKeeper on port {} did not come up within 60 s", self.port);
             std::thread::sleep(Duration::from_millis(50));
         }
     }
