@@ -114,9 +114,34 @@ pub(crate) fn describe(r: &mut Report, procs: u32, cfg: &WorkerConfig) {
     r.lease_ms = if cfg.backend == "zookeeper" { cfg.session_ms } else { cfg.lease_ms };
 }
 
+/// The RedLock masters every RedLock scenario that promises safety runs on:
+/// 5, with AOF `always`, so a restarted master keeps its locks.
+pub(crate) fn redlock_masters() -> Vec<RedisServer> {
+    (0..5).map(|_| RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"])).collect()
+}
+
+/// [`residue`] summed over `servers`, sampled on all of them in one window.
+pub(crate) async fn residue_on(
+    servers: impl IntoIterator<Item = &RedisServer>,
+    renew_every: Duration,
+) -> Result<(u64, u64), String> {
+    let mut total = (0, 0);
+    for got in futures_util::future::join_all(servers.into_iter().map(|s| {
+        let url = s.url();
+        async move { residue(&url, renew_every).await }
+    }))
+    .await
+    {
+        let (left, refreshed) = got?;
+        total.0 += left;
+        total.1 += refreshed;
+    }
+    Ok(total)
+}
+
 /// C6 on a Redis lock server: lock hashes left, and how many of them have a
 /// PTTL that grows between two samples 2 × renew interval apart.
-pub(crate) async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String> {
+async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String> {
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
     let mut c = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
     let all: Vec<String> = c.keys("torture*").await.map_err(|e| e.to_string())?;
@@ -197,11 +222,10 @@ async fn baseline_row(size: Size, seed: u64, r: &mut Report) -> Result<(), Strin
     let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
     let backend = r.backend.clone();
     // The servers live until the row is checked.
-    let aof = ["--appendonly", "yes", "--appendfsync", "always"];
     let (lock, nodes, zk) = match backend.as_str() {
         "redis" => (Some(RedisServer::start()), Vec::new(), None),
         // As `redlock()` runs them: 5 masters with AOF always.
-        "redlock" => (None, (0..5).map(|_| RedisServer::start_with(&aof)).collect(), None),
+        "redlock" => (None, redlock_masters(), None),
         "zookeeper" => {
             let zk = tokio::task::spawn_blocking(ZooKeeperServer::start).await.map_err(|e| format!("ZooKeeper did not start: {e}"))?;
             (None, Vec::new(), Some(zk))
@@ -241,15 +265,7 @@ async fn baseline_row(size: Size, seed: u64, r: &mut Report) -> Result<(), Strin
     let renew_every = Duration::from_millis(cfg.lease_ms / 3);
     match backend.as_str() {
         "redis" | "redlock" => {
-            let servers: Vec<String> = lock.iter().chain(&nodes).map(RedisServer::url).collect();
-            // One PTTL sampling window for every node at once.
-            let mut left = 0;
-            let mut refreshed = 0;
-            for got in futures_util::future::join_all(servers.iter().map(|url| residue(url, renew_every))).await {
-                let (l, f) = got?;
-                left += l;
-                refreshed += f;
-            }
+            let (left, refreshed) = residue_on(lock.iter().chain(&nodes), renew_every).await?;
             r.residual_keys = Some(left);
             r.refreshed_keys = Some(refreshed);
             if left > 0 || refreshed > 0 {
@@ -377,9 +393,7 @@ async fn kill_client(size: Size, seed: u64) -> Result<Vec<Report>, String> {
 }
 
 async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, String> {
-    let aof = ["--appendonly", "yes", "--appendfsync", "always"];
-    let lock: Vec<RedisServer> =
-        if redlock { (0..5).map(|_| RedisServer::start_with(&aof)).collect() } else { vec![RedisServer::start()] };
+    let lock: Vec<RedisServer> = if redlock { redlock_masters() } else { vec![RedisServer::start()] };
     let res_server = RedisServer::start();
     let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
     let mut run = Run::new("kill-client").map_err(|e| e.to_string())?;
@@ -423,12 +437,7 @@ async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, 
         }
     }
     sleep(Duration::from_millis(cfg.lease_ms + 100)).await;
-    let (mut left, mut refreshed) = (0, 0);
-    for server in &lock {
-        let (l, f) = residue(&server.url(), Duration::from_millis(cfg.lease_ms / 3)).await?;
-        left += l;
-        refreshed += f;
-    }
+    let (left, refreshed) = residue_on(&lock, Duration::from_millis(cfg.lease_ms / 3)).await?;
     r.residual_keys = Some(left);
     r.refreshed_keys = Some(refreshed);
     if left > 0 {
@@ -591,8 +600,7 @@ async fn restart_redis(size: Size, seed: u64) -> Result<Vec<Report>, String> {
 }
 
 async fn redlock(size: Size, seed: u64, majority: bool) -> Result<Vec<Report>, String> {
-    let aof = ["--appendonly", "yes", "--appendfsync", "always"];
-    let mut nodes: Vec<RedisServer> = (0..5).map(|_| RedisServer::start_with(&aof)).collect();
+    let mut nodes = redlock_masters();
     let res_server = RedisServer::start();
     let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
     let name = if majority { "redlock-majority" } else { "redlock-minority" };

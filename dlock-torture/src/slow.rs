@@ -30,7 +30,7 @@ use tokio::time::sleep;
 use crate::harness::{Report, Run};
 use crate::history::{mono_ns, Event};
 use crate::resource::Resource;
-use crate::scenarios::{config, describe, finish, residue, Size};
+use crate::scenarios::{config, describe, finish, residue_on, Size};
 
 /// The lease; the table's delays are fractions of it.
 const LEASE_MS: u64 = 500;
@@ -85,10 +85,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     // a lock key still on a node is a leftover; it would live on for up to
     // a lease, so the count is taken well inside that.
     sleep(round_trips[4] / 2 + Duration::from_millis(100)).await;
-    let mut left = 0;
-    for node in &nodes {
-        left += residue(&node.url(), Duration::ZERO).await?.0;
-    }
+    let (left, _) = residue_on(&nodes, Duration::ZERO).await?;
     r.residual_keys = Some(left);
     // A leftover of the run's last lease needs that lease to expire.
     sleep(lease + Duration::from_millis(200)).await;
