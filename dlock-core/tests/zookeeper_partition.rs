@@ -31,6 +31,12 @@ async fn connect(port: u16, session: Duration) -> ZooKeeperBackend {
     ZooKeeperBackend::connect_with(&format!("127.0.0.1:{port}"), "dlock", session).await.expect("connect to one member")
 }
 
+/// A backend whose session may live on any member but `isolated`.
+async fn connect_majority(ensemble: &ZooKeeperEnsemble, isolated: usize, session: Duration) -> ZooKeeperBackend {
+    let hosts: Vec<String> = (0..3).filter(|i| *i != isolated).map(|i| format!("127.0.0.1:{}", ensemble.port(i))).collect();
+    ZooKeeperBackend::connect_with(&hosts.join(","), "dlock", session).await.expect("connect to the majority")
+}
+
 /// How long after `t0` the state first was `want` (`None` if not within 60 s).
 async fn first(mut state: watch::Receiver<ConnectionState>, want: ConnectionState, t0: Instant) -> Option<Duration> {
     tokio::time::timeout(Duration::from_secs(60), state.wait_for(|s| *s == want)).await.ok()?.ok()?;
@@ -38,22 +44,39 @@ async fn first(mut state: watch::Receiver<ConnectionState>, want: ConnectionStat
 }
 
 /// Takes the lock from `locker`, retrying errors (the waiter's own member
-/// loses the leader too and reconnects), until `within`.
-async fn acquire_retrying(locker: &Locker, key: &dlock_core::LockKey, within: Duration) -> (LockGuard, u32) {
+/// loses the leader too and reconnects), until `within`; or says why not.
+async fn acquire_retrying(locker: &Locker, key: &dlock_core::LockKey, within: Duration) -> Result<(LockGuard, u32), String> {
     let deadline = Instant::now() + within;
     let mut errors = 0;
+    let mut last = String::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "the waiter was not granted within {within:?} ({errors} errors)");
+        if left.is_zero() {
+            return Err(format!("the waiter was not granted within {within:?} ({errors} errors, the last: {last})"));
+        }
         match locker.acquire(key, AcquireOptions::new().wait(left)).await {
-            Ok(g) => return (g, errors),
+            Ok(g) => return Ok((g, errors)),
             Err(e) => {
                 assert!(e.is_unavailable() || e.is_contention(), "unexpected error: {e}");
                 errors += 1;
+                last = e.to_string();
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
     }
+}
+
+/// Every change of `state`, with when it came after `t0`, as it happens.
+fn record(mut state: watch::Receiver<ConnectionState>, t0: Instant) -> Arc<std::sync::Mutex<Vec<(Duration, ConnectionState)>>> {
+    let seen = Arc::new(std::sync::Mutex::new(vec![(t0.elapsed(), *state.borrow_and_update())]));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while state.changed().await.is_ok() {
+            let now = *state.borrow_and_update();
+            log.lock().unwrap_or_else(|p| p.into_inner()).push((t0.elapsed(), now));
+        }
+    });
+    seen
 }
 
 /// The leader, cut off from both followers: they elect a new leader and
@@ -87,14 +110,14 @@ async fn partitions(isolate_leader: bool) {
 }
 
 /// The holder's session lives on the member that is isolated (connect
-/// string = that member only), the waiter's on another member. Checks: the
+/// string = that member only), the waiter's on the two others. Checks: the
 /// holder is reported suspended within a third of the session timeout and
 /// its guard fires `lost` within the session timeout and before the waiter
 /// is granted; the waiter's fencing token is higher; after healing, every
 /// member serves and the holder's backend locks again in a new session.
 async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate_leader: bool, round: usize) {
     let leader = ensemble.wait_formed(Duration::from_secs(60));
-    let (isolated, other) = if isolate_leader { (leader, (leader + 1) % 3) } else { ((leader + 1) % 3, (leader + 2) % 3) };
+    let isolated = if isolate_leader { leader } else { (leader + 1) % 3 };
     let what = if isolate_leader { "leader" } else { "follower" };
     let session = Duration::from_secs(3);
 
@@ -103,7 +126,11 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
     // A watchdog lease longer than the session: the guard must learn of the
     // loss from the session, not from failed renewals.
     let holder = locker(holder_backend, Duration::from_secs(30));
-    let waiter = locker(connect(ensemble.port(other), Duration::from_secs(10)).await, Duration::from_secs(30));
+    // The waiter may reconnect to either member of the majority: the test
+    // is about the holder, and one member may lose its leader for a while.
+    let waiter_backend = connect_majority(ensemble, isolated, Duration::from_secs(10)).await;
+    let waiter_states = record(waiter_backend.connection_state(), Instant::now());
+    let waiter = locker(waiter_backend, Duration::from_secs(30));
     let key = holder.key("t8e").part(round).build().expect("key");
     let held = holder.acquire(&key, AcquireOptions::new()).await.expect("the key is free");
     let held_token = held.fencing_token();
@@ -111,8 +138,8 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
     let granted = {
         let (waiter, key) = (waiter.clone(), key.clone());
         tokio::spawn(async move {
-            let (g, errors) = acquire_retrying(&waiter, &key, Duration::from_secs(60)).await;
-            (Instant::now(), g, errors)
+            let got = acquire_retrying(&waiter, &key, Duration::from_secs(60)).await;
+            (Instant::now(), got)
         })
     };
     // The waiter is queued behind the holder before the partition.
@@ -141,7 +168,17 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
         async move { (held.lost().await, t0.elapsed()) }
     };
     let ((reason, lost_at), granted) = tokio::join!(lost_guard, granted);
-    let (granted_instant, next, errors) = granted.expect("waiter task");
+    let (granted_instant, got) = granted.expect("waiter task");
+    let (next, errors) = got.unwrap_or_else(|why| {
+        let modes: Vec<Option<String>> = (0..3).map(|i| ensemble.mode(i)).collect();
+        let states = waiter_states.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let logs: Vec<String> = (0..3).map(|i| format!("--- member {i}:\n{}", ensemble.log_tail(i, 40))).collect();
+        panic!(
+            "{why}; member modes now {modes:?} (isolated {isolated}); the waiter's session states since it connected \
+             {states:?}\nthe members' logs:\n{}",
+            logs.join("\n")
+        )
+    });
     let granted_at = granted_instant - t0;
     let suspended_at = suspended.await.expect("task");
     let lost_state_at = lost_state.await.expect("task");

@@ -13,6 +13,9 @@ use std::sync::Arc;
 use crate::proxy::Greeting;
 use crate::{free_port, zookeeper_answers, FaultProxy, ZOOKEEPER_CLASSPATH, ZOOKEEPER_JAR};
 
+/// A logging backend for the server's slf4j (see `spawn`).
+const SLF4J_SIMPLE: &str = "/usr/share/java/slf4j-simple.jar";
+
 /// `size` ZooKeeper servers (Debian's package, 128 MB heap each) forming one
 /// ensemble on loopback, with a 100 ms tick. Killed on drop.
 ///
@@ -156,16 +159,42 @@ impl ZooKeeperEnsemble {
     }
 
     fn spawn(&mut self, i: usize) {
+        let log = self.log_path(i);
         let m = &mut self.members[i];
+        // Appends, so a restarted member's log follows its earlier life.
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_or_else(|_| Stdio::null(), Stdio::from);
         let child = Command::new("java")
-            .args(["-Xmx128m", "-XX:+UseSerialGC", "-Dzookeeper.admin.enableServer=false", "-cp", ZOOKEEPER_CLASSPATH])
+            .args(["-Xmx128m", "-XX:+UseSerialGC", "-Dzookeeper.admin.enableServer=false"])
+            // slf4j-simple (Debian's libslf4j-java, which the zookeeper
+            // package pulls in) writes the server's INFO log to stderr;
+            // without it the server logs nothing at all.
+            .args(["-Dorg.slf4j.simpleLogger.showDateTime=true", "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS"])
+            .args(["-cp", &format!("{ZOOKEEPER_CLASSPATH}:{SLF4J_SIMPLE}")])
             .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
             .arg(&m.cfg)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start ZooKeeper with java ({e}); run `bash scripts/test.sh`"));
         m.child = Some(child);
+    }
+
+    fn log_path(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("member-{i}.log"))
+    }
+
+    /// The last `lines` records member `i`'s server logged (INFO and up,
+    /// without stack traces), for a failing test to show why the ensemble
+    /// misbehaved; empty when nothing was logged.
+    pub fn log_tail(&self, i: usize, lines: usize) -> String {
+        let all = std::fs::read_to_string(self.log_path(i)).unwrap_or_default();
+        let records = all.lines().filter(|l| l.starts_with(|c: char| c.is_ascii_digit()));
+        let kept: Vec<&str> = records.rev().take(lines).collect();
+        kept.into_iter().rev().collect::<Vec<_>>().join("\n")
     }
 
     /// Whether member `i` serves clients: `srvr` names its mode only when it
