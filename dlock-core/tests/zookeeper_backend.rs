@@ -192,6 +192,122 @@ async fn a_dead_server_is_a_clean_error() {
     assert!(started.elapsed() < Duration::from_secs(6), "{:?}", started.elapsed());
 }
 
+/// Every lock node under `/dlock`, ignoring empty lock directories (the
+/// server reaps those on its own schedule).
+async fn live_lock_nodes(server: &ZooKeeperServer) -> Vec<(String, Vec<String>)> {
+    lock_nodes(server).await.into_iter().filter(|(_, children)| !children.is_empty()).collect()
+}
+
+/// With the server cut off, zookeeper-client holds a request until it
+/// learns the session's fate (4/3 of the session timeout). An acquire
+/// answers within its wait plus the response timeout (2/3 of the session
+/// by default), a release within the response timeout, each with an
+/// `unavailable` error; once the server is back, the session's locks are
+/// gone with it and locking works again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_server_answers_within_the_wait_plus_the_response_timeout() {
+    let server = ZooKeeperServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let session = Duration::from_secs(4);
+    let response = session * 2 / 3;
+    let slack = Duration::from_millis(1500);
+    let b = ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", session)
+        .await
+        .expect("connect");
+    let l = locker(b);
+    let held_key = l.key("cut").part("held").build().expect("key");
+    let key = l.key("cut").part("free").build().expect("key");
+    let held = l.acquire(&held_key, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    proxy.cut();
+
+    let t = Instant::now();
+    let err = l.acquire(&key, AcquireOptions::new().wait(Duration::ZERO)).await.expect_err("no server");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(
+        t.elapsed() <= response + slack,
+        "a try-once acquire took {:?} (response timeout {response:?})",
+        t.elapsed()
+    );
+
+    let t = Instant::now();
+    let err = held.release().await.expect_err("no server");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(t.elapsed() <= response + slack, "a release took {:?} (response timeout {response:?})", t.elapsed());
+
+    let wait = Duration::from_secs(1);
+    let t = Instant::now();
+    let err = l.acquire(&key, AcquireOptions::new().wait(wait)).await.expect_err("no server");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(
+        t.elapsed() <= wait + response + slack,
+        "a 1 s acquire took {:?} (response timeout {response:?})",
+        t.elapsed()
+    );
+
+    // Past the session timeout: the session is gone, and its nodes with it.
+    tokio::time::sleep(session).await;
+    proxy.heal();
+    // Until the backend has opened its new session, acquires fail fast.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let g = loop {
+        match l.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(5))).await {
+            Ok(g) => break g,
+            Err(e) if e.is_unavailable() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("no new session within 20 s: {e}"),
+        }
+    };
+    assert!(g.release().await.expect("release"));
+    let other = locker(backend(&server, SESSION).await);
+    let g = other
+        .acquire(&held_key, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .expect("the old hold went with its session");
+    assert!(g.release().await.expect("release"));
+    assert!(live_lock_nodes(&server).await.is_empty(), "{:?}", live_lock_nodes(&server).await);
+}
+
+/// An acquire cut short by the response timeout while the session lives
+/// on: its create still reaches the server, and the node it makes would
+/// sort ahead of every later contender for as long as the session lives.
+/// The background sweep deletes it, so the key is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_cut_short_leaves_no_node_behind() {
+    let server = ZooKeeperServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let response = Duration::from_millis(500);
+    let b = ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", Duration::from_secs(20))
+        .await
+        .expect("connect")
+        .with_response_timeout(response);
+    let l = locker(b);
+    let key = l.key("cut-short").part(1).build().expect("key");
+    // Held by another process, so the lock's directory exists and the
+    // cut-short attempt's create makes a node (behind this one).
+    let other = locker(backend(&server, SESSION).await);
+    let held = other.acquire(&key, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    // Every reply reaches us 3 s late: the create makes its node at once,
+    // and the attempt gives up while it waits to hear so.
+    let late = Duration::from_secs(3);
+    proxy.set_delay(late);
+    let t = Instant::now();
+    let err = l.acquire(&key, AcquireOptions::new().wait(Duration::ZERO)).await.expect_err("no answer in time");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(t.elapsed() <= response + Duration::from_millis(1500), "took {:?}", t.elapsed());
+    proxy.set_delay(Duration::ZERO);
+    // Replies already held back still come late, in order.
+    tokio::time::sleep(late).await;
+    assert!(held.release().await.expect("release"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !live_lock_nodes(&server).await.is_empty() {
+        assert!(Instant::now() < deadline, "the cut-short attempt left {:?}", live_lock_nodes(&server).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let g = other.try_acquire(&key).await.expect("nothing sorts ahead of a new contender");
+    assert!(g.release().await.expect("release"));
+}
+
 /// A server restart shorter than the session timeout suspends the session
 /// (reported as such) without losing the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -39,6 +39,13 @@
 //!   renewed nor released by the end of its lease has its node deleted by
 //!   this process, so a fixed lease frees the lock even while the session
 //!   lives. A crashed process loses its locks with its session.
+//! * Requests are bounded. zookeeper-client holds a request while it
+//!   reconnects, until it learns the session's fate: with the ensemble
+//!   unreachable, an acquire that may not wait at all came back after 4/3 of
+//!   the session timeout. An acquire now answers within its wait plus the
+//!   response timeout (by default 2/3 of the session timeout, when the
+//!   client itself gives up on a silent server), a release within the
+//!   response timeout; the node is deleted in the background.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -93,6 +100,8 @@ pub struct ZooKeeperBackend {
     state: watch::Receiver<ConnectionState>,
     /// Our holds: (key, owner) -> (node path, fencing token, holds).
     holds: Holds,
+    /// How long an acquire may take past its wait, and a release at all.
+    response_timeout: Duration,
 }
 
 /// One ZooKeeper session and its own state: a hold belongs to the session
@@ -200,7 +209,31 @@ impl ZooKeeperBackend {
             connect_string.to_owned(),
             session_timeout,
         ));
-        Ok(ZooKeeperBackend { session, prefix: prefix.to_owned(), state, holds })
+        Ok(ZooKeeperBackend { session, prefix: prefix.to_owned(), state, holds, response_timeout: session_timeout * 2 / 3 })
+    }
+
+    /// How long an acquire may take past its wait (a try-once acquire: at
+    /// all), and a release at all, before it fails with [`Error::Backend`];
+    /// by default 2/3 of the session timeout, when the client itself counts
+    /// a silent server as gone. A lock node left by an attempt cut short
+    /// is deleted in the background.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> dlock_core::Result<()> {
+    /// use std::time::Duration;
+    /// use dlock_core::backend::zookeeper::ZooKeeperBackend;
+    /// let backend = ZooKeeperBackend::connect("127.0.0.1:2181", "dlock")
+    ///     .await?
+    ///     .with_response_timeout(Duration::from_secs(2));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    fn no_answer(&self) -> Error {
+        Error::backend("zookeeper", format!("no answer from ZooKeeper within the response timeout ({:?})", self.response_timeout))
     }
 
     /// The current session.
@@ -320,8 +353,7 @@ impl ZooKeeperBackend {
     /// trying again. Giving up without that look would leave a node that
     /// sorts ahead of every later contender for as long as our session
     /// lives, and the session survives the reconnect.
-    async fn create_node(client: &zk::Client, dir: &str) -> Result<(String, u64)> {
-        let prefix = format!("_c_{}{LOCK_NAME}", random_hex::<16>()?);
+    async fn create_node(client: &zk::Client, dir: &str, prefix: &str) -> Result<(String, u64)> {
         let name = format!("{dir}/{prefix}");
         let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
         let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
@@ -340,11 +372,11 @@ impl ZooKeeperBackend {
                 },
                 Err(e) if !answered(&e) => {
                     tracing::debug!(error = %e, dir, "create's outcome unknown; looking for our node");
-                    match Self::find_node(client, dir, &prefix).await {
+                    match Self::find_node(client, dir, prefix).await {
                         Ok(Some(found)) => return Ok(found),
                         Ok(None) => last = Some(e),
                         Err(lookup) => {
-                            tokio::spawn(sweep(client.clone(), dir.to_owned(), prefix));
+                            tokio::spawn(sweep(client.clone(), dir.to_owned(), prefix.to_owned()));
                             return Err(lookup);
                         }
                     }
@@ -695,16 +727,31 @@ impl Backend for ZooKeeperBackend {
             }
             let dir = self.lock_path(&req.key);
             let client = &session.client;
-            let (node, fence) = Self::create_node(client, &dir).await?;
-            if let Err(e) = Self::wait_turn(client, req, &dir, &node, cancel).await {
-                // Leave no node behind: a timeout, a cancel or an error gives up our place.
-                if let Err(del) = Self::delete_node(client, &node).await {
-                    tracing::warn!(error = %del, node, "could not delete an abandoned lock node yet; retrying in the background");
-                    let name = node.rsplit('/').next().unwrap_or_default().to_owned();
-                    tokio::spawn(sweep(client.clone(), dir.clone(), name));
+            // Ours alone: it finds our node again after a lost reply, or
+            // after this attempt is cut short.
+            let prefix = format!("_c_{}{LOCK_NAME}", random_hex::<16>()?);
+            let attempt = async {
+                let (node, fence) = Self::create_node(client, &dir, &prefix).await?;
+                if let Err(e) = Self::wait_turn(client, req, &dir, &node, cancel).await {
+                    // Leave no node behind: a timeout, a cancel or an error gives up our place.
+                    if let Err(del) = Self::delete_node(client, &node).await {
+                        tracing::warn!(error = %del, node, "could not delete an abandoned lock node yet; retrying in the background");
+                        tokio::spawn(sweep(client.clone(), dir.clone(), prefix.clone()));
+                    }
+                    return Err(e);
                 }
-                return Err(e);
-            }
+                Ok((node, fence))
+            };
+            let answer_by = req.deadline.unwrap_or_else(Instant::now) + self.response_timeout;
+            let (node, fence) = match tokio::time::timeout_at(answer_by, attempt).await {
+                Ok(done) => done?,
+                Err(_) => {
+                    // A create may still land (the client sends it once it
+                    // reconnects); the sweep's later requests queue behind it.
+                    tokio::spawn(sweep(client.clone(), dir.clone(), prefix));
+                    return Err(self.no_answer());
+                }
+            };
             let grant = Self::grant(&session, &node, fence, req.lease);
             let (expires, expiry) = watch::channel(grant.valid_until);
             let hold = Hold { node: node.clone(), client: client.clone(), fence, count: 1, expires };
@@ -750,12 +797,23 @@ impl Backend for ZooKeeperBackend {
                 }
             };
             let (node, client) = node;
-            let result = Self::delete_node(&client, &node).await;
             // Forget the hold only once ZooKeeper no longer has the node.
-            if result.is_ok() {
-                self.holds().remove(&id);
+            let holds = self.holds.clone();
+            let delete = async move {
+                let result = Self::delete_node(&client, &node).await;
+                if result.is_ok() {
+                    lock_holds(&holds).remove(&id);
+                }
+                result
+            };
+            // Spawned, so that a release cut short by the response timeout
+            // still deletes the node once the server answers.
+            let delete = tokio::spawn(delete);
+            match tokio::time::timeout(self.response_timeout, delete).await {
+                Ok(Ok(deleted)) => Ok(if deleted? { Release::Freed } else { Release::NotHeld }),
+                Ok(Err(join)) => Err(Error::backend("zookeeper", format!("release task failed: {join}"))),
+                Err(_) => Err(self.no_answer()),
             }
-            Ok(if result? { Release::Freed } else { Release::NotHeld })
         })
     }
 }
