@@ -46,6 +46,8 @@
 //!   response timeout (by default 2/3 of the session timeout, when the
 //!   client itself gives up on a silent server), a release within the
 //!   response timeout; the node is deleted in the background.
+//! * A waiting acquire that finds its session over waits, within its wait,
+//!   for the new session the backend opens, rather than failing at once.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -230,6 +232,31 @@ impl ZooKeeperBackend {
     pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
         self
+    }
+
+    /// The current session; when it is over and the request may wait, the
+    /// one the supervisor opens next, within the wait. A waiting acquire so
+    /// rides through a session's replacement instead of failing at once;
+    /// past its deadline it gets the old session, whose requests fail with
+    /// "session expired".
+    async fn session_for(&self, req: &AcquireRequest, cancel: &CancellationToken) -> Result<Session> {
+        let mut reported = self.state.clone();
+        loop {
+            // Marked seen before looking: a session opened after this look
+            // is reported as a change below.
+            reported.borrow_and_update();
+            let session = self.current();
+            let Some(deadline) = req.deadline else { return Ok(session) };
+            if *session.state.borrow() != ConnectionState::Lost {
+                return Ok(session);
+            }
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Err(Error::Cancelled),
+                changed = reported.changed() => if changed.is_err() { return Ok(session) },
+                _ = tokio::time::sleep_until(deadline) => return Ok(session),
+            }
+        }
     }
 
     fn no_answer(&self) -> Error {
@@ -719,7 +746,7 @@ impl Backend for ZooKeeperBackend {
                 hold.count += 1;
                 (hold.node.clone(), hold.fence)
             });
-            let session = self.current();
+            let session = self.session_for(req, cancel).await?;
             if let Some((node, fence)) = joined {
                 let grant = Self::grant(&session, &node, fence, req.lease);
                 self.extend(&id, grant.valid_until);
