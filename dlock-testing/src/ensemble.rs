@@ -1,7 +1,7 @@
 //! A ZooKeeper ensemble of three JVMs on loopback.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use std::collections::BTreeMap;
@@ -11,10 +11,7 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 
 use crate::proxy::Greeting;
-use crate::{free_port, zookeeper_answers, FaultProxy, ZOOKEEPER_CLASSPATH, ZOOKEEPER_JAR};
-
-/// A logging backend for the server's slf4j (see `spawn`).
-const SLF4J_SIMPLE: &str = "/usr/share/java/slf4j-simple.jar";
+use crate::{free_port, spawn_zookeeper, zookeeper_answers, FaultProxy, ZOOKEEPER_JAR};
 
 /// `size` ZooKeeper servers (Debian's package, 128 MB heap each) forming one
 /// ensemble on loopback, with a 100 ms tick. Killed on drop.
@@ -161,26 +158,7 @@ impl ZooKeeperEnsemble {
     fn spawn(&mut self, i: usize) {
         let log = self.log_path(i);
         let m = &mut self.members[i];
-        // Appends, so a restarted member's log follows its earlier life.
-        let stderr = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .map_or_else(|_| Stdio::null(), Stdio::from);
-        let child = Command::new("java")
-            .args(["-Xmx128m", "-XX:+UseSerialGC", "-Dzookeeper.admin.enableServer=false"])
-            // slf4j-simple (Debian's libslf4j-java, which the zookeeper
-            // package pulls in) writes the server's INFO log to stderr;
-            // without it the server logs nothing at all.
-            .args(["-Dorg.slf4j.simpleLogger.showDateTime=true", "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS"])
-            .args(["-cp", &format!("{ZOOKEEPER_CLASSPATH}:{SLF4J_SIMPLE}")])
-            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
-            .arg(&m.cfg)
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start ZooKeeper with java ({e}); run `bash scripts/test.sh`"));
-        m.child = Some(child);
+        m.child = Some(spawn_zookeeper(&m.cfg, Some(&log)));
     }
 
     fn log_path(&self, i: usize) -> PathBuf {

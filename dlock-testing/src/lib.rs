@@ -383,6 +383,29 @@ pub struct ZooKeeperServer {
 /// Where Debian's `zookeeper` package puts the server.
 const ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
 const ZOOKEEPER_CLASSPATH: &str = "/etc/zookeeper/conf:/usr/share/java/zookeeper.jar";
+/// A logging backend for the server's slf4j: without it the server logs
+/// nothing at all. Debian's libslf4j-java, which the zookeeper package
+/// pulls in.
+const SLF4J_SIMPLE: &str = "/usr/share/java/slf4j-simple.jar";
+
+/// Starts one ZooKeeper server JVM on `cfg` (128 MB heap). With `log`, the
+/// server's INFO log is appended there; otherwise it is discarded.
+fn spawn_zookeeper(cfg: &std::path::Path, log: Option<&std::path::Path>) -> Child {
+    // Appends, so a restarted server's log follows its earlier life.
+    let stderr = log
+        .and_then(|log| std::fs::OpenOptions::new().create(true).append(true).open(log).ok())
+        .map_or_else(Stdio::null, Stdio::from);
+    Command::new("java")
+        .args(["-Xmx128m", "-XX:+UseSerialGC", "-Dzookeeper.admin.enableServer=false"])
+        .args(["-Dorg.slf4j.simpleLogger.showDateTime=true", "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS"])
+        .args(["-cp", &format!("{ZOOKEEPER_CLASSPATH}:{SLF4J_SIMPLE}")])
+        .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
+        .arg(cfg)
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start ZooKeeper with java ({e}); run `bash scripts/test.sh`"))
+}
 
 /// Sends a four-letter word to a ZooKeeper server and returns its answer.
 fn zookeeper_answers(port: u16, word: &[u8]) -> Option<String> {
@@ -424,15 +447,7 @@ impl ZooKeeperServer {
     }
 
     fn spawn(&mut self) {
-        let child = Command::new("java")
-            .args(["-Xmx128m", "-XX:+UseSerialGC", "-Dzookeeper.admin.enableServer=false", "-cp", ZOOKEEPER_CLASSPATH])
-            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
-            .arg(self.dir.join("zoo.cfg"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start ZooKeeper with java ({e}); run `bash scripts/test.sh`"));
-        self.child = Some(child);
+        self.child = Some(spawn_zookeeper(&self.dir.join("zoo.cfg"), None));
         let deadline = Instant::now() + Duration::from_secs(60);
         while !self.is_ok() {
             assert!(Instant::now() < deadline, "ZooKeeper on port {} did not come up within 60 s", self.port);

@@ -826,20 +826,21 @@ impl Backend for ZooKeeperBackend {
             let (node, client) = node;
             // Forget the hold only once ZooKeeper no longer has the node.
             let holds = self.holds.clone();
-            let delete = async move {
+            let mut delete = Box::pin(async move {
                 let result = Self::delete_node(&client, &node).await;
                 if result.is_ok() {
                     lock_holds(&holds).remove(&id);
                 }
                 result
-            };
-            // Spawned, so that a release cut short by the response timeout
-            // still deletes the node once the server answers.
-            let delete = tokio::spawn(delete);
-            match tokio::time::timeout(self.response_timeout, delete).await {
-                Ok(Ok(deleted)) => Ok(if deleted? { Release::Freed } else { Release::NotHeld }),
-                Ok(Err(join)) => Err(Error::backend("zookeeper", format!("release task failed: {join}"))),
-                Err(_) => Err(self.no_answer()),
+            });
+            match tokio::time::timeout(self.response_timeout, &mut delete).await {
+                Ok(deleted) => Ok(if deleted? { Release::Freed } else { Release::NotHeld }),
+                Err(_) => {
+                    // Run inline until cut short, then on a task of its own, so
+                    // the node is still deleted once the server answers.
+                    tokio::spawn(delete);
+                    Err(self.no_answer())
+                }
             }
         })
     }

@@ -159,7 +159,8 @@ struct Actor {
     commands: mpsc::UnboundedReceiver<Command>,
     channels: HashMap<String, Entry>,
     conn: Option<(PubSubSink, PubSubStream)>,
-    /// Counts connections, so a late answer of a dropped one is ignored.
+    /// Moves on whenever the connection drops (`disconnected`), so a late
+    /// answer sent on a dropped connection is ignored.
     epoch: u64,
     generations: u64,
     confirmations: FuturesUnordered<Confirmation>,
@@ -174,7 +175,6 @@ impl Actor {
                 match connect(&client).await {
                     Ok(conn) => {
                         self.conn = Some(conn);
-                        self.epoch += 1;
                         backoff = Duration::from_millis(50);
                         self.resubscribe().await;
                     }
