@@ -7,11 +7,12 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::{sleep_until, Instant};
 
-use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, Release};
+use crate::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, LostReason, Release};
 use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
-use crate::watchdog::{self, Filed, NewHold, Watchdog};
+use crate::locker::Engine;
+use crate::watchdog::{self, Filed, NewHold};
 
 /// What a guard and whoever watches it on its behalf share.
 #[derive(Debug, Clone, Copy)]
@@ -48,7 +49,7 @@ pub(crate) struct GuardState {
 /// ```
 #[must_use = "dropping the guard releases the lock at once"]
 pub struct LockGuard {
-    backend: Arc<dyn Backend>,
+    engine: Arc<Engine>,
     key: LockKey,
     owner: Owner,
     fencing_token: u64,
@@ -58,7 +59,8 @@ pub struct LockGuard {
     state: watch::Receiver<GuardState>,
     /// Keeps the state channel open for as long as the guard lives.
     _state_tx: watch::Sender<GuardState>,
-    renewals: Option<(Watchdog, Filed)>,
+    /// The hold filed with the engine's watchdog (watchdog mode).
+    renewals: Option<Filed>,
     /// Stops the task that waits for the backend's own lost signal.
     stop_session_watch: Option<CancellationToken>,
     released: bool,
@@ -78,8 +80,7 @@ impl std::fmt::Debug for LockGuard {
 
 impl LockGuard {
     pub(crate) fn start(
-        watchdog: &Watchdog,
-        backend: Arc<dyn Backend>,
+        engine: Arc<Engine>,
         req: AcquireRequest,
         grant: Grant,
         renewed: bool,
@@ -91,7 +92,7 @@ impl LockGuard {
         let (tx, rx) = watch::channel(GuardState { valid_until: grant.valid_until, lost: None });
         let renew_until = if renewed { max_hold.map(|m| granted_at + m) } else { None };
         let renewals = renewed.then(|| {
-            let filed = watchdog.file(NewHold {
+            engine.watchdog.file(NewHold {
                 key: req.key.clone(),
                 owner: req.owner.clone(),
                 lease: req.lease,
@@ -99,12 +100,11 @@ impl LockGuard {
                 valid_until: grant.valid_until,
                 granted_at,
                 state: tx.clone(),
-            });
-            (watchdog.clone(), filed)
+            })
         });
         let stop_session_watch = grant.lost.map(|lost| watch_session(req.key.clone(), lost, tx.clone()));
         LockGuard {
-            backend,
+            engine,
             key: req.key,
             owner: req.owner,
             fencing_token: grant.fencing_token,
@@ -195,7 +195,11 @@ impl LockGuard {
         self.released = true;
         self.stop();
         let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
-        let result = self.backend.release(&self.key, &self.owner).await;
+        let backend = &self.engine.backend;
+        let result = match backend.release_now(&self.key, &self.owner) {
+            Some(result) => result,
+            None => backend.release(&self.key, &self.owner).await,
+        };
         match &result {
             Ok(r) => {
                 let took_us = started.map(|s| s.elapsed().as_micros() as u64);
@@ -207,8 +211,8 @@ impl LockGuard {
     }
 
     fn stop(&mut self) {
-        if let Some((watchdog, filed)) = self.renewals.take() {
-            watchdog.unfile(filed);
+        if let Some(filed) = self.renewals.take() {
+            self.engine.watchdog.unfile(filed);
         }
         if let Some(stop) = self.stop_session_watch.take() {
             stop.cancel();
@@ -222,15 +226,22 @@ impl Drop for LockGuard {
             return;
         }
         self.stop();
+        if let Some(result) = self.engine.backend.release_now(&self.key, &self.owner) {
+            match result {
+                Ok(r) => tracing::debug!(key = %self.key, outcome = ?r, "dlock.release (guard dropped)"),
+                Err(e) => tracing::warn!(key = %self.key, error = %e, "dlock.release after drop failed; the lease frees it"),
+            }
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(key = %self.key, "lock guard dropped outside a tokio runtime; the lease frees it");
             return;
         };
-        let backend = self.backend.clone();
+        let engine = self.engine.clone();
         let key = self.key.clone();
         let owner = self.owner.clone();
         runtime.spawn(async move {
-            match backend.release(&key, &owner).await {
+            match engine.backend.release(&key, &owner).await {
                 Ok(r) => tracing::debug!(key = %key, outcome = ?r, "dlock.release (guard dropped)"),
                 Err(e) => tracing::warn!(key = %key, error = %e, "dlock.release after drop failed; the lease frees it"),
             }

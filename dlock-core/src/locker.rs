@@ -190,14 +190,21 @@ impl AcquireOptions {
 /// ```
 #[derive(Clone)]
 pub struct Locker {
-    backend: Arc<dyn Backend>,
-    options: Arc<LockerOptions>,
-    watchdog: Watchdog,
+    // One shared allocation: a clone (per request in the HTTP layer, per
+    // guard) is one reference count, not one per part.
+    engine: Arc<Engine>,
+}
+
+/// What a [`Locker`] and its guards share.
+pub(crate) struct Engine {
+    pub(crate) backend: Arc<dyn Backend>,
+    options: LockerOptions,
+    pub(crate) watchdog: Watchdog,
 }
 
 impl std::fmt::Debug for Locker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Locker").field("backend", &self.backend.name()).field("options", &self.options).finish()
+        f.debug_struct("Locker").field("backend", &self.engine.backend.name()).field("options", &self.engine.options).finish()
     }
 }
 
@@ -205,7 +212,7 @@ impl Locker {
     /// An engine over `backend` with the default options.
     pub fn new(backend: impl Backend) -> Self {
         let backend: Arc<dyn Backend> = Arc::new(backend);
-        Locker { watchdog: Watchdog::new(backend.clone()), backend, options: Arc::new(LockerOptions::default()) }
+        Locker::from_parts(backend, LockerOptions::default())
     }
 
     /// An engine over a shared backend with the given options.
@@ -215,27 +222,31 @@ impl Locker {
     /// [`Error::Config`] when the prefix or the lease is invalid.
     pub fn with_options(backend: Arc<dyn Backend>, options: LockerOptions) -> Result<Self> {
         options.validate()?;
-        Ok(Locker { watchdog: Watchdog::new(backend.clone()), backend, options: Arc::new(options) })
+        Ok(Locker::from_parts(backend, options))
+    }
+
+    fn from_parts(backend: Arc<dyn Backend>, options: LockerOptions) -> Self {
+        Locker { engine: Arc::new(Engine { watchdog: Watchdog::new(backend.clone()), backend, options }) }
     }
 
     /// The backend's name: `memory`, `redis`, `redlock` or `zookeeper`.
     pub fn backend_name(&self) -> &'static str {
-        self.backend.name()
+        self.engine.backend.name()
     }
 
     /// The backend.
     pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.backend
+        &self.engine.backend
     }
 
     /// The engine's defaults.
     pub fn options(&self) -> &LockerOptions {
-        &self.options
+        &self.engine.options
     }
 
     /// Starts a key in this locker's namespace.
     pub fn key(&self, name: &str) -> KeyBuilder {
-        LockKey::builder(&self.options.prefix, name)
+        LockKey::builder(&self.engine.options.prefix, name)
     }
 
     /// Tries once, in watchdog mode.
@@ -269,10 +280,10 @@ impl Locker {
             Some(owner) => owner,
             None => Owner::random()?,
         };
-        let wait = opts.wait.unwrap_or(self.options.wait);
+        let wait = opts.wait.unwrap_or(self.engine.options.wait);
         let (lease, renewed) = match opts.lease {
             Some(lease) => (lease, false),
-            None => (self.options.watchdog_lease, true),
+            None => (self.engine.options.watchdog_lease, true),
         };
         if lease.is_zero() {
             return Err(Error::config("lease", "a lease must be longer than zero"));
@@ -285,13 +296,35 @@ impl Locker {
             lease,
             deadline: (!wait.is_zero()).then(|| started + wait),
         };
+        let span = tracing::debug_span!("dlock.acquire", key = %key, backend = self.engine.backend.name(), wait_ms = wait.as_millis() as u64);
+        if let Some(result) = self.engine.backend.try_acquire_now(&req) {
+            // An in-process table never suspends, so spend the task's
+            // cooperative budget as tokio's own primitives do: a loop of
+            // in-process locks still lets the other tasks of its worker run.
+            tokio::task::coop::consume_budget().await;
+            let _entered = span.enter();
+            match result {
+                Ok(grant) => {
+                    tracing::debug!(waited_us = started.elapsed().as_micros() as u64, fence = grant.fencing_token, "acquired");
+                    return Ok(LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold));
+                }
+                // Held, and the caller waits: the backend's `acquire` waits.
+                Err(e) if e.is_contention() && req.deadline.is_some() => {}
+                Err(e) => {
+                    if e.is_contention() {
+                        tracing::debug!("held by another owner");
+                    } else {
+                        tracing::warn!(error = %e, "acquire failed");
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let cancel = CancellationToken::new();
-        let backend = self.backend.clone();
-        let watchdog = self.watchdog.clone();
-        let span = tracing::debug_span!("dlock.acquire", key = %key, backend = backend.name(), wait_ms = wait.as_millis() as u64);
+        let engine = self.engine.clone();
         let in_flight = cancel.clone();
         let attempt = async move {
-            let result = backend.acquire(&req, &in_flight).await;
+            let result = engine.backend.acquire(&req, &in_flight).await;
             // Field values are evaluated only when the event is enabled: no
             // clock read per acquire for a disabled debug event.
             let waited_us = || started.elapsed().as_micros() as u64;
@@ -301,7 +334,7 @@ impl Locker {
                 Err(e) if e.is_contention() => tracing::debug!(waited_us = waited_us(), "held by another owner"),
                 Err(e) => tracing::warn!(waited_us = waited_us(), error = %e, "acquire failed"),
             }
-            result.map(|grant| LockGuard::start(&watchdog, backend, req, grant, renewed, max_hold))
+            result.map(|grant| LockGuard::start(engine, req, grant, renewed, max_hold))
         }
         .instrument(span);
         InFlight { attempt: Some(Box::pin(attempt)), cancel }.await

@@ -34,7 +34,15 @@ impl Owner {
     /// [`Error::Backend`] when the OS random source fails (it does not on any
     /// supported platform, but a lock must never fall back to weak tokens).
     pub fn random() -> Result<Self> {
-        Ok(Owner(random_hex::<16>()?.into()))
+        // Hex digits on the stack, then one allocation: the Arc's.
+        let bytes = random_bytes::<16>()?;
+        let mut digits = [0u8; 32];
+        for (pair, b) in digits.chunks_exact_mut(2).zip(bytes) {
+            pair[0] = hex(b >> 4);
+            pair[1] = hex(b & 0xf);
+        }
+        let text = std::str::from_utf8(&digits).map_err(|e| Error::backend("os-random", e.to_string()))?;
+        Ok(Owner(text.into()))
     }
 
     /// The token as sent to the backend.
@@ -58,6 +66,16 @@ thread_local! {
 /// would share the parent's stream; a tokio runtime does not survive a fork,
 /// so that does not happen in practice.
 pub(crate) fn random_hex<const N: usize>() -> Result<String> {
+    let mut s = String::with_capacity(N * 2);
+    for b in random_bytes::<N>()? {
+        s.push(char::from(hex(b >> 4)));
+        s.push(char::from(hex(b & 0xf)));
+    }
+    Ok(s)
+}
+
+/// `N` bytes from the per-thread CSPRNG of [`random_hex`].
+fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     let mut bytes = [0u8; N];
     RNG.with(|cell| {
         let mut slot = cell.borrow_mut();
@@ -76,16 +94,16 @@ pub(crate) fn random_hex<const N: usize>() -> Result<String> {
         rng.fill_bytes(&mut bytes);
         Ok::<_, Error>(())
     })?;
-    let mut s = String::with_capacity(N * 2);
-    for b in bytes {
-        s.push(hex(b >> 4));
-        s.push(hex(b & 0xf));
-    }
-    Ok(s)
+    Ok(bytes)
 }
 
-fn hex(n: u8) -> char {
-    char::from(if n < 10 { b'0' + n } else { b'a' + n - 10 })
+/// The lower-case hex digit of a nibble.
+fn hex(n: u8) -> u8 {
+    if n < 10 {
+        b'0' + n
+    } else {
+        b'a' + n - 10
+    }
 }
 
 impl fmt::Display for Owner {

@@ -8,9 +8,9 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{header, Request};
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use dlock_core::{AcquireOptions, LockKey, Locker};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use std::time::Instant;
 use tower::Service;
 
@@ -254,20 +254,41 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
 
 /// Reads at most `limit` bytes, refusing up front when `Content-Length`
 /// already says the body is larger.
-async fn read_body(headers: &axum::http::HeaderMap, body: Body, limit: usize) -> Result<Bytes, Rejection> {
+///
+/// Most bodies arrive in one frame, which is kept as it is: no copy and no
+/// buffer list (`BodyExt::collect` makes both for every body).
+async fn read_body(headers: &axum::http::HeaderMap, mut body: Body, limit: usize) -> Result<Bytes, Rejection> {
     let too_large = || Rejection::payload_too_large().with_message(format!("the request body is larger than {limit} bytes"));
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<LengthLimitError>() => Err(too_large()),
-        Err(e) => {
+    let mut first = Bytes::new();
+    let mut joined: Option<BytesMut> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
             tracing::debug!(error = %e, "dlock: reading the request body failed");
-            Err(Rejection::body_unreadable())
+            Rejection::body_unreadable()
+        })?;
+        // Trailers carry no JSON.
+        let Ok(data) = frame.into_data() else { continue };
+        len += data.len();
+        if len > limit {
+            return Err(too_large());
+        }
+        match joined.as_mut() {
+            Some(buf) => buf.extend_from_slice(&data),
+            None if first.is_empty() => first = data,
+            None => {
+                let mut buf = BytesMut::with_capacity(len);
+                buf.extend_from_slice(&first);
+                buf.extend_from_slice(&data);
+                joined = Some(buf);
+            }
         }
     }
+    Ok(joined.map_or(first, BytesMut::freeze))
 }
 
 fn log_refusal(spec: &Spec, method: &axum::http::Method, path: &str, refusal: &Refusal) {

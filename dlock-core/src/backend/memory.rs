@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use super::wait::{acquire_loop, Attempt};
 use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -229,6 +229,23 @@ impl Backend for MemoryBackend {
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(std::future::ready(Ok(self.release_in_table(key, owner))))
+    }
+
+    fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
+        Some(match self.try_once(req) {
+            Attempt::Acquired(grant) => Ok(grant),
+            Attempt::Held { .. } => Err(Error::Busy { key: req.key.to_string() }),
+        })
+    }
+
+    fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
+        Some(Ok(self.release_in_table(key, owner)))
+    }
+}
+
+impl MemoryBackend {
+    fn release_in_table(&self, key: &LockKey, owner: &Owner) -> Release {
         let now = Instant::now();
         let mut state = self.state();
         let release = match state.slots.get_mut(key) {
@@ -247,6 +264,6 @@ impl Backend for MemoryBackend {
             None => Release::NotHeld,
         };
         Self::forget_if_idle(&mut state, key, now);
-        Box::pin(std::future::ready(Ok(release)))
+        release
     }
 }

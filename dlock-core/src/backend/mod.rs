@@ -161,6 +161,25 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 
     /// Gives back one hold on `key`, if `owner` still has it.
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>>;
+
+    /// One attempt answered on the spot, for a backend that needs no I/O for
+    /// it (the in-process table): what [`acquire`](Backend::acquire) with no
+    /// deadline would return. `None` (the default): only `acquire` can tell.
+    ///
+    /// The engine tries this first and calls `acquire` only to wait for a
+    /// key held by someone else, sparing in-process locks the boxed future
+    /// and cancellation token an attempt that may suspend needs.
+    fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
+        let _ = req;
+        None
+    }
+
+    /// [`release`](Backend::release) answered on the spot, for a backend
+    /// that needs no I/O for it; `None` (the default) when it cannot be.
+    fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
+        let _ = (key, owner);
+        None
+    }
 }
 
 /// Busy or timeout, depending on whether the caller wanted to wait.
