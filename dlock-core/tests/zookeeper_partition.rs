@@ -170,13 +170,10 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
     let ((reason, lost_at), granted) = tokio::join!(lost_guard, granted);
     let (granted_instant, got) = granted.expect("waiter task");
     let (next, errors) = got.unwrap_or_else(|why| {
-        let modes: Vec<Option<String>> = (0..3).map(|i| ensemble.mode(i)).collect();
         let states = waiter_states.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let logs: Vec<String> = (0..3).map(|i| format!("--- member {i}:\n{}", ensemble.log_tail(i, 40))).collect();
         panic!(
-            "{why}; member modes now {modes:?} (isolated {isolated}); the waiter's session states since it connected \
-             {states:?}\nthe members' logs:\n{}",
-            logs.join("\n")
+            "{why}; isolated member {isolated}; the waiter's session states since it connected {states:?}\n{}",
+            ensemble.report()
         )
     });
     let granted_at = granted_instant - t0;

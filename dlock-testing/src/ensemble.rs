@@ -145,14 +145,24 @@ impl ZooKeeperEnsemble {
         for i in 0..size {
             ensemble.spawn(i);
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + Duration::from_secs(90);
         for i in 0..size {
             while !ensemble.serves(i) {
-                assert!(Instant::now() < deadline, "the ZooKeeper ensemble did not form within 60 s");
+                if Instant::now() >= deadline {
+                    panic!("the ZooKeeper ensemble did not form within 90 s\n{}", ensemble.report());
+                }
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
         ensemble
+    }
+
+    /// Every member's mode and last log records, for a failure message.
+    pub fn report(&self) -> String {
+        (0..self.members.len())
+            .map(|i| format!("member {i} ({:?}), last log records:\n{}", self.mode(i), self.log_tail(i, 40)))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     fn spawn(&mut self, i: usize) {
@@ -246,7 +256,9 @@ impl ZooKeeperEnsemble {
                     return leader;
                 }
             }
-            assert!(Instant::now() < deadline, "the ZooKeeper ensemble did not form again within {within:?}");
+            if Instant::now() >= deadline {
+                panic!("the ZooKeeper ensemble did not form again within {within:?}\n{}", self.report());
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }

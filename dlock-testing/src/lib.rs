@@ -397,6 +397,11 @@ fn spawn_zookeeper(cfg: &std::path::Path, log: Option<&std::path::Path>) -> Chil
         .map_or_else(Stdio::null, Stdio::from);
     Command::new("java")
         .args(["-Xmx128m", "-XX:+UseSerialGC", "-Dzookeeper.admin.enableServer=false"])
+        // A member whose election messages went unanswered (a peer not yet
+        // listening, a healed partition) asks again after a back-off that
+        // doubles up to 60 s by default: an ensemble could take minutes to
+        // form on a busy machine. One second is plenty on loopback.
+        .arg("-Dzookeeper.fastleader.maxNotificationInterval=1000")
         .args(["-Dorg.slf4j.simpleLogger.showDateTime=true", "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS"])
         .args(["-cp", &format!("{ZOOKEEPER_CLASSPATH}:{SLF4J_SIMPLE}")])
         .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
