@@ -1,10 +1,10 @@
 //! [`LockGuard`]: a held lock, its fencing token, its watchdog and its
 //! lost-lock signal.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::Notify;
 use tokio::time::{sleep_until, Instant};
 
 use crate::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, LostReason, Release};
@@ -19,6 +19,40 @@ use crate::watchdog::{self, Filed, NewHold};
 pub(crate) struct GuardState {
     pub(crate) valid_until: Instant,
     pub(crate) lost: Option<LostReason>,
+}
+
+/// A [`GuardState`] shared by a guard, the watchdog and a session watcher,
+/// with a notification when it changes.
+///
+/// Lighter than a `watch` channel, which allocates an eight-way notifier per
+/// guard and wakes all eight when its sender drops: a cost every short
+/// in-process lock paid, though only renewals and losses change the state.
+#[derive(Debug)]
+pub(crate) struct GuardCell {
+    state: Mutex<GuardState>,
+    changed: Notify,
+}
+
+impl GuardCell {
+    pub(crate) fn new(state: GuardState) -> Arc<Self> {
+        Arc::new(GuardCell { state: Mutex::new(state), changed: Notify::new() })
+    }
+
+    pub(crate) fn get(&self) -> GuardState {
+        *self.lock()
+    }
+
+    /// Changes the state and wakes every [`LockGuard::lost`] waiting on it.
+    pub(crate) fn modify(&self, f: impl FnOnce(&mut GuardState)) {
+        f(&mut self.lock());
+        self.changed.notify_waiters();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, GuardState> {
+        // Every update is one assignment: a panic elsewhere cannot leave it
+        // half-done, so a poisoned lock is still right.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// A held lock.
@@ -56,9 +90,7 @@ pub struct LockGuard {
     watchdog: bool,
     /// When `max_hold` stops the renewals.
     renew_until: Option<Instant>,
-    state: watch::Receiver<GuardState>,
-    /// Keeps the state channel open for as long as the guard lives.
-    _state_tx: watch::Sender<GuardState>,
+    state: Arc<GuardCell>,
     /// The hold filed with the engine's watchdog (watchdog mode).
     renewals: Option<Filed>,
     /// Stops the task that waits for the backend's own lost signal.
@@ -73,7 +105,7 @@ impl std::fmt::Debug for LockGuard {
             .field("owner", &self.owner)
             .field("fencing_token", &self.fencing_token)
             .field("watchdog", &self.watchdog)
-            .field("state", &*self.state.borrow())
+            .field("state", &self.state.get())
             .finish()
     }
 }
@@ -89,7 +121,7 @@ impl LockGuard {
         // The backend measured `valid_until` from before its request was
         // sent: the grant is at least that old, and no clock read is needed.
         let granted_at = grant.valid_until.checked_sub(req.lease).unwrap_or_else(Instant::now);
-        let (tx, rx) = watch::channel(GuardState { valid_until: grant.valid_until, lost: None });
+        let state = GuardCell::new(GuardState { valid_until: grant.valid_until, lost: None });
         let renew_until = if renewed { max_hold.map(|m| granted_at + m) } else { None };
         let renewals = renewed.then(|| {
             engine.watchdog.file(NewHold {
@@ -99,10 +131,10 @@ impl LockGuard {
                 renew_until,
                 valid_until: grant.valid_until,
                 granted_at,
-                state: tx.clone(),
+                state: state.clone(),
             })
         });
-        let stop_session_watch = grant.lost.map(|lost| watch_session(req.key.clone(), lost, tx.clone()));
+        let stop_session_watch = grant.lost.map(|lost| watch_session(req.key.clone(), lost, state.clone()));
         LockGuard {
             engine,
             key: req.key,
@@ -110,8 +142,7 @@ impl LockGuard {
             fencing_token: grant.fencing_token,
             watchdog: renewed,
             renew_until,
-            state: rx,
-            _state_tx: tx,
+            state,
             renewals,
             stop_session_watch,
             released: false,
@@ -135,7 +166,7 @@ impl LockGuard {
 
     /// Until when the lock is certainly ours (moves forward with each renewal).
     pub fn valid_until(&self) -> Instant {
-        self.state.borrow().valid_until
+        self.state.get().valid_until
     }
 
     /// Whether the lease is renewed by a watchdog.
@@ -145,7 +176,7 @@ impl LockGuard {
 
     /// Whether the lock may no longer be ours (see [`lost`](Self::lost)).
     pub fn is_lost(&self) -> bool {
-        let s = *self.state.borrow();
+        let s = self.state.get();
         s.lost.is_some() || Instant::now() >= s.valid_until
     }
 
@@ -160,17 +191,20 @@ impl LockGuard {
     ///
     /// Cancel-safe; call it as often as you like.
     pub async fn lost(&self) -> LostReason {
-        let mut rx = self.state.clone();
         loop {
-            let s = *rx.borrow_and_update();
+            let changed = self.state.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the state is read, so a change made after
+            // the read wakes it.
+            changed.as_mut().enable();
+            let s = self.state.get();
             if let Some(reason) = s.lost {
                 return reason;
             }
             // Only a renewal moves `valid_until`; if none came in time the
-            // lease is gone, whatever became of the watchdog. (`changed` does
-            // not fail: the guard holds a sender.)
+            // lease is gone, whatever became of the watchdog.
             tokio::select! {
-                _ = rx.changed() => {}
+                _ = &mut changed => {}
                 _ = sleep_until(s.valid_until) => return self.expiry_reason(s.valid_until),
             }
         }
@@ -251,7 +285,7 @@ impl Drop for LockGuard {
 
 /// Waits for the backend's own lost signal (a ZooKeeper session expiring)
 /// until the guard stops it.
-fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: watch::Sender<GuardState>) -> CancellationToken {
+fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: Arc<GuardCell>) -> CancellationToken {
     let stop = CancellationToken::new();
     let stopped = stop.clone();
     tokio::spawn(async move {
@@ -262,7 +296,7 @@ fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: watc
                 tracing::warn!(key = %key, %reason, "dlock.lost");
                 // The first verdict stands (the watchdog may have seen the
                 // lease end first); a later one only describes its aftermath.
-                state.send_modify(|s| {
+                state.modify(|s| {
                     s.lost.get_or_insert(reason);
                 });
             },

@@ -20,12 +20,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::sync::{watch, Notify};
+use tokio::sync::Notify;
 use tokio::time::{sleep_until, Instant};
 
 use crate::backend::{Backend, LostReason, Renewal};
 use crate::error::Result;
-use crate::guard::GuardState;
+use crate::guard::GuardCell;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -152,7 +152,7 @@ struct Hold {
     next_renewal: Instant,
     renewing: bool,
     filed_at: Instant,
-    state: watch::Sender<GuardState>,
+    state: Arc<GuardCell>,
 }
 
 impl Hold {
@@ -172,7 +172,7 @@ impl Hold {
 
     fn lose(self, reason: LostReason) {
         tracing::warn!(key = %self.key, %reason, "dlock.lost");
-        self.state.send_modify(|s| {
+        self.state.modify(|s| {
             // The first verdict stands: a later one only describes its aftermath.
             s.lost.get_or_insert(reason);
         });
@@ -203,7 +203,7 @@ pub(crate) struct NewHold {
     pub(crate) renew_until: Option<Instant>,
     pub(crate) valid_until: Instant,
     pub(crate) granted_at: Instant,
-    pub(crate) state: watch::Sender<GuardState>,
+    pub(crate) state: Arc<GuardCell>,
 }
 
 impl Watchdog {
@@ -362,7 +362,7 @@ fn settle(shared: &Shared, (id, sent, result): RenewalResult) {
             let valid_until = valid_until.min(sent + hold.lease);
             hold.valid_until = valid_until;
             hold.next_renewal = sent + hold.lease / 3;
-            hold.state.send_modify(|st| st.valid_until = valid_until);
+            hold.state.modify(|st| st.valid_until = valid_until);
         }
         Ok(Renewal::Lost) => {
             if let Some(hold) = s.unfile(id) {
@@ -385,7 +385,7 @@ mod tests {
     use super::*;
 
     fn hold() -> Hold {
-        let (state, _) = watch::channel(GuardState { valid_until: Instant::now(), lost: None });
+        let state = GuardCell::new(crate::guard::GuardState { valid_until: Instant::now(), lost: None });
         let now = Instant::now();
         Hold {
             key: LockKey::builder("t", "k").build().expect("key"),

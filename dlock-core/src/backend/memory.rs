@@ -6,6 +6,7 @@
 //! and tests of the HTTP layers run without one. It coordinates only the
 //! tasks of one process.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -248,22 +249,28 @@ impl MemoryBackend {
     fn release_in_table(&self, key: &LockKey, owner: &Owner) -> Release {
         let now = Instant::now();
         let mut state = self.state();
-        let release = match state.slots.get_mut(key) {
-            Some(slot) => match slot.live_holder(now) {
-                Some(h) if &h.owner == owner && h.holds > 1 => {
-                    h.holds -= 1;
-                    Release::StillHeld(h.holds)
-                }
-                Some(h) if &h.owner == owner => {
-                    slot.holder = None;
-                    slot.wake_one();
-                    Release::Freed
-                }
-                _ => Release::NotHeld,
-            },
-            None => Release::NotHeld,
+        // One lookup (one hash of the key) finds, frees and forgets the slot.
+        let Entry::Occupied(mut entry) = state.slots.entry(key.clone()) else {
+            return Release::NotHeld;
         };
-        Self::forget_if_idle(&mut state, key, now);
+        let slot = entry.get_mut();
+        let release = match slot.live_holder(now) {
+            Some(h) if &h.owner == owner && h.holds > 1 => {
+                h.holds -= 1;
+                Release::StillHeld(h.holds)
+            }
+            Some(h) if &h.owner == owner => {
+                slot.holder = None;
+                slot.wake_one();
+                Release::Freed
+            }
+            _ => Release::NotHeld,
+        };
+        // As `forget_if_idle`: `live_holder` above already dropped an
+        // expired holder.
+        if slot.waiters == 0 && slot.holder.is_none() {
+            entry.remove();
+        }
         release
     }
 }
