@@ -171,7 +171,12 @@ async fn read_response(conn: &mut TcpStream, buf: &mut [u8]) -> Result<u16> {
 
 /// Runs every round and returns the rows.
 pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
-    let timing = Timing { warmup: args.warmup, duration: args.duration };
+    // Three times the rounds of a third the length: the ratios compare
+    // windows measured back to back, and a shared machine's slow phases last
+    // about as long as a few full windows, so short adjacent pairs meet the
+    // same phase far more often.
+    let rounds = args.uncontended_rounds * 3;
+    let timing = Timing { warmup: args.warmup, duration: (args.duration / 3).max(std::time::Duration::from_millis(1)) };
     let memory = Locker::new(MemoryBackend::new());
     let layer = || LockLayer::new("product.stock").json("product_id");
     let raw = Raw {
@@ -207,12 +212,14 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     let mut ratio_memory = Vec::new();
     let mut ratio_redis = Vec::new();
     let mut ratio_fenced = Vec::new();
-    let rounds = args.uncontended_rounds;
     for round in 0..rounds {
         let n = served.len();
-        for i in 0..n {
-            // Rotate who goes first, so no route always meets a warmer machine.
-            let j = (i + round) % n;
+        // Each ratio's routes run back to back: the in-process pair, then the
+        // Redis three, the order alternating so that none always meets a
+        // warmer machine.
+        let memory_pair = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        let redis_three = [2, 3, 4].map(|i| 2 + (i - 2 + round) % 3);
+        for j in memory_pair.into_iter().chain(redis_three) {
             let addr = served[j].1;
             let sample = measure(addr, timing, round * n + j).await?;
             served[j].0.samples.push(sample);
