@@ -297,11 +297,13 @@ impl Locker {
             deadline: (!wait.is_zero()).then(|| started + wait),
         };
         let span = tracing::debug_span!("dlock.acquire", key = %key, backend = self.engine.backend.name(), wait_ms = wait.as_millis() as u64);
+        // An answer on the spot never suspends, so spend the task's
+        // cooperative budget as tokio's own primitives do (a loop of
+        // in-process locks still lets the other tasks of its worker run).
+        // Before the attempt: a caller dropped while this yields must not
+        // leave a grant behind.
+        tokio::task::coop::consume_budget().await;
         if let Some(result) = self.engine.backend.try_acquire_now(&req) {
-            // An in-process table never suspends, so spend the task's
-            // cooperative budget as tokio's own primitives do: a loop of
-            // in-process locks still lets the other tasks of its worker run.
-            tokio::task::coop::consume_budget().await;
             let _entered = span.enter();
             match result {
                 Ok(grant) => {

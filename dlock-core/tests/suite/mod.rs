@@ -253,6 +253,14 @@ pub(crate) async fn cancelled_acquires_leave_nothing_behind<H: Harness>(h: &H, i
                 match tokio::time::timeout(budget, locker.acquire(k, opts)).await {
                     Ok(Ok(g)) => {
                         acquired.fetch_add(1, Ordering::Relaxed);
+                        // Sometimes hold the key a while, so that other tasks
+                        // find it held and wait: an in-process acquire of a free
+                        // key never suspends, so only a wait can be cut short.
+                        if rng & 96 == 0 {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        } else {
+                            tokio::task::yield_now().await;
+                        }
                         match rng % 3 {
                             0 => drop(g),
                             1 => drop(g.release().await),
