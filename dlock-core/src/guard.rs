@@ -261,10 +261,7 @@ impl Drop for LockGuard {
         }
         self.stop();
         if let Some(result) = self.engine.backend.release_now(&self.key, &self.owner) {
-            match result {
-                Ok(r) => tracing::debug!(key = %self.key, outcome = ?r, "dlock.release (guard dropped)"),
-                Err(e) => tracing::warn!(key = %self.key, error = %e, "dlock.release after drop failed; the lease frees it"),
-            }
+            trace_dropped_release(&self.key, &result);
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -275,11 +272,15 @@ impl Drop for LockGuard {
         let key = self.key.clone();
         let owner = self.owner.clone();
         runtime.spawn(async move {
-            match engine.backend.release(&key, &owner).await {
-                Ok(r) => tracing::debug!(key = %key, outcome = ?r, "dlock.release (guard dropped)"),
-                Err(e) => tracing::warn!(key = %key, error = %e, "dlock.release after drop failed; the lease frees it"),
-            }
+            trace_dropped_release(&key, &engine.backend.release(&key, &owner).await);
         });
+    }
+}
+
+fn trace_dropped_release(key: &LockKey, result: &Result<Release>) {
+    match result {
+        Ok(r) => tracing::debug!(key = %key, outcome = ?r, "dlock.release (guard dropped)"),
+        Err(e) => tracing::warn!(key = %key, error = %e, "dlock.release after drop failed; the lease frees it"),
     }
 }
 

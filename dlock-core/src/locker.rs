@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken};
+use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant};
 use crate::error::{Error, Result};
 use crate::guard::LockGuard;
 use crate::key::{KeyBuilder, LockKey};
@@ -304,22 +304,12 @@ impl Locker {
         // leave a grant behind.
         tokio::task::coop::consume_budget().await;
         if let Some(result) = self.engine.backend.try_acquire_now(&req) {
-            let _entered = span.enter();
-            match result {
-                Ok(grant) => {
-                    tracing::debug!(waited_us = started.elapsed().as_micros() as u64, fence = grant.fencing_token, "acquired");
-                    return Ok(LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold));
-                }
-                // Held, and the caller waits: the backend's `acquire` waits.
-                Err(e) if e.is_contention() && req.deadline.is_some() => {}
-                Err(e) => {
-                    if e.is_contention() {
-                        tracing::debug!("held by another owner");
-                    } else {
-                        tracing::warn!(error = %e, "acquire failed");
-                    }
-                    return Err(e);
-                }
+            // Held, and the caller waits: the backend's `acquire` waits.
+            let waits = req.deadline.is_some() && matches!(&result, Err(e) if e.is_contention());
+            if !waits {
+                let _entered = span.enter();
+                trace_attempt(&result, started);
+                return result.map(|grant| LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold));
             }
         }
         let cancel = CancellationToken::new();
@@ -327,19 +317,24 @@ impl Locker {
         let in_flight = cancel.clone();
         let attempt = async move {
             let result = engine.backend.acquire(&req, &in_flight).await;
-            // Field values are evaluated only when the event is enabled: no
-            // clock read per acquire for a disabled debug event.
-            let waited_us = || started.elapsed().as_micros() as u64;
-            match &result {
-                Ok(g) => tracing::debug!(waited_us = waited_us(), fence = g.fencing_token, "acquired"),
-                Err(Error::Cancelled) => tracing::debug!(waited_us = waited_us(), "caller gave up"),
-                Err(e) if e.is_contention() => tracing::debug!(waited_us = waited_us(), "held by another owner"),
-                Err(e) => tracing::warn!(waited_us = waited_us(), error = %e, "acquire failed"),
-            }
+            trace_attempt(&result, started);
             result.map(|grant| LockGuard::start(engine, req, grant, renewed, max_hold))
         }
         .instrument(span);
         InFlight { attempt: Some(Box::pin(attempt)), cancel }.await
+    }
+}
+
+/// One event for the outcome of an acquire attempt, in its span.
+fn trace_attempt(result: &Result<Grant>, started: Instant) {
+    // Field values are evaluated only when the event is enabled: no clock
+    // read per acquire for a disabled debug event.
+    let waited_us = || started.elapsed().as_micros() as u64;
+    match result {
+        Ok(g) => tracing::debug!(waited_us = waited_us(), fence = g.fencing_token, "acquired"),
+        Err(Error::Cancelled) => tracing::debug!(waited_us = waited_us(), "caller gave up"),
+        Err(e) if e.is_contention() => tracing::debug!(waited_us = waited_us(), "held by another owner"),
+        Err(e) => tracing::warn!(waited_us = waited_us(), error = %e, "acquire failed"),
     }
 }
 

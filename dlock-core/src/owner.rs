@@ -35,11 +35,9 @@ impl Owner {
     /// supported platform, but a lock must never fall back to weak tokens).
     pub fn random() -> Result<Self> {
         // Hex digits on the stack, then one allocation: the Arc's.
-        let bytes = random_bytes::<16>()?;
         let mut digits = [0u8; 32];
-        for (pair, b) in digits.chunks_exact_mut(2).zip(bytes) {
-            pair[0] = hex(b >> 4);
-            pair[1] = hex(b & 0xf);
+        for (digit, hex) in digits.iter_mut().zip(hex_digits(&random_bytes::<16>()?)) {
+            *digit = hex;
         }
         let text = std::str::from_utf8(&digits).map_err(|e| Error::backend("os-random", e.to_string()))?;
         Ok(Owner(text.into()))
@@ -66,12 +64,7 @@ thread_local! {
 /// would share the parent's stream; a tokio runtime does not survive a fork,
 /// so that does not happen in practice.
 pub(crate) fn random_hex<const N: usize>() -> Result<String> {
-    let mut s = String::with_capacity(N * 2);
-    for b in random_bytes::<N>()? {
-        s.push(char::from(hex(b >> 4)));
-        s.push(char::from(hex(b & 0xf)));
-    }
-    Ok(s)
+    Ok(hex_digits(&random_bytes::<N>()?).map(char::from).collect())
 }
 
 /// `N` bytes from the per-thread CSPRNG of [`random_hex`].
@@ -97,13 +90,10 @@ fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     Ok(bytes)
 }
 
-/// The lower-case hex digit of a nibble.
-fn hex(n: u8) -> u8 {
-    if n < 10 {
-        b'0' + n
-    } else {
-        b'a' + n - 10
-    }
+/// `bytes` as lower-case hex digits, two per byte.
+fn hex_digits(bytes: &[u8]) -> impl Iterator<Item = u8> + '_ {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    bytes.iter().flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]])
 }
 
 impl fmt::Display for Owner {

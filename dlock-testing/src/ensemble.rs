@@ -145,15 +145,7 @@ impl ZooKeeperEnsemble {
         for i in 0..size {
             ensemble.spawn(i);
         }
-        let deadline = Instant::now() + Duration::from_secs(90);
-        for i in 0..size {
-            while !ensemble.serves(i) {
-                if Instant::now() >= deadline {
-                    panic!("the ZooKeeper ensemble did not form within 90 s\n{}", ensemble.report());
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
+        ensemble.wait_formed(Duration::from_secs(90));
         ensemble
     }
 
@@ -242,8 +234,8 @@ impl ZooKeeperEnsemble {
         }
     }
 
-    /// Waits until every member serves clients again and one is leader;
-    /// returns the leader.
+    /// Waits until every member serves clients (at start, or again after a
+    /// partition) and one is leader; returns the leader.
     ///
     /// # Panics
     ///
@@ -257,7 +249,7 @@ impl ZooKeeperEnsemble {
                 }
             }
             if Instant::now() >= deadline {
-                panic!("the ZooKeeper ensemble did not form again within {within:?}\n{}", self.report());
+                panic!("the ZooKeeper ensemble did not form within {within:?}\n{}", self.report());
             }
             std::thread::sleep(Duration::from_millis(100));
         }

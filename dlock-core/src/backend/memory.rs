@@ -68,6 +68,12 @@ impl Slot {
         }
     }
 
+    /// Nobody holds or waits for it: its map entry can go, so that one-off
+    /// keys do not accumulate.
+    fn idle(&mut self, now: Instant) -> bool {
+        self.waiters == 0 && self.live_holder(now).is_none()
+    }
+
     /// The holder whose lease has not run out.
     fn live_holder(&mut self, now: Instant) -> Option<&mut Holder> {
         if self.holder.as_ref().is_some_and(|h| h.expires_at <= now) {
@@ -119,13 +125,10 @@ impl MemoryBackend {
         Registration { backend: self, key: key.clone(), notify }
     }
 
-    /// Drops the map entry of a key nobody holds or waits for, so that
-    /// one-off keys do not accumulate.
+    /// Drops the map entry of `key` if it is [idle](Slot::idle).
     fn forget_if_idle(state: &mut State, key: &LockKey, now: Instant) {
-        if let Some(slot) = state.slots.get_mut(key) {
-            if slot.waiters == 0 && slot.live_holder(now).is_none() {
-                state.slots.remove(key);
-            }
+        if state.slots.get_mut(key).is_some_and(|slot| slot.idle(now)) {
+            state.slots.remove(key);
         }
     }
 
@@ -266,9 +269,7 @@ impl MemoryBackend {
             }
             _ => Release::NotHeld,
         };
-        // As `forget_if_idle`: `live_holder` above already dropped an
-        // expired holder.
-        if slot.waiters == 0 && slot.holder.is_none() {
+        if slot.idle(now) {
             entry.remove();
         }
         release
