@@ -289,13 +289,7 @@ impl Locker {
             return Err(Error::config("lease", "a lease must be longer than zero"));
         }
         let max_hold = opts.max_hold;
-        let started = Instant::now();
-        let req = AcquireRequest {
-            key: key.clone(),
-            owner,
-            lease,
-            deadline: (!wait.is_zero()).then(|| started + wait),
-        };
+        let mut req = AcquireRequest { key: key.clone(), owner, lease, deadline: None };
         let span = tracing::debug_span!("dlock.acquire", key = %key, backend = self.engine.backend.name(), wait_ms = wait.as_millis() as u64);
         // An answer on the spot never suspends, so spend the task's
         // cooperative budget as tokio's own primitives do (a loop of
@@ -305,19 +299,24 @@ impl Locker {
         tokio::task::coop::consume_budget().await;
         if let Some(result) = self.engine.backend.try_acquire_now(&req) {
             // Held, and the caller waits: the backend's `acquire` waits.
-            let waits = req.deadline.is_some() && matches!(&result, Err(e) if e.is_contention());
+            let waits = !wait.is_zero() && matches!(&result, Err(e) if e.is_contention());
             if !waits {
                 let _entered = span.enter();
-                trace_attempt(&result, started);
+                // Nothing waited, so no clock is read for it.
+                trace_attempt(&result, None);
                 return result.map(|grant| LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold));
             }
         }
+        // The wait starts here: after an on-the-spot attempt it is measured
+        // from that attempt's answer, a few hundred nanoseconds late at most.
+        let started = Instant::now();
+        req.deadline = (!wait.is_zero()).then(|| started + wait);
         let cancel = CancellationToken::new();
         let engine = self.engine.clone();
         let in_flight = cancel.clone();
         let attempt = async move {
             let result = engine.backend.acquire(&req, &in_flight).await;
-            trace_attempt(&result, started);
+            trace_attempt(&result, Some(started));
             result.map(|grant| LockGuard::start(engine, req, grant, renewed, max_hold))
         }
         .instrument(span);
@@ -326,10 +325,10 @@ impl Locker {
 }
 
 /// One event for the outcome of an acquire attempt, in its span.
-fn trace_attempt(result: &Result<Grant>, started: Instant) {
+fn trace_attempt(result: &Result<Grant>, started: Option<Instant>) {
     // Field values are evaluated only when the event is enabled: no clock
     // read per acquire for a disabled debug event.
-    let waited_us = || started.elapsed().as_micros() as u64;
+    let waited_us = || started.map_or(0, |started| started.elapsed().as_micros() as u64);
     match result {
         Ok(g) => tracing::debug!(waited_us = waited_us(), fence = g.fencing_token, "acquired"),
         Err(Error::Cancelled) => tracing::debug!(waited_us = waited_us(), "caller gave up"),

@@ -221,14 +221,17 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
         })?),
         None => None,
     };
-    let started = Instant::now();
+    // An acquire that may not wait has nothing to time: no clock is read.
+    let may_wait = !spec.wait.unwrap_or_else(|| locker.options().wait()).is_zero();
+    let started = may_wait.then(Instant::now);
+    let waited = || started.map_or(Duration::ZERO, |started| started.elapsed());
     match locker.acquire(&key, opts).await {
         Ok(guard) => {
             parts.extensions.insert(FencingToken(guard.fencing_token()));
-            Ok(Prepared { guard, permit, key, req: Request::from_parts(parts, body), waited: started.elapsed() })
+            Ok(Prepared { guard, permit, key, req: Request::from_parts(parts, body), waited: waited() })
         }
         Err(e) => {
-            let waited = started.elapsed();
+            let waited = waited();
             let mut rejection = Rejection::from_lock_error(&e);
             let outcome = if e.is_contention() {
                 if let Some(message) = &spec.message {
