@@ -2,7 +2,7 @@
 //!
 //! The whole body is still checked to be one valid JSON value, but only the
 //! objects on the way to a key field are built; every other value is skipped
-//! without allocating. The result is a [`Value`] with just those paths, so
+//! without allocating. The result keeps just the values on those paths, so
 //! the key is derived exactly as from the full document. A body is refused
 //! exactly when parsing it into a [`Value`] fails, nesting limit and number
 //! range included (found by the `lock_layer` fuzz target: serde_json's own
@@ -12,7 +12,7 @@ use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 /// What to keep of a JSON value.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -51,25 +51,59 @@ impl Want {
     }
 }
 
+/// What [`read`] kept of a JSON value.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Picked {
+    /// The value as parsed: a key field ends here, or a scalar stands where
+    /// a path goes on (the lookup then finds nothing, as in the document).
+    Whole(Value),
+    /// An object or array on the way to key fields: slot `i` holds what was
+    /// found for the `i`-th member of its [`Want::Members`], `None` when the
+    /// document has no such member.
+    Members(Vec<Option<Picked>>),
+}
+
+impl Picked {
+    /// Walks `segments` (object keys, or indices into arrays) down, finding
+    /// exactly what the same walk finds in the whole document. `want` is
+    /// what [`read`] was given: it says which slot a segment is in.
+    pub(crate) fn lookup<'a>(&'a self, want: &Want, segments: &[String]) -> Option<&'a Value> {
+        match (self, want) {
+            (Picked::Whole(value), _) => super::key::lookup(value, segments),
+            (Picked::Members(slots), Want::Members(members)) => {
+                let (first, rest) = segments.split_first()?;
+                let i = members.iter().position(|(name, _)| name == first)?;
+                slots.get(i)?.as_ref()?.lookup(&members[i].1, rest)
+            }
+            // Slots are only made for a `Members` want.
+            (Picked::Members(_), _) => None,
+        }
+    }
+}
+
 /// Parses `body` as one JSON value and keeps what `want` names.
-pub(crate) fn read(body: &[u8], want: &Want) -> serde_json::Result<Value> {
+///
+/// Only the wanted members are kept, in slots: no map is built and no
+/// member name is copied (a key on one top-level field costs one small
+/// allocation besides its value).
+pub(crate) fn read(body: &[u8], want: &Want) -> serde_json::Result<Picked> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let value = Pruned(want).deserialize(&mut de)?;
+    let picked = Pruned(want).deserialize(&mut de)?;
     de.end()?;
-    Ok(value)
+    Ok(picked)
 }
 
 struct Pruned<'w>(&'w Want);
 
 impl<'de> DeserializeSeed<'de> for Pruned<'_> {
-    type Value = Value;
+    type Value = Picked;
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Picked, D::Error> {
         match self.0 {
-            Want::All => Value::deserialize(d),
+            Want::All => Value::deserialize(d).map(Picked::Whole),
             Want::Nothing => {
                 Skip.deserialize(d)?;
-                Ok(Value::Null)
+                Ok(Picked::Whole(Value::Null))
             }
             Want::Members(members) => d.deserialize_any(Members(members)),
         }
@@ -86,79 +120,89 @@ impl Members<'_> {
         self.0.iter().position(|(wanted, _)| wanted == name)
     }
 
-    /// Array indices are matched as numbers, as the lookup parses them
-    /// (`items.01` is element 1).
-    fn position_of_index(&self, index: usize) -> Option<usize> {
-        self.0.iter().position(|(wanted, _)| wanted.parse::<usize>() == Ok(index))
+    /// The members naming array element `index`, matched as numbers, as the
+    /// lookup parses them (`items.01` is element 1).
+    fn of_index(&self, index: usize) -> impl Iterator<Item = usize> + '_ {
+        self.0.iter().enumerate().filter(move |(_, (wanted, _))| wanted.parse::<usize>() == Ok(index)).map(|(i, _)| i)
+    }
+
+    fn empty_slots(&self) -> Vec<Option<Picked>> {
+        std::iter::repeat_with(|| None).take(self.0.len()).collect()
     }
 }
 
 impl<'de> Visitor<'de> for Members<'_> {
-    type Value = Value;
+    type Value = Picked;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-        let mut out = Map::new();
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Picked, A::Error> {
+        let mut slots = self.empty_slots();
         while let Some(found) = map.next_key_seed(KeyIn(&self))? {
             match found {
-                Some(i) => {
-                    let (name, want) = &self.0[i];
-                    let value = map.next_value_seed(Pruned(want))?;
-                    // The last duplicate wins, as when parsing into a `Value`.
-                    out.insert(name.clone(), value);
-                }
-                None => {
-                    map.next_value_seed(Skip)?;
-                }
+                // The last duplicate wins, as when parsing into a `Value`.
+                Some(i) => slots[i] = Some(map.next_value_seed(Pruned(&self.0[i].1))?),
+                None => map.next_value_seed(Skip)?,
             }
         }
-        Ok(Value::Object(out))
+        Ok(Picked::Members(slots))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-        let mut out = Vec::new();
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Picked, A::Error> {
+        let mut slots = self.empty_slots();
         let mut index = 0usize;
         loop {
-            // Unwanted elements stay as `null` placeholders so that the
-            // wanted ones keep their index.
-            let element = match self.position_of_index(index) {
-                Some(i) => seq.next_element_seed(Pruned(&self.0[i].1))?,
-                None => seq.next_element_seed(Skip)?.map(|()| Value::Null),
-            };
-            match element {
-                Some(v) => out.push(v),
-                None => break,
+            let mut wanted = self.of_index(index);
+            match (wanted.next(), wanted.next()) {
+                (None, _) => {
+                    if seq.next_element_seed(Skip)?.is_none() {
+                        break;
+                    }
+                }
+                (Some(i), None) => match seq.next_element_seed(Pruned(&self.0[i].1))? {
+                    Some(picked) => slots[i] = Some(picked),
+                    None => break,
+                },
+                // Several names for one element (`1` and `01`) may want
+                // different parts of it: each gets it whole.
+                (Some(_), Some(_)) => match seq.next_element_seed(Pruned(&Want::All))? {
+                    Some(picked) => {
+                        for i in self.of_index(index) {
+                            slots[i] = Some(picked.clone());
+                        }
+                    }
+                    None => break,
+                },
             }
             index += 1;
         }
-        Ok(Value::Array(out))
+        Ok(Picked::Members(slots))
     }
 
-    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
-        Ok(Value::Bool(v))
+    fn visit_bool<E>(self, v: bool) -> Result<Picked, E> {
+        Ok(Picked::Whole(Value::Bool(v)))
     }
 
-    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
-        Ok(Value::from(v))
+    fn visit_i64<E>(self, v: i64) -> Result<Picked, E> {
+        Ok(Picked::Whole(Value::from(v)))
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
-        Ok(Value::from(v))
+    fn visit_u64<E>(self, v: u64) -> Result<Picked, E> {
+        Ok(Picked::Whole(Value::from(v)))
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
-        Ok(Value::from(v))
+    fn visit_f64<E>(self, v: f64) -> Result<Picked, E> {
+        Ok(Picked::Whole(Value::from(v)))
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
-        Ok(Value::from(v))
+    fn visit_str<E>(self, v: &str) -> Result<Picked, E> {
+        Ok(Picked::Whole(Value::from(v)))
     }
 
-    fn visit_unit<E>(self) -> Result<Value, E> {
-        Ok(Value::Null)
+    fn visit_unit<E>(self) -> Result<Picked, E> {
+        Ok(Picked::Whole(Value::Null))
     }
 }
 
@@ -278,7 +322,7 @@ mod tests {
         let (w, segs) = want(&paths);
         let pruned = read(&body, &w).expect("valid");
         for (p, s) in paths.iter().zip(&segs) {
-            assert_eq!(lookup(&pruned, s), lookup(&doc, s), "{p}");
+            assert_eq!(pruned.lookup(&w, s), lookup(&doc, s), "{p}");
         }
     }
 
@@ -313,14 +357,31 @@ mod tests {
     fn the_last_duplicate_wins() {
         let (w, s) = want(&["a"]);
         let v = read(br#"{"a": 1, "a": 2}"#, &w).expect("valid");
-        assert_eq!(lookup(&v, &s[0]), Some(&json!(2)));
+        assert_eq!(v.lookup(&w, &s[0]), Some(&json!(2)));
     }
 
     #[test]
     fn a_whole_path_swallows_its_longer_paths() {
         let (w, s) = want(&["a.b", "a"]);
         let v = read(br#"{"a": {"b": 1, "c": 2}}"#, &w).expect("valid");
-        assert_eq!(lookup(&v, &s[1]), Some(&json!({"b": 1, "c": 2})));
-        assert_eq!(lookup(&v, &s[0]), Some(&json!(1)));
+        assert_eq!(v.lookup(&w, &s[1]), Some(&json!({"b": 1, "c": 2})));
+        assert_eq!(v.lookup(&w, &s[0]), Some(&json!(1)));
+    }
+
+    /// Two names for one array element (`1` and `01`) that want different
+    /// parts of it both find theirs.
+    #[test]
+    fn two_names_for_one_element_each_find_their_part() {
+        let doc = json!({"list": [{"a": 0}, {"a": "x", "b": "y"}]});
+        let (w, s) = want(&["list.1.b", "list.01.a", "list.1"]);
+        let body = serde_json::to_vec(&doc).expect("json");
+        let v = read(&body, &w).expect("valid");
+        for path in &s {
+            assert_eq!(v.lookup(&w, path), lookup(&doc, path), "{path:?}");
+        }
+        let (w, s) = want(&["list.1.b", "list.01.a"]);
+        let v = read(&body, &w).expect("valid");
+        assert_eq!(v.lookup(&w, &s[0]), Some(&json!("y")));
+        assert_eq!(v.lookup(&w, &s[1]), Some(&json!("x")));
     }
 }

@@ -6,6 +6,7 @@ use axum::http::request::Parts;
 use dlock_core::{escape_into, KeyPart, LockKey, Locker};
 use serde_json::Value;
 
+use super::json::Picked;
 use super::layer::{KeySource, Spec};
 use crate::rejection::Rejection;
 
@@ -44,14 +45,16 @@ pub(crate) async fn build_key(
     spec: &Spec,
     locker: &Locker,
     parts: &mut Parts,
-    json: Option<&Value>,
+    json: Option<&Picked>,
 ) -> Result<LockKey, Rejection> {
     let mut key = locker.key(&spec.name);
     let mut path_params: Option<RawPathParams> = None;
     for source in &spec.parts {
         match source {
             KeySource::Json { segments, .. } => {
-                let value = json.and_then(|root| lookup(root, segments)).ok_or_else(|| Rejection::missing_field(source))?;
+                let value = json
+                    .and_then(|picked| picked.lookup(&spec.json_want, segments))
+                    .ok_or_else(|| Rejection::missing_field(source))?;
                 key.push(JsonPart(value));
             }
             KeySource::Query(name) => {
