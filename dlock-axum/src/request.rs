@@ -4,14 +4,29 @@
 use std::fmt;
 use std::time::Duration;
 
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum::http::request::Parts;
 use axum::http::Extensions;
 use dlock_core::Owner;
 
-/// The lock owner of one request, kept in the request extensions.
+use crate::rejection::Rejection;
+
+/// What dlock keeps in a request's extensions: its lock owner and the
+/// fencing token of the lock it holds, in one entry. `http`'s extension map
+/// starts with room for three: a router's own entries plus two of ours
+/// would make it grow on every locked request.
+#[derive(Debug, Clone)]
+struct RequestLock {
+    owner: Owner,
+    fencing_token: Option<u64>,
+}
+
+/// The lock owner of one request.
 ///
 /// Every lock taken while handling a request is taken as this owner, so a
 /// nested lock on the same key (a locked handler behind a [`LockLayer`](crate::LockLayer),
-/// two layers) re-enters instead of deadlocking.
+/// two layers) re-enters instead of deadlocking. A handler can extract it
+/// (it is made on first use) to take further locks as the same owner.
 ///
 /// ```
 /// use axum::http::Extensions;
@@ -20,6 +35,11 @@ use dlock_core::Owner;
 /// let a = RequestOwner::get_or_insert(&mut ext).unwrap();
 /// let b = RequestOwner::get_or_insert(&mut ext).unwrap();
 /// assert_eq!(a, b);
+/// assert_eq!(RequestOwner::get(&ext), Some(a));
+///
+/// async fn handler(RequestOwner(owner): RequestOwner) -> String {
+///     format!("locks of this request are held by {}", owner.as_str())
+/// }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestOwner(pub Owner);
@@ -32,28 +52,80 @@ impl RequestOwner {
     ///
     /// [`dlock_core::Error::Backend`] when the OS random source fails.
     pub fn get_or_insert(extensions: &mut Extensions) -> Result<Owner, dlock_core::Error> {
-        if let Some(RequestOwner(owner)) = extensions.get::<RequestOwner>() {
-            return Ok(owner.clone());
+        if let Some(lock) = extensions.get::<RequestLock>() {
+            return Ok(lock.owner.clone());
         }
         let owner = Owner::random()?;
-        extensions.insert(RequestOwner(owner.clone()));
+        extensions.insert(RequestLock { owner: owner.clone(), fencing_token: None });
         Ok(owner)
+    }
+
+    /// The request's owner, if a lock was taken (or an owner made) for it.
+    pub fn get(extensions: &Extensions) -> Option<Owner> {
+        extensions.get::<RequestLock>().map(|lock| lock.owner.clone())
     }
 }
 
-/// The fencing token of the lock this request holds, in the request
-/// extensions for the handler: pass it to the storage you protect so it can
-/// refuse writes from a holder whose lease already ran out.
+impl<S: Send + Sync> FromRequestParts<S> for RequestOwner {
+    type Rejection = Rejection;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
+        RequestOwner::get_or_insert(&mut parts.extensions).map(RequestOwner).map_err(|e| Rejection::from_lock_error(&e))
+    }
+}
+
+/// The fencing token of the lock this request holds, for the handler: pass
+/// it to the storage you protect so it can refuse writes from a holder whose
+/// lease already ran out.
+///
+/// Extracting it from a request that holds no lock through a
+/// [`LockLayer`](crate::LockLayer) is a server misconfiguration (`500`); take
+/// `Option<FencingToken>` where the route may run without one.
 ///
 /// ```
-/// use axum::Extension;
 /// use dlock_axum::FencingToken;
-/// async fn handler(Extension(FencingToken(fence)): Extension<FencingToken>) -> String {
+/// async fn handler(FencingToken(fence): FencingToken) -> String {
 ///     format!("writing with fence {fence}")
 /// }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(pub u64);
+
+impl FencingToken {
+    /// The token of the lock the request holds, if any.
+    pub fn get(extensions: &Extensions) -> Option<FencingToken> {
+        extensions.get::<RequestLock>().and_then(|lock| lock.fencing_token).map(FencingToken)
+    }
+
+    /// Records the token of the lock just taken for the request of `owner`.
+    pub(crate) fn set(extensions: &mut Extensions, owner: &Owner, token: u64) {
+        match extensions.get_mut::<RequestLock>() {
+            Some(lock) => lock.fencing_token = Some(token),
+            None => {
+                extensions.insert(RequestLock { owner: owner.clone(), fencing_token: Some(token) });
+            }
+        }
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for FencingToken {
+    type Rejection = Rejection;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
+        FencingToken::get(&parts.extensions).ok_or_else(|| {
+            tracing::error!("FencingToken extracted by a handler that holds no lock; put the route behind a LockLayer");
+            Rejection::misconfigured().with_message("this route holds no lock, so it has no fencing token")
+        })
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for FencingToken {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Self::Rejection> {
+        Ok(FencingToken::get(&parts.extensions))
+    }
+}
 
 /// What happened to the lock of a request; [`LockLayer`](crate::LockLayer)
 /// puts it in the response extensions so an access log can print it.

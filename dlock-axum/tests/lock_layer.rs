@@ -26,7 +26,7 @@ fn locker() -> Locker {
 
 /// Echoes the body it got and counts its calls.
 fn echo_app(locker: &Locker, layer: LockLayer, calls: Arc<AtomicUsize>) -> Router {
-    let handler = move |Extension(FencingToken(fence)): Extension<FencingToken>, body: Bytes| {
+    let handler = move |FencingToken(fence): FencingToken, body: Bytes| {
         let calls = calls.clone();
         async move {
             calls.fetch_add(1, Ordering::SeqCst);
@@ -275,7 +275,7 @@ async fn nested_locks_on_one_key_reenter_within_a_request() {
     let owners = Arc::new(std::sync::Mutex::new(Vec::<Owner>::new()));
     let handler = {
         let owners = owners.clone();
-        move |Extension(RequestOwner(owner)): Extension<RequestOwner>| {
+        move |RequestOwner(owner): RequestOwner| {
             let owners = owners.clone();
             async move {
                 owners.lock().map(|mut o| o.push(owner)).expect("not poisoned");
@@ -403,7 +403,7 @@ async fn max_hold_frees_the_lock_of_a_stuck_handler() {
         dlock_core::LockerOptions::default().with_watchdog_lease(Duration::from_millis(200)),
     )
     .expect("options");
-    let handler = |Extension(FencingToken(fence)): Extension<FencingToken>, body: Bytes| async move {
+    let handler = |FencingToken(fence): FencingToken, body: Bytes| async move {
         if body.as_ref() == b"{\"id\":1,\"stuck\":true}" {
             tokio::time::sleep(Duration::from_secs(3)).await;
         }

@@ -46,7 +46,7 @@ async fn create_order(Query(TokenParam { token }): Query<TokenParam>, Json(order
 async fn nested(
     Path(id): Path<u64>,
     Extension(locker): Extension<Locker>,
-    Extension(RequestOwner(owner)): Extension<RequestOwner>,
+    RequestOwner(owner): RequestOwner,
 ) -> Result<String, StatusCode> {
     let key = locker.key("nested").part(id).build().map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
     let inner = locker

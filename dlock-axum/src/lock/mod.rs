@@ -38,8 +38,8 @@
 //!    nested lock on the same key in the same request re-enters;
 //!    a lock held elsewhere past the wait is `409 duplicate_submission`, an
 //!    unreachable backend `503 lock_backend_unavailable`;
-//! 5. puts the grant's [`FencingToken`](crate::FencingToken) in the request
-//!    extensions, calls the route, and releases once the route has answered
+//! 5. records the grant's [`FencingToken`](crate::FencingToken) for the
+//!    route to extract, calls the route, and releases once the route has answered
 //!    (or, when the request is dropped, in the background);
 //! 6. logs one `dlock.request` event with the outcome and puts the
 //!    [`LockOutcome`](crate::LockOutcome) in the response extensions.

@@ -227,7 +227,7 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
     let waited = || started.map_or(Duration::ZERO, |started| started.elapsed());
     match locker.acquire(&key, opts).await {
         Ok(guard) => {
-            parts.extensions.insert(FencingToken(guard.fencing_token()));
+            FencingToken::set(&mut parts.extensions, guard.owner(), guard.fencing_token());
             Ok(Prepared { guard, permit, key, req: Request::from_parts(parts, body), waited: waited() })
         }
         Err(e) => {
