@@ -37,7 +37,9 @@ impl LockKey {
     /// Starts a key under `prefix` (the namespace, `DLOCK_PREFIX`) for the lock
     /// called `name`.
     pub fn builder(prefix: &str, name: &str) -> KeyBuilder {
-        let mut full = String::with_capacity(prefix.len() + name.len() + 16);
+        let mut full = BUFFER.try_with(|b| std::mem::take(&mut *b.borrow_mut())).unwrap_or_default();
+        full.clear();
+        full.reserve(prefix.len() + name.len() + 16);
         full.push_str(prefix);
         full.push_str(":{");
         escape_into(name, &mut full);
@@ -102,7 +104,31 @@ impl KeyBuilder {
                 self.full.len()
             )));
         }
-        Ok(LockKey { full: self.full.into() })
+        Ok(LockKey { full: self.full.as_str().into() })
+    }
+}
+
+thread_local! {
+    /// The text buffer of the last key built on this thread, kept for the
+    /// next: a key then costs one allocation (its shared text), not two.
+    static BUFFER: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+/// Buffers longer than this are freed rather than kept.
+const KEEP_BUFFER: usize = 4 * MAX_KEY_LEN;
+
+impl Drop for KeyBuilder {
+    fn drop(&mut self) {
+        if self.full.capacity() <= KEEP_BUFFER {
+            let full = std::mem::take(&mut self.full);
+            // At thread exit the slot is gone; the buffer is then just freed.
+            let _ = BUFFER.try_with(|b| {
+                let mut kept = b.borrow_mut();
+                if kept.capacity() < full.capacity() {
+                    *kept = full;
+                }
+            });
+        }
     }
 }
 

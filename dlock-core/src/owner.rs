@@ -23,7 +23,12 @@ use crate::error::{Error, Result};
 /// assert_eq!(a.as_str().len(), 32);
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Owner(std::sync::Arc<str>);
+pub struct Owner(
+    // The digits themselves, not a pointer to them: an owner is copied into
+    // the guard, the watchdog and the backend's table for every acquire, and
+    // a copy of 32 bytes costs less than an allocation and a shared count.
+    [u8; 32],
+);
 
 impl Owner {
     /// A fresh owner from a CSPRNG (ChaCha12 per thread, seeded and reseeded
@@ -34,18 +39,15 @@ impl Owner {
     /// [`Error::Backend`] when the OS random source fails (it does not on any
     /// supported platform, but a lock must never fall back to weak tokens).
     pub fn random() -> Result<Self> {
-        // Hex digits on the stack, then one allocation: the Arc's.
         let mut digits = [0u8; 32];
-        for (digit, hex) in digits.iter_mut().zip(hex_digits(&random_bytes::<16>()?)) {
-            *digit = hex;
-        }
-        let text = std::str::from_utf8(&digits).map_err(|e| Error::backend("os-random", e.to_string()))?;
-        Ok(Owner(text.into()))
+        write_hex(&random_bytes::<16>()?, &mut digits);
+        Ok(Owner(digits))
     }
 
     /// The token as sent to the backend.
     pub fn as_str(&self) -> &str {
-        &self.0
+        // Only ASCII hex digits are ever stored, so this never falls back.
+        std::str::from_utf8(&self.0).unwrap_or_default()
     }
 }
 
@@ -64,7 +66,10 @@ thread_local! {
 /// would share the parent's stream; a tokio runtime does not survive a fork,
 /// so that does not happen in practice.
 pub(crate) fn random_hex<const N: usize>() -> Result<String> {
-    Ok(hex_digits(&random_bytes::<N>()?).map(char::from).collect())
+    let bytes = random_bytes::<N>()?;
+    let mut digits = vec![0u8; 2 * N];
+    write_hex(&bytes, &mut digits);
+    String::from_utf8(digits).map_err(|e| Error::backend("os-random", e.to_string()))
 }
 
 /// `N` bytes from the per-thread CSPRNG of [`random_hex`].
@@ -90,22 +95,26 @@ fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     Ok(bytes)
 }
 
-/// `bytes` as lower-case hex digits, two per byte.
-fn hex_digits(bytes: &[u8]) -> impl Iterator<Item = u8> + '_ {
+/// Writes `bytes` as lower-case hex digits, two per byte, into `out`
+/// (twice as long).
+fn write_hex(bytes: &[u8], out: &mut [u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    bytes.iter().flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]])
+    for (pair, b) in out.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0xf)];
+    }
 }
 
 impl fmt::Display for Owner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
 impl fmt::Debug for Owner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Only a prefix: the full token lets anyone holding it release the lock.
-        write!(f, "Owner({}…)", &self.0[..8.min(self.0.len())])
+        write!(f, "Owner({}…)", &self.as_str()[..8])
     }
 }
 
