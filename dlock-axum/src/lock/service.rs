@@ -6,7 +6,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{header, Request};
+use axum::http::request::Parts;
+use axum::http::{header, Method, Request, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use dlock_core::{AcquireOptions, LockKey, Locker};
@@ -109,16 +110,23 @@ struct Refusal {
     rejection: Rejection,
     outcome: LockOutcome,
     key: Option<LockKey>,
+    /// The request's method and URI, for the log line.
+    method: Method,
+    uri: Uri,
 }
 
 impl Refusal {
+    fn new(rejection: Rejection, outcome: LockOutcome, key: Option<LockKey>) -> Self {
+        Refusal { rejection, outcome, key, method: Method::default(), uri: Uri::default() }
+    }
+
     fn invalid(rejection: Rejection) -> Self {
         let outcome = if rejection.status().is_server_error() {
             LockOutcome::Misconfigured
         } else {
             LockOutcome::Invalid { error: rejection.error().to_owned() }
         };
-        Refusal { rejection, outcome, key: None }
+        Refusal::new(rejection, outcome, None)
     }
 }
 
@@ -127,30 +135,24 @@ where
     S: Service<Request<Body>>,
     S::Response: IntoResponse,
 {
-    let method = req.method().clone();
-    // A cheap clone (shared bytes), for the log lines.
-    let uri = req.uri().clone();
-    let path = uri.path();
-    let prepared = match prepare(&spec, req).await {
-        Ok(p) => p,
+    let (guard, req, waited, permit) = match prepare(&spec, req).await {
+        Ok(Prepared { guard, req, waited, permit }) => (guard, req, waited, permit),
         Err(refusal) => {
-            log_refusal(&spec, &method, path, &refusal);
+            log_refusal(&spec, &refusal);
             let mut response = refusal.rejection.into_response();
             response.extensions_mut().insert(refusal.outcome);
             return Ok(response);
         }
     };
-    // The permit, if the layer caps holds per principal, is given back when
-    // this function ends, after the release below.
-    let Prepared { guard, key, req, waited, permit: _permit } = prepared;
     let fencing_token = guard.fencing_token();
     tracing::info!(
-        lock = %spec.name, key = %key, outcome = "acquired", fence = fencing_token,
-        waited_ms = waited.as_millis() as u64, %method, path, "dlock.request"
+        lock = %spec.name, key = %guard.key(), outcome = "acquired", fence = fencing_token,
+        waited_ms = waited.as_millis() as u64, method = %req.method(), path = req.uri().path(), "dlock.request"
     );
     // If this future is dropped while the inner service runs, `guard` is
     // dropped with it and releases in the background.
     let result = inner.call(req).await.map(IntoResponse::into_response);
+    let key = guard.key().clone();
     match guard.release().await {
         Ok(true) => {}
         Ok(false) => tracing::warn!(
@@ -159,6 +161,9 @@ where
         ),
         Err(e) => tracing::warn!(lock = %spec.name, key = %key, error = %e, "release failed; the lease frees the lock"),
     }
+    // The permit, if the layer caps holds per principal, is given back after
+    // the release.
+    drop(permit);
     result.map(|mut response| {
         response.extensions_mut().insert(LockOutcome::Acquired { fencing_token, waited });
         response
@@ -168,7 +173,6 @@ where
 struct Prepared {
     guard: dlock_core::LockGuard,
     permit: Option<Permit>,
-    key: LockKey,
     req: Request<Body>,
     waited: Duration,
 }
@@ -177,6 +181,23 @@ struct Prepared {
 /// needed, build the key, acquire.
 async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
     let (mut parts, body) = req.into_parts();
+    match acquire_for(spec, &mut parts, body).await {
+        Ok((guard, permit, body, waited)) => Ok(Prepared { guard, permit, req: Request::from_parts(parts, body), waited }),
+        Err(mut refusal) => {
+            // Taken only on this path: an admitted request is logged from
+            // its own parts, with no copy made up front.
+            refusal.method = parts.method;
+            refusal.uri = parts.uri;
+            Err(refusal)
+        }
+    }
+}
+
+async fn acquire_for(
+    spec: &Spec,
+    parts: &mut Parts,
+    body: Body,
+) -> Result<(dlock_core::LockGuard, Option<Permit>, Body, Duration), Refusal> {
     let locker: Locker = match &spec.locker {
         Some(l) => l.clone(),
         None => parts.extensions.get::<Locker>().cloned().ok_or_else(|| Refusal::invalid(no_engine()))?,
@@ -194,10 +215,10 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
     } else {
         (body, None)
     };
-    let key = build_key(spec, &locker, &mut parts, json.as_ref()).await.map_err(Refusal::invalid)?;
+    let key = build_key(spec, &locker, parts, json.as_ref()).await.map_err(Refusal::invalid)?;
     let unavailable = |e: dlock_core::Error| {
         tracing::warn!(error = %e, "dlock: no lock owner");
-        Refusal { rejection: Rejection::from_lock_error(&e), outcome: LockOutcome::Unavailable, key: None }
+        Refusal::new(Rejection::from_lock_error(&e), LockOutcome::Unavailable, None)
     };
     let owner = RequestOwner::get_or_insert(&mut parts.extensions).map_err(unavailable)?;
     let mut opts = AcquireOptions::new().owner(owner);
@@ -211,13 +232,12 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
         opts = opts.max_hold(max_hold);
     }
     let permit = match &spec.quota {
-        Some(quota) => Some(quota.take(&parts.headers).map_err(|over| Refusal {
-            rejection: Rejection::too_many_locks().with_message(format!(
+        Some(quota) => Some(quota.take(&parts.headers).map_err(|over| {
+            let rejection = Rejection::too_many_locks().with_message(format!(
                 "the requests with this {} header already hold {} locks here; retry when one has finished",
                 over.header, over.max
-            )),
-            outcome: LockOutcome::OverQuota,
-            key: Some(key.clone()),
+            ));
+            Refusal::new(rejection, LockOutcome::OverQuota, Some(key.clone()))
         })?),
         None => None,
     };
@@ -228,7 +248,7 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
     match locker.acquire(&key, opts).await {
         Ok(guard) => {
             FencingToken::set(&mut parts.extensions, guard.owner(), guard.fencing_token());
-            Ok(Prepared { guard, permit, key, req: Request::from_parts(parts, body), waited: waited() })
+            Ok((guard, permit, body, waited()))
         }
         Err(e) => {
             let waited = waited();
@@ -250,7 +270,7 @@ async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
                 tracing::warn!(key = %key, error = %e, "dlock: lock service unavailable; refusing the request");
                 LockOutcome::Unavailable
             };
-            Err(Refusal { rejection, outcome, key: Some(key) })
+            Err(Refusal::new(rejection, outcome, Some(key)))
         }
     }
 }
@@ -294,7 +314,8 @@ async fn read_body(headers: &axum::http::HeaderMap, mut body: Body, limit: usize
     Ok(joined.map_or(first, BytesMut::freeze))
 }
 
-fn log_refusal(spec: &Spec, method: &axum::http::Method, path: &str, refusal: &Refusal) {
+fn log_refusal(spec: &Spec, refusal: &Refusal) {
+    let (method, path) = (&refusal.method, refusal.uri.path());
     let key = refusal.key.as_ref().map(|k| k.as_str()).unwrap_or("");
     let outcome = refusal.outcome.as_str();
     let status = refusal.rejection.status().as_u16();
