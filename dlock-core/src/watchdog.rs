@@ -4,10 +4,11 @@
 //!
 //! A guard files its hold in a schedule ordered by the instant something is
 //! due (the next renewal, or the end of the lease when no renewal may be
-//! sent). Filing and unfiling a hold is a map insert and remove under one
-//! short lock: no task spawn, no wake-up, nothing to cancel per request. The
-//! task sleeps until the earliest instant in the schedule and is woken only
-//! when a hold is filed earlier than that.
+//! sent). Filing a hold is a push on a list the task sorts into the schedule
+//! when it wakes, and unfiling it a slot freed, under one short lock: no
+//! task spawn, no wake-up, nothing to cancel per request. The task sleeps
+//! until the earliest instant in the schedule and is woken only when a hold
+//! is filed earlier than that, or when many wait to be sorted.
 //!
 //! Nothing here can lose a lock silently: a guard reads its own
 //! `valid_until`, which only a successful renewal moves forward, so if this
@@ -62,6 +63,11 @@ struct Schedule {
     holds: Holds,
     /// `(instant, hold id)`: when each hold next needs attention.
     due: BTreeSet<(Instant, u64)>,
+    /// Holds filed by guards since the task last looked, with when they
+    /// first need attention. Most are unfiled (their request ended) long
+    /// before then; the task moves the rest into `due` when it wakes, so a
+    /// short hold costs a push here instead of an ordered insert and remove.
+    pending: Vec<(Instant, u64)>,
     /// Whether a task serves this schedule.
     running: bool,
     /// When the task wakes if nothing earlier is filed.
@@ -73,18 +79,47 @@ impl Schedule {
     /// from where it was filed before; returns that instant.
     fn file(&mut self, id: u64) -> Option<Instant> {
         let hold = self.holds.get_mut(id)?;
-        self.due.remove(&(hold.filed_at, id));
+        if hold.in_due {
+            self.due.remove(&(hold.filed_at, id));
+        }
         hold.filed_at = hold.attention();
+        hold.in_due = true;
         self.due.insert((hold.filed_at, id));
         Some(hold.filed_at)
     }
 
+    /// Files a new hold in `pending`; returns when it first needs attention.
+    fn file_new(&mut self, hold: Hold) -> (u64, Instant) {
+        let at = hold.filed_at;
+        let id = self.holds.insert(hold);
+        self.pending.push((at, id));
+        (id, at)
+    }
+
+    /// Moves the pending holds still filed into `due`.
+    fn drain_pending(&mut self) {
+        for (at, id) in std::mem::take(&mut self.pending) {
+            if let Some(hold) = self.holds.get_mut(id) {
+                if !hold.in_due {
+                    hold.in_due = true;
+                    self.due.insert((at, id));
+                }
+            }
+        }
+    }
+
     fn unfile(&mut self, id: u64) -> Option<Hold> {
         let hold = self.holds.remove(id)?;
-        self.due.remove(&(hold.filed_at, id));
+        if hold.in_due {
+            self.due.remove(&(hold.filed_at, id));
+        }
         Some(hold)
     }
 }
+
+/// Pending holds that wake the task to sort them, so `pending` stays small
+/// however long the task sleeps.
+const DRAIN_PENDING_AT: usize = 1024;
 
 /// The filed holds: a slab, since filing and unfiling happen once per
 /// request. An id is a slot index plus the slot's generation, so the late
@@ -152,6 +187,8 @@ struct Hold {
     next_renewal: Instant,
     renewing: bool,
     filed_at: Instant,
+    /// Filed in `due` under `filed_at` (else still in `pending`).
+    in_due: bool,
     state: Arc<GuardCell>,
 }
 
@@ -215,7 +252,7 @@ impl Watchdog {
 
     /// Starts renewing a hold every lease/3.
     pub(crate) fn file(&self, new: NewHold) -> Filed {
-        let hold = Hold {
+        let mut hold = Hold {
             next_renewal: new.granted_at + new.lease / 3,
             key: new.key,
             owner: new.owner,
@@ -224,16 +261,18 @@ impl Watchdog {
             valid_until: new.valid_until,
             renewing: false,
             filed_at: new.valid_until,
+            in_due: false,
             state: new.state,
         };
+        hold.filed_at = hold.attention();
         let (id, start, wake) = {
             let mut s = self.shared.lock();
-            let id = s.holds.insert(hold);
-            let at = s.file(id);
+            let (id, at) = s.file_new(hold);
             let start = !s.running;
             s.running = true;
             // No deadline: the task sleeps until woken.
-            let wake = !start && at.is_some_and(|at| s.sleeping_until.is_none_or(|until| at < until));
+            let sooner = s.sleeping_until.is_none_or(|until| at < until);
+            let wake = !start && (sooner || s.pending.len() >= DRAIN_PENDING_AT);
             (id, start, wake)
         };
         if start {
@@ -294,6 +333,7 @@ async fn run(mut serving: Serving) {
         let mut to_send = Vec::new();
         let deadline = {
             let mut s = shared.lock();
+            s.drain_pending();
             while let Some(&(at, id)) = s.due.first() {
                 if at > now {
                     break;
@@ -396,6 +436,7 @@ mod tests {
             next_renewal: now,
             renewing: false,
             filed_at: now,
+            in_due: false,
             state,
         }
     }
@@ -413,5 +454,47 @@ mod tests {
         assert_eq!(holds.len(), 1);
         assert!(holds.remove(second).is_some());
         assert!(holds.is_empty());
+    }
+
+    fn new_hold(lease: Duration) -> NewHold {
+        let now = Instant::now();
+        NewHold {
+            key: LockKey::builder("t", "k").build().expect("key"),
+            owner: Owner::random().expect("owner"),
+            lease,
+            renew_until: None,
+            valid_until: now + lease,
+            granted_at: now,
+            state: GuardCell::new(crate::guard::GuardState { valid_until: now + lease, lost: None }),
+        }
+    }
+
+    /// Short holds filed and unfiled while the task sleeps do not pile up:
+    /// the task sorts the list whenever it grows long, and only the hold
+    /// still filed reaches the schedule.
+    #[tokio::test(flavor = "current_thread")]
+    async fn pending_holds_are_sorted_before_the_list_grows_long() {
+        let dog = Watchdog::new(Arc::new(crate::MemoryBackend::new()));
+        let kept = dog.file(new_hold(Duration::from_secs(30)));
+        tokio::task::yield_now().await;
+        let mut longest = 0;
+        for i in 0..10 * DRAIN_PENDING_AT {
+            let filed = dog.file(new_hold(Duration::from_secs(30)));
+            dog.unfile(filed);
+            if i % 64 == 0 {
+                tokio::task::yield_now().await;
+            }
+            longest = longest.max(dog.shared.lock().pending.len());
+        }
+        tokio::task::yield_now().await;
+        let mut s = dog.shared.lock();
+        assert!(longest <= DRAIN_PENDING_AT + 64, "pending grew to {longest}");
+        assert_eq!(s.holds.len(), 1);
+        let due: Vec<u64> = s.due.iter().map(|&(_, id)| id).collect();
+        assert_eq!(due, [kept.id], "only the kept hold is scheduled");
+        let stale: Vec<u64> = s.pending.iter().map(|&(_, id)| id).collect();
+        assert!(stale.into_iter().all(|id| s.holds.get_mut(id).is_none()), "what waits to be sorted was unfiled");
+        drop(s);
+        dog.unfile(kept);
     }
 }
