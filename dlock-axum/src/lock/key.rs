@@ -21,11 +21,16 @@ impl KeyPart for JsonPart<'_> {
             Value::Null => None::<&str>.write_part(out),
             Value::String(s) => escape_into(s, out),
             // Digits, sign, '.', 'e': nothing to escape, so no detour
-            // through a temporary string.
-            Value::Number(n) => {
-                use std::fmt::Write;
-                let _ = write!(out, "{n}");
-            }
+            // through a temporary string. Integers as dlock's integer parts
+            // write them (the same text as `Display`).
+            Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => u.write_part(out),
+                (None, Some(i)) => i.write_part(out),
+                (None, None) => {
+                    use std::fmt::Write;
+                    let _ = write!(out, "{n}");
+                }
+            },
             other => escape_into(&other.to_string(), out),
         }
     }
@@ -137,6 +142,9 @@ mod tests {
     fn values_are_escaped() {
         assert_eq!(part(&json!("a:b")), "a%3Ab");
         assert_eq!(part(&json!(12.5)), "12.5");
+        for n in [json!(0), json!(-7), json!(u64::MAX), json!(i64::MIN), json!(1e300), json!(-0.5)] {
+            assert_eq!(part(&n), n.to_string(), "numbers are their JSON text");
+        }
         assert_eq!(part(&json!({"b": 1, "a": ":"})), "%7B\"a\"%3A\"%3A\",\"b\"%3A1%7D");
     }
 }
