@@ -9,7 +9,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{Request, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
-use axum::{Extension, Router};
+use axum::Router;
 use dlock_axum::{FencingToken, LockLayer, LockOutcome, LockerExt, RequestOwner};
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use dlock_core::{AcquireOptions, Backend, LockKey, Locker, MemoryBackend, Owner};
