@@ -135,15 +135,21 @@ where
     S: Service<Request<Body>>,
     S::Response: IntoResponse,
 {
-    let (guard, req, waited, permit) = match prepare(&spec, req).await {
-        Ok(Prepared { guard, req, waited, permit }) => (guard, req, waited, permit),
-        Err(refusal) => {
+    let (mut parts, body) = req.into_parts();
+    let Admitted { guard, permit, body, waited } = match acquire_for(&spec, &mut parts, body).await {
+        Ok(admitted) => admitted,
+        Err(mut refusal) => {
+            // Taken only on this path: an admitted request is logged from
+            // its own parts, with no copy made up front.
+            refusal.method = parts.method;
+            refusal.uri = parts.uri;
             log_refusal(&spec, &refusal);
             let mut response = refusal.rejection.into_response();
             response.extensions_mut().insert(refusal.outcome);
             return Ok(response);
         }
     };
+    let req = Request::from_parts(parts, body);
     let fencing_token = guard.fencing_token();
     tracing::info!(
         lock = %spec.name, key = %guard.key(), outcome = "acquired", fence = fencing_token,
@@ -170,34 +176,18 @@ where
     })
 }
 
-struct Prepared {
+/// A request that got its lock: the guard, the quota permit if any, the body
+/// to hand on (read already when the key needed it), how long it waited.
+struct Admitted {
     guard: dlock_core::LockGuard,
     permit: Option<Permit>,
-    req: Request<Body>,
+    body: Body,
     waited: Duration,
 }
 
 /// Everything before the inner call: find the engine, read the body if
 /// needed, build the key, acquire.
-async fn prepare(spec: &Spec, req: Request<Body>) -> Result<Prepared, Refusal> {
-    let (mut parts, body) = req.into_parts();
-    match acquire_for(spec, &mut parts, body).await {
-        Ok((guard, permit, body, waited)) => Ok(Prepared { guard, permit, req: Request::from_parts(parts, body), waited }),
-        Err(mut refusal) => {
-            // Taken only on this path: an admitted request is logged from
-            // its own parts, with no copy made up front.
-            refusal.method = parts.method;
-            refusal.uri = parts.uri;
-            Err(refusal)
-        }
-    }
-}
-
-async fn acquire_for(
-    spec: &Spec,
-    parts: &mut Parts,
-    body: Body,
-) -> Result<(dlock_core::LockGuard, Option<Permit>, Body, Duration), Refusal> {
+async fn acquire_for(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admitted, Refusal> {
     let locker: Locker = match &spec.locker {
         Some(l) => l.clone(),
         None => parts.extensions.get::<Locker>().cloned().ok_or_else(|| Refusal::invalid(no_engine()))?,
@@ -248,7 +238,7 @@ async fn acquire_for(
     match locker.acquire(&key, opts).await {
         Ok(guard) => {
             FencingToken::set(&mut parts.extensions, guard.owner(), guard.fencing_token());
-            Ok((guard, permit, body, waited()))
+            Ok(Admitted { guard, permit, body, waited: waited() })
         }
         Err(e) => {
             let waited = waited();
