@@ -87,6 +87,16 @@ fn quick_json_run_prints_rows_for_both_benches() {
     for (imp, backend) in [("no-layer", "memory"), ("layer", "memory"), ("layer", "redis"), ("raw-route", "redis")] {
         assert!(seen.contains(&("http".to_owned(), imp.to_owned(), backend.to_owned(), Some(16))), "no http row for {imp}/{backend}");
     }
+    // The same two routes in process, and the layer's ratio to the route alone.
+    for imp in ["no-layer", "layer"] {
+        assert!(seen.contains(&("http-in-process".to_owned(), imp.to_owned(), "memory".to_owned(), Some(1))), "no in-process {imp} row");
+    }
+    let in_process_ratio = rows
+        .iter()
+        .find(|r| r["bench"] == "http-in-process" && r["impl"] == "layer")
+        .and_then(|r| r["ratio"].as_f64())
+        .expect("the in-process layer row has a ratio");
+    assert!(in_process_ratio > 0.0 && in_process_ratio < 2.0, "implausible in-process ratio {in_process_ratio}");
     // Idempotency-Key mode: the route alone, first requests and replays.
     for (imp, backend) in [("no-layer", "memory"), ("first-request", "redis"), ("replay", "redis"), ("first-request", "memory"), ("replay", "memory")] {
         assert!(seen.contains(&("idempotency".to_owned(), imp.to_owned(), backend.to_owned(), Some(8))), "no idempotency row for {imp}/{backend}");

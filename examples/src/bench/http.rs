@@ -13,6 +13,10 @@
 //! * `fenced-raw-route/redis`: the same with a fencing token (`SET NX PX` +
 //!   `INCR` in one script, as the uncontended bench's fenced floor), to show
 //!   how much of the gap fencing explains.
+//!
+//! The `http-in-process` rows call the first two routes without sockets,
+//! one request at a time through `Router::call` on one task: the layer's own
+//! CPU cost, without loopback TCP's (which is most of a request's cost above).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -36,6 +40,9 @@ use super::{target, BenchError, Env, Result, Series};
 
 /// Keep-alive connections driving the server.
 pub(crate) const CONNECTIONS: usize = 16;
+
+pub(crate) const IN_PROCESS_TITLE: &str = "http-in-process: the same route and layer called through Router::call on one task, \
+     no sockets (ops = requests/s; ratio = layer vs the route alone)";
 
 pub(crate) const TITLE: &str = "http: POST /stock/reduce-style route on loopback, 16 keep-alive connections, a product id \
      per request (ops = requests/s; ratio = vs the route without the layer, or vs the raw SET NX route on Redis)";
@@ -141,6 +148,42 @@ async fn measure(addr: std::net::SocketAddr, timing: Timing, round: usize) -> Re
     .await
 }
 
+/// One window of requests sent through `router` in process, one at a
+/// time, each with a product id of its own.
+async fn measure_in_process(router: Router, timing: Timing, round: usize) -> Result<super::measure::Sample> {
+    use tower::ServiceExt;
+    let ids = Arc::new(AtomicU64::new((round as u64) << 40));
+    run_window(1, timing, None, move |_slot, clock, stop| {
+        let (router, ids) = (router.clone(), ids.clone());
+        async move {
+            let mut records = Vec::with_capacity(1 << 16);
+            while !stop.load(Ordering::Relaxed) {
+                let id = ids.fetch_add(1, Ordering::Relaxed);
+                let body = format!("{{\"product_id\":{id},\"quantity\":1}}");
+                let req = axum::http::Request::post("/stock/reduce")
+                    .header("content-type", "application/json")
+                    .header("content-length", body.len())
+                    .body(axum::body::Body::from(body))
+                    .map_err(|e| BenchError::Invariant(format!("request: {e}")))?;
+                let started = clock.now_ns();
+                let Ok(response) = router.clone().oneshot(req).await;
+                if response.status() != StatusCode::OK {
+                    return Err(BenchError::Invariant(format!("the route answered {}", response.status())));
+                }
+                drop(response);
+                let done = clock.now_ns();
+                records.push((done, done - started));
+                // Let the runtime's other tasks (the watchdog) run.
+                if records.len() % 256 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            Ok(records)
+        }
+    })
+    .await
+}
+
 /// Reads one response (headers plus a `content-length` body) and returns
 /// its status.
 async fn read_response(conn: &mut TcpStream, buf: &mut [u8]) -> Result<u16> {
@@ -204,6 +247,18 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         ("raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(raw)),
         ("fenced-raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(fenced)),
     ];
+    // `with_state` turns every route into its final service once, as
+    // `axum::serve` does; without it a router converts its handler per call.
+    let in_process = [
+        Router::new().route("/stock/reduce", post(reduce)).with_state(()),
+        Router::new()
+            .route("/stock/reduce", post(reduce).layer(layer()))
+            .with_locker(Locker::new(MemoryBackend::new()))
+            .with_state(()),
+    ];
+    let mut in_process_series =
+        [Series::new("http-in-process", "no-layer", "memory", 1), Series::new("http-in-process", "layer", "memory", 1)];
+    let mut ratio_in_process = Vec::new();
     let mut served = Vec::new();
     for (imp, backend, router) in routers {
         let (addr, task) = serve(router).await?;
@@ -234,6 +289,17 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         if last(4) > 0.0 {
             ratio_fenced.push(last(2) / last(4));
         }
+        let pair = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for j in pair {
+            let sample = measure_in_process(in_process[j].clone(), timing, round * n + j).await?;
+            in_process_series[j].samples.push(sample);
+        }
+        let [route, layered] = &in_process_series;
+        if let (Some(r), Some(l)) = (route.samples.last(), layered.samples.last()) {
+            if r.ops_per_sec > 0.0 {
+                ratio_in_process.push(l.ops_per_sec / r.ops_per_sec);
+            }
+        }
         eprintln!(
             "http round {}/{rounds}: req/s no-layer {:.0}, layer/memory {:.0}, layer/redis {:.0}, raw-route/redis {:.0}, \
              fenced-raw-route/redis {:.0}",
@@ -258,6 +324,15 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         }
         if i == 2 {
             row.vs_floor = median(ratio_fenced.iter().copied());
+        }
+        rows.push(row);
+    }
+    for (i, series) in in_process_series.iter().enumerate() {
+        let mut row = series.row();
+        row.cmds_per_acquisition = None;
+        row.server_cmds_per_acquisition = None;
+        if i == 1 {
+            row.ratio = median(ratio_in_process.iter().copied());
         }
         rows.push(row);
     }

@@ -102,6 +102,7 @@ fn run(args: &Args) -> Result<String> {
                 ("uncontended", uncontended::TITLE),
                 ("handoff", handoff::TITLE),
                 ("http", http::TITLE),
+                ("http-in-process", http::IN_PROCESS_TITLE),
                 ("idempotency", idempotency::TITLE),
                 ("backends", backends::TITLE),
                 ("backends-handoff", backends::HANDOFF_TITLE),
