@@ -65,7 +65,10 @@ impl GuardCell {
 ///   it. Dropping an unreleased guard releases it in the background.
 ///
 /// In watchdog mode the engine's watchdog renews the lease every lease/3
-/// until the guard is released or dropped.
+/// until the guard is released or dropped. On the in-process backend a
+/// watchdog-mode lock taken on the spot has no lease at all: it is held
+/// until the guard lets it go, and [`valid_until`](Self::valid_until) is
+/// decades away.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -145,6 +148,23 @@ impl LockGuard {
             state,
             renewals,
             stop_session_watch,
+            released: false,
+        }
+    }
+
+    /// A hold with no lease (see [`MemoryBackend::hold_until_released`](crate::MemoryBackend)):
+    /// nothing to renew, and `state` is already the backend's to mark lost.
+    pub(crate) fn held(engine: Arc<Engine>, req: AcquireRequest, grant: Grant, state: Arc<GuardCell>) -> Self {
+        LockGuard {
+            engine,
+            key: req.key,
+            owner: req.owner,
+            fencing_token: grant.fencing_token,
+            watchdog: true,
+            renew_until: None,
+            state,
+            renewals: None,
+            stop_session_watch: None,
             released: false,
         }
     }

@@ -1,6 +1,7 @@
 //! The engine: [`Locker`] takes locks through a [`Backend`] and hands out
 //! [`LockGuard`]s.
 
+use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use std::task::{Context, Poll};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant};
+use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, MemoryBackend};
 use crate::error::{Error, Result};
 use crate::guard::LockGuard;
 use crate::key::{KeyBuilder, LockKey};
@@ -142,7 +143,8 @@ impl AcquireOptions {
     }
 
     /// Watchdog mode (the default): hold the locker's watchdog lease and
-    /// renew it while the guard lives.
+    /// renew it while the guard lives. (In process there is nothing to
+    /// renew: the lock is simply held until the guard lets it go.)
     pub fn watchdog(mut self) -> Self {
         self.lease = None;
         self
@@ -297,13 +299,27 @@ impl Locker {
         // Before the attempt: a caller dropped while this yields must not
         // leave a grant behind.
         tokio::task::coop::consume_budget().await;
+        // An in-process lock in watchdog mode is held until its guard lets
+        // it go: the guard lives in this process, so there is no lease to
+        // renew and nothing for the watchdog to do.
+        let in_process = (self.engine.backend.as_ref() as &dyn Any).downcast_ref::<MemoryBackend>();
+        if let Some(memory) = in_process.filter(|_| renewed && max_hold.is_none()) {
+            if let Some(result) = memory.hold_until_released(&req) {
+                let waits = !wait.is_zero() && matches!(&result, Err(e) if e.is_contention());
+                if !waits {
+                    let _entered = span.enter();
+                    trace_attempt(result.as_ref().map(|(grant, _)| grant.fencing_token), None);
+                    return result.map(|(grant, state)| LockGuard::held(self.engine.clone(), req, grant, state));
+                }
+            }
+        }
         if let Some(result) = self.engine.backend.try_acquire_now(&req) {
             // Held, and the caller waits: the backend's `acquire` waits.
             let waits = !wait.is_zero() && matches!(&result, Err(e) if e.is_contention());
             if !waits {
                 let _entered = span.enter();
                 // Nothing waited, so no clock is read for it.
-                trace_attempt(&result, None);
+                trace_attempt(result.as_ref().map(|grant| grant.fencing_token), None);
                 return result.map(|grant| LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold));
             }
         }
@@ -316,7 +332,7 @@ impl Locker {
         let in_flight = cancel.clone();
         let attempt = async move {
             let result = engine.backend.acquire(&req, &in_flight).await;
-            trace_attempt(&result, Some(started));
+            trace_attempt(result.as_ref().map(|grant| grant.fencing_token), Some(started));
             result.map(|grant| LockGuard::start(engine, req, grant, renewed, max_hold))
         }
         .instrument(span);
@@ -325,12 +341,12 @@ impl Locker {
 }
 
 /// One event for the outcome of an acquire attempt, in its span.
-fn trace_attempt(result: &Result<Grant>, started: Option<Instant>) {
+fn trace_attempt(outcome: std::result::Result<u64, &Error>, started: Option<Instant>) {
     // Field values are evaluated only when the event is enabled: no clock
     // read per acquire for a disabled debug event.
     let waited_us = || started.map_or(0, |started| started.elapsed().as_micros() as u64);
-    match result {
-        Ok(g) => tracing::debug!(waited_us = waited_us(), fence = g.fencing_token, "acquired"),
+    match outcome {
+        Ok(fence) => tracing::debug!(waited_us = waited_us(), fence, "acquired"),
         Err(Error::Cancelled) => tracing::debug!(waited_us = waited_us(), "caller gave up"),
         Err(e) if e.is_contention() => tracing::debug!(waited_us = waited_us(), "held by another owner"),
         Err(e) => tracing::warn!(waited_us = waited_us(), error = %e, "acquire failed"),

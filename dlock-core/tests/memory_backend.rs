@@ -33,3 +33,46 @@ async fn memory() -> Memory {
 }
 
 backend_suite!(memory());
+
+use dlock_core::{AcquireOptions, LostReason, Owner};
+use suite::Harness as _;
+
+/// A watchdog-mode lock taken on the spot in process has no lease: nothing
+/// renews it, it outlives many watchdog leases, and taking it away by force
+/// tells its guard at once (a leased hold learns at its next renewal).
+#[tokio::test]
+async fn in_process_holds_need_no_renewal_and_learn_a_forced_unlock_at_once() {
+    let m = memory().await;
+    let (a, b) = (m.client().await, m.client().await);
+    let k = a.key("until-released").build().expect("key");
+    let g = a.acquire(&k, AcquireOptions::new()).await.expect("free key");
+    tokio::time::sleep(Duration::from_millis(700)).await; // > 2 watchdog leases of 300 ms
+    assert!(!g.is_lost());
+    assert!(b.try_acquire(&k).await.is_err(), "still held");
+    assert!(g.valid_until() > tokio::time::Instant::now() + Duration::from_secs(3600), "no lease to run out");
+    assert!(m.backend.force_unlock(&k));
+    let reason = tokio::time::timeout(Duration::from_millis(50), g.lost()).await.expect("told at once");
+    assert_eq!(reason, LostReason::Stolen);
+    assert!(!g.release().await.expect("release"), "it was not ours any more");
+    assert_eq!(m.backend.len(), 0);
+}
+
+/// A re-entry of such a hold keeps its terms: when the first hold is given
+/// back, the second still holds the key past any lease, until released.
+#[tokio::test]
+async fn a_reentered_in_process_hold_keeps_holding_until_released() {
+    let m = memory().await;
+    let (a, b) = (m.client().await, m.client().await);
+    let k = a.key("reentered").build().expect("key");
+    let owner = Owner::random().expect("owner");
+    let first = a.acquire(&k, AcquireOptions::new().owner(owner.clone())).await.expect("free key");
+    let second = a.acquire(&k, AcquireOptions::new().owner(owner)).await.expect("re-entry");
+    assert_eq!(first.fencing_token(), second.fencing_token());
+    assert!(first.release().await.expect("release"));
+    tokio::time::sleep(Duration::from_millis(700)).await; // > 2 watchdog leases of 300 ms
+    assert!(!second.is_lost());
+    assert!(b.try_acquire(&k).await.is_err(), "still held by the re-entry");
+    assert!(second.release().await.expect("release"));
+    b.try_acquire(&k).await.expect("free after the last release").release().await.expect("release");
+    assert_eq!(m.backend.len(), 0);
+}

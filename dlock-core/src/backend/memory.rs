@@ -5,6 +5,11 @@
 //! grow, a release wakes one waiter) so that a single instance needs no server
 //! and tests of the HTTP layers run without one. It coordinates only the
 //! tasks of one process.
+//!
+//! One difference: a lock taken on the spot in watchdog mode has no lease.
+//! Its holder lives in this process and its guard's drop always gives it
+//! back, so there is nothing for a watchdog to renew; the guard is told at
+//! once when [`MemoryBackend::force_unlock`] takes the lock from it.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -15,8 +20,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::wait::{acquire_loop, Attempt};
-use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, Release, Renewal};
 use crate::error::{Error, Result};
+use crate::guard::{GuardCell, GuardState};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -57,7 +63,17 @@ struct Holder {
     owner: Owner,
     holds: u32,
     fence: u64,
-    expires_at: Instant,
+    /// `None`: held until released (see [`MemoryBackend::hold_until_released`]);
+    /// a re-entry or a renewal never gives such a hold a lease again.
+    expires_at: Option<Instant>,
+    /// The guard of a hold taken until released, told when it is taken away.
+    watcher: Option<Arc<GuardCell>>,
+}
+
+/// `valid_until` of a hold that has no lease: as far ahead as tokio's own
+/// "never" (30 years).
+fn never(now: Instant) -> Instant {
+    now + Duration::from_secs(30 * 365 * 86_400)
 }
 
 impl Slot {
@@ -76,7 +92,7 @@ impl Slot {
 
     /// The holder whose lease has not run out.
     fn live_holder(&mut self, now: Instant) -> Option<&mut Holder> {
-        if self.holder.as_ref().is_some_and(|h| h.expires_at <= now) {
+        if self.holder.as_ref().is_some_and(|h| h.expires_at.is_some_and(|at| at <= now)) {
             self.holder = None;
         }
         self.holder.as_mut()
@@ -104,15 +120,52 @@ impl MemoryBackend {
         match slot.live_holder(now) {
             Some(h) if h.owner == req.owner => {
                 h.holds += 1;
-                h.expires_at = expires_at;
+                if let Some(at) = h.expires_at.as_mut() {
+                    *at = expires_at;
+                }
                 Attempt::Acquired(Grant { fencing_token: h.fence, valid_until: expires_at, lost: None })
             }
-            Some(h) => Attempt::Held { retry_in: Some(h.expires_at - now) },
+            // Held until released: wait for the release's wake-up.
+            Some(h) => Attempt::Held { retry_in: h.expires_at.map(|at| at - now) },
             None => {
                 state.last_fence += 1;
                 let fence = state.last_fence;
-                slot.holder = Some(Holder { owner: req.owner.clone(), holds: 1, fence, expires_at });
+                slot.holder =
+                    Some(Holder { owner: req.owner.clone(), holds: 1, fence, expires_at: Some(expires_at), watcher: None });
                 Attempt::Acquired(Grant { fencing_token: fence, valid_until: expires_at, lost: None })
+            }
+        }
+    }
+
+    /// Takes a free key with no lease, until its guard releases it: what a
+    /// watchdog-mode acquire answered on the spot gets, since nothing here
+    /// can outlive the guard that would renew it. Returns the grant and the
+    /// state for its guard, which [`force_unlock`](Self::force_unlock) marks
+    /// lost if it takes the key.
+    ///
+    /// `None` when `req.owner` already holds the key: a re-entry keeps the
+    /// first hold's terms, through [`Backend::try_acquire_now`].
+    pub(crate) fn hold_until_released(&self, req: &AcquireRequest) -> Option<Result<(Grant, Arc<GuardCell>)>> {
+        let now = Instant::now();
+        let mut state = self.state();
+        let state = &mut *state;
+        let slot = state.slots.entry(req.key.clone()).or_default();
+        match slot.live_holder(now) {
+            Some(h) if h.owner == req.owner => None,
+            Some(_) => Some(Err(Error::Busy { key: req.key.to_string() })),
+            None => {
+                state.last_fence += 1;
+                let fence = state.last_fence;
+                let valid_until = never(now);
+                let watcher = GuardCell::new(GuardState { valid_until, lost: None });
+                slot.holder = Some(Holder {
+                    owner: req.owner.clone(),
+                    holds: 1,
+                    fence,
+                    expires_at: None,
+                    watcher: Some(watcher.clone()),
+                });
+                Some(Ok((Grant { fencing_token: fence, valid_until, lost: None }, watcher)))
             }
         }
     }
@@ -133,21 +186,28 @@ impl MemoryBackend {
     }
 
     /// Frees `key` whoever holds it, as an operator would (Redisson's
-    /// `forceUnlock`). Returns whether it was held. The holder's guard sees
-    /// the loss at its next renewal.
+    /// `forceUnlock`). Returns whether it was held. A guard holding it until
+    /// released sees the loss at once; one with a lease, at its next renewal.
     pub fn force_unlock(&self, key: &LockKey) -> bool {
         let now = Instant::now();
         let mut state = self.state();
-        let held = match state.slots.get_mut(key) {
+        let (held, watcher) = match state.slots.get_mut(key) {
             Some(slot) => {
-                let held = slot.live_holder(now).is_some();
+                let watcher = slot.live_holder(now).map(|h| h.watcher.take());
                 slot.holder = None;
                 slot.wake_one();
-                held
+                (watcher.is_some(), watcher.flatten())
             }
-            None => false,
+            None => (false, None),
         };
         Self::forget_if_idle(&mut state, key, now);
+        drop(state);
+        if let Some(watcher) = watcher {
+            tracing::warn!(key = %key, reason = %LostReason::Stolen, "dlock.lost");
+            watcher.modify(|s| {
+                s.lost.get_or_insert(LostReason::Stolen);
+            });
+        }
         held
     }
 
@@ -224,8 +284,10 @@ impl Backend for MemoryBackend {
         let mut state = self.state();
         let renewal = match state.slots.get_mut(key).and_then(|s| s.live_holder(now)) {
             Some(h) if &h.owner == owner => {
-                h.expires_at = now + lease;
-                Renewal::Held { valid_until: h.expires_at }
+                if let Some(at) = h.expires_at.as_mut() {
+                    *at = now + lease;
+                }
+                Renewal::Held { valid_until: now + lease }
             }
             _ => Renewal::Lost,
         };

@@ -136,7 +136,7 @@ impl std::fmt::Display for LostReason {
 /// Implementations must make every step atomic on the service, check the
 /// owner on renew and release, and wait for wake-ups without polling at a
 /// fixed interval. See the module docs for the cancellation contract.
-pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
+pub trait Backend: std::any::Any + Send + Sync + std::fmt::Debug {
     /// `memory`, `redis`, `redlock` or `zookeeper`.
     fn name(&self) -> &'static str;
 
