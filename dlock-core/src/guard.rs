@@ -152,7 +152,7 @@ impl LockGuard {
         }
     }
 
-    /// A hold with no lease (see [`MemoryBackend::hold_until_released`](crate::MemoryBackend)):
+    /// A hold with no lease (an in-process hold taken until released):
     /// nothing to renew, and `state` is already the backend's to mark lost.
     pub(crate) fn held(engine: Arc<Engine>, req: AcquireRequest, grant: Grant, state: Arc<GuardCell>) -> Self {
         LockGuard {

@@ -12,6 +12,7 @@ use std::task::{Context, Poll};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use crate::backend::memory::Taken;
 use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, MemoryBackend};
 use crate::error::{Error, Result};
 use crate::guard::LockGuard;
@@ -301,26 +302,24 @@ impl Locker {
         tokio::task::coop::consume_budget().await;
         // An in-process lock in watchdog mode is held until its guard lets
         // it go: the guard lives in this process, so there is no lease to
-        // renew and nothing for the watchdog to do.
-        let in_process = (self.engine.backend.as_ref() as &dyn Any).downcast_ref::<MemoryBackend>();
-        if let Some(memory) = in_process.filter(|_| renewed && max_hold.is_none()) {
-            if let Some(result) = memory.hold_until_released(&req) {
-                let waits = !wait.is_zero() && matches!(&result, Err(e) if e.is_contention());
-                if !waits {
-                    let _entered = span.enter();
-                    trace_attempt(result.as_ref().map(|(grant, _)| grant.fencing_token), None);
-                    return result.map(|(grant, state)| LockGuard::held(self.engine.clone(), req, grant, state));
-                }
-            }
-        }
-        if let Some(result) = self.engine.backend.try_acquire_now(&req) {
+        // renew and nothing for the watchdog to do. (The in-process table is
+        // asked directly: the state it marks on a forced unlock is the
+        // guard's own, which the public trait cannot carry.)
+        let on_the_spot = match (self.engine.backend.as_ref() as &dyn Any).downcast_ref::<MemoryBackend>() {
+            Some(memory) => Some(memory.take_now(&req, renewed && max_hold.is_none())),
+            None => self.engine.backend.try_acquire_now(&req).map(|result| result.map(Taken::Leased)),
+        };
+        if let Some(result) = on_the_spot {
             // Held, and the caller waits: the backend's `acquire` waits.
             let waits = !wait.is_zero() && matches!(&result, Err(e) if e.is_contention());
             if !waits {
                 let _entered = span.enter();
                 // Nothing waited, so no clock is read for it.
-                trace_attempt(result.as_ref().map(|grant| grant.fencing_token), None);
-                return result.map(|grant| LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold));
+                trace_attempt(result.as_ref().map(|taken| taken.grant().fencing_token), None);
+                return result.map(|taken| match taken {
+                    Taken::Leased(grant) => LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold),
+                    Taken::UntilReleased(grant, state) => LockGuard::held(self.engine.clone(), req, grant, state),
+                });
             }
         }
         // The wait starts here: after an on-the-spot attempt it is measured

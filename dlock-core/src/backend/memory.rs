@@ -63,11 +63,35 @@ struct Holder {
     owner: Owner,
     holds: u32,
     fence: u64,
-    /// `None`: held until released (see [`MemoryBackend::hold_until_released`]);
+    /// `None`: held until released (see [`Taken::UntilReleased`]);
     /// a re-entry or a renewal never gives such a hold a lease again.
     expires_at: Option<Instant>,
     /// The guard of a hold taken until released, told when it is taken away.
     watcher: Option<Arc<GuardCell>>,
+}
+
+/// What an attempt on the spot gave.
+pub(crate) enum Taken {
+    /// A hold with the request's lease (renewed by the watchdog in
+    /// watchdog mode).
+    Leased(Grant),
+    /// A hold with no lease, and the state of its guard, which
+    /// [`MemoryBackend::force_unlock`] marks lost if it takes the key.
+    UntilReleased(Grant, Arc<GuardCell>),
+}
+
+impl Taken {
+    pub(crate) fn grant(&self) -> &Grant {
+        match self {
+            Taken::Leased(grant) | Taken::UntilReleased(grant, _) => grant,
+        }
+    }
+
+    fn into_grant(self) -> Grant {
+        match self {
+            Taken::Leased(grant) | Taken::UntilReleased(grant, _) => grant,
+        }
+    }
 }
 
 /// `valid_until` of a hold that has no lease: as far ahead as tokio's own
@@ -111,7 +135,13 @@ impl MemoryBackend {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn try_once(&self, req: &AcquireRequest) -> Attempt {
+    /// One attempt. A fresh hold gets the request's lease, or with
+    /// `until_released` none at all: what a watchdog-mode acquire answered
+    /// on the spot gets, since nothing here can outlive the guard that would
+    /// renew it. A re-entry keeps the first hold's terms and gets a lease
+    /// for its own guard. `Err`: held by another owner, whose lease ends in
+    /// the time given (`None`: held until released).
+    fn take(&self, req: &AcquireRequest, until_released: bool) -> std::result::Result<Taken, Option<Duration>> {
         let now = Instant::now();
         let mut state = self.state();
         let state = &mut *state;
@@ -123,51 +153,33 @@ impl MemoryBackend {
                 if let Some(at) = h.expires_at.as_mut() {
                     *at = expires_at;
                 }
-                Attempt::Acquired(Grant { fencing_token: h.fence, valid_until: expires_at, lost: None })
+                Ok(Taken::Leased(Grant { fencing_token: h.fence, valid_until: expires_at, lost: None }))
             }
-            // Held until released: wait for the release's wake-up.
-            Some(h) => Attempt::Held { retry_in: h.expires_at.map(|at| at - now) },
+            Some(h) => Err(h.expires_at.map(|at| at - now)),
             None => {
                 state.last_fence += 1;
                 let fence = state.last_fence;
-                slot.holder =
-                    Some(Holder { owner: req.owner.clone(), holds: 1, fence, expires_at: Some(expires_at), watcher: None });
-                Attempt::Acquired(Grant { fencing_token: fence, valid_until: expires_at, lost: None })
+                let owner = req.owner.clone();
+                if until_released {
+                    let valid_until = never(now);
+                    let watcher = GuardCell::new(GuardState { valid_until, lost: None });
+                    let holder = Holder { owner, holds: 1, fence, expires_at: None, watcher: Some(watcher.clone()) };
+                    slot.holder = Some(holder);
+                    Ok(Taken::UntilReleased(Grant { fencing_token: fence, valid_until, lost: None }, watcher))
+                } else {
+                    slot.holder = Some(Holder { owner, holds: 1, fence, expires_at: Some(expires_at), watcher: None });
+                    Ok(Taken::Leased(Grant { fencing_token: fence, valid_until: expires_at, lost: None }))
+                }
             }
         }
     }
 
-    /// Takes a free key with no lease, until its guard releases it: what a
-    /// watchdog-mode acquire answered on the spot gets, since nothing here
-    /// can outlive the guard that would renew it. Returns the grant and the
-    /// state for its guard, which [`force_unlock`](Self::force_unlock) marks
-    /// lost if it takes the key.
-    ///
-    /// `None` when `req.owner` already holds the key: a re-entry keeps the
-    /// first hold's terms, through [`Backend::try_acquire_now`].
-    pub(crate) fn hold_until_released(&self, req: &AcquireRequest) -> Option<Result<(Grant, Arc<GuardCell>)>> {
-        let now = Instant::now();
-        let mut state = self.state();
-        let state = &mut *state;
-        let slot = state.slots.entry(req.key.clone()).or_default();
-        match slot.live_holder(now) {
-            Some(h) if h.owner == req.owner => None,
-            Some(_) => Some(Err(Error::Busy { key: req.key.to_string() })),
-            None => {
-                state.last_fence += 1;
-                let fence = state.last_fence;
-                let valid_until = never(now);
-                let watcher = GuardCell::new(GuardState { valid_until, lost: None });
-                slot.holder = Some(Holder {
-                    owner: req.owner.clone(),
-                    holds: 1,
-                    fence,
-                    expires_at: None,
-                    watcher: Some(watcher.clone()),
-                });
-                Some(Ok((Grant { fencing_token: fence, valid_until, lost: None }, watcher)))
-            }
-        }
+    /// [`take`](Self::take) answered on the spot: a held key is
+    /// [`Error::Busy`]. The engine's way in, in place of
+    /// [`Backend::try_acquire_now`], so that a watchdog-mode hold can be
+    /// taken until released and its guard told of a forced unlock.
+    pub(crate) fn take_now(&self, req: &AcquireRequest, until_released: bool) -> Result<Taken> {
+        self.take(req, until_released).map_err(|_| Error::Busy { key: req.key.to_string() })
     }
 
     fn register(&self, key: &LockKey) -> Registration<'_> {
@@ -268,7 +280,10 @@ impl Backend for MemoryBackend {
             // in-process keys still lets the other tasks of its worker run.
             move |_| async move {
                 tokio::task::coop::consume_budget().await;
-                Ok(self.try_once(req))
+                Ok(match self.take(req, false) {
+                    Ok(taken) => Attempt::Acquired(taken.into_grant()),
+                    Err(retry_in) => Attempt::Held { retry_in },
+                })
             },
             move || std::future::ready(self.register(&req.key)),
         ))
@@ -299,10 +314,7 @@ impl Backend for MemoryBackend {
     }
 
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
-        Some(match self.try_once(req) {
-            Attempt::Acquired(grant) => Ok(grant),
-            Attempt::Held { .. } => Err(Error::Busy { key: req.key.to_string() }),
-        })
+        Some(self.take_now(req, false).map(Taken::into_grant))
     }
 
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {

@@ -58,6 +58,11 @@ async fn reduce(body: Bytes) -> (StatusCode, &'static str) {
     }
 }
 
+/// The body of one request: a product id of its own, so nothing contends.
+fn reduce_body(id: u64) -> String {
+    format!("{{\"product_id\":{id},\"quantity\":1}}")
+}
+
 /// The hand-written lock a user would write without dlock.
 #[derive(Clone)]
 struct Raw {
@@ -128,7 +133,7 @@ async fn measure(addr: std::net::SocketAddr, timing: Timing, round: usize) -> Re
             let mut buf = vec![0u8; 4096];
             while !stop.load(Ordering::Relaxed) {
                 let id = ids.fetch_add(1, Ordering::Relaxed);
-                let body = format!("{{\"product_id\":{id},\"quantity\":1}}");
+                let body = reduce_body(id);
                 let req = format!(
                     "POST /stock/reduce HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
                     body.len()
@@ -159,7 +164,7 @@ async fn measure_in_process(router: Router, timing: Timing, round: usize) -> Res
             let mut records = Vec::with_capacity(1 << 16);
             while !stop.load(Ordering::Relaxed) {
                 let id = ids.fetch_add(1, Ordering::Relaxed);
-                let body = format!("{{\"product_id\":{id},\"quantity\":1}}");
+                let body = reduce_body(id);
                 let req = axum::http::Request::post("/stock/reduce")
                     .header("content-type", "application/json")
                     .header("content-length", body.len())
@@ -289,8 +294,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         if last(4) > 0.0 {
             ratio_fenced.push(last(2) / last(4));
         }
-        let pair = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-        for j in pair {
+        for j in memory_pair {
             let sample = measure_in_process(in_process[j].clone(), timing, round * n + j).await?;
             in_process_series[j].samples.push(sample);
         }
