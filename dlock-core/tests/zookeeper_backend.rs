@@ -27,6 +27,17 @@ fn locker(backend: ZooKeeperBackend) -> Locker {
     Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, opts).expect("valid options")
 }
 
+/// Sends dlock's and the ZooKeeper client's logs to the output of the
+/// test that runs, which the harness prints only when that test fails: a
+/// rare failure on a busy machine then comes with its own trace.
+fn keep_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_ansi(false)
+        .with_env_filter("dlock_core=debug,zookeeper_client=debug")
+        .try_init();
+}
+
 async fn raw(server: &ZooKeeperServer) -> zk::Client {
     zk::Client::connect(&server.connect_string()).await.expect("raw ZooKeeper client")
 }
@@ -356,6 +367,7 @@ async fn an_outage_longer_than_the_session_loses_the_lock_before_anyone_else_get
 /// (lost fires) while the next waiter gets the lock with a higher token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_three_server_ensemble_survives_a_member_and_expires_a_partitioned_holder() {
+    keep_logs();
     let mut ensemble = ZooKeeperEnsemble::start(3);
     let proxies: Vec<FaultProxy> = (0..3).map(|i| FaultProxy::start(ensemble.port(i))).collect();
     let via: Vec<String> = proxies.iter().map(|p| format!("127.0.0.1:{}", p.port())).collect();

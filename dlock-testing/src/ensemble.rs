@@ -86,8 +86,26 @@ impl ZooKeeperEnsemble {
             "ZooKeeper is not installed. The tests need a real server: run the README's test command \
              (`bash scripts/test.sh`), which installs it, or `apt-get install -y zookeeper`."
         );
+        // A member that exits while starting has almost always lost one of
+        // its ports to another process in the second between our check and
+        // its bind; a new ensemble on new ports gets past that.
+        let mut exits = Vec::new();
+        for _ in 0..3 {
+            let ports = (0..size).map(|_| (free_port(), free_port(), free_port())).collect();
+            let mut ensemble = Self::launch(ports, partitionable);
+            match ensemble.form(Duration::from_secs(90)) {
+                Ok(()) => return ensemble,
+                Err(exit) => exits.push(exit),
+            }
+        }
+        panic!("the ZooKeeper ensemble did not start in three attempts:\n{}", exits.join("\n"))
+    }
+
+    /// Writes the members' configurations and starts every member, one per
+    /// entry of `ports` (client, quorum, election).
+    fn launch(ports: Vec<(u16, u16, u16)>, partitionable: bool) -> Self {
+        let size = ports.len();
         let dir = std::env::temp_dir().join(format!("dlock-zk-ensemble-{}-{}", std::process::id(), free_port()));
-        let ports: Vec<(u16, u16, u16)> = (0..size).map(|_| (free_port(), free_port(), free_port())).collect();
         let mut links = Vec::new();
         if partitionable {
             // Where each link's receiver is told to dial the sender back:
@@ -145,8 +163,35 @@ impl ZooKeeperEnsemble {
         for i in 0..size {
             ensemble.spawn(i);
         }
-        ensemble.wait_formed(Duration::from_secs(90));
         ensemble
+    }
+
+    /// Waits, at start, until every member serves and one leads.
+    ///
+    /// # Errors
+    ///
+    /// When a member's process exits meanwhile: the member and the last
+    /// records it logged.
+    ///
+    /// # Panics
+    ///
+    /// When the ensemble does not form within `within`.
+    fn form(&mut self, within: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + within;
+        loop {
+            for i in 0..self.members.len() {
+                if let Some(Ok(Some(status))) = self.members[i].child.as_mut().map(Child::try_wait) {
+                    return Err(format!("member {i} exited at start ({status}):\n{}", self.log_tail(i, 40)));
+                }
+            }
+            if (0..self.members.len()).all(|i| self.serves(i)) && self.leader().is_some() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                panic!("the ZooKeeper ensemble did not form within {within:?}\n{}", self.report());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Every member's mode and last log records, for a failure message.
@@ -340,7 +385,10 @@ mod tests {
     use std::sync::atomic::AtomicU16;
     use std::sync::Arc;
 
-    use super::election_greeting;
+    use std::time::Duration;
+
+    use super::{election_greeting, ZooKeeperEnsemble};
+    use crate::free_port;
 
     fn greet(bytes: Vec<u8>, dial_back: u16) -> std::io::Result<Vec<u8>> {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -349,6 +397,18 @@ mod tests {
         let (mut s, _) = listener.accept().expect("accept");
         writer.join().expect("writer");
         election_greeting(Arc::new(AtomicU16::new(dial_back)))(&mut s)
+    }
+
+    #[test]
+    fn a_member_that_cannot_bind_its_port_is_reported_at_once() {
+        let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = taken.local_addr().expect("addr").port();
+        let ports = vec![(port, free_port(), free_port()), (free_port(), free_port(), free_port())];
+        let started = std::time::Instant::now();
+        let mut ensemble = ZooKeeperEnsemble::launch(ports, false);
+        let exit = ensemble.form(Duration::from_secs(60)).expect_err("member 0's client port is taken");
+        assert!(exit.starts_with("member 0 exited at start"), "{exit}");
+        assert!(started.elapsed() < Duration::from_secs(30), "reported before the deadline: {exit}");
     }
 
     #[test]

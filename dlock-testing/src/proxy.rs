@@ -113,7 +113,16 @@ impl FaultProxy {
                             let _ = client.shutdown(Shutdown::Both);
                             continue;
                         };
-                        forward(&s, client, server);
+                        // Registered before the cut flag is read again: a cut
+                        // that came after the first look, while we dialled,
+                        // closed the sockets it knew of, and not these.
+                        register(&s, &client, &server);
+                        if s.cut.load(Ordering::SeqCst) {
+                            let _ = client.shutdown(Shutdown::Both);
+                            let _ = server.shutdown(Shutdown::Both);
+                            continue;
+                        }
+                        pipes(&s, client, server);
                     }
                     Some(link) => {
                         // In a thread of its own: retries and greetings must not stall the accept loop.
@@ -180,12 +189,7 @@ struct Link {
     greeting: Option<Greeting>,
 }
 
-/// Registers both sockets (so a cut closes them) and pipes both ways.
-fn forward(shared: &Arc<Shared>, client: TcpStream, server: TcpStream) {
-    register(shared, &client, &server);
-    pipes(shared, client, server);
-}
-
+/// Keeps a clone of both sockets, so a cut closes them.
 fn register(shared: &Shared, client: &TcpStream, server: &TcpStream) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
