@@ -53,8 +53,9 @@ impl ZooKeeperEnsemble {
     ///
     /// # Panics
     ///
-    /// When Java or the `zookeeper` package is missing, or the ensemble does
-    /// not form within 60 s.
+    /// When Java or the `zookeeper` package is missing, when the ensemble
+    /// does not form within 90 s, or when a member exits at start in each of
+    /// three attempts (each on new ports).
     pub fn start(size: usize) -> Self {
         Self::start_with(size, false)
     }
@@ -81,11 +82,6 @@ impl ZooKeeperEnsemble {
     }
 
     fn start_with(size: usize, partitionable: bool) -> Self {
-        assert!(
-            std::path::Path::new(ZOOKEEPER_JAR).exists(),
-            "ZooKeeper is not installed. The tests need a real server: run the README's test command \
-             (`bash scripts/test.sh`), which installs it, or `apt-get install -y zookeeper`."
-        );
         // A member that exits while starting has almost always lost one of
         // its ports to another process in the second between our check and
         // its bind; a new ensemble on new ports gets past that.
@@ -104,6 +100,11 @@ impl ZooKeeperEnsemble {
     /// Writes the members' configurations and starts every member, one per
     /// entry of `ports` (client, quorum, election).
     fn launch(ports: Vec<(u16, u16, u16)>, partitionable: bool) -> Self {
+        assert!(
+            std::path::Path::new(ZOOKEEPER_JAR).exists(),
+            "ZooKeeper is not installed. The tests need a real server: run the README's test command \
+             (`bash scripts/test.sh`), which installs it, or `apt-get install -y zookeeper`."
+        );
         let size = ports.len();
         let dir = std::env::temp_dir().join(format!("dlock-zk-ensemble-{}-{}", std::process::id(), free_port()));
         let mut links = Vec::new();
