@@ -48,6 +48,16 @@ impl GuardCell {
         self.changed.notify_waiters();
     }
 
+    /// Marks the lock lost and says so in the log. The first verdict
+    /// stands (the watchdog may have seen the lease end before the session
+    /// watcher saw the session go); a later one only describes its aftermath.
+    pub(crate) fn lose(&self, key: &LockKey, reason: LostReason) {
+        tracing::warn!(key = %key, %reason, "dlock.lost");
+        self.modify(|s| {
+            s.lost.get_or_insert(reason);
+        });
+    }
+
     fn lock(&self) -> MutexGuard<'_, GuardState> {
         // Every update is one assignment: a panic elsewhere cannot leave it
         // half-done, so a poisoned lock is still right.
@@ -314,12 +324,7 @@ fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: Arc<
             biased;
             _ = stopped.cancelled() => {}
             reason = lost => if !stopped.is_cancelled() {
-                tracing::warn!(key = %key, %reason, "dlock.lost");
-                // The first verdict stands (the watchdog may have seen the
-                // lease end first); a later one only describes its aftermath.
-                state.modify(|s| {
-                    s.lost.get_or_insert(reason);
-                });
+                state.lose(&key, reason);
             },
         }
     });

@@ -63,11 +63,11 @@ struct Schedule {
     holds: Holds,
     /// `(instant, hold id)`: when each hold next needs attention.
     due: BTreeSet<(Instant, u64)>,
-    /// Holds filed by guards since the task last looked, with when they
-    /// first need attention. Most are unfiled (their request ended) long
-    /// before then; the task moves the rest into `due` when it wakes, so a
-    /// short hold costs a push here instead of an ordered insert and remove.
-    pending: Vec<(Instant, u64)>,
+    /// Holds filed by guards since the task last looked. Most are unfiled
+    /// (their request ended) long before they need attention; the task
+    /// moves the rest into `due` when it wakes, so a short hold costs a push
+    /// here instead of an ordered insert and remove.
+    pending: Vec<u64>,
     /// Whether a task serves this schedule.
     running: bool,
     /// When the task wakes if nothing earlier is filed.
@@ -92,17 +92,17 @@ impl Schedule {
     fn file_new(&mut self, hold: Hold) -> (u64, Instant) {
         let at = hold.filed_at;
         let id = self.holds.insert(hold);
-        self.pending.push((at, id));
+        self.pending.push(id);
         (id, at)
     }
 
     /// Moves the pending holds still filed into `due`.
     fn drain_pending(&mut self) {
-        for (at, id) in std::mem::take(&mut self.pending) {
+        for id in std::mem::take(&mut self.pending) {
             if let Some(hold) = self.holds.get_mut(id) {
                 if !hold.in_due {
                     hold.in_due = true;
-                    self.due.insert((at, id));
+                    self.due.insert((hold.filed_at, id));
                 }
             }
         }
@@ -208,11 +208,7 @@ impl Hold {
     }
 
     fn lose(self, reason: LostReason) {
-        tracing::warn!(key = %self.key, %reason, "dlock.lost");
-        self.state.modify(|s| {
-            // The first verdict stands: a later one only describes its aftermath.
-            s.lost.get_or_insert(reason);
-        });
+        self.state.lose(&self.key, reason);
     }
 }
 
@@ -492,7 +488,7 @@ mod tests {
         assert_eq!(s.holds.len(), 1);
         let due: Vec<u64> = s.due.iter().map(|&(_, id)| id).collect();
         assert_eq!(due, [kept.id], "only the kept hold is scheduled");
-        let stale: Vec<u64> = s.pending.iter().map(|&(_, id)| id).collect();
+        let stale = s.pending.clone();
         assert!(stale.into_iter().all(|id| s.holds.get_mut(id).is_none()), "what waits to be sorted was unfiled");
         drop(s);
         dog.unfile(kept);

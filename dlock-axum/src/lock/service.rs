@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::request::Parts;
-use axum::http::{header, Method, Request, Uri};
+use axum::http::{header, Request};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use dlock_core::{AcquireOptions, LockKey, Locker};
@@ -110,23 +110,16 @@ struct Refusal {
     rejection: Rejection,
     outcome: LockOutcome,
     key: Option<LockKey>,
-    /// The request's method and URI, for the log line.
-    method: Method,
-    uri: Uri,
 }
 
 impl Refusal {
-    fn new(rejection: Rejection, outcome: LockOutcome, key: Option<LockKey>) -> Self {
-        Refusal { rejection, outcome, key, method: Method::default(), uri: Uri::default() }
-    }
-
     fn invalid(rejection: Rejection) -> Self {
         let outcome = if rejection.status().is_server_error() {
             LockOutcome::Misconfigured
         } else {
             LockOutcome::Invalid { error: rejection.error().to_owned() }
         };
-        Refusal::new(rejection, outcome, None)
+        Refusal { rejection, outcome, key: None }
     }
 }
 
@@ -138,12 +131,8 @@ where
     let (mut parts, body) = req.into_parts();
     let Admitted { guard, permit, body, waited } = match acquire_for(&spec, &mut parts, body).await {
         Ok(admitted) => admitted,
-        Err(mut refusal) => {
-            // Taken only on this path: an admitted request is logged from
-            // its own parts, with no copy made up front.
-            refusal.method = parts.method;
-            refusal.uri = parts.uri;
-            log_refusal(&spec, &refusal);
+        Err(refusal) => {
+            log_refusal(&spec, &parts, &refusal);
             let mut response = refusal.rejection.into_response();
             response.extensions_mut().insert(refusal.outcome);
             return Ok(response);
@@ -208,7 +197,7 @@ async fn acquire_for(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admit
     let key = build_key(spec, &locker, parts, json.as_ref()).await.map_err(Refusal::invalid)?;
     let unavailable = |e: dlock_core::Error| {
         tracing::warn!(error = %e, "dlock: no lock owner");
-        Refusal::new(Rejection::from_lock_error(&e), LockOutcome::Unavailable, None)
+        Refusal { rejection: Rejection::from_lock_error(&e), outcome: LockOutcome::Unavailable, key: None }
     };
     let owner = RequestOwner::get_or_insert(&mut parts.extensions).map_err(unavailable)?;
     let mut opts = AcquireOptions::new().owner(owner);
@@ -227,7 +216,7 @@ async fn acquire_for(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admit
                 "the requests with this {} header already hold {} locks here; retry when one has finished",
                 over.header, over.max
             ));
-            Refusal::new(rejection, LockOutcome::OverQuota, Some(key.clone()))
+            Refusal { rejection, outcome: LockOutcome::OverQuota, key: Some(key.clone()) }
         })?),
         None => None,
     };
@@ -260,7 +249,7 @@ async fn acquire_for(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admit
                 tracing::warn!(key = %key, error = %e, "dlock: lock service unavailable; refusing the request");
                 LockOutcome::Unavailable
             };
-            Err(Refusal::new(rejection, outcome, Some(key)))
+            Err(Refusal { rejection, outcome, key: Some(key) })
         }
     }
 }
@@ -304,8 +293,8 @@ async fn read_body(headers: &axum::http::HeaderMap, mut body: Body, limit: usize
     Ok(joined.map_or(first, BytesMut::freeze))
 }
 
-fn log_refusal(spec: &Spec, refusal: &Refusal) {
-    let (method, path) = (&refusal.method, refusal.uri.path());
+fn log_refusal(spec: &Spec, parts: &Parts, refusal: &Refusal) {
+    let (method, path) = (&parts.method, parts.uri.path());
     let key = refusal.key.as_ref().map(|k| k.as_str()).unwrap_or("");
     let outcome = refusal.outcome.as_str();
     let status = refusal.rejection.status().as_u16();

@@ -159,17 +159,19 @@ impl MemoryBackend {
             None => {
                 state.last_fence += 1;
                 let fence = state.last_fence;
-                let owner = req.owner.clone();
-                if until_released {
+                let (expires_at, valid_until, watcher) = if until_released {
                     let valid_until = never(now);
-                    let watcher = GuardCell::new(GuardState { valid_until, lost: None });
-                    let holder = Holder { owner, holds: 1, fence, expires_at: None, watcher: Some(watcher.clone()) };
-                    slot.holder = Some(holder);
-                    Ok(Taken::UntilReleased(Grant { fencing_token: fence, valid_until, lost: None }, watcher))
+                    (None, valid_until, Some(GuardCell::new(GuardState { valid_until, lost: None })))
                 } else {
-                    slot.holder = Some(Holder { owner, holds: 1, fence, expires_at: Some(expires_at), watcher: None });
-                    Ok(Taken::Leased(Grant { fencing_token: fence, valid_until: expires_at, lost: None }))
-                }
+                    (Some(expires_at), expires_at, None)
+                };
+                let holder = Holder { owner: req.owner.clone(), holds: 1, fence, expires_at, watcher: watcher.clone() };
+                slot.holder = Some(holder);
+                let grant = Grant { fencing_token: fence, valid_until, lost: None };
+                Ok(match watcher {
+                    Some(watcher) => Taken::UntilReleased(grant, watcher),
+                    None => Taken::Leased(grant),
+                })
             }
         }
     }
@@ -215,10 +217,7 @@ impl MemoryBackend {
         Self::forget_if_idle(&mut state, key, now);
         drop(state);
         if let Some(watcher) = watcher {
-            tracing::warn!(key = %key, reason = %LostReason::Stolen, "dlock.lost");
-            watcher.modify(|s| {
-                s.lost.get_or_insert(LostReason::Stolen);
-            });
+            watcher.lose(key, LostReason::Stolen);
         }
         held
     }

@@ -241,9 +241,17 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         prefix: format!("{}:fenced", env.prefix),
         ..raw.clone()
     };
+    // The route alone and behind the layer on the in-process backend, served
+    // over loopback and called in process alike. `with_state` turns each
+    // route into its final service once, as `axum::serve` does; without it a
+    // router called directly would convert its handler per call.
+    let in_process = [
+        Router::new().route("/stock/reduce", post(reduce)).with_state(()),
+        Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_locker(memory).with_state(()),
+    ];
     let routers: [(&'static str, &'static str, Router); 5] = [
-        ("no-layer", "memory", Router::new().route("/stock/reduce", post(reduce))),
-        ("layer", "memory", Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_locker(memory)),
+        ("no-layer", "memory", in_process[0].clone()),
+        ("layer", "memory", in_process[1].clone()),
         (
             "layer",
             "redis",
@@ -251,15 +259,6 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         ),
         ("raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(raw)),
         ("fenced-raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(fenced)),
-    ];
-    // `with_state` turns every route into its final service once, as
-    // `axum::serve` does; without it a router converts its handler per call.
-    let in_process = [
-        Router::new().route("/stock/reduce", post(reduce)).with_state(()),
-        Router::new()
-            .route("/stock/reduce", post(reduce).layer(layer()))
-            .with_locker(Locker::new(MemoryBackend::new()))
-            .with_state(()),
     ];
     let mut in_process_series =
         [Series::new("http-in-process", "no-layer", "memory", 1), Series::new("http-in-process", "layer", "memory", 1)];
@@ -295,7 +294,8 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
             ratio_fenced.push(last(2) / last(4));
         }
         for j in memory_pair {
-            let sample = measure_in_process(in_process[j].clone(), timing, round * n + j).await?;
+            // Ids of their own: the layer's locker is the one served above.
+            let sample = measure_in_process(in_process[j].clone(), timing, (rounds + round) * n + j).await?;
             in_process_series[j].samples.push(sample);
         }
         let [route, layered] = &in_process_series;
