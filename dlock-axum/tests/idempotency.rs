@@ -108,7 +108,11 @@ async fn scopes_keep_callers_apart() {
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::ZERO);
     let as_user = |auth: &str| {
-        Request::post("/pay").header("idempotency-key", "same").header("authorization", auth).body(Body::from("{}")).expect("req")
+        Request::post("/pay")
+            .header("idempotency-key", "same")
+            .header("authorization", auth)
+            .body(Body::from("{}"))
+            .expect("req")
     };
     let (_, _, alice) = send(&app, as_user("Bearer alice")).await;
     let (_, h, bob) = send(&app, as_user("Bearer bob")).await;
@@ -144,7 +148,10 @@ async fn server_errors_free_the_key_client_errors_are_stored() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert_eq!(send(&app, pay(Some("b"), "bad")).await.0, StatusCode::BAD_REQUEST);
     let (s, h, b) = send(&app, pay(Some("b"), "bad")).await;
-    assert_eq!((s, b.as_slice(), h["idempotent-replayed"].to_str().expect("ascii")), (StatusCode::BAD_REQUEST, &b"bad amount"[..], "true"));
+    assert_eq!(
+        (s, b.as_slice(), h["idempotent-replayed"].to_str().expect("ascii")),
+        (StatusCode::BAD_REQUEST, &b"bad amount"[..], "true")
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
 
@@ -243,9 +250,12 @@ async fn tokens_are_issued_and_spent_once() {
         .map(|_| {
             let (app, token) = (app.clone(), token.clone());
             tokio::spawn(async move {
-                send(&app, Request::post("/orders").header("idempotency-token", token).body(Body::empty()).expect("req"))
-                    .await
-                    .0
+                send(
+                    &app,
+                    Request::post("/orders").header("idempotency-token", token).body(Body::empty()).expect("req"),
+                )
+                .await
+                .0
             })
         })
         .collect();
@@ -285,4 +295,3 @@ async fn storm_of_one_key_runs_once() {
     }
     assert_eq!((created, runs.load(Ordering::SeqCst)), (1, 1));
 }
-

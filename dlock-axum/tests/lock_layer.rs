@@ -118,7 +118,6 @@ async fn large_bodies_are_413_with_or_without_content_length() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
-
 /// A handler that tells the test it is running and waits to be let go.
 fn gated_app(locker: &Locker, layer: LockLayer) -> (Router, mpsc::UnboundedReceiver<oneshot::Sender<()>>) {
     let (entered_tx, entered_rx) = mpsc::unbounded_channel::<oneshot::Sender<()>>();
@@ -186,8 +185,7 @@ async fn many_concurrent_requests_never_overlap() {
     };
     let layer = LockLayer::new("counter").json("id").wait(LONG);
     let app: Router = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker());
-    let tasks: Vec<_> =
-        (0..50).map(|_| tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"id": "c"}"#)))).collect();
+    let tasks: Vec<_> = (0..50).map(|_| tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"id": "c"}"#)))).collect();
     for t in tasks {
         assert_eq!(t.await.expect("task").expect("infallible").status(), StatusCode::OK);
     }
@@ -242,7 +240,8 @@ async fn key_parts_come_from_json_query_path_and_header_in_order() {
         .header("x-user-id", "u")
         .body(Body::from(r#"{"product": {"id": 7}}"#))
         .expect("request");
-    let v = assert_rejection(app.clone().oneshot(no_token).await.expect("infallible"), 400, "lock_key_field_missing").await;
+    let v =
+        assert_rejection(app.clone().oneshot(no_token).await.expect("infallible"), 400, "lock_key_field_missing").await;
     assert!(v["message"].as_str().unwrap_or_default().contains("token"), "{v}");
     let no_header =
         Request::post("/shops/s/orders?token=t").body(Body::from(r#"{"product": {"id": 7}}"#)).expect("request");
@@ -287,7 +286,8 @@ async fn nested_locks_on_one_key_reenter_within_a_request() {
     // one would find the lock held and answer 409.
     let inner = LockLayer::new("stock").json("product_id");
     let outer = LockLayer::new("stock").json("product_id");
-    let app: Router = Router::new().route("/r", post(handler).layer::<_, Infallible>(inner).layer(outer)).with_locker(locker());
+    let app: Router =
+        Router::new().route("/r", post(handler).layer::<_, Infallible>(inner).layer(outer)).with_locker(locker());
     let res = app.oneshot(post_json("/r", r#"{"product_id": 3}"#)).await.expect("infallible");
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(owners.lock().expect("not poisoned").len(), 1);
@@ -316,7 +316,11 @@ impl Backend for Down {
     fn name(&self) -> &'static str {
         "down"
     }
-    fn acquire<'a>(&'a self, _: &'a AcquireRequest, _: &'a CancellationToken) -> BoxFuture<'a, dlock_core::Result<Grant>> {
+    fn acquire<'a>(
+        &'a self,
+        _: &'a AcquireRequest,
+        _: &'a CancellationToken,
+    ) -> BoxFuture<'a, dlock_core::Result<Grant>> {
         Box::pin(async { Err(dlock_core::Error::backend("down", "connection refused")) })
     }
     fn renew<'a>(&'a self, _: &'a LockKey, _: &'a Owner, _: Duration) -> BoxFuture<'a, dlock_core::Result<Renewal>> {
@@ -460,7 +464,10 @@ async fn a_principal_cannot_hold_more_locks_than_its_cap() {
             }
         }
     };
-    let layer = LockLayer::new("report").json("id").max_holds_per_principal("x-user-id", CAP).max_hold(Duration::from_millis(300));
+    let layer = LockLayer::new("report")
+        .json("id")
+        .max_holds_per_principal("x-user-id", CAP)
+        .max_hold(Duration::from_millis(300));
     let app = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker.clone());
     let as_user = |user: &str, id: String| {
         Request::post("/r").header("x-user-id", user).body(Body::from(format!("{{\"id\":\"{id}\"}}"))).expect("request")

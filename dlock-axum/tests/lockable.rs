@@ -49,10 +49,7 @@ async fn nested(
     RequestOwner(owner): RequestOwner,
 ) -> Result<String, StatusCode> {
     let key = locker.key("nested").part(id).build().map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
-    let inner = locker
-        .acquire(&key, AcquireOptions::new().owner(owner))
-        .await
-        .map_err(|_| StatusCode::CONFLICT)?;
+    let inner = locker.acquire(&key, AcquireOptions::new().owner(owner)).await.map_err(|_| StatusCode::CONFLICT)?;
     inner.release().await.map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
     Ok(format!("re-entered {id}"))
 }

@@ -150,9 +150,9 @@ impl Config {
         let defaults = Config::default();
         let backend = match get("DLOCK_BACKEND").as_deref() {
             None | Some("memory") => BackendKind::Memory,
-            Some("redis") => BackendKind::Redis {
-                url: get("DLOCK_REDIS_URL").unwrap_or_else(|| DEFAULT_REDIS_URL.into()),
-            },
+            Some("redis") => {
+                BackendKind::Redis { url: get("DLOCK_REDIS_URL").unwrap_or_else(|| DEFAULT_REDIS_URL.into()) }
+            }
             Some("redlock") => {
                 let urls: Vec<String> = get("DLOCK_REDLOCK_URLS")
                     .unwrap_or_default()
@@ -192,19 +192,21 @@ impl Config {
             return Err(Error::config("DLOCK_LEASE_MS", "must be at least 3 (milliseconds)"));
         }
         let wait = millis(&get, "DLOCK_WAIT_MS")?.unwrap_or(defaults.wait);
-        let idempotency_ttl = number(&get, "DLOCK_IDEMPOTENCY_TTL_SECS")?
-            .map(Duration::from_secs)
-            .unwrap_or(defaults.idempotency_ttl);
+        let idempotency_ttl =
+            number(&get, "DLOCK_IDEMPOTENCY_TTL_SECS")?.map(Duration::from_secs).unwrap_or(defaults.idempotency_ttl);
         if idempotency_ttl.is_zero() {
             return Err(Error::config("DLOCK_IDEMPOTENCY_TTL_SECS", "must be at least 1 (seconds)"));
         }
         let max_body_bytes = match number(&get, "DLOCK_MAX_BODY_BYTES")? {
-            Some(n) => usize::try_from(n).map_err(|_| Error::config("DLOCK_MAX_BODY_BYTES", "too large for this machine"))?,
+            Some(n) => {
+                usize::try_from(n).map_err(|_| Error::config("DLOCK_MAX_BODY_BYTES", "too large for this machine"))?
+            }
             None => defaults.max_body_bytes,
         };
         let idempotency_redis_url = get("DLOCK_IDEMPOTENCY_REDIS_URL");
         if let Some(url) = &idempotency_redis_url {
-            const SCHEMES: [&str; 5] = ["redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://"];
+            const SCHEMES: [&str; 5] =
+                ["redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://"];
             if !SCHEMES.iter().any(|s| url.starts_with(s) && url.len() > s.len()) {
                 return Err(Error::config(
                     "DLOCK_IDEMPOTENCY_REDIS_URL",
@@ -259,10 +261,7 @@ impl Config {
 
     /// The engine defaults of this configuration.
     pub fn locker_options(&self) -> LockerOptions {
-        LockerOptions::default()
-            .with_prefix(self.prefix.clone())
-            .with_wait(self.wait)
-            .with_watchdog_lease(self.lease)
+        LockerOptions::default().with_prefix(self.prefix.clone()).with_wait(self.wait).with_watchdog_lease(self.lease)
     }
 
     /// Connects to the backend and builds the engine.
@@ -279,28 +278,27 @@ impl Config {
         let backend: Arc<dyn Backend> = match &self.backend {
             BackendKind::Memory => Arc::new(MemoryBackend::new()),
             #[cfg(feature = "redis")]
-            BackendKind::Redis { url } => {
-                Arc::new(crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?)
-            }
+            BackendKind::Redis { url } => Arc::new(
+                crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?,
+            ),
             #[cfg(feature = "redis")]
-            BackendKind::RedLock { urls } => {
-                Arc::new(
-                    crate::backend::redlock::RedLockBackend::connect_with_options(
-                        urls,
-                        &self.prefix,
-                        crate::backend::redlock::DEFAULT_NODE_TIMEOUT,
-                        self.redis_options(),
-                    )
-                    .await?,
+            BackendKind::RedLock { urls } => Arc::new(
+                crate::backend::redlock::RedLockBackend::connect_with_options(
+                    urls,
+                    &self.prefix,
+                    crate::backend::redlock::DEFAULT_NODE_TIMEOUT,
+                    self.redis_options(),
                 )
-            }
+                .await?,
+            ),
             #[cfg(not(feature = "redis"))]
             BackendKind::Redis { .. } | BackendKind::RedLock { .. } => {
                 return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `redis` feature"))
             }
             #[cfg(feature = "zookeeper")]
             BackendKind::ZooKeeper { connect, session_timeout } => Arc::new(
-                crate::backend::zookeeper::ZooKeeperBackend::connect_with(connect, &self.prefix, *session_timeout).await?,
+                crate::backend::zookeeper::ZooKeeperBackend::connect_with(connect, &self.prefix, *session_timeout)
+                    .await?,
             ),
             #[cfg(not(feature = "zookeeper"))]
             BackendKind::ZooKeeper { .. } => {
@@ -346,11 +344,13 @@ impl Config {
         match url {
             None => Ok(Arc::new(crate::idempotency::MemoryStore::new(&self.prefix))),
             #[cfg(feature = "redis")]
-            Some(url) => {
-                Ok(Arc::new(crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options()).await?))
-            }
+            Some(url) => Ok(Arc::new(
+                crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options()).await?,
+            )),
             #[cfg(not(feature = "redis"))]
-            Some(_) => Err(Error::config("DLOCK_IDEMPOTENCY_REDIS_URL", "dlock-core was built without the `redis` feature")),
+            Some(_) => {
+                Err(Error::config("DLOCK_IDEMPOTENCY_REDIS_URL", "dlock-core was built without the `redis` feature"))
+            }
         }
     }
 }
@@ -376,10 +376,7 @@ fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> 
 
 fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {
     get(var)
-        .map(|v| {
-            v.parse::<u64>()
-                .map_err(|_| Error::config(var, format!("`{v}` is not a whole non-negative number")))
-        })
+        .map(|v| v.parse::<u64>().map_err(|_| Error::config(var, format!("`{v}` is not a whole non-negative number"))))
         .transpose()
 }
 

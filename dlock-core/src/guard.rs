@@ -10,8 +10,8 @@ use tokio::time::{sleep_until, Instant};
 use crate::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, LostReason, Release};
 use crate::error::Result;
 use crate::key::LockKey;
-use crate::owner::Owner;
 use crate::locker::Engine;
+use crate::owner::Owner;
 use crate::watchdog::{self, Filed, NewHold};
 
 /// What a guard and whoever watches it on its behalf share.

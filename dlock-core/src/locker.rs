@@ -207,7 +207,10 @@ pub(crate) struct Engine {
 
 impl std::fmt::Debug for Locker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Locker").field("backend", &self.engine.backend.name()).field("options", &self.engine.options).finish()
+        f.debug_struct("Locker")
+            .field("backend", &self.engine.backend.name())
+            .field("options", &self.engine.options)
+            .finish()
     }
 }
 
@@ -387,7 +390,9 @@ impl Drop for InFlight {
             Ok(runtime) => {
                 runtime.spawn(async move { drop(attempt.await) });
             }
-            Err(_) => tracing::warn!("acquire abandoned outside a tokio runtime; a grant in flight is freed by its lease"),
+            Err(_) => {
+                tracing::warn!("acquire abandoned outside a tokio runtime; a grant in flight is freed by its lease")
+            }
         }
     }
 }

@@ -213,7 +213,8 @@ mod tests {
 
     #[test]
     fn debug_shows_no_key_material() {
-        let tls = RedisTls { ca_pem: Some(b"secret-ca".to_vec()), client: Some((b"c".to_vec(), b"secret-key".to_vec())) };
+        let tls =
+            RedisTls { ca_pem: Some(b"secret-ca".to_vec()), client: Some((b"c".to_vec(), b"secret-key".to_vec())) };
         let shown = format!("{tls:?}");
         assert!(!shown.contains("secret"), "{shown}");
     }

@@ -90,7 +90,9 @@ async fn lease_expiry(store: &Arc<dyn IdempotencyStore>) {
 
 async fn response_expiry(store: &Arc<dyn IdempotencyStore>) {
     let fp = fingerprint(&["ttl"]);
-    let Begin::New(c) = store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin") else { panic!("claim") };
+    let Begin::New(c) = store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin") else {
+        panic!("claim")
+    };
     let resp = StoredResponse::new(204, vec![], vec![]);
     assert!(store.complete(&c, &resp, Duration::from_millis(80)).await.expect("complete"));
     assert_eq!(store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin"), Begin::Completed(resp));

@@ -106,8 +106,12 @@ async fn waiters_survive_a_killed_subscriber_connection() {
             }));
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let killed: u64 =
-            redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub").query(&mut server.connection()).expect("CLIENT KILL");
+        let killed: u64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("pubsub")
+            .query(&mut server.connection())
+            .expect("CLIENT KILL");
         // The waiters' subscriber (the holder's has no channel, so it is not
         // in pub/sub mode).
         assert_eq!(killed, 1, "the subscriber connection was killed");
@@ -152,12 +156,19 @@ async fn killing_the_server_fires_lost_and_errors_cleanly() {
     let a = locker_for(&server.url(), 600).await;
     let k = a.key("killed").part(1).build().expect("key");
     let g = a.acquire(&k, AcquireOptions::new()).await.expect("free");
-    let fixed = a.acquire(&a.key("killed").part(2).build().expect("key"), AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    let fixed = a
+        .acquire(&a.key("killed").part(2).build().expect("key"), AcquireOptions::new().lease(Duration::from_secs(60)))
+        .await
+        .expect("free");
     server.kill();
     let started = Instant::now();
     let reason = tokio::time::timeout(Duration::from_secs(5), g.lost()).await.expect("lost fires");
     assert_eq!(reason, LostReason::RenewalFailed);
-    assert!(started.elapsed() <= Duration::from_millis(1_500), "fired by the end of the 600 ms lease: {:?}", started.elapsed());
+    assert!(
+        started.elapsed() <= Duration::from_millis(1_500),
+        "fired by the end of the 600 ms lease: {:?}",
+        started.elapsed()
+    );
 
     // A new acquire fails with a backend error in bounded time, no hang.
     let started = Instant::now();
@@ -200,10 +211,8 @@ async fn a_user_without_pubsub_permission_is_told_so() {
     assert!(text.contains("subscribe") && text.contains("&"), "{text}");
     assert!(!text.contains("pw@"), "password leaked: {text}");
 
-    let _: () = redis::cmd("ACL")
-        .arg(&["SETUSER", "locker", "&dlock:*"])
-        .query(&mut server.connection())
-        .expect("ACL SETUSER");
+    let _: () =
+        redis::cmd("ACL").arg(&["SETUSER", "locker", "&dlock:*"]).query(&mut server.connection()).expect("ACL SETUSER");
     RedisBackend::connect(&url, "dlock").await.expect("allowed now");
 }
 
@@ -231,7 +240,8 @@ async fn fencing_survives_a_lost_counter() {
     let g = a.try_acquire(&k).await.expect("free");
     let first = g.fencing_token();
     g.release().await.expect("release");
-    let _: () = redis::cmd("DEL").arg(dlock_core::backend::redis::fence_key(&k)).query(&mut server.connection()).expect("DEL");
+    let _: () =
+        redis::cmd("DEL").arg(dlock_core::backend::redis::fence_key(&k)).query(&mut server.connection()).expect("DEL");
     let g = a.try_acquire(&k).await.expect("free");
     assert!(g.fencing_token() > first, "{} after {first}", g.fencing_token());
     g.release().await.expect("release");
@@ -410,7 +420,12 @@ async fn a_full_server_evicts_locks_only_under_an_evicting_policy() {
         }
         assert!(refused, "noeviction: the filler should hit maxmemory");
         // Right at the limit a small script may still fit; be clearly over it.
-        let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("1mb").query(&mut server.connection()).expect("CONFIG");
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg("1mb")
+            .query(&mut server.connection())
+            .expect("CONFIG");
         assert_eq!(stolen, 0, "noeviction: a held lock was taken by someone else");
         let fresh = a.key("full").part("new").build().expect("key");
         let err = b.try_acquire(&fresh).await.expect_err("no room for a new lock");
@@ -452,7 +467,18 @@ async fn a_wrong_password_names_the_variable_and_not_the_password() {
 async fn a_user_limited_to_the_lock_namespace_is_enough() {
     let server = RedisServer::start();
     let _: () = redis::cmd("ACL")
-        .arg(&["SETUSER", "locker", "on", ">pw", "resetkeys", "~dlock:*", "resetchannels", "&dlock:*", "+@all", "-@dangerous"])
+        .arg(&[
+            "SETUSER",
+            "locker",
+            "on",
+            ">pw",
+            "resetkeys",
+            "~dlock:*",
+            "resetchannels",
+            "&dlock:*",
+            "+@all",
+            "-@dangerous",
+        ])
         .query(&mut server.connection())
         .expect("ACL SETUSER");
     let url = format!("redis://locker:pw@127.0.0.1:{}", server.port());
@@ -538,7 +564,8 @@ async fn a_slow_server_queues_no_waiter_and_stretches_no_wait() {
             // The wait, plus the one round trip that may be in flight at its end.
             assert!(took < Duration::from_millis(2_000), "a 1 s wait took {took:?}");
         } else {
-            let guard = result.unwrap_or_else(|e| panic!("waiter {i} did not get its released key after {took:?}: {e}"));
+            let guard =
+                result.unwrap_or_else(|e| panic!("waiter {i} did not get its released key after {took:?}: {e}"));
             drop(guard);
         }
     }

@@ -118,7 +118,8 @@ async fn a_wrong_ca_is_a_clean_tls_error() {
         ("DLOCK_REDIS_CA_FILE", path(server.certs().other_ca_cert())),
     ])
     .expect("the file itself is a valid CA");
-    let system_store = config(&[("DLOCK_BACKEND", "redis".into()), ("DLOCK_REDIS_URL", server.tls_url())]).expect("valid");
+    let system_store =
+        config(&[("DLOCK_BACKEND", "redis".into()), ("DLOCK_REDIS_URL", server.tls_url())]).expect("valid");
     for cfg in [wrong, system_store] {
         let started = Instant::now();
         let err = build_within(&cfg, Duration::from_secs(10)).await.expect_err("an untrusted server certificate");

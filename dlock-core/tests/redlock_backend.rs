@@ -209,7 +209,10 @@ async fn local_waiters_are_all_woken_by_releases() {
         }));
     }
     for t in tasks {
-        tokio::time::timeout(Duration::from_secs(20), t).await.expect("no waiter sleeps until its lease ends").expect("task");
+        tokio::time::timeout(Duration::from_secs(20), t)
+            .await
+            .expect("no waiter sleeps until its lease ends")
+            .expect("task");
     }
     eprintln!("40 handoffs among 8 local waiters in {:?}", started.elapsed());
 }
@@ -264,7 +267,10 @@ async fn a_grant_reaches_every_live_node() {
     let mut guards = Vec::new();
     for i in 0..100u32 {
         let k = locker.key("every-node").part(i).build().expect("key");
-        guards.push((k.clone(), locker.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free")));
+        guards.push((
+            k.clone(),
+            locker.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free"),
+        ));
     }
     // Let the last commands not waited for land.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -275,6 +281,11 @@ async fn a_grant_reaches_every_live_node() {
             .filter(|(k, _)| redis::cmd("EXISTS").arg(k.as_str()).query::<u32>(&mut conn).expect("EXISTS") == 0)
             .map(|(k, _)| k.as_str())
             .collect();
-        assert!(missing.is_empty(), "node {n} lacks {} of 100 granted locks, e.g. {:?}", missing.len(), missing.first());
+        assert!(
+            missing.is_empty(),
+            "node {n} lacks {} of 100 granted locks, e.g. {:?}",
+            missing.len(),
+            missing.first()
+        );
     }
 }

@@ -25,8 +25,8 @@ async fn client(servers: &[RedisServer], node_timeout: Duration) -> Client {
     let urls: Vec<String> = proxies.iter().map(|p| format!("redis://127.0.0.1:{}", p.port())).collect();
     let backend =
         RedLockBackend::connect_with(&urls, "dlock", node_timeout).await.expect("connect to the test redis-servers");
-    let locker = Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default())
-        .expect("valid options");
+    let locker =
+        Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default()).expect("valid options");
     Client { proxies, locker }
 }
 
@@ -368,7 +368,10 @@ async fn slow_nodes_never_yield_an_expired_guard_and_leave_no_keys() {
     }
     let expired = expiries.finish();
     let worst_stall = stalls.finish();
-    eprintln!("slow nodes: {} lock keys expired instead of being deleted; longest stall of the test process {worst_stall:?}", expired.len());
+    eprintln!(
+        "slow nodes: {} lock keys expired instead of being deleted; longest stall of the test process {worst_stall:?}",
+        expired.len()
+    );
     // A process frozen for longer than what is left of a lease (by a loaded
     // machine) lets holders' keys expire before their release is sent: then
     // expiries are the machine's doing, not leftovers, and are only reported.
@@ -377,7 +380,11 @@ async fn slow_nodes_never_yield_an_expired_guard_and_leave_no_keys() {
     }
 
     assert_eq!(expired_on_return.load(Ordering::SeqCst), 0, "an acquire returned an already expired guard");
-    assert_eq!(outlived_validity.load(Ordering::SeqCst), 0, "a 1 ms section outlived its validity: the run is not meaningful");
+    assert_eq!(
+        outlived_validity.load(Ordering::SeqCst),
+        0,
+        "a 1 ms section outlived its validity: the run is not meaningful"
+    );
     assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holders of one key at once");
     for k in 0..KEYS {
         assert_eq!(
@@ -404,7 +411,11 @@ async fn the_first_acquire_through_slow_nodes_is_one_round_trip() {
     }
     let k = c.locker.key("first-acquire").part(1).build().expect("key");
     let started = Instant::now();
-    let g = c.locker.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(5))).await.expect("a quorum answers in time");
+    let g = c
+        .locker
+        .acquire(&k, AcquireOptions::new().lease(Duration::from_secs(5)))
+        .await
+        .expect("a quorum answers in time");
     assert!(started.elapsed() >= node_timeout * 2 / 5, "the replies were delayed");
     assert!(g.release().await.expect("release"));
 }

@@ -178,7 +178,8 @@ async fn restarted_redlock_nodes_are_quarantined() {
 /// `DLOCK_RESTART_QUARANTINE_MS`: off by default, a number of milliseconds.
 #[test]
 fn the_quarantine_is_a_config_option_with_a_default_of_off() {
-    let cfg = dlock_core::Config::from_lookup(|v| (v == "DLOCK_RESTART_QUARANTINE_MS").then(|| "30000".into())).expect("valid");
+    let cfg = dlock_core::Config::from_lookup(|v| (v == "DLOCK_RESTART_QUARANTINE_MS").then(|| "30000".into()))
+        .expect("valid");
     assert_eq!(cfg.restart_quarantine, Duration::from_secs(30));
     let cfg = dlock_core::Config::from_lookup(|_| None).expect("valid");
     assert!(cfg.restart_quarantine.is_zero());

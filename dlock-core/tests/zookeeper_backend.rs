@@ -19,7 +19,9 @@ struct ZooKeeper {
 }
 
 async fn backend(server: &ZooKeeperServer, session: Duration) -> ZooKeeperBackend {
-    ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", session).await.expect("connect to the test ZooKeeper")
+    ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", session)
+        .await
+        .expect("connect to the test ZooKeeper")
 }
 
 fn locker(backend: ZooKeeperBackend) -> Locker {
@@ -140,7 +142,8 @@ async fn session_expiry_fires_lost_and_frees_the_lock() {
         .await
         .expect("a new session after the partition heals")
         .expect("state channel");
-    let g3 = holder.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("the holder locks again");
+    let g3 =
+        holder.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("the holder locks again");
     assert!(g3.fencing_token() > second);
     assert!(g3.release().await.expect("release"));
     assert!(!g.release().await.expect("release of the lost guard"), "the old guard's lock is gone");
@@ -352,10 +355,14 @@ async fn an_outage_longer_than_the_session_loses_the_lock_before_anyone_else_get
     server.kill();
     tokio::time::sleep(session + Duration::from_millis(1500)).await;
     server.restart();
-    let lost = tokio::time::timeout(Duration::from_secs(15), held.lost()).await.expect("lost fired after the long outage");
+    let lost =
+        tokio::time::timeout(Duration::from_secs(15), held.lost()).await.expect("lost fired after the long outage");
     assert!(matches!(lost, LostReason::SessionExpired | LostReason::RenewalFailed | LostReason::Stolen), "{lost:?}");
     let b = locker(backend(&server, SESSION).await);
-    let next = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(20))).await.expect("free once A's session is gone");
+    let next = b
+        .acquire(&k, AcquireOptions::new().wait(Duration::from_secs(20)))
+        .await
+        .expect("free once A's session is gone");
     assert!(held.is_lost(), "A knew before B was granted");
     assert!(next.fencing_token() > held.fencing_token());
     assert!(next.release().await.expect("release"));
@@ -393,7 +400,9 @@ async fn a_three_server_ensemble_survives_a_member_and_expires_a_partitioned_hol
         };
         match round.await {
             Ok(_) => break,
-            Err(e) if e.is_unavailable() && Instant::now() < moved => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(e) if e.is_unavailable() && Instant::now() < moved => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
             Err(e) => panic!("a 2-of-3 ensemble must keep serving: {e}"),
         }
     }

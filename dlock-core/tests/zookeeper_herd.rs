@@ -72,7 +72,11 @@ impl std::ops::Sub for Counters {
 /// Waits until the server's count of fired watchers is matched by the
 /// notifications the proxy passed on (a notification of the last release
 /// may still be on its way), then returns the counters.
-async fn settled(server: &ZooKeeperServer, proxy: &ZooKeeperProxy, before: Counters) -> (Counters, BTreeMap<String, String>) {
+async fn settled(
+    server: &ZooKeeperServer,
+    proxy: &ZooKeeperProxy,
+    before: Counters,
+) -> (Counters, BTreeMap<String, String>) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let (now, metrics) = counters(server, proxy);
@@ -110,7 +114,9 @@ async fn dlock_run(server: &ZooKeeperServer, proxy: &ZooKeeperProxy, waiters: us
         let backend = ZooKeeperBackend::connect_with(&proxy.connect_string(), "dlock", Duration::from_secs(10))
             .await
             .expect("connect through the proxy");
-        lockers.push(Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default()).expect("options"));
+        lockers.push(
+            Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default()).expect("options"),
+        );
     }
     let gate_locker = lockers.pop().expect("one locker for the gate");
     let key = gate_locker.key("herd").part(1).build().expect("key");
@@ -150,7 +156,10 @@ async fn dlock_run(server: &ZooKeeperServer, proxy: &ZooKeeperProxy, waiters: us
 async fn herd_run(server: &ZooKeeperServer, proxy: &ZooKeeperProxy, waiters: usize, rounds: usize) -> (u64, Counters) {
     let dir = "/herd-control";
     let admin = zk::Client::connect(&server.connect_string()).await.expect("admin session");
-    admin.create(dir, &[], &zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all())).await.expect("create the lock node");
+    admin
+        .create(dir, &[], &zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all()))
+        .await
+        .expect("create the lock node");
     let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
     let (_, gate_seq) = admin.create(&format!("{dir}/n-"), &[], &ephemeral).await.expect("the gate's node");
     let mut tasks = Vec::new();
@@ -172,7 +181,8 @@ async fn herd_run(server: &ZooKeeperServer, proxy: &ZooKeeperProxy, waiters: usi
                         break;
                     }
                     // The herd: everybody watches the holder's node.
-                    let (stat, watcher) = client.check_and_watch_stat(&format!("{dir}/{}", nodes[0])).await.expect("watch");
+                    let (stat, watcher) =
+                        client.check_and_watch_stat(&format!("{dir}/{}", nodes[0])).await.expect("watch");
                     if stat.is_some() {
                         watcher.changed().await;
                     }
@@ -203,7 +213,8 @@ async fn each_release_wakes_one_waiter_as_the_server_counts_it() {
 
     let started = Instant::now();
     let (releases, d) = dlock_run(&server, &proxy, waiters, rounds).await;
-    let max_per_delete: u64 = server.mntr().expect("mntr")["zk_max_node_deleted_watch_count"].parse().expect("a number");
+    let max_per_delete: u64 =
+        server.mntr().expect("mntr")["zk_max_node_deleted_watch_count"].parse().expect("a number");
     let wakeups = d.watches - d.own;
     eprintln!(
         "T8c dlock backend: {waiters} waiters, {releases} releases in {:?}: server fired {} watchers ({:.2}/release), \

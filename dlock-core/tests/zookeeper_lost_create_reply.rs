@@ -99,10 +99,13 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
                     proxies[c].drop_replies(&CREATE_OP_CODES, 1, hangup(round / 2));
                 }
                 let asked = Instant::now();
-                let guard = tokio::time::timeout(WAIT + Duration::from_secs(5), locker.acquire(&key, AcquireOptions::new().wait(WAIT)))
-                    .await
-                    .unwrap_or_else(|_| panic!("contender {c}: acquire hung past its deadline (round {round})"))
-                    .unwrap_or_else(|e| panic!("contender {c}: acquire failed in round {round}: {e}"));
+                let guard = tokio::time::timeout(
+                    WAIT + Duration::from_secs(5),
+                    locker.acquire(&key, AcquireOptions::new().wait(WAIT)),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("contender {c}: acquire hung past its deadline (round {round})"))
+                .unwrap_or_else(|e| panic!("contender {c}: acquire failed in round {round}: {e}"));
                 let waited = asked.elapsed();
                 assert!(waited < WAIT, "contender {c}: granted after the deadline ({waited:?})");
                 record.max_wait_ms.fetch_max(waited.as_millis() as u64, Ordering::SeqCst);
@@ -120,7 +123,10 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
                 if (round + c as u64).is_multiple_of(3) {
                     proxies[c].drop_replies(&[DELETE], 1, hangup(round / 3));
                 }
-                let freed = guard.release().await.unwrap_or_else(|e| panic!("contender {c}: release failed in round {round}: {e}"));
+                let freed = guard
+                    .release()
+                    .await
+                    .unwrap_or_else(|e| panic!("contender {c}: release failed in round {round}: {e}"));
                 assert!(freed, "contender {c}: release in round {round} says the lock was no longer held");
             }
             proxies[c].disarm();
@@ -160,7 +166,10 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
     assert!(dropped_ok >= target, "only {dropped_ok} successful creates lost their reply, wanted {target}");
     assert!(dropped_containers >= 1, "no container create lost its reply");
     assert!(dropped_deletes >= 1, "no delete lost its reply");
-    assert!(reconnects >= dropped, "each lost reply closes the connection: {reconnects} reconnects for {dropped} drops");
+    assert!(
+        reconnects >= dropped,
+        "each lost reply closes the connection: {reconnects} reconnects for {dropped} drops"
+    );
     let after: Vec<_> = backends.iter().map(|b| b.session_info().id().0).collect();
     assert_eq!(after, sessions, "the clients resumed their sessions; none expired");
     assert_eq!(record.overlaps.load(Ordering::SeqCst), 0, "two holders at once");

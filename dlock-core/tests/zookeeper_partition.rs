@@ -33,7 +33,8 @@ async fn connect(port: u16, session: Duration) -> ZooKeeperBackend {
 
 /// A backend whose session may live on any member but `isolated`.
 async fn connect_majority(ensemble: &ZooKeeperEnsemble, isolated: usize, session: Duration) -> ZooKeeperBackend {
-    let hosts: Vec<String> = (0..3).filter(|i| *i != isolated).map(|i| format!("127.0.0.1:{}", ensemble.port(i))).collect();
+    let hosts: Vec<String> =
+        (0..3).filter(|i| *i != isolated).map(|i| format!("127.0.0.1:{}", ensemble.port(i))).collect();
     ZooKeeperBackend::connect_with(&hosts.join(","), "dlock", session).await.expect("connect to the majority")
 }
 
@@ -45,7 +46,11 @@ async fn first(mut state: watch::Receiver<ConnectionState>, want: ConnectionStat
 
 /// Takes the lock from `locker`, retrying errors (the waiter's own member
 /// loses the leader too and reconnects), until `within`; or says why not.
-async fn acquire_retrying(locker: &Locker, key: &dlock_core::LockKey, within: Duration) -> Result<(LockGuard, u32), String> {
+async fn acquire_retrying(
+    locker: &Locker,
+    key: &dlock_core::LockKey,
+    within: Duration,
+) -> Result<(LockGuard, u32), String> {
     let deadline = Instant::now() + within;
     let mut errors = 0;
     let mut last = String::new();
@@ -67,7 +72,10 @@ async fn acquire_retrying(locker: &Locker, key: &dlock_core::LockKey, within: Du
 }
 
 /// Every change of `state`, with when it came after `t0`, as it happens.
-fn record(mut state: watch::Receiver<ConnectionState>, t0: Instant) -> Arc<std::sync::Mutex<Vec<(Duration, ConnectionState)>>> {
+fn record(
+    mut state: watch::Receiver<ConnectionState>,
+    t0: Instant,
+) -> Arc<std::sync::Mutex<Vec<(Duration, ConnectionState)>>> {
     let seen = Arc::new(std::sync::Mutex::new(vec![(t0.elapsed(), *state.borrow_and_update())]));
     let log = seen.clone();
     tokio::spawn(async move {
@@ -205,7 +213,10 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
     let leader_after = ensemble.wait_formed(Duration::from_secs(60));
     eprintln!("T8e healed: leader {leader_after}, the isolated member {isolated} now {:?}", ensemble.mode(isolated));
     let again = locker(connect(ensemble.port(isolated), session).await, Duration::from_secs(30));
-    let g = again.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("the isolated member serves again");
+    let g = again
+        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .expect("the isolated member serves again");
     assert!(g.fencing_token() > next_token);
     assert!(g.release().await.expect("release"));
     // The holder's backend opens a new session and locks again.
@@ -214,7 +225,10 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
         .await
         .expect("a new session after the heal")
         .expect("state channel");
-    let g = holder.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("the holder locks again");
+    let g = holder
+        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .expect("the holder locks again");
     assert!(g.release().await.expect("release"));
     assert!(!held.release().await.unwrap_or(false), "the isolated holder's lock is gone");
 }

@@ -98,7 +98,8 @@ fn string(value: &Expr, what: &str) -> syn::Result<LitStr> {
 fn integer(value: &Expr, what: &str, max: u64) -> syn::Result<LitInt> {
     match value {
         Expr::Lit(ExprLit { lit: Lit::Int(i), .. }) => {
-            let n: u64 = i.base10_parse().map_err(|_| syn::Error::new(i.span(), format!("`{what}` takes a whole number")))?;
+            let n: u64 =
+                i.base10_parse().map_err(|_| syn::Error::new(i.span(), format!("`{what}` takes a whole number")))?;
             if n > max {
                 return Err(syn::Error::new(i.span(), format!("`{what}` must be at most {max}")));
             }
@@ -143,7 +144,10 @@ impl Parse for Args {
                 }
                 "fields" => {
                     let Expr::Array(ExprArray { elems, .. }) = &value else {
-                        return Err(syn::Error::new(value.span(), "`fields` takes a list of strings, e.g. `fields = [\"product.id\"]`"));
+                        return Err(syn::Error::new(
+                            value.span(),
+                            "`fields` takes a list of strings, e.g. `fields = [\"product.id\"]`",
+                        ));
                     };
                     for e in elems {
                         args.fields.push(field_path(&string(e, "fields")?)?);
@@ -153,7 +157,10 @@ impl Parse for Args {
                 "lease_ms" => {
                     let lease = integer(&value, "lease_ms", u64::from(u32::MAX))?;
                     if lease.base10_parse::<u64>()? == 0 {
-                        return Err(syn::Error::new(lease.span(), "`lease_ms` must be at least 1; leave it out for watchdog mode"));
+                        return Err(syn::Error::new(
+                            lease.span(),
+                            "`lease_ms` must be at least 1; leave it out for watchdog mode",
+                        ));
                     }
                     args.lease_ms = Some(lease);
                 }
@@ -162,7 +169,9 @@ impl Parse for Args {
                 _ => {
                     return Err(syn::Error::new(
                         name.span(),
-                        format!("unknown attribute `{n}`; expected one of: key, fields, wait_ms, lease_ms, message, code"),
+                        format!(
+                            "unknown attribute `{n}`; expected one of: key, fields, wait_ms, lease_ms, message, code"
+                        ),
                     ))
                 }
             }
@@ -248,8 +257,15 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
     for f in &args.fields {
         if !idents.contains(&f.root) {
             let bound: Vec<String> = idents.iter().map(ToString::to_string).collect();
-            let hint = if bound.is_empty() { "no argument binds a name".to_owned() } else { format!("bound: {}", bound.join(", ")) };
-            return Err(syn::Error::new(f.lit.span(), format!("`{}` is not bound by any argument of this handler ({hint})", f.root)));
+            let hint = if bound.is_empty() {
+                "no argument binds a name".to_owned()
+            } else {
+                format!("bound: {}", bound.join(", "))
+            };
+            return Err(syn::Error::new(
+                f.lit.span(),
+                format!("`{}` is not bound by any argument of this handler ({hint})", f.root),
+            ));
         }
         let root = Ident::new(&f.root.to_string(), f.lit.span());
         let rest = &f.rest;

@@ -239,7 +239,8 @@ impl ZooKeeperEnsemble {
 
     /// The member that is leader now, if exactly one says so.
     pub fn leader(&self) -> Option<usize> {
-        let leaders: Vec<usize> = (0..self.members.len()).filter(|&i| self.mode(i).as_deref() == Some("leader")).collect();
+        let leaders: Vec<usize> =
+            (0..self.members.len()).filter(|&i| self.mode(i).as_deref() == Some("leader")).collect();
         match leaders[..] {
             [one] => Some(one),
             _ => None,
@@ -394,7 +395,8 @@ mod tests {
     fn greet(bytes: Vec<u8>, dial_back: u16) -> std::io::Result<Vec<u8>> {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let writer = std::thread::spawn(move || TcpStream::connect(addr).expect("connect").write_all(&bytes).expect("write"));
+        let writer =
+            std::thread::spawn(move || TcpStream::connect(addr).expect("connect").write_all(&bytes).expect("write"));
         let (mut s, _) = listener.accept().expect("accept");
         writer.join().expect("writer");
         election_greeting(Arc::new(AtomicU16::new(dial_back)))(&mut s)

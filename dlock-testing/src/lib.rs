@@ -138,8 +138,7 @@ impl RedisServer {
     fn start_on(port: u16, extra: &[&str]) -> Self {
         let dir = std::env::temp_dir().join(format!("dlock-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create a data directory for redis-server");
-        let mut server =
-            RedisServer { child: None, port, dir, extra: extra.iter().map(|s| s.to_string()).collect() };
+        let mut server = RedisServer { child: None, port, dir, extra: extra.iter().map(|s| s.to_string()).collect() };
         server.spawn();
         server
     }
@@ -296,7 +295,14 @@ impl RedisCluster {
                 let port = free_cluster_port();
                 RedisServer::start_on(
                     port,
-                    &["--cluster-enabled", "yes", "--cluster-config-file", &format!("nodes-{port}.conf"), "--cluster-node-timeout", "2000"],
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        &format!("nodes-{port}.conf"),
+                        "--cluster-node-timeout",
+                        "2000",
+                    ],
                 )
             })
             .collect();
@@ -309,7 +315,9 @@ impl RedisCluster {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
-            .unwrap_or_else(|e| panic!("cannot run redis-cli ({e}); it comes with redis-server: run `bash scripts/test.sh`"));
+            .unwrap_or_else(|e| {
+                panic!("cannot run redis-cli ({e}); it comes with redis-server: run `bash scripts/test.sh`")
+            });
         assert!(status.success(), "redis-cli --cluster create failed");
         let deadline = Instant::now() + Duration::from_secs(20);
         for node in &nodes {
@@ -337,8 +345,10 @@ impl RedisCluster {
     ///
     /// When no master claims the slot.
     pub fn node_for(&self, key: &str) -> usize {
-        let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut self.nodes[0].connection()).expect("KEYSLOT");
-        let slots: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER").arg("SLOTS").query(&mut self.nodes[0].connection()).expect("SLOTS");
+        let slot: u16 =
+            redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut self.nodes[0].connection()).expect("KEYSLOT");
+        let slots: Vec<Vec<redis::Value>> =
+            redis::cmd("CLUSTER").arg("SLOTS").query(&mut self.nodes[0].connection()).expect("SLOTS");
         for range in slots {
             let (Some(redis::Value::Int(lo)), Some(redis::Value::Int(hi)), Some(redis::Value::Array(master))) =
                 (range.first(), range.get(1), range.get(2))
@@ -588,8 +598,9 @@ impl Drop for ZooKeeperServer {
 
 /// `mntr` on the server at `port`, parsed.
 fn mntr(port: u16) -> std::io::Result<BTreeMap<String, String>> {
-    let answer = zookeeper_answers(port, b"mntr")
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::ConnectionRefused, format!("no mntr answer from port {port}")))?;
+    let answer = zookeeper_answers(port, b"mntr").ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::ConnectionRefused, format!("no mntr answer from port {port}"))
+    })?;
     let metrics = parse_mntr(&answer);
     if metrics.is_empty() {
         // A server outside a quorum answers "This ZooKeeper instance is not currently serving requests".
@@ -648,7 +659,8 @@ pub fn parse_command_stats(info: &str) -> HashMap<String, u64> {
 mod tests {
     #[test]
     fn parses_commandstats() {
-        let s = "# Commandstats\r\ncmdstat_evalsha:calls=12,usec=3,usec_per_call=0.25\r\ncmdstat_ping:calls=1,usec=0\r\n";
+        let s =
+            "# Commandstats\r\ncmdstat_evalsha:calls=12,usec=3,usec_per_call=0.25\r\ncmdstat_ping:calls=1,usec=0\r\n";
         let m = super::parse_command_stats(s);
         assert_eq!(m["evalsha"], 12);
         assert_eq!(m["ping"], 1);
@@ -667,7 +679,8 @@ mod tests {
 
     #[test]
     fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
-        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").expect("read the ephemeral range");
+        let range =
+            std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").expect("read the ephemeral range");
         let bounds: Vec<u16> = range.split_whitespace().map(|b| b.parse().expect("a port")).collect();
         let outside = |p: u16| p < bounds[0] || p > bounds[1];
         let ports: Vec<u16> = (0..200).map(|_| super::free_port()).collect();

@@ -36,7 +36,11 @@ impl TestCertificates {
         let certs = TestCertificates { dir };
         certs.self_signed_ca("ca", "dlock test CA");
         certs.self_signed_ca("other-ca", "dlock unrelated CA");
-        certs.signed_by_ca("server", "127.0.0.1", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n");
+        certs.signed_by_ca(
+            "server",
+            "127.0.0.1",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+        );
         certs.signed_by_ca("client", "dlock test client", "extendedKeyUsage=clientAuth\n");
         certs
     }
@@ -78,11 +82,26 @@ impl TestCertificates {
 
     fn self_signed_ca(&self, name: &str, cn: &str) {
         self.openssl(&[
-            "req", "-x509", "-new", "-nodes", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-            "-keyout", &format!("{name}.key"), "-out", &format!("{name}.crt"), "-days", "2",
-            "-subj", &format!("/CN={cn}"),
-            "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+            "req",
+            "-x509",
+            "-new",
+            "-nodes",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.crt"),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={cn}"),
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
         ]);
     }
 
@@ -91,12 +110,36 @@ impl TestCertificates {
         std::fs::write(self.dir.join(&ext), format!("basicConstraints=CA:FALSE\n{extensions}"))
             .expect("write a certificate extension file");
         self.openssl(&[
-            "req", "-new", "-nodes", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-            "-keyout", &format!("{name}.key"), "-out", &format!("{name}.csr"), "-subj", &format!("/CN={cn}"),
+            "req",
+            "-new",
+            "-nodes",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.csr"),
+            "-subj",
+            &format!("/CN={cn}"),
         ]);
         self.openssl(&[
-            "x509", "-req", "-in", &format!("{name}.csr"), "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", &format!("{name}.crt"), "-days", "2", "-extfile", &ext,
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &format!("{name}.crt"),
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
         ]);
     }
 
@@ -109,12 +152,7 @@ impl TestCertificates {
             .unwrap_or_else(|e| {
                 panic!("cannot run `openssl` ({e}): the TLS tests make their certificates with it; `apt-get install -y openssl`")
             });
-        assert!(
-            out.status.success(),
-            "openssl {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "openssl {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
     }
 }
 
@@ -211,8 +249,7 @@ impl TlsRedisServer {
     ///
     /// When the server does not answer.
     pub fn client_listener_ports(&self) -> Vec<u16> {
-        let list: String =
-            redis::cmd("CLIENT").arg("LIST").query(&mut self.server.connection()).expect("CLIENT LIST");
+        let list: String = redis::cmd("CLIENT").arg("LIST").query(&mut self.server.connection()).expect("CLIENT LIST");
         list.lines()
             .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("laddr=")))
             .filter_map(|addr| addr.rsplit_once(':').and_then(|(_, p)| p.parse().ok()))

@@ -71,7 +71,10 @@ fn app() -> Router {
     Router::new()
         .route("/m", post(macro_text))
         .route("/mn", post(macro_number))
-        .route("/j", post(ok).layer(LockLayer::new("fuzz.json").json("order.id").json("items.0.sku").max_body_bytes(BODY_LIMIT)))
+        .route(
+            "/j",
+            post(ok).layer(LockLayer::new("fuzz.json").json("order.id").json("items.0.sku").max_body_bytes(BODY_LIMIT)),
+        )
         .route("/q", get(ok).layer(LockLayer::new("fuzz.query").query("q")))
         .route("/h", get(ok).layer(LockLayer::new("fuzz.header").header("x-tenant")))
         .route("/p/{id}", get(ok).layer(LockLayer::new("fuzz.path").path("id")))
@@ -166,7 +169,8 @@ fn request(rng: &mut Rng) -> Option<Request<Body>> {
             Request::get(uri).body(Body::empty()).ok()
         }
         2 => {
-            let bytes: Vec<u8> = (0..rng.below(300)).map(|_| (rng.below(224) + 32) as u8).filter(|b| *b != 127).collect();
+            let bytes: Vec<u8> =
+                (0..rng.below(300)).map(|_| (rng.below(224) + 32) as u8).filter(|b| *b != 127).collect();
             let value = HeaderValue::from_bytes(&bytes).ok()?;
             let mut req = Request::get("/h").body(Body::empty()).ok()?;
             if rng.chance(0.9) {
@@ -184,7 +188,11 @@ fn request(rng: &mut Rng) -> Option<Request<Body>> {
 fn rss_kb() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:").and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())))
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("VmRSS:").and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+            })
+        })
         .unwrap_or(0)
 }
 
@@ -214,7 +222,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
                 Err(never) => match never {},
             };
             let status = res.status().as_u16();
-            let is_json = res.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+            let is_json =
+                res.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
             let body = res.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
             let parses = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v["error"].is_string());
             if status >= 500 && std::env::var_os("DLOCK_TORTURE_DEBUG").is_some() {
@@ -291,7 +300,8 @@ async fn huge_and_slow_bodies(app: &Router) -> Result<String, String> {
     use futures_util::StreamExt;
 
     let rss_before = rss_kb();
-    let chunks = futures_util::stream::iter(0..100).map(|_| Ok::<_, std::io::Error>(axum::body::Bytes::from_static(&ZEROS)));
+    let chunks =
+        futures_util::stream::iter(0..100).map(|_| Ok::<_, std::io::Error>(axum::body::Bytes::from_static(&ZEROS)));
     let streamed = Request::post("/j").header("content-type", "application/json").body(Body::from_stream(chunks));
     let declared = Request::post("/j")
         .header("content-type", "application/json")
@@ -323,7 +333,10 @@ async fn huge_and_slow_bodies(app: &Router) -> Result<String, String> {
     tx.send(Ok(axum::body::Bytes::from_static(head.as_bytes()))).await.map_err(|_| "the slow body was dropped")?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Same key, sent whole while the slow body is still arriving.
-    let fast = Request::post("/j").header("content-type", "application/json").body(Body::from(body)).map_err(|e| e.to_string())?;
+    let fast = Request::post("/j")
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .map_err(|e| e.to_string())?;
     let fast = tokio::time::timeout(Duration::from_secs(2), app.clone().oneshot(fast))
         .await
         .map_err(|_| "a request waited for a slow sender's body".to_owned())
@@ -336,7 +349,11 @@ async fn huge_and_slow_bodies(app: &Router) -> Result<String, String> {
         .map_err(|e| format!("the slow request's task: {e}"))
         .map(infallible)?;
     if (fast.status().as_u16(), slow.status().as_u16()) != (200, 200) {
-        return Err(format!("slow sender: same-key request {} while the body trickled, slow one {}", fast.status(), slow.status()));
+        return Err(format!(
+            "slow sender: same-key request {} while the body trickled, slow one {}",
+            fast.status(),
+            slow.status()
+        ));
     }
     Ok(format!(
         "100 MB bodies (streamed, and declared): 413 and 413, RSS +{grown_kb} kB; a same-key request served while a slow \

@@ -90,7 +90,13 @@ impl BrokenLock {
     }
 
     /// Tries until `deadline`; `None` when it did not get the lock.
-    pub(crate) async fn acquire(&self, key: u32, owner: &str, deadline: Instant, rng: &mut Rng) -> redis::RedisResult<Option<BrokenHold>> {
+    pub(crate) async fn acquire(
+        &self,
+        key: u32,
+        owner: &str,
+        deadline: Instant,
+        rng: &mut Rng,
+    ) -> redis::RedisResult<Option<BrokenHold>> {
         let key = format!("broken:{key}");
         loop {
             let started_ns = mono_ns();
@@ -103,7 +109,13 @@ impl BrokenLock {
                         // The gap a network round trip would leave between
                         // the two commands.
                         sleep(Duration::from_micros(rng.below(1500))).await;
-                        let () = c.set_options(&key, owner, redis::SetOptions::default().with_expiration(redis::SetExpiry::PX(self.lease_ms()))).await?;
+                        let () = c
+                            .set_options(
+                                &key,
+                                owner,
+                                redis::SetOptions::default().with_expiration(redis::SetExpiry::PX(self.lease_ms())),
+                            )
+                            .await?;
                         true
                     } else {
                         false
@@ -126,7 +138,8 @@ impl BrokenLock {
                 let mut c = self.nodes[0].clone();
                 let token: u64 = c.incr(format!("{key}:fence"), 1u64).await?;
                 let lease_ns = u64::try_from(self.lease.as_nanos()).unwrap_or(u64::MAX / 4);
-                let mut hold = BrokenHold { key, owner: owner.to_owned(), token, valid_until_ns: None, lost: None, renewer: None };
+                let mut hold =
+                    BrokenHold { key, owner: owner.to_owned(), token, valid_until_ns: None, lost: None, renewer: None };
                 match self.bug {
                     // The bug: validity counted from *after* the slow
                     // acquire; the correct one is started + lease − drift.
@@ -147,8 +160,14 @@ impl BrokenLock {
         let mut granted = Vec::new();
         for (i, node) in self.nodes.iter().enumerate() {
             let mut c = node.clone();
-            let set: redis::RedisResult<Option<String>> =
-                redis::cmd("SET").arg(key).arg(owner).arg("NX").arg("PX").arg(self.lease_ms()).query_async(&mut c).await;
+            let set: redis::RedisResult<Option<String>> = redis::cmd("SET")
+                .arg(key)
+                .arg(owner)
+                .arg("NX")
+                .arg("PX")
+                .arg(self.lease_ms())
+                .query_async(&mut c)
+                .await;
             if matches!(set, Ok(Some(_))) {
                 granted.push(i);
             }
@@ -168,7 +187,8 @@ impl BrokenLock {
     async fn release_all(&self, key: &str, owner: &str) {
         for node in &self.nodes {
             let mut c = node.clone();
-            let _: redis::RedisResult<i64> = Script::new(RELEASE_IF_OWNER).key(key).arg(owner).invoke_async(&mut c).await;
+            let _: redis::RedisResult<i64> =
+                Script::new(RELEASE_IF_OWNER).key(key).arg(owner).invoke_async(&mut c).await;
         }
     }
 
@@ -187,7 +207,8 @@ impl BrokenLock {
                 let pause = if rng.chance(0.4) { lease.mul_f64(1.5) } else { lease / 3 };
                 sleep(pause).await;
                 // The bug: no owner check, so it may extend someone else's key.
-                let extended: redis::RedisResult<bool> = c.pexpire(&key, i64::try_from(lease_ms).unwrap_or(i64::MAX)).await;
+                let extended: redis::RedisResult<bool> =
+                    c.pexpire(&key, i64::try_from(lease_ms).unwrap_or(i64::MAX)).await;
                 if !matches!(extended, Ok(true)) {
                     let _ = tx.send(true);
                     return;

@@ -314,7 +314,8 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
     // Orphan recovery: kill → the next grant of a key the victim held.
     for (t, _, held) in kills {
         for k in held {
-            let next = keys.get(&k).and_then(|pk| pk.intervals.iter().filter(|iv| iv.start > t).map(|iv| iv.start).min());
+            let next =
+                keys.get(&k).and_then(|pk| pk.intervals.iter().filter(|iv| iv.start > t).map(|iv| iv.start).min());
             if let Some(next) = next {
                 f.recoveries_ns.push(next - t);
             }
@@ -352,12 +353,24 @@ mod tests {
     fn a_hold_logged_after_its_validity_is_not_an_overlap() {
         let mut lost = e(6, 2, "lost", "b");
         lost.vu = Some(3);
-        let events = vec![e(1, 1, "acq_ok", "a"), e(5, 2, "acq_ok", "b"), lost, e(7, 1, "rel_invoke", "a"), e(8, 2, "rel_invoke", "b")];
+        let events = vec![
+            e(1, 1, "acq_ok", "a"),
+            e(5, 2, "acq_ok", "b"),
+            lost,
+            e(7, 1, "rel_invoke", "a"),
+            e(8, 2, "rel_invoke", "b"),
+        ];
         assert_eq!(check(&events, &HashMap::new(), 12).overlaps, 0);
         // The same hold still believed past its log time does overlap.
         let mut lost = e(6, 2, "lost", "b");
         lost.vu = Some(6);
-        let events = vec![e(1, 1, "acq_ok", "a"), e(5, 2, "acq_ok", "b"), lost, e(7, 1, "rel_invoke", "a"), e(8, 2, "rel_invoke", "b")];
+        let events = vec![
+            e(1, 1, "acq_ok", "a"),
+            e(5, 2, "acq_ok", "b"),
+            lost,
+            e(7, 1, "rel_invoke", "a"),
+            e(8, 2, "rel_invoke", "b"),
+        ];
         assert_eq!(check(&events, &HashMap::new(), 12).overlaps, 1);
     }
 
@@ -365,7 +378,13 @@ mod tests {
     fn a_lost_signal_ends_the_belief_at_the_known_validity() {
         let mut lost = e(9, 1, "lost", "a");
         lost.vu = Some(4);
-        let events = vec![e(1, 1, "acq_ok", "a"), e(5, 2, "acq_ok", "b"), lost, e(10, 1, "rel_invoke", "a"), e(11, 2, "rel_invoke", "b")];
+        let events = vec![
+            e(1, 1, "acq_ok", "a"),
+            e(5, 2, "acq_ok", "b"),
+            lost,
+            e(10, 1, "rel_invoke", "a"),
+            e(11, 2, "rel_invoke", "b"),
+        ];
         assert_eq!(check(&events, &HashMap::new(), 12).overlaps, 0);
     }
 
@@ -417,7 +436,11 @@ mod tests {
         let mut on_time = e(3, 2, "acq_ok", "b");
         on_time.left_us = Some(250_000);
         let unlogged = e(5, 3, "acq_ok", "c");
-        let f = check(&[late, e(2, 1, "rel_invoke", "a"), on_time, e(4, 2, "rel_invoke", "b"), unlogged], &HashMap::new(), 6);
+        let f = check(
+            &[late, e(2, 1, "rel_invoke", "a"), on_time, e(4, 2, "rel_invoke", "b"), unlogged],
+            &HashMap::new(),
+            6,
+        );
         assert_eq!(f.acquisitions, 3);
         assert_eq!(f.validity_logged, 2);
         assert_eq!(f.expired_on_return, 1);
@@ -431,8 +454,10 @@ mod tests {
         w.res = Some("ok".into());
         let mut w2 = w.clone();
         w2.t = 3;
-        let finals =
-            HashMap::from([(0, KeyState { fenced: 1, unfenced: 0, decisions: vec![(true, 5, 0), (true, 4, 5)], ..KeyState::default() })]);
+        let finals = HashMap::from([(
+            0,
+            KeyState { fenced: 1, unfenced: 0, decisions: vec![(true, 5, 0), (true, 4, 5)], ..KeyState::default() },
+        )]);
         let f = check(&[e(1, 1, "acq_ok", "a"), w, w2, e(4, 1, "rel_invoke", "a")], &finals, 5);
         assert_eq!(f.lost_updates, 1);
         assert_eq!(f.stale_accepted, 1);

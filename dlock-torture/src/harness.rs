@@ -206,7 +206,14 @@ impl Run {
         std::fs::create_dir_all(&dir)?;
         let nemesis_path = dir.join("nemesis.jsonl");
         let nemesis = History::open(&nemesis_path)?;
-        Ok(Run { dir, histories: vec![nemesis_path], children: Vec::new(), nemesis, next: 0, planned_end: std::time::Instant::now() })
+        Ok(Run {
+            dir,
+            histories: vec![nemesis_path],
+            children: Vec::new(),
+            nemesis,
+            next: 0,
+            planned_end: std::time::Instant::now(),
+        })
     }
 
     /// Starts a worker process; returns its pid.
@@ -219,7 +226,13 @@ impl Run {
         self.histories.push(cfg.history.clone());
         let json = serde_json::to_string(&cfg).map_err(std::io::Error::other)?;
         let exe = std::env::current_exe()?;
-        let child = Command::new(exe).arg("worker").arg(json).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit()).spawn()?;
+        let child = Command::new(exe)
+            .arg("worker")
+            .arg(json)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()?;
         let pid = child.id();
         self.children.push(child);
         Ok(pid)
@@ -308,9 +321,11 @@ impl Run {
     pub(crate) async fn check(&self, resource: &Resource, keys: u32) -> Result<Findings, String> {
         let mut finals = HashMap::new();
         for k in 0..keys {
-            let (fenced, unfenced, decisions) = resource.snapshot(k).await.map_err(|e| format!("resource snapshot: {e}"))?;
+            let (fenced, unfenced, decisions) =
+                resource.snapshot(k).await.map_err(|e| format!("resource snapshot: {e}"))?;
             let set = resource.set_snapshot(SetReg::Fenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
-            let unfenced_set = resource.set_snapshot(SetReg::Unfenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
+            let unfenced_set =
+                resource.set_snapshot(SetReg::Unfenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
             finals.insert(k, KeyState { fenced, unfenced, decisions, set, unfenced_set });
         }
         Ok(checker::check(&self.events(), &finals, mono_ns()))

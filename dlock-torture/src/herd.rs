@@ -10,7 +10,13 @@ use zookeeper_client as zk;
 
 /// Runs `waiters` clients taking the lock under `dir` `rounds` times each;
 /// returns (releases, wake-ups).
-pub(crate) async fn wakeups_per_release(connect: &str, dir: &str, waiters: usize, rounds: usize, watch_lowest: bool) -> Result<(u64, u64), String> {
+pub(crate) async fn wakeups_per_release(
+    connect: &str,
+    dir: &str,
+    waiters: usize,
+    rounds: usize,
+    watch_lowest: bool,
+) -> Result<(u64, u64), String> {
     let admin = session(connect).await?;
     let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
     match admin.create(dir, &[], &persistent).await {
@@ -61,7 +67,8 @@ async fn contend(client: zk::Client, dir: String, rounds: usize, watch_lowest: b
                 break;
             }
             let target = if watch_lowest { &children[0] } else { &children[pos - 1] };
-            let (stat, watcher) = client.check_and_watch_stat(&format!("{dir}/{target}")).await.map_err(|e| e.to_string())?;
+            let (stat, watcher) =
+                client.check_and_watch_stat(&format!("{dir}/{target}")).await.map_err(|e| e.to_string())?;
             if stat.is_none() {
                 continue;
             }

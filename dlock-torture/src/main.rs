@@ -149,7 +149,19 @@ fn main() -> ExitCode {
 fn header() -> String {
     format!(
         "{:<18} {:<46} {:>5} {:>6} {:>6} {:>8} {:>5} {:>7} {:>7} {:>8} {:>8} {:>8} {}",
-        "scenario", "backend", "safe", "ops", "faults", "overlaps", "lost", "refused", "st.acc", "unf.lost", "p50 ms", "p99 ms", "verdict"
+        "scenario",
+        "backend",
+        "safe",
+        "ops",
+        "faults",
+        "overlaps",
+        "lost",
+        "refused",
+        "st.acc",
+        "unf.lost",
+        "p50 ms",
+        "p99 ms",
+        "verdict"
     )
 }
 

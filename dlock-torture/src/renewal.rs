@@ -124,10 +124,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let expired: Vec<&Episode> = results.iter().filter(|e| e.gone_at.is_some() || e.taken_at.is_some()).collect();
     let silent = expired.iter().filter(|e| e.lost_at.is_none()).count() as u64;
     let resurrections: u64 = results.iter().map(|e| e.resurrections).sum();
-    let overlaps = results
-        .iter()
-        .filter(|e| matches!((e.taken_at, e.valid_until), (Some(t), Some(vu)) if t < vu))
-        .count() as u64;
+    let overlaps =
+        results.iter().filter(|e| matches!((e.taken_at, e.valid_until), (Some(t), Some(vu)) if t < vu)).count() as u64;
     let signalled_after_grant = results
         .iter()
         .filter(|e| match (e.taken_at, e.lost_at) {
@@ -140,8 +138,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     // Redis counts a key expired once its clock's ms is past PEXPIRETIME.
     let from_server: Vec<f64> =
         results.iter().filter_map(|e| Some(e.lost_wall_ms? - (e.server_end_ms? + 1) as f64)).collect();
-    let from_client: Vec<f64> =
-        results.iter().filter_map(|e| Some(ms(e.lost_at?, e.valid_until?))).collect();
+    let from_client: Vec<f64> = results.iter().filter_map(|e| Some(ms(e.lost_at?, e.valid_until?))).collect();
     let not_held = results.iter().filter(|e| e.released_held == Some(false)).count();
     let release_errors = results.iter().filter(|e| e.release_error).count();
 
@@ -220,7 +217,8 @@ async fn episode(
         let mut server_end = None;
         // Until the heal: after it, a key still there was renewed.
         while Instant::now() < heal_at {
-            let at: i64 = redis::cmd("PEXPIRETIME").arg(&name).query_async(&mut probe2).await.map_err(|e| e.to_string())?;
+            let at: i64 =
+                redis::cmd("PEXPIRETIME").arg(&name).query_async(&mut probe2).await.map_err(|e| e.to_string())?;
             if at == -2 {
                 let gone = Instant::now();
                 let gb = other.acquire(&ga_key(other, &name)?, AcquireOptions::new().wait(LEASE)).await.ok();
@@ -252,7 +250,8 @@ async fn episode(
     // The held renewals land now. Watch the owner for a while.
     let until = Instant::now() + WATCH_AFTER_HEAL;
     while Instant::now() < until {
-        let owner: Option<String> = redis::cmd("HGET").arg(&name).arg("o").query_async(probe).await.map_err(|e| e.to_string())?;
+        let owner: Option<String> =
+            redis::cmd("HGET").arg(&name).arg("o").query_async(probe).await.map_err(|e| e.to_string())?;
         if e.gone_at.is_some() && owner.as_deref() == Some(old_owner.as_str()) {
             e.resurrections += 1;
         }

@@ -164,11 +164,28 @@ impl Resource {
         conn.set(format!("u:{key}"), value).await
     }
 
-    async fn set_access(&self, reg: SetReg, key: u32, token: u64, cap: u32, arg: String, size: usize) -> redis::RedisResult<SetAccess> {
+    async fn set_access(
+        &self,
+        reg: SetReg,
+        key: u32,
+        token: u64,
+        cap: u32,
+        arg: String,
+        size: usize,
+    ) -> redis::RedisResult<SetAccess> {
         let mut conn = self.conn.clone();
         let [set, count, max] = reg.keys(key);
-        let (status, ids): (i64, String) =
-            self.set.key(set).key(count).key(max).arg(token).arg(cap).arg(arg).arg(size).invoke_async(&mut conn).await?;
+        let (status, ids): (i64, String) = self
+            .set
+            .key(set)
+            .key(count)
+            .key(max)
+            .arg(token)
+            .arg(cap)
+            .arg(arg)
+            .arg(size)
+            .invoke_async(&mut conn)
+            .await?;
         Ok(match status {
             1 => SetAccess::Ok(ids.split_ascii_whitespace().map(str::to_owned).collect()),
             2 => SetAccess::Full,
@@ -184,12 +201,22 @@ impl Resource {
 
     /// Writes `ids` as `key`'s whole set (fenced by `token` for
     /// [`SetReg::Fenced`]).
-    pub(crate) async fn set_write(&self, reg: SetReg, key: u32, token: u64, ids: &[String]) -> redis::RedisResult<SetAccess> {
+    pub(crate) async fn set_write(
+        &self,
+        reg: SetReg,
+        key: u32,
+        token: u64,
+        ids: &[String],
+    ) -> redis::RedisResult<SetAccess> {
         self.set_access(reg, key, token, 0, ids.join(" "), ids.len()).await
     }
 
     /// The final contents of `key`'s set register.
-    pub(crate) async fn set_snapshot(&self, reg: SetReg, key: u32) -> redis::RedisResult<std::collections::HashSet<String>> {
+    pub(crate) async fn set_snapshot(
+        &self,
+        reg: SetReg,
+        key: u32,
+    ) -> redis::RedisResult<std::collections::HashSet<String>> {
         let mut conn = self.conn.clone();
         let [set, _, _] = reg.keys(key);
         let ids: Option<String> = conn.get(set).await?;
@@ -238,12 +265,18 @@ mod tests {
         assert_eq!(res.set_read(SetReg::Fenced, 0, 7, 3).await.expect("read"), SetAccess::Ok(ids(&["b"])));
 
         // The control: a lower token still writes (and loses "b").
-        assert_eq!(res.set_write(SetReg::Unfenced, 0, 1, &ids(&["b", "c"])).await.expect("write"), SetAccess::Ok(vec![]));
+        assert_eq!(
+            res.set_write(SetReg::Unfenced, 0, 1, &ids(&["b", "c"])).await.expect("write"),
+            SetAccess::Ok(vec![])
+        );
         assert_eq!(res.set_write(SetReg::Unfenced, 0, 0, &ids(&["d"])).await.expect("write"), SetAccess::Ok(vec![]));
         assert_eq!(res.set_read(SetReg::Unfenced, 0, 0, 3).await.expect("read"), SetAccess::Ok(ids(&["d"])));
 
         // At the cap the set is left alone.
-        assert_eq!(res.set_write(SetReg::Fenced, 0, 7, &ids(&["b", "e", "f"])).await.expect("write"), SetAccess::Ok(vec![]));
+        assert_eq!(
+            res.set_write(SetReg::Fenced, 0, 7, &ids(&["b", "e", "f"])).await.expect("write"),
+            SetAccess::Ok(vec![])
+        );
         assert_eq!(res.set_read(SetReg::Fenced, 0, 8, 3).await.expect("read"), SetAccess::Full);
         let final_set = res.set_snapshot(SetReg::Fenced, 0).await.expect("snapshot");
         assert_eq!(final_set.len(), 3);

@@ -167,7 +167,13 @@ async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String>
     Ok((locks.len() as u64, refreshed))
 }
 
-pub(crate) async fn finish(run: &mut Run, r: &mut Report, resource: &Resource, keys: u32, grace: Duration) -> Result<Findings, String> {
+pub(crate) async fn finish(
+    run: &mut Run,
+    r: &mut Report,
+    resource: &Resource,
+    keys: u32,
+    grace: Duration,
+) -> Result<Findings, String> {
     let hung = tokio::task::block_in_place(|| run.join(grace));
     if hung > 0 {
         r.fail(format!("{hung} worker(s) did not finish within {grace:?} of their end (hang)"));
@@ -227,7 +233,9 @@ async fn baseline_row(size: Size, seed: u64, r: &mut Report) -> Result<(), Strin
         // As `redlock()` runs them: 5 masters with AOF always.
         "redlock" => (None, redlock_masters(), None),
         "zookeeper" => {
-            let zk = tokio::task::spawn_blocking(ZooKeeperServer::start).await.map_err(|e| format!("ZooKeeper did not start: {e}"))?;
+            let zk = tokio::task::spawn_blocking(ZooKeeperServer::start)
+                .await
+                .map_err(|e| format!("ZooKeeper did not start: {e}"))?;
             (None, Vec::new(), Some(zk))
         }
         _ => (None, Vec::new(), None),
@@ -377,7 +385,9 @@ async fn pause(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         r.note("the pauses did not bite this run (no stale access, no unfenced loss)");
     }
     if let Some(signalled) = r.stale_holds_signalled.clone() {
-        r.note(format!("holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"));
+        r.note(format!(
+            "holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"
+        ));
     }
     Ok(vec![r])
 }
@@ -431,7 +441,9 @@ async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, 
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
     if let Some(rec) = r.recovery_max_ms {
         let bound = cfg.lease_ms as f64 + 1000.0;
-        r.note(format!("orphan recovery (kill -> next grant of the victim's key) max {rec:.0} ms, bound {bound:.0} ms"));
+        r.note(format!(
+            "orphan recovery (kill -> next grant of the victim's key) max {rec:.0} ms, bound {bound:.0} ms"
+        ));
         if rec > bound {
             r.fail(format!("orphan recovery {rec:.0} ms > lease + 1 s"));
         }
@@ -461,8 +473,11 @@ async fn restart_probe(
     let connect = |url: String| async move {
         let options = dlock_core::backend::redis::RedisOptions::default().with_restart_quarantine(quarantine);
         let b = RedisBackend::connect_with(&url, "torture", options).await.map_err(|e| e.to_string())?;
-        Locker::with_options(Arc::new(b), LockerOptions::default().with_prefix("torture").with_watchdog_lease(Duration::from_millis(1000)))
-            .map_err(|e| e.to_string())
+        Locker::with_options(
+            Arc::new(b),
+            LockerOptions::default().with_prefix("torture").with_watchdog_lease(Duration::from_millis(1000)),
+        )
+        .map_err(|e| e.to_string())
     };
     let a = connect(lock.url()).await?;
     let b = connect(lock.url()).await?;
@@ -471,7 +486,9 @@ async fn restart_probe(
     let ga = loop {
         match a.acquire(&key, AcquireOptions::new()).await {
             Ok(g) => break g,
-            Err(_) if !quarantine.is_zero() && tokio::time::Instant::now() < first_use => sleep(Duration::from_millis(50)).await,
+            Err(_) if !quarantine.is_zero() && tokio::time::Instant::now() < first_use => {
+                sleep(Duration::from_millis(50)).await
+            }
             Err(e) => return Err(e.to_string()),
         }
     };
@@ -554,7 +571,8 @@ async fn restart_redis(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         let (mut probe_violations, mut refused, mut newer) = (0u64, 0u64, 0u64);
         for i in 0..probes {
             let key_no = 10 * u32::try_from(arm).unwrap_or(0) + i;
-            let (violated, was_refused, b_newer) = restart_probe(&mut lock, &resource, key_no, delay, clean, quarantine).await?;
+            let (violated, was_refused, b_newer) =
+                restart_probe(&mut lock, &resource, key_no, delay, clean, quarantine).await?;
             probe_violations += u64::from(violated);
             refused += u64::from(was_refused);
             newer += u64::from(b_newer);
@@ -644,7 +662,9 @@ async fn redlock(size: Size, seed: u64, majority: bool) -> Result<Vec<Report>, S
     let findings = finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
     let slowest = crate::checker::percentile_ms(&findings.unavailable_ns, 1.0);
     if majority && slowest > UNAVAILABLE_BOUND_MS {
-        r.fail(format!("an acquire took {slowest:.0} ms to report the quorum unavailable (bound {UNAVAILABLE_BOUND_MS} ms)"));
+        r.fail(format!(
+            "an acquire took {slowest:.0} ms to report the quorum unavailable (bound {UNAVAILABLE_BOUND_MS} ms)"
+        ));
     }
     let events = run.events();
     // A grant needs 3 live nodes; allow 100 ms for replies already in flight.
@@ -652,8 +672,10 @@ async fn redlock(size: Size, seed: u64, majority: bool) -> Result<Vec<Report>, S
         .iter()
         .map(|(from, to)| events.iter().filter(|e| e.op == "acq_ok" && e.t > from + 100_000_000 && e.t < *to).count())
         .sum();
-    let recovery: Vec<u64> =
-        windows.iter().filter_map(|(_, to)| events.iter().find(|e| e.op == "acq_ok" && e.t > *to).map(|e| e.t - to)).collect();
+    let recovery: Vec<u64> = windows
+        .iter()
+        .filter_map(|(_, to)| events.iter().find(|e| e.op == "acq_ok" && e.t > *to).map(|e| e.t - to))
+        .collect();
     if majority {
         r.note(format!(
             "grants during majority outages: {during}; unavailable answers: {}; recovery after restart max {:.0} ms",
@@ -692,7 +714,8 @@ async fn redlock_restart(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         cfg.quarantine_ms = u64::try_from(quarantine.as_millis()).unwrap_or(0);
         let pace = Duration::from_millis(700) + quarantine;
         // The first use of each master sits out a quarantine too.
-        cfg.duration_ms = u64::try_from((pace * u32::try_from(rounds).unwrap_or(1) + quarantine).as_millis()).unwrap_or(0) + 1500;
+        cfg.duration_ms =
+            u64::try_from((pace * u32::try_from(rounds).unwrap_or(1) + quarantine).as_millis()).unwrap_or(0) + 1500;
         let procs = 3;
         for _ in 0..procs {
             run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
@@ -732,7 +755,9 @@ async fn redlock_restart(size: Size, seed: u64) -> Result<Vec<Report>, String> {
 }
 
 async fn zk_expire(size: Size, seed: u64) -> Result<Vec<Report>, String> {
-    let zk = tokio::task::spawn_blocking(ZooKeeperServer::start).await.map_err(|e| format!("ZooKeeper did not start: {e}"))?;
+    let zk = tokio::task::spawn_blocking(ZooKeeperServer::start)
+        .await
+        .map_err(|e| format!("ZooKeeper did not start: {e}"))?;
     let res_server = RedisServer::start();
     let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
     let mut run = Run::new("zk-expire").map_err(|e| e.to_string())?;
@@ -779,7 +804,9 @@ async fn zk_expire(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     describe(&mut r, procs, &cfg);
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
     if let Some(signalled) = r.stale_holds_signalled.clone() {
-        r.note(format!("holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"));
+        r.note(format!(
+            "holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"
+        ));
     }
     let events = run.events();
     let recovered = resumed
@@ -839,7 +866,9 @@ async fn partition(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
     r.note("fault injected with the in-harness TCP proxy, not network namespaces");
     if let Some(signalled) = r.stale_holds_signalled.clone() {
-        r.note(format!("holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"));
+        r.note(format!(
+            "holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"
+        ));
     }
     Ok(vec![r])
 }
@@ -853,7 +882,15 @@ async fn self_test(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     // variant: fixed 50 ms leases, sections up to 80 ms.
     let variants: Vec<&str> = std::iter::once("redis").chain(Bug::ALL).collect();
     for (i, variant) in variants.into_iter().enumerate() {
-        let _ = redis::cmd("FLUSHALL").query_async::<()>(&mut redis::Client::open(res_server.url()).map_err(|e| e.to_string())?.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?).await;
+        let _ = redis::cmd("FLUSHALL")
+            .query_async::<()>(
+                &mut redis::Client::open(res_server.url())
+                    .map_err(|e| e.to_string())?
+                    .get_multiplexed_async_connection()
+                    .await
+                    .map_err(|e| e.to_string())?,
+            )
+            .await;
         let urls: Vec<String> = if variant == "broken-redlock-ignores-elapsed" {
             nodes.iter().map(RedisServer::url).collect()
         } else {
@@ -864,7 +901,8 @@ async fn self_test(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         cfg.tasks = if variant == "broken-redlock-ignores-elapsed" { 2 } else { 3 };
         cfg.watchdog = false;
         cfg.wait_ms = 1000;
-        cfg.duration_ms = if variant == "broken-redlock-ignores-elapsed" { size.pick(4000, 15_000) } else { size.pick(2000, 10_000) };
+        cfg.duration_ms =
+            if variant == "broken-redlock-ignores-elapsed" { size.pick(4000, 15_000) } else { size.pick(2000, 10_000) };
         (cfg.lease_ms, cfg.cs_max_ms) = match variant {
             "broken-get-then-set" => (200, 2),
             "broken-renew-no-owner-check" => (60, 120),
@@ -906,10 +944,14 @@ async fn self_test(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         }
         rows.push(r);
     }
-    let zk = tokio::task::spawn_blocking(ZooKeeperServer::start).await.map_err(|e| format!("ZooKeeper did not start: {e}"))?;
+    let zk = tokio::task::spawn_blocking(ZooKeeperServer::start)
+        .await
+        .map_err(|e| format!("ZooKeeper did not start: {e}"))?;
     let (waiters, rounds) = (size.pick(8, 12), size.pick(4, 20));
-    let (good_rel, good_wake) = crate::herd::wakeups_per_release(&zk.connect_string(), "/herd-good", waiters, rounds, false).await?;
-    let (bad_rel, bad_wake) = crate::herd::wakeups_per_release(&zk.connect_string(), "/herd-bad", waiters, rounds, true).await?;
+    let (good_rel, good_wake) =
+        crate::herd::wakeups_per_release(&zk.connect_string(), "/herd-good", waiters, rounds, false).await?;
+    let (bad_rel, bad_wake) =
+        crate::herd::wakeups_per_release(&zk.connect_string(), "/herd-bad", waiters, rounds, true).await?;
     let ratio = |w: u64, r: u64| if r == 0 { 0.0 } else { w as f64 / r as f64 };
     let (good, bad) = (ratio(good_wake, good_rel), ratio(bad_wake, bad_rel));
     let mut herd = Report::new("checker-self-test", "broken-zk-herd", seed);
@@ -935,8 +977,11 @@ async fn orphan_renewal(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let lock = RedisServer::start();
     let lease = Duration::from_millis(300);
     let backend = RedisBackend::connect(&lock.url(), "torture").await.map_err(|e| e.to_string())?;
-    let locker = Locker::with_options(Arc::new(backend), LockerOptions::default().with_prefix("torture").with_watchdog_lease(lease))
-        .map_err(|e| e.to_string())?;
+    let locker = Locker::with_options(
+        Arc::new(backend),
+        LockerOptions::default().with_prefix("torture").with_watchdog_lease(lease),
+    )
+    .map_err(|e| e.to_string())?;
     let cycles = size.pick(1500u64, 20_000);
     let lanes = 8u64;
     let mut handles = Vec::new();

@@ -93,7 +93,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let events = run.events();
     let late = late_releases(&events);
     let (explained, leftovers): (Vec<&Expiry>, Vec<&Expiry>) = expired.iter().partition(|x| {
-        late.iter().any(|h| Some(h.key) == x.key && x.t + 10_000_000 >= h.valid_until && x.t <= h.valid_until + lease_ns())
+        late.iter()
+            .any(|h| Some(h.key) == x.key && x.t + 10_000_000 >= h.valid_until && x.t <= h.valid_until + lease_ns())
     });
 
     let (waited, overran, worst) = overruns(&events, Duration::from_millis(cfg.wait_ms));

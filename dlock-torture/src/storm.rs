@@ -34,7 +34,11 @@ const MARGIN: Duration = Duration::from_millis(3000);
 fn orders_binary() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("DLOCK_TORTURE_ORDERS_BIN") {
         let p = PathBuf::from(p);
-        return if p.is_file() { Ok(p) } else { Err(format!("DLOCK_TORTURE_ORDERS_BIN={} is not a file", p.display())) };
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!("DLOCK_TORTURE_ORDERS_BIN={} is not a file", p.display()))
+        };
     }
     let exe = std::env::current_exe().map_err(|e| format!("cannot locate this binary: {e}"))?;
     let dir = exe.parent().ok_or("this binary has no directory")?;
@@ -68,12 +72,18 @@ async fn request(addr: &str, method: &str, path: &str, key: Option<&str>, body: 
         stream.read_to_end(&mut raw).await.map_err(|e| format!("read: {e}"))?;
         Ok::<_, String>(raw)
     };
-    let raw = tokio::time::timeout(Duration::from_secs(30), exchange).await.map_err(|_| "no answer within 30 s".to_owned())??;
+    let raw = tokio::time::timeout(Duration::from_secs(30), exchange)
+        .await
+        .map_err(|_| "no answer within 30 s".to_owned())??;
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").ok_or("connection closed before the headers ended")?;
     let mut lines = head.lines();
-    let status = lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|s| s.parse().ok()).ok_or("no status line")?;
-    let replayed = lines.any(|l| l.split_once(':').is_some_and(|(n, v)| n.trim().eq_ignore_ascii_case("idempotent-replayed") && v.trim() == "true"));
+    let status =
+        lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|s| s.parse().ok()).ok_or("no status line")?;
+    let replayed = lines.any(|l| {
+        l.split_once(':')
+            .is_some_and(|(n, v)| n.trim().eq_ignore_ascii_case("idempotent-replayed") && v.trim() == "true")
+    });
     Ok(Reply { status, replayed, body: body.to_owned() })
 }
 
@@ -101,10 +111,11 @@ impl Orders {
             .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
         let mut orders = Orders { child, addr: String::new() };
-        orders.addr =
-            tokio::task::spawn_blocking(move || dlock_testing::announced_address(stdout, Duration::from_secs(30), None))
-                .await
-                .map_err(|e| e.to_string())??;
+        orders.addr = tokio::task::spawn_blocking(move || {
+            dlock_testing::announced_address(stdout, Duration::from_secs(30), None)
+        })
+        .await
+        .map_err(|e| e.to_string())??;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if matches!(request(&orders.addr, "GET", "/health", None, "").await, Ok(r) if r.status == 200) {
@@ -157,7 +168,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
             return Ok(r);
         }
     };
-    let (keys, dups, tokens, inflight) = if size.short { (200u32, 10u32, 20u32, 64usize) } else { (1000, 10, 100, 128) };
+    let (keys, dups, tokens, inflight) =
+        if size.short { (200u32, 10u32, 20u32, 64usize) } else { (1000, 10, 100, 128) };
     r.processes = 2;
     r.tasks = inflight as u32;
     r.keys = keys;
@@ -177,7 +189,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let mut token_list = Vec::new();
     for _ in 0..tokens {
         let t = request(&b_addr, "GET", "/idempotency/token", None, "").await?;
-        let v: serde_json::Value = serde_json::from_str(&t.body).map_err(|e| format!("token reply {} not JSON ({e}): {}", t.status, t.body))?;
+        let v: serde_json::Value = serde_json::from_str(&t.body)
+            .map_err(|e| format!("token reply {} not JSON ({e}): {}", t.status, t.body))?;
         token_list.push(v["token"].as_str().ok_or_else(|| format!("no token in {}", t.body))?.to_owned());
     }
     let token_list = Arc::new(token_list);
@@ -201,7 +214,11 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let total = jobs.len() as u64;
     let kill_after = total / 4 + rng.below(total / 4);
 
-    let tally = Arc::new(Mutex::new(Tally { token_created: vec![0; tokens as usize], fresh: vec![0; keys as usize], ..Tally::default() }));
+    let tally = Arc::new(Mutex::new(Tally {
+        token_created: vec![0; tokens as usize],
+        fresh: vec![0; keys as usize],
+        ..Tally::default()
+    }));
     let done = Arc::new(AtomicU64::new(0));
     let killed_at: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
     let gate = Arc::new(Semaphore::new(inflight));
@@ -219,12 +236,31 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
                 *k = Some(Instant::now());
             }
         }
-        let (addr, tally, done, tokens) = (if to_a { a_addr.clone() } else { b_addr.clone() }, tally.clone(), done.clone(), token_list.clone());
+        let (addr, tally, done, tokens) =
+            (if to_a { a_addr.clone() } else { b_addr.clone() }, tally.clone(), done.clone(), token_list.clone());
         let killed_at = killed_at.clone();
         handles.push(tokio::spawn(async move {
             let reply = match job {
-                Job::Pay(i) => request(&addr, "POST", "/payments", Some(&format!("storm-{seed}-{i}")), &format!(r#"{{"order_id": "ord_{i}", "amount": {}}}"#, 100 + i)).await,
-                Job::Token(t) => request(&addr, "POST", &format!("/orders?token={}", tokens[t as usize]), None, r#"{"product": {"id": 9}, "quantity": 1}"#).await,
+                Job::Pay(i) => {
+                    request(
+                        &addr,
+                        "POST",
+                        "/payments",
+                        Some(&format!("storm-{seed}-{i}")),
+                        &format!(r#"{{"order_id": "ord_{i}", "amount": {}}}"#, 100 + i),
+                    )
+                    .await
+                }
+                Job::Token(t) => {
+                    request(
+                        &addr,
+                        "POST",
+                        &format!("/orders?token={}", tokens[t as usize]),
+                        None,
+                        r#"{"product": {"id": 9}, "quantity": 1}"#,
+                    )
+                    .await
+                }
             };
             done.fetch_add(1, Ordering::SeqCst);
             drop(permit);
@@ -243,9 +279,13 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
                     t.executed += 1;
                     t.fresh[i as usize] += 1;
                 }
-                (Job::Pay(_), Ok(rep)) if rep.status == 409 && rep.body.contains("idempotency_request_in_progress") => t.in_progress_409 += 1,
+                (Job::Pay(_), Ok(rep)) if rep.status == 409 && rep.body.contains("idempotency_request_in_progress") => {
+                    t.in_progress_409 += 1
+                }
                 (Job::Token(k), Ok(rep)) if rep.status == 201 => t.token_created[k as usize] += 1,
-                (Job::Token(_), Ok(rep)) if rep.status == 409 && rep.body.contains("duplicate_submission") => t.duplicate_409 += 1,
+                (Job::Token(_), Ok(rep)) if rep.status == 409 && rep.body.contains("duplicate_submission") => {
+                    t.duplicate_409 += 1
+                }
                 (_, Ok(rep)) => {
                     *t.other.entry(rep.status).or_default() += 1;
                     t.sample.get_or_insert(format!("{} {}", rep.status, rep.body));
@@ -276,17 +316,27 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
             let mut sent = 0u64;
             loop {
                 sent += 1;
-                let rep = request(&addr, "POST", "/payments", Some(&format!("storm-{seed}-{i}")), &format!(r#"{{"order_id": "ord_{i}", "amount": {}}}"#, 100 + i)).await;
+                let rep = request(
+                    &addr,
+                    "POST",
+                    "/payments",
+                    Some(&format!("storm-{seed}-{i}")),
+                    &format!(r#"{{"order_id": "ord_{i}", "amount": {}}}"#, 100 + i),
+                )
+                .await;
                 match rep {
                     Ok(rep) if (200..300).contains(&rep.status) => return (sent, Ok((Instant::now(), !rep.replayed))),
-                    Ok(rep) if Instant::now() > deadline => return (sent, Err(format!("{} {}", rep.status, rep.body.trim()))),
+                    Ok(rep) if Instant::now() > deadline => {
+                        return (sent, Err(format!("{} {}", rep.status, rep.body.trim())))
+                    }
                     Err(e) if Instant::now() > deadline => return (sent, Err(e)),
                     _ => tokio::time::sleep(Duration::from_millis(100)).await,
                 }
             }
         }));
     }
-    let (mut stuck, mut recovery, mut retry_requests, mut retry_fresh) = (Vec::new(), Duration::ZERO, 0u64, vec![0u32; keys as usize]);
+    let (mut stuck, mut recovery, mut retry_requests, mut retry_fresh) =
+        (Vec::new(), Duration::ZERO, 0u64, vec![0u32; keys as usize]);
     for (i, h) in retries.into_iter().enumerate() {
         let (sent, outcome) = h.await.map_err(|e| e.to_string())?;
         retry_requests += sent;
@@ -301,7 +351,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
 
     // Executions per logical payment: the records `orders` wrote.
     let mut conn = redis.connection();
-    let records: Vec<String> = redis::cmd("KEYS").arg("orders:payment:*").query(&mut conn).map_err(|e| e.to_string())?;
+    let records: Vec<String> =
+        redis::cmd("KEYS").arg("orders:payment:*").query(&mut conn).map_err(|e| e.to_string())?;
     let mut per_order: HashMap<String, u64> = HashMap::new();
     for k in &records {
         let v: String = redis::cmd("GET").arg(k).query(&mut conn).map_err(|e| e.to_string())?;
@@ -311,7 +362,10 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let pay_double: u64 = per_order.values().map(|n| n.saturating_sub(1)).sum();
     let missing = (0..keys).filter(|i| per_order.get(&format!("ord_{i}")).copied().unwrap_or(0) == 0).count();
     let product = request(&b_addr, "GET", "/products/9", None, "").await?;
-    let sold = serde_json::from_str::<serde_json::Value>(&product.body).ok().and_then(|v| v["sold"].as_u64()).ok_or_else(|| format!("GET /products/9: {}", product.body))?;
+    let sold = serde_json::from_str::<serde_json::Value>(&product.body)
+        .ok()
+        .and_then(|v| v["sold"].as_u64())
+        .ok_or_else(|| format!("GET /products/9: {}", product.body))?;
 
     let t = tally.lock().map_err(|_| "poisoned")?;
     // A double execution whose clients saw fewer fresh answers than there are
@@ -352,7 +406,11 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         ));
     }
     if !stuck.is_empty() {
-        r.fail(format!("{} key(s) stuck past lease + {MARGIN:?}: {}", stuck.len(), stuck.iter().take(5).cloned().collect::<Vec<_>>().join(", ")));
+        r.fail(format!(
+            "{} key(s) stuck past lease + {MARGIN:?}: {}",
+            stuck.len(),
+            stuck.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
+        ));
     }
     if missing > 0 && stuck.is_empty() {
         r.fail(format!("{missing} key(s) answered 2xx with no payment recorded"));

@@ -92,7 +92,10 @@ pub(crate) fn run(config_json: &str) -> Result<(), String> {
 async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend>>), String> {
     let lease = Duration::from_millis(cfg.lease_ms);
     if let Some(bug) = Bug::from_name(&cfg.backend) {
-        return BrokenLock::connect(bug, &cfg.urls, lease).await.map(|b| (Client::Broken(b), None)).map_err(|e| e.to_string());
+        return BrokenLock::connect(bug, &cfg.urls, lease)
+            .await
+            .map(|b| (Client::Broken(b), None))
+            .map_err(|e| e.to_string());
     }
     let options = LockerOptions::default().with_prefix(cfg.prefix.clone()).with_watchdog_lease(lease);
     if cfg.backend == "memory" {
@@ -136,7 +139,8 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
 
 async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
     let history = Arc::new(History::open(&cfg.history).map_err(|e| format!("cannot open the history: {e}"))?);
-    let resource = Resource::connect(&cfg.resource).await.map_err(|e| format!("cannot reach the resource server: {e}"))?;
+    let resource =
+        Resource::connect(&cfg.resource).await.map_err(|e| format!("cannot reach the resource server: {e}"))?;
     let (client, table) = connect(&cfg).await?;
     let client = Arc::new(client);
     let cfg = Arc::new(cfg);
@@ -169,7 +173,15 @@ fn ev(op: &str, task: u32, key: u32) -> Event {
     Event { task, key: Some(key), ..Event::now(op) }
 }
 
-async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, client: &Client, task: u32, seq: u64, rng: &mut Rng) {
+async fn one_op(
+    cfg: &WorkerConfig,
+    history: &History,
+    resource: &Resource,
+    client: &Client,
+    task: u32,
+    seq: u64,
+    rng: &mut Rng,
+) {
     let key = u32::try_from(rng.below(u64::from(cfg.keys))).unwrap_or(0);
     let owner = format!("{}-{task}-{seq}", std::process::id());
     // The op id the set registers take: unique in the run (pids differ).
@@ -225,7 +237,12 @@ async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, clie
     history.log(&Event { token: Some(token), owner: Some(owner.clone()), vu, left_us, ..ev("acq_ok", task, key) });
 
     let cs_sleep = Duration::from_millis(rng.below(cfg.cs_max_ms + 1));
-    let cs = critical_section(history, resource, Section { task, key, token, op_id: &op_id, set_cap: cfg.set_cap }, cs_sleep);
+    let cs = critical_section(
+        history,
+        resource,
+        Section { task, key, token, op_id: &op_id, set_cap: cfg.set_cap },
+        cs_sleep,
+    );
     tokio::pin!(cs);
     // The section runs to its end even after a loss, like an application
     // that ignores the signal: the resource's fencing must then refuse it.
@@ -242,7 +259,9 @@ async fn one_op(cfg: &WorkerConfig, history: &History, resource: &Resource, clie
     history.log(&Event { token: Some(token), ..ev("cs_exit", task, key) });
     history.log(&Event { token: Some(token), owner: Some(owner.clone()), ..ev("rel_invoke", task, key) });
     let released = match (client, hold) {
-        (_, Hold::Dlock(g)) => g.release().await.map(|held| if held { "freed" } else { "not_held" }).map_err(|e| e.to_string()),
+        (_, Hold::Dlock(g)) => {
+            g.release().await.map(|held| if held { "freed" } else { "not_held" }).map_err(|e| e.to_string())
+        }
         (Client::Broken(b), Hold::Broken(h)) => b.release(h).await.map(|()| "freed").map_err(|e| e.to_string()),
         (Client::Dlock(_), Hold::Broken(_)) => Err("a broken hold on the dlock client".to_owned()),
     };
@@ -310,19 +329,41 @@ async fn critical_section(history: &History, resource: &Resource, s: Section<'_>
                 Ok(Fenced::Stale) => "stale",
                 Err(_) => "error",
             };
-            history.log(&Event { token: Some(token), reg: Some("f".into()), res: Some(res.into()), val: Some(v + 1), ..ev("write", task, key) });
+            history.log(&Event {
+                token: Some(token),
+                reg: Some("f".into()),
+                res: Some(res.into()),
+                val: Some(v + 1),
+                ..ev("write", task, key)
+            });
         }
         Ok(Fenced::Stale) => {
-            history.log(&Event { token: Some(token), reg: Some("f".into()), res: Some("stale".into()), ..ev("write", task, key) });
+            history.log(&Event {
+                token: Some(token),
+                reg: Some("f".into()),
+                res: Some("stale".into()),
+                ..ev("write", task, key)
+            });
         }
         Err(_) => {
-            history.log(&Event { token: Some(token), reg: Some("f".into()), res: Some("error".into()), ..ev("write", task, key) });
+            history.log(&Event {
+                token: Some(token),
+                reg: Some("f".into()),
+                res: Some("error".into()),
+                ..ev("write", task, key)
+            });
         }
     }
     if let Ok(v) = plain {
         history.log(&Event { token: Some(token), reg: Some("u".into()), ..ev("w_invoke", task, key) });
         let res = if resource.write(key, v + 1).await.is_ok() { "ok" } else { "error" };
-        history.log(&Event { token: Some(token), reg: Some("u".into()), res: Some(res.into()), val: Some(v + 1), ..ev("write", task, key) });
+        history.log(&Event {
+            token: Some(token),
+            reg: Some("u".into()),
+            res: Some(res.into()),
+            val: Some(v + 1),
+            ..ev("write", task, key)
+        });
     }
     for (reg, read) in sets {
         let logged = |res: &str| Event {
@@ -359,4 +400,3 @@ fn error_kind(e: &dlock_core::Error) -> String {
         other => format!("other: {other}"),
     }
 }
-

@@ -52,7 +52,16 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         assert!(seen.contains(s), "scenario {s} missing from:\n{stdout}");
     }
     for r in &rows {
-        for field in ["scenario", "backend", "operations", "faults", "overlaps", "lost_updates", "stale_writes_refused", "expected_safe"] {
+        for field in [
+            "scenario",
+            "backend",
+            "operations",
+            "faults",
+            "overlaps",
+            "lost_updates",
+            "stale_writes_refused",
+            "expected_safe",
+        ] {
             assert!(!r[field].is_null(), "{field} missing in {r}");
         }
         if r["expected_safe"] == true {

@@ -9,10 +9,8 @@ use serde_json::Value;
 
 #[test]
 fn quick_json_run_prints_rows_for_both_benches() {
-    let out = Command::new(env!("CARGO_BIN_EXE_dlock-bench"))
-        .args(["--quick", "--json"])
-        .output()
-        .expect("run dlock-bench");
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_dlock-bench")).args(["--quick", "--json"]).output().expect("run dlock-bench");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "dlock-bench failed: {}\nstderr:\n{stderr}", out.status);
     let stdout = String::from_utf8(out.stdout).expect("utf-8 output");
@@ -73,23 +71,35 @@ fn quick_json_run_prints_rows_for_both_benches() {
     // --all-features, so ZooKeeper is in).
     for backend in ["redis", "redlock-3", "redlock-5", "zookeeper"] {
         for c in [1, 16] {
-            assert!(seen.contains(&("backends".to_owned(), "dlock".to_owned(), backend.to_owned(), Some(c))), "no backends row for {backend} at {c}");
+            assert!(
+                seen.contains(&("backends".to_owned(), "dlock".to_owned(), backend.to_owned(), Some(c))),
+                "no backends row for {backend} at {c}"
+            );
         }
         assert!(
             seen.contains(&("backends-handoff".to_owned(), "dlock".to_owned(), backend.to_owned(), Some(8))),
             "no backends-handoff row for {backend}"
         );
     }
-    let backend_ratios: Vec<f64> =
-        rows.iter().filter(|r| r["bench"] == "backends" && r["backend"] != "redis").filter_map(|r| r["ratio"].as_f64()).collect();
+    let backend_ratios: Vec<f64> = rows
+        .iter()
+        .filter(|r| r["bench"] == "backends" && r["backend"] != "redis")
+        .filter_map(|r| r["ratio"].as_f64())
+        .collect();
     assert_eq!(backend_ratios.len(), 6, "a ratio to single Redis on every backends row");
     // The HTTP layer against the route alone and the raw SET NX route.
     for (imp, backend) in [("no-layer", "memory"), ("layer", "memory"), ("layer", "redis"), ("raw-route", "redis")] {
-        assert!(seen.contains(&("http".to_owned(), imp.to_owned(), backend.to_owned(), Some(16))), "no http row for {imp}/{backend}");
+        assert!(
+            seen.contains(&("http".to_owned(), imp.to_owned(), backend.to_owned(), Some(16))),
+            "no http row for {imp}/{backend}"
+        );
     }
     // The same two routes in process, and the layer's ratio to the route alone.
     for imp in ["no-layer", "layer"] {
-        assert!(seen.contains(&("http-in-process".to_owned(), imp.to_owned(), "memory".to_owned(), Some(1))), "no in-process {imp} row");
+        assert!(
+            seen.contains(&("http-in-process".to_owned(), imp.to_owned(), "memory".to_owned(), Some(1))),
+            "no in-process {imp} row"
+        );
     }
     let in_process_ratio = rows
         .iter()
@@ -98,7 +108,16 @@ fn quick_json_run_prints_rows_for_both_benches() {
         .expect("the in-process layer row has a ratio");
     assert!(in_process_ratio > 0.0 && in_process_ratio < 2.0, "implausible in-process ratio {in_process_ratio}");
     // Idempotency-Key mode: the route alone, first requests and replays.
-    for (imp, backend) in [("no-layer", "memory"), ("first-request", "redis"), ("replay", "redis"), ("first-request", "memory"), ("replay", "memory")] {
-        assert!(seen.contains(&("idempotency".to_owned(), imp.to_owned(), backend.to_owned(), Some(8))), "no idempotency row for {imp}/{backend}");
+    for (imp, backend) in [
+        ("no-layer", "memory"),
+        ("first-request", "redis"),
+        ("replay", "redis"),
+        ("first-request", "memory"),
+        ("replay", "memory"),
+    ] {
+        assert!(
+            seen.contains(&("idempotency".to_owned(), imp.to_owned(), backend.to_owned(), Some(8))),
+            "no idempotency row for {imp}/{backend}"
+        );
     }
 }

@@ -24,7 +24,8 @@ impl Reply {
     }
 
     fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("status {}, body not JSON ({e}): {:?}", self.status, self.body))
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("status {}, body not JSON ({e}): {:?}", self.status, self.body))
     }
 }
 
@@ -53,7 +54,10 @@ async fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)],
         .filter_map(|l| l.split_once(':'))
         .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .collect::<Vec<_>>();
-    assert!(!headers.iter().any(|(n, v)| n == "transfer-encoding" && v.contains("chunked")), "unexpected chunked reply");
+    assert!(
+        !headers.iter().any(|(n, v)| n == "transfer-encoding" && v.contains("chunked")),
+        "unexpected chunked reply"
+    );
     Reply { status, headers, body: body.to_owned() }
 }
 
@@ -78,11 +82,12 @@ impl Orders {
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("start the orders binary");
         let stdout = child.stdout.take().expect("piped stdout");
-        let addr =
-            tokio::task::spawn_blocking(move || dlock_testing::announced_address(stdout, Duration::from_secs(30), None))
-                .await
-                .expect("join")
-                .expect("orders logged its address within 30 s");
+        let addr = tokio::task::spawn_blocking(move || {
+            dlock_testing::announced_address(stdout, Duration::from_secs(30), None)
+        })
+        .await
+        .expect("join")
+        .expect("orders logged its address within 30 s");
         let deadline = Instant::now() + Duration::from_secs(30);
         while request(&addr, "GET", "/health", &[], "").await.status != 200 {
             assert!(Instant::now() < deadline, "orders not healthy within 30 s");
@@ -118,7 +123,9 @@ async fn one_token_twenty_submits_two_instances_one_order() {
         .map(|i| {
             let addr = if i % 2 == 0 { a.addr.clone() } else { b.addr.clone() };
             let path = format!("/orders?token={token}");
-            tokio::spawn(async move { request(&addr, "POST", &path, &[], r#"{"product": {"id": 9}, "quantity": 1}"#).await })
+            tokio::spawn(
+                async move { request(&addr, "POST", &path, &[], r#"{"product": {"id": 9}, "quantity": 1}"#).await },
+            )
         })
         .collect();
     let (mut created, mut duplicate) = (0, 0);
@@ -150,7 +157,9 @@ async fn one_key_storm_across_two_instances_pays_once() {
     let tasks: Vec<_> = (0..20)
         .map(|i| {
             let addr = if i % 2 == 0 { a.addr.clone() } else { b.addr.clone() };
-            tokio::spawn(async move { request(&addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await })
+            tokio::spawn(
+                async move { request(&addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await },
+            )
         })
         .collect();
     let (mut created, mut in_progress, mut replayed) = (Vec::new(), 0, 0);
@@ -182,12 +191,26 @@ async fn one_key_storm_across_two_instances_pays_once() {
     }
     assert_eq!(payment_count(&redis), 1);
 
-    let other = request(&b.addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], r#"{"order_id": "ord_1", "amount": 1}"#).await;
+    let other = request(
+        &b.addr,
+        "POST",
+        "/payments",
+        &[("idempotency-key", "pay-storm")],
+        r#"{"order_id": "ord_1", "amount": 1}"#,
+    )
+    .await;
     assert_eq!((other.status, other.json()["error"].clone()), (422, json!("idempotency_key_mismatch")));
     let none = request(&a.addr, "POST", "/payments", &[], body).await;
     assert_eq!((none.status, none.json()["error"].clone()), (400, json!("idempotency_key_missing")));
     // Another caller (other credentials) with the same key is a new payment.
-    let bob = request(&a.addr, "POST", "/payments", &[("idempotency-key", "pay-storm"), ("authorization", "Bearer bob")], body).await;
+    let bob = request(
+        &a.addr,
+        "POST",
+        "/payments",
+        &[("idempotency-key", "pay-storm"), ("authorization", "Bearer bob")],
+        body,
+    )
+    .await;
     assert_eq!((bob.status, bob.header("idempotent-replayed")), (201, None));
     assert_ne!(bob.body, first.body);
     assert_eq!(payment_count(&redis), 2);

@@ -119,10 +119,12 @@ impl Orders {
         // The log line names the port the OS picked; the rest of the log is
         // shown with ORDERS_TEST_LOG set, so a failing test can tell why.
         let echo = std::env::var_os("ORDERS_TEST_LOG").is_some().then_some("orders");
-        let addr = tokio::task::spawn_blocking(move || dlock_testing::announced_address(stdout, Duration::from_secs(30), echo))
-            .await
-            .expect("join")
-            .unwrap_or_else(|e| panic!("orders: {e}"));
+        let addr = tokio::task::spawn_blocking(move || {
+            dlock_testing::announced_address(stdout, Duration::from_secs(30), echo)
+        })
+        .await
+        .expect("join")
+        .unwrap_or_else(|e| panic!("orders: {e}"));
         let orders = Orders { child, addr };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -250,10 +252,11 @@ async fn a_dead_redis_is_a_quick_503_and_the_service_recovers() {
 
     redis.kill();
     let started = Instant::now();
-    let r = tokio::time::timeout(Duration::from_secs(10), request(&orders.addr, "POST", "/stock/reduce", Some(&reduce)))
-        .await
-        .expect("an answer within 10 s, not a hang")
-        .expect("an HTTP answer");
+    let r =
+        tokio::time::timeout(Duration::from_secs(10), request(&orders.addr, "POST", "/stock/reduce", Some(&reduce)))
+            .await
+            .expect("an answer within 10 s, not a hang")
+            .expect("an HTTP answer");
     eprintln!("dead redis answered {} in {:?}: {}", r.status, started.elapsed(), r.json);
     assert_eq!(r.status, 503, "{}", r.json);
     assert_eq!(r.json["error"], "lock_backend_unavailable");

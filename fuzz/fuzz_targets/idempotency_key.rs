@@ -40,9 +40,8 @@ fn fixture() -> &'static Fixture {
         // A short TTL keeps a long fuzzing run's store small.
         let idem = Idempotency::new(Arc::new(MemoryStore::new("fuzz"))).with_ttl(Duration::from_secs(5));
         // Every fuzz case is its own caller, so cases never see each other's keys.
-        let layer = IdempotencyLayer::new(idem).scope(|parts| {
-            parts.headers.get("x-case").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned()
-        });
+        let layer = IdempotencyLayer::new(idem)
+            .scope(|parts| parts.headers.get("x-case").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned());
         let route = post(|body: Bytes| async move {
             let run = RUNS.fetch_add(1, Ordering::SeqCst) + 1;
             (StatusCode::CREATED, format!("run {run}, {} bytes", body.len()))
@@ -79,7 +78,8 @@ fuzz_target!(|input: (Vec<u8>, Vec<u8>, Vec<u8>)| {
         })
     };
     let error = |out: &Bytes| -> String {
-        let v: serde_json::Value = serde_json::from_slice(out).unwrap_or_else(|e| panic!("no JSON error body: {e}: {out:?}"));
+        let v: serde_json::Value =
+            serde_json::from_slice(out).unwrap_or_else(|e| panic!("no JSON error body: {e}: {out:?}"));
         v["error"].as_str().unwrap_or_else(|| panic!("{v}")).to_owned()
     };
     let before = RUNS.load(Ordering::SeqCst);

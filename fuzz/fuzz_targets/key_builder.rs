@@ -147,9 +147,8 @@ fuzz_target!(|input: (String, Vec<Part>, Twist)| {
         }
     }
     if let (Ok(ka), Ok(kb)) = (ka, kb) {
-        let same_input = name_a == name_b
-            && a.len() == b.len()
-            && a.iter().zip(&b).all(|(x, y)| x.meaning() == y.meaning());
+        let same_input =
+            name_a == name_b && a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.meaning() == y.meaning());
         assert_eq!(ka == kb, same_input, "{ka:?} vs {kb:?} from {name_a:?} {a:?} / {name_b:?} {b:?}");
     }
 });

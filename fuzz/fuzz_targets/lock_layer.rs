@@ -13,6 +13,7 @@
 
 use std::sync::OnceLock;
 
+use arbitrary::Arbitrary;
 use axum::body::{Body, Bytes};
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
@@ -20,7 +21,6 @@ use axum::{Extension, Router};
 use dlock_axum::{LockLayer, LockerExt};
 use dlock_core::{escape_into, Error, KeyPart, LockKey, Locker, MemoryBackend, MAX_KEY_LEN};
 use http_body_util::BodyExt;
-use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 use tower::ServiceExt;
@@ -39,9 +39,7 @@ fn fixture() -> &'static Fixture {
         let rt = tokio::runtime::Builder::new_current_thread().build().expect("a runtime");
         let locker = Locker::new(MemoryBackend::new());
         let layer = LockLayer::new("fuzz").json("a.b").query("t").max_body_bytes(LIMIT);
-        let app = Router::new()
-            .route("/r", post(route).layer(layer))
-            .with_locker(locker);
+        let app = Router::new().route("/r", post(route).layer(layer)).with_locker(locker);
         Fixture { rt, app }
     })
 }
@@ -51,7 +49,11 @@ fn fixture() -> &'static Fixture {
 struct Expected(LockKey);
 
 /// Echoes the body; proves the expected key is the one held.
-async fn route(Extension(locker): Extension<Locker>, expected: Option<Extension<Expected>>, body: Bytes) -> (StatusCode, Bytes) {
+async fn route(
+    Extension(locker): Extension<Locker>,
+    expected: Option<Extension<Expected>>,
+    body: Bytes,
+) -> (StatusCode, Bytes) {
     let Some(Extension(Expected(key))) = expected else {
         return (StatusCode::IM_A_TEAPOT, Bytes::from_static(b"the route ran although the oracle refuses the request"));
     };
@@ -190,10 +192,21 @@ impl Doc {
 #[derive(Debug, Arbitrary)]
 enum BodyShape {
     /// `{..before, "a": {..inner, "b": field, ..after}, ..rest}`
-    Keyed { before: Vec<(String, Doc)>, inner: Vec<(String, Doc)>, field: Option<Doc>, after: Vec<(String, Doc)>, rest: Vec<(String, Doc)> },
+    Keyed {
+        before: Vec<(String, Doc)>,
+        inner: Vec<(String, Doc)>,
+        field: Option<Doc>,
+        after: Vec<(String, Doc)>,
+        rest: Vec<(String, Doc)>,
+    },
     Any(Doc),
     /// A keyed body cut at `cut` bytes or with `byte` put at `at`.
-    Damaged { doc: Box<BodyShape>, cut: Option<u16>, at: u16, byte: Option<u8> },
+    Damaged {
+        doc: Box<BodyShape>,
+        cut: Option<u16>,
+        at: u16,
+        byte: Option<u8>,
+    },
     Raw(Vec<u8>),
 }
 
@@ -258,15 +271,14 @@ impl QueryShape {
 }
 
 fn percent(s: &str) -> String {
-    s.bytes()
-        .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
-        .collect()
+    s.bytes().map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
 }
 
 fuzz_target!(|input: (BodyShape, QueryShape)| {
     let (body, query) = (input.0.bytes(), input.1.text());
     let f = fixture();
-    let Ok(req) = Request::post(format!("/r?{query}")).header("content-type", "application/json").body(Body::from(body.clone()))
+    let Ok(req) =
+        Request::post(format!("/r?{query}")).header("content-type", "application/json").body(Body::from(body.clone()))
     else {
         return; // not a URI a client can send
     };
@@ -284,12 +296,15 @@ fuzz_target!(|input: (BodyShape, QueryShape)| {
         (status, out)
     });
     let error = || -> String {
-        let v: Value = serde_json::from_slice(&out).unwrap_or_else(|e| panic!("{status} without a JSON body: {e}: {out:?}"));
+        let v: Value =
+            serde_json::from_slice(&out).unwrap_or_else(|e| panic!("{status} without a JSON body: {e}: {out:?}"));
         assert!(v["code"].is_u64() && v["message"].is_string(), "{status}: {v}");
         v["error"].as_str().unwrap_or_else(|| panic!("{status}: {v}")).to_owned()
     };
     match verdict {
-        Verdict::TooLarge => assert_eq!((status, error().as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")),
+        Verdict::TooLarge => {
+            assert_eq!((status, error().as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"))
+        }
         Verdict::InvalidJson => assert_eq!((status, error().as_str()), (StatusCode::BAD_REQUEST, "invalid_json")),
         Verdict::Missing => assert_eq!((status, error().as_str()), (StatusCode::BAD_REQUEST, "lock_key_field_missing")),
         Verdict::KeyTooLong => assert_eq!((status, error().as_str()), (StatusCode::BAD_REQUEST, "lock_key_invalid")),

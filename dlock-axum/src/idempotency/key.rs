@@ -239,7 +239,10 @@ impl Drop for ClaimGuard {
                     }
                 });
             }
-            Err(_) => tracing::warn!(key = claim.key(), "dlock: no runtime to free an idempotency key; it frees itself when its lease ends"),
+            Err(_) => tracing::warn!(
+                key = claim.key(),
+                "dlock: no runtime to free an idempotency key; it frees itself when its lease ends"
+            ),
         }
     }
 }
@@ -333,7 +336,11 @@ where
         Err(e) => {
             abandon(&*store, &claim).await;
             if e.is::<LengthLimitError>() {
-                tracing::error!(key = claim.key(), limit = layer.max_response_bytes, "dlock: response too large to store for replay");
+                tracing::error!(
+                    key = claim.key(),
+                    limit = layer.max_response_bytes,
+                    "dlock: response too large to store for replay"
+                );
                 return Rejection::idempotency_response_too_large().into_response();
             }
             tracing::warn!(error = %e, "dlock: reading the route's response failed");
@@ -343,12 +350,17 @@ where
     let headers = layer
         .stored_headers
         .iter()
-        .flat_map(|name| res_parts.headers.get_all(name).iter().map(move |v| (name.as_str().to_owned(), v.as_bytes().to_vec())))
+        .flat_map(|name| {
+            res_parts.headers.get_all(name).iter().map(move |v| (name.as_str().to_owned(), v.as_bytes().to_vec()))
+        })
         .collect();
     let stored = StoredResponse::new(res_parts.status.as_u16(), headers, bytes.to_vec());
     match store.complete(&claim, &stored, layer.idem.ttl).await {
         Ok(true) => {}
-        Ok(false) => tracing::warn!(key = claim.key(), "dlock: the idempotency lease ran out before the route answered; response not stored"),
+        Ok(false) => tracing::warn!(
+            key = claim.key(),
+            "dlock: the idempotency lease ran out before the route answered; response not stored"
+        ),
         Err(e) => tracing::warn!(error = %e, key = claim.key(), "dlock: storing the idempotent response failed"),
     }
     res_parts.headers.remove(header::CONTENT_LENGTH);

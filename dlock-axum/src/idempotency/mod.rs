@@ -46,7 +46,7 @@ mod key;
 mod token;
 
 pub use key::{IdempotencyLayer, IdempotencyService, ScopeFn, DEFAULT_STORED_HEADERS};
-pub use token::{TokenLayer, TokenService, TokenResponse};
+pub use token::{TokenLayer, TokenResponse, TokenService};
 
 /// The header a retried response carries.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -120,8 +120,11 @@ impl Idempotency {
     /// ```
     pub fn token_handler(
         &self,
-    ) -> impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>> + Clone + Send + Sync + 'static
-    {
+    ) -> impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
+           + Clone
+           + Send
+           + Sync
+           + 'static {
         let idem = self.clone();
         move || {
             let idem = idem.clone();

@@ -31,7 +31,11 @@ impl TokenResponse {
     /// `{"token": ..., "expires_in_secs": ...}`.
     pub fn to_json(&self) -> String {
         // Written by hand to keep the documented field order.
-        format!("{{\"token\":{},\"expires_in_secs\":{}}}", serde_json::Value::from(self.token.as_str()), self.expires_in_secs)
+        format!(
+            "{{\"token\":{},\"expires_in_secs\":{}}}",
+            serde_json::Value::from(self.token.as_str()),
+            self.expires_in_secs
+        )
     }
 }
 

@@ -316,8 +316,23 @@ mod tests {
         });
         let body = serde_json::to_vec(&doc).expect("json");
         let paths = [
-            "product.id", "product.tags.1.sku", "product.tags.0", "product.tags.9", "product.id.x", "token", "qty",
-            "flag", "big", "esc\"aped.k.2", "list.1.a.b", "list.0.1", "list.1", "list.01.a", "product", "nope", "product.name",
+            "product.id",
+            "product.tags.1.sku",
+            "product.tags.0",
+            "product.tags.9",
+            "product.id.x",
+            "token",
+            "qty",
+            "flag",
+            "big",
+            "esc\"aped.k.2",
+            "list.1.a.b",
+            "list.0.1",
+            "list.1",
+            "list.01.a",
+            "product",
+            "nope",
+            "product.name",
         ];
         let (w, segs) = want(&paths);
         let pruned = read(&body, &w).expect("valid");

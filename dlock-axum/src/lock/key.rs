@@ -73,16 +73,19 @@ pub(crate) async fn build_key(
             }
             KeySource::Path(name) => {
                 if path_params.is_none() {
-                    path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|e| match e {
-                        // The client's fault (`/items/%FF`): a 400, not a 500.
-                        RawPathParamsRejection::InvalidUtf8InPathParam(_) => Rejection::lock_key_invalid()
-                            .with_message(format!("{source} is not valid UTF-8 once percent-decoded")),
-                        _ => {
-                            tracing::error!(
-                                "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
+                    path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|e| {
+                        match e {
+                            // The client's fault (`/items/%FF`): a 400, not a 500.
+                            RawPathParamsRejection::InvalidUtf8InPathParam(_) => Rejection::lock_key_invalid()
+                                .with_message(format!("{source} is not valid UTF-8 once percent-decoded")),
+                            _ => {
+                                tracing::error!(
+                                    "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
                                  or the router (`post(handler).layer(..)`, `Router::layer`), not around the router"
-                            );
-                            Rejection::misconfigured().with_message("the lock layer cannot see the route's path parameters")
+                                );
+                                Rejection::misconfigured()
+                                    .with_message("the lock layer cannot see the route's path parameters")
+                            }
                         }
                     })?);
                 }
@@ -96,9 +99,9 @@ pub(crate) async fn build_key(
             }
             KeySource::Header(name) => {
                 let value = parts.headers.get(name).ok_or_else(|| Rejection::missing_field(source))?;
-                let text = value
-                    .to_str()
-                    .map_err(|_| Rejection::lock_key_invalid().with_message(format!("{source} is not visible ASCII")))?;
+                let text = value.to_str().map_err(|_| {
+                    Rejection::lock_key_invalid().with_message(format!("{source} is not visible ASCII"))
+                })?;
                 key.push(text);
             }
         }

@@ -260,8 +260,10 @@ async fn acquire_for(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admit
 /// Most bodies arrive in one frame, which is kept as it is: no copy and no
 /// buffer list (`BodyExt::collect` makes both for every body).
 async fn read_body(headers: &axum::http::HeaderMap, mut body: Body, limit: usize) -> Result<Bytes, Rejection> {
-    let too_large = || Rejection::payload_too_large().with_message(format!("the request body is larger than {limit} bytes"));
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let too_large =
+        || Rejection::payload_too_large().with_message(format!("the request body is larger than {limit} bytes"));
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }

@@ -266,11 +266,7 @@ impl Backend for MemoryBackend {
         "memory"
     }
 
-    fn acquire<'a>(
-        &'a self,
-        req: &'a AcquireRequest,
-        cancel: &'a CancellationToken,
-    ) -> BoxFuture<'a, Result<Grant>> {
+    fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(acquire_loop(
             req,
             cancel,
@@ -288,12 +284,7 @@ impl Backend for MemoryBackend {
         ))
     }
 
-    fn renew<'a>(
-        &'a self,
-        key: &'a LockKey,
-        owner: &'a Owner,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Renewal>> {
+    fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         let now = Instant::now();
         let mut state = self.state();
         let renewal = match state.slots.get_mut(key).and_then(|s| s.live_holder(now)) {

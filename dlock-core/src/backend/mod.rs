@@ -145,19 +145,10 @@ pub trait Backend: std::any::Any + Send + Sync + std::fmt::Debug {
     /// Returns [`Error::Busy`] when `req.deadline` is `None` and the key is
     /// held, [`Error::Timeout`] when the deadline passes, and
     /// [`Error::Cancelled`] when `cancel` fires during a wait.
-    fn acquire<'a>(
-        &'a self,
-        req: &'a AcquireRequest,
-        cancel: &'a CancellationToken,
-    ) -> BoxFuture<'a, Result<Grant>>;
+    fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>>;
 
     /// Extends our lease on `key` to `lease` from now, if we still hold it.
-    fn renew<'a>(
-        &'a self,
-        key: &'a LockKey,
-        owner: &'a Owner,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Renewal>>;
+    fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>>;
 
     /// Gives back one hold on `key`, if `owner` still has it.
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>>;

@@ -74,10 +74,12 @@ pub struct RedLockBackend {
 
 impl std::fmt::Debug for RedLockBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedLockBackend").field("nodes", &self.nodes.len()).field("node_timeout", &self.node_timeout).finish()
+        f.debug_struct("RedLockBackend")
+            .field("nodes", &self.nodes.len())
+            .field("node_timeout", &self.node_timeout)
+            .finish()
     }
 }
-
 
 impl RedLockBackend {
     /// Connects to every master with the default per-node timeout.
@@ -152,7 +154,13 @@ impl RedLockBackend {
         for (i, loaded) in join_all(nodes.iter().map(|n| n.load_scripts())).await.into_iter().enumerate() {
             loaded.map_err(on_node(i))?;
         }
-        Ok(RedLockBackend { nodes, node_timeout, holds: Mutex::default(), wakeups: Mutex::default(), turns: Mutex::default() })
+        Ok(RedLockBackend {
+            nodes,
+            node_timeout,
+            holds: Mutex::default(),
+            wakeups: Mutex::default(),
+            turns: Mutex::default(),
+        })
     }
 
     fn quorum(&self) -> usize {
@@ -362,7 +370,8 @@ impl RedLockBackend {
             .iter()
             .map(|n| {
                 let (subscriber, channel, notify) = (n.subscriber.clone(), channel.clone(), notify.clone());
-                Box::pin(async move { subscriber.register_shared(channel, Some(notify)).await }) as BoxFuture<'static, _>
+                Box::pin(async move { subscriber.register_shared(channel, Some(notify)).await })
+                    as BoxFuture<'static, _>
             })
             .collect();
         let mut confirmed = Vec::with_capacity(self.nodes.len());
@@ -403,11 +412,7 @@ impl Backend for RedLockBackend {
         "redlock"
     }
 
-    fn acquire<'a>(
-        &'a self,
-        req: &'a AcquireRequest,
-        cancel: &'a CancellationToken,
-    ) -> BoxFuture<'a, Result<Grant>> {
+    fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
             let started = Instant::now();
             let reentry = {
@@ -438,12 +443,7 @@ impl Backend for RedLockBackend {
         })
     }
 
-    fn renew<'a>(
-        &'a self,
-        key: &'a LockKey,
-        owner: &'a Owner,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Renewal>> {
+    fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
             let sent = Instant::now();
             let held_in = |a: &[(usize, Renewal)]| a.iter().filter(|(_, a)| matches!(a, Renewal::Held { .. })).count();
@@ -487,8 +487,10 @@ impl Backend for RedLockBackend {
                 )
                 .await;
             let freed = answers.iter().filter(|(_, a)| matches!(a, Release::Freed)).count();
-            let still: Vec<u32> =
-                answers.iter().filter_map(|(_, a)| if let Release::StillHeld(n) = a { Some(*n) } else { None }).collect();
+            let still: Vec<u32> = answers
+                .iter()
+                .filter_map(|(_, a)| if let Release::StillHeld(n) = a { Some(*n) } else { None })
+                .collect();
             let answered = answers.len();
             if freed >= self.quorum() {
                 Ok(Release::Freed)

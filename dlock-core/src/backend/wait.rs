@@ -18,7 +18,9 @@ pub(crate) enum Attempt {
     Acquired(Grant),
     /// Held by someone else; the holder's lease ends in `retry_in` (`None`:
     /// unknown, wait for a release or the deadline).
-    Held { retry_in: Option<Duration> },
+    Held {
+        retry_in: Option<Duration>,
+    },
 }
 
 /// Waking a little after the holder's TTL ends avoids a try that would find

@@ -154,7 +154,11 @@ impl std::fmt::Debug for ZooKeeperBackend {
 }
 
 fn zk_error(e: zk::Error) -> Error {
-    Error::Backend { backend: "zookeeper", message: format!("ZooKeeper request failed: {e}"), source: Some(Box::new(e)) }
+    Error::Backend {
+        backend: "zookeeper",
+        message: format!("ZooKeeper request failed: {e}"),
+        source: Some(Box::new(e)),
+    }
 }
 
 /// Whether an error is the server's answer to the request, as opposed to
@@ -211,7 +215,13 @@ impl ZooKeeperBackend {
             connect_string.to_owned(),
             session_timeout,
         ));
-        Ok(ZooKeeperBackend { session, prefix: prefix.to_owned(), state, holds, response_timeout: session_timeout * 2 / 3 })
+        Ok(ZooKeeperBackend {
+            session,
+            prefix: prefix.to_owned(),
+            state,
+            holds,
+            response_timeout: session_timeout * 2 / 3,
+        })
     }
 
     /// How long an acquire may take past its wait (a try-once acquire: at
@@ -260,7 +270,10 @@ impl ZooKeeperBackend {
     }
 
     fn no_answer(&self) -> Error {
-        Error::backend("zookeeper", format!("no answer from ZooKeeper within the response timeout ({:?})", self.response_timeout))
+        Error::backend(
+            "zookeeper",
+            format!("no answer from ZooKeeper within the response timeout ({:?})", self.response_timeout),
+        )
     }
 
     /// The current session.
@@ -357,7 +370,11 @@ impl ZooKeeperBackend {
                     let at = confirmed_at(&confirmed) + allowed;
                     tokio::time::sleep_until(at).await;
                     if confirmed_at(&confirmed) + allowed <= Instant::now() {
-                        tracing::warn!(node, ?timeout, "no answer from ZooKeeper for a session timeout: the lock may be gone");
+                        tracing::warn!(
+                            node,
+                            ?timeout,
+                            "no answer from ZooKeeper for a session timeout: the lock may be gone"
+                        );
                         return LostReason::SessionExpired;
                     }
                 }
@@ -411,7 +428,10 @@ impl ZooKeeperBackend {
                 Err(e) => return Err(zk_error(e)),
             }
         }
-        Err(last.map_or_else(|| Error::backend("zookeeper", format!("could not create a lock node under `{dir}`")), zk_error))
+        Err(last.map_or_else(
+            || Error::backend("zookeeper", format!("could not create a lock node under `{dir}`")),
+            zk_error,
+        ))
     }
 
     /// Our node under `dir`, by the prefix only we use, with its creation
@@ -550,7 +570,10 @@ async fn open_session(connect_string: &str, session_timeout: Duration) -> Result
             })
         }
         Err(_) => {
-            return Err(Error::backend("zookeeper", format!("no session with `{connect_string}` within {session_timeout:?}")))
+            return Err(Error::backend(
+                "zookeeper",
+                format!("no session with `{connect_string}` within {session_timeout:?}"),
+            ))
         }
     };
     let (tx, state) = watch::channel(ConnectionState::Connected);
@@ -593,7 +616,9 @@ async fn supervise(
         loop {
             let now = *state.borrow_and_update();
             match now {
-                ConnectionState::Suspended => tracing::warn!("ZooKeeper session suspended: locks held until the session timeout"),
+                ConnectionState::Suspended => {
+                    tracing::warn!("ZooKeeper session suspended: locks held until the session timeout")
+                }
                 ConnectionState::Lost => tracing::error!("ZooKeeper session lost: every lock it held is gone"),
                 ConnectionState::Connected => tracing::debug!("ZooKeeper session connected"),
             }
@@ -647,9 +672,9 @@ async fn heartbeat(session: Weak<RwLock<Session>>, id: zk::SessionId, confirmed:
         let sent = Instant::now();
         match client.check_stat("/").await {
             Ok(_) => confirm(&confirmed, sent),
-            Err(zk::Error::SessionExpired | zk::Error::SessionMoved | zk::Error::ClientClosed | zk::Error::AuthFailed) => {
-                return
-            }
+            Err(
+                zk::Error::SessionExpired | zk::Error::SessionMoved | zk::Error::ClientClosed | zk::Error::AuthFailed,
+            ) => return,
             // Any other answer (a chroot without `/`'s permission, say) came
             // from a server that touched the session all the same.
             Err(e) if answered(&e) => confirm(&confirmed, sent),
@@ -660,14 +685,22 @@ async fn heartbeat(session: Weak<RwLock<Session>>, id: zk::SessionId, confirmed:
     }
 }
 
-fn lock_holds(holds: &Mutex<HashMap<(LockKey, Owner), Hold>>) -> std::sync::MutexGuard<'_, HashMap<(LockKey, Owner), Hold>> {
+fn lock_holds(
+    holds: &Mutex<HashMap<(LockKey, Owner), Hold>>,
+) -> std::sync::MutexGuard<'_, HashMap<(LockKey, Owner), Hold>> {
     // Every update of the map is a single insert, remove or field write, so a
     // panic elsewhere cannot leave it half-done.
     holds.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Deletes a hold's node when its lease ends without renewal or release.
-async fn expire(client: zk::Client, holds: Holds, id: (LockKey, Owner), node: String, mut expiry: watch::Receiver<Instant>) {
+async fn expire(
+    client: zk::Client,
+    holds: Holds,
+    id: (LockKey, Owner),
+    node: String,
+    mut expiry: watch::Receiver<Instant>,
+) {
     loop {
         let at = *expiry.borrow_and_update();
         tokio::select! {
@@ -705,7 +738,12 @@ async fn sweep(client: zk::Client, dir: String, name: String) {
         let children = match client.list_children(&dir).await {
             Ok(children) => children,
             Err(zk::Error::NoNode) => return,
-            Err(e @ (zk::Error::SessionExpired | zk::Error::SessionMoved | zk::Error::ClientClosed | zk::Error::AuthFailed)) => {
+            Err(
+                e @ (zk::Error::SessionExpired
+                | zk::Error::SessionMoved
+                | zk::Error::ClientClosed
+                | zk::Error::AuthFailed),
+            ) => {
                 // An ephemeral node goes with its session.
                 tracing::debug!(error = %e, dir, name, "session over; no orphan left to sweep");
                 return;
@@ -735,11 +773,7 @@ impl Backend for ZooKeeperBackend {
         "zookeeper"
     }
 
-    fn acquire<'a>(
-        &'a self,
-        req: &'a AcquireRequest,
-        cancel: &'a CancellationToken,
-    ) -> BoxFuture<'a, Result<Grant>> {
+    fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
             let id = (req.key.clone(), req.owner.clone());
             let joined = self.holds().get_mut(&id).map(|hold| {
@@ -788,12 +822,7 @@ impl Backend for ZooKeeperBackend {
         })
     }
 
-    fn renew<'a>(
-        &'a self,
-        key: &'a LockKey,
-        owner: &'a Owner,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Renewal>> {
+    fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
             let hold = self.holds().get(&(key.clone(), owner.clone())).map(|h| (h.node.clone(), h.client.clone()));
             let Some((node, client)) = hold else { return Ok(Renewal::Lost) };

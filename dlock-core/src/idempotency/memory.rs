@@ -133,13 +133,20 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
-    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse, ttl: Duration) -> BoxFuture<'a, Result<bool>> {
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
             let mut inner = self.lock()?;
             let id = (claim.scope.clone(), claim.key.clone());
             match inner.records.get_mut(&id) {
-                Some(r) if r.expires > now && matches!(&r.state, State::InProgress { owner } if *owner == claim.owner) => {
+                Some(r)
+                    if r.expires > now && matches!(&r.state, State::InProgress { owner } if *owner == claim.owner) =>
+                {
                     r.state = State::Completed(response.clone());
                     r.expires = now + ttl;
                     Ok(true)

@@ -45,9 +45,9 @@ mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 
-pub use memory::MemoryStore;
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
+pub use memory::MemoryStore;
 
 /// Random bytes in a token: 128 bits, shown as 32 hex characters.
 pub const TOKEN_BYTES: usize = 16;
@@ -85,7 +85,12 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
 
     /// Stores the response of a claimed key for `ttl`. `Ok(false)` when the
     /// claim is no longer ours (its lease ran out and another request took it).
-    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse, ttl: Duration) -> BoxFuture<'a, Result<bool>>;
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool>>;
 
     /// Frees a claimed key so that a retry runs again. `Ok(false)` when the
     /// claim is no longer ours.

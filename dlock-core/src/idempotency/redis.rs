@@ -151,19 +151,27 @@ impl IdempotencyStore for RedisStore {
                 .invoke_async(&mut self.conn.clone())
                 .await
                 .map_err(redis_error)?;
-            let unexpected = |v: &redis::Value| Error::backend("redis", format!("unexpected reply from the begin script: {v:?}"));
+            let unexpected =
+                |v: &redis::Value| Error::backend("redis", format!("unexpected reply from the begin script: {v:?}"));
             let redis::Value::Array(items) = &reply else { return Err(unexpected(&reply)) };
             Ok(match items.as_slice() {
                 [redis::Value::Int(0)] => Begin::New(claim),
                 [redis::Value::Int(1)] => Begin::InProgress,
                 [redis::Value::Int(3)] => Begin::Mismatch,
-                [redis::Value::Int(2), redis::Value::BulkString(bytes)] => Begin::Completed(StoredResponse::decode(bytes)?),
+                [redis::Value::Int(2), redis::Value::BulkString(bytes)] => {
+                    Begin::Completed(StoredResponse::decode(bytes)?)
+                }
                 _ => return Err(unexpected(&reply)),
             })
         })
     }
 
-    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse, ttl: Duration) -> BoxFuture<'a, Result<bool>> {
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let done: i64 = self
                 .complete

@@ -371,7 +371,8 @@ pub(crate) async fn max_hold_stops_the_watchdog<H: Harness>(h: &H) {
     let (a, b) = (h.client().await, h.client().await);
     let k = key(&a, "max-hold");
     let granted = Instant::now();
-    let stalled = a.acquire(&k, AcquireOptions::new().watchdog().max_hold(Duration::from_millis(900))).await.expect("free");
+    let stalled =
+        a.acquire(&k, AcquireOptions::new().watchdog().max_hold(Duration::from_millis(900))).await.expect("free");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(b.try_acquire(&k).await.is_err(), "renewed past its lease before max_hold");
     let next = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("free after max_hold");

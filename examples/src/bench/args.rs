@@ -56,10 +56,7 @@ impl Args {
                 _ => (arg.clone(), None),
             };
             let mut value = |name: &str| -> Result<String> {
-                inline
-                    .clone()
-                    .or_else(|| it.next())
-                    .ok_or_else(|| BenchError::Usage(format!("{name} needs a value")))
+                inline.clone().or_else(|| it.next()).ok_or_else(|| BenchError::Usage(format!("{name} needs a value")))
             };
             match flag.as_str() {
                 "--json" => json = true,

@@ -47,7 +47,8 @@ async fn redlock(name: &'static str, n: usize, prefix: &str) -> Result<Under> {
     let servers: Vec<RedisServer> = (0..n).map(|_| RedisServer::start()).collect();
     let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
     let backend = RedLockBackend::connect(&urls, prefix).await?;
-    let locker = Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default().with_prefix(prefix))?;
+    let locker =
+        Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default().with_prefix(prefix))?;
     Ok(Under {
         name,
         locker,
@@ -62,7 +63,8 @@ async fn zookeeper(prefix: &str) -> Result<Option<Under>> {
     use dlock_core::backend::zookeeper::ZooKeeperBackend;
     let server = dlock_testing::ZooKeeperServer::start();
     let backend = ZooKeeperBackend::connect(&server.connect_string(), prefix).await?;
-    let locker = Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default().with_prefix(prefix))?;
+    let locker =
+        Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default().with_prefix(prefix))?;
     Ok(Some(Under { name: "zookeeper", locker, _servers: Vec::new(), _zookeeper: Some(server) }))
 }
 
@@ -84,21 +86,34 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     under.extend(zookeeper(&env.prefix).await?);
 
     let mut base: Vec<Series> = CONCURRENCY.iter().map(|&c| Series::new("backends", "dlock", "redis", c)).collect();
-    let mut unc: Vec<Vec<Series>> =
-        under.iter().map(|u| CONCURRENCY.iter().map(|&c| Series::new("backends", "dlock", u.name, c)).collect()).collect();
+    let mut unc: Vec<Vec<Series>> = under
+        .iter()
+        .map(|u| CONCURRENCY.iter().map(|&c| Series::new("backends", "dlock", u.name, c)).collect())
+        .collect();
     let mut ratios: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); CONCURRENCY.len()]; under.len()];
     let mut hand_base = Series::new("backends-handoff", "dlock", "redis", CONTENDERS);
-    let mut hand: Vec<Series> = under.iter().map(|u| Series::new("backends-handoff", "dlock", u.name, CONTENDERS)).collect();
+    let mut hand: Vec<Series> =
+        under.iter().map(|u| Series::new("backends-handoff", "dlock", u.name, CONTENDERS)).collect();
 
     let rounds = args.handoff_rounds.max(1);
     for round in 0..rounds {
         for (ci, &c) in CONCURRENCY.iter().enumerate() {
             let name = format!("b-r{round}-c{c}");
-            let b = uncontended::measure(DlockLock::new(env.redis_locker.clone(), &format!("{name}-redis"), c)?, c, timing, None)
-                .await?;
+            let b = uncontended::measure(
+                DlockLock::new(env.redis_locker.clone(), &format!("{name}-redis"), c)?,
+                c,
+                timing,
+                None,
+            )
+            .await?;
             for (ui, u) in under.iter().enumerate() {
-                let s = uncontended::measure(DlockLock::new(u.locker.clone(), &format!("{name}-{}", u.name), c)?, c, timing, None)
-                    .await?;
+                let s = uncontended::measure(
+                    DlockLock::new(u.locker.clone(), &format!("{name}-{}", u.name), c)?,
+                    c,
+                    timing,
+                    None,
+                )
+                .await?;
                 if b.ops_per_sec > 0.0 {
                     ratios[ui][ci].push(s.ops_per_sec / b.ops_per_sec);
                 }

@@ -98,8 +98,8 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
                         measure(lock, k, args.settle, timing, counter).await?
                     }
                     Impl::PubSubNaive => {
-                        let lock = RawLock::wake_all(&env.client, env.conn.clone(), &format!("{}:{name}", env.prefix))
-                            .await?;
+                        let lock =
+                            RawLock::wake_all(&env.client, env.conn.clone(), &format!("{}:{name}", env.prefix)).await?;
                         measure(lock, k, args.settle, timing, counter).await?
                     }
                 };

@@ -41,10 +41,12 @@ use super::{target, BenchError, Env, Result, Series};
 /// Keep-alive connections driving the server.
 pub(crate) const CONNECTIONS: usize = 16;
 
-pub(crate) const IN_PROCESS_TITLE: &str = "http-in-process: the same route and layer called through Router::call on one task, \
+pub(crate) const IN_PROCESS_TITLE: &str =
+    "http-in-process: the same route and layer called through Router::call on one task, \
      no sockets (ops = requests/s; ratio = layer vs the route alone)";
 
-pub(crate) const TITLE: &str = "http: POST /stock/reduce-style route on loopback, 16 keep-alive connections, a product id \
+pub(crate) const TITLE: &str =
+    "http: POST /stock/reduce-style route on loopback, 16 keep-alive connections, a product id \
      per request (ops = requests/s; ratio = vs the route without the layer, or vs the raw SET NX route on Redis)";
 
 /// The route's own work: parse the body, answer. Kept small so the layer's
@@ -75,7 +77,8 @@ struct Raw {
 }
 
 async fn raw_reduce(State(raw): State<Raw>, body: Bytes) -> (StatusCode, &'static str) {
-    let Some(id) = serde_json::from_slice::<serde_json::Value>(&body).ok().and_then(|v| v.get("product_id").cloned()) else {
+    let Some(id) = serde_json::from_slice::<serde_json::Value>(&body).ok().and_then(|v| v.get("product_id").cloned())
+    else {
         return (StatusCode::BAD_REQUEST, "{}");
     };
     let key = format!("{}:raw:{id}", raw.prefix);
@@ -205,7 +208,9 @@ async fn read_response(conn: &mut TcpStream, buf: &mut [u8]) -> Result<u16> {
             let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
             let len: usize = head
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+                .find_map(|l| {
+                    l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0))
+                })
                 .unwrap_or(0);
             if have >= end + 4 + len {
                 return Ok(status);
@@ -322,7 +327,8 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         row.cmds_per_acquisition = None;
         row.server_cmds_per_acquisition = None;
         if i == 1 || i == 2 {
-            let ratio = median(if i == 1 { ratio_memory.iter().copied() } else { ratio_redis.iter().copied() }).unwrap_or(0.0);
+            let ratio =
+                median(if i == 1 { ratio_memory.iter().copied() } else { ratio_redis.iter().copied() }).unwrap_or(0.0);
             row.ratio = Some(ratio);
             row.targets.push(target("ratio", ratio, false, 0.9, ""));
         }

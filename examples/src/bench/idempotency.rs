@@ -34,7 +34,9 @@ const CONCURRENCY: usize = 8;
 const SCRIPT_INTERNAL: &[&str] = &["hget", "hset", "hdel", "pexpire", "del"];
 
 fn app(layer: Option<IdempotencyLayer>) -> Router {
-    let route = post(|| async { (StatusCode::CREATED, [("content-type", "application/json")], r#"{"payment_id":"pay_1","amount":1}"#) });
+    let route = post(|| async {
+        (StatusCode::CREATED, [("content-type", "application/json")], r#"{"payment_id":"pay_1","amount":1}"#)
+    });
     let route = match layer {
         Some(l) => route.layer(l),
         None => route,
@@ -75,7 +77,9 @@ async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&Co
                 let mut req = Request::post("/pay");
                 match keys {
                     Keys::None => {}
-                    Keys::Fresh => req = req.header("idempotency-key", format!("b{run}-{}", seq.fetch_add(1, Ordering::Relaxed))),
+                    Keys::Fresh => {
+                        req = req.header("idempotency-key", format!("b{run}-{}", seq.fetch_add(1, Ordering::Relaxed)))
+                    }
                     Keys::Same => req = req.header("idempotency-key", format!("b{run}-replayed")),
                 }
                 let req = req.body(Body::from(r#"{"amount":1}"#)).map_err(|e| BenchError::Invariant(e.to_string()))?;
@@ -114,7 +118,12 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     let mut cases = [
         (Series::new("idempotency", "first-request", "redis", CONCURRENCY), redis_app.clone(), Keys::Fresh, Vec::new()),
         (Series::new("idempotency", "replay", "redis", CONCURRENCY), redis_app, Keys::Same, Vec::new()),
-        (Series::new("idempotency", "first-request", "memory", CONCURRENCY), memory_app.clone(), Keys::Fresh, Vec::new()),
+        (
+            Series::new("idempotency", "first-request", "memory", CONCURRENCY),
+            memory_app.clone(),
+            Keys::Fresh,
+            Vec::new(),
+        ),
         (Series::new("idempotency", "replay", "memory", CONCURRENCY), memory_app, Keys::Same, Vec::new()),
     ];
     let rounds = args.uncontended_rounds;
@@ -134,7 +143,12 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
             b.ops_per_sec,
             cases
                 .iter()
-                .map(|(s, ..)| format!("{} {} {:.0}/s", s.imp, s.backend, s.samples.last().map_or(0.0, |x| x.ops_per_sec)))
+                .map(|(s, ..)| format!(
+                    "{} {} {:.0}/s",
+                    s.imp,
+                    s.backend,
+                    s.samples.last().map_or(0.0, |x| x.ops_per_sec)
+                ))
                 .collect::<Vec<_>>()
                 .join(", ")
         );

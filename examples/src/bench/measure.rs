@@ -76,7 +76,8 @@ impl CommandCounter {
     }
 
     pub(crate) async fn snapshot(&self) -> Result<CommandStats> {
-        let info: String = redis::cmd("INFO").arg("commandstats").arg("cpu").query_async(&mut self.conn.clone()).await?;
+        let info: String =
+            redis::cmd("INFO").arg("commandstats").arg("cpu").query_async(&mut self.conn.clone()).await?;
         let cpu_secs: f64 = info
             .lines()
             .filter_map(|l| {
@@ -106,7 +107,8 @@ pub(crate) struct CommandDelta {
 /// only ever issues from inside its scripts; they count as server calls, not
 /// client commands.
 pub(crate) fn command_delta(before: &CommandStats, after: &CommandStats, script_internal: &[&str]) -> CommandDelta {
-    let mut delta = CommandDelta { server_cpu_us: after.cpu_us.saturating_sub(before.cpu_us), ..CommandDelta::default() };
+    let mut delta =
+        CommandDelta { server_cpu_us: after.cpu_us.saturating_sub(before.cpu_us), ..CommandDelta::default() };
     for (name, &calls) in &after.calls {
         if name == "info" {
             continue;
@@ -257,13 +259,9 @@ mod tests {
     #[test]
     fn command_delta_splits_script_calls() {
         let before: CommandStats = [("evalsha".to_owned(), 10), ("hget".to_owned(), 10), ("info".to_owned(), 1)].into();
-        let after: CommandStats = [
-            ("evalsha".to_owned(), 14),
-            ("hget".to_owned(), 14),
-            ("subscribe".to_owned(), 1),
-            ("info".to_owned(), 2),
-        ]
-        .into();
+        let after: CommandStats =
+            [("evalsha".to_owned(), 14), ("hget".to_owned(), 14), ("subscribe".to_owned(), 1), ("info".to_owned(), 2)]
+                .into();
         let d = command_delta(&before, &after, &["hget"]);
         assert_eq!(d, CommandDelta { client: 5, server: 9, server_cpu_us: 0 });
     }

@@ -107,12 +107,8 @@ impl Env {
         let conn = client.get_multiplexed_async_connection().await?;
         let counter = CommandCounter::new(client.get_multiplexed_async_connection().await?);
         let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn.clone()).await?;
-        let server_version = info
-            .lines()
-            .find_map(|l| l.strip_prefix("redis_version:"))
-            .unwrap_or("unknown")
-            .trim()
-            .to_owned();
+        let server_version =
+            info.lines().find_map(|l| l.strip_prefix("redis_version:")).unwrap_or("unknown").trim().to_owned();
         let prefix = format!("dlock-bench-{}", std::process::id());
         let backend = RedisBackend::connect(url, &prefix).await?;
         let redis_locker = Locker::with_options(Arc::new(backend), LockerOptions::default().with_prefix(&prefix))?;

@@ -165,7 +165,9 @@ mod tests {
     #[test]
     fn json_has_the_documented_keys() {
         let v = row().to_json();
-        for key in ["bench", "impl", "backend", "concurrency", "ops_per_sec", "p50_us", "p99_us", "cmds_per_acquisition"] {
+        for key in
+            ["bench", "impl", "backend", "concurrency", "ops_per_sec", "p50_us", "p99_us", "cmds_per_acquisition"]
+        {
             assert!(v.get(key).is_some(), "missing {key} in {v}");
         }
         assert_eq!(v["impl"], "dlock");

@@ -43,9 +43,12 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     // The in-process engine is fast and steady; a shorter window suffices.
     let memory_timing = Timing { warmup: args.warmup / 4, duration: args.duration / 4 };
     let mut dlock: Vec<Series> = CONCURRENCY.iter().map(|&c| Series::new("uncontended", "dlock", "redis", c)).collect();
-    let mut base: Vec<Series> = CONCURRENCY.iter().map(|&c| Series::new("uncontended", "baseline", "redis", c)).collect();
-    let mut floor: Vec<Series> = CONCURRENCY.iter().map(|&c| Series::new("uncontended", "fenced-floor", "redis", c)).collect();
-    let mut memory: Vec<Series> = CONCURRENCY.iter().map(|&c| Series::new("uncontended", "dlock", "memory", c)).collect();
+    let mut base: Vec<Series> =
+        CONCURRENCY.iter().map(|&c| Series::new("uncontended", "baseline", "redis", c)).collect();
+    let mut floor: Vec<Series> =
+        CONCURRENCY.iter().map(|&c| Series::new("uncontended", "fenced-floor", "redis", c)).collect();
+    let mut memory: Vec<Series> =
+        CONCURRENCY.iter().map(|&c| Series::new("uncontended", "dlock", "memory", c)).collect();
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
     let mut floor_ratios: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
     let mut over_floor: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
@@ -66,7 +69,8 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
                         b = Some(measure(lock, c, timing, Some(&env.counter)).await?);
                     }
                     _ => {
-                        let lock = RawLock::fenced_try_once(env.conn.clone(), &format!("{}:{name}-floor", env.prefix), c)?;
+                        let lock =
+                            RawLock::fenced_try_once(env.conn.clone(), &format!("{}:{name}-floor", env.prefix), c)?;
                         f = Some(measure(lock, c, timing, Some(&env.counter)).await?);
                     }
                 }

@@ -121,7 +121,8 @@ fn start_server() -> Result<RedisServer> {
         .is_ok_and(|s| s.success());
     if !installed {
         return Err(BenchError::Server(
-            "`redis-server` is not installed; install it (`apt-get install -y redis-server`) or pass --redis-url".into(),
+            "`redis-server` is not installed; install it (`apt-get install -y redis-server`) or pass --redis-url"
+                .into(),
         ));
     }
     std::panic::catch_unwind(RedisServer::start)

@@ -56,10 +56,10 @@ use tracing_subscriber::EnvFilter;
 
 #[path = "../orders/model.rs"]
 mod model;
-#[path = "../orders/store.rs"]
-mod store;
 #[path = "../orders/payments.rs"]
 mod payments;
+#[path = "../orders/store.rs"]
+mod store;
 
 use model::{CreateOrder, ProductId, ProductRef, ReduceStock, SetStock, TokenParam};
 use store::{Stock, Store, StoreError};
@@ -81,8 +81,8 @@ struct App {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,dlock_axum=warn,dlock_core=warn"));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,dlock_axum=warn,dlock_core=warn"));
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stdout().is_terminal()).init();
 
     let config = Config::from_env()?;
@@ -96,7 +96,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let payment_lease = match non_empty_env("ORDERS_PAYMENT_LEASE_MS") {
         Some(v) => match v.parse::<u64>() {
             Ok(ms) if ms > 0 => std::time::Duration::from_millis(ms),
-            _ => return Err(format!("ORDERS_PAYMENT_LEASE_MS: expected a positive number of milliseconds, got `{v}`").into()),
+            _ => {
+                return Err(
+                    format!("ORDERS_PAYMENT_LEASE_MS: expected a positive number of milliseconds, got `{v}`").into()
+                )
+            }
         },
         None => std::time::Duration::from_secs(60),
     };
@@ -211,8 +215,13 @@ impl From<Rejection> for AppError {
 impl From<StoreError> for AppError {
     fn from(e: StoreError) -> Self {
         tracing::warn!(error = %e, "store unavailable");
-        Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", 3004, "the product store is unavailable, please retry later")
-            .into()
+        Rejection::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            3004,
+            "the product store is unavailable, please retry later",
+        )
+        .into()
     }
 }
 
@@ -328,7 +337,12 @@ fn new_order_id() -> Result<String, AppError> {
     let mut bytes = [0u8; 12];
     getrandom::fill(&mut bytes).map_err(|e| {
         tracing::error!(error = %e, "OS random source failed");
-        AppError::from(Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "order_id_unavailable", 3006, "cannot create an order id"))
+        AppError::from(Rejection::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "order_id_unavailable",
+            3006,
+            "cannot create an order id",
+        ))
     })?;
     Ok(bytes.iter().fold(String::from("ord_"), |mut s, b| {
         s.push_str(&format!("{b:02x}"));

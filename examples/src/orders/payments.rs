@@ -28,7 +28,8 @@ const PAYMENT_WORK: Duration = Duration::from_millis(200);
 
 /// The idempotency store and TTL for this service (see the module docs).
 pub(crate) async fn idempotency(config: &Config, orders_redis_url: Option<&str>) -> dlock_core::Result<Idempotency> {
-    let shared_by_config = config.idempotency_redis_url.is_some() || matches!(config.backend, BackendKind::Redis { .. });
+    let shared_by_config =
+        config.idempotency_redis_url.is_some() || matches!(config.backend, BackendKind::Redis { .. });
     match orders_redis_url {
         Some(url) if !shared_by_config => {
             let store = RedisStore::connect_with(url, &config.prefix, config.redis_options()).await?;
@@ -64,17 +65,31 @@ struct CreatePayment {
 
 /// `POST /payments` `{"order_id": "...", "amount": n}` → 201
 /// `{"payment_id", "order_id", "amount"}`, once per `Idempotency-Key`.
-async fn create_payment(State(store): State<Store>, headers: axum::http::HeaderMap, body: axum::body::Bytes) -> Response {
+async fn create_payment(
+    State(store): State<Store>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     let CreatePayment { order_id, amount } = match serde_json::from_slice(&body) {
         Ok(p) => p,
         Err(e) => {
-            return Rejection::new(StatusCode::BAD_REQUEST, "invalid_payment", 3007, format!("expected {{\"order_id\": string, \"amount\": integer}}: {e}"))
-                .into_response()
+            return Rejection::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_payment",
+                3007,
+                format!("expected {{\"order_id\": string, \"amount\": integer}}: {e}"),
+            )
+            .into_response()
         }
     };
     if amount < 1 || order_id.is_empty() {
-        return Rejection::new(StatusCode::BAD_REQUEST, "invalid_payment", 3007, "amount must be at least 1 and order_id non-empty")
-            .into_response();
+        return Rejection::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_payment",
+            3007,
+            "amount must be at least 1 and order_id non-empty",
+        )
+        .into_response();
     }
     tokio::time::sleep(PAYMENT_WORK).await;
     let mut bytes = [0u8; 12];
@@ -85,8 +100,13 @@ async fn create_payment(State(store): State<Store>, headers: axum::http::HeaderM
         }),
         Err(e) => {
             tracing::error!(error = %e, "OS random source failed");
-            return Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "payment_id_unavailable", 3008, "cannot create a payment id")
-                .into_response();
+            return Rejection::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "payment_id_unavailable",
+                3008,
+                "cannot create a payment id",
+            )
+            .into_response();
         }
     };
     let payment = json!({"payment_id": payment_id, "order_id": order_id, "amount": amount});
@@ -109,8 +129,13 @@ async fn create_payment(State(store): State<Store>, headers: axum::http::HeaderM
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable");
             // A 503 frees the idempotency key, so the client's retry runs again.
-            Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", 3004, "the store is unavailable, please retry later")
-                .into_response()
+            Rejection::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                3004,
+                "the store is unavailable, please retry later",
+            )
+            .into_response()
         }
     }
 }

@@ -102,8 +102,7 @@ impl Store {
             Store::Memory(m) => Ok(m.lock().await.products.get(id).copied()),
             Store::Redis(conn) => {
                 let raw: Option<String> = conn.clone().get(product_key(id)).await?;
-                raw.map(|s| serde_json::from_str(&s).map_err(|e| StoreError(format!("product {id}: {e}"))))
-                    .transpose()
+                raw.map(|s| serde_json::from_str(&s).map_err(|e| StoreError(format!("product {id}: {e}")))).transpose()
             }
         }
     }

@@ -255,9 +255,13 @@ impl RedisBackend {
             }
             None => None,
         };
-        let sentinel =
-            SentinelClient::build(target.sentinels.clone(), target.master.clone(), node_info, SentinelServerType::Master)
-                .map_err(invalid)?;
+        let sentinel = SentinelClient::build(
+            target.sentinels.clone(),
+            target.master.clone(),
+            node_info,
+            SentinelServerType::Master,
+        )
+        .map_err(invalid)?;
         let config = manager_config(&options);
         let conn = SentinelConn::connect(sentinel, config, options.connect_timeout).await?;
         let client = conn.client.subscribe();
@@ -371,7 +375,9 @@ impl RedisBackend {
             [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
             [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
             [0, _] => NodeAttempt::Held { retry_in: None },
-            other => return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}"))),
+            other => {
+                return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}")))
+            }
         })
     }
 }
@@ -388,11 +394,7 @@ impl Backend for RedisBackend {
         "redis"
     }
 
-    fn acquire<'a>(
-        &'a self,
-        req: &'a AcquireRequest,
-        cancel: &'a CancellationToken,
-    ) -> BoxFuture<'a, Result<Grant>> {
+    fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(acquire_loop(
             req,
             cancel,
@@ -401,12 +403,7 @@ impl Backend for RedisBackend {
         ))
     }
 
-    fn renew<'a>(
-        &'a self,
-        key: &'a LockKey,
-        owner: &'a Owner,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Renewal>> {
+    fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
             let sent = Instant::now();
             let extended: i64 = self
@@ -443,8 +440,9 @@ impl Backend for RedisBackend {
 /// The client for one server, with the TLS material when the URL asks for
 /// TLS.
 fn open_client(url: &str, options: &RedisOptions) -> Result<redis::Client> {
-    let invalid =
-        |e: redis::RedisError| Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis URL: {e}", redact(url)));
+    let invalid = |e: redis::RedisError| {
+        Error::config("DLOCK_REDIS_URL", format!("`{}` is not a valid Redis URL: {e}", redact(url)))
+    };
     if let Some(tls) = options.custom_tls() {
         if !is_tls_url(url) {
             tracing::warn!(url = %redact(url), "TLS files are set but the URL is not `rediss://`: they are not used");
@@ -494,15 +492,22 @@ pub(crate) struct SentinelConn {
 }
 
 impl SentinelConn {
-    async fn connect(mut sentinel: SentinelClient, config: ConnectionManagerConfig, connect_timeout: Duration) -> Result<Self> {
+    async fn connect(
+        mut sentinel: SentinelClient,
+        config: ConnectionManagerConfig,
+        connect_timeout: Duration,
+    ) -> Result<Self> {
         let client = tokio::time::timeout(connect_timeout * 2, sentinel.async_get_client())
             .await
             .map_err(|_| Error::backend("redis", "no Sentinel named the master in time"))?
             .map_err(redis_error)?;
-        let manager = tokio::time::timeout(connect_timeout * 2, ConnectionManager::new_with_config(client.clone(), config.clone()))
-            .await
-            .map_err(|_| Error::backend("redis", "the master named by the Sentinels did not answer in time"))?
-            .map_err(redis_error)?;
+        let manager = tokio::time::timeout(
+            connect_timeout * 2,
+            ConnectionManager::new_with_config(client.clone(), config.clone()),
+        )
+        .await
+        .map_err(|_| Error::backend("redis", "the master named by the Sentinels did not answer in time"))?
+        .map_err(redis_error)?;
         Ok(SentinelConn {
             sentinel: Arc::new(tokio::sync::Mutex::new(sentinel)),
             current: Arc::new(std::sync::RwLock::new(manager)),
@@ -653,14 +658,7 @@ fn cluster_seeds(url: &str) -> Option<Vec<String>> {
         Some((auth, hosts)) => (format!("{auth}@"), hosts),
         None => (String::new(), rest),
     };
-    Some(
-        hosts
-            .split(',')
-            .map(str::trim)
-            .filter(|h| !h.is_empty())
-            .map(|h| format!("{scheme}://{auth}{h}"))
-            .collect(),
-    )
+    Some(hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(|h| format!("{scheme}://{auth}{h}")).collect())
 }
 
 /// The fencing counter of `key` (same hash tag).

@@ -91,7 +91,9 @@ impl RestartGuard {
             let mut s = self.state();
             let now = Instant::now();
             match s.until {
-                Some(until) if now < until => return Err(self.refuse(until - now, "the Redis server restarted or lost data")),
+                Some(until) if now < until => {
+                    return Err(self.refuse(until - now, "the Redis server restarted or lost data"))
+                }
                 Some(_) => s.until = None,
                 None => {}
             }
