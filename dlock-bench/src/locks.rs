@@ -14,7 +14,7 @@ use redis::Script;
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
-use super::{BenchError, Result};
+use crate::error::{BenchError, Result};
 
 /// Every benchmark holds locks with a fixed lease (so no watchdog renews
 /// anything behind the measurement's back) that is far longer than a run.
@@ -37,7 +37,7 @@ pub(crate) trait BenchLock: Send + Sync + 'static {
     fn release(&self, held: Self::Held) -> impl Future<Output = Result<()>> + Send;
 
     /// The Redis commands this implementation only issues from inside Lua
-    /// scripts (see [`command_delta`](super::measure::command_delta)).
+    /// scripts (see [`command_delta`](crate::measure::command_delta)).
     fn script_internal_commands(&self) -> &'static [&'static str];
 }
 

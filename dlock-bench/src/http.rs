@@ -32,11 +32,13 @@ use redis::aio::MultiplexedConnection;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::args::Args;
-use super::locks::FENCED_SET_NX;
-use super::measure::{median, run_window, Timing};
-use super::report::Row;
-use super::{target, BenchError, Env, Result, Series};
+use crate::args::Args;
+use crate::env::Env;
+use crate::error::{BenchError, Result};
+use crate::locks::FENCED_SET_NX;
+use crate::measure::{median, run_window, Timing};
+use crate::report::Row;
+use crate::series::{target, Series};
 
 /// Keep-alive connections driving the server.
 pub(crate) const CONNECTIONS: usize = 16;
@@ -125,7 +127,7 @@ async fn serve(router: Router) -> Result<(std::net::SocketAddr, tokio::task::Joi
 }
 
 /// One window of keep-alive connections posting distinct product ids.
-async fn measure(addr: std::net::SocketAddr, timing: Timing, round: usize) -> Result<super::measure::Sample> {
+async fn measure(addr: std::net::SocketAddr, timing: Timing, round: usize) -> Result<crate::measure::Sample> {
     let ids = Arc::new(AtomicU64::new((round as u64) << 40));
     run_window(CONNECTIONS, timing, None, move |_slot, clock, stop| {
         let ids = ids.clone();
@@ -158,7 +160,7 @@ async fn measure(addr: std::net::SocketAddr, timing: Timing, round: usize) -> Re
 
 /// One window of requests sent through `router` in process, one at a
 /// time, each with a product id of its own.
-async fn measure_in_process(router: Router, timing: Timing, round: usize) -> Result<super::measure::Sample> {
+async fn measure_in_process(router: Router, timing: Timing, round: usize) -> Result<crate::measure::Sample> {
     use tower::ServiceExt;
     let ids = Arc::new(AtomicU64::new((round as u64) << 40));
     run_window(1, timing, None, move |_slot, clock, stop| {

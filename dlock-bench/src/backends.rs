@@ -17,11 +17,14 @@ use dlock_core::backend::redlock::RedLockBackend;
 use dlock_core::{Backend, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 
-use super::args::Args;
-use super::locks::DlockLock;
-use super::measure::{median, Timing};
-use super::report::Row;
-use super::{handoff, uncontended, Env, Result, Series};
+use crate::args::Args;
+use crate::env::Env;
+use crate::error::Result;
+use crate::locks::DlockLock;
+use crate::measure::{median, Timing};
+use crate::report::Row;
+use crate::series::Series;
+use crate::{handoff, uncontended};
 
 /// Concurrencies of the uncontended rows.
 const CONCURRENCY: &[usize] = &[1, 16];
@@ -72,7 +75,7 @@ async fn zookeeper(prefix: &str) -> Result<Option<Under>> {
 async fn zookeeper(_prefix: &str) -> Result<Option<Under>> {
     eprintln!(
         "backends: ZooKeeper rows not measured: built without the `zookeeper` feature \
-         (cargo run --release -p dlock-examples --features zookeeper --bin dlock-bench)"
+         (cargo run --release -p dlock-bench --features zookeeper)"
     );
     Ok(None)
 }

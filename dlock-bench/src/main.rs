@@ -12,16 +12,34 @@
 //! cargo run --release --bin dlock-bench              # tables; starts its own redis-server
 //! cargo run --release --bin dlock-bench -- --json    # one JSON object per line
 //! cargo run --release --bin dlock-bench -- --quick --redis-url redis://127.0.0.1:6379
+//! cargo run --release -p dlock-bench --features zookeeper        # with the ZooKeeper rows
 //! ```
+//!
+//! One module per benchmark (`uncontended`, `handoff`, `http`,
+//! `idempotency`, `backends`), each returning [`report::Row`]s; they share
+//! the measurement harness (`measure`), the locks under test (`locks`) and
+//! one row type with its printers (`report`). A new benchmark adds a module
+//! beside them and a name in [`args::BENCHES`].
 
-#[path = "../bench/mod.rs"]
-mod bench;
+mod args;
+mod backends;
+mod env;
+mod error;
+mod handoff;
+mod http;
+mod idempotency;
+mod locks;
+mod measure;
+mod report;
+mod series;
+mod uncontended;
 
 use std::process::ExitCode;
 
-use bench::args::{Args, USAGE};
-use bench::{backends, handoff, http, idempotency, report, uncontended, BenchError, Env, Result};
+use args::{Args, USAGE};
 use dlock_testing::RedisServer;
+use env::Env;
+use error::{BenchError, Result};
 
 fn main() -> ExitCode {
     let args = match Args::parse(std::env::args().skip(1)) {

@@ -30,11 +30,13 @@ use std::time::Duration;
 use dlock_core::{Locker, MemoryBackend};
 use tokio::sync::Notify;
 
-use super::args::Args;
-use super::locks::{BenchLock, DlockLock, RawLock};
-use super::measure::{command_delta, run_window, CommandCounter, CommandStats, Sample, Timing};
-use super::report::Row;
-use super::{target, BenchError, Env, Result, Series};
+use crate::args::Args;
+use crate::env::Env;
+use crate::error::{BenchError, Result};
+use crate::locks::{BenchLock, DlockLock, RawLock};
+use crate::measure::{command_delta, run_window, CommandCounter, CommandStats, Sample, Timing};
+use crate::report::Row;
+use crate::series::{target, Series};
 
 /// Numbers of contending tasks.
 pub(crate) const CONTENDERS: &[usize] = &[2, 8, 32];

@@ -12,7 +12,7 @@ use redis::aio::MultiplexedConnection;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{BenchError, Result};
+use crate::error::{BenchError, Result};
 
 /// How long tasks get to stop after the window closed before the run is
 /// declared hung.

@@ -22,11 +22,13 @@ use std::sync::Arc;
 
 use dlock_core::{Locker, MemoryBackend};
 
-use super::args::Args;
-use super::locks::{BenchLock, DlockLock, RawLock};
-use super::measure::{median, run_window, CommandCounter, Sample, Timing};
-use super::report::Row;
-use super::{target, Env, Result, Series};
+use crate::args::Args;
+use crate::env::Env;
+use crate::error::Result;
+use crate::locks::{BenchLock, DlockLock, RawLock};
+use crate::measure::{median, run_window, CommandCounter, Sample, Timing};
+use crate::report::Row;
+use crate::series::{target, Series};
 
 /// The concurrencies measured.
 pub(crate) const CONCURRENCY: &[usize] = &[1, 16, 256];
@@ -76,7 +78,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
                 }
             }
             let (Some(d), Some(b), Some(f)) = (d, b, f) else {
-                return Err(super::BenchError::Invariant("a round skipped an implementation".into()));
+                return Err(crate::error::BenchError::Invariant("a round skipped an implementation".into()));
             };
             if b.ops_per_sec > 0.0 {
                 ratios[ci].push(d.ops_per_sec / b.ops_per_sec);

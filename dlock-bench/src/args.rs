@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::{BenchError, Result};
+use crate::error::{BenchError, Result};
 
 /// The benchmarks this binary knows, in the order they run.
 pub(crate) const BENCHES: &[&str] = &["uncontended", "handoff", "http", "idempotency", "backends"];

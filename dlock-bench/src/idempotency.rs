@@ -20,10 +20,12 @@ use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore, RedisStore};
 use tower::Service;
 
-use super::args::Args;
-use super::measure::{median, run_window, CommandCounter, Sample, Timing};
-use super::report::Row;
-use super::{BenchError, Env, Result, Series};
+use crate::args::Args;
+use crate::env::Env;
+use crate::error::{BenchError, Result};
+use crate::measure::{median, run_window, CommandCounter, Sample, Timing};
+use crate::report::Row;
+use crate::series::Series;
 
 pub(crate) const TITLE: &str = "idempotency key mode on a fast handler, in-process router (ops = requests/s; ratio = vs no-layer in the same round)";
 
