@@ -10,8 +10,10 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 
+use crate::port::free_port;
 use crate::proxy::Greeting;
-use crate::{free_port, spawn_zookeeper, zookeeper_answers, FaultProxy, ZOOKEEPER_JAR};
+use crate::zookeeper::{spawn_zookeeper, zookeeper_answers, ZOOKEEPER_JAR};
+use crate::FaultProxy;
 
 /// `size` ZooKeeper servers (Debian's package, 128 MB heap each) forming one
 /// ensemble on loopback, with a 100 ms tick. Killed on drop.
@@ -253,7 +255,7 @@ impl ZooKeeperEnsemble {
     ///
     /// When the member does not answer, or serves no clients.
     pub fn mntr(&self, i: usize) -> std::io::Result<BTreeMap<String, String>> {
-        crate::mntr(self.members[i].client_port)
+        crate::zookeeper::mntr(self.members[i].client_port)
     }
 
     /// Cuts member `i` off from every other member, both ways, on the

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::{free_port, RedisServer};
+use crate::port::free_port;
+use crate::RedisServer;
 
 /// A throw-away PKI in a temporary directory (removed on drop): a CA, a
 /// server certificate for `127.0.0.1` / `localhost` signed by it, a client
