@@ -11,6 +11,7 @@
 //! assert!(redis.command_calls("evalsha") == 0);
 //! ```
 
+mod accept;
 mod announce;
 mod ensemble;
 mod port;

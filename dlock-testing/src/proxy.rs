@@ -1,17 +1,26 @@
-//! A TCP proxy that can cut the line or slow it down: a network partition
-//! or a slow link between one client and a server, without root, iptables,
-//! namespaces or `tc`.
+//! A TCP proxy that can cut the line, hold its bytes or slow it down: a
+//! network partition or a slow link between one client and a server,
+//! without root, iptables, namespaces or `tc`.
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Forwards `127.0.0.1:<port()>` to a server. [`FaultProxy::cut`] closes
-/// every connection and refuses new ones until [`FaultProxy::heal`], so the
-/// client behind it is partitioned from the server while others are not.
-/// Stops on drop.
+use crate::accept;
+
+/// Forwards `127.0.0.1:<port()>` to a server, so the client behind it can
+/// be partitioned from the server while others are not, in two ways:
+///
+/// * [`FaultProxy::cut`] closes every connection and refuses new ones: the
+///   client sees its connections fail at once, as after a reset.
+/// * [`FaultProxy::hold`] keeps every connection open and holds every byte,
+///   both ways, on live connections and new ones: a partition shorter than
+///   TCP's retransmission give-up, whose packets arrive late, after the
+///   heal, which is exactly when a late renewal could resurrect a lock.
+///
+/// [`FaultProxy::heal`] ends either. Stops on drop.
 ///
 /// ```no_run
 /// let redis = dlock_testing::RedisServer::start();
@@ -19,6 +28,8 @@ use std::time::{Duration, Instant};
 /// let url = format!("redis://127.0.0.1:{}", proxy.port()); // give this to the client under test
 /// proxy.cut();   // the client loses the server
 /// proxy.heal();  // and finds it again
+/// proxy.hold();  // the client's commands and the server's replies stall
+/// proxy.heal();  // and arrive now, in order
 /// ```
 #[derive(Debug)]
 pub struct FaultProxy {
@@ -29,6 +40,8 @@ pub struct FaultProxy {
 #[derive(Debug, Default)]
 struct Shared {
     cut: AtomicBool,
+    /// Bytes wait in the pipes while set.
+    held: AtomicBool,
     stopped: AtomicBool,
     live: Mutex<Vec<TcpStream>>,
     /// Extra latency of server → client bytes, in µs.
@@ -59,6 +72,17 @@ impl Shared {
 }
 
 impl Shared {
+    /// Waits while the line is held; `false` when the proxy stopped meanwhile.
+    fn wait_while_held(&self) -> bool {
+        while self.held.load(Ordering::SeqCst) {
+            if self.stopped.load(Ordering::SeqCst) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        !self.stopped.load(Ordering::SeqCst)
+    }
+
     fn close_all(&self) {
         let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
         for s in live.drain(..) {
@@ -72,8 +96,19 @@ impl FaultProxy {
     ///
     /// # Panics
     ///
-    /// When no loopback port can be bound.
+    /// When no loopback port can be bound; [`FaultProxy::try_start`] returns
+    /// that error instead.
     pub fn start(upstream: u16) -> Self {
+        Self::try_start(upstream).expect("bind a loopback port for the proxy")
+    }
+
+    /// [`FaultProxy::start`], for a harness that reports a proxy that could
+    /// not start instead of panicking.
+    ///
+    /// # Errors
+    ///
+    /// When no loopback port can be bound.
+    pub fn try_start(upstream: u16) -> std::io::Result<Self> {
         Self::start_inner(upstream, None)
     }
 
@@ -88,31 +123,23 @@ impl FaultProxy {
     /// returns is sent upstream in their place; a greeting that fails ends
     /// that connection.
     pub(crate) fn start_link(upstream: u16, greeting: Option<Greeting>) -> Self {
-        Self::start_inner(upstream, Some(Link { greeting }))
+        Self::start_inner(upstream, Some(Link { greeting })).expect("bind a loopback port for the link proxy")
     }
 
-    fn start_inner(upstream: u16, link: Option<Link>) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port for the proxy");
-        let port = listener.local_addr().expect("proxy address").port();
+    fn start_inner(upstream: u16, link: Option<Link>) -> std::io::Result<Self> {
         let shared = Arc::new(Shared::default());
         let upstream: SocketAddr = ([127, 0, 0, 1], upstream).into();
-        let s = shared.clone();
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                if s.stopped.load(Ordering::SeqCst) {
-                    return;
-                }
-                let Ok(client) = client else { continue };
+        let (s, stopped) = (shared.clone(), shared.clone());
+        let port = accept::listen(
+            move || stopped.stopped.load(Ordering::SeqCst),
+            move |client| {
                 if s.cut.load(Ordering::SeqCst) {
                     let _ = client.shutdown(Shutdown::Both);
-                    continue;
+                    return;
                 }
                 match &link {
                     None => {
-                        let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(2)) else {
-                            let _ = client.shutdown(Shutdown::Both);
-                            continue;
-                        };
+                        let Some(server) = accept::dial(upstream, &client) else { return };
                         // Registered before the cut flag is read again: a cut
                         // that came after the first look, while we dialled,
                         // closed the sockets it knew of, and not these.
@@ -120,7 +147,7 @@ impl FaultProxy {
                         if s.cut.load(Ordering::SeqCst) {
                             let _ = client.shutdown(Shutdown::Both);
                             let _ = server.shutdown(Shutdown::Both);
-                            continue;
+                            return;
                         }
                         pipes(&s, client, server);
                     }
@@ -130,9 +157,9 @@ impl FaultProxy {
                         std::thread::spawn(move || link_connection(&s, upstream, client, greeting.as_ref()));
                     }
                 }
-            }
-        });
-        FaultProxy { port, shared }
+            },
+        )?;
+        Ok(FaultProxy { port, shared })
     }
 
     /// The port clients connect to.
@@ -147,9 +174,19 @@ impl FaultProxy {
         self.shared.close_all();
     }
 
-    /// Lets new connections through again.
+    /// Partitions without closing anything: every byte either way, on live
+    /// connections and new ones, waits in the proxy until
+    /// [`FaultProxy::heal`], then goes on in order. New connections are
+    /// accepted and dialled upstream, and carry nothing meanwhile.
+    pub fn hold(&self) {
+        self.shared.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Ends a [`cut`](FaultProxy::cut) (new connections go through again)
+    /// and a [`hold`](FaultProxy::hold) (the held bytes go on at once).
     pub fn heal(&self) {
         self.shared.cut.store(false, Ordering::SeqCst);
+        self.shared.held.store(false, Ordering::SeqCst);
     }
 
     /// Makes the server slow as the client sees it: every byte the server
@@ -247,13 +284,14 @@ fn micros(d: Duration) -> u64 {
 }
 
 /// Copies `from` to `to`: a reader thread stamps each chunk with the time
-/// it may leave, a writer thread passes the chunks on in order once due, so
-/// a delay holds bytes back without reordering them and without stalling
-/// the reads (a slow link, not a stalled server).
+/// it may leave, a writer thread passes the chunks on in order once due and
+/// not held, so a delay or a hold keeps bytes back without reordering them
+/// and without stalling the reads (a slow link, not a stalled server).
 fn pipe(from: std::io::Result<TcpStream>, to: std::io::Result<TcpStream>, shared: Arc<Shared>, direction: Direction) {
     let (Ok(mut from), Ok(mut to)) = (from, to) else { return };
     let Ok(from_for_writer) = from.try_clone() else { return };
     let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
+    let writer_shared = shared.clone();
     std::thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         loop {
@@ -275,7 +313,7 @@ fn pipe(from: std::io::Result<TcpStream>, to: std::io::Result<TcpStream>, shared
             if due > now {
                 std::thread::sleep(due - now);
             }
-            if to.write_all(&bytes).is_err() {
+            if !writer_shared.wait_while_held() || to.write_all(&bytes).is_err() {
                 break;
             }
         }
@@ -288,7 +326,6 @@ impl Drop for FaultProxy {
     fn drop(&mut self) {
         self.shared.stopped.store(true, Ordering::SeqCst);
         self.shared.close_all();
-        // Wake the accept loop so its thread sees `stopped` and ends.
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        accept::wake(self.port);
     }
 }

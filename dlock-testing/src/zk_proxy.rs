@@ -13,10 +13,12 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+use crate::accept;
 
 /// ZooKeeper's request types that create a node: `create` (1), `create2`
 /// (15, what zookeeper-client 0.11 sends for every non-TTL, non-container
@@ -174,28 +176,21 @@ impl ZooKeeperProxy {
     ///
     /// When no loopback port can be bound.
     pub fn start(upstream: u16) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port for the ZooKeeper proxy");
-        let port = listener.local_addr().expect("proxy address").port();
         let shared = Arc::new(Shared::default());
         let upstream: SocketAddr = ([127, 0, 0, 1], upstream).into();
-        let s = shared.clone();
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                if s.stopped.load(Ordering::SeqCst) {
-                    return;
-                }
-                let Ok(client) = client else { continue };
-                let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(2)) else {
-                    let _ = client.shutdown(Shutdown::Both);
-                    continue;
-                };
+        let (s, stopped) = (shared.clone(), shared.clone());
+        let port = accept::listen(
+            move || stopped.stopped.load(Ordering::SeqCst),
+            move |client| {
+                let Some(server) = accept::dial(upstream, &client) else { return };
                 let id = s.connections.fetch_add(1, Ordering::SeqCst);
                 if let Err(e) = serve(&s, id, client, server) {
                     // Only a failed `try_clone` (out of descriptors) ends up here.
                     eprintln!("ZooKeeperProxy: cannot serve a connection: {e}");
                 }
-            }
-        });
+            },
+        )
+        .expect("bind a loopback port for the ZooKeeper proxy");
         ZooKeeperProxy { port, shared }
     }
 
@@ -291,8 +286,7 @@ impl Drop for ZooKeeperProxy {
         for id in ids {
             self.shared.close(id, Hangup::Close);
         }
-        // Wake the accept loop so its thread sees `stopped` and ends.
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        accept::wake(self.port);
     }
 }
 
@@ -414,6 +408,8 @@ fn replies(shared: &Shared, doomed: &Doomed, mut server: TcpStream, mut client: 
 
 #[cfg(test)]
 mod tests {
+    use std::net::TcpListener;
+
     use super::*;
 
     #[test]

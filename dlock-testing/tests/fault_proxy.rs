@@ -1,4 +1,5 @@
-//! `FaultProxy` delays: late bytes, in order, in the chosen direction.
+//! `FaultProxy` delays and holds: late bytes, in order, in the chosen
+//! direction; cuts that close.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -79,4 +80,38 @@ fn requests_land_late_and_cut_still_cuts() {
     proxy.cut();
     let mut buf = [0u8; 8];
     assert!(matches!(s.read(&mut buf), Ok(0) | Err(_)), "a cut closes the connection");
+}
+
+/// A hold keeps the connection open and the command away from the server
+/// until the heal; then the command lands and its reply comes, in order,
+/// and a connection opened during the hold works too.
+#[test]
+fn a_hold_delivers_late_and_closes_nothing() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(redis.port());
+    let mut s = connect(&proxy);
+    s.write_all(b"PING\r\n").expect("send");
+    assert_eq!(read_exactly(&mut s, 7).0, b"+PONG\r\n");
+
+    proxy.hold();
+    s.write_all(b"SET held v\r\n").expect("send");
+    let mut during = connect(&proxy);
+    during.write_all(b"ECHO during\r\n").expect("send on a connection opened during the hold");
+    std::thread::sleep(Duration::from_millis(300));
+    let mut direct = redis.connection();
+    let early: Option<String> = redis::cmd("GET").arg("held").query(&mut direct).expect("GET");
+    assert_eq!(early, None, "a held command reached the server");
+    s.set_read_timeout(Some(Duration::from_millis(100))).expect("read timeout");
+    let mut buf = [0u8; 8];
+    match s.read(&mut buf) {
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+        other => panic!("a hold must neither answer nor close: {other:?}"),
+    }
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("read timeout");
+
+    proxy.heal();
+    assert_eq!(read_exactly(&mut s, 5).0, b"+OK\r\n");
+    let now: Option<String> = redis::cmd("GET").arg("held").query(&mut direct).expect("GET");
+    assert_eq!(now.as_deref(), Some("v"));
+    assert_eq!(read_exactly(&mut during, b"$6\r\nduring\r\n".len()).0, b"$6\r\nduring\r\n");
 }

@@ -19,7 +19,6 @@ mod checker;
 mod harness;
 mod herd;
 mod history;
-mod proxy;
 mod renewal;
 mod resource;
 mod rng;

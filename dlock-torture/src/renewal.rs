@@ -2,9 +2,9 @@
 //! holder loses its connection for two leases, then gets it back.
 //!
 //! The holder (in the harness process, so its signal is timed on the same
-//! clock as the server probes) reaches Redis through the harness's
-//! [`FaultProxy`], which *holds* bytes during a cut rather than dropping
-//! them: the renewals sent into the cut land after the heal, which is
+//! clock as the server probes) reaches Redis through a [`FaultProxy`] that
+//! *holds* bytes during the cut ([`FaultProxy::hold`]) rather than closing
+//! the line: the renewals sent into the cut land after the heal, which is
 //! exactly when a renewal without an owner check would resurrect the lock.
 //! A second client and a probe connection reach Redis directly.
 //!
@@ -33,11 +33,10 @@ use std::time::Duration;
 
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::{AcquireOptions, LockGuard, Locker, LockerOptions};
-use dlock_testing::RedisServer;
+use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 
 use crate::harness::Report;
-use crate::proxy::FaultProxy;
 use crate::rng::Rng;
 use crate::scenarios::Size;
 
@@ -80,7 +79,7 @@ async fn locker(url: &str) -> Result<Locker, String> {
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let lock = RedisServer::start();
-    let proxy = Arc::new(FaultProxy::start(lock.port()).await.map_err(|e| e.to_string())?);
+    let proxy = Arc::new(FaultProxy::try_start(lock.port()).map_err(|e| e.to_string())?);
     let holder = locker(&format!("redis://127.0.0.1:{}", proxy.port())).await?;
     let other = locker(&lock.url()).await?;
     let mut probe = redis::Client::open(lock.url())
@@ -196,7 +195,7 @@ async fn episode(
     let name = ga.key().as_str().to_owned();
     let old_owner = ga.owner().as_str().to_owned();
     let cut_at = Instant::now();
-    proxy.cut();
+    proxy.hold();
     let heal_at = cut_at + LEASE * 2;
     let healer = {
         let proxy = proxy.clone();

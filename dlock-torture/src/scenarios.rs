@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::{AcquireOptions, Locker, LockerOptions};
-use dlock_testing::{RedisServer, ZooKeeperServer};
+use dlock_testing::{FaultProxy, RedisServer, ZooKeeperServer};
 use redis::AsyncCommands;
 use rustix::process::Signal;
 use tokio::time::sleep;
@@ -15,7 +15,6 @@ use crate::broken::Bug;
 use crate::checker::Findings;
 use crate::harness::{Report, Run};
 use crate::history::mono_ns;
-use crate::proxy::FaultProxy;
 use crate::resource::{Fenced, Resource};
 use crate::rng::Rng;
 use crate::worker::WorkerConfig;
@@ -826,7 +825,7 @@ async fn partition(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let lock = RedisServer::start();
     let res_server = RedisServer::start();
     let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
-    let proxy = FaultProxy::start(lock.port()).await.map_err(|e| e.to_string())?;
+    let proxy = FaultProxy::try_start(lock.port()).map_err(|e| e.to_string())?;
     let mut run = Run::new("partition").map_err(|e| e.to_string())?;
     let episodes = size.pick(3u64, 20);
     let mut cfg = config("redis", vec![lock.url()], &res_server, seed);
@@ -851,7 +850,7 @@ async fn partition(size: Size, seed: u64) -> Result<Vec<Report>, String> {
             continue;
         }
         run.log("partition", Some(victim));
-        proxy.cut();
+        proxy.hold();
         sleep(Duration::from_millis(cfg.lease_ms * 2)).await;
         proxy.heal();
         run.log("heal", Some(victim));
