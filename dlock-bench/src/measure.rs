@@ -137,15 +137,6 @@ pub(crate) struct Sample {
     pub(crate) server_cpu_us_per_op: Option<f64>,
 }
 
-/// The nearest-rank percentile `q` (0..=1) of sorted nanoseconds, in µs.
-pub(crate) fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
-    if sorted_ns.is_empty() {
-        return 0.0;
-    }
-    let rank = ((q * sorted_ns.len() as f64).ceil() as usize).clamp(1, sorted_ns.len());
-    sorted_ns[rank - 1] as f64 / 1000.0
-}
-
 /// The median; the mean of the two middle values for an even count.
 pub(crate) fn median(values: impl IntoIterator<Item = f64>) -> Option<f64> {
     let mut v: Vec<f64> = values.into_iter().filter(|x| x.is_finite()).collect();
@@ -221,15 +212,15 @@ where
     if let Some(e) = task_error {
         return Err(e);
     }
-    let mut latencies: Vec<u64> =
+    let latencies: Vec<u64> =
         records.into_iter().filter(|(done, _)| (start..=end).contains(done)).map(|(_, lat)| lat).collect();
-    latencies.sort_unstable();
+    let percentile_us = |q| dlock_testing::percentile(&latencies, q).map_or(0.0, |ns| ns as f64 / 1000.0);
     let ops = latencies.len() as u64;
     let secs = Duration::from_nanos(end.saturating_sub(start)).as_secs_f64();
     Ok(Sample {
         ops_per_sec: if secs > 0.0 { ops as f64 / secs } else { 0.0 },
-        p50_us: percentile_us(&latencies, 0.50),
-        p99_us: percentile_us(&latencies, 0.99),
+        p50_us: percentile_us(0.50),
+        p99_us: percentile_us(0.99),
         ops,
         cmds_per_op: delta.filter(|_| ops > 0).map(|d| (d.client as f64 / ops as f64, d.server as f64 / ops as f64)),
         server_cpu_us_per_op: delta.filter(|_| ops > 0).map(|d| d.server_cpu_us as f64 / ops as f64),
@@ -239,15 +230,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn percentiles_use_nearest_rank() {
-        let v: Vec<u64> = (1..=100).map(|x| x * 1000).collect();
-        assert_eq!(percentile_us(&v, 0.50), 50.0);
-        assert_eq!(percentile_us(&v, 0.99), 99.0);
-        assert_eq!(percentile_us(&[7000], 0.99), 7.0);
-        assert_eq!(percentile_us(&[], 0.5), 0.0);
-    }
 
     #[test]
     fn median_of_odd_and_even() {

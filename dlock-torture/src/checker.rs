@@ -66,14 +66,9 @@ impl Findings {
     }
 }
 
-pub(crate) fn percentile_ms(values: &[u64], p: f64) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    let mut v = values.to_vec();
-    v.sort_unstable();
-    let idx = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[idx.min(v.len() - 1)] as f64 / 1e6
+/// [`dlock_testing::percentile`] of nanoseconds, in ms; 0 when empty.
+pub(crate) fn percentile_ms(values_ns: &[u64], p: f64) -> f64 {
+    dlock_testing::percentile(values_ns, p).map_or(0.0, |ns| ns as f64 / 1e6)
 }
 
 #[derive(Debug, Clone)]

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::{AcquireOptions, LockGuard, Locker, LockerOptions};
-use dlock_testing::{FaultProxy, RedisServer};
+use dlock_testing::{percentile, FaultProxy, RedisServer};
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 
 use crate::harness::Report;
@@ -282,15 +282,4 @@ fn ga_key(other: &Locker, name: &str) -> Result<dlock_core::LockKey, String> {
     } else {
         Err(format!("the two clients name the key differently: `{}` and `{name}`", key.as_str()))
     }
-}
-
-/// The `p` quantile of signed values (nearest rank), `None` when empty.
-fn percentile(values: &[f64], p: f64) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let idx = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v.get(idx.min(v.len() - 1)).copied()
 }
