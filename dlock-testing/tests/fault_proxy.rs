@@ -27,16 +27,23 @@ fn read_exactly(s: &mut TcpStream, want: usize) -> (Vec<u8>, Instant) {
     (got, first.expect("at least one read"))
 }
 
+/// A server, a proxy in front of it and a connection through the proxy
+/// that has been answered once, undelayed, so it exists before a test
+/// starts its clock or its fault.
+fn answered_once() -> (RedisServer, FaultProxy, TcpStream) {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(redis.port());
+    let mut s = connect(&proxy);
+    s.write_all(b"PING\r\n").expect("send");
+    assert_eq!(read_exactly(&mut s, 7).0, b"+PONG\r\n");
+    (redis, proxy, s)
+}
+
 /// Replies come `delay` late, and lowering the delay while bytes are held
 /// does not let a later reply overtake an earlier one.
 #[test]
 fn replies_are_delayed_without_reordering() {
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(redis.port());
-    let mut s = connect(&proxy);
-    // Undelayed first, so the connection exists before timing starts.
-    s.write_all(b"PING\r\n").expect("send");
-    assert_eq!(read_exactly(&mut s, 7).0, b"+PONG\r\n");
+    let (_redis, proxy, mut s) = answered_once();
 
     proxy.set_delay(Duration::from_millis(300));
     let sent = Instant::now();
@@ -87,11 +94,7 @@ fn requests_land_late_and_cut_still_cuts() {
 /// and a connection opened during the hold works too.
 #[test]
 fn a_hold_delivers_late_and_closes_nothing() {
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(redis.port());
-    let mut s = connect(&proxy);
-    s.write_all(b"PING\r\n").expect("send");
-    assert_eq!(read_exactly(&mut s, 7).0, b"+PONG\r\n");
+    let (redis, proxy, mut s) = answered_once();
 
     proxy.hold();
     s.write_all(b"SET held v\r\n").expect("send");
