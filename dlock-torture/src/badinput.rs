@@ -23,7 +23,7 @@ use tower::ServiceExt;
 
 use crate::harness::Report;
 use crate::rng::Rng;
-use crate::scenarios::Size;
+use crate::scenario::Size;
 
 const BODY_LIMIT: usize = 4096;
 

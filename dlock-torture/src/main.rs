@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --bin dlock-torture -- [--short] [--scenario NAME] [--json] [--seed N]
+//! cargo run --release --bin dlock-torture -- --list   # the scenario names, one a line
 //! ```
 //!
 //! Every scenario prints one table row (or one JSON object per line with
@@ -14,28 +15,42 @@
 //! backend guarantees.
 
 mod badinput;
+mod baseline;
 mod broken;
 mod checker;
 mod harness;
 mod herd;
 mod history;
+mod kill_client;
+mod orphan_renewal;
+mod partition;
+mod pause;
+mod redlock;
 mod renewal;
 mod resource;
+mod restart;
 mod rng;
+mod scenario;
 mod scenarios;
+mod self_test;
 mod slow;
 mod storm;
 mod worker;
+mod zk_expire;
 
 use std::process::ExitCode;
 
 use harness::Report;
 
-const USAGE: &str = "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N]\n\
-scenarios: baseline pause kill-client restart-redis redlock-minority redlock-majority redlock-restart redlock-slow zk-expire \
-partition renewal-failure checker-self-test orphan-renewal bad-input idempotency-storm";
+fn usage() -> String {
+    format!(
+        "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N] | --list\nscenarios: {}",
+        scenarios::names()
+    )
+}
 
 struct Args {
+    list: bool,
     short: bool,
     json: bool,
     seed: u64,
@@ -43,10 +58,11 @@ struct Args {
 }
 
 fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
-    let mut args = Args { short: false, json: false, seed: 0, scenarios: Vec::new() };
+    let mut args = Args { list: false, short: false, json: false, seed: 0, scenarios: Vec::new() };
     let mut seeded = false;
     while let Some(a) = it.next() {
         match a.as_str() {
+            "--list" => args.list = true,
             "--short" => args.short = true,
             "--json" => args.json = true,
             "--seed" => {
@@ -56,7 +72,7 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             }
             "--scenario" => {
                 let v = it.next().ok_or("--scenario needs a name")?;
-                if !scenarios::ALL.contains(&v.as_str()) {
+                if scenarios::find(&v).is_none() {
                     return Err(format!("unknown scenario `{v}`"));
                 }
                 args.scenarios.push(v);
@@ -69,7 +85,7 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         args.seed = history::mono_ns() ^ u64::from(std::process::id());
     }
     if args.scenarios.is_empty() {
-        args.scenarios = scenarios::ALL.iter().map(|s| (*s).to_owned()).collect();
+        args.scenarios = scenarios::ALL.iter().map(|s| s.name.to_owned()).collect();
     }
     Ok(args)
 }
@@ -92,10 +108,16 @@ fn main() -> ExitCode {
             if !e.is_empty() {
                 eprintln!("dlock-torture: {e}");
             }
-            eprintln!("{USAGE}");
+            eprintln!("{}", usage());
             return ExitCode::from(2);
         }
     };
+    if args.list {
+        for s in scenarios::ALL {
+            println!("{}", s.name);
+        }
+        return ExitCode::SUCCESS;
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -104,7 +126,7 @@ fn main() -> ExitCode {
         }
     };
     eprintln!("dlock-torture: seed {} ({})", args.seed, if args.short { "short" } else { "long" });
-    let size = scenarios::Size { short: args.short };
+    let size = scenario::Size { short: args.short };
     harness::size_set_registers(args.short);
     let mut rows: Vec<Report> = Vec::new();
     if !args.json {

@@ -38,7 +38,7 @@ use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 
 use crate::harness::Report;
 use crate::rng::Rng;
-use crate::scenarios::Size;
+use crate::scenario::Size;
 
 const LEASE: Duration = Duration::from_millis(300);
 /// How long after the heal the owner is watched: three renewal intervals,

@@ -30,7 +30,7 @@ use tokio::time::sleep;
 use crate::harness::{Report, Run};
 use crate::history::{mono_ns, Event};
 use crate::resource::Resource;
-use crate::scenarios::{config, describe, finish, residue_on, Size};
+use crate::scenario::{config, describe, finish, residue_on, Size};
 
 /// The lease; the table's delays are fractions of it.
 const LEASE_MS: u64 = 500;

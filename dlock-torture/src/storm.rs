@@ -24,7 +24,7 @@ use tokio::sync::Semaphore;
 
 use crate::harness::Report;
 use crate::rng::Rng;
-use crate::scenarios::Size;
+use crate::scenario::Size;
 
 /// In-progress lease of `POST /payments` given to both instances.
 const LEASE: Duration = Duration::from_millis(3000);

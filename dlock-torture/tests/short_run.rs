@@ -7,24 +7,6 @@ use std::process::Command;
 
 use serde_json::Value;
 
-const SCENARIOS: [&str; 15] = [
-    "baseline",
-    "pause",
-    "kill-client",
-    "restart-redis",
-    "redlock-minority",
-    "redlock-majority",
-    "redlock-restart",
-    "redlock-slow",
-    "zk-expire",
-    "partition",
-    "renewal-failure",
-    "checker-self-test",
-    "orphan-renewal",
-    "bad-input",
-    "idempotency-storm",
-];
-
 const BROKEN: [&str; 5] = [
     "broken-plain-del",
     "broken-get-then-set",
@@ -33,8 +15,20 @@ const BROKEN: [&str; 5] = [
     "broken-zk-herd",
 ];
 
+/// The registry's scenario names, from the binary itself (`--list`), so
+/// that the list is written once, in the harness.
+fn scenarios() -> Vec<String> {
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_dlock-torture")).arg("--list").output().expect("run dlock-torture --list");
+    assert!(out.status.success(), "dlock-torture --list failed: {:?}", out.status);
+    let names: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect();
+    assert!(!names.is_empty(), "dlock-torture --list named no scenario");
+    names
+}
+
 #[test]
 fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
+    let scenarios = scenarios();
     let out = Command::new(env!("CARGO_BIN_EXE_dlock-torture"))
         .args(["--short", "--json", "--seed", "20261123"])
         .output()
@@ -48,8 +42,8 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
     assert!(out.status.success(), "dlock-torture failed ({:?}):\n{stdout}\nstderr:\n{stderr}", out.status);
 
     let seen: HashSet<&str> = rows.iter().filter_map(|r| r["scenario"].as_str()).collect();
-    for s in SCENARIOS {
-        assert!(seen.contains(s), "scenario {s} missing from:\n{stdout}");
+    for s in &scenarios {
+        assert!(seen.contains(s.as_str()), "scenario {s} missing from:\n{stdout}");
     }
     for r in &rows {
         for field in [

@@ -1,0 +1,78 @@
+//! `kill-client` (reliability.md T2): holders killed with `kill -9`.
+
+use std::time::Duration;
+
+use dlock_testing::RedisServer;
+use tokio::time::sleep;
+
+use crate::harness::{Report, Run};
+use crate::history::mono_ns;
+use crate::resource::Resource;
+use crate::rng::Rng;
+use crate::scenario::{config, describe, find_holder, finish, redlock_masters, residue_on, Size};
+
+/// T2 on Redis and on RedLock (5 masters, AOF always): holders killed with
+/// `kill -9` must leave no lock behind past their lease.
+pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
+    let mut rows = Vec::new();
+    for redlock in [false, true] {
+        rows.push(kill_client_on(redlock, size, seed).await?);
+    }
+    Ok(rows)
+}
+
+async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, String> {
+    let lock: Vec<RedisServer> = if redlock { redlock_masters() } else { vec![RedisServer::start()] };
+    let res_server = RedisServer::start();
+    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let mut run = Run::new("kill-client").map_err(|e| e.to_string())?;
+    let kills = size.pick(4u64, 40);
+    let backend = if redlock { "redlock" } else { "redis" };
+    let mut cfg = config(backend, lock.iter().map(RedisServer::url).collect(), &res_server, seed);
+    cfg.lease_ms = 500;
+    cfg.keys = 3;
+    cfg.cs_max_ms = 10;
+    let total = kills * 700 + 1500;
+    cfg.duration_ms = total;
+    let procs = 4;
+    for _ in 0..procs {
+        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
+    }
+    let started = mono_ns();
+    let mut rng = Rng::new(seed);
+    let mut done = 0;
+    for _ in 0..kills {
+        sleep(Duration::from_millis(500)).await;
+        let Some(pid) = find_holder(&run, None, Duration::from_millis(500), &mut rng).await else { continue };
+        tokio::task::block_in_place(|| run.kill(pid));
+        done += 1;
+        // A fresh worker for the rest of the run keeps the contention up.
+        let mut again = cfg.clone();
+        again.duration_ms = total.saturating_sub((mono_ns() - started) / 1_000_000).max(500);
+        run.spawn(again).map_err(|e| e.to_string())?;
+    }
+    let label = if redlock { "redlock (5 nodes, AOF always)" } else { "redis" };
+    let mut r = Report::new("kill-client", label, seed);
+    r.expected_safe = true;
+    r.faults = done;
+    r.fault_kind = "kill -9 a holder, lease 500 ms (watchdog)".into();
+    describe(&mut r, procs, &cfg);
+    finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
+    if let Some(rec) = r.recovery_max_ms {
+        let bound = cfg.lease_ms as f64 + 1000.0;
+        r.note(format!(
+            "orphan recovery (kill -> next grant of the victim's key) max {rec:.0} ms, bound {bound:.0} ms"
+        ));
+        if rec > bound {
+            r.fail(format!("orphan recovery {rec:.0} ms > lease + 1 s"));
+        }
+    }
+    sleep(Duration::from_millis(cfg.lease_ms + 100)).await;
+    let (left, refreshed) = residue_on(&lock, Duration::from_millis(cfg.lease_ms / 3)).await?;
+    r.residual_keys = Some(left);
+    r.refreshed_keys = Some(refreshed);
+    if left > 0 {
+        r.fail("lock keys of killed holders outlived their lease");
+    }
+    Ok(r)
+}

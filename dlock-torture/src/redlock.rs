@@ -1,0 +1,157 @@
+//! The RedLock fault scenarios: `redlock-minority` and `redlock-majority`
+//! (masters killed for a while) and `redlock-restart` (masters that rejoin
+//! empty).
+
+use std::time::Duration;
+
+use dlock_testing::RedisServer;
+use tokio::time::sleep;
+
+use crate::harness::{Report, Run};
+use crate::history::mono_ns;
+use crate::resource::Resource;
+use crate::rng::Rng;
+use crate::scenario::{config, describe, finish, redlock_masters, Size};
+
+/// T5b: the most a RedLock acquire may take to answer "unavailable" while a
+/// majority is down: one attempt bounded by the node timeout (50 ms here)
+/// and its undo, well under the workers' 500 ms wait; a second is room for
+/// a loaded 2-core machine, and still tells a typed error from a hang.
+const UNAVAILABLE_BOUND_MS: f64 = 1_000.0;
+
+pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<Report>, String> {
+    let mut nodes = redlock_masters();
+    let res_server = RedisServer::start();
+    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let name = if majority { "redlock-majority" } else { "redlock-minority" };
+    let mut run = Run::new(name).map_err(|e| e.to_string())?;
+    let rounds = size.pick(2u64, 10);
+    let outage = Duration::from_millis(if majority { 2000 } else { 1000 });
+    let mut cfg = config("redlock", nodes.iter().map(RedisServer::url).collect(), &res_server, seed);
+    cfg.keys = 3;
+    cfg.wait_ms = 500;
+    cfg.duration_ms = rounds * (u64::try_from(outage.as_millis()).unwrap_or(0) + 1500) + 1000;
+    let procs = 3;
+    for _ in 0..procs {
+        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
+    }
+    let mut rng = Rng::new(seed);
+    let mut windows = Vec::new();
+    let victims = if majority { 3 } else { 2 };
+    for _ in 0..rounds {
+        sleep(Duration::from_millis(1000)).await;
+        let mut ids: Vec<usize> = (0..5).collect();
+        for i in (1..ids.len()).rev() {
+            let j = usize::try_from(rng.below(i as u64 + 1)).unwrap_or(0);
+            ids.swap(i, j);
+        }
+        let down = &ids[..victims];
+        run.log("kill", None);
+        let from = mono_ns();
+        tokio::task::block_in_place(|| down.iter().for_each(|&i| nodes[i].kill()));
+        sleep(outage).await;
+        let to = mono_ns();
+        tokio::task::block_in_place(|| down.iter().for_each(|&i| nodes[i].restart()));
+        run.log("restart", None);
+        windows.push((from, to));
+        sleep(Duration::from_millis(500)).await;
+    }
+    let mut r = Report::new(name, "redlock (5 nodes, AOF always)", seed);
+    r.expected_safe = true;
+    r.faults = rounds * victims as u64;
+    r.fault_kind = format!("kill -9 {victims} of 5 for {} ms", outage.as_millis());
+    describe(&mut r, procs, &cfg);
+    let findings = finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
+    let slowest = crate::checker::percentile_ms(&findings.unavailable_ns, 1.0);
+    if majority && slowest > UNAVAILABLE_BOUND_MS {
+        r.fail(format!(
+            "an acquire took {slowest:.0} ms to report the quorum unavailable (bound {UNAVAILABLE_BOUND_MS} ms)"
+        ));
+    }
+    let events = run.events();
+    // A grant needs 3 live nodes; allow 100 ms for replies already in flight.
+    let during: usize = windows
+        .iter()
+        .map(|(from, to)| events.iter().filter(|e| e.op == "acq_ok" && e.t > from + 100_000_000 && e.t < *to).count())
+        .sum();
+    let recovery: Vec<u64> = windows
+        .iter()
+        .filter_map(|(_, to)| events.iter().find(|e| e.op == "acq_ok" && e.t > *to).map(|e| e.t - to))
+        .collect();
+    if majority {
+        r.note(format!(
+            "grants during majority outages: {during}; unavailable answers: {}; recovery after restart max {:.0} ms",
+            r.acq_failures,
+            crate::checker::percentile_ms(&recovery, 1.0)
+        ));
+        if during > 0 {
+            r.fail("locks granted without a quorum");
+        }
+    } else {
+        r.note(format!("grants during minority outages: {during} (expected > 0: the quorum survives)"));
+    }
+    Ok(vec![r])
+}
+
+/// T5c's random arm: RedLock masters *without* persistence; under load, 2
+/// of 5 random masters are killed and rejoin at once, empty. A rejoined
+/// master can hand a second quorum the key a holder still has on its
+/// others: reported, not promised. The same with every client quarantining
+/// restarted masters (`DLOCK_RESTART_QUARANTINE_MS` = 1.3 s > the 1 s
+/// lease): promised safe.
+pub(crate) async fn restart(size: Size, seed: u64) -> Result<Vec<Report>, String> {
+    let mut rows = Vec::new();
+    for quarantine in [Duration::ZERO, Duration::from_millis(1300)] {
+        let mut nodes: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
+        let res_server = RedisServer::start();
+        let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+        let mut run = Run::new("redlock-restart").map_err(|e| e.to_string())?;
+        let rounds = size.pick(3u64, 15);
+        let mut cfg = config("redlock", nodes.iter().map(RedisServer::url).collect(), &res_server, seed);
+        // One key held for up to 300 ms at a time: a restart then often
+        // empties masters of a live hold while others wait for the key.
+        cfg.keys = 1;
+        cfg.cs_max_ms = 300;
+        cfg.wait_ms = 500;
+        cfg.quarantine_ms = u64::try_from(quarantine.as_millis()).unwrap_or(0);
+        let pace = Duration::from_millis(700) + quarantine;
+        // The first use of each master sits out a quarantine too.
+        cfg.duration_ms =
+            u64::try_from((pace * u32::try_from(rounds).unwrap_or(1) + quarantine).as_millis()).unwrap_or(0) + 1500;
+        let procs = 3;
+        for _ in 0..procs {
+            run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
+        }
+        let mut rng = Rng::new(seed);
+        sleep(Duration::from_millis(700) + quarantine).await;
+        for _ in 0..rounds {
+            let mut ids: Vec<usize> = (0..5).collect();
+            for i in (1..ids.len()).rev() {
+                let j = usize::try_from(rng.below(i as u64 + 1)).unwrap_or(0);
+                ids.swap(i, j);
+            }
+            run.log("restart", None);
+            tokio::task::block_in_place(|| ids[..2].iter().for_each(|&i| nodes[i].restart()));
+            sleep(pace).await;
+        }
+        let label = if quarantine.is_zero() {
+            "redlock (5 nodes, no persistence), 2 rejoin empty"
+        } else {
+            "redlock (5 nodes, no persistence), 2 rejoin empty, client quarantine"
+        };
+        let mut r = Report::new("redlock-restart", label, seed);
+        r.expected_safe = !quarantine.is_zero();
+        r.faults = rounds * 2;
+        r.fault_kind = "kill -9 + immediate restart of 2 of 5".into();
+        describe(&mut r, procs, &cfg);
+        finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
+        if !r.safety_ok() && r.pass && r.expected_safe {
+            r.fail("overlap although restarted masters were quarantined");
+        }
+        if quarantine.is_zero() && r.overlaps == 0 {
+            r.note("no second quorum formed this run (the unsafety needs a restart to hit a live hold's masters)");
+        }
+        rows.push(r);
+    }
+    Ok(rows)
+}

@@ -1,0 +1,168 @@
+//! The kit every scenario is built from: sizes, a worker's default
+//! configuration, the report's shape, the RedLock masters, the residue
+//! check, the holder finder and the end of a run (join, check, verdict).
+//! Scenarios import it; the registry of scenarios is [`crate::scenarios`].
+
+use std::time::Duration;
+
+use dlock_testing::RedisServer;
+use redis::AsyncCommands;
+use tokio::time::sleep;
+
+use crate::checker::Findings;
+use crate::harness::{Report, Run};
+use crate::resource::Resource;
+use crate::rng::Rng;
+use crate::worker::WorkerConfig;
+
+/// Sizes: `--short` for CI (debug build, 2 cores), the default for the long run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Size {
+    pub(crate) short: bool,
+}
+
+impl Size {
+    pub(crate) fn pick<T>(self, short: T, long: T) -> T {
+        if self.short {
+            short
+        } else {
+            long
+        }
+    }
+}
+
+/// A worker's configuration with the defaults every scenario starts from.
+pub(crate) fn config(backend: &str, urls: Vec<String>, resource: &RedisServer, seed: u64) -> WorkerConfig {
+    WorkerConfig {
+        backend: backend.into(),
+        urls,
+        resource: resource.url(),
+        prefix: "torture".into(),
+        history: std::path::PathBuf::new(),
+        tasks: 3,
+        keys: 2,
+        duration_ms: 2000,
+        lease_ms: 1000,
+        watchdog: true,
+        wait_ms: 2000,
+        cs_max_ms: 5,
+        session_ms: 1000,
+        quarantine_ms: 0,
+        // Run::spawn sets the run's cap.
+        set_cap: 0,
+        node_timeout_ms: 0,
+        seed,
+    }
+}
+
+/// Fills the report's shape columns (processes, tasks, keys, lease) from a worker configuration.
+pub(crate) fn describe(r: &mut Report, procs: u32, cfg: &WorkerConfig) {
+    r.processes = procs;
+    r.tasks = cfg.tasks;
+    r.keys = cfg.keys;
+    r.lease_ms = if cfg.backend == "zookeeper" { cfg.session_ms } else { cfg.lease_ms };
+}
+
+/// The RedLock masters every RedLock scenario that promises safety runs on:
+/// 5, with AOF `always`, so a restarted master keeps its locks.
+pub(crate) fn redlock_masters() -> Vec<RedisServer> {
+    (0..5).map(|_| RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"])).collect()
+}
+
+/// [`residue`] summed over `servers`, sampled on all of them in one window.
+pub(crate) async fn residue_on(
+    servers: impl IntoIterator<Item = &RedisServer>,
+    renew_every: Duration,
+) -> Result<(u64, u64), String> {
+    let mut total = (0, 0);
+    for got in futures_util::future::join_all(servers.into_iter().map(|s| {
+        let url = s.url();
+        async move { residue(&url, renew_every).await }
+    }))
+    .await
+    {
+        let (left, refreshed) = got?;
+        total.0 += left;
+        total.1 += refreshed;
+    }
+    Ok(total)
+}
+
+/// C6 on a Redis lock server: lock hashes left, and how many of them have a
+/// PTTL that grows between two samples 2 × renew interval apart.
+pub(crate) async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String> {
+    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+    let mut c = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
+    let all: Vec<String> = c.keys("torture*").await.map_err(|e| e.to_string())?;
+    let mut locks = Vec::new();
+    for k in all {
+        let kind: String = redis::cmd("TYPE").arg(&k).query_async(&mut c).await.map_err(|e| e.to_string())?;
+        if kind == "hash" {
+            locks.push(k);
+        }
+    }
+    let mut first = Vec::new();
+    for k in &locks {
+        first.push(c.pttl::<_, i64>(k).await.map_err(|e| e.to_string())?);
+    }
+    sleep(renew_every * 2).await;
+    let mut refreshed = 0;
+    for (k, before) in locks.iter().zip(first) {
+        let after: i64 = c.pttl(k).await.map_err(|e| e.to_string())?;
+        if after > before {
+            refreshed += 1;
+        }
+    }
+    Ok((locks.len() as u64, refreshed))
+}
+
+/// Waits for the workers (a hang fails the row), checks the history and
+/// files the findings into `r`; a safety violation fails the row.
+pub(crate) async fn finish(
+    run: &mut Run,
+    r: &mut Report,
+    resource: &Resource,
+    keys: u32,
+    grace: Duration,
+) -> Result<Findings, String> {
+    let hung = tokio::task::block_in_place(|| run.join(grace));
+    if hung > 0 {
+        r.fail(format!("{hung} worker(s) did not finish within {grace:?} of their end (hang)"));
+    }
+    let findings = run.check(resource, keys).await?;
+    r.absorb(&findings);
+    if !findings.unavailable_ns.is_empty() {
+        r.note(format!(
+            "unavailable answers: {}, p99 {:.0} ms, max {:.0} ms after the acquire was called",
+            findings.unavailable_ns.len(),
+            crate::checker::percentile_ms(&findings.unavailable_ns, 0.99),
+            crate::checker::percentile_ms(&findings.unavailable_ns, 1.0)
+        ));
+    }
+    if findings.released_not_held > 0 {
+        r.note(format!(
+            "releases after the lease ran out, answered `not held` (release() = false, nothing deleted): {}",
+            findings.released_not_held
+        ));
+    }
+    if !r.safety_ok() {
+        r.fail("safety violated under a fault the backend promises to survive");
+    }
+    Ok(findings)
+}
+
+/// Waits up to `within` for a worker (of `among`) that holds a lock.
+pub(crate) async fn find_holder(run: &Run, among: Option<&[u32]>, within: Duration, rng: &mut Rng) -> Option<u32> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let holders = tokio::task::block_in_place(|| run.holders(among));
+        if !holders.is_empty() {
+            let i = usize::try_from(rng.below(holders.len() as u64)).unwrap_or(0);
+            return holders.get(i).copied();
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -1,0 +1,111 @@
+//! `checker-self-test`: deliberately broken locks, which the checker must
+//! catch, beside the real one under the same workload as a control.
+
+use std::time::Duration;
+
+use dlock_testing::{RedisServer, ZooKeeperServer};
+
+use crate::broken::Bug;
+use crate::harness::{Report, Run};
+use crate::resource::Resource;
+use crate::scenario::{config, describe, finish, Size};
+
+pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
+    let res_server = RedisServer::start();
+    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let nodes: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
+    let mut rows = Vec::new();
+    // The correct lock first, under the workload that breaks the plain-DEL
+    // variant: fixed 50 ms leases, sections up to 80 ms.
+    let variants: Vec<&str> = std::iter::once("redis").chain(Bug::ALL).collect();
+    for (i, variant) in variants.into_iter().enumerate() {
+        let _ = redis::cmd("FLUSHALL")
+            .query_async::<()>(
+                &mut redis::Client::open(res_server.url())
+                    .map_err(|e| e.to_string())?
+                    .get_multiplexed_async_connection()
+                    .await
+                    .map_err(|e| e.to_string())?,
+            )
+            .await;
+        let urls: Vec<String> = if variant == "broken-redlock-ignores-elapsed" {
+            nodes.iter().map(RedisServer::url).collect()
+        } else {
+            vec![nodes[0].url()]
+        };
+        let mut cfg = config(variant, urls, &res_server, seed.wrapping_add(i as u64));
+        cfg.keys = 1;
+        cfg.tasks = if variant == "broken-redlock-ignores-elapsed" { 2 } else { 3 };
+        cfg.watchdog = false;
+        cfg.wait_ms = 1000;
+        cfg.duration_ms =
+            if variant == "broken-redlock-ignores-elapsed" { size.pick(4000, 15_000) } else { size.pick(2000, 10_000) };
+        (cfg.lease_ms, cfg.cs_max_ms) = match variant {
+            "broken-get-then-set" => (200, 2),
+            "broken-renew-no-owner-check" => (60, 120),
+            // Sections as long as the lease, so a holder is still inside
+            // when its first keys expire.
+            "broken-redlock-ignores-elapsed" => (100, 100),
+            _ => (50, 80),
+        };
+        let mut run = Run::new(&format!("self-test-{i}")).map_err(|e| e.to_string())?;
+        let procs = 3;
+        for _ in 0..procs {
+            run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
+        }
+        let mut r = Report::new("checker-self-test", variant, seed);
+        describe(&mut r, procs, &cfg);
+        r.fault_kind = "none (the bug is in the lock)".into();
+        if variant == "redis" {
+            r.expected_safe = true;
+            r.note("control: the real dlock under the plain-DEL workload (fixed 50 ms lease, sections up to 80 ms)");
+            finish(&mut run, &mut r, &resource, 1, Duration::from_secs(15)).await?;
+        } else {
+            r.expected_safe = false;
+            finish(&mut run, &mut r, &resource, 1, Duration::from_secs(15)).await?;
+            // C3 must name the ids these two bugs lose: they overlap often
+            // enough to lose ids in every short run. The fenced set cannot
+            // lose one (every variant draws unique, growing tokens from
+            // INCR, and the set refuses a stale one), so the loss shows on
+            // the unfenced set, which the same C3 code checks.
+            let c3_required = matches!(variant, "broken-plain-del" | "broken-get-then-set");
+            let c3_caught = r.unfenced_set_missing > 0;
+            let caught = r.overlaps > 0 && (c3_caught || !c3_required);
+            r.caught = Some(caught);
+            if r.overlaps == 0 {
+                r.fail("the checker did not catch this broken lock");
+            }
+            if c3_required && !c3_caught {
+                r.fail("C3 (set-full) found no acknowledged op id missing from the unfenced set");
+            }
+        }
+        rows.push(r);
+    }
+    let zk = tokio::task::spawn_blocking(ZooKeeperServer::start)
+        .await
+        .map_err(|e| format!("ZooKeeper did not start: {e}"))?;
+    let (waiters, rounds) = (size.pick(8, 12), size.pick(4, 20));
+    let (good_rel, good_wake) =
+        crate::herd::wakeups_per_release(&zk.connect_string(), "/herd-good", waiters, rounds, false).await?;
+    let (bad_rel, bad_wake) =
+        crate::herd::wakeups_per_release(&zk.connect_string(), "/herd-bad", waiters, rounds, true).await?;
+    let ratio = |w: u64, r: u64| if r == 0 { 0.0 } else { w as f64 / r as f64 };
+    let (good, bad) = (ratio(good_wake, good_rel), ratio(bad_wake, bad_rel));
+    let mut herd = Report::new("checker-self-test", "broken-zk-herd", seed);
+    herd.expected_safe = false;
+    herd.processes = 1;
+    herd.tasks = u32::try_from(waiters).unwrap_or(0);
+    herd.keys = 1;
+    herd.operations = bad_rel;
+    herd.fault_kind = "none (every waiter watches the lowest node)".into();
+    // Herding costs wake-ups, not safety: caught when a release wakes
+    // clearly more than the one waiter the predecessor recipe wakes.
+    let caught = bad > 1.5 && bad > 2.0 * good.max(0.5);
+    herd.caught = Some(caught);
+    herd.note(format!("wake-ups per release {bad:.2} with {waiters} waiters; predecessor-watch control {good:.2}"));
+    if !caught {
+        herd.fail("the herd was not detected");
+    }
+    rows.push(herd);
+    Ok(rows)
+}
