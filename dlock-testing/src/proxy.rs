@@ -14,7 +14,7 @@ use crate::accept;
 /// be partitioned from the server while others are not, in two ways:
 ///
 /// * [`FaultProxy::cut`] closes every connection and refuses new ones: the
-///   client sees its connections fail at once, as after a reset.
+///   client sees its connections end at once.
 /// * [`FaultProxy::hold`] keeps every connection open and holds every byte,
 ///   both ways, on live connections and new ones: a partition shorter than
 ///   TCP's retransmission give-up, whose packets arrive late, after the
