@@ -1,5 +1,8 @@
 //! Real servers for dlock's tests and benchmarks, started on free loopback
-//! ports and stopped when dropped.
+//! ports and stopped when dropped; the fault proxies that stand between a
+//! client and them ([`FaultProxy`] cuts, holds or slows a line,
+//! [`ZooKeeperProxy`] loses chosen ZooKeeper replies); and the
+//! [`percentile`] the torture harness and the benchmark both report.
 //!
 //! A missing server binary is a test failure with instructions, never a
 //! skip: the README's test command installs what is needed.

@@ -1,5 +1,5 @@
 //! `partition`: one worker's lock-server traffic held by a
-//! [`FaultProxy`](dlock_testing::FaultProxy) for 2 × lease while it holds a lock.
+//! [`FaultProxy`] for 2 × lease while it holds a lock.
 
 use std::time::Duration;
 
