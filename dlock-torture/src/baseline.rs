@@ -5,8 +5,7 @@ use std::time::Duration;
 use dlock_testing::{RedisServer, ZooKeeperServer};
 
 use crate::harness::{Report, Run};
-use crate::resource::Resource;
-use crate::scenario::{config, describe, finish, redlock_masters, residue_on, Size};
+use crate::scenario::{config, describe, finish, redlock_masters, residue_on, resource_server, spawn_workers, Size};
 
 /// T1: the zero every fault is compared against. One row per backend, no
 /// faults: 0 overlaps, 0 lost updates (counter and set), no lock left on
@@ -26,8 +25,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
 
 /// Runs one backend's baseline into `r` (whose `backend` names it).
 async fn baseline_row(size: Size, seed: u64, r: &mut Report) -> Result<(), String> {
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let backend = r.backend.clone();
     // The servers live until the row is checked.
     let (lock, nodes, zk) = match backend.as_str() {
@@ -55,9 +53,7 @@ async fn baseline_row(size: Size, seed: u64, r: &mut Report) -> Result<(), Strin
     let procs = if backend == "memory" { 1 } else { 3 };
     cfg.tasks = 12 / procs;
     let mut run = Run::new(&format!("baseline-{backend}")).map_err(|e| e.to_string())?;
-    for _ in 0..procs {
-        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-    }
+    spawn_workers(&mut run, &cfg, procs)?;
     r.expected_safe = true;
     r.fault_kind = "none".into();
     describe(r, procs, &cfg);

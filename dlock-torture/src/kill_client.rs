@@ -7,9 +7,10 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::history::mono_ns;
-use crate::resource::Resource;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, redlock_masters, residue_on, Size};
+use crate::scenario::{
+    config, describe, find_holder, finish, redlock_masters, residue_on, resource_server, spawn_workers, Size,
+};
 
 /// T2 on Redis and on RedLock (5 masters, AOF always): holders killed with
 /// `kill -9` must leave no lock behind past their lease.
@@ -23,8 +24,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
 
 async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, String> {
     let lock: Vec<RedisServer> = if redlock { redlock_masters() } else { vec![RedisServer::start()] };
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let mut run = Run::new("kill-client").map_err(|e| e.to_string())?;
     let kills = size.pick(4u64, 40);
     let backend = if redlock { "redlock" } else { "redis" };
@@ -35,9 +35,7 @@ async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, 
     let total = kills * 700 + 1500;
     cfg.duration_ms = total;
     let procs = 4;
-    for _ in 0..procs {
-        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-    }
+    spawn_workers(&mut run, &cfg, procs)?;
     let started = mono_ns();
     let mut rng = Rng::new(seed);
     let mut done = 0;

@@ -7,14 +7,12 @@ use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
-use crate::resource::Resource;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, Size};
+use crate::scenario::{config, describe, find_holder, finish, note_signalled, resource_server, spawn_workers, Size};
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let lock = RedisServer::start();
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let proxy = FaultProxy::try_start(lock.port()).map_err(|e| e.to_string())?;
     let mut run = Run::new("partition").map_err(|e| e.to_string())?;
     let episodes = size.pick(3u64, 20);
@@ -29,9 +27,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     cut_cfg.urls = vec![format!("redis://127.0.0.1:{}", proxy.port())];
     let victim = run.spawn(cut_cfg).map_err(|e| e.to_string())?;
     let procs = 3;
-    for _ in 1..procs {
-        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-    }
+    spawn_workers(&mut run, &cfg, procs - 1)?;
     let mut rng = Rng::new(seed);
     let mut done = 0;
     sleep(Duration::from_millis(300)).await;
@@ -54,10 +50,6 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     describe(&mut r, procs, &cfg);
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
     r.note("fault injected with the in-harness TCP proxy, not network namespaces");
-    if let Some(signalled) = r.stale_holds_signalled.clone() {
-        r.note(format!(
-            "holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"
-        ));
-    }
+    note_signalled(&mut r);
     Ok(vec![r])
 }

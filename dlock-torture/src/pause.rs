@@ -7,14 +7,12 @@ use rustix::process::Signal;
 use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
-use crate::resource::Resource;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, Size};
+use crate::scenario::{config, describe, find_holder, finish, note_signalled, resource_server, spawn_workers, Size};
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let lock = RedisServer::start();
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let mut run = Run::new("pause").map_err(|e| e.to_string())?;
     let episodes = size.pick(4u64, 30);
     let mut cfg = config("redis", vec![lock.url()], &res_server, seed);
@@ -23,9 +21,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     cfg.keys = 2;
     cfg.duration_ms = episodes * 1500 + 1500;
     let procs = 3;
-    for _ in 0..procs {
-        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-    }
+    spawn_workers(&mut run, &cfg, procs)?;
     let mut rng = Rng::new(seed);
     let mut done = 0;
     sleep(Duration::from_millis(300)).await;
@@ -47,10 +43,6 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     if r.stale_writes_refused == 0 && r.unfenced_lost == 0 {
         r.note("the pauses did not bite this run (no stale access, no unfenced loss)");
     }
-    if let Some(signalled) = r.stale_holds_signalled.clone() {
-        r.note(format!(
-            "holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"
-        ));
-    }
+    note_signalled(&mut r);
     Ok(vec![r])
 }

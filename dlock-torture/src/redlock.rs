@@ -9,9 +9,8 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::history::mono_ns;
-use crate::resource::Resource;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, finish, redlock_masters, Size};
+use crate::scenario::{config, describe, finish, redlock_masters, resource_server, spawn_workers, Size};
 
 /// T5b: the most a RedLock acquire may take to answer "unavailable" while a
 /// majority is down: one attempt bounded by the node timeout (50 ms here)
@@ -21,8 +20,7 @@ const UNAVAILABLE_BOUND_MS: f64 = 1_000.0;
 
 pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<Report>, String> {
     let mut nodes = redlock_masters();
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let name = if majority { "redlock-majority" } else { "redlock-minority" };
     let mut run = Run::new(name).map_err(|e| e.to_string())?;
     let rounds = size.pick(2u64, 10);
@@ -32,9 +30,7 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
     cfg.wait_ms = 500;
     cfg.duration_ms = rounds * (u64::try_from(outage.as_millis()).unwrap_or(0) + 1500) + 1000;
     let procs = 3;
-    for _ in 0..procs {
-        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-    }
+    spawn_workers(&mut run, &cfg, procs)?;
     let mut rng = Rng::new(seed);
     let mut windows = Vec::new();
     let victims = if majority { 3 } else { 2 };
@@ -103,8 +99,7 @@ pub(crate) async fn restart(size: Size, seed: u64) -> Result<Vec<Report>, String
     let mut rows = Vec::new();
     for quarantine in [Duration::ZERO, Duration::from_millis(1300)] {
         let mut nodes: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
-        let res_server = RedisServer::start();
-        let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+        let (res_server, resource) = resource_server().await?;
         let mut run = Run::new("redlock-restart").map_err(|e| e.to_string())?;
         let rounds = size.pick(3u64, 15);
         let mut cfg = config("redlock", nodes.iter().map(RedisServer::url).collect(), &res_server, seed);
@@ -119,9 +114,7 @@ pub(crate) async fn restart(size: Size, seed: u64) -> Result<Vec<Report>, String
         cfg.duration_ms =
             u64::try_from((pace * u32::try_from(rounds).unwrap_or(1) + quarantine).as_millis()).unwrap_or(0) + 1500;
         let procs = 3;
-        for _ in 0..procs {
-            run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-        }
+        spawn_workers(&mut run, &cfg, procs)?;
         let mut rng = Rng::new(seed);
         sleep(Duration::from_millis(700) + quarantine).await;
         for _ in 0..rounds {

@@ -11,7 +11,7 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::resource::{Fenced, Resource};
-use crate::scenario::{config, describe, finish, Size};
+use crate::scenario::{config, describe, finish, resource_server, spawn_workers, Size};
 
 /// The deterministic restart probe: A holds, the lock server restarts
 /// (after `delay`), B tries at once. Returns (B got it while A still
@@ -85,8 +85,7 @@ fn stop(lock: &mut RedisServer, clean: bool) {
 }
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let probes = size.pick(1u32, 5);
     let mut rows = Vec::new();
 
@@ -141,9 +140,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         let pause = u64::try_from((delay + quarantine).as_millis()).unwrap_or(0);
         cfg.duration_ms = restarts * (2000 + pause) + 1000;
         let procs = 3;
-        for _ in 0..procs {
-            run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-        }
+        spawn_workers(&mut run, &cfg, procs)?;
         for _ in 0..restarts {
             sleep(Duration::from_millis(1000)).await;
             run.log("restart", None);

@@ -63,6 +63,32 @@ pub(crate) fn describe(r: &mut Report, procs: u32, cfg: &WorkerConfig) {
     r.lease_ms = if cfg.backend == "zookeeper" { cfg.session_ms } else { cfg.lease_ms };
 }
 
+/// The Redis server the workers' resource lives on (the fenced register,
+/// the sets), and the harness's own connection to it for the checks.
+pub(crate) async fn resource_server() -> Result<(RedisServer, Resource), String> {
+    let server = RedisServer::start();
+    let resource = Resource::connect(&server.url()).await.map_err(|e| e.to_string())?;
+    Ok((server, resource))
+}
+
+/// Starts `procs` worker processes of `cfg` in `run`.
+pub(crate) fn spawn_workers(run: &mut Run, cfg: &WorkerConfig, procs: u32) -> Result<(), String> {
+    for _ in 0..procs {
+        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// For the scenarios whose fault outlives a lease: how many holds that
+/// fencing refused had been told they were lost by then.
+pub(crate) fn note_signalled(r: &mut Report) {
+    if let Some(signalled) = r.stale_holds_signalled.clone() {
+        r.note(format!(
+            "holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"
+        ));
+    }
+}
+
 /// The RedLock masters every RedLock scenario that promises safety runs on:
 /// 5, with AOF `always`, so a restarted master keeps its locks.
 pub(crate) fn redlock_masters() -> Vec<RedisServer> {

@@ -7,12 +7,10 @@ use dlock_testing::{RedisServer, ZooKeeperServer};
 
 use crate::broken::Bug;
 use crate::harness::{Report, Run};
-use crate::resource::Resource;
-use crate::scenario::{config, describe, finish, Size};
+use crate::scenario::{config, describe, finish, resource_server, spawn_workers, Size};
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let nodes: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
     let mut rows = Vec::new();
     // The correct lock first, under the workload that breaks the plain-DEL
@@ -50,9 +48,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         };
         let mut run = Run::new(&format!("self-test-{i}")).map_err(|e| e.to_string())?;
         let procs = 3;
-        for _ in 0..procs {
-            run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-        }
+        spawn_workers(&mut run, &cfg, procs)?;
         let mut r = Report::new("checker-self-test", variant, seed);
         describe(&mut r, procs, &cfg);
         r.fault_kind = "none (the bug is in the lock)".into();

@@ -29,8 +29,7 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::history::{mono_ns, Event};
-use crate::resource::Resource;
-use crate::scenario::{config, describe, finish, residue_on, Size};
+use crate::scenario::{config, describe, finish, residue_on, resource_server, spawn_workers, Size};
 
 /// The lease; the table's delays are fractions of it.
 const LEASE_MS: u64 = 500;
@@ -39,8 +38,7 @@ const LONG_TARGET: u64 = 2_000;
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let nodes: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let lease = Duration::from_millis(LEASE_MS);
     // Round-trip delays per node: two fast, two at 0.4 × lease, one at 1.1 ×.
     let round_trips = [Duration::ZERO, Duration::ZERO, lease * 2 / 5, lease * 2 / 5, lease * 11 / 10];
@@ -70,9 +68,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     cfg.wait_ms = LEASE_MS * 5;
     cfg.duration_ms = size.pick(50_000, 150_000);
     let procs = 3;
-    for _ in 0..procs {
-        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-    }
+    spawn_workers(&mut run, &cfg, procs)?;
     let mut r = Report::new("redlock-slow", "redlock (5 nodes, 2 at 0.4 × lease, 1 at 1.1 × lease)", seed);
     r.expected_safe = true;
     r.faults = 3;

@@ -2,22 +2,20 @@
 
 use std::time::Duration;
 
-use dlock_testing::{RedisServer, ZooKeeperServer};
+use dlock_testing::ZooKeeperServer;
 use rustix::process::Signal;
 use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::history::mono_ns;
-use crate::resource::Resource;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, Size};
+use crate::scenario::{config, describe, find_holder, finish, note_signalled, resource_server, spawn_workers, Size};
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let zk = tokio::task::spawn_blocking(ZooKeeperServer::start)
         .await
         .map_err(|e| format!("ZooKeeper did not start: {e}"))?;
-    let res_server = RedisServer::start();
-    let resource = Resource::connect(&res_server.url()).await.map_err(|e| e.to_string())?;
+    let (res_server, resource) = resource_server().await?;
     let mut run = Run::new("zk-expire").map_err(|e| e.to_string())?;
     let episodes = size.pick(2u64, 20);
     let mut cfg = config("zookeeper", vec![zk.connect_string()], &res_server, seed);
@@ -28,9 +26,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     cfg.wait_ms = 3000;
     cfg.duration_ms = episodes * 5500 + 2500;
     let procs = 3;
-    for _ in 0..procs {
-        run.spawn(cfg.clone()).map_err(|e| e.to_string())?;
-    }
+    spawn_workers(&mut run, &cfg, procs)?;
     let mut rng = Rng::new(seed);
     let mut done = 0;
     let started = mono_ns();
@@ -61,11 +57,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     r.fault_kind = "SIGSTOP holder 2500 ms > session 1000 ms".into();
     describe(&mut r, procs, &cfg);
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
-    if let Some(signalled) = r.stale_holds_signalled.clone() {
-        r.note(format!(
-            "holds refused by fencing whose lost signal had fired by their first refused access: {signalled}"
-        ));
-    }
+    note_signalled(&mut r);
     let events = run.events();
     let recovered = resumed
         .iter()
