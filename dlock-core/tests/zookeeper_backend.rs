@@ -95,6 +95,41 @@ async fn zookeeper() -> ZooKeeper {
 
 backend_suite!(zookeeper());
 
+/// One session watcher speaks for every guard of its session: guards of
+/// many keys, a re-entry of one of them and a watcher holding only a
+/// `LostSignal` all learn that the session may be over, each with the
+/// session's reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_guard_of_a_lost_session_learns_it() {
+    keep_logs();
+    let server = ZooKeeperServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let backend =
+        ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", Duration::from_millis(1_000))
+            .await
+            .expect("connect through the proxy");
+    let holder = locker(backend);
+    let owner = dlock_core::Owner::random().expect("owner");
+    let fixed = || AcquireOptions::new().lease(Duration::from_secs(60)).owner(owner.clone());
+    let mut guards = Vec::new();
+    for i in 0..6 {
+        let k = holder.key("many").part(i).build().expect("key");
+        guards.push(holder.acquire(&k, fixed()).await.expect("free"));
+    }
+    let first = guards[0].key().clone();
+    guards.push(holder.acquire(&first, fixed()).await.expect("re-entry"));
+    let signals: Vec<_> = guards.iter().map(|g| g.lost_signal()).collect();
+    assert!(guards.iter().all(|g| !g.is_lost()), "connected: nothing lost");
+
+    proxy.cut();
+    for (g, signal) in guards.iter().zip(&signals) {
+        let reason = tokio::time::timeout(Duration::from_secs(10), g.lost()).await.expect("lost fires");
+        assert_eq!(reason, LostReason::SessionExpired, "{}", g.key());
+        assert_eq!(signal.reason(), Some(LostReason::SessionExpired), "the detached signal agrees");
+    }
+    drop(guards);
+}
+
 /// A partition longer than the session timeout: the session expires, the
 /// holder's lost signal fires, and another client takes the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -268,7 +268,7 @@ impl RedLockBackend {
         let valid_until = started + validity;
         if granted >= self.quorum() && Instant::now() < valid_until {
             let fencing_token = self.hold(&req.key, &req.owner, fence, any_reentry);
-            return Ok(Attempt::Acquired(Grant { fencing_token, valid_until, lost: None }));
+            return Ok(Attempt::Acquired(Grant::until(fencing_token, valid_until)));
         }
         // Undo on every node that granted, or did not answer (its command may
         // land late) — not where someone else holds the key: an undo there

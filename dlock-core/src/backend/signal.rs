@@ -207,6 +207,13 @@ impl LostSignal {
         self.inner.changed.notify_waiters();
     }
 
+    /// Whether anyone but the caller's copy still watches the lock: a
+    /// backend that keeps the signals of long-released guards can forget
+    /// those.
+    pub(crate) fn is_watched(&self) -> bool {
+        Arc::strong_count(&self.inner) > 1
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         // Every update is one assignment: a panic elsewhere cannot leave it
         // half-done, so a poisoned lock is still right.

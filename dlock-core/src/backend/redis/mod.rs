@@ -364,11 +364,7 @@ impl RedisBackend {
         };
         Ok(match reply.as_slice() {
             [1, token, holds] => NodeAttempt::Granted {
-                grant: Grant {
-                    fencing_token: u64::try_from(*token).unwrap_or(0),
-                    valid_until: sent + req.lease,
-                    lost: None,
-                },
+                grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + req.lease),
                 reentry: *holds > 1,
             },
             // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
