@@ -3,10 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(feature = "redis")]
+use crate::backend::redis::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
 use crate::backend::{Backend, MemoryBackend};
+use crate::engine::{validate_prefix, Locker, LockerOptions, DEFAULT_LEASE};
 use crate::error::{Error, Result};
-use crate::locker::{validate_prefix, Locker, LockerOptions, DEFAULT_LEASE};
-use crate::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
 
 /// Which coordination service holds the locks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +107,7 @@ pub struct Config {
     /// CA and client certificate for `rediss://` connections
     /// (`DLOCK_REDIS_CA_FILE`, `DLOCK_REDIS_CLIENT_CERT_FILE`,
     /// `DLOCK_REDIS_CLIENT_KEY_FILE`); `None`: the system trust store.
+    #[cfg(feature = "redis")]
     pub redis_tls: Option<RedisTls>,
     /// No grants from a Redis that restarted or lost its data until it has
     /// been up this long (`DLOCK_RESTART_QUARANTINE_MS`; zero: off).
@@ -122,6 +124,7 @@ impl Default for Config {
             idempotency_ttl: Duration::from_secs(86_400),
             max_body_bytes: 64 * 1024,
             idempotency_redis_url: None,
+            #[cfg(feature = "redis")]
             redis_tls: None,
             restart_quarantine: Duration::ZERO,
         }
@@ -214,6 +217,7 @@ impl Config {
                 ));
             }
         }
+        #[cfg(feature = "redis")]
         match &backend {
             BackendKind::Redis { url } => check_url_supported("DLOCK_REDIS_URL", url)?,
             BackendKind::RedLock { urls } => {
@@ -223,9 +227,11 @@ impl Config {
             }
             BackendKind::Memory | BackendKind::ZooKeeper { .. } => {}
         }
+        #[cfg(feature = "redis")]
         if let Some(url) = &idempotency_redis_url {
             check_url_supported("DLOCK_IDEMPOTENCY_REDIS_URL", url)?;
         }
+        #[cfg(feature = "redis")]
         let redis_tls = redis_tls(&get)?;
         let restart_quarantine = millis(&get, "DLOCK_RESTART_QUARANTINE_MS")?.unwrap_or(Duration::ZERO);
         if !restart_quarantine.is_zero() && restart_quarantine < lease {
@@ -244,6 +250,7 @@ impl Config {
             idempotency_ttl,
             max_body_bytes,
             idempotency_redis_url,
+            #[cfg(feature = "redis")]
             redis_tls,
             restart_quarantine,
         })
@@ -356,6 +363,7 @@ impl Config {
 }
 
 /// The TLS files, loaded and parsed now so that a bad one stops start-up.
+#[cfg(feature = "redis")]
 fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> {
     let (ca, cert, key) = (get(CA_FILE_VAR), get(CLIENT_CERT_VAR), get(CLIENT_KEY_VAR));
     if ca.is_none() && cert.is_none() && key.is_none() {

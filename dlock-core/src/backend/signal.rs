@@ -210,6 +210,7 @@ impl LostSignal {
     /// Whether anyone but the caller's copy still watches the lock: a
     /// backend that keeps the signals of long-released guards can forget
     /// those.
+    #[cfg_attr(not(feature = "zookeeper"), allow(dead_code))]
     pub(crate) fn is_watched(&self) -> bool {
         Arc::strong_count(&self.inner) > 1
     }

@@ -57,10 +57,13 @@ use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Releas
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
-use crate::tls::{is_tls_url, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR};
+use tls::{is_tls_url, CA_FILE_VAR, CLIENT_CERT_VAR};
 
 mod restart;
 pub(crate) mod subscriber;
+pub(crate) mod tls;
+
+pub use tls::RedisTls;
 
 use restart::RestartGuard;
 use subscriber::Subscriber;
@@ -193,7 +196,7 @@ impl RedisBackend {
     /// [`Error::Config`] for a malformed URL or a missing ACL permission,
     /// [`Error::Backend`] when the server cannot be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
-        crate::tls::check_url_supported("DLOCK_REDIS_URL", url)?;
+        tls::check_url_supported("DLOCK_REDIS_URL", url)?;
         if let Some(seeds) = cluster_seeds(url) {
             return Self::connect_cluster(url, &seeds, prefix, options).await;
         }

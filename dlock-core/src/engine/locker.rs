@@ -1,5 +1,5 @@
-//! The engine: [`Locker`] takes locks through a [`Backend`] and hands out
-//! [`LockGuard`]s.
+//! [`Locker`], the engine's front door: it takes locks through a
+//! [`Backend`] and hands out [`LockGuard`]s; and the options it takes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,12 +11,12 @@ use std::task::{Context, Poll};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::guard::LockGuard;
+use super::Engine;
 use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken};
 use crate::error::{Error, Result};
-use crate::guard::LockGuard;
 use crate::key::{KeyBuilder, LockKey};
 use crate::owner::Owner;
-use crate::watchdog::Watchdog;
 
 /// The default watchdog lease, as in Redisson.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -196,13 +196,6 @@ pub struct Locker {
     engine: Arc<Engine>,
 }
 
-/// What a [`Locker`] and its guards share.
-pub(crate) struct Engine {
-    pub(crate) backend: Arc<dyn Backend>,
-    options: LockerOptions,
-    pub(crate) watchdog: Watchdog,
-}
-
 impl std::fmt::Debug for Locker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Locker")
@@ -230,7 +223,7 @@ impl Locker {
     }
 
     fn from_parts(backend: Arc<dyn Backend>, options: LockerOptions) -> Self {
-        Locker { engine: Arc::new(Engine { watchdog: Watchdog::new(backend.clone()), backend, options }) }
+        Locker { engine: Engine::new(backend, options) }
     }
 
     /// The backend's name: `memory`, `redis`, `redlock` or `zookeeper`.

@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::watchdog::{Filed, NewHold};
+use super::Engine;
 use crate::backend::signal::Expiry;
 use crate::backend::{AcquireRequest, Grant, GrantLease, LostReason, LostSignal, Release};
 use crate::error::Result;
 use crate::key::LockKey;
-use crate::locker::Engine;
 use crate::owner::Owner;
-use crate::watchdog::{Filed, NewHold};
 
 /// A held lock.
 ///
