@@ -32,7 +32,7 @@ mod key;
 mod owner;
 
 pub use backend::{Backend, LostReason, LostSignal, MemoryBackend};
-pub use config::{BackendKind, Config};
+pub use config::{BackendKind, Config, Services};
 pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE};
 pub use error::{Error, Result};
 pub use key::{escape_into, KeyBuilder, KeyPart, LockKey, MAX_KEY_LEN};

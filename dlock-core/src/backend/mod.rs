@@ -374,6 +374,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         None
     }
 
+    /// The key namespace the backend was connected for, when it keeps one
+    /// of its own (the Redis channels it subscribes to, the ZooKeeper node
+    /// its locks live under); `None` (the default) when any key will do.
+    /// [`Locker::new`](crate::Locker::new) takes it, and
+    /// [`Locker::with_options`](crate::Locker::with_options) refuses
+    /// options with another, so the prefix is given once.
+    fn prefix(&self) -> Option<&str> {
+        None
+    }
+
     /// [`release`](Backend::release) answered on the spot, for a backend
     /// that needs no I/O for it; `None` (the default) when it cannot be.
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {

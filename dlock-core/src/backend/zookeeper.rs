@@ -61,7 +61,7 @@ use super::{
     contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release, Renewal,
 };
 use crate::error::{Error, Result};
-use crate::key::LockKey;
+use crate::key::{validate_prefix, LockKey};
 use crate::owner::{random_hex, Owner};
 
 /// The default session timeout: how long a holder may be unreachable
@@ -234,24 +234,90 @@ fn answered(e: &zk::Error) -> bool {
     )
 }
 
+/// How to reach ZooKeeper, and how long locks survive a silent server.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::backend::zookeeper::ZooKeeperOptions;
+/// let opts = ZooKeeperOptions::default()
+///     .with_session_timeout(Duration::from_secs(6))
+///     .with_response_timeout(Duration::from_secs(2));
+/// assert_eq!(opts.session_timeout(), Duration::from_secs(6));
+/// assert_eq!(opts.response_timeout(), Duration::from_secs(2));
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ZooKeeperOptions {
+    session_timeout: Duration,
+    response_timeout: Option<Duration>,
+}
+
+impl Default for ZooKeeperOptions {
+    fn default() -> Self {
+        ZooKeeperOptions { session_timeout: DEFAULT_SESSION_TIMEOUT, response_timeout: None }
+    }
+}
+
+impl ZooKeeperOptions {
+    /// How long a holder may be unreachable before ZooKeeper frees its
+    /// locks (`DLOCK_ZOOKEEPER_SESSION_MS`, default [`DEFAULT_SESSION_TIMEOUT`]).
+    pub fn with_session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// How long an acquire may take past its wait (a try-once acquire: at
+    /// all), and a release at all, before it fails with [`Error::Backend`];
+    /// by default 2/3 of the session timeout, when the client itself counts
+    /// a silent server as gone. A lock node left by an attempt cut short
+    /// is deleted in the background.
+    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = Some(timeout);
+        self
+    }
+
+    /// The session timeout.
+    pub fn session_timeout(&self) -> Duration {
+        self.session_timeout
+    }
+
+    /// The response timeout.
+    pub fn response_timeout(&self) -> Duration {
+        self.response_timeout.unwrap_or(self.session_timeout * 2 / 3)
+    }
+}
+
 impl ZooKeeperBackend {
-    /// Connects with the default session timeout (10 s).
+    /// Connects with the default options (a 10 s session); see
+    /// [`connect_with`](Self::connect_with).
     ///
     /// # Errors
     ///
     /// As [`ZooKeeperBackend::connect_with`].
     pub async fn connect(connect_string: &str, prefix: &str) -> Result<Self> {
-        Self::connect_with(connect_string, prefix, DEFAULT_SESSION_TIMEOUT).await
+        Self::connect_with(connect_string, prefix, ZooKeeperOptions::default()).await
     }
 
-    /// Connects to `connect_string` (`host:port[,host:port…][/chroot]`).
+    /// Connects to `connect_string` (`host:port[,host:port…][/chroot]`);
+    /// locks live under the node `/<prefix>`.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> dlock_core::Result<()> {
+    /// use std::time::Duration;
+    /// use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
+    /// let options = ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(6));
+    /// let backend = ZooKeeperBackend::connect_with("127.0.0.1:2181", "dlock", options).await?;
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     ///
     /// [`Error::Config`] naming `DLOCK_ZOOKEEPER` for a malformed connect
-    /// string; [`Error::Backend`] when no server answers within the session
-    /// timeout.
-    pub async fn connect_with(connect_string: &str, prefix: &str, session_timeout: Duration) -> Result<Self> {
+    /// string, or `DLOCK_PREFIX` for an invalid prefix; [`Error::Backend`]
+    /// when no server answers within the session timeout.
+    pub async fn connect_with(connect_string: &str, prefix: &str, options: ZooKeeperOptions) -> Result<Self> {
+        validate_prefix(prefix)?;
+        let session_timeout = options.session_timeout;
         let first = open_session(connect_string, session_timeout).await?;
         let (public, state) = watch::channel(ConnectionState::Connected);
         let session = Arc::new(RwLock::new(first));
@@ -268,28 +334,8 @@ impl ZooKeeperBackend {
             prefix: prefix.to_owned(),
             state,
             holds,
-            response_timeout: session_timeout * 2 / 3,
+            response_timeout: options.response_timeout(),
         })
-    }
-
-    /// How long an acquire may take past its wait (a try-once acquire: at
-    /// all), and a release at all, before it fails with [`Error::Backend`];
-    /// by default 2/3 of the session timeout, when the client itself counts
-    /// a silent server as gone. A lock node left by an attempt cut short
-    /// is deleted in the background.
-    ///
-    /// ```no_run
-    /// # async fn demo() -> dlock_core::Result<()> {
-    /// use std::time::Duration;
-    /// use dlock_core::backend::zookeeper::ZooKeeperBackend;
-    /// let backend = ZooKeeperBackend::connect("127.0.0.1:2181", "dlock")
-    ///     .await?
-    ///     .with_response_timeout(Duration::from_secs(2));
-    /// # Ok(()) }
-    /// ```
-    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
-        self
     }
 
     /// The current session; when it is over and the request may wait, the
@@ -867,6 +913,10 @@ fn sequence_of(name: &str) -> u64 {
 impl Backend for ZooKeeperBackend {
     fn name(&self) -> &'static str {
         "zookeeper"
+    }
+
+    fn prefix(&self) -> Option<&str> {
+        Some(&self.prefix)
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {

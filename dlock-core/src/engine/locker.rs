@@ -15,7 +15,7 @@ use super::guard::LockGuard;
 use super::Engine;
 use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken};
 use crate::error::{Error, Result};
-use crate::key::{KeyBuilder, LockKey};
+use crate::key::{validate_prefix, KeyBuilder, LockKey};
 use crate::owner::Owner;
 
 /// The default watchdog lease, as in Redisson.
@@ -86,19 +86,6 @@ impl LockerOptions {
         }
         Ok(())
     }
-}
-
-pub(crate) fn validate_prefix(prefix: &str) -> Result<()> {
-    if prefix.is_empty() {
-        return Err(Error::config("DLOCK_PREFIX", "must not be empty"));
-    }
-    if let Some(c) = prefix.chars().find(|c| matches!(c, '{' | '}' | '/') || c.is_whitespace() || c.is_control()) {
-        return Err(Error::config(
-            "DLOCK_PREFIX",
-            format!("must not contain {c:?} (braces form the Redis hash tag, `/` separates ZooKeeper paths)"),
-        ));
-    }
-    Ok(())
 }
 
 /// Options of one acquire. Unset fields take the [`Locker`]'s defaults.
@@ -206,19 +193,37 @@ impl std::fmt::Debug for Locker {
 }
 
 impl Locker {
-    /// An engine over `backend` with the default options.
+    /// An engine over `backend` with the default options, in the key
+    /// namespace the backend was connected for (see [`Backend::prefix`]).
     pub fn new(backend: impl Backend) -> Self {
         let backend: Arc<dyn Backend> = Arc::new(backend);
-        Locker::from_parts(backend, LockerOptions::default())
+        let options = match backend.prefix() {
+            Some(prefix) => LockerOptions::default().with_prefix(prefix),
+            None => LockerOptions::default(),
+        };
+        Locker::from_parts(backend, options)
     }
 
     /// An engine over a shared backend with the given options.
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] when the prefix or the lease is invalid.
+    /// [`Error::Config`] when the prefix or the lease is invalid, or the
+    /// prefix is not the one the backend was connected for (see
+    /// [`Backend::prefix`]): keys in one namespace and wake-ups or lock
+    /// nodes in another would never meet.
     pub fn with_options(backend: Arc<dyn Backend>, options: LockerOptions) -> Result<Self> {
         options.validate()?;
+        if let Some(connected) = backend.prefix().filter(|p| *p != options.prefix) {
+            return Err(Error::config(
+                "DLOCK_PREFIX",
+                format!(
+                    "the {} backend was connected for prefix `{connected}`, the options say `{}`",
+                    backend.name(),
+                    options.prefix
+                ),
+            ));
+        }
         Ok(Locker::from_parts(backend, options))
     }
 

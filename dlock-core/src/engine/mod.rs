@@ -20,7 +20,6 @@ mod locker;
 mod watchdog;
 
 pub use guard::LockGuard;
-pub(crate) use locker::validate_prefix;
 pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
 
 use watchdog::Watchdog;

@@ -54,8 +54,9 @@ use tokio::time::Instant;
 
 use super::wait::{acquire_loop, Attempt};
 use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use crate::config::redact;
 use crate::error::{Error, Result};
-use crate::key::LockKey;
+use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
 use tls::{is_tls_url, CA_FILE_VAR, CLIENT_CERT_VAR};
 
@@ -163,6 +164,8 @@ impl RedisOptions {
 #[derive(Clone)]
 pub struct RedisBackend {
     conn: Conn,
+    /// The key namespace its channels are subscribed under.
+    prefix: Arc<str>,
     restart: Option<Arc<RestartGuard>>,
     pub(crate) subscriber: Subscriber,
     acquire: Script,
@@ -196,6 +199,7 @@ impl RedisBackend {
     /// [`Error::Config`] for a malformed URL or a missing ACL permission,
     /// [`Error::Backend`] when the server cannot be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
+        validate_prefix(prefix)?;
         tls::check_url_supported("DLOCK_REDIS_URL", url)?;
         if let Some(seeds) = cluster_seeds(url) {
             return Self::connect_cluster(url, &seeds, prefix, options).await;
@@ -294,6 +298,7 @@ impl RedisBackend {
         };
         Ok(RedisBackend {
             conn,
+            prefix: prefix.into(),
             restart,
             subscriber,
             acquire: Script::new(include_str!("acquire.lua")),
@@ -314,6 +319,10 @@ impl RedisBackend {
     /// follows the same cluster routing and Sentinel failovers.
     pub(crate) fn command_conn(&self) -> Conn {
         self.conn.clone()
+    }
+
+    pub(crate) fn key_prefix(&self) -> &str {
+        &self.prefix
     }
 
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
@@ -391,6 +400,10 @@ pub(crate) enum NodeAttempt {
 impl Backend for RedisBackend {
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    fn prefix(&self) -> Option<&str> {
+        Some(&self.prefix)
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
@@ -768,14 +781,6 @@ pub(crate) fn redis_error(e: redis::RedisError) -> Error {
         e.to_string()
     };
     Error::Backend { backend: "redis", message, source: Some(Box::new(e)) }
-}
-
-/// The URL without its password, for messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
-        _ => url.to_owned(),
-    }
 }
 
 /// `volatile-*` and `allkeys-*` policies may evict keys with a TTL — every
