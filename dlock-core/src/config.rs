@@ -3,9 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::backend::memory::MemoryBackend;
 #[cfg(feature = "redis")]
 use crate::backend::redis::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
-use crate::backend::{Backend, MemoryBackend};
+use crate::backend::Backend;
 use crate::engine::{Locker, LockerOptions, DEFAULT_LEASE};
 use crate::error::{Error, Result};
 use crate::key::validate_prefix;

@@ -31,7 +31,8 @@ pub mod idempotency;
 mod key;
 mod owner;
 
-pub use backend::{Backend, LostReason, LostSignal, MemoryBackend};
+pub use backend::memory::MemoryBackend;
+pub use backend::{Backend, LostReason, LostSignal};
 pub use config::{BackendKind, Config, Services};
 pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE};
 pub use error::{Error, Result};

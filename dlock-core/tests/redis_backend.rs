@@ -26,6 +26,10 @@ impl suite::Harness for Redis {
         locker_for(&self.server.url(), 300).await
     }
 
+    async fn backend(&self) -> Arc<dyn Backend> {
+        Arc::new(RedisBackend::connect(&self.server.url(), "dlock").await.expect("connect to the test redis-server"))
+    }
+
     async fn delete_behind_back(&self, key: &LockKey) {
         let deleted: u64 = redis::cmd("DEL").arg(key.as_str()).query(&mut self.server.connection()).expect("DEL");
         assert_eq!(deleted, 1, "the key was held");

@@ -33,6 +33,10 @@ impl suite::Harness for RedLock {
         locker_for(&self.urls(), 300).await
     }
 
+    async fn backend(&self) -> Arc<dyn Backend> {
+        Arc::new(RedLockBackend::connect(&self.urls(), "dlock").await.expect("connect to the test redis-servers"))
+    }
+
     async fn delete_behind_back(&self, key: &LockKey) {
         for s in &self.servers {
             let _: u64 = redis::cmd("DEL").arg(key.as_str()).query(&mut s.connection()).expect("DEL");

@@ -72,6 +72,10 @@ impl suite::Harness for ZooKeeper {
         locker(backend(&self.server, SESSION).await)
     }
 
+    async fn backend(&self) -> Arc<dyn Backend> {
+        Arc::new(backend(&self.server, SESSION).await)
+    }
+
     async fn delete_behind_back(&self, key: &LockKey) {
         let probe = backend(&self.server, SESSION).await;
         let dir = probe.lock_path(key);

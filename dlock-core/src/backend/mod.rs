@@ -2,7 +2,7 @@
 //!
 //! One object-safe trait, [`Backend`], fits the four services dlock ships:
 //!
-//! * in process ([`MemoryBackend`]): a map and a `Notify` per key;
+//! * in process ([`MemoryBackend`](crate::MemoryBackend)): a map and a `Notify` per key;
 //! * one Redis: the lease is the key's TTL, Lua scripts make every step atomic,
 //!   pub/sub wakes waiters;
 //! * RedLock over N masters: `acquire` fans out and counts a quorum, the
@@ -121,7 +121,8 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-pub mod memory;
+// Exported at the crate root only (`dlock_core::MemoryBackend`).
+pub(crate) mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "redis")]
@@ -131,7 +132,6 @@ pub(crate) mod wait;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
 
-pub use memory::MemoryBackend;
 pub use signal::LostSignal;
 
 /// A boxed, `Send` future: what the object-safe [`Backend`] methods return.

@@ -382,13 +382,17 @@ impl ZooKeeperBackend {
 
     /// The session's id and password, for tests that expire it from a twin
     /// connection (the way a network partition longer than the session
-    /// timeout would).
+    /// timeout would). Hidden: it hands out a `zookeeper_client` type, whose
+    /// version is not ours to promise.
     #[doc(hidden)]
     pub fn session_info(&self) -> zk::SessionInfo {
         self.current().client.session().clone()
     }
 
-    /// The container node of `key`.
+    /// The container node of `key`. Hidden: it names how locks are stored
+    /// in ZooKeeper, which may change between releases; public only so that
+    /// the tests can inspect and damage the nodes from outside.
+    #[doc(hidden)]
     pub fn lock_path(&self, key: &LockKey) -> String {
         let mut path = String::with_capacity(self.prefix.len() + key.as_str().len() + 2);
         path.push('/');

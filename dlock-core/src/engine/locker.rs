@@ -236,11 +236,6 @@ impl Locker {
         self.engine.backend.name()
     }
 
-    /// The backend.
-    pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.engine.backend
-    }
-
     /// The engine's defaults.
     pub fn options(&self) -> &LockerOptions {
         &self.engine.options

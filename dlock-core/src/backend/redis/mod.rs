@@ -674,12 +674,17 @@ fn cluster_seeds(url: &str) -> Option<Vec<String>> {
 }
 
 /// The fencing counter of `key` (same hash tag).
+///
+/// Hidden: it names how locks are stored in Redis, which may change between
+/// releases; public only so that the tests can damage and inspect the
+/// counter from outside.
+#[doc(hidden)]
 pub fn fence_key(key: &LockKey) -> String {
     format!("{key}:fence")
 }
 
 /// The channel a release of `key` is announced on.
-pub fn release_channel(key: &LockKey) -> String {
+pub(crate) fn release_channel(key: &LockKey) -> String {
     format!("{key}:released")
 }
 
