@@ -41,8 +41,7 @@ impl Table {
         let fence = self.fence.fetch_add(1, Ordering::Relaxed) + 1;
         let now = Instant::now();
         let (grant, signal) = if req.until_released {
-            let signal = LostSignal::new(now + Duration::from_secs(86_400 * 365));
-            (Grant::until_released(fence), signal)
+            (Grant::until_released(fence), LostSignal::until_released())
         } else {
             let signal = LostSignal::new(now + req.lease);
             (Grant::until(fence, now + req.lease), signal)

@@ -22,6 +22,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::signal::never_after;
 use super::wait::{acquire_loop, Attempt};
 use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release, Renewal};
 use crate::error::{Error, Result};
@@ -70,12 +71,6 @@ struct Holder {
     expires_at: Option<Instant>,
     /// The guard of a hold taken until released, told when it is taken away.
     watcher: Option<LostSignal>,
-}
-
-/// `valid_until` of a hold that has no lease: as far ahead as tokio's own
-/// "never" (30 years).
-fn never(now: Instant) -> Instant {
-    now + Duration::from_secs(30 * 365 * 86_400)
 }
 
 impl Slot {
@@ -138,7 +133,7 @@ impl MemoryBackend {
                 state.last_fence += 1;
                 let fence = state.last_fence;
                 let (expires_at, watcher, grant) = if until_released {
-                    let watcher = LostSignal::new(never(now));
+                    let watcher = LostSignal::new(never_after(now));
                     (None, Some(watcher.clone()), Grant::until_released(fence).with_lost_signal(watcher))
                 } else {
                     (Some(expires_at), None, Grant::until(fence, expires_at))

@@ -109,7 +109,7 @@ impl LockGuard {
             }
             // Its `valid_until` is as far ahead as the backend made it; it
             // never passes, so how it would be explained does not matter.
-            GrantLease::UntilReleased => (grant.lost.unwrap_or_else(|| LostSignal::new(never())), None),
+            GrantLease::UntilReleased => (grant.lost.unwrap_or_else(LostSignal::until_released), None),
         };
         LockGuard {
             engine,
@@ -253,10 +253,4 @@ fn trace_dropped_release(key: &LockKey, result: &Result<Release>) {
         Ok(r) => tracing::debug!(key = %key, outcome = ?r, "dlock.release (guard dropped)"),
         Err(e) => tracing::warn!(key = %key, error = %e, "dlock.release after drop failed; the lease frees it"),
     }
-}
-
-/// `valid_until` of a guard held until released whose backend gave no
-/// signal: as far ahead as tokio's own "never" (30 years).
-fn never() -> Instant {
-    Instant::now() + Duration::from_secs(30 * 365 * 86_400)
 }
