@@ -44,8 +44,12 @@
 //! a held key with an event (a release announced, a lease running out), not
 //! by polling. Check the owner on renew and release, make each step atomic
 //! on the service, and answer a [`LockMode`] you do not support with
-//! [`Error::InvalidArgument`]. A hypothetical Postgres backend would be
-//! one file here, `postgres.rs`, and no change elsewhere.
+//! [`Error::InvalidArgument`]. A backend that names things of its own after
+//! the key prefix (Redis channels, ZooKeeper nodes) takes the prefix when it
+//! connects and reports it through [`Backend::prefix`], so the engine can
+//! refuse a configuration where the two differ. A Postgres backend would be
+//! one file here, `postgres.rs`, plus a [`BackendKind`](crate::BackendKind)
+//! variant if `DLOCK_BACKEND` is to name it.
 //!
 //! ```
 //! use std::time::Duration;
