@@ -561,4 +561,20 @@ mod tests {
         let c = cfg(&[("DLOCK_BACKEND", "redis"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:7000")]).expect("ok");
         assert_eq!(c.backend, BackendKind::Redis { url: "redis://10.0.0.1:7000".into() });
     }
+
+    #[test]
+    fn debug_hides_every_password() {
+        let c = cfg(&[
+            ("DLOCK_BACKEND", "redlock"),
+            ("DLOCK_REDLOCK_URLS", "redis://a:pw1@h1:6379,redis://:pw2@h2:6379,redis://h3:6379"),
+            ("DLOCK_IDEMPOTENCY_REDIS_URL", "redis://idem:pw3@h4:6379"),
+        ])
+        .expect("valid");
+        let printed = format!("{c:?}");
+        for secret in ["pw1", "pw2", "pw3"] {
+            assert!(!printed.contains(secret), "{secret} in {printed}");
+        }
+        assert!(printed.contains("redis://***@h1:6379") && printed.contains("redis://h3:6379"), "{printed}");
+        assert!(printed.contains("redis://***@h4:6379"), "{printed}");
+    }
 }
