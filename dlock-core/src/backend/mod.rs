@@ -257,8 +257,8 @@ pub struct Grant {
     /// that the grant is gone (a ZooKeeper session expired, an operator
     /// forced the in-process lock free); the guard watches it. `None`: the
     /// backend learns of losses only when a renewal fails, and the engine
-    /// makes the guard's signal itself. A signal given here must say the
-    /// same `valid_until` as [`lease`](Self::lease).
+    /// makes the guard's signal itself. The engine sets the signal's
+    /// `valid_until` from [`lease`](Self::lease).
     pub lost: Option<LostSignal>,
 }
 

@@ -89,7 +89,7 @@ impl LockGuard {
                 let expiry = if renewed { Expiry::Renewed { renew_until } } else { Expiry::Lease };
                 let state = match grant.lost {
                     Some(signal) => {
-                        signal.set_expiry(expiry);
+                        signal.set_terms(valid_until, expiry);
                         signal
                     }
                     None => LostSignal::with_expiry(valid_until, expiry),
