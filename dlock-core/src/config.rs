@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::backend::memory::MemoryBackend;
 #[cfg(feature = "redis")]
 use crate::backend::redis::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
-use crate::backend::Backend;
+use crate::backend::{redact, Backend};
 use crate::engine::{Locker, LockerOptions, DEFAULT_LEASE};
 use crate::error::{Error, Result};
 use crate::key::validate_prefix;
@@ -52,15 +52,6 @@ impl std::fmt::Debug for BackendKind {
                 f.debug_struct("ZooKeeper").field("connect", connect).field("session_timeout", session_timeout).finish()
             }
         }
-    }
-}
-
-/// `url` with its user and password replaced by `***`:
-/// `redis://***@host:6379/0`. Every URL dlock prints goes through here.
-pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
-        _ => url.to_owned(),
     }
 }
 

@@ -396,6 +396,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     }
 }
 
+/// `url` with its user and password replaced by `***`:
+/// `redis://***@host:6379/0`. Every URL dlock prints goes through here.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
 /// Busy or timeout, depending on whether the caller wanted to wait.
 pub(crate) fn contention(req: &AcquireRequest, started: Instant) -> Error {
     match req.deadline {
