@@ -76,7 +76,7 @@ pub type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 /// use dlock_core::idempotency::MemoryStore;
 /// use tower::ServiceExt;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new("d")));
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 /// let layer = IdempotencyLayer::new(idem).scope(|parts| {
 ///     parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
 /// });

@@ -69,7 +69,7 @@ pub(super) async fn issue(idem: &Idempotency) -> Response {
 /// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 /// use tower::ServiceExt;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new("d")));
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 /// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem.clone())));
 /// let token = idem.store().issue_token(idem.ttl()).await.unwrap();
 /// let submit = || Request::post("/submit").header("idempotency-token", &token).body(Body::empty()).unwrap();
