@@ -31,8 +31,9 @@
 //! When the lock service cannot be reached, requests are refused with
 //! `503 lock_backend_unavailable` (fail closed), never a 500 or a hang.
 
-mod engine;
 pub mod idempotency;
+mod install;
+mod json_body;
 pub mod lock;
 mod rejection;
 mod request;
@@ -43,7 +44,8 @@ pub mod __private;
 
 pub use dlock_core;
 pub use dlock_macros::lockable;
-pub use engine::{from_env, locker_from_extensions, Engine, LockerExt};
+pub use install::{from_env, locker_from_extensions, Dlock, LockerExt};
+pub use json_body::JsonBody;
 pub use lock::LockLayer;
 pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};
 pub use request::{FencingToken, LockOutcome, RequestOwner};

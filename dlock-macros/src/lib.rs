@@ -84,6 +84,7 @@ struct Args {
     fields: Vec<FieldPath>,
     wait_ms: Option<LitInt>,
     lease_ms: Option<LitInt>,
+    max_hold_ms: Option<LitInt>,
     message: Option<LitStr>,
     code: Option<LitInt>,
 }
@@ -164,13 +165,23 @@ impl Parse for Args {
                     }
                     args.lease_ms = Some(lease);
                 }
+                "max_hold_ms" => {
+                    let max_hold = integer(&value, "max_hold_ms", u64::from(u32::MAX))?;
+                    if max_hold.base10_parse::<u64>()? == 0 {
+                        return Err(syn::Error::new(
+                            max_hold.span(),
+                            "`max_hold_ms` must be at least 1; leave it out to renew for as long as the handler runs",
+                        ));
+                    }
+                    args.max_hold_ms = Some(max_hold);
+                }
                 "message" => args.message = Some(string(&value, "message")?),
                 "code" => args.code = Some(integer(&value, "code", u64::from(u32::MAX))?),
                 _ => {
                     return Err(syn::Error::new(
                         name.span(),
                         format!(
-                            "unknown attribute `{n}`; expected one of: key, fields, wait_ms, lease_ms, message, code"
+                            "unknown attribute `{n}`; expected one of: key, fields, wait_ms, lease_ms, max_hold_ms, message, code"
                         ),
                     ))
                 }
@@ -278,6 +289,7 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
     };
     let wait = opt_u64(&args.wait_ms);
     let lease = opt_u64(&args.lease_ms);
+    let max_hold = opt_u64(&args.max_hold_ms);
     let code = opt_u64(&args.code);
     let message = match &args.message {
         Some(m) => quote! { ::core::option::Option::Some(#m) },
@@ -285,7 +297,6 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
     };
 
     let ItemFn { attrs, vis, sig, block } = func;
-    let handler = sig.ident.to_string();
     let (impl_generics, _, where_clause) = sig.generics.split_for_impl();
     let mut inner_sig = sig.clone();
     inner_sig.ident = Ident::new("__dlock_inner", Span::call_site());
@@ -298,19 +309,13 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
             __dlock_ctx: ::dlock_axum::__private::LockContext,
             #(#params),*
         ) -> ::dlock_axum::__private::Response #where_clause {
-            const __DLOCK_SPEC: ::dlock_axum::__private::Spec = ::dlock_axum::__private::Spec {
-                key: #key,
-                wait_ms: #wait,
-                lease_ms: #lease,
-                message: #message,
-                code: #code,
-                handler: #handler,
-            };
-            let __dlock_key = {
+            static __DLOCK_POLICY: ::dlock_axum::__private::Policy =
+                ::dlock_axum::__private::Policy::from_attribute(#key, #wait, #lease, #max_hold, #message, #code);
+            let __dlock_acquire = __dlock_ctx.acquire(&__DLOCK_POLICY, |__dlock_key| {
                 #(#refs)*
-                __dlock_ctx.key(#key) #(#parts)* .build()
-            };
-            let __dlock_held = match __dlock_ctx.acquire(&__DLOCK_SPEC, __dlock_key).await {
+                __dlock_key #(#parts)* .build()
+            });
+            let __dlock_held = match __dlock_acquire.await {
                 ::core::result::Result::Ok(held) => held,
                 ::core::result::Result::Err(refused) => return refused,
             };

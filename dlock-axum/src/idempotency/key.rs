@@ -18,6 +18,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::{Layer, Service};
 
 use super::{Idempotency, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
+use crate::install::Dlock;
+use crate::lock::body::read_body;
 use crate::Rejection;
 
 /// Response headers stored and replayed unless [`IdempotencyLayer::store_headers`]
@@ -37,7 +39,8 @@ pub type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 ///   than 255 bytes or has characters outside visible ASCII (`!`..`~`) →
 ///   `400 idempotency_key_invalid`.
 /// * The request is fingerprinted (method, path with query, body; the body
-///   is read up to `max_body_bytes`, `413 payload_too_large` beyond).
+///   is read up to `max_body_bytes`, `413 payload_too_large` beyond, by the
+///   same reader and with the same answer as [`LockLayer`](crate::LockLayer)'s).
 /// * The first request claims `(scope, key)` atomically with an in-progress
 ///   record whose lease (default 60 s, [`IdempotencyLayer::lease`]) bounds
 ///   how long a crashed instance can block the key; it runs the route and
@@ -93,7 +96,8 @@ pub struct IdempotencyLayer {
     idem: Idempotency,
     scope: ScopeFn,
     lease: Duration,
-    max_body_bytes: usize,
+    /// `None`: the installed engine's (`DLOCK_MAX_BODY_BYTES`).
+    max_body_bytes: Option<usize>,
     max_response_bytes: usize,
     stored_headers: Arc<[HeaderName]>,
 }
@@ -123,7 +127,7 @@ impl IdempotencyLayer {
             idem,
             scope: Arc::new(default_scope),
             lease: Duration::from_secs(60),
-            max_body_bytes: dlock_core::Config::default().max_body_bytes,
+            max_body_bytes: None,
             max_response_bytes: 1024 * 1024,
             stored_headers: DEFAULT_STORED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
         }
@@ -143,9 +147,11 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Most request body bytes read for the fingerprint (`DLOCK_MAX_BODY_BYTES`).
+    /// Most request body bytes read for the fingerprint. Default: the
+    /// installed engine's ([`Dlock::max_body_bytes`], from
+    /// `DLOCK_MAX_BODY_BYTES` through [`Config`](dlock_core::Config); 64 KiB).
     pub fn max_body_bytes(mut self, n: usize) -> Self {
-        self.max_body_bytes = n;
+        self.max_body_bytes = Some(n);
         self
     }
 
@@ -195,11 +201,8 @@ fn idempotency_key(parts: &Parts) -> Result<String, Rejection> {
 
 fn store_error(e: &dlock_core::Error) -> Response {
     tracing::warn!(error = %e, "dlock: idempotency store failed");
-    let mut res = Rejection::from_lock_error(e).into_response();
-    if res.status() == StatusCode::SERVICE_UNAVAILABLE {
-        res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    }
-    res
+    // `Retry-After` on a 503 comes with the rejection's response.
+    Rejection::from_lock_error(e).into_response()
 }
 
 fn replay(stored: StoredResponse) -> Response {
@@ -295,14 +298,10 @@ where
         Ok(k) => k,
         Err(r) => return r.into_response(),
     };
-    let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > layer.max_body_bytes as u64) {
-        return Rejection::payload_too_large().into_response();
-    }
-    let body = match Limited::new(body, layer.max_body_bytes).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<LengthLimitError>() => return Rejection::payload_too_large().into_response(),
-        Err(_) => return Rejection::body_unreadable().into_response(),
+    let limit = layer.max_body_bytes.unwrap_or_else(|| Dlock::max_body_bytes_in(&parts.extensions));
+    let body = match read_body(&parts.headers, body, limit).await {
+        Ok(body) => body,
+        Err(rejection) => return rejection.into_response(),
     };
     let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     let fp = fingerprint(&[parts.method.as_str().as_bytes(), path.as_bytes(), &body]);
@@ -316,6 +315,7 @@ where
         Err(e) => return store_error(&e),
     };
     let mut guard = ClaimGuard { store: store.clone(), claim: Some(claim) };
+    let ttl = layer.idem.ttl_in(&parts.extensions);
     let req = Request::from_parts(parts, Body::from(body));
     let response = match CatchUnwind(Box::pin(inner.call(req))).await {
         Ok(Ok(res)) => res,
@@ -355,7 +355,7 @@ where
         })
         .collect();
     let stored = StoredResponse::new(res_parts.status.as_u16(), headers, bytes.to_vec());
-    match store.complete(&claim, &stored, layer.idem.ttl).await {
+    match store.complete(&claim, &stored, ttl).await {
         Ok(true) => {}
         Ok(false) => tracing::warn!(
             key = claim.key(),

@@ -42,6 +42,8 @@ use std::time::Duration;
 
 use dlock_core::idempotency::IdempotencyStore;
 
+use crate::install::Dlock;
+
 mod key;
 mod token;
 
@@ -70,13 +72,16 @@ pub const MAX_KEY_LEN: usize = 255;
 #[derive(Debug, Clone)]
 pub struct Idempotency {
     store: Arc<dyn IdempotencyStore>,
-    ttl: Duration,
+    /// `None`: the installed engine's ([`Dlock::idempotency_ttl`]), else 24 hours.
+    ttl: Option<Duration>,
 }
 
 impl Idempotency {
-    /// Records in `store`, living 24 hours (`DLOCK_IDEMPOTENCY_TTL_SECS`' default).
+    /// Records in `store`, living as long as the installed engine's
+    /// configuration says ([`Dlock::idempotency_ttl`],
+    /// `DLOCK_IDEMPOTENCY_TTL_SECS`; 24 hours without one).
     pub fn new(store: Arc<dyn IdempotencyStore>) -> Self {
-        Idempotency { store, ttl: dlock_core::Config::default().idempotency_ttl }
+        Idempotency { store, ttl: None }
     }
 
     /// The store [`Config::idempotency_store`](dlock_core::Config::idempotency_store)
@@ -86,18 +91,29 @@ impl Idempotency {
     ///
     /// When the store cannot be connected.
     pub async fn from_config(cfg: &dlock_core::Config) -> dlock_core::Result<Self> {
-        Ok(Idempotency { store: cfg.idempotency_store().await?, ttl: cfg.idempotency_ttl })
+        Ok(Idempotency { store: cfg.idempotency_store().await?, ttl: Some(cfg.idempotency_ttl) })
     }
 
     /// Changes how long tokens and stored responses live.
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = Some(ttl);
         self
     }
 
-    /// How long tokens and stored responses live.
+    /// How long tokens and stored responses live when no engine says
+    /// otherwise: the TTL given here, else 24 hours.
     pub fn ttl(&self) -> Duration {
-        self.ttl
+        self.ttl.unwrap_or_else(|| dlock_core::Config::default().idempotency_ttl)
+    }
+
+    /// The TTL for a request: the one given here, else the installed
+    /// engine's, else 24 hours.
+    pub(crate) fn ttl_in(&self, extensions: &axum::http::Extensions) -> Duration {
+        match (self.ttl, extensions.get::<Dlock>()) {
+            (Some(ttl), _) => ttl,
+            (None, Some(dlock)) => dlock.idempotency_ttl(),
+            (None, None) => self.ttl(),
+        }
     }
 
     /// The store.
@@ -120,15 +136,18 @@ impl Idempotency {
     /// ```
     pub fn token_handler(
         &self,
-    ) -> impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
+    ) -> impl Fn(
+        axum::http::Extensions,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
            + Clone
            + Send
            + Sync
            + 'static {
         let idem = self.clone();
-        move || {
+        move |extensions: axum::http::Extensions| {
             let idem = idem.clone();
-            Box::pin(async move { token::issue(&idem).await })
+            let ttl = idem.ttl_in(&extensions);
+            Box::pin(async move { token::issue(&idem, ttl).await })
         }
     }
 }

@@ -4,9 +4,10 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{header, HeaderValue, Request, StatusCode};
+use axum::http::{header, HeaderValue, Request};
 use axum::response::{IntoResponse, Response};
 use tower::{Layer, Service};
 
@@ -39,10 +40,10 @@ impl TokenResponse {
     }
 }
 
-pub(super) async fn issue(idem: &Idempotency) -> Response {
-    match idem.store.issue_token(idem.ttl).await {
+pub(super) async fn issue(idem: &Idempotency, ttl: Duration) -> Response {
+    match idem.store.issue_token(ttl).await {
         Ok(token) => {
-            let body = TokenResponse { token, expires_in_secs: idem.ttl.as_secs() }.to_json();
+            let body = TokenResponse { token, expires_in_secs: ttl.as_secs() }.to_json();
             let mut res = Response::new(Body::from(body));
             res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
             // A token must never be served from a cache to a second client.
@@ -158,11 +159,8 @@ where
                 Ok(false) => Ok(layer.duplicate.clone().into_response()),
                 Err(e) => {
                     tracing::warn!(error = %e, "dlock: consuming an idempotency token failed");
-                    let mut res = Rejection::from_lock_error(&e).into_response();
-                    if res.status() == StatusCode::SERVICE_UNAVAILABLE {
-                        res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-                    }
-                    Ok(res)
+                    // `Retry-After` on a 503 comes with the rejection's response.
+                    Ok(Rejection::from_lock_error(&e).into_response())
                 }
             }
         })
