@@ -1,69 +1,18 @@
 //! [`LockGuard`]: a held lock, its fencing token, its watchdog and its
 //! lost-lock signal.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
-use tokio::time::{sleep_until, Instant};
+use tokio::time::Instant;
 
-use crate::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, LostReason, Release};
+use crate::backend::signal::Expiry;
+use crate::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release};
 use crate::error::Result;
 use crate::key::LockKey;
 use crate::locker::Engine;
 use crate::owner::Owner;
-use crate::watchdog::{self, Filed, NewHold};
-
-/// What a guard and whoever watches it on its behalf share.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct GuardState {
-    pub(crate) valid_until: Instant,
-    pub(crate) lost: Option<LostReason>,
-}
-
-/// A [`GuardState`] shared by a guard, the watchdog and a session watcher,
-/// with a notification when it changes.
-///
-/// Lighter than a `watch` channel, which allocates an eight-way notifier per
-/// guard and wakes all eight when its sender drops: a cost every short
-/// in-process lock paid, though only renewals and losses change the state.
-#[derive(Debug)]
-pub(crate) struct GuardCell {
-    state: Mutex<GuardState>,
-    changed: Notify,
-}
-
-impl GuardCell {
-    pub(crate) fn new(state: GuardState) -> Arc<Self> {
-        Arc::new(GuardCell { state: Mutex::new(state), changed: Notify::new() })
-    }
-
-    pub(crate) fn get(&self) -> GuardState {
-        *self.lock()
-    }
-
-    /// Changes the state and wakes every [`LockGuard::lost`] waiting on it.
-    pub(crate) fn modify(&self, f: impl FnOnce(&mut GuardState)) {
-        f(&mut self.lock());
-        self.changed.notify_waiters();
-    }
-
-    /// Marks the lock lost and says so in the log. The first verdict
-    /// stands (the watchdog may have seen the lease end before the session
-    /// watcher saw the session go); a later one only describes its aftermath.
-    pub(crate) fn lose(&self, key: &LockKey, reason: LostReason) {
-        tracing::warn!(key = %key, %reason, "dlock.lost");
-        self.modify(|s| {
-            s.lost.get_or_insert(reason);
-        });
-    }
-
-    fn lock(&self) -> MutexGuard<'_, GuardState> {
-        // Every update is one assignment: a panic elsewhere cannot leave it
-        // half-done, so a poisoned lock is still right.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
+use crate::watchdog::{Filed, NewHold};
 
 /// A held lock.
 ///
@@ -101,9 +50,7 @@ pub struct LockGuard {
     owner: Owner,
     fencing_token: u64,
     watchdog: bool,
-    /// When `max_hold` stops the renewals.
-    renew_until: Option<Instant>,
-    state: Arc<GuardCell>,
+    state: LostSignal,
     /// The hold filed with the engine's watchdog (watchdog mode).
     renewals: Option<Filed>,
     /// Stops the task that waits for the backend's own lost signal.
@@ -118,7 +65,7 @@ impl std::fmt::Debug for LockGuard {
             .field("owner", &self.owner)
             .field("fencing_token", &self.fencing_token)
             .field("watchdog", &self.watchdog)
-            .field("state", &self.state.get())
+            .field("state", &self.state)
             .finish()
     }
 }
@@ -134,8 +81,9 @@ impl LockGuard {
         // The backend measured `valid_until` from before its request was
         // sent: the grant is at least that old, and no clock read is needed.
         let granted_at = grant.valid_until.checked_sub(req.lease).unwrap_or_else(Instant::now);
-        let state = GuardCell::new(GuardState { valid_until: grant.valid_until, lost: None });
         let renew_until = if renewed { max_hold.map(|m| granted_at + m) } else { None };
+        let expiry = if renewed { Expiry::Renewed { renew_until } } else { Expiry::Lease };
+        let state = LostSignal::with_expiry(grant.valid_until, expiry);
         let renewals = renewed.then(|| {
             engine.watchdog.file(NewHold {
                 key: req.key.clone(),
@@ -154,7 +102,6 @@ impl LockGuard {
             owner: req.owner,
             fencing_token: grant.fencing_token,
             watchdog: renewed,
-            renew_until,
             state,
             renewals,
             stop_session_watch,
@@ -164,14 +111,14 @@ impl LockGuard {
 
     /// A hold with no lease (an in-process hold taken until released):
     /// nothing to renew, and `state` is already the backend's to mark lost.
-    pub(crate) fn held(engine: Arc<Engine>, req: AcquireRequest, grant: Grant, state: Arc<GuardCell>) -> Self {
+    pub(crate) fn held(engine: Arc<Engine>, req: AcquireRequest, grant: Grant, state: LostSignal) -> Self {
+        state.set_expiry(Expiry::Renewed { renew_until: None });
         LockGuard {
             engine,
             key: req.key,
             owner: req.owner,
             fencing_token: grant.fencing_token,
             watchdog: true,
-            renew_until: None,
             state,
             renewals: None,
             stop_session_watch: None,
@@ -196,7 +143,7 @@ impl LockGuard {
 
     /// Until when the lock is certainly ours (moves forward with each renewal).
     pub fn valid_until(&self) -> Instant {
-        self.state.get().valid_until
+        self.state.valid_until()
     }
 
     /// Whether the lease is renewed by a watchdog.
@@ -206,8 +153,7 @@ impl LockGuard {
 
     /// Whether the lock may no longer be ours (see [`lost`](Self::lost)).
     pub fn is_lost(&self) -> bool {
-        let s = self.state.get();
-        s.lost.is_some() || Instant::now() >= s.valid_until
+        self.state.is_lost()
     }
 
     /// Resolves when the lock may no longer be ours: a renewal found the key
@@ -221,31 +167,32 @@ impl LockGuard {
     ///
     /// Cancel-safe; call it as often as you like.
     pub async fn lost(&self) -> LostReason {
-        loop {
-            let changed = self.state.changed.notified();
-            tokio::pin!(changed);
-            // Registered before the state is read, so a change made after
-            // the read wakes it.
-            changed.as_mut().enable();
-            let s = self.state.get();
-            if let Some(reason) = s.lost {
-                return reason;
-            }
-            // Only a renewal moves `valid_until`; if none came in time the
-            // lease is gone, whatever became of the watchdog.
-            tokio::select! {
-                _ = &mut changed => {}
-                _ = sleep_until(s.valid_until) => return self.expiry_reason(s.valid_until),
-            }
-        }
+        self.state.lost().await
     }
 
-    fn expiry_reason(&self, valid_until: Instant) -> LostReason {
-        if self.watchdog {
-            watchdog::expiry_reason(self.renew_until, valid_until)
-        } else {
-            LostReason::LeaseExpired
-        }
+    /// A handle that watches this lock without owning it: hand it to the
+    /// work the lock protects, which can then stop when the lock is lost,
+    /// while the guard alone decides when to release.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+    /// use dlock_core::{Locker, MemoryBackend};
+    /// let locker = Locker::new(MemoryBackend::new());
+    /// let key = locker.key("export").part("daily").build()?;
+    /// let guard = locker.try_acquire(&key).await?;
+    /// let signal = guard.lost_signal();
+    /// let work = tokio::spawn(async move {
+    ///     tokio::select! {
+    ///         _ = async { /* the protected work */ } => None,
+    ///         reason = signal.lost() => Some(reason),
+    ///     }
+    /// });
+    /// assert_eq!(work.await.expect("work"), None);
+    /// guard.release().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn lost_signal(&self) -> LostSignal {
+        self.state.clone()
     }
 
     /// Gives the lock back. Returns whether we still held it (`false`: the
@@ -316,7 +263,7 @@ fn trace_dropped_release(key: &LockKey, result: &Result<Release>) {
 
 /// Waits for the backend's own lost signal (a ZooKeeper session expiring)
 /// until the guard stops it.
-fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: Arc<GuardCell>) -> CancellationToken {
+fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: LostSignal) -> CancellationToken {
     let stop = CancellationToken::new();
     let stopped = stop.clone();
     tokio::spawn(async move {
@@ -324,7 +271,8 @@ fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: Arc<
             biased;
             _ = stopped.cancelled() => {}
             reason = lost => if !stopped.is_cancelled() {
-                state.lose(&key, reason);
+                tracing::warn!(key = %key, %reason, "dlock.lost");
+                state.lose(reason);
             },
         }
     });

@@ -34,7 +34,7 @@ mod owner;
 mod tls;
 mod watchdog;
 
-pub use backend::{Backend, LostReason, MemoryBackend};
+pub use backend::{Backend, LostReason, LostSignal, MemoryBackend};
 pub use config::{BackendKind, Config};
 pub use error::{Error, Result};
 pub use guard::LockGuard;

@@ -24,9 +24,9 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::{sleep_until, Instant};
 
-use crate::backend::{Backend, LostReason, Renewal};
+use crate::backend::signal::renewed_lease_expired;
+use crate::backend::{Backend, LostReason, LostSignal, Renewal};
 use crate::error::Result;
-use crate::guard::GuardCell;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -189,7 +189,7 @@ struct Hold {
     filed_at: Instant,
     /// Filed in `due` under `filed_at` (else still in `pending`).
     in_due: bool,
-    state: Arc<GuardCell>,
+    state: LostSignal,
 }
 
 impl Hold {
@@ -208,17 +208,8 @@ impl Hold {
     }
 
     fn lose(self, reason: LostReason) {
-        self.state.lose(&self.key, reason);
-    }
-}
-
-/// Why a watchdog lease ran out: `max_hold` stopped the renewals, or they
-/// failed. The guard decides the same way from the same instants.
-pub(crate) fn expiry_reason(renew_until: Option<Instant>, valid_until: Instant) -> LostReason {
-    if renew_until.is_some_and(|until| valid_until >= until) {
-        LostReason::MaxHoldExceeded
-    } else {
-        LostReason::RenewalFailed
+        tracing::warn!(key = %self.key, %reason, "dlock.lost");
+        self.state.lose(reason);
     }
 }
 
@@ -236,7 +227,7 @@ pub(crate) struct NewHold {
     pub(crate) renew_until: Option<Instant>,
     pub(crate) valid_until: Instant,
     pub(crate) granted_at: Instant,
-    pub(crate) state: Arc<GuardCell>,
+    pub(crate) state: LostSignal,
 }
 
 impl Watchdog {
@@ -340,7 +331,7 @@ async fn run(mut serving: Serving) {
                     let reason = if hold.renewing {
                         LostReason::RenewalFailed
                     } else {
-                        expiry_reason(hold.renew_until, hold.valid_until)
+                        renewed_lease_expired(hold.renew_until, hold.valid_until)
                     };
                     if let Some(hold) = s.holds.remove(id) {
                         hold.lose(reason);
@@ -398,7 +389,7 @@ fn settle(shared: &Shared, (id, sent, result): RenewalResult) {
             let valid_until = valid_until.min(sent + hold.lease);
             hold.valid_until = valid_until;
             hold.next_renewal = sent + hold.lease / 3;
-            hold.state.modify(|st| st.valid_until = valid_until);
+            hold.state.renewed(valid_until);
         }
         Ok(Renewal::Lost) => {
             if let Some(hold) = s.unfile(id) {
@@ -421,7 +412,7 @@ mod tests {
     use super::*;
 
     fn hold() -> Hold {
-        let state = GuardCell::new(crate::guard::GuardState { valid_until: Instant::now(), lost: None });
+        let state = LostSignal::new(Instant::now());
         let now = Instant::now();
         Hold {
             key: LockKey::builder("t", "k").build().expect("key"),
@@ -461,7 +452,7 @@ mod tests {
             renew_until: None,
             valid_until: now + lease,
             granted_at: now,
-            state: GuardCell::new(crate::guard::GuardState { valid_until: now + lease, lost: None }),
+            state: LostSignal::new(now + lease),
         }
     }
 

@@ -20,9 +20,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::wait::{acquire_loop, Attempt};
-use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, Release, Renewal};
+use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release, Renewal};
 use crate::error::{Error, Result};
-use crate::guard::{GuardCell, GuardState};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -67,7 +66,7 @@ struct Holder {
     /// a re-entry or a renewal never gives such a hold a lease again.
     expires_at: Option<Instant>,
     /// The guard of a hold taken until released, told when it is taken away.
-    watcher: Option<Arc<GuardCell>>,
+    watcher: Option<LostSignal>,
 }
 
 /// What an attempt on the spot gave.
@@ -77,7 +76,7 @@ pub(crate) enum Taken {
     Leased(Grant),
     /// A hold with no lease, and the state of its guard, which
     /// [`MemoryBackend::force_unlock`] marks lost if it takes the key.
-    UntilReleased(Grant, Arc<GuardCell>),
+    UntilReleased(Grant, LostSignal),
 }
 
 impl Taken {
@@ -161,7 +160,7 @@ impl MemoryBackend {
                 let fence = state.last_fence;
                 let (expires_at, valid_until, watcher) = if until_released {
                     let valid_until = never(now);
-                    (None, valid_until, Some(GuardCell::new(GuardState { valid_until, lost: None })))
+                    (None, valid_until, Some(LostSignal::new(valid_until)))
                 } else {
                     (Some(expires_at), expires_at, None)
                 };
@@ -217,7 +216,8 @@ impl MemoryBackend {
         Self::forget_if_idle(&mut state, key, now);
         drop(state);
         if let Some(watcher) = watcher {
-            watcher.lose(key, LostReason::Stolen);
+            tracing::warn!(key = %key, reason = %LostReason::Stolen, "dlock.lost");
+            watcher.lose(LostReason::Stolen);
         }
         held
     }

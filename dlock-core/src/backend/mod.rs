@@ -33,11 +33,13 @@ pub mod memory;
 pub mod redis;
 #[cfg(feature = "redis")]
 pub mod redlock;
+pub(crate) mod signal;
 pub(crate) mod wait;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
 
 pub use memory::MemoryBackend;
+pub use signal::LostSignal;
 
 /// A boxed, `Send` future: what the object-safe [`Backend`] methods return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

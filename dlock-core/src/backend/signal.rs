@@ -1,0 +1,252 @@
+//! [`LostSignal`]: whether a held lock may still be ours, shared by its
+//! guard, the engine's watchdog, the backend that granted it and anyone the
+//! holder hands it to.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::Notify;
+use tokio::time::{sleep_until, Instant};
+
+use super::LostReason;
+
+/// Watches one held lock: tells whether it may no longer be ours, and why.
+///
+/// A [`LockGuard`](crate::LockGuard) owns the lock; a `LostSignal` only
+/// watches it, so a request handler (or a task it spawned) can keep one to
+/// stop its work when the lock goes, without being able to release it.
+/// Cloning is one reference count.
+///
+/// The lock counts as lost when a renewal or the backend reported it gone
+/// ([`lose`](Self::lose)), or when [`valid_until`](Self::valid_until)
+/// passed without a renewal moving it: after that instant another client
+/// may hold the key.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// use dlock_core::{Locker, LostReason, MemoryBackend};
+/// let backend = std::sync::Arc::new(MemoryBackend::new());
+/// let locker = Locker::with_options(backend.clone(), Default::default())?;
+/// let key = locker.key("report").part(7).build()?;
+/// let guard = locker.try_acquire(&key).await?;
+///
+/// let signal = guard.lost_signal();
+/// let watcher = tokio::spawn(async move { signal.lost().await });
+///
+/// backend.force_unlock(&key); // an operator takes the lock away
+/// assert_eq!(watcher.await.expect("watcher"), LostReason::Stolen);
+/// assert!(guard.is_lost());
+/// # Ok(()) }
+/// ```
+///
+/// A backend that learns of a loss on its own (a session expiring, an
+/// operator's forced unlock) makes the signal itself, hands it back in its
+/// [`Grant`](crate::backend::Grant) and calls [`lose`](Self::lose) when it
+/// finds the lock gone:
+///
+/// ```
+/// use dlock_core::{LostReason, LostSignal};
+/// use tokio::time::{Duration, Instant};
+///
+/// let signal = LostSignal::new(Instant::now() + Duration::from_secs(30));
+/// assert!(!signal.is_lost());
+/// assert!(signal.lose(LostReason::SessionExpired));
+/// assert!(!signal.lose(LostReason::Stolen), "the first verdict stands");
+/// assert_eq!(signal.reason(), Some(LostReason::SessionExpired));
+/// ```
+#[derive(Clone)]
+pub struct LostSignal {
+    inner: Arc<Inner>,
+}
+
+/// Lighter than a `watch` channel, which allocates an eight-way notifier per
+/// lock and wakes all eight when its sender drops: a cost every short
+/// in-process lock would pay, though only renewals and losses change the
+/// state.
+struct Inner {
+    state: Mutex<State>,
+    changed: Notify,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct State {
+    valid_until: Instant,
+    lost: Option<LostReason>,
+    expiry: Expiry,
+}
+
+/// What it means when `valid_until` passes with no verdict: the reason the
+/// signal then gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Expiry {
+    /// A fixed lease ran out: [`LostReason::LeaseExpired`].
+    Lease,
+    /// A lease the watchdog renews: renewals failed, or `max_hold` stopped
+    /// them at `renew_until`.
+    Renewed { renew_until: Option<Instant> },
+}
+
+impl Expiry {
+    pub(crate) fn reason(self, valid_until: Instant) -> LostReason {
+        match self {
+            Expiry::Lease => LostReason::LeaseExpired,
+            Expiry::Renewed { renew_until } => renewed_lease_expired(renew_until, valid_until),
+        }
+    }
+}
+
+/// Why a renewed lease ran out: `max_hold` stopped the renewals (the lease
+/// reached `renew_until`), or they failed. The watchdog decides the same way
+/// from the same instants.
+pub(crate) fn renewed_lease_expired(renew_until: Option<Instant>, valid_until: Instant) -> LostReason {
+    if renew_until.is_some_and(|until| valid_until >= until) {
+        LostReason::MaxHoldExceeded
+    } else {
+        LostReason::RenewalFailed
+    }
+}
+
+impl std::fmt::Debug for LostSignal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.state();
+        f.debug_struct("LostSignal").field("valid_until", &s.valid_until).field("lost", &s.lost).finish()
+    }
+}
+
+impl LostSignal {
+    /// A signal for a lock that is ours until `valid_until` unless renewed;
+    /// when that instant passes unrenewed it reports
+    /// [`LostReason::LeaseExpired`]. A lock held until released takes an
+    /// instant far ahead (tokio's own "never" is 30 years).
+    pub fn new(valid_until: Instant) -> Self {
+        Self::with_expiry(valid_until, Expiry::Lease)
+    }
+
+    pub(crate) fn with_expiry(valid_until: Instant, expiry: Expiry) -> Self {
+        LostSignal {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State { valid_until, lost: None, expiry }),
+                changed: Notify::new(),
+            }),
+        }
+    }
+
+    /// Says what an unrenewed `valid_until` means for this lock (the engine
+    /// knows whether its watchdog renews it, the backend that made the
+    /// signal does not).
+    pub(crate) fn set_expiry(&self, expiry: Expiry) {
+        self.state().expiry = expiry;
+    }
+
+    /// Until when the lock is certainly ours; a renewal moves it forward.
+    pub fn valid_until(&self) -> Instant {
+        self.state().valid_until
+    }
+
+    /// Whether the lock may no longer be ours: reported lost, or
+    /// [`valid_until`](Self::valid_until) has passed.
+    pub fn is_lost(&self) -> bool {
+        let s = *self.state();
+        s.lost.is_some() || Instant::now() >= s.valid_until
+    }
+
+    /// Why the lock may no longer be ours, or `None` while it is.
+    pub fn reason(&self) -> Option<LostReason> {
+        let s = *self.state();
+        s.lost.or_else(|| (Instant::now() >= s.valid_until).then(|| s.expiry.reason(s.valid_until)))
+    }
+
+    /// Resolves when the lock may no longer be ours: a renewal found the key
+    /// gone or owned by someone else, renewals failed until the lease ran
+    /// out, a fixed lease ran out, or the backend lost it (a session
+    /// expired, an operator forced it free).
+    ///
+    /// It fires no later than the moment another client could take the key,
+    /// and never on a transient error that a later renewal repairs.
+    ///
+    /// # Cancellation safety
+    ///
+    /// Cancel-safe; call it as often as you like, from as many tasks.
+    pub async fn lost(&self) -> LostReason {
+        loop {
+            let changed = self.inner.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the state is read, so a change made after
+            // the read wakes it.
+            changed.as_mut().enable();
+            let s = *self.state();
+            if let Some(reason) = s.lost {
+                return reason;
+            }
+            // Only a renewal moves `valid_until`; if none came in time the
+            // lease is gone, whatever became of the watchdog.
+            tokio::select! {
+                _ = &mut changed => {}
+                _ = sleep_until(s.valid_until) => return s.expiry.reason(s.valid_until),
+            }
+        }
+    }
+
+    /// Marks the lock lost and wakes every [`lost`](Self::lost). The first
+    /// verdict stands (the watchdog may have seen the lease end before a
+    /// session watcher saw the session go); returns whether this one was
+    /// the first.
+    pub fn lose(&self, reason: LostReason) -> bool {
+        let first = {
+            let mut s = self.state();
+            let first = s.lost.is_none();
+            s.lost.get_or_insert(reason);
+            first
+        };
+        self.inner.changed.notify_waiters();
+        first
+    }
+
+    /// A renewal succeeded: the lock is now ours until `valid_until`.
+    pub fn renewed(&self, valid_until: Instant) {
+        self.state().valid_until = valid_until;
+        self.inner.changed.notify_waiters();
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every update is one assignment: a panic elsewhere cannot leave it
+        // half-done, so a poisoned lock is still right.
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unrenewed_lease_reports_why_it_ran_out() {
+        let now = Instant::now();
+        let fixed = LostSignal::new(now + Duration::from_secs(1));
+        let renewed = LostSignal::with_expiry(now + Duration::from_secs(1), Expiry::Renewed { renew_until: None });
+        let capped = LostSignal::with_expiry(
+            now + Duration::from_secs(1),
+            Expiry::Renewed { renew_until: Some(now + Duration::from_millis(500)) },
+        );
+        assert_eq!(fixed.reason(), None);
+        assert_eq!(fixed.lost().await, LostReason::LeaseExpired);
+        assert_eq!(renewed.lost().await, LostReason::RenewalFailed);
+        assert_eq!(capped.lost().await, LostReason::MaxHoldExceeded);
+        assert_eq!(capped.reason(), Some(LostReason::MaxHoldExceeded));
+        assert!(fixed.is_lost());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_moves_the_end_and_wakes_no_verdict() {
+        let start = Instant::now();
+        let signal = LostSignal::new(start + Duration::from_secs(1));
+        let watcher = signal.clone();
+        let waiting = tokio::spawn(async move { (watcher.lost().await, Instant::now()) });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        signal.renewed(start + Duration::from_secs(3));
+        let (reason, at) = waiting.await.expect("watcher");
+        assert_eq!(reason, LostReason::LeaseExpired);
+        assert_eq!(at, start + Duration::from_secs(3));
+        assert_eq!(signal.valid_until(), start + Duration::from_secs(3));
+    }
+}
