@@ -48,4 +48,4 @@ pub use install::{from_env, locker_from_extensions, Dlock, LockerExt};
 pub use json_body::JsonBody;
 pub use lock::LockLayer;
 pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};
-pub use request::{FencingToken, LockOutcome, RequestOwner};
+pub use request::{FencingToken, HeldLock, LockOutcome, RequestOwner};

@@ -16,7 +16,7 @@ use dlock_core::{KeyBuilder, LockKey, Locker, Owner};
 pub use crate::lock::policy::Policy;
 
 use crate::lock::acquire::{self, acquire_for_request, Refusal};
-use crate::request::{FencingToken, RequestOwner};
+use crate::request::{FencingToken, HeldLock, RequestOwner};
 
 /// The hidden first extractor of a `#[lockable]` handler: the installed
 /// engine and the request's lock owner, or why there are none. It never
@@ -100,5 +100,17 @@ impl FromHeld for FencingToken {
 impl FromHeld for Option<FencingToken> {
     fn from_held(held: &Held) -> Self {
         Some(FencingToken::from_held(held))
+    }
+}
+
+impl FromHeld for HeldLock {
+    fn from_held(held: &Held) -> Self {
+        HeldLock::of(&held.held.guard)
+    }
+}
+
+impl FromHeld for Option<HeldLock> {
+    fn from_held(held: &Held) -> Self {
+        Some(HeldLock::of(&held.held.guard))
     }
 }

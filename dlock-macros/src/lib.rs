@@ -237,6 +237,35 @@ fn strip(pat: &mut Pat) {
     }
 }
 
+/// Whether an argument of type `ty` is filled from the lock the macro took
+/// rather than extracted: `FencingToken`, `HeldLock`, or an `Option` of
+/// either, by any path. The macro sees only the type's text; an alias is
+/// extracted like any other argument.
+fn from_lock(ty: &syn::Type) -> bool {
+    fn last(ty: &syn::Type) -> Option<&syn::PathSegment> {
+        match ty {
+            syn::Type::Path(p) if p.qself.is_none() => p.path.segments.last(),
+            syn::Type::Paren(p) => last(&p.elem),
+            syn::Type::Group(g) => last(&g.elem),
+            _ => None,
+        }
+    }
+    let lock_type = |seg: &syn::PathSegment| {
+        matches!(seg.arguments, syn::PathArguments::None) && (seg.ident == "FencingToken" || seg.ident == "HeldLock")
+    };
+    match last(ty) {
+        Some(seg) if lock_type(seg) => true,
+        Some(seg) if seg.ident == "Option" => match &seg.arguments {
+            syn::PathArguments::AngleBracketed(a) if a.args.len() == 1 => match a.args.first() {
+                Some(syn::GenericArgument::Type(inner)) => last(inner).is_some_and(lock_type),
+                _ => false,
+            },
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStream2> {
     let Some(key) = args.key else {
         let span = if attr.is_empty() { func.sig.ident.span() } else { attr.span() };
@@ -247,6 +276,8 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
     }
 
     let mut idents = Vec::new();
+    let mut late = Vec::new();
+    let mut fills = Vec::new();
     let mut params = Vec::new();
     let mut refs = Vec::new();
     for (i, arg) in func.sig.inputs.iter().enumerate() {
@@ -255,6 +286,14 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
         };
         let name = format_ident!("__dlock_arg{}", i);
         let ty = &pt.ty;
+        if from_lock(ty) {
+            // Filled from the guard once the lock is taken (see the crate docs).
+            bindings(&pt.pat, &mut late);
+            fills.push(quote_spanned! { ty.span()=>
+                let #name: #ty = <#ty as ::dlock_axum::__private::FromHeld>::from_held(&__dlock_held);
+            });
+            continue;
+        }
         let pat = by_reference(&pt.pat);
         bindings(&pt.pat, &mut idents);
         params.push(quote! { #name: #ty });
@@ -266,6 +305,12 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
 
     let mut parts = Vec::new();
     for f in &args.fields {
+        if late.contains(&f.root) {
+            return Err(syn::Error::new(
+                f.lit.span(),
+                format!("`{}` comes from the lock itself, which is taken after the key is built", f.root),
+            ));
+        }
         if !idents.contains(&f.root) {
             let bound: Vec<String> = idents.iter().map(ToString::to_string).collect();
             let hint = if bound.is_empty() {
@@ -296,12 +341,13 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
         None => quote! { ::core::option::Option::None },
     };
 
+    let func_arity = func.sig.inputs.len();
     let ItemFn { attrs, vis, sig, block } = func;
     let (impl_generics, _, where_clause) = sig.generics.split_for_impl();
     let mut inner_sig = sig.clone();
     inner_sig.ident = Ident::new("__dlock_inner", Span::call_site());
     let name = &sig.ident;
-    let arg_names = (0..params.len()).map(|i| format_ident!("__dlock_arg{}", i));
+    let arg_names = (0..func_arity).map(|i| format_ident!("__dlock_arg{}", i));
 
     Ok(quote! {
         #(#attrs)*
@@ -319,6 +365,7 @@ fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStre
                 ::core::result::Result::Ok(held) => held,
                 ::core::result::Result::Err(refused) => return refused,
             };
+            #(#fills)*
             #inner_sig #block
             __dlock_held.finish(__dlock_inner(#(#arg_names),*).await).await
         }

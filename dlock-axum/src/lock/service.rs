@@ -18,7 +18,7 @@ use super::quota::Permit;
 use super::spec::Spec;
 use crate::install::Dlock;
 use crate::rejection::Rejection;
-use crate::request::{FencingToken, RequestOwner};
+use crate::request::{HeldLock, RequestOwner};
 
 /// The service of [`LockLayer`](super::LockLayer): takes the request's lock,
 /// calls the inner service while holding it, and releases it once the inner
@@ -171,6 +171,6 @@ async fn admit(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admitted, R
         None => None,
     };
     let held = acquire_for_request(&locker, owner, key, &spec.policy).await?;
-    FencingToken::set(&mut parts.extensions, held.guard.owner(), held.guard.fencing_token());
+    HeldLock::of(&held.guard).set(&mut parts.extensions, held.guard.owner());
     Ok(Admitted { held, permit, body })
 }
