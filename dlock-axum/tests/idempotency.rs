@@ -295,3 +295,22 @@ async fn storm_of_one_key_runs_once() {
     }
     assert_eq!((created, runs.load(Ordering::SeqCst)), (1, 1));
 }
+
+/// The TTL comes with the installed engine (`DLOCK_IDEMPOTENCY_TTL_SECS`
+/// through `Config` and `Dlock`); one given to the `Idempotency` wins.
+#[tokio::test]
+async fn the_token_ttl_comes_with_the_installed_engine() {
+    use dlock_axum::{Dlock, LockerExt};
+    use dlock_core::{Locker, MemoryBackend};
+    let dlock = Dlock::new(Locker::new(MemoryBackend::new())).with_idempotency_ttl(Duration::from_secs(60));
+    let app = Router::new()
+        .route("/token", get(idem().token_handler()))
+        .route("/own", get(idem().with_ttl(Duration::from_secs(30)).token_handler()))
+        .with_locker(dlock);
+    for (uri, ttl) in [("/token", 60), ("/own", 30)] {
+        let (status, _, body) = send(&app, Request::get(uri).body(Body::empty()).expect("request")).await;
+        assert_eq!(status, StatusCode::OK);
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["expires_in_secs"], ttl, "{uri}");
+    }
+}
