@@ -53,11 +53,8 @@ use dlock_core::{Config, Locker, Owner};
 use serde_json::{json, Value};
 use tracing_subscriber::EnvFilter;
 
-#[path = "../orders/model.rs"]
 mod model;
-#[path = "../orders/payments.rs"]
 mod payments;
-#[path = "../orders/store.rs"]
 mod store;
 
 use model::{CreateOrder, ProductId, ProductRef, ReduceStock, SetStock, TokenParam};
