@@ -314,3 +314,37 @@ async fn the_token_ttl_comes_with_the_installed_engine() {
         assert_eq!(v["expires_in_secs"], ttl, "{uri}");
     }
 }
+
+/// The inner service's error passes through the idempotency services
+/// unchanged (tower-http's convention), and an error frees the key as a `5xx`
+/// does, so a retry runs the route again.
+#[tokio::test]
+async fn an_inner_error_passes_through_and_frees_the_key() {
+    use dlock_axum::idempotency::{Idempotent, RequireToken};
+    use tower::{Layer, Service};
+
+    #[derive(Debug, PartialEq)]
+    struct Broken(u32);
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let inner = tower::service_fn({
+        let runs = runs.clone();
+        move |_req: Request<Body>| {
+            let n = runs.fetch_add(1, Ordering::SeqCst) as u32;
+            async move { Err::<axum::response::Response, _>(Broken(n)) }
+        }
+    });
+    let mut svc = Idempotent::layer(idem()).layer(inner.clone());
+    for attempt in 0..2 {
+        let res = svc.call(pay(Some("k-err"), "{}")).await;
+        assert_eq!(res.err(), Some(Broken(attempt)), "attempt {attempt} reached the route");
+        // The key is freed in the background.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let idem = idem();
+    let mut svc = RequireToken::layer(idem.clone()).layer(inner);
+    let token = idem.store().issue_token(idem.ttl()).await.expect("token");
+    let req = Request::post("/submit").header("idempotency-token", token).body(Body::empty()).expect("request");
+    assert_eq!(svc.call(req).await.err(), Some(Broken(2)));
+}

@@ -10,7 +10,7 @@ use tower::Layer;
 use super::json::Want;
 use super::policy::Policy;
 use super::quota::Quota;
-use super::service::Lock;
+use super::service::RequireLock;
 use super::spec::{KeySource, Spec};
 
 /// Locks a route on a key built from request fields; see the [module docs](crate::lock).
@@ -206,9 +206,9 @@ impl LockLayer {
 }
 
 impl<S> Layer<S> for LockLayer {
-    type Service = Lock<S>;
+    type Service = RequireLock<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Lock::new(inner, self.spec.clone())
+        RequireLock::new(inner, self.spec.clone())
     }
 }

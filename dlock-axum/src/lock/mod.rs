@@ -66,4 +66,4 @@ mod spec;
 
 pub use layer::LockLayer;
 pub use policy::Policy;
-pub use service::{Lock, ResponseFuture};
+pub use service::{RequireLock, ResponseFuture};

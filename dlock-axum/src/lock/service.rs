@@ -16,22 +16,37 @@ use super::body::{read_body, require_json_content_type};
 use super::key::build_key;
 use super::quota::Permit;
 use super::spec::Spec;
+use super::LockLayer;
 use crate::install::Dlock;
 use crate::rejection::Rejection;
 use crate::request::{HeldLock, RequestOwner};
 
-/// The service of [`LockLayer`](super::LockLayer): takes the request's lock,
-/// calls the inner service while holding it, and releases it once the inner
-/// service has answered.
+/// The service of [`LockLayer`]: takes the request's lock, calls the inner
+/// service while holding it, and releases it once the inner service has
+/// answered. See the [module docs](super).
+///
+/// ```
+/// use axum::{routing::post, Router};
+/// use dlock_axum::lock::RequireLock;
+///
+/// let app: Router = Router::new().route("/orders", post(|| async { "placed" }).layer(RequireLock::layer("order.create")));
+/// ```
 #[derive(Clone)]
-pub struct Lock<S> {
+pub struct RequireLock<S> {
     inner: S,
     spec: Arc<Spec>,
 }
 
-impl<S> Lock<S> {
+impl RequireLock<()> {
+    /// The layer of this service: [`LockLayer::new`]`(name)`.
+    pub fn layer(name: impl Into<String>) -> LockLayer {
+        LockLayer::new(name)
+    }
+}
+
+impl<S> RequireLock<S> {
     pub(crate) fn new(inner: S, spec: Arc<Spec>) -> Self {
-        Lock { inner, spec }
+        RequireLock { inner, spec }
     }
 
     /// The wrapped service.
@@ -50,13 +65,13 @@ impl<S> Lock<S> {
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for Lock<S> {
+impl<S: fmt::Debug> fmt::Debug for RequireLock<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lock").field("inner", &self.inner).field("name", &self.spec.policy.name).finish()
+        f.debug_struct("RequireLock").field("inner", &self.inner).field("name", &self.spec.policy.name).finish()
     }
 }
 
-/// The future of [`Lock`]: read the body if the key needs it, acquire, call
+/// The future of [`RequireLock`]: read the body if the key needs it, acquire, call
 /// the inner service, release.
 ///
 /// Dropping it at any point gives the lock back (the guard's `Drop` releases
@@ -79,7 +94,7 @@ impl<E> Future for ResponseFuture<E> {
     }
 }
 
-impl<S> Service<Request<Body>> for Lock<S>
+impl<S> Service<Request<Body>> for RequireLock<S>
 where
     S: Service<Request<Body>> + Clone + Send + 'static,
     S::Response: IntoResponse,
