@@ -17,6 +17,7 @@
 //! request's values. An access log reads the [`LockOutcome`] in the response.
 
 use std::borrow::Cow;
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use axum::response::{IntoResponse, Response};
@@ -164,6 +165,35 @@ pub(crate) async fn acquire_for_request(
             let waited = waited();
             Err(Refusal::from_error(e, policy, Some(key), waited))
         }
+    }
+}
+
+impl Policy {
+    /// Takes `key` as `owner` (a request's [`RequestOwner`](crate::RequestOwner),
+    /// so a lock the request already holds re-enters), runs `work` while
+    /// holding it, and releases it: the pipeline of [`LockLayer`](crate::LockLayer),
+    /// for a lock taken inside a handler.
+    ///
+    /// # Errors
+    ///
+    /// The answer [`LockLayer`](crate::LockLayer) would give, with the
+    /// [`LockOutcome`] in its extensions: `409` when the lock stays held
+    /// (with this policy's message and code), `503` when the lock service is
+    /// down, `400` for an invalid key. `work` did not run.
+    ///
+    /// # Cancellation safety
+    ///
+    /// Dropping the future releases the lock in the background.
+    pub async fn run_locked<F: Future>(
+        &self,
+        locker: &Locker,
+        owner: Owner,
+        key: LockKey,
+        work: F,
+    ) -> Result<(F::Output, LockOutcome), Response> {
+        let held = acquire_for_request(locker, owner, key, self).await.map_err(|refusal| refusal.respond(self))?;
+        let out = work.await;
+        Ok((out, held.release(self).await))
     }
 }
 

@@ -212,3 +212,10 @@ impl<S> Layer<S> for LockLayer {
         RequireLock::new(inner, self.spec.clone())
     }
 }
+
+impl RequireLock<()> {
+    /// The layer of this service: [`LockLayer::new`]`(name)`.
+    pub fn layer(name: impl Into<String>) -> LockLayer {
+        LockLayer::new(name)
+    }
+}

@@ -2,19 +2,15 @@
 //!
 //! [`LockLayer`](crate::LockLayer) builds a [`Policy`] with its builder;
 //! `#[lockable]` writes one as a `static` in the expansion; a handler that
-//! locks by hand uses [`Policy::run_locked`]. Everything after that —
+//! locks by hand uses [`Policy::run_locked`] (in `acquire.rs`, with the
+//! pipeline it runs). Everything after that —
 //! acquire, refusal, log event, release — reads only the policy, so the
 //! faces cannot drift.
 
 use std::borrow::Cow;
-use std::future::Future;
 use std::time::Duration;
 
-use axum::response::Response;
-use dlock_core::{AcquireOptions, LockKey, Locker, Owner};
-
-use super::acquire::acquire_for_request;
-use crate::request::LockOutcome;
+use dlock_core::AcquireOptions;
 
 /// The name, timing and duplicate-answer of one lock of a request: what
 /// [`LockLayer`](crate::LockLayer) and `#[lockable]` are configured with,
@@ -84,33 +80,6 @@ impl Policy {
     pub fn with_code(mut self, code: u32) -> Self {
         self.code = Some(code);
         self
-    }
-
-    /// Takes `key` as `owner` (a request's [`RequestOwner`](crate::RequestOwner),
-    /// so a lock the request already holds re-enters), runs `work` while
-    /// holding it, and releases it: the pipeline of [`LockLayer`](crate::LockLayer),
-    /// for a lock taken inside a handler.
-    ///
-    /// # Errors
-    ///
-    /// The answer [`LockLayer`](crate::LockLayer) would give, with the
-    /// [`LockOutcome`] in its extensions: `409` when the lock stays held
-    /// (with this policy's message and code), `503` when the lock service is
-    /// down, `400` for an invalid key. `work` did not run.
-    ///
-    /// # Cancellation safety
-    ///
-    /// Dropping the future releases the lock in the background.
-    pub async fn run_locked<F: Future>(
-        &self,
-        locker: &Locker,
-        owner: Owner,
-        key: LockKey,
-        work: F,
-    ) -> Result<(F::Output, LockOutcome), Response> {
-        let held = acquire_for_request(locker, owner, key, self).await.map_err(|refusal| refusal.respond(self))?;
-        let out = work.await;
-        Ok((out, held.release(self).await))
     }
 
     /// The policy of a `#[lockable(...)]` attribute, in a `static` of the

@@ -16,12 +16,11 @@ use super::body::{read_body, require_json_content_type};
 use super::key::build_key;
 use super::quota::Permit;
 use super::spec::Spec;
-use super::LockLayer;
 use crate::install::Dlock;
 use crate::rejection::Rejection;
 use crate::request::{HeldLock, RequestOwner};
 
-/// The service of [`LockLayer`]: takes the request's lock, calls the inner
+/// The service of [`LockLayer`](super::LockLayer): takes the request's lock, calls the inner
 /// service while holding it, and releases it once the inner service has
 /// answered. See the [module docs](super).
 ///
@@ -35,13 +34,6 @@ use crate::request::{HeldLock, RequestOwner};
 pub struct RequireLock<S> {
     inner: S,
     spec: Arc<Spec>,
-}
-
-impl RequireLock<()> {
-    /// The layer of this service: [`LockLayer::new`]`(name)`.
-    pub fn layer(name: impl Into<String>) -> LockLayer {
-        LockLayer::new(name)
-    }
 }
 
 impl<S> RequireLock<S> {
