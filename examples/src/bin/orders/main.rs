@@ -35,7 +35,9 @@
 //!   idempotency_request_in_progress` while running, `422
 //!   idempotency_key_mismatch` for another body, `400` without a key
 //!
-//! Every error is `{"error": "...", "code": n, "message": "..."}`.
+//! Every error is `{"error": "...", "code": n, "message": "..."}`. JSON bodies
+//! are read with `dlock_axum::JsonBody`, by the rules of `LockLayer`: a
+//! declared `Content-Type` that is not JSON is `415`, a bad body `400`.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
