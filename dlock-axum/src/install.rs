@@ -151,9 +151,11 @@ impl Dlock {
     /// The body limit of the engine installed in `extensions`, else the
     /// default: read without cloning the engine.
     pub(crate) fn max_body_bytes_in(extensions: &Extensions) -> usize {
+        // `Config::default()` builds strings; its limit is taken once.
+        static DEFAULT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
         match extensions.get::<Dlock>() {
             Some(dlock) => dlock.max_body_bytes,
-            None => Config::default().max_body_bytes,
+            None => *DEFAULT.get_or_init(|| Config::default().max_body_bytes),
         }
     }
 }

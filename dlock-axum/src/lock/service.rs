@@ -16,7 +16,7 @@ use super::body::{read_body, require_json_content_type};
 use super::key::build_key;
 use super::quota::Permit;
 use super::spec::Spec;
-use crate::install::Dlock;
+use crate::install::{locker_from_extensions, Dlock};
 use crate::rejection::Rejection;
 use crate::request::{HeldLock, RequestOwner};
 
@@ -145,18 +145,13 @@ struct Admitted {
 /// Everything before the inner call: find the engine, read the body if
 /// needed, build the key, acquire.
 async fn admit(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admitted, Refusal> {
-    let installed = Dlock::from_extensions(&parts.extensions);
-    let locker: Locker = match (&spec.locker, &installed) {
-        (Some(l), _) => l.clone(),
-        (None, Some(dlock)) => dlock.locker().clone(),
-        (None, None) => return Err(Refusal::no_engine()),
+    let locker: Locker = match &spec.locker {
+        Some(l) => l.clone(),
+        None => locker_from_extensions(&parts.extensions).cloned().ok_or_else(Refusal::no_engine)?,
     };
     let (body, json) = if spec.needs_json() {
         require_json_content_type(&parts.headers).map_err(Refusal::invalid)?;
-        let limit = spec
-            .max_body_bytes
-            .or_else(|| installed.as_ref().map(Dlock::max_body_bytes))
-            .unwrap_or_else(|| dlock_core::Config::default().max_body_bytes);
+        let limit = spec.max_body_bytes.unwrap_or_else(|| Dlock::max_body_bytes_in(&parts.extensions));
         let bytes = read_body(&parts.headers, body, limit).await.map_err(Refusal::invalid)?;
         let json = super::json::read(&bytes, &spec.json_want).map_err(|e| {
             Refusal::invalid(Rejection::invalid_json().with_message(format!("the request body is not valid JSON: {e}")))
