@@ -14,7 +14,7 @@ use dlock_core::idempotency::MemoryStore;
 use tower::ServiceExt;
 
 fn idem() -> Idempotency {
-    Idempotency::new(Arc::new(MemoryStore::new("t")))
+    Idempotency::new(Arc::new(MemoryStore::new()))
 }
 
 async fn send(app: &Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {

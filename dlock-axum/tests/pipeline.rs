@@ -163,7 +163,7 @@ async fn a_dead_backend_is_the_same_through_both_faces() {
 async fn the_installed_body_limit_reaches_every_layer() {
     use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
     use dlock_core::idempotency::MemoryStore;
-    let idem = Idempotency::new(std::sync::Arc::new(MemoryStore::new("t")));
+    let idem = Idempotency::new(std::sync::Arc::new(MemoryStore::new()));
     let echo = |body: String| async move { body };
     let app = Router::new()
         .route("/lock", post(echo).layer(LockLayer::new("t").json("id")))

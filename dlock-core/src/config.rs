@@ -3,13 +3,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Backend, MemoryBackend};
+use crate::backend::memory::MemoryBackend;
+#[cfg(feature = "redis")]
+use crate::backend::redis::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
+use crate::backend::Backend;
+use crate::engine::{Locker, LockerOptions, DEFAULT_LEASE};
 use crate::error::{Error, Result};
-use crate::locker::{validate_prefix, Locker, LockerOptions, DEFAULT_LEASE};
-use crate::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
+use crate::key::validate_prefix;
 
-/// Which coordination service holds the locks.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Which coordination service holds the locks. Its `Debug` hides the
+/// passwords in URLs.
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BackendKind {
     /// In process (`DLOCK_BACKEND=memory`, the default).
@@ -33,6 +37,31 @@ pub enum BackendKind {
         /// The session timeout: the lease of every lock.
         session_timeout: Duration,
     },
+}
+
+impl std::fmt::Debug for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackendKind::Memory => f.write_str("Memory"),
+            BackendKind::Redis { url } => f.debug_struct("Redis").field("url", &redact(url)).finish(),
+            BackendKind::RedLock { urls } => {
+                let urls: Vec<String> = urls.iter().map(|u| redact(u)).collect();
+                f.debug_struct("RedLock").field("urls", &urls).finish()
+            }
+            BackendKind::ZooKeeper { connect, session_timeout } => {
+                f.debug_struct("ZooKeeper").field("connect", connect).field("session_timeout", session_timeout).finish()
+            }
+        }
+    }
+}
+
+/// `url` with its user and password replaced by `***`:
+/// `redis://***@host:6379/0`. Every URL dlock prints goes through here.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
 }
 
 impl BackendKind {
@@ -85,7 +114,21 @@ impl BackendKind {
 /// let err = Config::from_lookup(|var| (var == "DLOCK_LEASE_MS").then(|| "soon".into())).unwrap_err();
 /// assert!(err.to_string().contains("DLOCK_LEASE_MS"));
 /// ```
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` hides passwords in URLs, so a configuration can be logged:
+///
+/// ```
+/// use dlock_core::Config;
+/// let cfg = Config::from_lookup(|var| match var {
+///     "DLOCK_BACKEND" => Some("redis".into()),
+///     "DLOCK_REDIS_URL" => Some("redis://app:s3cret@10.0.0.5:6379/0".into()),
+///     _ => None,
+/// }).unwrap();
+/// let printed = format!("{cfg:?}");
+/// assert!(printed.contains("redis://***@10.0.0.5:6379/0"));
+/// assert!(!printed.contains("s3cret"));
+/// ```
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct Config {
     /// The backend and its address.
@@ -106,6 +149,7 @@ pub struct Config {
     /// CA and client certificate for `rediss://` connections
     /// (`DLOCK_REDIS_CA_FILE`, `DLOCK_REDIS_CLIENT_CERT_FILE`,
     /// `DLOCK_REDIS_CLIENT_KEY_FILE`); `None`: the system trust store.
+    #[cfg(feature = "redis")]
     pub redis_tls: Option<RedisTls>,
     /// No grants from a Redis that restarted or lost its data until it has
     /// been up this long (`DLOCK_RESTART_QUARANTINE_MS`; zero: off).
@@ -122,9 +166,26 @@ impl Default for Config {
             idempotency_ttl: Duration::from_secs(86_400),
             max_body_bytes: 64 * 1024,
             idempotency_redis_url: None,
+            #[cfg(feature = "redis")]
             redis_tls: None,
             restart_quarantine: Duration::ZERO,
         }
+    }
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Config");
+        d.field("backend", &self.backend)
+            .field("prefix", &self.prefix)
+            .field("lease", &self.lease)
+            .field("wait", &self.wait)
+            .field("idempotency_ttl", &self.idempotency_ttl)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("idempotency_redis_url", &self.idempotency_redis_url.as_deref().map(redact));
+        #[cfg(feature = "redis")]
+        d.field("redis_tls", &self.redis_tls);
+        d.field("restart_quarantine", &self.restart_quarantine).finish()
     }
 }
 
@@ -214,6 +275,7 @@ impl Config {
                 ));
             }
         }
+        #[cfg(feature = "redis")]
         match &backend {
             BackendKind::Redis { url } => check_url_supported("DLOCK_REDIS_URL", url)?,
             BackendKind::RedLock { urls } => {
@@ -223,9 +285,11 @@ impl Config {
             }
             BackendKind::Memory | BackendKind::ZooKeeper { .. } => {}
         }
+        #[cfg(feature = "redis")]
         if let Some(url) = &idempotency_redis_url {
             check_url_supported("DLOCK_IDEMPOTENCY_REDIS_URL", url)?;
         }
+        #[cfg(feature = "redis")]
         let redis_tls = redis_tls(&get)?;
         let restart_quarantine = millis(&get, "DLOCK_RESTART_QUARANTINE_MS")?.unwrap_or(Duration::ZERO);
         if !restart_quarantine.is_zero() && restart_quarantine < lease {
@@ -244,6 +308,7 @@ impl Config {
             idempotency_ttl,
             max_body_bytes,
             idempotency_redis_url,
+            #[cfg(feature = "redis")]
             redis_tls,
             restart_quarantine,
         })
@@ -283,11 +348,10 @@ impl Config {
             ),
             #[cfg(feature = "redis")]
             BackendKind::RedLock { urls } => Arc::new(
-                crate::backend::redlock::RedLockBackend::connect_with_options(
+                crate::backend::redlock::RedLockBackend::connect_with(
                     urls,
                     &self.prefix,
-                    crate::backend::redlock::DEFAULT_NODE_TIMEOUT,
-                    self.redis_options(),
+                    crate::backend::redlock::RedLockOptions::default().with_redis(self.redis_options()),
                 )
                 .await?,
             ),
@@ -297,8 +361,12 @@ impl Config {
             }
             #[cfg(feature = "zookeeper")]
             BackendKind::ZooKeeper { connect, session_timeout } => Arc::new(
-                crate::backend::zookeeper::ZooKeeperBackend::connect_with(connect, &self.prefix, *session_timeout)
-                    .await?,
+                crate::backend::zookeeper::ZooKeeperBackend::connect_with(
+                    connect,
+                    &self.prefix,
+                    crate::backend::zookeeper::ZooKeeperOptions::default().with_session_timeout(*session_timeout),
+                )
+                .await?,
             ),
             #[cfg(not(feature = "zookeeper"))]
             BackendKind::ZooKeeper { .. } => {
@@ -309,8 +377,54 @@ impl Config {
     }
 }
 
+/// What one [`Config`] builds: the lock engine and the idempotency store,
+/// over shared connections where they use the same service.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// let services = dlock_core::Config::default().build_services().await?;
+/// assert_eq!(services.locker.backend_name(), "memory");
+/// assert_eq!(services.idempotency.name(), "memory");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Services {
+    /// The lock engine.
+    pub locker: Locker,
+    /// Where idempotency tokens and stored responses live.
+    pub idempotency: Arc<dyn crate::idempotency::IdempotencyStore>,
+}
+
 impl Config {
-    /// Connects the idempotency store that goes with this configuration.
+    /// Builds the lock engine and the idempotency store of this
+    /// configuration. When both live in the same Redis (the `redis` backend
+    /// with `DLOCK_IDEMPOTENCY_REDIS_URL` unset or equal to
+    /// `DLOCK_REDIS_URL`) the store shares the lock backend's connection
+    /// instead of opening its own; otherwise this is [`build`](Self::build)
+    /// and [`idempotency_store`](Self::idempotency_store).
+    ///
+    /// # Errors
+    ///
+    /// As [`build`](Self::build) and [`idempotency_store`](Self::idempotency_store).
+    pub async fn build_services(&self) -> Result<Services> {
+        #[cfg(feature = "redis")]
+        if let BackendKind::Redis { url } = &self.backend {
+            if self.idempotency_redis_url.as_ref().is_none_or(|own| own == url) {
+                let backend = Arc::new(
+                    crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?,
+                );
+                let idempotency = Arc::new(crate::idempotency::RedisStore::from_backend(&backend));
+                let locker = Locker::with_options(backend, self.locker_options())?;
+                return Ok(Services { locker, idempotency });
+            }
+        }
+        Ok(Services { locker: self.build().await?, idempotency: self.idempotency_store().await? })
+    }
+
+    /// Connects the idempotency store that goes with this configuration
+    /// on a connection of its own (see [`build_services`](Self::build_services)
+    /// to share the lock backend's).
     ///
     /// | lock backend | records live in |
     /// |---|---|
@@ -342,7 +456,7 @@ impl Config {
             }
         };
         match url {
-            None => Ok(Arc::new(crate::idempotency::MemoryStore::new(&self.prefix))),
+            None => Ok(Arc::new(crate::idempotency::MemoryStore::new())),
             #[cfg(feature = "redis")]
             Some(url) => Ok(Arc::new(
                 crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options()).await?,
@@ -356,6 +470,7 @@ impl Config {
 }
 
 /// The TLS files, loaded and parsed now so that a bad one stops start-up.
+#[cfg(feature = "redis")]
 fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> {
     let (ca, cert, key) = (get(CA_FILE_VAR), get(CLIENT_CERT_VAR), get(CLIENT_KEY_VAR));
     if ca.is_none() && cert.is_none() && key.is_none() {

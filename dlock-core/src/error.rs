@@ -13,7 +13,9 @@ use std::time::Duration;
 /// * the coordination service failed or could not be reached:
 ///   [`Error::is_unavailable`] ([`Error::Backend`], [`Error::QuorumUnavailable`]);
 /// * the program or its environment is wrong: [`Error::is_misconfigured`]
-///   ([`Error::Config`], [`Error::InvalidKey`]).
+///   ([`Error::Config`], [`Error::InvalidKey`], [`Error::InvalidArgument`]).
+///
+/// [`Error::Internal`] is none of these: dlock itself broke a rule it keeps.
 ///
 /// ```
 /// use dlock_core::Error;
@@ -70,6 +72,20 @@ pub enum Error {
     /// A lock key could not be built (for example it is too long).
     #[error("invalid lock key: {0}")]
     InvalidKey(String),
+    /// An argument of a call is out of range: a zero lease, a lock mode the
+    /// backend does not support.
+    #[error("invalid argument `{name}`: {reason}")]
+    InvalidArgument {
+        /// The argument (or option) at fault.
+        name: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// dlock broke a rule of its own (a future polled after it finished, a
+    /// stored record it cannot read back); a bug to report, not a state of
+    /// the service or of the caller's program.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The acquiring future was dropped before it finished; only seen by
     /// backends, never by a caller of [`Locker::acquire`](crate::Locker::acquire).
     #[error("acquire cancelled")]
@@ -89,12 +105,17 @@ impl Error {
 
     /// The program or its environment is misconfigured.
     pub fn is_misconfigured(&self) -> bool {
-        matches!(self, Error::Config { .. } | Error::InvalidKey(_))
+        matches!(self, Error::Config { .. } | Error::InvalidKey(_) | Error::InvalidArgument { .. })
     }
 
     /// A backend error with a message and no source.
     pub fn backend(backend: &'static str, message: impl Into<String>) -> Self {
         Error::Backend { backend, message: message.into(), source: None }
+    }
+
+    /// An out-of-range argument, named.
+    pub fn invalid_argument(name: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument { name, reason: reason.into() }
     }
 
     /// A configuration error naming the variable at fault.

@@ -288,6 +288,21 @@ impl KeyPart for uuid::Uuid {
     }
 }
 
+/// Checks a key namespace (`DLOCK_PREFIX`): braces form the Redis hash tag
+/// and `/` separates ZooKeeper paths, so neither may appear in it.
+pub(crate) fn validate_prefix(prefix: &str) -> Result<()> {
+    if prefix.is_empty() {
+        return Err(Error::config("DLOCK_PREFIX", "must not be empty"));
+    }
+    if let Some(c) = prefix.chars().find(|c| matches!(c, '{' | '}' | '/') || c.is_whitespace() || c.is_control()) {
+        return Err(Error::config(
+            "DLOCK_PREFIX",
+            format!("must not contain {c:?} (braces form the Redis hash tag, `/` separates ZooKeeper paths)"),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

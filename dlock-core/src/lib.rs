@@ -25,20 +25,19 @@
 
 pub mod backend;
 mod config;
+mod engine;
 mod error;
-mod guard;
 pub mod idempotency;
 mod key;
-mod locker;
 mod owner;
-mod tls;
-mod watchdog;
 
-pub use backend::{Backend, LostReason, LostSignal, MemoryBackend};
-pub use config::{BackendKind, Config};
+pub use backend::memory::MemoryBackend;
+pub use backend::{Backend, LostReason, LostSignal};
+pub use config::{BackendKind, Config, Services};
+pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE};
 pub use error::{Error, Result};
-pub use guard::LockGuard;
 pub use key::{escape_into, KeyBuilder, KeyPart, LockKey, MAX_KEY_LEN};
-pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
 pub use owner::Owner;
-pub use tls::RedisTls;
+
+#[cfg(feature = "redis")]
+pub use backend::redis::RedisTls;

@@ -136,7 +136,7 @@ async fn concurrent_begin(store: Arc<dyn IdempotencyStore>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_store() {
-    suite(Arc::new(MemoryStore::new("t"))).await;
+    suite(Arc::new(MemoryStore::new())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

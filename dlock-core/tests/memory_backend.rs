@@ -19,6 +19,10 @@ impl suite::Harness for Memory {
         Locker::with_options(self.backend.clone() as Arc<dyn Backend>, opts).expect("valid options")
     }
 
+    async fn backend(&self) -> Arc<dyn Backend> {
+        self.backend.clone()
+    }
+
     async fn delete_behind_back(&self, key: &LockKey) {
         assert!(self.backend.force_unlock(key), "the key was held");
     }

@@ -26,6 +26,10 @@ impl suite::Harness for Redis {
         locker_for(&self.server.url(), 300).await
     }
 
+    async fn backend(&self) -> Arc<dyn Backend> {
+        Arc::new(RedisBackend::connect(&self.server.url(), "dlock").await.expect("connect to the test redis-server"))
+    }
+
     async fn delete_behind_back(&self, key: &LockKey) {
         let deleted: u64 = redis::cmd("DEL").arg(key.as_str()).query(&mut self.server.connection()).expect("DEL");
         assert_eq!(deleted, 1, "the key was held");
@@ -570,4 +574,67 @@ async fn a_slow_server_queues_no_waiter_and_stretches_no_wait() {
         }
     }
     drop(never);
+}
+
+/// Connections open on the server, ours and the probe's own.
+fn connected_clients(server: &RedisServer) -> usize {
+    let info: String = redis::cmd("INFO").arg("clients").query(&mut server.connection()).expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("connected_clients in INFO")
+}
+
+/// One configuration builds the engine and the idempotency store over the
+/// same Redis connections: the store opens none of its own, and its
+/// records live under the engine's prefix.
+#[tokio::test]
+async fn one_config_builds_locks_and_idempotency_over_shared_connections() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let config = dlock_core::Config::from_lookup(|var| match var {
+        "DLOCK_BACKEND" => Some("redis".into()),
+        "DLOCK_REDIS_URL" => Some(url.clone()),
+        "DLOCK_PREFIX" => Some("shop".into()),
+        _ => None,
+    })
+    .expect("config");
+    let before = connected_clients(&server);
+    let services = config.build_services().await.expect("services");
+    let with_services = connected_clients(&server);
+    let engine_alone = config.build().await.expect("engine");
+    let with_engine = connected_clients(&server);
+    let store_alone = config.idempotency_store().await.expect("store");
+    let with_store = connected_clients(&server);
+    assert!(with_store > with_engine, "a store of its own opens connections of its own");
+    assert_eq!(with_services - before, with_engine - with_services, "the store opened no connection of its own");
+    drop((engine_alone, store_alone));
+    assert_eq!(services.idempotency.name(), "redis");
+    assert_eq!(services.locker.options().prefix(), "shop");
+
+    let key = services.locker.key("order").part(1).build().expect("key");
+    let guard = services.locker.try_acquire(&key).await.expect("free");
+    let token = services.idempotency.issue_token(Duration::from_secs(60)).await.expect("token");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("shop:idem:*").query(&mut server.connection()).expect("KEYS");
+    assert_eq!(keys.len(), 1, "the token lives under the one prefix: {keys:?}");
+    assert!(services.idempotency.consume_token(&token).await.expect("consume"));
+    assert!(guard.release().await.expect("release"));
+}
+
+/// The prefix is given once: options that name another prefix than the
+/// backend was connected for are refused, and `Locker::new` takes the
+/// backend's.
+#[tokio::test]
+async fn the_engine_refuses_a_prefix_the_backend_was_not_connected_for() {
+    let server = RedisServer::start();
+    let backend = Arc::new(RedisBackend::connect(&server.url(), "shop").await.expect("connect"));
+    let err = Locker::with_options(backend.clone(), LockerOptions::default()).expect_err("dlock is not shop");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("shop"), "{err}");
+    let agreed = Locker::with_options(backend, LockerOptions::default().with_prefix("shop")).expect("same prefix");
+    assert_eq!(agreed.options().prefix(), "shop");
+    let adopted = Locker::new(RedisBackend::connect(&server.url(), "shop").await.expect("connect"));
+    assert_eq!(adopted.options().prefix(), "shop");
+    let bad = RedisBackend::connect(&server.url(), "sh{op}").await.expect_err("braces are the hash tag");
+    assert!(bad.is_misconfigured(), "{bad}");
 }

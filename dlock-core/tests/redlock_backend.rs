@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::backend::redlock::RedLockBackend;
+use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
 use dlock_core::{AcquireOptions, Backend, Error, LockKey, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
@@ -31,6 +31,10 @@ impl RedLock {
 impl suite::Harness for RedLock {
     async fn client(&self) -> Locker {
         locker_for(&self.urls(), 300).await
+    }
+
+    async fn backend(&self) -> Arc<dyn Backend> {
+        Arc::new(RedLockBackend::connect(&self.urls(), "dlock").await.expect("connect to the test redis-servers"))
     }
 
     async fn delete_behind_back(&self, key: &LockKey) {
@@ -169,7 +173,8 @@ async fn losing_the_quorum_fires_lost() {
     // so that a loaded 2-core machine (the whole suite runs at once in CI)
     // still renews through both live nodes in time: the point is quorum
     // arithmetic, not timer precision.
-    let backend = RedLockBackend::connect_with(&urls, "dlock", Duration::from_millis(500)).await.expect("connect");
+    let options = RedLockOptions::default().with_node_timeout(Duration::from_millis(500));
+    let backend = RedLockBackend::connect_with(&urls, "dlock", options).await.expect("connect");
     let opts = LockerOptions::default().with_watchdog_lease(Duration::from_millis(2_000));
     let a = Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, opts).expect("valid options");
     let k = a.key("quorum-lost").part(1).build().expect("key");

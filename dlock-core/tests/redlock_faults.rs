@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dlock_core::backend::redlock::{RedLockBackend, DEFAULT_NODE_TIMEOUT};
+use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions, DEFAULT_NODE_TIMEOUT};
 use dlock_core::{AcquireOptions, Backend, Error, LockKey, Locker, LockerOptions};
 use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::Instant;
@@ -23,8 +23,9 @@ struct Client {
 async fn client(servers: &[RedisServer], node_timeout: Duration) -> Client {
     let proxies: Vec<FaultProxy> = servers.iter().map(|s| FaultProxy::start(s.port())).collect();
     let urls: Vec<String> = proxies.iter().map(|p| format!("redis://127.0.0.1:{}", p.port())).collect();
+    let options = RedLockOptions::default().with_node_timeout(node_timeout);
     let backend =
-        RedLockBackend::connect_with(&urls, "dlock", node_timeout).await.expect("connect to the test redis-servers");
+        RedLockBackend::connect_with(&urls, "dlock", options).await.expect("connect to the test redis-servers");
     let locker =
         Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default()).expect("valid options");
     Client { proxies, locker }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
-use dlock_core::backend::redlock::RedLockBackend;
+use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
 use dlock_core::{AcquireOptions, Backend, Error, LockGuard, LockKey, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
@@ -135,9 +135,8 @@ async fn restarted_redlock_nodes_are_quarantined() {
     let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
     let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
     let redlock = |urls: Vec<String>, options: RedisOptions| async move {
-        let backend = RedLockBackend::connect_with_options(&urls, "dlock", Duration::from_millis(100), options)
-            .await
-            .expect("connect");
+        let options = RedLockOptions::default().with_node_timeout(Duration::from_millis(100)).with_redis(options);
+        let backend = RedLockBackend::connect_with(&urls, "dlock", options).await.expect("connect");
         locker(backend)
     };
     let a = redlock(urls.clone(), options.clone()).await;

@@ -6,7 +6,7 @@ mod suite;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend};
+use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend, ZooKeeperOptions};
 use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions, LostReason};
 use dlock_testing::{FaultProxy, ZooKeeperEnsemble, ZooKeeperServer};
 use tokio::time::Instant;
@@ -19,9 +19,13 @@ struct ZooKeeper {
 }
 
 async fn backend(server: &ZooKeeperServer, session: Duration) -> ZooKeeperBackend {
-    ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", session)
-        .await
-        .expect("connect to the test ZooKeeper")
+    ZooKeeperBackend::connect_with(
+        &server.connect_string(),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(session),
+    )
+    .await
+    .expect("connect to the test ZooKeeper")
 }
 
 fn locker(backend: ZooKeeperBackend) -> Locker {
@@ -68,6 +72,10 @@ impl suite::Harness for ZooKeeper {
         locker(backend(&self.server, SESSION).await)
     }
 
+    async fn backend(&self) -> Arc<dyn Backend> {
+        Arc::new(backend(&self.server, SESSION).await)
+    }
+
     async fn delete_behind_back(&self, key: &LockKey) {
         let probe = backend(&self.server, SESSION).await;
         let dir = probe.lock_path(key);
@@ -95,6 +103,44 @@ async fn zookeeper() -> ZooKeeper {
 
 backend_suite!(zookeeper());
 
+/// One session watcher speaks for every guard of its session: guards of
+/// many keys, a re-entry of one of them and a watcher holding only a
+/// `LostSignal` all learn that the session may be over, each with the
+/// session's reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_guard_of_a_lost_session_learns_it() {
+    keep_logs();
+    let server = ZooKeeperServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let backend = ZooKeeperBackend::connect_with(
+        &format!("127.0.0.1:{}", proxy.port()),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(Duration::from_millis(1_000)),
+    )
+    .await
+    .expect("connect through the proxy");
+    let holder = locker(backend);
+    let owner = dlock_core::Owner::random().expect("owner");
+    let fixed = || AcquireOptions::new().lease(Duration::from_secs(60)).owner(owner.clone());
+    let mut guards = Vec::new();
+    for i in 0..6 {
+        let k = holder.key("many").part(i).build().expect("key");
+        guards.push(holder.acquire(&k, fixed()).await.expect("free"));
+    }
+    let first = guards[0].key().clone();
+    guards.push(holder.acquire(&first, fixed()).await.expect("re-entry"));
+    let signals: Vec<_> = guards.iter().map(|g| g.lost_signal()).collect();
+    assert!(guards.iter().all(|g| !g.is_lost()), "connected: nothing lost");
+
+    proxy.cut();
+    for (g, signal) in guards.iter().zip(&signals) {
+        let reason = tokio::time::timeout(Duration::from_secs(10), g.lost()).await.expect("lost fires");
+        assert_eq!(reason, LostReason::SessionExpired, "{}", g.key());
+        assert_eq!(signal.reason(), Some(LostReason::SessionExpired), "the detached signal agrees");
+    }
+    drop(guards);
+}
+
 /// A partition longer than the session timeout: the session expires, the
 /// holder's lost signal fires, and another client takes the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -103,10 +149,13 @@ async fn session_expiry_fires_lost_and_frees_the_lock() {
     // The holder reaches the server through a proxy we can cut; the other
     // client connects directly.
     let proxy = FaultProxy::start(server.port());
-    let holder_backend =
-        ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", Duration::from_millis(1_000))
-            .await
-            .expect("connect through the proxy");
+    let holder_backend = ZooKeeperBackend::connect_with(
+        &format!("127.0.0.1:{}", proxy.port()),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(Duration::from_millis(1_000)),
+    )
+    .await
+    .expect("connect through the proxy");
     let mut state = holder_backend.connection_state();
     let holder = locker(holder_backend);
     let other = locker(backend(&server, SESSION).await);
@@ -199,9 +248,13 @@ async fn released_locks_leave_no_nodes() {
 async fn a_dead_server_is_a_clean_error() {
     let port = dlock_testing::free_port();
     let started = Instant::now();
-    let err = ZooKeeperBackend::connect_with(&format!("127.0.0.1:{port}"), "dlock", Duration::from_secs(2))
-        .await
-        .expect_err("nobody listens");
+    let err = ZooKeeperBackend::connect_with(
+        &format!("127.0.0.1:{port}"),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(2)),
+    )
+    .await
+    .expect_err("nobody listens");
     assert!(err.is_unavailable() || err.is_misconfigured(), "{err}");
     assert!(started.elapsed() < Duration::from_secs(6), "{:?}", started.elapsed());
 }
@@ -225,9 +278,13 @@ async fn a_cut_off_server_answers_within_the_wait_plus_the_response_timeout() {
     let session = Duration::from_secs(4);
     let response = session * 2 / 3;
     let slack = Duration::from_millis(1500);
-    let b = ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", session)
-        .await
-        .expect("connect");
+    let b = ZooKeeperBackend::connect_with(
+        &format!("127.0.0.1:{}", proxy.port()),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(session),
+    )
+    .await
+    .expect("connect");
     let l = locker(b);
     let held_key = l.key("cut").part("held").build().expect("key");
     let key = l.key("cut").part("free").build().expect("key");
@@ -285,10 +342,11 @@ async fn an_acquire_cut_short_leaves_no_node_behind() {
     let server = ZooKeeperServer::start();
     let proxy = FaultProxy::start(server.port());
     let response = Duration::from_millis(500);
-    let b = ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", Duration::from_secs(20))
+    let options =
+        ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(20)).with_response_timeout(response);
+    let b = ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", options)
         .await
-        .expect("connect")
-        .with_response_timeout(response);
+        .expect("connect");
     let l = locker(b);
     let key = l.key("cut-short").part(1).build().expect("key");
     // Held by another process, so the lock's directory exists and the
@@ -379,12 +437,22 @@ async fn a_three_server_ensemble_survives_a_member_and_expires_a_partitioned_hol
     let proxies: Vec<FaultProxy> = (0..3).map(|i| FaultProxy::start(ensemble.port(i))).collect();
     let via: Vec<String> = proxies.iter().map(|p| format!("127.0.0.1:{}", p.port())).collect();
     let holder = locker(
-        ZooKeeperBackend::connect_with(&via.join(","), "dlock", Duration::from_millis(1_500))
-            .await
-            .expect("connect through the proxies"),
+        ZooKeeperBackend::connect_with(
+            &via.join(","),
+            "dlock",
+            ZooKeeperOptions::default().with_session_timeout(Duration::from_millis(1_500)),
+        )
+        .await
+        .expect("connect through the proxies"),
     );
     let other = locker(
-        ZooKeeperBackend::connect_with(&ensemble.connect_string(), "dlock", SESSION).await.expect("connect directly"),
+        ZooKeeperBackend::connect_with(
+            &ensemble.connect_string(),
+            "dlock",
+            ZooKeeperOptions::default().with_session_timeout(SESSION),
+        )
+        .await
+        .expect("connect directly"),
     );
     let k = holder.key("ensemble").part(1).build().expect("key");
     let wait = AcquireOptions::new().wait(Duration::from_secs(10));

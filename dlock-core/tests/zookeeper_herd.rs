@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::backend::zookeeper::ZooKeeperBackend;
+use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
 use dlock_core::{AcquireOptions, Backend, Locker, LockerOptions};
 use dlock_testing::{watches_fired, ZooKeeperProxy, ZooKeeperServer, GET_CHILDREN, GET_CHILDREN2};
 use tokio::time::Instant;
@@ -111,19 +111,27 @@ async fn queued(admin: &zk::Client, dir: &str, n: usize) {
 async fn dlock_run(server: &ZooKeeperServer, proxy: &ZooKeeperProxy, waiters: usize, rounds: usize) -> (u64, Counters) {
     let mut lockers = Vec::new();
     for _ in 0..=waiters {
-        let backend = ZooKeeperBackend::connect_with(&proxy.connect_string(), "dlock", Duration::from_secs(10))
-            .await
-            .expect("connect through the proxy");
+        let backend = ZooKeeperBackend::connect_with(
+            &proxy.connect_string(),
+            "dlock",
+            ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(10)),
+        )
+        .await
+        .expect("connect through the proxy");
         lockers.push(
             Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default()).expect("options"),
         );
     }
     let gate_locker = lockers.pop().expect("one locker for the gate");
     let key = gate_locker.key("herd").part(1).build().expect("key");
-    let dir = ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", Duration::from_secs(10))
-        .await
-        .expect("probe")
-        .lock_path(&key);
+    let dir = ZooKeeperBackend::connect_with(
+        &server.connect_string(),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(10)),
+    )
+    .await
+    .expect("probe")
+    .lock_path(&key);
     let admin = zk::Client::connect(&server.connect_string()).await.expect("admin session");
 
     let gate = gate_locker.try_acquire(&key).await.expect("the key is free");

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dlock_core::backend::zookeeper::ZooKeeperBackend;
+use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
 use dlock_core::{AcquireOptions, Backend, Locker, LockerOptions};
 use dlock_testing::{Hangup, ZooKeeperProxy, ZooKeeperServer, CREATE_CONTAINER, CREATE_OP_CODES, DELETE};
 use tokio::time::Instant;
@@ -62,9 +62,13 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
         Arc::new((0..CONTENDERS).map(|_| ZooKeeperProxy::start(server.port())).collect());
     let mut backends = Vec::new();
     for proxy in proxies.iter() {
-        let backend = ZooKeeperBackend::connect_with(&proxy.connect_string(), "dlock", Duration::from_secs(10))
-            .await
-            .expect("connect through the proxy");
+        let backend = ZooKeeperBackend::connect_with(
+            &proxy.connect_string(),
+            "dlock",
+            ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(10)),
+        )
+        .await
+        .expect("connect through the proxy");
         backends.push(Arc::new(backend));
     }
     let sessions: Vec<_> = backends.iter().map(|b| b.session_info().id().0).collect();
@@ -190,14 +194,22 @@ async fn a_node_that_cannot_be_found_again_is_swept_up() {
     let server = ZooKeeperServer::start();
     let proxy = ZooKeeperProxy::start(server.port());
     let unlucky = Arc::new(
-        ZooKeeperBackend::connect_with(&proxy.connect_string(), "dlock", Duration::from_secs(10))
-            .await
-            .expect("connect through the proxy"),
+        ZooKeeperBackend::connect_with(
+            &proxy.connect_string(),
+            "dlock",
+            ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(10)),
+        )
+        .await
+        .expect("connect through the proxy"),
     );
     let session = unlucky.session_info().id().0;
-    let other = ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", Duration::from_secs(10))
-        .await
-        .expect("connect");
+    let other = ZooKeeperBackend::connect_with(
+        &server.connect_string(),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(10)),
+    )
+    .await
+    .expect("connect");
     let (unlucky_locker, other) = (
         Locker::with_options(unlucky.clone() as Arc<dyn Backend>, LockerOptions::default()).expect("locker"),
         Locker::with_options(Arc::new(other) as Arc<dyn Backend>, LockerOptions::default()).expect("locker"),

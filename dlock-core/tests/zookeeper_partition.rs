@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend};
+use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend, ZooKeeperOptions};
 use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions};
 use dlock_testing::ZooKeeperEnsemble;
 use tokio::sync::{watch, Mutex};
@@ -28,14 +28,22 @@ fn locker(backend: ZooKeeperBackend, watchdog_lease: Duration) -> Locker {
 }
 
 async fn connect(port: u16, session: Duration) -> ZooKeeperBackend {
-    ZooKeeperBackend::connect_with(&format!("127.0.0.1:{port}"), "dlock", session).await.expect("connect to one member")
+    ZooKeeperBackend::connect_with(
+        &format!("127.0.0.1:{port}"),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(session),
+    )
+    .await
+    .expect("connect to one member")
 }
 
 /// A backend whose session may live on any member but `isolated`.
 async fn connect_majority(ensemble: &ZooKeeperEnsemble, isolated: usize, session: Duration) -> ZooKeeperBackend {
     let hosts: Vec<String> =
         (0..3).filter(|i| *i != isolated).map(|i| format!("127.0.0.1:{}", ensemble.port(i))).collect();
-    ZooKeeperBackend::connect_with(&hosts.join(","), "dlock", session).await.expect("connect to the majority")
+    ZooKeeperBackend::connect_with(&hosts.join(","), "dlock", ZooKeeperOptions::default().with_session_timeout(session))
+        .await
+        .expect("connect to the majority")
 }
 
 /// How long after `t0` the state first was `want` (`None` if not within 60 s).
@@ -244,7 +252,13 @@ async fn a_connected_holder_keeps_its_lock_past_several_session_timeouts() {
     // and a server that cannot answer for a session timeout may expire
     // the session itself.
     let session = Duration::from_secs(2);
-    let backend = ZooKeeperBackend::connect_with(&server.connect_string(), "dlock", session).await.expect("connect");
+    let backend = ZooKeeperBackend::connect_with(
+        &server.connect_string(),
+        "dlock",
+        ZooKeeperOptions::default().with_session_timeout(session),
+    )
+    .await
+    .expect("connect");
     let holder = locker(backend, Duration::from_secs(30));
     let key = holder.key("t8e-healthy").part(1).build().expect("key");
     let held = holder.acquire(&key, AcquireOptions::new()).await.expect("the key is free");

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
-use dlock_core::backend::redlock::RedLockBackend;
-use dlock_core::backend::zookeeper::ZooKeeperBackend;
+use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
+use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
 use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions, MemoryBackend};
 use serde::{Deserialize, Serialize};
 use tokio::time::{sleep, Instant};
@@ -118,19 +118,30 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
             .map_err(|e| e.to_string())?,
         ),
         "redlock" => Arc::new(
-            RedLockBackend::connect_with_options(
+            RedLockBackend::connect_with(
                 &cfg.urls,
                 &cfg.prefix,
-                Duration::from_millis(if cfg.node_timeout_ms == 0 { 50 } else { cfg.node_timeout_ms }),
-                RedisOptions::default().with_restart_quarantine(Duration::from_millis(cfg.quarantine_ms)),
+                RedLockOptions::default()
+                    .with_node_timeout(Duration::from_millis(if cfg.node_timeout_ms == 0 {
+                        50
+                    } else {
+                        cfg.node_timeout_ms
+                    }))
+                    .with_redis(
+                        RedisOptions::default().with_restart_quarantine(Duration::from_millis(cfg.quarantine_ms)),
+                    ),
             )
             .await
             .map_err(|e| e.to_string())?,
         ),
         "zookeeper" => Arc::new(
-            ZooKeeperBackend::connect_with(first, &cfg.prefix, Duration::from_millis(cfg.session_ms))
-                .await
-                .map_err(|e| e.to_string())?,
+            ZooKeeperBackend::connect_with(
+                first,
+                &cfg.prefix,
+                ZooKeeperOptions::default().with_session_timeout(Duration::from_millis(cfg.session_ms)),
+            )
+            .await
+            .map_err(|e| e.to_string())?,
         ),
         other => return Err(format!("unknown backend `{other}`")),
     };

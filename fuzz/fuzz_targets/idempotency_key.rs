@@ -38,7 +38,7 @@ fn fixture() -> &'static Fixture {
     F.get_or_init(|| {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("a runtime");
         // A short TTL keeps a long fuzzing run's store small.
-        let idem = Idempotency::new(Arc::new(MemoryStore::new("fuzz"))).with_ttl(Duration::from_secs(5));
+        let idem = Idempotency::new(Arc::new(MemoryStore::new())).with_ttl(Duration::from_secs(5));
         // Every fuzz case is its own caller, so cases never see each other's keys.
         let layer = IdempotencyLayer::new(idem)
             .scope(|parts| parts.headers.get("x-case").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned());

@@ -78,7 +78,7 @@ type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 /// use dlock_core::idempotency::MemoryStore;
 /// use tower::ServiceExt;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new("d")));
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 /// let layer = IdempotencyLayer::new(idem).scope(|parts| {
 ///     parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
 /// });
@@ -185,7 +185,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 /// use dlock_axum::idempotency::{Idempotency, Idempotent};
 /// use dlock_core::idempotency::MemoryStore;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new("d")));
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 /// let app: Router = Router::new().route("/pay", post(|| async { "paid" }).layer(Idempotent::layer(idem)));
 /// ```
 #[derive(Debug, Clone)]

@@ -24,7 +24,7 @@
 //! use dlock_core::idempotency::MemoryStore;
 //! use tower::ServiceExt;
 //!
-//! let idem = Idempotency::new(Arc::new(MemoryStore::new("dlock")));
+//! let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 //! let app: Router = Router::new()
 //!     .route("/idempotency/token", get(idem.token_handler()))
 //!     .route("/orders", post(|| async { "placed" }).layer(TokenLayer::new(idem.clone()).query_param("token")))
@@ -154,7 +154,7 @@ impl Idempotency {
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// use axum::{body::Body, http::Request, routing::get, Router};
     /// use tower::ServiceExt;
-    /// let idem = dlock_axum::idempotency::Idempotency::new(std::sync::Arc::new(dlock_core::idempotency::MemoryStore::new("d")));
+    /// let idem = dlock_axum::idempotency::Idempotency::new(std::sync::Arc::new(dlock_core::idempotency::MemoryStore::new()));
     /// let app: Router = Router::new().route("/idempotency/token", get(idem.token_handler()));
     /// let res = app.oneshot(Request::get("/idempotency/token").body(Body::empty()).unwrap()).await.unwrap();
     /// assert_eq!(res.status(), 200);

@@ -67,7 +67,7 @@ pub(super) async fn issue(idem: &Idempotency, ttl: Duration) -> Response {
 /// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 /// use tower::ServiceExt;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new("d")));
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 /// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem.clone())));
 /// let token = idem.store().issue_token(idem.ttl()).await.unwrap();
 /// let submit = || Request::post("/submit").header("idempotency-token", &token).body(Body::empty()).unwrap();
@@ -118,7 +118,7 @@ impl<S> Layer<S> for TokenLayer {
 /// use dlock_axum::idempotency::{Idempotency, RequireToken};
 /// use dlock_core::idempotency::MemoryStore;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new("d")));
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 /// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(RequireToken::layer(idem)));
 /// ```
 #[derive(Debug, Clone)]

@@ -6,10 +6,13 @@
 //! and tests of the HTTP layers run without one. It coordinates only the
 //! tasks of one process.
 //!
-//! One difference: a lock taken on the spot in watchdog mode has no lease.
-//! Its holder lives in this process and its guard's drop always gives it
-//! back, so there is nothing for a watchdog to renew; the guard is told at
-//! once when [`MemoryBackend::force_unlock`] takes the lock from it.
+//! One difference: a lock taken on the spot for a request that would keep it
+//! until released (watchdog mode, no `max_hold`) has no lease: it is granted
+//! [`GrantLease::UntilReleased`](super::GrantLease::UntilReleased). Its
+//! holder lives in this process and its guard's drop always gives it back,
+//! so there is nothing for a watchdog to renew; the grant's [`LostSignal`]
+//! tells the guard at once when [`MemoryBackend::force_unlock`] takes the
+//! lock from it.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -19,6 +22,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::signal::never_after;
 use super::wait::{acquire_loop, Attempt};
 use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release, Renewal};
 use crate::error::{Error, Result};
@@ -62,41 +66,11 @@ struct Holder {
     owner: Owner,
     holds: u32,
     fence: u64,
-    /// `None`: held until released (see [`Taken::UntilReleased`]);
+    /// `None`: held until released (granted `GrantLease::UntilReleased`);
     /// a re-entry or a renewal never gives such a hold a lease again.
     expires_at: Option<Instant>,
     /// The guard of a hold taken until released, told when it is taken away.
     watcher: Option<LostSignal>,
-}
-
-/// What an attempt on the spot gave.
-pub(crate) enum Taken {
-    /// A hold with the request's lease (renewed by the watchdog in
-    /// watchdog mode).
-    Leased(Grant),
-    /// A hold with no lease, and the state of its guard, which
-    /// [`MemoryBackend::force_unlock`] marks lost if it takes the key.
-    UntilReleased(Grant, LostSignal),
-}
-
-impl Taken {
-    pub(crate) fn grant(&self) -> &Grant {
-        match self {
-            Taken::Leased(grant) | Taken::UntilReleased(grant, _) => grant,
-        }
-    }
-
-    fn into_grant(self) -> Grant {
-        match self {
-            Taken::Leased(grant) | Taken::UntilReleased(grant, _) => grant,
-        }
-    }
-}
-
-/// `valid_until` of a hold that has no lease: as far ahead as tokio's own
-/// "never" (30 years).
-fn never(now: Instant) -> Instant {
-    now + Duration::from_secs(30 * 365 * 86_400)
 }
 
 impl Slot {
@@ -140,7 +114,7 @@ impl MemoryBackend {
     /// renew it. A re-entry keeps the first hold's terms and gets a lease
     /// for its own guard. `Err`: held by another owner, whose lease ends in
     /// the time given (`None`: held until released).
-    fn take(&self, req: &AcquireRequest, until_released: bool) -> std::result::Result<Taken, Option<Duration>> {
+    fn take(&self, req: &AcquireRequest, until_released: bool) -> std::result::Result<Grant, Option<Duration>> {
         let now = Instant::now();
         let mut state = self.state();
         let state = &mut *state;
@@ -152,35 +126,22 @@ impl MemoryBackend {
                 if let Some(at) = h.expires_at.as_mut() {
                     *at = expires_at;
                 }
-                Ok(Taken::Leased(Grant { fencing_token: h.fence, valid_until: expires_at, lost: None }))
+                Ok(Grant::until(h.fence, expires_at))
             }
             Some(h) => Err(h.expires_at.map(|at| at - now)),
             None => {
                 state.last_fence += 1;
                 let fence = state.last_fence;
-                let (expires_at, valid_until, watcher) = if until_released {
-                    let valid_until = never(now);
-                    (None, valid_until, Some(LostSignal::new(valid_until)))
+                let (expires_at, watcher, grant) = if until_released {
+                    let watcher = LostSignal::new(never_after(now));
+                    (None, Some(watcher.clone()), Grant::until_released(fence).with_lost_signal(watcher))
                 } else {
-                    (Some(expires_at), expires_at, None)
+                    (Some(expires_at), None, Grant::until(fence, expires_at))
                 };
-                let holder = Holder { owner: req.owner.clone(), holds: 1, fence, expires_at, watcher: watcher.clone() };
-                slot.holder = Some(holder);
-                let grant = Grant { fencing_token: fence, valid_until, lost: None };
-                Ok(match watcher {
-                    Some(watcher) => Taken::UntilReleased(grant, watcher),
-                    None => Taken::Leased(grant),
-                })
+                slot.holder = Some(Holder { owner: req.owner.clone(), holds: 1, fence, expires_at, watcher });
+                Ok(grant)
             }
         }
-    }
-
-    /// [`take`](Self::take) answered on the spot: a held key is
-    /// [`Error::Busy`]. The engine's way in, in place of
-    /// [`Backend::try_acquire_now`], so that a watchdog-mode hold can be
-    /// taken until released and its guard told of a forced unlock.
-    pub(crate) fn take_now(&self, req: &AcquireRequest, until_released: bool) -> Result<Taken> {
-        self.take(req, until_released).map_err(|_| Error::Busy { key: req.key.to_string() })
     }
 
     fn register(&self, key: &LockKey) -> Registration<'_> {
@@ -275,8 +236,10 @@ impl Backend for MemoryBackend {
             // in-process keys still lets the other tasks of its worker run.
             move |_| async move {
                 tokio::task::coop::consume_budget().await;
+                // A grant after a wait keeps its lease, as it always did:
+                // only an answer on the spot is held until released.
                 Ok(match self.take(req, false) {
-                    Ok(taken) => Attempt::Acquired(taken.into_grant()),
+                    Ok(grant) => Attempt::Acquired(grant),
                     Err(retry_in) => Attempt::Held { retry_in },
                 })
             },
@@ -304,7 +267,7 @@ impl Backend for MemoryBackend {
     }
 
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
-        Some(self.take_now(req, false).map(Taken::into_grant))
+        Some(self.take(req, req.until_released).map_err(|_| Error::Busy { key: req.key.to_string() }))
     }
 
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {

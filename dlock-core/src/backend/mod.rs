@@ -2,20 +2,113 @@
 //!
 //! One object-safe trait, [`Backend`], fits the four services dlock ships:
 //!
-//! * in process ([`MemoryBackend`]): a map and a `Notify` per key;
+//! * in process ([`MemoryBackend`](crate::MemoryBackend)): a map and a `Notify` per key;
 //! * one Redis: the lease is the key's TTL, Lua scripts make every step atomic,
 //!   pub/sub wakes waiters;
 //! * RedLock over N masters: `acquire` fans out and counts a quorum, the
-//!   [`Grant::valid_until`] is lease − elapsed − drift;
+//!   grant is valid until lease − elapsed − drift;
 //! * ZooKeeper: `acquire` creates an ephemeral sequential node and watches its
-//!   predecessor; the lease is the session, whose loss arrives through
-//!   [`Grant::lost`] rather than a failed renewal.
+//!   predecessor; the lease is the session, whose loss the backend reports
+//!   through the grant's [`LostSignal`] rather than a failed renewal.
+//!
+//! # What a backend answers
+//!
+//! The engine sends an [`AcquireRequest`]; the backend answers a [`Grant`]
+//! that says how long it holds ([`GrantLease::Until`] an instant, renewed by
+//! the engine's watchdog through [`Backend::renew`] in watchdog mode, or
+//! [`GrantLease::UntilReleased`] for a hold that cannot outlive this
+//! process) and, when the backend can notice a loss on its own (a session
+//! expiring, an operator forcing a lock free), the [`LostSignal`] it will
+//! mark. The guard watches that one signal whatever the backend; there is no
+//! other path from a backend to a guard.
+//!
+//! A backend that can answer without I/O implements
+//! [`Backend::try_acquire_now`] and [`Backend::release_now`]: the engine
+//! tries them first for every backend, which spares in-process locks a
+//! boxed future, a cancellation token and a clock read.
+//!
+//! # Cancellation
 //!
 //! The engine guarantees that it never drops a backend's `acquire` future
 //! while a request may be in flight: it runs it on its own task and passes a
 //! [`CancellationToken`] that fires when the caller gave up. A backend selects
 //! on it only while it *waits*, and returns [`Error::Cancelled`]; the engine
 //! releases any grant that nobody is left to receive.
+//!
+//! # Plugging in a new backend
+//!
+//! Implement [`Backend`] for a type of yours and hand it to
+//! [`Locker::new`](crate::Locker::new); nothing in the engine names a
+//! concrete backend. Build answers with [`Grant::until`] or
+//! [`Grant::until_released`] (plus [`Grant::with_lost_signal`]), and wait for
+//! a held key with an event (a release announced, a lease running out), not
+//! by polling. Check the owner on renew and release, make each step atomic
+//! on the service, and answer a [`LockMode`] you do not support with
+//! [`Error::InvalidArgument`]. A hypothetical Postgres backend would be
+//! one file here, `postgres.rs`, and no change elsewhere.
+//!
+//! ```
+//! use std::time::Duration;
+//! use dlock_core::backend::{
+//!     AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal,
+//! };
+//! use dlock_core::{Error, LockKey, Locker, Owner, Result};
+//!
+//! /// Grants every lock at once, to show the shape (a real backend asks a service).
+//! #[derive(Debug, Default)]
+//! struct Lenient(std::sync::atomic::AtomicU64);
+//!
+//! impl Backend for Lenient {
+//!     fn name(&self) -> &'static str {
+//!         "lenient"
+//!     }
+//!     fn acquire<'a>(&'a self, req: &'a AcquireRequest, _: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
+//!         Box::pin(async move {
+//!             match req.mode {
+//!                 LockMode::Exclusive => {}
+//!                 other => return Err(Error::invalid_argument("mode", format!("{other:?} is not supported"))),
+//!             }
+//!             let fence = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+//!             Ok(Grant::until(fence, tokio::time::Instant::now() + req.lease))
+//!         })
+//!     }
+//!     fn renew<'a>(&'a self, _: &'a LockKey, _: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
+//!         Box::pin(async move { Ok(Renewal::Held { valid_until: tokio::time::Instant::now() + lease }) })
+//!     }
+//!     fn release<'a>(&'a self, _: &'a LockKey, _: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+//!         Box::pin(async { Ok(Release::Freed) })
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+//! let locker = Locker::new(Lenient::default());
+//! let key = locker.key("demo").part(1).build()?;
+//! let guard = locker.try_acquire(&key).await?;
+//! assert_eq!(guard.fencing_token(), 1);
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Plugging in a new primitive
+//!
+//! The request and the grant are `#[non_exhaustive]`, with constructors, so
+//! a primitive adds to them without breaking a backend written today:
+//!
+//! * **Read-write locks**: a `LockMode::Shared` variant. Readers share a key,
+//!   a writer excludes them; a backend stores the mode with the hold (as it
+//!   already stores the owner and the re-entry count), so `renew` and
+//!   `release` by key and owner stay as they are. A backend that does not
+//!   know the mode refuses it (see above).
+//! * **Counted permits (semaphores)**: a `LockMode::Permits { take, limit }`
+//!   variant; the grant's fencing token still only grows, per key.
+//! * **Several keys at once**: the engine takes each key in one global
+//!   order through this same trait (as Redisson's `MultiLock` does), so no
+//!   backend has to change; a backend that can take several keys in one
+//!   atomic step later gets a provided method whose default does exactly
+//!   that loop.
+//!
+//! The guard side needs nothing new: every hold has a fencing token, a
+//! [`GrantLease`] and a [`LostSignal`].
 
 use std::future::Future;
 use std::pin::Pin;
@@ -28,7 +121,8 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-pub mod memory;
+// Exported at the crate root only (`dlock_core::MemoryBackend`).
+pub(crate) mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "redis")]
@@ -38,14 +132,30 @@ pub(crate) mod wait;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
 
-pub use memory::MemoryBackend;
 pub use signal::LostSignal;
 
 /// A boxed, `Send` future: what the object-safe [`Backend`] methods return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// One request to take a lock.
+///
+/// Built by the engine; a backend reads it. Marked `#[non_exhaustive]` so
+/// that what later primitives need (a shared mode, a number of permits)
+/// arrives as a new field with a default, not as a break of every backend.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::backend::{AcquireRequest, LockMode};
+/// use dlock_core::{LockKey, Owner};
+/// # fn main() -> dlock_core::Result<()> {
+/// let key = LockKey::builder("dlock", "report").part(7).build()?;
+/// let req = AcquireRequest::new(key, Owner::random()?, Duration::from_secs(30));
+/// assert_eq!(req.mode, LockMode::Exclusive);
+/// assert!(req.deadline.is_none(), "try once");
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct AcquireRequest {
     /// The lock.
     pub key: LockKey,
@@ -56,33 +166,127 @@ pub struct AcquireRequest {
     pub lease: Duration,
     /// Give up at this instant; `None` means try exactly once.
     pub deadline: Option<Instant>,
+    /// The caller's guard keeps the lock for as long as it lives (watchdog
+    /// mode, no `max_hold`), so the engine would renew the lease without
+    /// end. A backend whose holds cannot outlive this process (the
+    /// in-process table) may then answer [`GrantLease::UntilReleased`] and
+    /// spare the renewals; every other backend ignores it.
+    pub until_released: bool,
+    /// How the lock is shared; see [`LockMode`].
+    pub mode: LockMode,
+}
+
+impl AcquireRequest {
+    /// A try-once, exclusive request for `key` as `owner` with `lease`.
+    pub fn new(key: LockKey, owner: Owner, lease: Duration) -> Self {
+        AcquireRequest { key, owner, lease, deadline: None, until_released: false, mode: LockMode::Exclusive }
+    }
+
+    /// Waits for the lock until `deadline`.
+    pub fn with_deadline(mut self, deadline: Instant) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Says that the caller would keep the lock until it releases it (see
+    /// [`until_released`](Self::until_released)).
+    pub fn with_until_released(mut self, until_released: bool) -> Self {
+        self.until_released = until_released;
+        self
+    }
+}
+
+/// How a lock is shared among its holders.
+///
+/// Only [`Exclusive`](LockMode::Exclusive) exists today. Read-write locks
+/// and counted permits (semaphores) will be new variants; the enum is
+/// `#[non_exhaustive]` so that a backend outside this crate must already
+/// answer a mode it does not know, with [`Error::InvalidArgument`], rather
+/// than grant it as something else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum LockMode {
+    /// One holder (one owner, re-entering as often as it likes) at a time.
+    #[default]
+    Exclusive,
+}
+
+/// How long a [`Grant`] is ours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrantLease {
+    /// Until this instant, measured on this machine from before the request
+    /// was sent. The engine's watchdog renews it in watchdog mode; the
+    /// guard's lost signal fires when it passes unrenewed.
+    Until(Instant),
+    /// Until the guard releases it: the hold cannot outlive this process,
+    /// so there is nothing to renew. Only an answer to a request with
+    /// [`AcquireRequest::until_released`] set.
+    UntilReleased,
 }
 
 /// What a backend hands back for a successful acquire.
+///
+/// ```
+/// use dlock_core::backend::{Grant, GrantLease};
+/// use dlock_core::LostSignal;
+/// use tokio::time::{Duration, Instant};
+///
+/// let valid_until = Instant::now() + Duration::from_secs(30);
+/// let grant = Grant::until(7, valid_until);
+/// assert_eq!(grant.lease, GrantLease::Until(valid_until));
+///
+/// // A backend that learns of a loss on its own keeps a clone of the
+/// // signal and calls `lose` on it.
+/// let signal = LostSignal::new(valid_until);
+/// let grant = Grant::until_released(8).with_lost_signal(signal.clone());
+/// assert!(grant.lost.is_some());
+/// ```
+#[derive(Debug)]
+#[non_exhaustive]
 pub struct Grant {
     /// Strictly greater than the token of every earlier grant of this key.
     /// A re-entrant grant returns the token of the hold it joins.
     pub fencing_token: u64,
-    /// Until when the grant is certainly ours, measured on this machine from
-    /// before the request was sent.
-    pub valid_until: Instant,
-    /// Fires when the backend learns the grant is gone outside of renewals
-    /// (ZooKeeper session expiry). `None` for TTL backends.
-    pub lost: Option<BoxFuture<'static, LostReason>>,
+    /// How long it is ours.
+    pub lease: GrantLease,
+    /// The signal the backend marks when it learns, outside of renewals,
+    /// that the grant is gone (a ZooKeeper session expired, an operator
+    /// forced the in-process lock free); the guard watches it. `None`: the
+    /// backend learns of losses only when a renewal fails, and the engine
+    /// makes the guard's signal itself. A signal given here must say the
+    /// same `valid_until` as [`lease`](Self::lease).
+    pub lost: Option<LostSignal>,
 }
 
-impl std::fmt::Debug for Grant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grant")
-            .field("fencing_token", &self.fencing_token)
-            .field("valid_until", &self.valid_until)
-            .field("lost", &self.lost.is_some())
-            .finish()
+impl Grant {
+    /// A grant that is ours until `valid_until` unless renewed.
+    pub fn until(fencing_token: u64, valid_until: Instant) -> Self {
+        Grant { fencing_token, lease: GrantLease::Until(valid_until), lost: None }
+    }
+
+    /// A grant that is ours until the guard releases it.
+    pub fn until_released(fencing_token: u64) -> Self {
+        Grant { fencing_token, lease: GrantLease::UntilReleased, lost: None }
+    }
+
+    /// The signal the backend will mark if it learns of a loss itself.
+    pub fn with_lost_signal(mut self, signal: LostSignal) -> Self {
+        self.lost = Some(signal);
+        self
+    }
+
+    /// The end of the lease; `None` for a grant held until released.
+    pub fn valid_until(&self) -> Option<Instant> {
+        match self.lease {
+            GrantLease::Until(at) => Some(at),
+            GrantLease::UntilReleased => None,
+        }
     }
 }
 
 /// The answer to a renewal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Renewal {
     /// Still ours, now until the given instant.
     Held {
@@ -95,6 +299,7 @@ pub enum Renewal {
 
 /// The answer to a release.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Release {
     /// We held it and it is now free.
     Freed,
@@ -138,7 +343,7 @@ impl std::fmt::Display for LostReason {
 /// Implementations must make every step atomic on the service, check the
 /// owner on renew and release, and wait for wake-ups without polling at a
 /// fixed interval. See the module docs for the cancellation contract.
-pub trait Backend: std::any::Any + Send + Sync + std::fmt::Debug {
+pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// `memory`, `redis`, `redlock` or `zookeeper`.
     fn name(&self) -> &'static str;
 
@@ -157,13 +362,25 @@ pub trait Backend: std::any::Any + Send + Sync + std::fmt::Debug {
 
     /// One attempt answered on the spot, for a backend that needs no I/O for
     /// it (the in-process table): what [`acquire`](Backend::acquire) with no
-    /// deadline would return. `None` (the default): only `acquire` can tell.
+    /// deadline would return, whatever `req.deadline` says. `None` (the
+    /// default): only `acquire` can tell.
     ///
-    /// The engine tries this first and calls `acquire` only to wait for a
-    /// key held by someone else, sparing in-process locks the boxed future
-    /// and cancellation token an attempt that may suspend needs.
+    /// The engine tries this first for every backend and calls `acquire`
+    /// only when it returns `None`, or contention for a caller that waits,
+    /// sparing in-process locks the boxed future and cancellation token an
+    /// attempt that may suspend needs.
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
         let _ = req;
+        None
+    }
+
+    /// The key namespace the backend was connected for, when it keeps one
+    /// of its own (the Redis channels it subscribes to, the ZooKeeper node
+    /// its locks live under); `None` (the default) when any key will do.
+    /// [`Locker::new`](crate::Locker::new) takes it, and
+    /// [`Locker::with_options`](crate::Locker::with_options) refuses
+    /// options with another, so the prefix is given once.
+    fn prefix(&self) -> Option<&str> {
         None
     }
 

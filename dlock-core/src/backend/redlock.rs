@@ -81,51 +81,90 @@ impl std::fmt::Debug for RedLockBackend {
     }
 }
 
+/// How to reach the RedLock masters.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::backend::redis::RedisOptions;
+/// use dlock_core::backend::redlock::RedLockOptions;
+/// let opts = RedLockOptions::default()
+///     .with_node_timeout(Duration::from_millis(50))
+///     .with_redis(RedisOptions::default().with_connect_timeout(Duration::from_millis(500)));
+/// assert_eq!(opts.node_timeout(), Duration::from_millis(50));
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RedLockOptions {
+    node_timeout: Duration,
+    redis: RedisOptions,
+}
+
+impl Default for RedLockOptions {
+    fn default() -> Self {
+        RedLockOptions { node_timeout: DEFAULT_NODE_TIMEOUT, redis: RedisOptions::default() }
+    }
+}
+
+impl RedLockOptions {
+    /// How long one master may take to answer one step before the attempt
+    /// counts it out (default [`DEFAULT_NODE_TIMEOUT`]); keep it well under
+    /// the lease, as the RedLock algorithm asks.
+    pub fn with_node_timeout(mut self, timeout: Duration) -> Self {
+        self.node_timeout = timeout;
+        self
+    }
+
+    /// The connection options of every master (timeouts, TLS material for
+    /// `rediss://` URLs, the restart quarantine).
+    pub fn with_redis(mut self, redis: RedisOptions) -> Self {
+        self.redis = redis;
+        self
+    }
+
+    /// The per-master timeout.
+    pub fn node_timeout(&self) -> Duration {
+        self.node_timeout
+    }
+
+    /// The connection options of every master.
+    pub fn redis(&self) -> &RedisOptions {
+        &self.redis
+    }
+}
+
 impl RedLockBackend {
-    /// Connects to every master with the default per-node timeout.
+    /// Connects to every master with the default options; see
+    /// [`connect_with`](Self::connect_with).
     ///
     /// # Errors
     ///
     /// As [`RedLockBackend::connect_with`].
     pub async fn connect<S: AsRef<str>>(urls: &[S], prefix: &str) -> Result<Self> {
-        Self::connect_with(urls, prefix, DEFAULT_NODE_TIMEOUT).await
+        Self::connect_with(urls, prefix, RedLockOptions::default()).await
     }
 
     /// Connects to every master. All of them must answer at start-up, so a
     /// typo in one URL is found now rather than as a lost quorum later.
     ///
-    /// # Errors
-    ///
-    /// [`Error::Config`] naming `DLOCK_REDLOCK_URLS` when the count is not
-    /// odd and at least 3 or a URL is malformed; [`Error::Backend`] naming the
-    /// node that cannot be reached.
-    pub async fn connect_with<S: AsRef<str>>(urls: &[S], prefix: &str, node_timeout: Duration) -> Result<Self> {
-        Self::connect_with_options(urls, prefix, node_timeout, RedisOptions::default()).await
-    }
-
-    /// As [`connect_with`](Self::connect_with), with the connection options
-    /// of every master (timeouts, TLS material for `rediss://` URLs).
-    ///
     /// ```no_run
     /// # async fn demo() -> dlock_core::Result<()> {
     /// use dlock_core::backend::redis::RedisOptions;
-    /// use dlock_core::backend::redlock::{RedLockBackend, DEFAULT_NODE_TIMEOUT};
+    /// use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
     /// use dlock_core::RedisTls;
     /// let urls = ["rediss://10.0.0.1:6380", "rediss://10.0.0.2:6380", "rediss://10.0.0.3:6380"];
-    /// let options = RedisOptions::default().with_tls(RedisTls::new().with_ca_file("ca.crt")?);
-    /// let backend = RedLockBackend::connect_with_options(&urls, "dlock", DEFAULT_NODE_TIMEOUT, options).await?;
+    /// let redis = RedisOptions::default().with_tls(RedisTls::new().with_ca_file("ca.crt")?);
+    /// let backend = RedLockBackend::connect_with(&urls, "dlock", RedLockOptions::default().with_redis(redis)).await?;
     /// # Ok(()) }
     /// ```
     ///
     /// # Errors
     ///
-    /// As [`connect_with`](Self::connect_with).
-    pub async fn connect_with_options<S: AsRef<str>>(
-        urls: &[S],
-        prefix: &str,
-        node_timeout: Duration,
-        options: RedisOptions,
-    ) -> Result<Self> {
+    /// [`Error::Config`] naming `DLOCK_REDLOCK_URLS` when the count is not
+    /// odd and at least 3 or a URL is malformed, or naming `DLOCK_PREFIX`
+    /// for an invalid prefix; [`Error::Backend`] naming the node that
+    /// cannot be reached.
+    pub async fn connect_with<S: AsRef<str>>(urls: &[S], prefix: &str, options: RedLockOptions) -> Result<Self> {
+        let RedLockOptions { node_timeout, redis: options } = options;
         if urls.len() < 3 || urls.len().is_multiple_of(2) {
             return Err(Error::config(
                 "DLOCK_REDLOCK_URLS",
@@ -268,7 +307,7 @@ impl RedLockBackend {
         let valid_until = started + validity;
         if granted >= self.quorum() && Instant::now() < valid_until {
             let fencing_token = self.hold(&req.key, &req.owner, fence, any_reentry);
-            return Ok(Attempt::Acquired(Grant { fencing_token, valid_until, lost: None }));
+            return Ok(Attempt::Acquired(Grant::until(fencing_token, valid_until)));
         }
         // Undo on every node that granted, or did not answer (its command may
         // land late) — not where someone else holds the key: an undo there
@@ -410,6 +449,11 @@ fn jitter(max: Duration) -> Duration {
 impl Backend for RedLockBackend {
     fn name(&self) -> &'static str {
         "redlock"
+    }
+
+    fn prefix(&self) -> Option<&str> {
+        // Every master was connected for the same prefix.
+        self.nodes.first().map(|node| node.key_prefix())
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {

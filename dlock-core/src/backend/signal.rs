@@ -105,6 +105,12 @@ pub(crate) fn renewed_lease_expired(renew_until: Option<Instant>, valid_until: I
     }
 }
 
+/// `valid_until` of a hold that has no lease: as far ahead as tokio's own
+/// "never" (30 years).
+pub(crate) fn never_after(now: Instant) -> Instant {
+    now + std::time::Duration::from_secs(30 * 365 * 86_400)
+}
+
 impl std::fmt::Debug for LostSignal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = self.state();
@@ -115,10 +121,17 @@ impl std::fmt::Debug for LostSignal {
 impl LostSignal {
     /// A signal for a lock that is ours until `valid_until` unless renewed;
     /// when that instant passes unrenewed it reports
-    /// [`LostReason::LeaseExpired`]. A lock held until released takes an
-    /// instant far ahead (tokio's own "never" is 30 years).
+    /// [`LostReason::LeaseExpired`]. A lock held until released takes
+    /// [`until_released`](Self::until_released).
     pub fn new(valid_until: Instant) -> Self {
         Self::with_expiry(valid_until, Expiry::Lease)
+    }
+
+    /// A signal for a lock held until released
+    /// ([`GrantLease::UntilReleased`](super::GrantLease::UntilReleased)):
+    /// only [`lose`](Self::lose) ends it.
+    pub fn until_released() -> Self {
+        Self::new(never_after(Instant::now()))
     }
 
     pub(crate) fn with_expiry(valid_until: Instant, expiry: Expiry) -> Self {
@@ -205,6 +218,14 @@ impl LostSignal {
     pub fn renewed(&self, valid_until: Instant) {
         self.state().valid_until = valid_until;
         self.inner.changed.notify_waiters();
+    }
+
+    /// Whether anyone but the caller's copy still watches the lock: a
+    /// backend that keeps the signals of long-released guards can forget
+    /// those.
+    #[cfg_attr(not(feature = "zookeeper"), allow(dead_code))]
+    pub(crate) fn is_watched(&self) -> bool {
+        Arc::strong_count(&self.inner) > 1
     }
 
     fn state(&self) -> MutexGuard<'_, State> {

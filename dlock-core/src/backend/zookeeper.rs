@@ -57,9 +57,11 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
-use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, Release, Renewal};
+use super::{
+    contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release, Renewal,
+};
 use crate::error::{Error, Result};
-use crate::key::LockKey;
+use crate::key::{validate_prefix, LockKey};
 use crate::owner::{random_hex, Owner};
 
 /// The default session timeout: how long a holder may be unreachable
@@ -124,6 +126,20 @@ fn expiry_margin(timeout: Duration) -> Duration {
     (timeout / 10).min(Duration::from_millis(500))
 }
 
+/// How long the session may go unconfirmed before the server could have
+/// expired it, less the margin.
+fn allowed_silence(client: &zk::Client) -> Duration {
+    let timeout = client.session_timeout();
+    timeout.saturating_sub(expiry_margin(timeout))
+}
+
+/// Whether the session is over, or the server could have expired it (see
+/// the module documentation).
+fn session_may_be_over(session: &Session) -> bool {
+    *session.state.borrow() == ConnectionState::Lost
+        || confirmed_at(&session.confirmed) + allowed_silence(&session.client) <= Instant::now()
+}
+
 fn confirmed_at(confirmed: &Mutex<Instant>) -> Instant {
     *confirmed.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -142,9 +158,41 @@ struct Hold {
     client: zk::Client,
     fence: u64,
     count: u32,
-    /// The end of the lease; the expiry task deletes the node then unless
+    /// The end of the lease; the hold's task deletes the node then unless
     /// it was moved by a renewal. Dropping the sender (release) ends the task.
     expires: watch::Sender<Instant>,
+    /// The lost signals of the guards of this hold (one per re-entry),
+    /// marked when the node is deleted behind our back or the session that
+    /// carries it may be over.
+    signals: Vec<LostSignal>,
+}
+
+impl Hold {
+    /// Moves the end of the lease (never backwards).
+    fn extend(&self, until: Instant) {
+        self.expires.send_if_modified(|at| {
+            let later = until > *at;
+            if later {
+                *at = until;
+            }
+            later
+        });
+    }
+
+    /// Marks every guard of this hold lost. Not `dlock.lost` per guard: one
+    /// event per hold says it.
+    fn lose(&mut self, reason: LostReason) {
+        for signal in self.signals.drain(..) {
+            signal.lose(reason);
+        }
+    }
+
+    /// Adds the signal of one more guard, forgetting those no guard or
+    /// watcher holds any longer (a re-entry released long ago).
+    fn watch(&mut self, signal: LostSignal) {
+        self.signals.retain(LostSignal::is_watched);
+        self.signals.push(signal);
+    }
 }
 
 impl std::fmt::Debug for ZooKeeperBackend {
@@ -186,24 +234,90 @@ fn answered(e: &zk::Error) -> bool {
     )
 }
 
+/// How to reach ZooKeeper, and how long locks survive a silent server.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::backend::zookeeper::ZooKeeperOptions;
+/// let opts = ZooKeeperOptions::default()
+///     .with_session_timeout(Duration::from_secs(6))
+///     .with_response_timeout(Duration::from_secs(2));
+/// assert_eq!(opts.session_timeout(), Duration::from_secs(6));
+/// assert_eq!(opts.response_timeout(), Duration::from_secs(2));
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ZooKeeperOptions {
+    session_timeout: Duration,
+    response_timeout: Option<Duration>,
+}
+
+impl Default for ZooKeeperOptions {
+    fn default() -> Self {
+        ZooKeeperOptions { session_timeout: DEFAULT_SESSION_TIMEOUT, response_timeout: None }
+    }
+}
+
+impl ZooKeeperOptions {
+    /// How long a holder may be unreachable before ZooKeeper frees its
+    /// locks (`DLOCK_ZOOKEEPER_SESSION_MS`, default [`DEFAULT_SESSION_TIMEOUT`]).
+    pub fn with_session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// How long an acquire may take past its wait (a try-once acquire: at
+    /// all), and a release at all, before it fails with [`Error::Backend`];
+    /// by default 2/3 of the session timeout, when the client itself counts
+    /// a silent server as gone. A lock node left by an attempt cut short
+    /// is deleted in the background.
+    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = Some(timeout);
+        self
+    }
+
+    /// The session timeout.
+    pub fn session_timeout(&self) -> Duration {
+        self.session_timeout
+    }
+
+    /// The response timeout.
+    pub fn response_timeout(&self) -> Duration {
+        self.response_timeout.unwrap_or(self.session_timeout * 2 / 3)
+    }
+}
+
 impl ZooKeeperBackend {
-    /// Connects with the default session timeout (10 s).
+    /// Connects with the default options (a 10 s session); see
+    /// [`connect_with`](Self::connect_with).
     ///
     /// # Errors
     ///
     /// As [`ZooKeeperBackend::connect_with`].
     pub async fn connect(connect_string: &str, prefix: &str) -> Result<Self> {
-        Self::connect_with(connect_string, prefix, DEFAULT_SESSION_TIMEOUT).await
+        Self::connect_with(connect_string, prefix, ZooKeeperOptions::default()).await
     }
 
-    /// Connects to `connect_string` (`host:port[,host:port…][/chroot]`).
+    /// Connects to `connect_string` (`host:port[,host:port…][/chroot]`);
+    /// locks live under the node `/<prefix>`.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> dlock_core::Result<()> {
+    /// use std::time::Duration;
+    /// use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
+    /// let options = ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(6));
+    /// let backend = ZooKeeperBackend::connect_with("127.0.0.1:2181", "dlock", options).await?;
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     ///
     /// [`Error::Config`] naming `DLOCK_ZOOKEEPER` for a malformed connect
-    /// string; [`Error::Backend`] when no server answers within the session
-    /// timeout.
-    pub async fn connect_with(connect_string: &str, prefix: &str, session_timeout: Duration) -> Result<Self> {
+    /// string, or `DLOCK_PREFIX` for an invalid prefix; [`Error::Backend`]
+    /// when no server answers within the session timeout.
+    pub async fn connect_with(connect_string: &str, prefix: &str, options: ZooKeeperOptions) -> Result<Self> {
+        validate_prefix(prefix)?;
+        let session_timeout = options.session_timeout;
         let first = open_session(connect_string, session_timeout).await?;
         let (public, state) = watch::channel(ConnectionState::Connected);
         let session = Arc::new(RwLock::new(first));
@@ -220,28 +334,8 @@ impl ZooKeeperBackend {
             prefix: prefix.to_owned(),
             state,
             holds,
-            response_timeout: session_timeout * 2 / 3,
+            response_timeout: options.response_timeout(),
         })
-    }
-
-    /// How long an acquire may take past its wait (a try-once acquire: at
-    /// all), and a release at all, before it fails with [`Error::Backend`];
-    /// by default 2/3 of the session timeout, when the client itself counts
-    /// a silent server as gone. A lock node left by an attempt cut short
-    /// is deleted in the background.
-    ///
-    /// ```no_run
-    /// # async fn demo() -> dlock_core::Result<()> {
-    /// use std::time::Duration;
-    /// use dlock_core::backend::zookeeper::ZooKeeperBackend;
-    /// let backend = ZooKeeperBackend::connect("127.0.0.1:2181", "dlock")
-    ///     .await?
-    ///     .with_response_timeout(Duration::from_secs(2));
-    /// # Ok(()) }
-    /// ```
-    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
-        self
     }
 
     /// The current session; when it is over and the request may wait, the
@@ -288,13 +382,17 @@ impl ZooKeeperBackend {
 
     /// The session's id and password, for tests that expire it from a twin
     /// connection (the way a network partition longer than the session
-    /// timeout would).
+    /// timeout would). Hidden: it hands out a `zookeeper_client` type, whose
+    /// version is not ours to promise.
     #[doc(hidden)]
     pub fn session_info(&self) -> zk::SessionInfo {
         self.current().client.session().clone()
     }
 
-    /// The container node of `key`.
+    /// The container node of `key`. Hidden: it names how locks are stored
+    /// in ZooKeeper, which may change between releases; public only so that
+    /// the tests can inspect and damage the nodes from outside.
+    #[doc(hidden)]
     pub fn lock_path(&self, key: &LockKey) -> String {
         let mut path = String::with_capacity(self.prefix.len() + key.as_str().len() + 2);
         path.push('/');
@@ -319,73 +417,26 @@ impl ZooKeeperBackend {
     /// Moves the end of a hold's lease (never backwards).
     fn extend(&self, id: &(LockKey, Owner), until: Instant) {
         if let Some(hold) = self.holds().get(id) {
-            hold.expires.send_if_modified(|at| {
-                let later = until > *at;
-                if later {
-                    *at = until;
-                }
-                later
-            });
+            hold.extend(until);
         }
     }
 
-    fn grant(session: &Session, node: &str, fence: u64, lease: Duration) -> Grant {
-        let mut states = session.state.clone();
-        let confirmed = session.confirmed.clone();
-        let (client, node) = (session.client.clone(), node.to_owned());
-        let lost: BoxFuture<'static, LostReason> = Box::pin(async move {
-            let node_gone = async {
-                loop {
-                    match client.check_and_watch_stat(&node).await {
-                        Ok((Some(_), watcher)) => {
-                            let event = watcher.changed().await;
-                            if event.event_type == zk::EventType::NodeDeleted {
-                                return LostReason::Stolen;
-                            }
-                            if event.session_state.is_terminated() {
-                                return LostReason::SessionExpired;
-                            }
-                            // Disconnected or a data change: the node is
-                            // still ours until the session says otherwise.
-                        }
-                        Ok((None, _)) => return LostReason::Stolen,
-                        Err(zk::Error::SessionExpired | zk::Error::ClientClosed | zk::Error::AuthFailed) => {
-                            return LostReason::SessionExpired
-                        }
-                        // Not connected right now: watch again once it is.
-                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-                    }
-                }
-            };
-            let session_lost = async {
-                let _ = states.wait_for(|s| *s == ConnectionState::Lost).await;
-                LostReason::SessionExpired
-            };
-            // The server may have expired the session by now, whether or
-            // not we have heard of it (see the module documentation).
-            let session_may_be_over = async {
-                let timeout = client.session_timeout();
-                let allowed = timeout.saturating_sub(expiry_margin(timeout));
-                loop {
-                    let at = confirmed_at(&confirmed) + allowed;
-                    tokio::time::sleep_until(at).await;
-                    if confirmed_at(&confirmed) + allowed <= Instant::now() {
-                        tracing::warn!(
-                            node,
-                            ?timeout,
-                            "no answer from ZooKeeper for a session timeout: the lock may be gone"
-                        );
-                        return LostReason::SessionExpired;
-                    }
-                }
-            };
-            tokio::select! {
-                r = node_gone => r,
-                r = session_lost => r,
-                r = session_may_be_over => r,
+    /// Files one more guard's signal with the hold `id`, moving the end of
+    /// its lease to `until`. A hold gone meanwhile (its session ended, or
+    /// our node was deleted behind our back) is lost already.
+    fn join(&self, id: &(LockKey, Owner), until: Instant, signal: LostSignal) {
+        let mut holds = self.holds();
+        match holds.get_mut(id) {
+            Some(hold) => {
+                hold.extend(until);
+                hold.watch(signal);
             }
-        });
-        Grant { fencing_token: fence, valid_until: Instant::now() + lease, lost: Some(lost) }
+            None => {
+                drop(holds);
+                tracing::warn!(key = %id.0, reason = %LostReason::Stolen, "dlock.lost");
+                signal.lose(LostReason::Stolen);
+            }
+        }
     }
 
     /// Creates our sequential node, creating the lock's container node on
@@ -607,12 +658,15 @@ async fn supervise(
 ) {
     loop {
         let Some(current) = session.upgrade() else { return };
-        let (mut state, lost_id, confirmed) = {
+        let (mut state, lost_id, confirmed, client) = {
             let s = current.read().unwrap_or_else(|p| p.into_inner());
-            (s.state.clone(), s.client.session_id(), s.confirmed.clone())
+            (s.state.clone(), s.client.session_id(), s.confirmed.clone(), s.client.clone())
         };
         drop(current);
-        tokio::spawn(heartbeat(session.clone(), lost_id, confirmed));
+        tokio::spawn(heartbeat(session.clone(), lost_id, confirmed.clone()));
+        // The instant of the last answer after which the guards of this
+        // session were told it may be over; not told twice for one silence.
+        let mut told_after = None;
         loop {
             let now = *state.borrow_and_update();
             match now {
@@ -623,13 +677,25 @@ async fn supervise(
                 ConnectionState::Connected => tracing::debug!("ZooKeeper session connected"),
             }
             public.send_replace(now);
-            if now == ConnectionState::Lost || state.changed().await.is_err() {
+            if now == ConnectionState::Lost {
                 break;
+            }
+            tokio::select! {
+                changed = state.changed() => if changed.is_err() { break },
+                silent_since = unanswered(&confirmed, allowed_silence(&client), told_after) => {
+                    told_after = Some(silent_since);
+                    tracing::warn!(timeout = ?client.session_timeout(), "no answer from ZooKeeper for a session timeout: its locks may be gone");
+                    if let Some(holds) = holds.upgrade() {
+                        lose_session(&mut lock_holds(&holds), lost_id);
+                    }
+                }
             }
         }
         public.send_replace(ConnectionState::Lost);
         if let Some(holds) = holds.upgrade() {
-            lock_holds(&holds).retain(|_, h| h.client.session_id() != lost_id);
+            let mut holds = lock_holds(&holds);
+            lose_session(&mut holds, lost_id);
+            holds.retain(|_, h| h.client.session_id() != lost_id);
         }
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -649,6 +715,37 @@ async fn supervise(
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
+        }
+    }
+}
+
+/// Marks lost every guard of every hold of the session `id`: the one
+/// session watcher speaks for all of them.
+fn lose_session(holds: &mut HashMap<(LockKey, Owner), Hold>, id: zk::SessionId) {
+    for ((key, _), hold) in holds.iter_mut().filter(|(_, h)| h.client.session_id() == id) {
+        if !hold.signals.is_empty() {
+            tracing::warn!(key = %key, reason = %LostReason::SessionExpired, "dlock.lost");
+        }
+        hold.lose(LostReason::SessionExpired);
+    }
+}
+
+/// Resolves when no request has been answered for `allowed` (the server
+/// may have expired the session), with the send instant of the last one
+/// answered; never again for the silence after `told_after`, which the
+/// caller already acted on.
+async fn unanswered(confirmed: &Mutex<Instant>, allowed: Duration, told_after: Option<Instant>) -> Instant {
+    loop {
+        let last = confirmed_at(confirmed);
+        if told_after == Some(last) {
+            // Nothing answered since: look again when the heartbeat may
+            // have been.
+            tokio::time::sleep((allowed / 4).max(Duration::from_millis(10))).await;
+            continue;
+        }
+        tokio::time::sleep_until(last + allowed).await;
+        if confirmed_at(confirmed) == last {
+            return last;
         }
     }
 }
@@ -693,18 +790,43 @@ fn lock_holds(
     holds.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Deletes a hold's node when its lease ends without renewal or release.
-async fn expire(
+/// Marks `signal` lost when its session is over or may be, for a grant
+/// made just as the supervisor gave the session up.
+fn lose_if_session_over(session: &Session, key: &LockKey, signal: &LostSignal) {
+    if session_may_be_over(session) && signal.lose(LostReason::SessionExpired) {
+        tracing::warn!(key = %key, reason = %LostReason::SessionExpired, "dlock.lost");
+    }
+}
+
+/// Follows one hold until it is released: deletes its node when its lease
+/// ends without renewal or release, and marks its guards lost when the node
+/// is deleted behind our back. One task per hold, however many guards
+/// re-enter it; the session's end reaches them through [`supervise`].
+async fn follow(
     client: zk::Client,
     holds: Holds,
     id: (LockKey, Owner),
     node: String,
     mut expiry: watch::Receiver<Instant>,
 ) {
+    let deleted = node_deleted(&client, &node);
+    tokio::pin!(deleted);
+    let mut watching = true;
     loop {
         let at = *expiry.borrow_and_update();
         tokio::select! {
             changed = expiry.changed() => if changed.is_err() { return },
+            gone = &mut deleted, if watching => {
+                watching = false;
+                if gone {
+                    if let Some(hold) = lock_holds(&holds).get_mut(&id).filter(|h| h.node == node) {
+                        if !hold.signals.is_empty() {
+                            tracing::warn!(key = %id.0, reason = %LostReason::Stolen, "dlock.lost");
+                        }
+                        hold.lose(LostReason::Stolen);
+                    }
+                }
+            }
             _ = tokio::time::sleep_until(at) => {
                 let still_ours = {
                     let mut holds = lock_holds(&holds);
@@ -720,6 +842,30 @@ async fn expire(
                 }
                 return;
             }
+        }
+    }
+}
+
+/// Resolves to `true` when `node` is deleted, `false` when its session ended
+/// first (the supervisor tells the guards of that).
+async fn node_deleted(client: &zk::Client, node: &str) -> bool {
+    loop {
+        match client.check_and_watch_stat(node).await {
+            Ok((Some(_), watcher)) => {
+                let event = watcher.changed().await;
+                if event.event_type == zk::EventType::NodeDeleted {
+                    return true;
+                }
+                if event.session_state.is_terminated() {
+                    return false;
+                }
+                // Disconnected or a data change: the node is still ours
+                // until the session says otherwise.
+            }
+            Ok((None, _)) => return true,
+            Err(zk::Error::SessionExpired | zk::Error::ClientClosed | zk::Error::AuthFailed) => return false,
+            // Not connected right now: watch again once it is.
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
 }
@@ -773,18 +919,24 @@ impl Backend for ZooKeeperBackend {
         "zookeeper"
     }
 
+    fn prefix(&self) -> Option<&str> {
+        Some(&self.prefix)
+    }
+
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
             let id = (req.key.clone(), req.owner.clone());
             let joined = self.holds().get_mut(&id).map(|hold| {
                 hold.count += 1;
-                (hold.node.clone(), hold.fence)
+                hold.fence
             });
             let session = self.session_for(req, cancel).await?;
-            if let Some((node, fence)) = joined {
-                let grant = Self::grant(&session, &node, fence, req.lease);
-                self.extend(&id, grant.valid_until);
-                return Ok(grant);
+            if let Some(fence) = joined {
+                let valid_until = Instant::now() + req.lease;
+                let signal = LostSignal::new(valid_until);
+                self.join(&id, valid_until, signal.clone());
+                lose_if_session_over(&session, &req.key, &signal);
+                return Ok(Grant::until(fence, valid_until).with_lost_signal(signal));
             }
             let dir = self.lock_path(&req.key);
             let client = &session.client;
@@ -813,12 +965,23 @@ impl Backend for ZooKeeperBackend {
                     return Err(self.no_answer());
                 }
             };
-            let grant = Self::grant(&session, &node, fence, req.lease);
-            let (expires, expiry) = watch::channel(grant.valid_until);
-            let hold = Hold { node: node.clone(), client: client.clone(), fence, count: 1, expires };
+            let valid_until = Instant::now() + req.lease;
+            let signal = LostSignal::new(valid_until);
+            let (expires, expiry) = watch::channel(valid_until);
+            let hold = Hold {
+                node: node.clone(),
+                client: client.clone(),
+                fence,
+                count: 1,
+                expires,
+                signals: vec![signal.clone()],
+            };
             self.holds().insert(id.clone(), hold);
-            tokio::spawn(expire(client.clone(), self.holds.clone(), id, node, expiry));
-            Ok(grant)
+            // After filing the hold: a session the supervisor gives up from
+            // now on finds it there, and one given up before is seen here.
+            lose_if_session_over(&session, &req.key, &signal);
+            tokio::spawn(follow(client.clone(), self.holds.clone(), id, node, expiry));
+            Ok(Grant::until(fence, valid_until).with_lost_signal(signal))
         })
     }
 
@@ -849,7 +1012,12 @@ impl Backend for ZooKeeperBackend {
                         hold.count -= 1;
                         return Ok(Release::StillHeld(hold.count));
                     }
-                    Some(hold) => (hold.node.clone(), hold.client.clone()),
+                    Some(hold) => {
+                        // Our own delete is not a loss: the hold's task must
+                        // not mark these guards when it sees the node go.
+                        hold.signals.clear();
+                        (hold.node.clone(), hold.client.clone())
+                    }
                 }
             };
             let (node, client) = node;

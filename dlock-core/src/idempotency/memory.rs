@@ -19,12 +19,12 @@ const SWEEP_EVERY: usize = 1024;
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
 /// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
-/// let store = MemoryStore::new("dlock");
+/// let store = MemoryStore::new();
 /// let t = store.issue_token(std::time::Duration::from_secs(1)).await?;
 /// assert!(store.consume_token(&t).await?);
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct MemoryStore {
     inner: Mutex<Inner>,
 }
@@ -50,9 +50,9 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store. The prefix is accepted for symmetry with
-    /// [`RedisStore`](super::RedisStore); nothing is shared here.
-    pub fn new(_prefix: &str) -> Self {
+    /// An empty store. It needs no key prefix: nothing here is shared
+    /// with another process or another store.
+    pub fn new() -> Self {
         MemoryStore { inner: Mutex::new(Inner::default()) }
     }
 

@@ -23,7 +23,7 @@
 //! use dlock_core::idempotency::{Begin, IdempotencyStore, MemoryStore, StoredResponse};
 //! use std::time::Duration;
 //!
-//! let store = MemoryStore::new("dlock");
+//! let store = MemoryStore::new();
 //! let token = store.issue_token(Duration::from_secs(60)).await?;
 //! assert!(store.consume_token(&token).await?);
 //! assert!(!store.consume_token(&token).await?); // spent
@@ -59,7 +59,7 @@ pub const TOKEN_BYTES: usize = 16;
 /// ```
 /// use std::sync::Arc;
 /// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
-/// let store: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new("dlock"));
+/// let store: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
 /// assert_eq!(store.name(), "memory");
 /// ```
 pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
@@ -115,7 +115,7 @@ pub enum Begin {
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
 /// use dlock_core::idempotency::{Begin, IdempotencyStore, MemoryStore};
-/// let store = MemoryStore::new("dlock");
+/// let store = MemoryStore::new();
 /// let Begin::New(claim) = store.begin("s", "k", "fp", std::time::Duration::from_secs(5)).await? else { unreachable!() };
 /// assert_eq!((claim.scope(), claim.key()), ("s", "k"));
 /// assert!(store.abandon(&claim).await?);

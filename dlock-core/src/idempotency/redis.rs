@@ -76,14 +76,17 @@ impl RedisStore {
     /// As [`RedisBackend::connect_with`].
     pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
         let backend = RedisBackend::connect_with(url, prefix, options).await?;
-        Ok(Self::from_backend(&backend, prefix))
+        Ok(Self::from_backend(&backend))
     }
 
-    /// Shares the command connection of a Redis lock backend.
-    pub fn from_backend(backend: &RedisBackend, prefix: &str) -> Self {
+    /// Shares the command connection of a Redis lock backend, and its key
+    /// prefix: records live beside the locks, under one namespace.
+    /// [`Config::build_services`](crate::Config::build_services) does this
+    /// when locks and records live in the same Redis.
+    pub fn from_backend(backend: &RedisBackend) -> Self {
         RedisStore {
             conn: backend.command_conn(),
-            prefix: prefix.to_owned(),
+            prefix: backend.key_prefix().to_owned(),
             begin: Script::new(include_str!("begin.lua")),
             complete: Script::new(include_str!("complete.lua")),
             abandon: Script::new(include_str!("abandon.lua")),

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{AcquireOptions, Error, LockKey, Locker, LostReason, Owner};
+use dlock_core::{AcquireOptions, Backend, Error, LockKey, Locker, LostReason, Owner};
 use tokio::time::Instant;
 
 /// What the suite needs from a backend under test.
@@ -16,6 +16,9 @@ pub(crate) trait Harness: Send + Sync + 'static {
     /// A new client of the service: its own connections where the backend
     /// has any, the same shared state as every other client.
     fn client(&self) -> impl std::future::Future<Output = Locker> + Send;
+    /// A backend on the same service as the clients', to speak to it past
+    /// the engine (as another process would).
+    fn backend(&self) -> impl std::future::Future<Output = Arc<dyn Backend>> + Send;
     /// Deletes the lock key on the service, bypassing the engine.
     fn delete_behind_back(&self, key: &LockKey) -> impl std::future::Future<Output = ()> + Send;
     /// How many lock keys (not fencing counters) the service still holds.
@@ -113,7 +116,7 @@ pub(crate) async fn only_the_owner_can_release_or_renew<H: Harness>(h: &H) {
     let k = key(&a, "owner");
     let g = a.acquire(&k, fixed(10_000)).await.expect("free key");
     let stranger = Owner::random().expect("random");
-    let backend = a.backend();
+    let backend = h.backend().await;
     assert_eq!(backend.release(&k, &stranger).await.expect("release"), dlock_core::backend::Release::NotHeld);
     assert_eq!(
         backend.renew(&k, &stranger, Duration::from_secs(60)).await.expect("renew"),

@@ -109,7 +109,7 @@ async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&Co
 pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     let timing = Timing { warmup: args.warmup, duration: args.duration };
     let redis: Arc<dyn IdempotencyStore> = Arc::new(RedisStore::connect(&env.url, &env.prefix).await?);
-    let memory: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new(&env.prefix));
+    let memory: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let plain = app(None);
     let redis_app = app(Some(IdempotencyLayer::new(Idempotency::new(redis))));
     let memory_app = app(Some(IdempotencyLayer::new(Idempotency::new(memory))));

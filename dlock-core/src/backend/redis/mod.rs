@@ -54,13 +54,17 @@ use tokio::time::Instant;
 
 use super::wait::{acquire_loop, Attempt};
 use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use crate::config::redact;
 use crate::error::{Error, Result};
-use crate::key::LockKey;
+use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
-use crate::tls::{is_tls_url, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR};
+use tls::{is_tls_url, CA_FILE_VAR, CLIENT_CERT_VAR};
 
 mod restart;
 pub(crate) mod subscriber;
+pub(crate) mod tls;
+
+pub use tls::RedisTls;
 
 use restart::RestartGuard;
 use subscriber::Subscriber;
@@ -160,6 +164,8 @@ impl RedisOptions {
 #[derive(Clone)]
 pub struct RedisBackend {
     conn: Conn,
+    /// The key namespace its channels are subscribed under.
+    prefix: Arc<str>,
     restart: Option<Arc<RestartGuard>>,
     pub(crate) subscriber: Subscriber,
     acquire: Script,
@@ -193,7 +199,8 @@ impl RedisBackend {
     /// [`Error::Config`] for a malformed URL or a missing ACL permission,
     /// [`Error::Backend`] when the server cannot be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
-        crate::tls::check_url_supported("DLOCK_REDIS_URL", url)?;
+        validate_prefix(prefix)?;
+        tls::check_url_supported("DLOCK_REDIS_URL", url)?;
         if let Some(seeds) = cluster_seeds(url) {
             return Self::connect_cluster(url, &seeds, prefix, options).await;
         }
@@ -291,6 +298,7 @@ impl RedisBackend {
         };
         Ok(RedisBackend {
             conn,
+            prefix: prefix.into(),
             restart,
             subscriber,
             acquire: Script::new(include_str!("acquire.lua")),
@@ -311,6 +319,10 @@ impl RedisBackend {
     /// follows the same cluster routing and Sentinel failovers.
     pub(crate) fn command_conn(&self) -> Conn {
         self.conn.clone()
+    }
+
+    pub(crate) fn key_prefix(&self) -> &str {
+        &self.prefix
     }
 
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
@@ -364,11 +376,7 @@ impl RedisBackend {
         };
         Ok(match reply.as_slice() {
             [1, token, holds] => NodeAttempt::Granted {
-                grant: Grant {
-                    fencing_token: u64::try_from(*token).unwrap_or(0),
-                    valid_until: sent + req.lease,
-                    lost: None,
-                },
+                grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + req.lease),
                 reentry: *holds > 1,
             },
             // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
@@ -392,6 +400,10 @@ pub(crate) enum NodeAttempt {
 impl Backend for RedisBackend {
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    fn prefix(&self) -> Option<&str> {
+        Some(&self.prefix)
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
@@ -662,12 +674,17 @@ fn cluster_seeds(url: &str) -> Option<Vec<String>> {
 }
 
 /// The fencing counter of `key` (same hash tag).
+///
+/// Hidden: it names how locks are stored in Redis, which may change between
+/// releases; public only so that the tests can damage and inspect the
+/// counter from outside.
+#[doc(hidden)]
 pub fn fence_key(key: &LockKey) -> String {
     format!("{key}:fence")
 }
 
 /// The channel a release of `key` is announced on.
-pub fn release_channel(key: &LockKey) -> String {
+pub(crate) fn release_channel(key: &LockKey) -> String {
     format!("{key}:released")
 }
 
@@ -769,14 +786,6 @@ pub(crate) fn redis_error(e: redis::RedisError) -> Error {
         e.to_string()
     };
     Error::Backend { backend: "redis", message, source: Some(Box::new(e)) }
-}
-
-/// The URL without its password, for messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
-        _ => url.to_owned(),
-    }
 }
 
 /// `volatile-*` and `allkeys-*` policies may evict keys with a TTL — every

@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::watchdog::{Filed, NewHold};
+use super::Engine;
 use crate::backend::signal::Expiry;
-use crate::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release};
+use crate::backend::{AcquireRequest, Grant, GrantLease, LostReason, LostSignal, Release};
 use crate::error::Result;
 use crate::key::LockKey;
-use crate::locker::Engine;
 use crate::owner::Owner;
-use crate::watchdog::{Filed, NewHold};
 
 /// A held lock.
 ///
@@ -24,10 +24,10 @@ use crate::watchdog::{Filed, NewHold};
 ///   it. Dropping an unreleased guard releases it in the background.
 ///
 /// In watchdog mode the engine's watchdog renews the lease every lease/3
-/// until the guard is released or dropped. On the in-process backend a
-/// watchdog-mode lock taken on the spot has no lease at all: it is held
-/// until the guard lets it go, and [`valid_until`](Self::valid_until) is
-/// decades away.
+/// until the guard is released or dropped. A backend may grant a
+/// watchdog-mode lock with no lease at all (the in-process backend does for
+/// a lock taken on the spot): it is held until the guard lets it go, nothing
+/// renews it, and [`valid_until`](Self::valid_until) is decades away.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -53,8 +53,6 @@ pub struct LockGuard {
     state: LostSignal,
     /// The hold filed with the engine's watchdog (watchdog mode).
     renewals: Option<Filed>,
-    /// Stops the task that waits for the backend's own lost signal.
-    stop_session_watch: Option<CancellationToken>,
     released: bool,
 }
 
@@ -71,6 +69,9 @@ impl std::fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
+    /// The guard of a grant. A lease that runs until an instant is filed
+    /// with the watchdog when `renewed`; one held until released has nothing
+    /// to renew. The backend's own signal, when it gave one, is the guard's.
     pub(crate) fn start(
         engine: Arc<Engine>,
         req: AcquireRequest,
@@ -78,24 +79,38 @@ impl LockGuard {
         renewed: bool,
         max_hold: Option<Duration>,
     ) -> Self {
-        // The backend measured `valid_until` from before its request was
-        // sent: the grant is at least that old, and no clock read is needed.
-        let granted_at = grant.valid_until.checked_sub(req.lease).unwrap_or_else(Instant::now);
-        let renew_until = if renewed { max_hold.map(|m| granted_at + m) } else { None };
-        let expiry = if renewed { Expiry::Renewed { renew_until } } else { Expiry::Lease };
-        let state = LostSignal::with_expiry(grant.valid_until, expiry);
-        let renewals = renewed.then(|| {
-            engine.watchdog.file(NewHold {
-                key: req.key.clone(),
-                owner: req.owner.clone(),
-                lease: req.lease,
-                renew_until,
-                valid_until: grant.valid_until,
-                granted_at,
-                state: state.clone(),
-            })
-        });
-        let stop_session_watch = grant.lost.map(|lost| watch_session(req.key.clone(), lost, state.clone()));
+        let (state, renewals) = match grant.lease {
+            GrantLease::Until(valid_until) => {
+                // The backend measured `valid_until` from before its request
+                // was sent: the grant is at least that old, and no clock
+                // read is needed.
+                let granted_at = valid_until.checked_sub(req.lease).unwrap_or_else(Instant::now);
+                let renew_until = if renewed { max_hold.map(|m| granted_at + m) } else { None };
+                let expiry = if renewed { Expiry::Renewed { renew_until } } else { Expiry::Lease };
+                let state = match grant.lost {
+                    Some(signal) => {
+                        signal.set_expiry(expiry);
+                        signal
+                    }
+                    None => LostSignal::with_expiry(valid_until, expiry),
+                };
+                let renewals = renewed.then(|| {
+                    engine.watchdog.file(NewHold {
+                        key: req.key.clone(),
+                        owner: req.owner.clone(),
+                        lease: req.lease,
+                        renew_until,
+                        valid_until,
+                        granted_at,
+                        state: state.clone(),
+                    })
+                });
+                (state, renewals)
+            }
+            // Its `valid_until` is as far ahead as the backend made it; it
+            // never passes, so how it would be explained does not matter.
+            GrantLease::UntilReleased => (grant.lost.unwrap_or_else(LostSignal::until_released), None),
+        };
         LockGuard {
             engine,
             key: req.key,
@@ -104,24 +119,6 @@ impl LockGuard {
             watchdog: renewed,
             state,
             renewals,
-            stop_session_watch,
-            released: false,
-        }
-    }
-
-    /// A hold with no lease (an in-process hold taken until released):
-    /// nothing to renew, and `state` is already the backend's to mark lost.
-    pub(crate) fn held(engine: Arc<Engine>, req: AcquireRequest, grant: Grant, state: LostSignal) -> Self {
-        state.set_expiry(Expiry::Renewed { renew_until: None });
-        LockGuard {
-            engine,
-            key: req.key,
-            owner: req.owner,
-            fencing_token: grant.fencing_token,
-            watchdog: true,
-            state,
-            renewals: None,
-            stop_session_watch: None,
             released: false,
         }
     }
@@ -225,9 +222,6 @@ impl LockGuard {
         if let Some(filed) = self.renewals.take() {
             self.engine.watchdog.unfile(filed);
         }
-        if let Some(stop) = self.stop_session_watch.take() {
-            stop.cancel();
-        }
     }
 }
 
@@ -259,22 +253,4 @@ fn trace_dropped_release(key: &LockKey, result: &Result<Release>) {
         Ok(r) => tracing::debug!(key = %key, outcome = ?r, "dlock.release (guard dropped)"),
         Err(e) => tracing::warn!(key = %key, error = %e, "dlock.release after drop failed; the lease frees it"),
     }
-}
-
-/// Waits for the backend's own lost signal (a ZooKeeper session expiring)
-/// until the guard stops it.
-fn watch_session(key: LockKey, lost: BoxFuture<'static, LostReason>, state: LostSignal) -> CancellationToken {
-    let stop = CancellationToken::new();
-    let stopped = stop.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            biased;
-            _ = stopped.cancelled() => {}
-            reason = lost => if !stopped.is_cancelled() {
-                tracing::warn!(key = %key, %reason, "dlock.lost");
-                state.lose(reason);
-            },
-        }
-    });
-    stop
 }

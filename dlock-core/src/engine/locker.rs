@@ -1,7 +1,6 @@
-//! The engine: [`Locker`] takes locks through a [`Backend`] and hands out
-//! [`LockGuard`]s.
+//! [`Locker`], the engine's front door: it takes locks through a
+//! [`Backend`] and hands out [`LockGuard`]s; and the options it takes.
 
-use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,13 +11,12 @@ use std::task::{Context, Poll};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::backend::memory::Taken;
-use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, MemoryBackend};
+use super::guard::LockGuard;
+use super::Engine;
+use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken};
 use crate::error::{Error, Result};
-use crate::guard::LockGuard;
-use crate::key::{KeyBuilder, LockKey};
+use crate::key::{validate_prefix, KeyBuilder, LockKey};
 use crate::owner::Owner;
-use crate::watchdog::Watchdog;
 
 /// The default watchdog lease, as in Redisson.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -88,19 +86,6 @@ impl LockerOptions {
         }
         Ok(())
     }
-}
-
-pub(crate) fn validate_prefix(prefix: &str) -> Result<()> {
-    if prefix.is_empty() {
-        return Err(Error::config("DLOCK_PREFIX", "must not be empty"));
-    }
-    if let Some(c) = prefix.chars().find(|c| matches!(c, '{' | '}' | '/') || c.is_whitespace() || c.is_control()) {
-        return Err(Error::config(
-            "DLOCK_PREFIX",
-            format!("must not contain {c:?} (braces form the Redis hash tag, `/` separates ZooKeeper paths)"),
-        ));
-    }
-    Ok(())
 }
 
 /// Options of one acquire. Unset fields take the [`Locker`]'s defaults.
@@ -198,13 +183,6 @@ pub struct Locker {
     engine: Arc<Engine>,
 }
 
-/// What a [`Locker`] and its guards share.
-pub(crate) struct Engine {
-    pub(crate) backend: Arc<dyn Backend>,
-    options: LockerOptions,
-    pub(crate) watchdog: Watchdog,
-}
-
 impl std::fmt::Debug for Locker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Locker")
@@ -215,34 +193,47 @@ impl std::fmt::Debug for Locker {
 }
 
 impl Locker {
-    /// An engine over `backend` with the default options.
+    /// An engine over `backend` with the default options, in the key
+    /// namespace the backend was connected for (see [`Backend::prefix`]).
     pub fn new(backend: impl Backend) -> Self {
         let backend: Arc<dyn Backend> = Arc::new(backend);
-        Locker::from_parts(backend, LockerOptions::default())
+        let options = match backend.prefix() {
+            Some(prefix) => LockerOptions::default().with_prefix(prefix),
+            None => LockerOptions::default(),
+        };
+        Locker::from_parts(backend, options)
     }
 
     /// An engine over a shared backend with the given options.
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] when the prefix or the lease is invalid.
+    /// [`Error::Config`] when the prefix or the lease is invalid, or the
+    /// prefix is not the one the backend was connected for (see
+    /// [`Backend::prefix`]): keys in one namespace and wake-ups or lock
+    /// nodes in another would never meet.
     pub fn with_options(backend: Arc<dyn Backend>, options: LockerOptions) -> Result<Self> {
         options.validate()?;
+        if let Some(connected) = backend.prefix().filter(|p| *p != options.prefix) {
+            return Err(Error::config(
+                "DLOCK_PREFIX",
+                format!(
+                    "the {} backend was connected for prefix `{connected}`, the options say `{}`",
+                    backend.name(),
+                    options.prefix
+                ),
+            ));
+        }
         Ok(Locker::from_parts(backend, options))
     }
 
     fn from_parts(backend: Arc<dyn Backend>, options: LockerOptions) -> Self {
-        Locker { engine: Arc::new(Engine { watchdog: Watchdog::new(backend.clone()), backend, options }) }
+        Locker { engine: Engine::new(backend, options) }
     }
 
     /// The backend's name: `memory`, `redis`, `redlock` or `zookeeper`.
     pub fn backend_name(&self) -> &'static str {
         self.engine.backend.name()
-    }
-
-    /// The backend.
-    pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.engine.backend
     }
 
     /// The engine's defaults.
@@ -273,7 +264,7 @@ impl Locker {
     ///
     /// [`Error::Busy`] (no wait) or [`Error::Timeout`] when another owner
     /// holds the key; [`Error::Backend`] / [`Error::QuorumUnavailable`] when
-    /// the service fails; [`Error::Config`] for a zero lease.
+    /// the service fails; [`Error::InvalidArgument`] for a zero lease.
     ///
     /// # Cancellation safety
     ///
@@ -292,10 +283,10 @@ impl Locker {
             None => (self.engine.options.watchdog_lease, true),
         };
         if lease.is_zero() {
-            return Err(Error::config("lease", "a lease must be longer than zero"));
+            return Err(Error::invalid_argument("lease", "a lease must be longer than zero"));
         }
         let max_hold = opts.max_hold;
-        let mut req = AcquireRequest { key: key.clone(), owner, lease, deadline: None };
+        let mut req = AcquireRequest::new(key.clone(), owner, lease).with_until_released(renewed && max_hold.is_none());
         let span = tracing::debug_span!("dlock.acquire", key = %key, backend = self.engine.backend.name(), wait_ms = wait.as_millis() as u64);
         // An answer on the spot never suspends, so spend the task's
         // cooperative budget as tokio's own primitives do (a loop of
@@ -303,26 +294,14 @@ impl Locker {
         // Before the attempt: a caller dropped while this yields must not
         // leave a grant behind.
         tokio::task::coop::consume_budget().await;
-        // An in-process lock in watchdog mode is held until its guard lets
-        // it go: the guard lives in this process, so there is no lease to
-        // renew and nothing for the watchdog to do. (The in-process table is
-        // asked directly: the state it marks on a forced unlock is the
-        // guard's own, which the public trait cannot carry.)
-        let on_the_spot = match (self.engine.backend.as_ref() as &dyn Any).downcast_ref::<MemoryBackend>() {
-            Some(memory) => Some(memory.take_now(&req, renewed && max_hold.is_none())),
-            None => self.engine.backend.try_acquire_now(&req).map(|result| result.map(Taken::Leased)),
-        };
-        if let Some(result) = on_the_spot {
+        if let Some(result) = self.engine.backend.try_acquire_now(&req) {
             // Held, and the caller waits: the backend's `acquire` waits.
             let waits = !wait.is_zero() && matches!(&result, Err(e) if e.is_contention());
             if !waits {
                 let _entered = span.enter();
                 // Nothing waited, so no clock is read for it.
-                trace_attempt(result.as_ref().map(|taken| taken.grant().fencing_token), None);
-                return result.map(|taken| match taken {
-                    Taken::Leased(grant) => LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold),
-                    Taken::UntilReleased(grant, state) => LockGuard::held(self.engine.clone(), req, grant, state),
-                });
+                trace_attempt(result.as_ref().map(|grant| grant.fencing_token), None);
+                return result.map(|grant| LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold));
             }
         }
         // The wait starts here: after an on-the-spot attempt it is measured
@@ -372,7 +351,7 @@ impl Future for InFlight {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(attempt) = self.attempt.as_mut() else {
-            return Poll::Ready(Err(Error::backend("dlock", "acquire polled after it finished")));
+            return Poll::Ready(Err(Error::Internal("acquire polled after it finished".into())));
         };
         let result = std::task::ready!(attempt.as_mut().poll(cx));
         self.attempt = None;

@@ -1,0 +1,38 @@
+//! The lock engine: what turns a backend's grants into held locks.
+//!
+//! * [`Locker`] (`locker.rs`) takes a lock through the [`Backend`] seam,
+//!   answering on the spot when the backend can and waiting otherwise, and
+//!   hands out a [`LockGuard`];
+//! * [`LockGuard`] (`guard.rs`) owns one held lock: its fencing token, its
+//!   [`LostSignal`](crate::LostSignal) and its release;
+//! * the watchdog (`watchdog.rs`) renews every hold granted until an
+//!   instant in watchdog mode, one task per engine.
+//!
+//! The engine depends on the seam (`backend/`), never the other way round:
+//! a backend knows nothing of guards or of the watchdog.
+
+use std::sync::Arc;
+
+use crate::backend::Backend;
+
+mod guard;
+mod locker;
+mod watchdog;
+
+pub use guard::LockGuard;
+pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
+
+use watchdog::Watchdog;
+
+/// What a [`Locker`] and its guards share.
+pub(crate) struct Engine {
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) options: LockerOptions,
+    pub(crate) watchdog: Watchdog,
+}
+
+impl Engine {
+    fn new(backend: Arc<dyn Backend>, options: LockerOptions) -> Arc<Self> {
+        Arc::new(Engine { watchdog: Watchdog::new(backend.clone()), backend, options })
+    }
+}
