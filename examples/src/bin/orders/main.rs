@@ -85,14 +85,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // DLOCK_* read once; the layers take their settings from what is installed.
     let config = Config::from_env()?;
-    let locker = config.build().await?;
-    let dlock = Dlock::from_config(locker.clone(), &config);
     let orders_redis_url = non_empty_env("ORDERS_REDIS_URL");
+    let (locker, idem) = payments::services(&config, orders_redis_url.as_deref()).await?;
+    let dlock = Dlock::from_config(locker.clone(), &config);
     let store = match &orders_redis_url {
         Some(url) => Store::redis(url).await?,
         None => Store::memory(),
     };
-    let idem = payments::idempotency(&config, orders_redis_url.as_deref()).await?;
     let payment_lease = match non_empty_env("ORDERS_PAYMENT_LEASE_MS") {
         Some(v) => match v.parse::<u64>() {
             Ok(ms) if ms > 0 => std::time::Duration::from_millis(ms),
