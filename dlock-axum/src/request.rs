@@ -105,28 +105,6 @@ impl FencingToken {
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for FencingToken {
-    type Rejection = Rejection;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
-        FencingToken::get(&parts.extensions).ok_or_else(|| {
-            tracing::error!(
-                "FencingToken extracted by a handler that holds no lock; put the route behind a LockLayer, \
-                 or write the argument's type as `FencingToken` in a #[lockable] handler"
-            );
-            Rejection::misconfigured().with_message("this route holds no lock, so it has no fencing token")
-        })
-    }
-}
-
-impl<S: Send + Sync> OptionalFromRequestParts<S> for FencingToken {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Self::Rejection> {
-        Ok(FencingToken::get(&parts.extensions))
-    }
-}
-
 /// The lock this request holds, for the handler: its fencing token, how long
 /// it is valid, and its lost signal.
 ///
@@ -225,26 +203,37 @@ impl HeldLock {
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for HeldLock {
-    type Rejection = Rejection;
+/// The extractor impls of a type read from the request's lock: without a
+/// lock, a `500` that says where the lock should come from; and `Option<_>`.
+macro_rules! from_request_lock {
+    ($ty:ident, $message:literal) => {
+        impl<S: Send + Sync> FromRequestParts<S> for $ty {
+            type Rejection = Rejection;
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
-        HeldLock::get(&parts.extensions).ok_or_else(|| {
-            tracing::error!(
-                "HeldLock extracted by a handler that holds no lock; put the route behind a LockLayer, \
-                 or write the argument's type as `HeldLock` in a #[lockable] handler"
-            );
-            Rejection::misconfigured().with_message("this route holds no lock")
-        })
-    }
+            async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
+                $ty::get(&parts.extensions).ok_or_else(|| no_lock(stringify!($ty), $message))
+            }
+        }
+
+        impl<S: Send + Sync> OptionalFromRequestParts<S> for $ty {
+            type Rejection = std::convert::Infallible;
+
+            async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Self::Rejection> {
+                Ok($ty::get(&parts.extensions))
+            }
+        }
+    };
 }
 
-impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLock {
-    type Rejection = std::convert::Infallible;
+from_request_lock!(FencingToken, "this route holds no lock, so it has no fencing token");
+from_request_lock!(HeldLock, "this route holds no lock");
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Self::Rejection> {
-        Ok(HeldLock::get(&parts.extensions))
-    }
+fn no_lock(extractor: &str, message: &'static str) -> Rejection {
+    tracing::error!(
+        "{extractor} extracted by a handler that holds no lock; put the route behind a LockLayer, \
+         or write the argument's type as `{extractor}` in a #[lockable] handler"
+    );
+    Rejection::misconfigured().with_message(message)
 }
 
 /// What happened to the lock of a request; [`LockLayer`](crate::LockLayer)

@@ -149,3 +149,32 @@ async fn each_request_gets_a_newer_token() {
         last = fence;
     }
 }
+
+/// Where no lock is held, `FencingToken` and `HeldLock` are a `500` that says
+/// so, and their `Option`s are `None`.
+#[tokio::test]
+async fn without_a_lock_the_extractors_say_so() {
+    use axum::routing::get;
+    let app: Router = Router::new()
+        .route("/fence", get(|FencingToken(t): FencingToken| async move { t.to_string() }))
+        .route("/held", get(|lock: HeldLock| async move { lock.fencing_token().0.to_string() }))
+        .route(
+            "/maybe",
+            get(|fence: Option<FencingToken>, lock: Option<HeldLock>| async move {
+                format!("{:?} {}", fence, lock.is_some())
+            }),
+        );
+    let get = |uri: &str| Request::get(uri).body(Body::empty()).expect("request");
+    for (uri, message) in
+        [("/fence", "this route holds no lock, so it has no fencing token"), ("/held", "this route holds no lock")]
+    {
+        let res = app.clone().oneshot(get(uri)).await.expect("infallible");
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "{uri}");
+        let bytes = res.into_body().collect().await.expect("body").to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!((v["error"].as_str(), v["message"].as_str()), (Some("lock_misconfigured"), Some(message)), "{uri}");
+    }
+    let res = app.oneshot(get("/maybe")).await.expect("infallible");
+    let bytes = res.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!(&bytes[..], b"None false");
+}
