@@ -236,8 +236,10 @@ fn no_lock(extractor: &str, message: &'static str) -> Rejection {
     Rejection::misconfigured().with_message(message)
 }
 
-/// What happened to the lock of a request; [`LockLayer`](crate::LockLayer)
-/// puts it in the response extensions so an access log can print it.
+/// What happened to the lock of a request; [`LockLayer`](crate::LockLayer),
+/// `#[lockable]` and [`Policy::run_locked`](crate::lock::Policy::run_locked)
+/// put it in the response extensions so an access log can print it (dlock's
+/// own `dlock.request` event prints the key at `DEBUG` only).
 ///
 /// ```
 /// use dlock_axum::LockOutcome;

@@ -111,7 +111,10 @@ impl Idempotency {
     }
 
     /// The store [`Config::idempotency_store`](dlock_core::Config::idempotency_store)
-    /// picks, with the configured TTL.
+    /// picks, with the configured TTL. It opens connections of its own; to
+    /// share the lock backend's, build both with
+    /// [`Config::build_services`](dlock_core::Config::build_services) and
+    /// take [`Idempotency::new`] of its store (the README shows it).
     ///
     /// # Errors
     ///
