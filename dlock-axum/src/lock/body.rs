@@ -66,7 +66,7 @@ pub(crate) async fn read_body(headers: &HeaderMap, mut body: Body, limit: usize)
 /// without `-H`, older clients), as dlock always did.
 pub(crate) fn require_json_content_type(headers: &HeaderMap) -> Result<(), Rejection> {
     let Some(value) = headers.get(header::CONTENT_TYPE) else { return Ok(()) };
-    if value.to_str().is_ok_and(is_json) {
+    if is_json(value.as_bytes()) {
         return Ok(());
     }
     Err(Rejection::unsupported_media_type())
@@ -74,12 +74,18 @@ pub(crate) fn require_json_content_type(headers: &HeaderMap) -> Result<(), Rejec
 
 /// `application/json` or `application/<anything>+json`, parameters allowed,
 /// case-insensitive.
-fn is_json(content_type: &str) -> bool {
-    let essence = content_type.split(';').next().unwrap_or("").trim();
-    let Some((kind, subtype)) = essence.split_once('/') else { return false };
-    kind.eq_ignore_ascii_case("application")
-        && (subtype.eq_ignore_ascii_case("json")
-            || subtype.len() > 5 && subtype[subtype.len() - 5..].eq_ignore_ascii_case("+json"))
+fn is_json(content_type: &[u8]) -> bool {
+    // What nearly every client sends, compared at once: this runs on every
+    // locked request, and the general case costs several hundred instructions.
+    if content_type == b"application/json" {
+        return true;
+    }
+    let essence = content_type.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
+    let Some(slash) = essence.iter().position(|&b| b == b'/') else { return false };
+    let (kind, subtype) = (&essence[..slash], &essence[slash + 1..]);
+    kind.eq_ignore_ascii_case(b"application")
+        && (subtype.eq_ignore_ascii_case(b"json")
+            || subtype.len() > 5 && subtype[subtype.len() - 5..].eq_ignore_ascii_case(b"+json"))
 }
 
 #[cfg(test)]

@@ -145,13 +145,17 @@ struct Admitted {
 /// Everything before the inner call: find the engine, read the body if
 /// needed, build the key, acquire.
 async fn admit(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admitted, Refusal> {
-    let locker: Locker = match &spec.locker {
-        Some(l) => l.clone(),
-        None => locker_from_extensions(&parts.extensions).cloned().ok_or_else(Refusal::no_engine)?,
+    // One look into the extensions for the engine and its body limit.
+    let installed = parts.extensions.get::<Dlock>();
+    let limit = spec.max_body_bytes.or(installed.map(Dlock::max_body_bytes));
+    let locker: Locker = match (&spec.locker, installed) {
+        (Some(l), _) => l.clone(),
+        (None, Some(dlock)) => dlock.locker().clone(),
+        (None, None) => locker_from_extensions(&parts.extensions).cloned().ok_or_else(Refusal::no_engine)?,
     };
     let (body, json) = if spec.needs_json() {
         require_json_content_type(&parts.headers).map_err(Refusal::invalid)?;
-        let limit = spec.max_body_bytes.unwrap_or_else(|| Dlock::max_body_bytes_in(&parts.extensions));
+        let limit = limit.unwrap_or_else(|| Dlock::max_body_bytes_in(&parts.extensions));
         let bytes = read_body(&parts.headers, body, limit).await.map_err(Refusal::invalid)?;
         let json = super::json::read(&bytes, &spec.json_want).map_err(|e| {
             Refusal::invalid(Rejection::invalid_json().with_message(format!("the request body is not valid JSON: {e}")))
