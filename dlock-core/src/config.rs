@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::backend::memory::MemoryBackend;
 #[cfg(feature = "redis")]
 use crate::backend::redis::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
-use crate::backend::Backend;
+use crate::backend::{redact, Backend};
 use crate::engine::{Locker, LockerOptions, DEFAULT_LEASE};
 use crate::error::{Error, Result};
 use crate::key::validate_prefix;
@@ -52,15 +52,6 @@ impl std::fmt::Debug for BackendKind {
                 f.debug_struct("ZooKeeper").field("connect", connect).field("session_timeout", session_timeout).finish()
             }
         }
-    }
-}
-
-/// `url` with its user and password replaced by `***`:
-/// `redis://***@host:6379/0`. Every URL dlock prints goes through here.
-pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
-        _ => url.to_owned(),
     }
 }
 
@@ -560,5 +551,21 @@ mod tests {
     fn redis_url_is_read() {
         let c = cfg(&[("DLOCK_BACKEND", "redis"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:7000")]).expect("ok");
         assert_eq!(c.backend, BackendKind::Redis { url: "redis://10.0.0.1:7000".into() });
+    }
+
+    #[test]
+    fn debug_hides_every_password() {
+        let c = cfg(&[
+            ("DLOCK_BACKEND", "redlock"),
+            ("DLOCK_REDLOCK_URLS", "redis://a:pw1@h1:6379,redis://:pw2@h2:6379,redis://h3:6379"),
+            ("DLOCK_IDEMPOTENCY_REDIS_URL", "redis://idem:pw3@h4:6379"),
+        ])
+        .expect("valid");
+        let printed = format!("{c:?}");
+        for secret in ["pw1", "pw2", "pw3"] {
+            assert!(!printed.contains(secret), "{secret} in {printed}");
+        }
+        assert!(printed.contains("redis://***@h1:6379") && printed.contains("redis://h3:6379"), "{printed}");
+        assert!(printed.contains("redis://***@h4:6379"), "{printed}");
     }
 }

@@ -40,12 +40,11 @@ impl Table {
         }
         let fence = self.fence.fetch_add(1, Ordering::Relaxed) + 1;
         let now = Instant::now();
-        let (grant, signal) = if req.until_released {
-            (Grant::until_released(fence), LostSignal::until_released())
-        } else {
-            let signal = LostSignal::new(now + req.lease);
-            (Grant::until(fence, now + req.lease), signal)
-        };
+        let grant =
+            if req.until_released { Grant::until_released(fence) } else { Grant::until(fence, now + req.lease) };
+        // One kind of signal for both: the engine sets its end from the
+        // grant's lease.
+        let signal = LostSignal::until_released();
         held.insert(req.key.clone(), (req.owner.clone(), signal.clone()));
         Ok(grant.with_lost_signal(signal))
     }
@@ -134,6 +133,7 @@ async fn a_fixed_lease_from_a_signalled_grant_expires_as_a_lease() {
     let locker = locker(&table);
     let key = locker.key("custom").part(3).build().expect("key");
     let guard = locker.acquire(&key, AcquireOptions::new().lease(Duration::from_millis(50))).await.expect("free");
+    assert!(guard.valid_until() <= Instant::now() + Duration::from_millis(50), "the grant's lease, not the signal's");
     let reason = tokio::time::timeout(Duration::from_secs(1), guard.lost()).await.expect("the lease runs out");
     assert_eq!(reason, LostReason::LeaseExpired);
     assert_eq!(table.renewals.load(Ordering::Relaxed), 0, "a fixed lease is not renewed");

@@ -38,7 +38,7 @@ async fn memory() -> Memory {
 
 backend_suite!(memory());
 
-use dlock_core::{AcquireOptions, LostReason, Owner};
+use dlock_core::{AcquireOptions, Error, LostReason, Owner};
 use suite::Harness as _;
 
 /// A watchdog-mode lock taken on the spot in process has no lease: nothing
@@ -79,4 +79,15 @@ async fn a_reentered_in_process_hold_keeps_holding_until_released() {
     assert!(second.release().await.expect("release"));
     b.try_acquire(&k).await.expect("free after the last release").release().await.expect("release");
     assert_eq!(m.backend.len(), 0);
+}
+
+/// A zero lease is the caller's mistake, named as such: an invalid argument
+/// (counted as misconfiguration), not a configuration variable.
+#[tokio::test]
+async fn a_zero_lease_is_an_invalid_argument() {
+    let locker = Locker::new(MemoryBackend::new());
+    let key = locker.key("zero").part(1).build().expect("key");
+    let err = locker.acquire(&key, AcquireOptions::new().lease(Duration::ZERO)).await.expect_err("zero lease");
+    assert!(matches!(err, Error::InvalidArgument { name: "lease", .. }), "{err:?}");
+    assert!(err.is_misconfigured() && !err.is_unavailable() && !err.is_contention());
 }

@@ -127,8 +127,15 @@ async fn every_guard_of_a_lost_session_learns_it() {
         let k = holder.key("many").part(i).build().expect("key");
         guards.push(holder.acquire(&k, fixed()).await.expect("free"));
     }
+    // Re-entries join their hold: no task of their own, however many.
     let first = guards[0].key().clone();
-    guards.push(holder.acquire(&first, fixed()).await.expect("re-entry"));
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let tasks_before = metrics.num_alive_tasks();
+    for _ in 0..20 {
+        guards.push(holder.acquire(&first, fixed()).await.expect("re-entry"));
+    }
+    let extra = metrics.num_alive_tasks().saturating_sub(tasks_before);
+    assert!(extra < 5, "{extra} tasks for 20 guards of one hold");
     let signals: Vec<_> = guards.iter().map(|g| g.lost_signal()).collect();
     assert!(guards.iter().all(|g| !g.is_lost()), "connected: nothing lost");
 

@@ -44,8 +44,12 @@
 //! a held key with an event (a release announced, a lease running out), not
 //! by polling. Check the owner on renew and release, make each step atomic
 //! on the service, and answer a [`LockMode`] you do not support with
-//! [`Error::InvalidArgument`]. A hypothetical Postgres backend would be
-//! one file here, `postgres.rs`, and no change elsewhere.
+//! [`Error::InvalidArgument`]. A backend that names things of its own after
+//! the key prefix (Redis channels, ZooKeeper nodes) takes the prefix when it
+//! connects and reports it through [`Backend::prefix`], so the engine can
+//! refuse a configuration where the two differ. A Postgres backend would be
+//! one file here, `postgres.rs`, plus a [`BackendKind`](crate::BackendKind)
+//! variant if `DLOCK_BACKEND` is to name it.
 //!
 //! ```
 //! use std::time::Duration;
@@ -253,8 +257,8 @@ pub struct Grant {
     /// that the grant is gone (a ZooKeeper session expired, an operator
     /// forced the in-process lock free); the guard watches it. `None`: the
     /// backend learns of losses only when a renewal fails, and the engine
-    /// makes the guard's signal itself. A signal given here must say the
-    /// same `valid_until` as [`lease`](Self::lease).
+    /// makes the guard's signal itself. The engine sets the signal's
+    /// `valid_until` from [`lease`](Self::lease).
     pub lost: Option<LostSignal>,
 }
 
@@ -389,6 +393,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
         let _ = (key, owner);
         None
+    }
+}
+
+/// `url` with its user and password replaced by `***`:
+/// `redis://***@host:6379/0`. Every URL dlock prints goes through here.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
+        _ => url.to_owned(),
     }
 }
 

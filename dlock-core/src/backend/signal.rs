@@ -143,11 +143,17 @@ impl LostSignal {
         }
     }
 
-    /// Says what an unrenewed `valid_until` means for this lock (the engine
-    /// knows whether its watchdog renews it, the backend that made the
-    /// signal does not).
-    pub(crate) fn set_expiry(&self, expiry: Expiry) {
-        self.state().expiry = expiry;
+    /// Sets the terms of a grant on the signal its backend made: until when
+    /// the lock is ours (the grant's lease says), and what it means when that
+    /// passes unrenewed (the engine knows whether its watchdog renews it, the
+    /// backend does not). A verdict already given stands.
+    pub(crate) fn set_terms(&self, valid_until: Instant, expiry: Expiry) {
+        {
+            let mut s = self.state();
+            s.valid_until = valid_until;
+            s.expiry = expiry;
+        }
+        self.inner.changed.notify_waiters();
     }
 
     /// Until when the lock is certainly ours; a renewal moves it forward.

@@ -658,10 +658,12 @@ async fn supervise(
 ) {
     loop {
         let Some(current) = session.upgrade() else { return };
-        let (mut state, lost_id, confirmed, client) = {
+        // No client is kept here: a dropped backend must close its session.
+        let (mut state, lost_id, confirmed, timeout) = {
             let s = current.read().unwrap_or_else(|p| p.into_inner());
-            (s.state.clone(), s.client.session_id(), s.confirmed.clone(), s.client.clone())
+            (s.state.clone(), s.client.session_id(), s.confirmed.clone(), s.client.session_timeout())
         };
+        let allowed = timeout.saturating_sub(expiry_margin(timeout));
         drop(current);
         tokio::spawn(heartbeat(session.clone(), lost_id, confirmed.clone()));
         // The instant of the last answer after which the guards of this
@@ -682,9 +684,9 @@ async fn supervise(
             }
             tokio::select! {
                 changed = state.changed() => if changed.is_err() { break },
-                silent_since = unanswered(&confirmed, allowed_silence(&client), told_after) => {
+                silent_since = unanswered(&confirmed, allowed, told_after) => {
                     told_after = Some(silent_since);
-                    tracing::warn!(timeout = ?client.session_timeout(), "no answer from ZooKeeper for a session timeout: its locks may be gone");
+                    tracing::warn!(?timeout, "no answer from ZooKeeper for a session timeout: its locks may be gone");
                     if let Some(holds) = holds.upgrade() {
                         lose_session(&mut lock_holds(&holds), lost_id);
                     }

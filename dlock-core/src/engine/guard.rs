@@ -89,7 +89,7 @@ impl LockGuard {
                 let expiry = if renewed { Expiry::Renewed { renew_until } } else { Expiry::Lease };
                 let state = match grant.lost {
                     Some(signal) => {
-                        signal.set_expiry(expiry);
+                        signal.set_terms(valid_until, expiry);
                         signal
                     }
                     None => LostSignal::with_expiry(valid_until, expiry),
@@ -143,7 +143,9 @@ impl LockGuard {
         self.state.valid_until()
     }
 
-    /// Whether the lease is renewed by a watchdog.
+    /// Whether the lock is in watchdog mode: kept for as long as the guard
+    /// lives, its lease renewed by the engine's watchdog, or, where the
+    /// backend granted it until released, with no lease to renew.
     pub fn is_watchdog(&self) -> bool {
         self.watchdog
     }

@@ -404,7 +404,8 @@ pub(crate) async fn one_watchdog_renews_every_hold<H: Harness>(h: &H) {
         let k = a.key("many").part(i).build().expect("short key");
         guards.push(a.acquire(&k, AcquireOptions::new()).await.expect("free key"));
     }
-    // ZooKeeper guards also watch their session's own lost signal.
+    // ZooKeeper keeps one task per hold, which ends its lease and watches
+    // its node (its session is watched once for all of them).
     if a.backend_name() != "zookeeper" {
         // RedLock finishes the nodes it did not wait for on short-lived
         // tasks (each ends within the node timeout); what must not exist

@@ -53,8 +53,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::wait::{acquire_loop, Attempt};
-use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
-use crate::config::redact;
+use super::{redact, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use crate::error::{Error, Result};
 use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
