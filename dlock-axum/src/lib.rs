@@ -36,6 +36,9 @@
 //! When the lock service cannot be reached, requests are refused with
 //! `503 lock_backend_unavailable` (fail closed), never a 500 or a hang.
 
+#[macro_use]
+mod macros;
+
 pub mod idempotency;
 mod install;
 mod json_body;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::macros::take_ready;
 use axum::body::Body;
 use axum::http::request::Parts;
 use axum::http::{header, HeaderName, HeaderValue, Request, StatusCode};
@@ -202,20 +203,7 @@ impl Idempotent<()> {
 }
 
 impl<S> Idempotent<S> {
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// The wrapped service, by value.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_service_accessors!();
 }
 
 /// A syntactically acceptable `Idempotency-Key`, or the rejection.
@@ -318,10 +306,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        // The clone may not be ready; the instance that was polled ready goes
-        // with this request (tower's usual swap).
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let inner = take_ready(&mut self.inner);
         let layer = self.layer.clone();
         ResponseFuture::new(handle(layer, inner, req))
     }

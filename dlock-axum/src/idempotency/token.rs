@@ -3,6 +3,7 @@
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::macros::take_ready;
 use axum::body::Body;
 use axum::http::{header, HeaderValue, Request};
 use axum::response::{IntoResponse, Response};
@@ -135,20 +136,7 @@ impl RequireToken<()> {
 }
 
 impl<S> RequireToken<S> {
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// The wrapped service, by value.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_service_accessors!();
 
     fn token(&self, req: &Request<Body>) -> Option<String> {
         if let Some(v) = req.headers().get(TOKEN_HEADER).and_then(|v| v.to_str().ok()) {
@@ -178,8 +166,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = take_ready(&mut self.inner);
         let token = self.token(&req);
         let layer = self.layer.clone();
         ResponseFuture::new(async move {

@@ -4,6 +4,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use crate::macros::take_ready;
 use axum::body::Body;
 use axum::http::request::Parts;
 use axum::http::Request;
@@ -41,20 +42,7 @@ impl<S> RequireLock<S> {
         RequireLock { inner, spec }
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// The wrapped service, by value.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_service_accessors!();
 }
 
 impl<S: fmt::Debug> fmt::Debug for RequireLock<S> {
@@ -102,10 +90,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        // The clone may not be ready; the instance that was polled ready goes
-        // with this request (tower's usual swap).
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let inner = take_ready(&mut self.inner);
         ResponseFuture { inner: Box::pin(run(self.spec.clone(), inner, req)) }
     }
 }
