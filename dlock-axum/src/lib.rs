@@ -4,12 +4,17 @@
 //! * [`LockLayer`] locks a route on a key built from request fields (JSON
 //!   body, query, path, headers) and answers a lost race with
 //!   `409 duplicate_submission`.
-//! * `#[lockable]` does the same on a handler, from the handler's own
-//!   arguments.
+//! * [`#[lockable]`](lockable) does the same on a handler, from the handler's
+//!   own arguments, through the same pipeline; a handler reaches its lock
+//!   with [`FencingToken`] and [`HeldLock`] arguments.
 //! * [`Rejection`] is the one JSON error shape every refusal uses:
 //!   `{"error": "<machine code>", "code": <number>, "message": "<text>"}`.
 //! * [`LockerExt::with_locker`] and [`from_env`] install the engine built from
-//!   the `DLOCK_*` environment variables in one line.
+//!   the `DLOCK_*` environment variables, with the settings the layers take
+//!   from them ([`Dlock`]), in one line, after the routes.
+//!
+//! Features: `tls` (`rediss://`) and `zookeeper` (`DLOCK_BACKEND=zookeeper`)
+//! forward dlock-core's features of those names.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_core::Error> {
@@ -31,8 +36,12 @@
 //! When the lock service cannot be reached, requests are refused with
 //! `503 lock_backend_unavailable` (fail closed), never a 500 or a hang.
 
-mod engine;
+#[macro_use]
+mod macros;
+
 pub mod idempotency;
+mod install;
+mod json_body;
 pub mod lock;
 mod rejection;
 mod request;
@@ -42,8 +51,15 @@ mod request;
 pub mod __private;
 
 pub use dlock_core;
+#[doc = include_str!("lockable.md")]
 pub use dlock_macros::lockable;
-pub use engine::{from_env, locker_from_extensions, Engine, LockerExt};
+pub use install::{from_env, locker_from_extensions, Dlock, LockerExt};
+pub use json_body::JsonBody;
 pub use lock::LockLayer;
 pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};
-pub use request::{FencingToken, LockOutcome, RequestOwner};
+pub use request::{FencingToken, HeldLock, LockOutcome, RequestOwner};
+
+/// The README's Rust blocks, compiled and run as doctests of this crate.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+mod readme {}

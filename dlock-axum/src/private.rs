@@ -1,120 +1,74 @@
 //! Runtime support for `#[lockable]`; not a public API.
 //!
 //! The macro's expansion names only items of this module, so the macro and
-//! the runtime can change together without breaking user code.
+//! the runtime can change together without breaking user code. Everything
+//! here is a thin adapter over the request-lock pipeline of
+//! [`LockLayer`](crate::LockLayer) (`lock/acquire.rs`): same policy type,
+//! same acquire, same refusals, same log event.
 
-use std::time::Duration;
+use std::convert::Infallible;
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 pub use axum::response::{IntoResponse, Response};
-use dlock_core::{AcquireOptions, KeyBuilder, LockGuard, LockKey, Locker, Owner};
-use std::time::Instant;
+use dlock_core::{KeyBuilder, LockKey, Locker, Owner};
 
-use crate::engine::{locker_from_extensions, no_engine};
-use crate::{LockOutcome, Rejection, RequestOwner};
+pub use crate::lock::policy::Policy;
 
-/// What one `#[lockable(...)]` attribute asked for.
-#[derive(Debug, Clone, Copy)]
-pub struct Spec {
-    /// The key's name.
-    pub key: &'static str,
-    /// `wait_ms`, or the engine's default wait.
-    pub wait_ms: Option<u64>,
-    /// `lease_ms`, or watchdog mode.
-    pub lease_ms: Option<u64>,
-    /// `message` of the duplicate-submission answer.
-    pub message: Option<&'static str>,
-    /// `code` of the duplicate-submission answer.
-    pub code: Option<u32>,
-    /// The handler's name, for logs.
-    pub handler: &'static str,
-}
+use crate::lock::acquire::{self, acquire_for_request, Refusal};
+use crate::request::{FencingToken, HeldLock, RequestOwner};
 
 /// The hidden first extractor of a `#[lockable]` handler: the installed
-/// engine and the request's lock owner.
+/// engine and the request's lock owner, or why there are none. It never
+/// rejects: a missing engine is answered by [`LockContext::acquire`], through
+/// the pipeline, with the handler's policy.
 #[derive(Debug)]
 pub struct LockContext {
-    locker: Locker,
-    owner: Owner,
+    engine: Result<(Locker, Owner), Refusal>,
 }
 
 impl<S> FromRequestParts<S> for LockContext
 where
     S: Send + Sync,
 {
-    type Rejection = Response;
+    type Rejection = Infallible;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        let Some(locker) = locker_from_extensions(&parts.extensions).cloned() else {
-            return Err(no_engine().into_response());
+        let Some(locker) = crate::install::locker_from_extensions(&parts.extensions).cloned() else {
+            return Ok(LockContext { engine: Err(Refusal::no_engine()) });
         };
-        let owner = RequestOwner::get_or_insert(&mut parts.extensions)
-            .map_err(|e| Rejection::from_lock_error(&e).into_response())?;
-        Ok(LockContext { locker, owner })
+        let engine = match RequestOwner::get_or_insert(&mut parts.extensions) {
+            Ok(owner) => Ok((locker, owner)),
+            Err(e) => Err(Refusal::no_owner(e)),
+        };
+        Ok(LockContext { engine })
     }
 }
 
 impl LockContext {
-    /// Starts the key `name`; the expansion adds the field values as parts.
-    pub fn key(&self, name: &str) -> KeyBuilder {
-        self.locker.key(name)
+    /// Builds the key with `key` (the expansion adds the field values as
+    /// parts to the builder it is given) and takes the lock, or answers for
+    /// the handler: `409` when it is held (with the policy's message and
+    /// code), `400` for a key the request made invalid, `503` when the lock
+    /// service is down, `500` without an engine.
+    pub async fn acquire(
+        self,
+        policy: &'static Policy,
+        key: impl FnOnce(KeyBuilder) -> dlock_core::Result<LockKey>,
+    ) -> Result<Held, Response> {
+        let (locker, owner) = self.engine.map_err(|refusal| refusal.respond(policy))?;
+        let key = key(locker.key(policy.name()))
+            .map_err(|e| Refusal::from_error(e, policy, None, std::time::Duration::ZERO).respond(policy))?;
+        let held = acquire_for_request(&locker, owner, key, policy).await.map_err(|refusal| refusal.respond(policy))?;
+        Ok(Held { held, policy })
     }
-
-    /// Takes the lock, or answers for the handler: `409` when it is held
-    /// (with the attribute's message and code), `400` for a key the request
-    /// made invalid, `503` when the lock service is down.
-    pub async fn acquire(&self, spec: &Spec, key: dlock_core::Result<LockKey>) -> Result<Held, Response> {
-        let key = key.map_err(|e| {
-            tracing::info!(handler = spec.handler, error = %e, "lockable: invalid key");
-            refusal(spec, &e, LockOutcome::Invalid { error: "lock_key_invalid".into() })
-        })?;
-        let mut opts = AcquireOptions::new().owner(self.owner.clone());
-        if let Some(ms) = spec.wait_ms {
-            opts = opts.wait(Duration::from_millis(ms));
-        }
-        if let Some(ms) = spec.lease_ms {
-            opts = opts.lease(Duration::from_millis(ms));
-        }
-        let started = Instant::now();
-        match self.locker.acquire(&key, opts).await {
-            Ok(guard) => Ok(Held { guard, waited: started.elapsed() }),
-            Err(e) => {
-                let waited = started.elapsed();
-                let outcome = if e.is_contention() {
-                    LockOutcome::Busy { waited }
-                } else if e.is_misconfigured() {
-                    LockOutcome::Misconfigured
-                } else {
-                    LockOutcome::Unavailable
-                };
-                tracing::info!(handler = spec.handler, key = %key, error = %e, outcome = outcome.as_str(), "lockable: refused");
-                Err(refusal(spec, &e, outcome))
-            }
-        }
-    }
-}
-
-fn refusal(spec: &Spec, err: &dlock_core::Error, outcome: LockOutcome) -> Response {
-    let mut rejection = Rejection::from_lock_error(err);
-    if err.is_contention() {
-        if let Some(message) = spec.message {
-            rejection = rejection.with_message(message);
-        }
-        if let Some(code) = spec.code {
-            rejection = rejection.with_code(code);
-        }
-    }
-    let mut response = rejection.into_response();
-    response.extensions_mut().insert(outcome);
-    response
 }
 
 /// A lock held while the handler's body runs.
 #[derive(Debug)]
 pub struct Held {
-    guard: LockGuard,
-    waited: Duration,
+    held: acquire::Held,
+    policy: &'static Policy,
 }
 
 impl Held {
@@ -122,14 +76,41 @@ impl Held {
     /// the outcome in the response. A body that panics drops the guard,
     /// which releases it in the background.
     pub async fn finish<R: IntoResponse>(self, out: R) -> Response {
-        let fencing_token = self.guard.fencing_token();
-        let key = self.guard.key().clone();
-        if let Err(e) = self.guard.release().await {
-            // The work is done; the lease frees the key when it runs out.
-            tracing::warn!(key = %key, error = %e, "lockable: release failed after the handler ran");
-        }
+        let outcome = self.held.release(self.policy).await;
         let mut response = out.into_response();
-        response.extensions_mut().insert(LockOutcome::Acquired { fencing_token, waited: self.waited });
+        response.extensions_mut().insert(outcome);
         response
+    }
+}
+
+/// An argument of a `#[lockable]` handler that comes from the lock the macro
+/// took rather than from the request: the macro fills arguments of these
+/// types after acquiring, in place of running an extractor.
+pub trait FromHeld {
+    /// The argument's value for the lock `held`.
+    fn from_held(held: &Held) -> Self;
+}
+
+impl FromHeld for FencingToken {
+    fn from_held(held: &Held) -> Self {
+        FencingToken(held.held.guard.fencing_token())
+    }
+}
+
+impl FromHeld for Option<FencingToken> {
+    fn from_held(held: &Held) -> Self {
+        Some(FencingToken::from_held(held))
+    }
+}
+
+impl FromHeld for HeldLock {
+    fn from_held(held: &Held) -> Self {
+        HeldLock::of(&held.held.guard)
+    }
+}
+
+impl FromHeld for Option<HeldLock> {
+    fn from_held(held: &Held) -> Self {
+        Some(HeldLock::of(&held.held.guard))
     }
 }

@@ -57,6 +57,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request; a token unknown or already used |
 /// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed |
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
+/// | 415 | `unsupported_media_type` | 2302 | the key needs JSON fields and the body's `Content-Type` is not JSON |
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
 /// | 429 | `too_many_locks` | 2401 | the principal already holds the most locks a layer allows at once |
 /// | 500 | `idempotency_response_too_large` | 2902 | the route's response exceeds the size the idempotency layer stores |
@@ -128,6 +129,10 @@ rejections! {
     body_unreadable => (BAD_REQUEST, "request_body_unreadable", 2007, "the request body could not be read");
     /// The body is larger than the most bytes read to derive a key.
     payload_too_large => (PAYLOAD_TOO_LARGE, "payload_too_large", 2301, "the request body is too large");
+    /// The key needs fields of a JSON body and the request declares another
+    /// `Content-Type`.
+    unsupported_media_type => (UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", 2302,
+        "the request body must be JSON (Content-Type: application/json)");
     /// The same `Idempotency-Key` was used with a different payload.
     idempotency_key_mismatch => (UNPROCESSABLE_ENTITY, "idempotency_key_mismatch", 2201,
         "this idempotency key was used with a different request");
@@ -306,6 +311,7 @@ mod tests {
             ("lock_key_invalid", 400),
             ("request_body_unreadable", 400),
             ("payload_too_large", 413),
+            ("unsupported_media_type", 415),
             ("idempotency_key_mismatch", 422),
             ("too_many_locks", 429),
             ("lock_backend_unavailable", 503),

@@ -2,23 +2,23 @@
 //! the fencing token of the lock it holds, and the outcome for logs.
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::http::request::Parts;
 use axum::http::Extensions;
-use dlock_core::Owner;
+use dlock_core::{LockGuard, LostReason, LostSignal, Owner};
 
 use crate::rejection::Rejection;
 
-/// What dlock keeps in a request's extensions: its lock owner and the
-/// fencing token of the lock it holds, in one entry. `http`'s extension map
-/// starts with room for three: a router's own entries plus two of ours
-/// would make it grow on every locked request.
+/// What dlock keeps in a request's extensions: its lock owner and the lock
+/// it holds, in one entry. `http`'s extension map starts with room for
+/// three: a router's own entries plus two of ours would make it grow on
+/// every locked request.
 #[derive(Debug, Clone)]
 struct RequestLock {
     owner: Owner,
-    fencing_token: Option<u64>,
+    held: Option<HeldLock>,
 }
 
 /// The lock owner of one request.
@@ -56,7 +56,7 @@ impl RequestOwner {
             return Ok(lock.owner.clone());
         }
         let owner = Owner::random()?;
-        extensions.insert(RequestLock { owner: owner.clone(), fencing_token: None });
+        extensions.insert(RequestLock { owner: owner.clone(), held: None });
         Ok(owner)
     }
 
@@ -78,14 +78,21 @@ impl<S: Send + Sync> FromRequestParts<S> for RequestOwner {
 /// it to the storage you protect so it can refuse writes from a holder whose
 /// lease already ran out.
 ///
-/// Extracting it from a request that holds no lock through a
-/// [`LockLayer`](crate::LockLayer) is a server misconfiguration (`500`); take
-/// `Option<FencingToken>` where the route may run without one.
+/// It is the token of the lock a [`LockLayer`](crate::LockLayer) took for the
+/// request, or, in a `#[lockable]` handler, of the lock the macro took (the
+/// macro fills an argument of this type after acquiring; see
+/// [`lockable`](crate::lockable)). Extracting it from a request that holds no
+/// lock is a server misconfiguration (`500`); take `Option<FencingToken>`
+/// where the route may run without one. [`HeldLock`] gives the lock's
+/// validity and lost signal too.
 ///
 /// ```
-/// use dlock_axum::FencingToken;
-/// async fn handler(FencingToken(fence): FencingToken) -> String {
-///     format!("writing with fence {fence}")
+/// use dlock_axum::{lockable, FencingToken};
+/// use axum::extract::Path;
+///
+/// #[lockable(key = "account.debit", fields = ["account"])]
+/// async fn debit(Path(account): Path<String>, FencingToken(fence): FencingToken) -> String {
+///     format!("writing {account} with fence {fence}")
 /// }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -94,41 +101,145 @@ pub struct FencingToken(pub u64);
 impl FencingToken {
     /// The token of the lock the request holds, if any.
     pub fn get(extensions: &Extensions) -> Option<FencingToken> {
-        extensions.get::<RequestLock>().and_then(|lock| lock.fencing_token).map(FencingToken)
+        extensions.get::<RequestLock>().and_then(|lock| lock.held.as_ref()).map(HeldLock::fencing_token)
+    }
+}
+
+/// The lock this request holds, for the handler: its fencing token, how long
+/// it is valid, and its lost signal.
+///
+/// Behind a [`LockLayer`](crate::LockLayer) it is the layer's lock; in a
+/// `#[lockable]` handler it is the lock the macro took (the macro fills an
+/// argument of this type after acquiring; see [`lockable`](crate::lockable)).
+/// Extracting it where no lock is held is a `500 lock_misconfigured`; take
+/// `Option<HeldLock>` where the route may run without one.
+///
+/// Work that must not outlive the lock races [`HeldLock::lost`]; a write to
+/// storage carries [`HeldLock::fencing_token`], so the storage itself refuses
+/// a holder whose lease already ran out.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::extract::Path;
+/// use dlock_axum::{lockable, HeldLock};
+///
+/// #[lockable(key = "report.build", fields = ["id"])]
+/// async fn build(Path(id): Path<u64>, lock: HeldLock) -> String {
+///     tokio::select! {
+///         _ = tokio::time::sleep(Duration::from_millis(10)) => {
+///             format!("report {id} built under fence {}", lock.fencing_token().0)
+///         }
+///         reason = lock.lost() => format!("stopped: the lock was lost ({reason})"),
+///     }
+/// }
+/// ```
+#[derive(Debug, Clone)]
+pub struct HeldLock {
+    fencing_token: u64,
+    signal: LostSignal,
+}
+
+impl HeldLock {
+    /// The lock `guard` holds.
+    pub(crate) fn of(guard: &LockGuard) -> Self {
+        HeldLock { fencing_token: guard.fencing_token(), signal: guard.lost_signal() }
     }
 
-    /// Records the token of the lock just taken for the request of `owner`.
-    pub(crate) fn set(extensions: &mut Extensions, owner: &Owner, token: u64) {
+    /// Records the lock just taken for the request of `owner`, for the
+    /// route's extractors.
+    pub(crate) fn set(self, extensions: &mut Extensions, owner: &Owner) {
         match extensions.get_mut::<RequestLock>() {
-            Some(lock) => lock.fencing_token = Some(token),
+            Some(lock) => lock.held = Some(self),
             None => {
-                extensions.insert(RequestLock { owner: owner.clone(), fencing_token: Some(token) });
+                extensions.insert(RequestLock { owner: owner.clone(), held: Some(self) });
             }
         }
     }
-}
 
-impl<S: Send + Sync> FromRequestParts<S> for FencingToken {
-    type Rejection = Rejection;
+    /// The lock the request holds, if any.
+    ///
+    /// ```
+    /// let ext = axum::http::Extensions::new();
+    /// assert!(dlock_axum::HeldLock::get(&ext).is_none());
+    /// ```
+    pub fn get(extensions: &Extensions) -> Option<HeldLock> {
+        extensions.get::<RequestLock>().and_then(|lock| lock.held.clone())
+    }
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
-        FencingToken::get(&parts.extensions).ok_or_else(|| {
-            tracing::error!("FencingToken extracted by a handler that holds no lock; put the route behind a LockLayer");
-            Rejection::misconfigured().with_message("this route holds no lock, so it has no fencing token")
-        })
+    /// The grant's fencing token: pass it to the storage you protect.
+    pub fn fencing_token(&self) -> FencingToken {
+        FencingToken(self.fencing_token)
+    }
+
+    /// Until when the lock is certainly ours (renewals move it on in watchdog
+    /// mode).
+    pub fn valid_until(&self) -> Instant {
+        self.signal.valid_until().into_std()
+    }
+
+    /// Whether the lock was lost (a renewal found it gone, the lease ran
+    /// out, `max_hold` passed).
+    pub fn is_lost(&self) -> bool {
+        self.signal.is_lost()
+    }
+
+    /// Why the lock was lost, once it was.
+    pub fn reason(&self) -> Option<LostReason> {
+        self.signal.reason()
+    }
+
+    /// Resolves when the lock is lost; pending for as long as it is held.
+    ///
+    /// # Cancellation safety
+    ///
+    /// Cancel-safe: dropping the future only stops watching.
+    pub async fn lost(&self) -> LostReason {
+        self.signal.lost().await
+    }
+
+    /// The lock's lost signal, to hand to work that outlives this borrow.
+    pub fn lost_signal(&self) -> &LostSignal {
+        &self.signal
     }
 }
 
-impl<S: Send + Sync> OptionalFromRequestParts<S> for FencingToken {
-    type Rejection = std::convert::Infallible;
+/// The extractor impls of a type read from the request's lock: without a
+/// lock, a `500` that says where the lock should come from; and `Option<_>`.
+macro_rules! from_request_lock {
+    ($ty:ident, $message:literal) => {
+        impl<S: Send + Sync> FromRequestParts<S> for $ty {
+            type Rejection = Rejection;
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Self::Rejection> {
-        Ok(FencingToken::get(&parts.extensions))
-    }
+            async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
+                $ty::get(&parts.extensions).ok_or_else(|| no_lock(stringify!($ty), $message))
+            }
+        }
+
+        impl<S: Send + Sync> OptionalFromRequestParts<S> for $ty {
+            type Rejection = std::convert::Infallible;
+
+            async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Self::Rejection> {
+                Ok($ty::get(&parts.extensions))
+            }
+        }
+    };
 }
 
-/// What happened to the lock of a request; [`LockLayer`](crate::LockLayer)
-/// puts it in the response extensions so an access log can print it.
+from_request_lock!(FencingToken, "this route holds no lock, so it has no fencing token");
+from_request_lock!(HeldLock, "this route holds no lock");
+
+fn no_lock(extractor: &str, message: &'static str) -> Rejection {
+    tracing::error!(
+        "{extractor} extracted by a handler that holds no lock; put the route behind a LockLayer, \
+         or write the argument's type as `{extractor}` in a #[lockable] handler"
+    );
+    Rejection::misconfigured().with_message(message)
+}
+
+/// What happened to the lock of a request; [`LockLayer`](crate::LockLayer),
+/// `#[lockable]` and [`Policy::run_locked`](crate::lock::Policy::run_locked)
+/// put it in the response extensions so an access log can print it (dlock's
+/// own `dlock.request` event prints the key at `DEBUG` only).
 ///
 /// ```
 /// use dlock_axum::LockOutcome;

@@ -295,3 +295,56 @@ async fn storm_of_one_key_runs_once() {
     }
     assert_eq!((created, runs.load(Ordering::SeqCst)), (1, 1));
 }
+
+/// The TTL comes with the installed engine (`DLOCK_IDEMPOTENCY_TTL_SECS`
+/// through `Config` and `Dlock`); one given to the `Idempotency` wins.
+#[tokio::test]
+async fn the_token_ttl_comes_with_the_installed_engine() {
+    use dlock_axum::{Dlock, LockerExt};
+    use dlock_core::{Locker, MemoryBackend};
+    let dlock = Dlock::new(Locker::new(MemoryBackend::new())).with_idempotency_ttl(Duration::from_secs(60));
+    let app = Router::new()
+        .route("/token", get(idem().token_handler()))
+        .route("/own", get(idem().with_ttl(Duration::from_secs(30)).token_handler()))
+        .with_locker(dlock);
+    for (uri, ttl) in [("/token", 60), ("/own", 30)] {
+        let (status, _, body) = send(&app, Request::get(uri).body(Body::empty()).expect("request")).await;
+        assert_eq!(status, StatusCode::OK);
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["expires_in_secs"], ttl, "{uri}");
+    }
+}
+
+/// The inner service's error passes through the idempotency services
+/// unchanged (tower-http's convention), and an error frees the key as a `5xx`
+/// does, so a retry runs the route again.
+#[tokio::test]
+async fn an_inner_error_passes_through_and_frees_the_key() {
+    use dlock_axum::idempotency::{Idempotent, RequireToken};
+    use tower::{Layer, Service};
+
+    #[derive(Debug, PartialEq)]
+    struct Broken(u32);
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let inner = tower::service_fn({
+        let runs = runs.clone();
+        move |_req: Request<Body>| {
+            let n = runs.fetch_add(1, Ordering::SeqCst) as u32;
+            async move { Err::<axum::response::Response, _>(Broken(n)) }
+        }
+    });
+    let mut svc = Idempotent::layer(idem()).layer(inner.clone());
+    for attempt in 0..2 {
+        let res = svc.call(pay(Some("k-err"), "{}")).await;
+        assert_eq!(res.err(), Some(Broken(attempt)), "attempt {attempt} reached the route");
+        // The key is freed in the background.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let idem = idem();
+    let mut svc = RequireToken::layer(idem.clone()).layer(inner);
+    let token = idem.store().issue_token(idem.ttl()).await.expect("token");
+    let req = Request::post("/submit").header("idempotency-token", token).body(Body::empty()).expect("request");
+    assert_eq!(svc.call(req).await.err(), Some(Broken(2)));
+}

@@ -134,8 +134,20 @@ impl Drop for KeyBuilder {
 
 /// A value that can be one part of a lock key.
 ///
-/// Implemented for strings, integers, `bool`, `char`, `Option<T>` and
-/// references. Implement it for your own id types by writing their text
+/// A part is written as text and escaped, so that no two different tuples of
+/// parts give the same key. Implemented for
+///
+/// * strings (`str`, `String`, `Cow<str>`), escaped;
+/// * integers, as their decimal text; `bool` as `true`/`false`; `char`;
+/// * IP addresses (`IpAddr`, `Ipv4Addr`, `Ipv6Addr`), as their text;
+/// * `Option<T>`: `None` is a part of its own that equals no string, not even
+///   `"None"`, `"null"` or `""`;
+/// * references, `Box<T>`, `Rc<T>` and `Arc<T>`, as the value they hold;
+/// * `uuid::Uuid` with the `uuid` feature, as its lowercase hyphenated text.
+///
+/// Two values give the same part exactly when their texts are equal: the
+/// integer `7` and the string `"7"` are one part (so a JSON body may send an
+/// id either way). Implement it for your own id types by writing their text
 /// through [`escape_into`].
 ///
 /// ```
@@ -225,6 +237,57 @@ impl KeyPart for char {
     }
 }
 
+impl KeyPart for std::borrow::Cow<'_, str> {
+    fn write_part(&self, out: &mut String) {
+        escape_into(self, out)
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for Box<T> {
+    fn write_part(&self, out: &mut String) {
+        (**self).write_part(out)
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for std::rc::Rc<T> {
+    fn write_part(&self, out: &mut String) {
+        (**self).write_part(out)
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for std::sync::Arc<T> {
+    fn write_part(&self, out: &mut String) {
+        (**self).write_part(out)
+    }
+}
+
+macro_rules! display_part {
+    ($($t:ty),*) => {$(
+        impl KeyPart for $t {
+            fn write_part(&self, out: &mut String) {
+                // Through `escape_into`: an IPv6 address holds the separator.
+                escape_into(&self.to_string(), out)
+            }
+        }
+    )*};
+}
+display_part!(std::net::IpAddr, std::net::Ipv4Addr, std::net::Ipv6Addr);
+
+/// ```
+/// # #[cfg(feature = "uuid")] {
+/// let id = uuid::Uuid::from_u128(0x67e55044_10b1_426f_9247_bb680e5fe0c8);
+/// let key = dlock_core::LockKey::builder("dlock", "order").part(id).build().unwrap();
+/// assert_eq!(key.as_str(), "dlock:{order:67e55044-10b1-426f-9247-bb680e5fe0c8}");
+/// # }
+/// ```
+#[cfg(feature = "uuid")]
+impl KeyPart for uuid::Uuid {
+    fn write_part(&self, out: &mut String) {
+        // Hex digits and hyphens: nothing to escape.
+        out.push_str(self.hyphenated().encode_lower(&mut uuid::Uuid::encode_buffer()))
+    }
+}
+
 /// Checks a key namespace (`DLOCK_PREFIX`): braces form the Redis hash tag
 /// and `/` separates ZooKeeper paths, so neither may appear in it.
 pub(crate) fn validate_prefix(prefix: &str) -> Result<()> {
@@ -244,6 +307,26 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<()> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn foreign_parts_are_their_escaped_text() {
+        let text = |p: &dyn Fn(&mut String)| {
+            let mut s = String::new();
+            p(&mut s);
+            s
+        };
+        let v6: std::net::IpAddr = "::1".parse().expect("ip");
+        assert_eq!(text(&|s| v6.write_part(s)), "%3A%3A1");
+        assert_eq!(text(&|s| std::net::Ipv4Addr::LOCALHOST.write_part(s)), "127.0.0.1");
+        assert_eq!(text(&|s| std::borrow::Cow::Borrowed("a:b").write_part(s)), "a%3Ab");
+        assert_eq!(text(&|s| std::sync::Arc::<str>::from("a/b").write_part(s)), "a%2Fb");
+        assert_eq!(text(&|s| Box::new(7u8).write_part(s)), "7");
+        #[cfg(feature = "uuid")]
+        assert_eq!(
+            text(&|s| uuid::Uuid::from_u128(0x67e55044_10b1_426f_9247_bb680e5fe0c8).write_part(s)),
+            "67e55044-10b1-426f-9247-bb680e5fe0c8"
+        );
+    }
 
     fn key(parts: &[Option<String>]) -> LockKey {
         let mut b = LockKey::builder("dlock", "n");

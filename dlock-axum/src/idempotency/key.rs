@@ -1,6 +1,5 @@
 //! Key mode: `Idempotency-Key` with stored, replayed responses.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -8,6 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::macros::take_ready;
 use axum::body::Body;
 use axum::http::request::Parts;
 use axum::http::{header, HeaderName, HeaderValue, Request, StatusCode};
@@ -17,7 +17,9 @@ use dlock_core::idempotency::{fingerprint, Begin, Claim, IdempotencyStore, Store
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::{Layer, Service};
 
-use super::{Idempotency, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
+use super::{Idempotency, ResponseFuture, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
+use crate::install::Dlock;
+use crate::lock::body::read_body;
 use crate::Rejection;
 
 /// Response headers stored and replayed unless [`IdempotencyLayer::store_headers`]
@@ -27,7 +29,7 @@ pub const DEFAULT_STORED_HEADERS: &[&str] =
     &["content-type", "content-language", "content-encoding", "location", "etag", "cache-control"];
 
 /// Names the caller a request belongs to; see [`IdempotencyLayer::scope`].
-pub type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
+type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 
 /// `Idempotency-Key` handling for a route, per the IETF draft and Stripe.
 ///
@@ -37,7 +39,8 @@ pub type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 ///   than 255 bytes or has characters outside visible ASCII (`!`..`~`) →
 ///   `400 idempotency_key_invalid`.
 /// * The request is fingerprinted (method, path with query, body; the body
-///   is read up to `max_body_bytes`, `413 payload_too_large` beyond).
+///   is read up to `max_body_bytes`, `413 payload_too_large` beyond, by the
+///   same reader and with the same answer as [`LockLayer`](crate::LockLayer)'s).
 /// * The first request claims `(scope, key)` atomically with an in-progress
 ///   record whose lease (default 60 s, [`IdempotencyLayer::lease`]) bounds
 ///   how long a crashed instance can block the key; it runs the route and
@@ -93,7 +96,8 @@ pub struct IdempotencyLayer {
     idem: Idempotency,
     scope: ScopeFn,
     lease: Duration,
-    max_body_bytes: usize,
+    /// `None`: the installed engine's (`DLOCK_MAX_BODY_BYTES`).
+    max_body_bytes: Option<usize>,
     max_response_bytes: usize,
     stored_headers: Arc<[HeaderName]>,
 }
@@ -123,7 +127,7 @@ impl IdempotencyLayer {
             idem,
             scope: Arc::new(default_scope),
             lease: Duration::from_secs(60),
-            max_body_bytes: dlock_core::Config::default().max_body_bytes,
+            max_body_bytes: None,
             max_response_bytes: 1024 * 1024,
             stored_headers: DEFAULT_STORED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
         }
@@ -143,9 +147,11 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Most request body bytes read for the fingerprint (`DLOCK_MAX_BODY_BYTES`).
+    /// Most request body bytes read for the fingerprint. Default: the
+    /// installed engine's ([`Dlock::max_body_bytes`], from
+    /// `DLOCK_MAX_BODY_BYTES` through [`Config`](dlock_core::Config); 64 KiB).
     pub fn max_body_bytes(mut self, n: usize) -> Self {
-        self.max_body_bytes = n;
+        self.max_body_bytes = Some(n);
         self
     }
 
@@ -163,18 +169,41 @@ impl IdempotencyLayer {
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
-    type Service = IdempotencyService<S>;
+    type Service = Idempotent<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService { inner, layer: self.clone() }
+        Idempotent { inner, layer: self.clone() }
     }
 }
 
-/// The service of [`IdempotencyLayer`].
+/// The service of [`IdempotencyLayer`]: answers a repeated `Idempotency-Key`
+/// from the store, runs the inner service for a new one. The inner service's
+/// error passes through unchanged (and frees the key, like a `5xx`).
+///
+/// ```
+/// use std::sync::Arc;
+/// use axum::{routing::post, Router};
+/// use dlock_axum::idempotency::{Idempotency, Idempotent};
+/// use dlock_core::idempotency::MemoryStore;
+///
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+/// let app: Router = Router::new().route("/pay", post(|| async { "paid" }).layer(Idempotent::layer(idem)));
+/// ```
 #[derive(Debug, Clone)]
-pub struct IdempotencyService<S> {
+pub struct Idempotent<S> {
     inner: S,
     layer: IdempotencyLayer,
+}
+
+impl Idempotent<()> {
+    /// The layer of this service: [`IdempotencyLayer::new`]`(idem)`.
+    pub fn layer(idem: Idempotency) -> IdempotencyLayer {
+        IdempotencyLayer::new(idem)
+    }
+}
+
+impl<S> Idempotent<S> {
+    inner_service_accessors!();
 }
 
 /// A syntactically acceptable `Idempotency-Key`, or the rejection.
@@ -195,11 +224,8 @@ fn idempotency_key(parts: &Parts) -> Result<String, Rejection> {
 
 fn store_error(e: &dlock_core::Error) -> Response {
     tracing::warn!(error = %e, "dlock: idempotency store failed");
-    let mut res = Rejection::from_lock_error(e).into_response();
-    if res.status() == StatusCode::SERVICE_UNAVAILABLE {
-        res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    }
-    res
+    // `Retry-After` on a 503 comes with the rejection's response.
+    Rejection::from_lock_error(e).into_response()
 }
 
 fn replay(stored: StoredResponse) -> Response {
@@ -264,45 +290,43 @@ impl<F: Future> Future for CatchUnwind<F> {
     }
 }
 
-impl<S> Service<Request<Body>> for IdempotencyService<S>
+impl<S> Service<Request<Body>> for Idempotent<S>
 where
-    S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<Body>> + Clone + Send + 'static,
+    S::Response: IntoResponse,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
 {
     type Response = Response;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let inner = take_ready(&mut self.inner);
         let layer = self.layer.clone();
-        Box::pin(async move { Ok(handle(layer, inner, req).await) })
+        ResponseFuture::new(handle(layer, inner, req))
     }
 }
 
-async fn handle<S>(layer: IdempotencyLayer, mut inner: S, req: Request<Body>) -> Response
+async fn handle<S>(layer: IdempotencyLayer, mut inner: S, req: Request<Body>) -> Result<Response, S::Error>
 where
-    S: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    S: Service<Request<Body>> + Send + 'static,
+    S::Response: IntoResponse,
     S::Future: Send + 'static,
 {
     let (parts, body) = req.into_parts();
     let key = match idempotency_key(&parts) {
         Ok(k) => k,
-        Err(r) => return r.into_response(),
+        Err(r) => return Ok(r.into_response()),
     };
-    let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > layer.max_body_bytes as u64) {
-        return Rejection::payload_too_large().into_response();
-    }
-    let body = match Limited::new(body, layer.max_body_bytes).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<LengthLimitError>() => return Rejection::payload_too_large().into_response(),
-        Err(_) => return Rejection::body_unreadable().into_response(),
+    let limit = layer.max_body_bytes.unwrap_or_else(|| Dlock::max_body_bytes_in(&parts.extensions));
+    let body = match read_body(&parts.headers, body, limit).await {
+        Ok(body) => body,
+        Err(rejection) => return Ok(rejection.into_response()),
     };
     let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     let fp = fingerprint(&[parts.method.as_str().as_bytes(), path.as_bytes(), &body]);
@@ -310,25 +334,29 @@ where
     let store = layer.idem.store.clone();
     let claim = match store.begin(&scope, &key, &fp, layer.lease).await {
         Ok(Begin::New(claim)) => claim,
-        Ok(Begin::InProgress) => return Rejection::idempotency_request_in_progress().into_response(),
-        Ok(Begin::Mismatch) => return Rejection::idempotency_key_mismatch().into_response(),
-        Ok(Begin::Completed(stored)) => return replay(stored),
-        Err(e) => return store_error(&e),
+        Ok(Begin::InProgress) => return Ok(Rejection::idempotency_request_in_progress().into_response()),
+        Ok(Begin::Mismatch) => return Ok(Rejection::idempotency_key_mismatch().into_response()),
+        Ok(Begin::Completed(stored)) => return Ok(replay(stored)),
+        Err(e) => return Ok(store_error(&e)),
     };
     let mut guard = ClaimGuard { store: store.clone(), claim: Some(claim) };
+    let ttl = layer.idem.ttl_in(&parts.extensions);
     let req = Request::from_parts(parts, Body::from(body));
     let response = match CatchUnwind(Box::pin(inner.call(req))).await {
-        Ok(Ok(res)) => res,
-        Ok(Err(never)) => match never {},
+        Ok(Ok(res)) => res.into_response(),
+        Ok(Err(e)) => {
+            drop(guard); // the route failed: free the key, as for a 5xx
+            return Err(e);
+        }
         Err(panic) => {
             drop(guard); // frees the key in the background
             std::panic::resume_unwind(panic);
         }
     };
-    let Some(claim) = guard.take() else { return response };
+    let Some(claim) = guard.take() else { return Ok(response) };
     if response.status().is_server_error() {
         abandon(&*store, &claim).await;
-        return response;
+        return Ok(response);
     }
     let (mut res_parts, res_body) = response.into_parts();
     let bytes: Bytes = match Limited::new(res_body, layer.max_response_bytes).collect().await {
@@ -341,10 +369,10 @@ where
                     limit = layer.max_response_bytes,
                     "dlock: response too large to store for replay"
                 );
-                return Rejection::idempotency_response_too_large().into_response();
+                return Ok(Rejection::idempotency_response_too_large().into_response());
             }
             tracing::warn!(error = %e, "dlock: reading the route's response failed");
-            return Rejection::body_unreadable().into_response();
+            return Ok(Rejection::body_unreadable().into_response());
         }
     };
     let headers = layer
@@ -355,7 +383,7 @@ where
         })
         .collect();
     let stored = StoredResponse::new(res_parts.status.as_u16(), headers, bytes.to_vec());
-    match store.complete(&claim, &stored, layer.idem.ttl).await {
+    match store.complete(&claim, &stored, ttl).await {
         Ok(true) => {}
         Ok(false) => tracing::warn!(
             key = claim.key(),
@@ -364,7 +392,7 @@ where
         Err(e) => tracing::warn!(error = %e, key = claim.key(), "dlock: storing the idempotent response failed"),
     }
     res_parts.headers.remove(header::CONTENT_LENGTH);
-    Response::from_parts(res_parts, Body::from(bytes))
+    Ok(Response::from_parts(res_parts, Body::from(bytes)))
 }
 
 async fn abandon(store: &dyn IdempotencyStore, claim: &Claim) {

@@ -42,11 +42,39 @@ use std::time::Duration;
 
 use dlock_core::idempotency::IdempotencyStore;
 
+use crate::install::Dlock;
+
 mod key;
 mod token;
 
-pub use key::{IdempotencyLayer, IdempotencyService, ScopeFn, DEFAULT_STORED_HEADERS};
-pub use token::{TokenLayer, TokenResponse, TokenService};
+pub use key::{IdempotencyLayer, Idempotent, DEFAULT_STORED_HEADERS};
+pub use token::{RequireToken, TokenLayer, TokenResponse};
+
+/// The future of [`Idempotent`] and [`RequireToken`]: the layer's work, then
+/// the inner service's answer; the inner service's error passes through.
+pub struct ResponseFuture<E> {
+    inner: std::pin::Pin<Box<dyn std::future::Future<Output = Result<axum::response::Response, E>> + Send>>,
+}
+
+impl<E> ResponseFuture<E> {
+    fn new(future: impl std::future::Future<Output = Result<axum::response::Response, E>> + Send + 'static) -> Self {
+        ResponseFuture { inner: Box::pin(future) }
+    }
+}
+
+impl<E> std::fmt::Debug for ResponseFuture<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<E> std::future::Future for ResponseFuture<E> {
+    type Output = Result<axum::response::Response, E>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
 
 /// The header a retried response carries.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -70,34 +98,51 @@ pub const MAX_KEY_LEN: usize = 255;
 #[derive(Debug, Clone)]
 pub struct Idempotency {
     store: Arc<dyn IdempotencyStore>,
-    ttl: Duration,
+    /// `None`: the installed engine's ([`Dlock::idempotency_ttl`]), else 24 hours.
+    ttl: Option<Duration>,
 }
 
 impl Idempotency {
-    /// Records in `store`, living 24 hours (`DLOCK_IDEMPOTENCY_TTL_SECS`' default).
+    /// Records in `store`, living as long as the installed engine's
+    /// configuration says ([`Dlock::idempotency_ttl`],
+    /// `DLOCK_IDEMPOTENCY_TTL_SECS`; 24 hours without one).
     pub fn new(store: Arc<dyn IdempotencyStore>) -> Self {
-        Idempotency { store, ttl: dlock_core::Config::default().idempotency_ttl }
+        Idempotency { store, ttl: None }
     }
 
     /// The store [`Config::idempotency_store`](dlock_core::Config::idempotency_store)
-    /// picks, with the configured TTL.
+    /// picks, with the configured TTL. It opens connections of its own; to
+    /// share the lock backend's, build both with
+    /// [`Config::build_services`](dlock_core::Config::build_services) and
+    /// take [`Idempotency::new`] of its store (the README shows it).
     ///
     /// # Errors
     ///
     /// When the store cannot be connected.
     pub async fn from_config(cfg: &dlock_core::Config) -> dlock_core::Result<Self> {
-        Ok(Idempotency { store: cfg.idempotency_store().await?, ttl: cfg.idempotency_ttl })
+        Ok(Idempotency { store: cfg.idempotency_store().await?, ttl: Some(cfg.idempotency_ttl) })
     }
 
     /// Changes how long tokens and stored responses live.
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = Some(ttl);
         self
     }
 
-    /// How long tokens and stored responses live.
+    /// How long tokens and stored responses live when no engine says
+    /// otherwise: the TTL given here, else 24 hours.
     pub fn ttl(&self) -> Duration {
-        self.ttl
+        self.ttl.unwrap_or_else(|| dlock_core::Config::default().idempotency_ttl)
+    }
+
+    /// The TTL for a request: the one given here, else the installed
+    /// engine's, else 24 hours.
+    pub(crate) fn ttl_in(&self, extensions: &axum::http::Extensions) -> Duration {
+        match (self.ttl, extensions.get::<Dlock>()) {
+            (Some(ttl), _) => ttl,
+            (None, Some(dlock)) => dlock.idempotency_ttl(),
+            (None, None) => self.ttl(),
+        }
     }
 
     /// The store.
@@ -120,15 +165,18 @@ impl Idempotency {
     /// ```
     pub fn token_handler(
         &self,
-    ) -> impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
+    ) -> impl Fn(
+        axum::http::Extensions,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
            + Clone
            + Send
            + Sync
            + 'static {
         let idem = self.clone();
-        move || {
+        move |extensions: axum::http::Extensions| {
             let idem = idem.clone();
-            Box::pin(async move { token::issue(&idem).await })
+            let ttl = idem.ttl_in(&extensions);
+            Box::pin(async move { token::issue(&idem, ttl).await })
         }
     }
 }

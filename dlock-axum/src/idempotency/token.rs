@@ -1,16 +1,15 @@
 //! Token mode: issue and consume one-time tokens.
 
-use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
+use crate::macros::take_ready;
 use axum::body::Body;
-use axum::http::{header, HeaderValue, Request, StatusCode};
+use axum::http::{header, HeaderValue, Request};
 use axum::response::{IntoResponse, Response};
 use tower::{Layer, Service};
 
-use super::{Idempotency, TOKEN_HEADER};
+use super::{Idempotency, ResponseFuture, TOKEN_HEADER};
 use crate::Rejection;
 
 /// The body of the token endpoint.
@@ -39,10 +38,10 @@ impl TokenResponse {
     }
 }
 
-pub(super) async fn issue(idem: &Idempotency) -> Response {
-    match idem.store.issue_token(idem.ttl).await {
+pub(super) async fn issue(idem: &Idempotency, ttl: Duration) -> Response {
+    match idem.store.issue_token(ttl).await {
         Ok(token) => {
-            let body = TokenResponse { token, expires_in_secs: idem.ttl.as_secs() }.to_json();
+            let body = TokenResponse { token, expires_in_secs: ttl.as_secs() }.to_json();
             let mut res = Response::new(Body::from(body));
             res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
             // A token must never be served from a cache to a second client.
@@ -104,21 +103,41 @@ impl TokenLayer {
 }
 
 impl<S> Layer<S> for TokenLayer {
-    type Service = TokenService<S>;
+    type Service = RequireToken<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        TokenService { inner, layer: self.clone() }
+        RequireToken { inner, layer: self.clone() }
     }
 }
 
-/// The service of [`TokenLayer`].
+/// The service of [`TokenLayer`]: consumes the request's one-time token,
+/// then calls the inner service, whose error passes through unchanged.
+///
+/// ```
+/// use std::sync::Arc;
+/// use axum::{routing::post, Router};
+/// use dlock_axum::idempotency::{Idempotency, RequireToken};
+/// use dlock_core::idempotency::MemoryStore;
+///
+/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(RequireToken::layer(idem)));
+/// ```
 #[derive(Debug, Clone)]
-pub struct TokenService<S> {
+pub struct RequireToken<S> {
     inner: S,
     layer: TokenLayer,
 }
 
-impl<S> TokenService<S> {
+impl RequireToken<()> {
+    /// The layer of this service: [`TokenLayer::new`]`(idem)`.
+    pub fn layer(idem: Idempotency) -> TokenLayer {
+        TokenLayer::new(idem)
+    }
+}
+
+impl<S> RequireToken<S> {
+    inner_service_accessors!();
+
     fn token(&self, req: &Request<Body>) -> Option<String> {
         if let Some(v) = req.headers().get(TOKEN_HEADER).and_then(|v| v.to_str().ok()) {
             return Some(v.trim().to_owned()).filter(|t| !t.is_empty());
@@ -131,38 +150,36 @@ impl<S> TokenService<S> {
     }
 }
 
-impl<S> Service<Request<Body>> for TokenService<S>
+impl<S> Service<Request<Body>> for RequireToken<S>
 where
-    S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<Body>> + Clone + Send + 'static,
+    S::Response: IntoResponse,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
 {
     type Response = Response;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = take_ready(&mut self.inner);
         let token = self.token(&req);
         let layer = self.layer.clone();
-        Box::pin(async move {
+        ResponseFuture::new(async move {
             let Some(token) = token else {
                 return Ok(Rejection::idempotency_token_missing().into_response());
             };
             match layer.idem.store.consume_token(&token).await {
-                Ok(true) => inner.call(req).await,
+                Ok(true) => inner.call(req).await.map(IntoResponse::into_response),
                 Ok(false) => Ok(layer.duplicate.clone().into_response()),
                 Err(e) => {
                     tracing::warn!(error = %e, "dlock: consuming an idempotency token failed");
-                    let mut res = Rejection::from_lock_error(&e).into_response();
-                    if res.status() == StatusCode::SERVICE_UNAVAILABLE {
-                        res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-                    }
-                    Ok(res)
+                    // `Retry-After` on a 503 comes with the rejection's response.
+                    Ok(Rejection::from_lock_error(&e).into_response())
                 }
             }
         })

@@ -69,7 +69,7 @@ impl Picked {
     /// what [`read`] was given: it says which slot a segment is in.
     pub(crate) fn lookup<'a>(&'a self, want: &Want, segments: &[String]) -> Option<&'a Value> {
         match (self, want) {
-            (Picked::Whole(value), _) => super::key::lookup(value, segments),
+            (Picked::Whole(value), _) => lookup(value, segments),
             (Picked::Members(slots), Want::Members(members)) => {
                 let (first, rest) = segments.split_first()?;
                 let i = members.iter().position(|(name, _)| name == first)?;
@@ -79,6 +79,15 @@ impl Picked {
             (Picked::Members(_), _) => None,
         }
     }
+}
+
+/// Walks `segments` (object keys, or indices into arrays) down from `root`.
+pub(crate) fn lookup<'a>(root: &'a Value, segments: &[String]) -> Option<&'a Value> {
+    segments.iter().try_fold(root, |cur, seg| match cur {
+        Value::Object(map) => map.get(seg),
+        Value::Array(items) => seg.parse::<usize>().ok().and_then(|i| items.get(i)),
+        _ => None,
+    })
 }
 
 /// Parses `body` as one JSON value and keeps what `want` names.
@@ -293,8 +302,21 @@ impl<'de> Visitor<'de> for KeyIn<'_, '_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lock::key::lookup;
     use serde_json::json;
+
+    fn segs(path: &str) -> Vec<String> {
+        path.split('.').map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn lookup_walks_objects_and_arrays() {
+        let v = json!({"product": {"id": 7, "tags": ["a", {"sku": "x"}]}});
+        assert_eq!(lookup(&v, &segs("product.id")), Some(&json!(7)));
+        assert_eq!(lookup(&v, &segs("product.tags.1.sku")), Some(&json!("x")));
+        assert_eq!(lookup(&v, &segs("product.tags.9")), None);
+        assert_eq!(lookup(&v, &segs("product.id.x")), None);
+        assert_eq!(lookup(&v, &segs("nope")), None);
+    }
 
     fn want(paths: &[&str]) -> (Want, Vec<Vec<String>>) {
         let mut w = Want::Nothing;

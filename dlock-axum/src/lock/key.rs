@@ -6,8 +6,9 @@ use axum::http::request::Parts;
 use dlock_core::{escape_into, KeyPart, LockKey, Locker};
 use serde_json::Value;
 
+use super::acquire::Refusal;
 use super::json::Picked;
-use super::layer::{KeySource, Spec};
+use super::spec::{KeySource, Spec};
 use crate::rejection::Rejection;
 
 /// A JSON value as a key part: strings as their text, `null` as dlock's
@@ -36,30 +37,20 @@ impl KeyPart for JsonPart<'_> {
     }
 }
 
-/// Walks `segments` (object keys, or indices into arrays) down from `root`.
-pub(crate) fn lookup<'a>(root: &'a Value, segments: &[String]) -> Option<&'a Value> {
-    segments.iter().try_fold(root, |cur, seg| match cur {
-        Value::Object(map) => map.get(seg),
-        Value::Array(items) => seg.parse::<usize>().ok().and_then(|i| items.get(i)),
-        _ => None,
-    })
-}
-
 /// Builds the key of `spec` from the request, in the declared order.
 pub(crate) async fn build_key(
     spec: &Spec,
     locker: &Locker,
     parts: &mut Parts,
     json: Option<&Picked>,
-) -> Result<LockKey, Rejection> {
-    let mut key = locker.key(&spec.name);
+) -> Result<LockKey, Refusal> {
+    let mut key = locker.key(spec.policy.name());
     let mut path_params: Option<RawPathParams> = None;
     for source in &spec.parts {
         match source {
             KeySource::Json { segments, .. } => {
-                let value = json
-                    .and_then(|picked| picked.lookup(&spec.json_want, segments))
-                    .ok_or_else(|| Rejection::missing_field(source))?;
+                let value =
+                    json.and_then(|picked| picked.lookup(&spec.json_want, segments)).ok_or_else(|| missing(source))?;
                 key.push(JsonPart(value));
             }
             KeySource::Query(name) => {
@@ -68,7 +59,7 @@ pub(crate) async fn build_key(
                     .query()
                     .and_then(|q| form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == name.as_str()))
                     .map(|(_, v)| v)
-                    .ok_or_else(|| Rejection::missing_field(source))?;
+                    .ok_or_else(|| missing(source))?;
                 key.push(value.as_ref());
             }
             KeySource::Path(name) => {
@@ -76,16 +67,18 @@ pub(crate) async fn build_key(
                     path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|e| {
                         match e {
                             // The client's fault (`/items/%FF`): a 400, not a 500.
-                            RawPathParamsRejection::InvalidUtf8InPathParam(_) => Rejection::lock_key_invalid()
-                                .with_message(format!("{source} is not valid UTF-8 once percent-decoded")),
-                            _ => {
-                                tracing::error!(
-                                    "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
-                                 or the router (`post(handler).layer(..)`, `Router::layer`), not around the router"
-                                );
+                            RawPathParamsRejection::InvalidUtf8InPathParam(_) => Refusal::invalid(
+                                Rejection::lock_key_invalid()
+                                    .with_message(format!("{source} is not valid UTF-8 once percent-decoded")),
+                            ),
+                            _ => Refusal::invalid(
                                 Rejection::misconfigured()
-                                    .with_message("the lock layer cannot see the route's path parameters")
-                            }
+                                    .with_message("the lock layer cannot see the route's path parameters"),
+                            )
+                            .with_cause(format!(
+                                "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
+                                 or the router (`post(handler).layer(..)`, `Router::layer`), not around the router"
+                            )),
                         }
                     })?);
                 }
@@ -94,39 +87,31 @@ pub(crate) async fn build_key(
                     .flat_map(|p| p.iter())
                     .find(|(k, _)| *k == name.as_str())
                     .map(|(_, v)| v)
-                    .ok_or_else(|| Rejection::missing_field(source))?;
+                    .ok_or_else(|| missing(source))?;
                 key.push(value);
             }
             KeySource::Header(name) => {
-                let value = parts.headers.get(name).ok_or_else(|| Rejection::missing_field(source))?;
+                let value = parts.headers.get(name).ok_or_else(|| missing(source))?;
                 let text = value.to_str().map_err(|_| {
-                    Rejection::lock_key_invalid().with_message(format!("{source} is not visible ASCII"))
+                    Refusal::invalid(
+                        Rejection::lock_key_invalid().with_message(format!("{source} is not visible ASCII")),
+                    )
                 })?;
                 key.push(text);
             }
         }
     }
-    key.build().map_err(|e| Rejection::from_lock_error(&e))
+    key.build().map_err(|e| Refusal::from_error(e, &spec.policy, None, std::time::Duration::ZERO))
+}
+
+fn missing(source: &KeySource) -> Refusal {
+    Refusal::invalid(Rejection::missing_field(source))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
-
-    fn segs(path: &str) -> Vec<String> {
-        path.split('.').map(str::to_owned).collect()
-    }
-
-    #[test]
-    fn lookup_walks_objects_and_arrays() {
-        let v = json!({"product": {"id": 7, "tags": ["a", {"sku": "x"}]}});
-        assert_eq!(lookup(&v, &segs("product.id")), Some(&json!(7)));
-        assert_eq!(lookup(&v, &segs("product.tags.1.sku")), Some(&json!("x")));
-        assert_eq!(lookup(&v, &segs("product.tags.9")), None);
-        assert_eq!(lookup(&v, &segs("product.id.x")), None);
-        assert_eq!(lookup(&v, &segs("nope")), None);
-    }
 
     fn part(v: &Value) -> String {
         let mut s = String::new();

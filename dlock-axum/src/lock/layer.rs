@@ -1,6 +1,6 @@
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::HeaderName;
@@ -8,84 +8,10 @@ use dlock_core::Locker;
 use tower::Layer;
 
 use super::json::Want;
+use super::policy::Policy;
 use super::quota::Quota;
-use super::service::Lock;
-
-/// Where one part of the lock key comes from.
-#[derive(Clone, PartialEq, Eq)]
-pub(crate) enum KeySource {
-    /// A field of the JSON body, as a path of object keys / array indices.
-    Json { path: String, segments: Vec<String> },
-    /// A query-string parameter.
-    Query(String),
-    /// A path parameter of the matched route.
-    Path(String),
-    /// A request header.
-    Header(HeaderName),
-}
-
-impl fmt::Debug for KeySource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
-}
-
-impl fmt::Display for KeySource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            KeySource::Json { path, .. } => write!(f, "JSON field `{path}`"),
-            KeySource::Query(name) => write!(f, "query parameter `{name}`"),
-            KeySource::Path(name) => write!(f, "path parameter `{name}`"),
-            KeySource::Header(name) => write!(f, "header `{name}`"),
-        }
-    }
-}
-
-/// Everything a [`LockLayer`] was configured with; shared by its services.
-#[derive(Clone)]
-pub(crate) struct Spec {
-    pub(crate) name: String,
-    pub(crate) parts: Vec<KeySource>,
-    /// What of the JSON body the key needs.
-    pub(crate) json_want: Want,
-    pub(crate) wait: Option<Duration>,
-    pub(crate) lease: Option<Duration>,
-    pub(crate) max_hold: Option<Duration>,
-    pub(crate) message: Option<Cow<'static, str>>,
-    pub(crate) code: Option<u32>,
-    pub(crate) max_body_bytes: Option<usize>,
-    pub(crate) locker: Option<Locker>,
-    pub(crate) quota: Option<Arc<Quota>>,
-}
-
-impl Spec {
-    pub(crate) fn needs_json(&self) -> bool {
-        self.parts.iter().any(|p| matches!(p, KeySource::Json { .. }))
-    }
-
-    /// The body limit: the layer's own, else `DLOCK_MAX_BODY_BYTES`, else 64 KiB.
-    pub(crate) fn max_body_bytes(&self) -> Result<usize, &'static dlock_core::Error> {
-        match self.max_body_bytes {
-            Some(n) => Ok(n),
-            None => env_max_body_bytes(),
-        }
-    }
-}
-
-/// `DLOCK_MAX_BODY_BYTES`, read and checked once per process by the same
-/// parser as [`dlock_core::Config`].
-fn env_max_body_bytes() -> Result<usize, &'static dlock_core::Error> {
-    static LIMIT: OnceLock<Result<usize, dlock_core::Error>> = OnceLock::new();
-    LIMIT
-        .get_or_init(|| {
-            dlock_core::Config::from_lookup(|var| {
-                (var == "DLOCK_MAX_BODY_BYTES").then(|| std::env::var(var).ok()).flatten()
-            })
-            .map(|c| c.max_body_bytes)
-        })
-        .as_ref()
-        .copied()
-}
+use super::service::RequireLock;
+use super::spec::{KeySource, Spec};
 
 /// Locks a route on a key built from request fields; see the [module docs](crate::lock).
 ///
@@ -121,13 +47,15 @@ pub struct LockLayer {
 impl fmt::Debug for LockLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.spec;
+        let p = &s.policy;
         f.debug_struct("LockLayer")
-            .field("name", &s.name)
+            .field("name", &p.name)
             .field("parts", &s.parts)
-            .field("wait", &s.wait)
-            .field("lease", &s.lease)
-            .field("message", &s.message)
-            .field("code", &s.code)
+            .field("wait", &p.wait)
+            .field("lease", &p.lease)
+            .field("max_hold", &p.max_hold)
+            .field("message", &p.message)
+            .field("code", &p.code)
             .field("max_body_bytes", &s.max_body_bytes)
             .field("locker", &s.locker)
             .finish()
@@ -140,14 +68,9 @@ impl LockLayer {
     pub fn new(name: impl Into<String>) -> Self {
         LockLayer {
             spec: Arc::new(Spec {
-                name: name.into(),
+                policy: Policy::new(name.into()),
                 parts: Vec::new(),
                 json_want: Want::Nothing,
-                wait: None,
-                lease: None,
-                max_hold: None,
-                message: None,
-                code: None,
                 max_body_bytes: None,
                 locker: None,
                 quota: None,
@@ -164,7 +87,10 @@ impl LockLayer {
     /// objects and arrays: `"product.id"`, `"items.0.sku"`.
     ///
     /// The layer then reads the body (at most [`max_body_bytes`](Self::max_body_bytes)),
-    /// parses it once and hands the same bytes on to the route.
+    /// parses it once and hands the same bytes on to the route. A request
+    /// whose `Content-Type` is not JSON is refused with
+    /// `415 unsupported_media_type` before anything is read or locked (one
+    /// without `Content-Type` is read as JSON).
     pub fn json(self, path: impl Into<String>) -> Self {
         let path = path.into();
         let segments: Vec<String> = path.split('.').map(str::to_owned).collect();
@@ -208,12 +134,12 @@ impl LockLayer {
     /// How long a request waits for a held lock before it is refused with
     /// `409` (default: the engine's, `DLOCK_WAIT_MS`, 0 = try once).
     pub fn wait(self, wait: Duration) -> Self {
-        self.with(|s| s.wait = Some(wait))
+        self.with(|s| s.policy.wait = Some(wait))
     }
 
     /// A fixed lease (default: watchdog mode, renewed while the request runs).
     pub fn lease(self, lease: Duration) -> Self {
-        self.with(|s| s.lease = Some(lease))
+        self.with(|s| s.policy.lease = Some(lease))
     }
 
     /// In watchdog mode, stop renewing once a request has held the lock this
@@ -221,22 +147,24 @@ impl LockLayer {
     /// it through the [`FencingToken`](crate::FencingToken) its storage
     /// refuses afterwards).
     pub fn max_hold(self, max_hold: Duration) -> Self {
-        self.with(|s| s.max_hold = Some(max_hold))
+        self.with(|s| s.policy.max_hold = Some(max_hold))
     }
 
     /// The `message` of the `409 duplicate_submission` answer.
     pub fn message(self, message: impl Into<Cow<'static, str>>) -> Self {
         let message = message.into();
-        self.with(|s| s.message = Some(message))
+        self.with(|s| s.policy.message = Some(message))
     }
 
     /// The `code` of the `409 duplicate_submission` answer (default 2101).
     pub fn code(self, code: u32) -> Self {
-        self.with(|s| s.code = Some(code))
+        self.with(|s| s.policy.code = Some(code))
     }
 
-    /// The most body bytes read to find JSON fields (default
-    /// `DLOCK_MAX_BODY_BYTES`, 64 KiB). A larger body is refused with `413`.
+    /// The most body bytes read to find JSON fields. A larger body is
+    /// refused with `413`. Default: the installed engine's
+    /// ([`Dlock::max_body_bytes`](crate::Dlock::max_body_bytes), from
+    /// `DLOCK_MAX_BODY_BYTES` through [`Config`](dlock_core::Config); 64 KiB).
     pub fn max_body_bytes(self, limit: usize) -> Self {
         self.with(|s| s.max_body_bytes = Some(limit))
     }
@@ -278,9 +206,16 @@ impl LockLayer {
 }
 
 impl<S> Layer<S> for LockLayer {
-    type Service = Lock<S>;
+    type Service = RequireLock<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Lock::new(inner, self.spec.clone())
+        RequireLock::new(inner, self.spec.clone())
+    }
+}
+
+impl RequireLock<()> {
+    /// The layer of this service: [`LockLayer::new`]`(name)`.
+    pub fn layer(name: impl Into<String>) -> LockLayer {
+        LockLayer::new(name)
     }
 }

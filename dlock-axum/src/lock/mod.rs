@@ -26,12 +26,15 @@
 //! For each request the layer
 //!
 //! 1. finds the engine: the one given to [`LockLayer::with_locker`], else the
-//!    [`Locker`](dlock_core::Locker) in the request extensions
-//!    ([`LockerExt::with_locker`](crate::LockerExt::with_locker));
-//! 2. when the key names JSON fields, reads at most `max_body_bytes` of the
-//!    body (`413 payload_too_large` past it, also when `Content-Length` says
-//!    so up front), parses it once (`400 invalid_json`), and later hands the
-//!    very same bytes to the route;
+//!    one installed in the request extensions
+//!    ([`LockerExt::with_locker`](crate::LockerExt::with_locker), a
+//!    [`Dlock`](crate::Dlock));
+//! 2. when the key names JSON fields, refuses a `Content-Type` that is not
+//!    JSON (`415 unsupported_media_type`), reads at most `max_body_bytes` of
+//!    the body (the layer's own, else the installed engine's
+//!    `DLOCK_MAX_BODY_BYTES`; `413 payload_too_large` past it, also when
+//!    `Content-Length` says so up front), parses it once (`400 invalid_json`),
+//!    and later hands the very same bytes to the route;
 //! 3. builds the key from the declared parts in order
 //!    (`400 lock_key_field_missing` when one is absent);
 //! 4. acquires as the request's [`RequestOwner`](crate::RequestOwner), so a
@@ -41,17 +44,26 @@
 //! 5. records the grant's [`FencingToken`](crate::FencingToken) for the
 //!    route to extract, calls the route, and releases once the route has answered
 //!    (or, when the request is dropped, in the background);
-//! 6. logs one `dlock.request` event with the outcome and puts the
-//!    [`LockOutcome`](crate::LockOutcome) in the response extensions.
+//! 6. logs one `dlock.request` event with the outcome (the key at `DEBUG`
+//!    only) and puts the [`LockOutcome`](crate::LockOutcome) in the response
+//!    extensions.
+//!
+//! `#[lockable]` runs steps 3–6 through the same code, so a request refused
+//! by either gets the same answer.
 //!
 //! Refusals are responses (see [`Rejection`](crate::Rejection)); the route's
 //! own error type passes through unchanged.
 
+pub(crate) mod acquire;
+pub(crate) mod body;
 mod json;
 mod key;
 mod layer;
+pub(crate) mod policy;
 mod quota;
 mod service;
+mod spec;
 
 pub use layer::LockLayer;
-pub use service::{Lock, ResponseFuture};
+pub use policy::Policy;
+pub use service::{RequireLock, ResponseFuture};

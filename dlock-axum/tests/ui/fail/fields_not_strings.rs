@@ -5,4 +5,6 @@ async fn handler(id: String) -> String {
     id
 }
 
-fn main() {}
+fn main() {
+    let _ = handler;
+}

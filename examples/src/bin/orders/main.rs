@@ -35,30 +35,28 @@
 //!   idempotency_request_in_progress` while running, `422
 //!   idempotency_key_mismatch` for another body, `400` without a key
 //!
-//! Every error is `{"error": "...", "code": n, "message": "..."}`.
+//! Every error is `{"error": "...", "code": n, "message": "..."}`. JSON bodies
+//! are read with `dlock_axum::JsonBody`, by the rules of `LockLayer`: a
+//! declared `Content-Type` that is not JSON is `415`, a bad body `400`.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dlock_axum::{lockable, LockLayer, LockOutcome, LockerExt, Rejection};
-use dlock_core::{AcquireOptions, Config, Locker};
-use serde::de::DeserializeOwned;
+use dlock_axum::lock::Policy;
+use dlock_axum::{lockable, Dlock, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RequestOwner};
+use dlock_core::{Config, Locker, Owner};
 use serde_json::{json, Value};
 use tracing_subscriber::EnvFilter;
 
-#[path = "../orders/model.rs"]
 mod model;
-#[path = "../orders/payments.rs"]
 mod payments;
-#[path = "../orders/store.rs"]
 mod store;
 
 use model::{CreateOrder, ProductId, ProductRef, ReduceStock, SetStock, TokenParam};
@@ -85,14 +83,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,dlock_axum=warn,dlock_core=warn"));
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stdout().is_terminal()).init();
 
+    // DLOCK_* read once; the layers take their settings from what is installed.
     let config = Config::from_env()?;
-    let locker = config.build().await?;
     let orders_redis_url = non_empty_env("ORDERS_REDIS_URL");
+    let (locker, idem) = payments::services(&config, orders_redis_url.as_deref()).await?;
+    let dlock = Dlock::from_config(locker.clone(), &config);
     let store = match &orders_redis_url {
         Some(url) => Store::redis(url).await?,
         None => Store::memory(),
     };
-    let idem = payments::idempotency(&config, orders_redis_url.as_deref()).await?;
     let payment_lease = match non_empty_env("ORDERS_PAYMENT_LEASE_MS") {
         Some(v) => match v.parse::<u64>() {
             Ok(ms) if ms > 0 => std::time::Duration::from_millis(ms),
@@ -112,7 +111,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let store_kind = store.kind();
     let app = App { locker: locker.clone(), store, idem, unlocked, payment_lease };
-    let router = router(app);
+    let router = router(app, dlock);
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(
         backend = locker.backend_name(),
@@ -133,7 +132,7 @@ fn non_empty_env(var: &str) -> Option<String> {
     std::env::var(var).ok().map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
 }
 
-fn router(app: App) -> Router {
+fn router(app: App, dlock: Dlock) -> Router {
     let reduce = post(reduce_stock);
     let reduce = if app.unlocked {
         reduce
@@ -147,7 +146,7 @@ fn router(app: App) -> Router {
         .route("/orders", post(create_order))
         .merge(payments::routes(&app.idem, app.payment_lease, app.store.clone()))
         .layer(middleware::from_fn(access_log))
-        .with_locker(app.locker.clone())
+        .with_locker(dlock)
         .with_state(app)
 }
 
@@ -198,17 +197,18 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: finishing requests in flight");
 }
 
-/// A failed request: its JSON rejection and, when a lock was involved, the
-/// lock's outcome for the access log.
+/// A failed request: a JSON rejection of the service's own, or the answer
+/// of a lock the request could not take (with its [`LockOutcome`] for the
+/// access log).
 #[derive(Debug)]
-struct AppError {
-    rejection: Rejection,
-    lock: Option<LockOutcome>,
+enum AppError {
+    Rejection(Rejection),
+    Lock(Box<Response>),
 }
 
 impl From<Rejection> for AppError {
     fn from(rejection: Rejection) -> Self {
-        AppError { rejection, lock: None }
+        AppError::Rejection(rejection)
     }
 }
 
@@ -227,11 +227,10 @@ impl From<StoreError> for AppError {
 
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
-        let mut response = self.rejection.into_response();
-        if let Some(lock) = self.lock {
-            response.extensions_mut().insert(lock);
+        match self {
+            AppError::Rejection(rejection) => rejection.into_response(),
+            AppError::Lock(response) => *response,
         }
-        response
     }
 }
 
@@ -245,22 +244,6 @@ fn not_found(id: &ProductId) -> Rejection {
 
 fn invalid_quantity() -> Rejection {
     Rejection::new(StatusCode::BAD_REQUEST, "invalid_quantity", 3003, "quantity must be at least 1")
-}
-
-/// A JSON body, whatever its content type (so `curl -d` works); a bad body
-/// is answered in the service's JSON error shape.
-#[derive(Debug)]
-struct JsonBody<T>(T);
-
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
-    type Rejection = Rejection;
-
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|_| Rejection::body_unreadable())?;
-        serde_json::from_slice(&bytes)
-            .map(JsonBody)
-            .map_err(|e| Rejection::invalid_json().with_message(format!("invalid request body: {e}")))
-    }
 }
 
 async fn health(State(app): State<App>) -> Json<Value> {
@@ -281,6 +264,7 @@ async fn get_product(State(app): State<App>, Path(id): Path<String>) -> Result<J
 
 async fn put_product(
     State(app): State<App>,
+    RequestOwner(owner): RequestOwner,
     Path(id): Path<String>,
     JsonBody(SetStock { stock }): JsonBody<SetStock>,
 ) -> Result<Json<Value>, AppError> {
@@ -290,7 +274,7 @@ async fn put_product(
     }
     let s = Stock { stock, sold: 0 };
     // Under the stock lock, so a restock never interleaves with a sale.
-    app.with_stock_lock(&id, async { app.store.put(id.as_str(), s).await.map_err(AppError::from) }).await?;
+    app.with_stock_lock(owner, &id, async { app.store.put(id.as_str(), s).await.map_err(AppError::from) }).await?;
     Ok(product_json(&id, s))
 }
 
@@ -310,6 +294,7 @@ async fn reduce_stock(
 #[lockable(key = "order.create", fields = ["product.id", "token"])]
 async fn create_order(
     State(app): State<App>,
+    RequestOwner(owner): RequestOwner,
     Query(TokenParam { token }): Query<TokenParam>,
     JsonBody(CreateOrder { product, quantity }): JsonBody<CreateOrder>,
 ) -> Result<Response, AppError> {
@@ -325,7 +310,7 @@ async fn create_order(
             .with_message("this order token is unknown or was already used")
             .into());
     }
-    let remaining = app.with_stock_lock(&id, take_stock(&app.store, &id, quantity)).await?;
+    let remaining = app.with_stock_lock(owner, &id, take_stock(&app.store, &id, quantity)).await?;
     let order_id = new_order_id()?;
     let order = json!({"order_id": order_id, "product_id": id, "quantity": quantity});
     app.store.record_order(&order_id, &order).await?;
@@ -370,35 +355,31 @@ async fn take_stock(store: &Store, id: &ProductId, quantity: i64) -> Result<i64,
     Ok(next.stock)
 }
 
+/// The stock lock `/stock/reduce`'s `LockLayer` takes, for the handlers
+/// that change stock by hand.
+fn stock_policy() -> Policy {
+    Policy::new("product.stock").with_wait(STOCK_WAIT)
+}
+
 impl App {
     /// Runs `work` holding the product's stock lock (the key
-    /// `LockLayer::new("product.stock").json("product_id")` builds), unless
-    /// the service runs unlocked.
+    /// `LockLayer::new("product.stock").json("product_id")` builds), as the
+    /// request's `owner`, unless the service runs unlocked. A lock that cannot
+    /// be taken is answered as the layer answers it.
     async fn with_stock_lock<T>(
         &self,
+        owner: Owner,
         id: &ProductId,
         work: impl std::future::Future<Output = Result<T, AppError>>,
     ) -> Result<T, AppError> {
         if self.unlocked {
             return work.await;
         }
-        let refuse = |e: dlock_core::Error, lock: LockOutcome| {
-            if !e.is_contention() {
-                tracing::warn!(error = %e, "stock lock unavailable");
-            }
-            AppError { rejection: Rejection::from_lock_error(&e), lock: Some(lock) }
-        };
-        let key = self.locker.key("product.stock").part(id).build().map_err(|e| Rejection::from_lock_error(&e))?;
-        let started = Instant::now();
-        let guard = match self.locker.acquire(&key, AcquireOptions::new().wait(STOCK_WAIT)).await {
-            Ok(g) => g,
-            Err(e) if e.is_contention() => return Err(refuse(e, LockOutcome::Busy { waited: started.elapsed() })),
-            Err(e) => return Err(refuse(e, LockOutcome::Unavailable)),
-        };
-        let result = work.await;
-        if let Err(e) = guard.release().await {
-            tracing::warn!(error = %e, key = %key, "release failed; the lease frees the lock");
+        let policy = stock_policy();
+        let key = self.locker.key(policy.name()).part(id).build().map_err(Rejection::from)?;
+        match policy.run_locked(&self.locker, owner, key, work).await {
+            Ok((result, _)) => result,
+            Err(refused) => Err(AppError::Lock(Box::new(refused))),
         }
-        result
     }
 }

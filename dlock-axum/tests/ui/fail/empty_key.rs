@@ -5,4 +5,6 @@ async fn handler() -> &'static str {
     "ok"
 }
 
-fn main() {}
+fn main() {
+    let _ = handler;
+}

@@ -17,7 +17,7 @@ use axum::{Json, Router};
 use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
 use dlock_axum::Rejection;
 use dlock_core::idempotency::RedisStore;
-use dlock_core::{BackendKind, Config};
+use dlock_core::{BackendKind, Config, Locker};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -26,16 +26,26 @@ use super::store::Store;
 /// The simulated work of a payment, long enough for duplicates to overlap.
 const PAYMENT_WORK: Duration = Duration::from_millis(200);
 
-/// The idempotency store and TTL for this service (see the module docs).
-pub(crate) async fn idempotency(config: &Config, orders_redis_url: Option<&str>) -> dlock_core::Result<Idempotency> {
+/// The lock engine and the idempotency records of this service (see the
+/// module docs). When the configuration puts the records in the lock
+/// backend's Redis, both share its connection (`Config::build_services`).
+/// The records' TTL is not set here: it comes with the installed
+/// [`Dlock`](dlock_axum::Dlock) (`DLOCK_IDEMPOTENCY_TTL_SECS`).
+pub(crate) async fn services(
+    config: &Config,
+    orders_redis_url: Option<&str>,
+) -> dlock_core::Result<(Locker, Idempotency)> {
     let shared_by_config =
         config.idempotency_redis_url.is_some() || matches!(config.backend, BackendKind::Redis { .. });
     match orders_redis_url {
         Some(url) if !shared_by_config => {
             let store = RedisStore::connect_with(url, &config.prefix, config.redis_options()).await?;
-            Ok(Idempotency::new(Arc::new(store)).with_ttl(config.idempotency_ttl))
+            Ok((config.build().await?, Idempotency::new(Arc::new(store))))
         }
-        _ => Idempotency::from_config(config).await,
+        _ => {
+            let services = config.build_services().await?;
+            Ok((services.locker, Idempotency::new(services.idempotency)))
+        }
     }
 }
 

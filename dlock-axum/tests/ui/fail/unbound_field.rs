@@ -6,4 +6,6 @@ async fn handler(Path(id): Path<u64>) -> String {
     id.to_string()
 }
 
-fn main() {}
+fn main() {
+    let _ = handler;
+}

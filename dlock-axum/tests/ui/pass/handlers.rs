@@ -2,7 +2,7 @@
 use axum::extract::{Path, Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dlock_axum::lockable;
+use dlock_axum::{lockable, FencingToken, HeldLock};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -46,10 +46,23 @@ async fn plain(body: String) -> String {
     body
 }
 
+/// Arguments filled from the lock, by any path, beside ordinary extractors.
+#[lockable(key = "fenced", fields = ["id"], lease_ms = 1000, max_hold_ms = 60000)]
+async fn fenced(
+    Path(id): Path<u64>,
+    dlock_axum::FencingToken(fence): dlock_axum::FencingToken,
+    maybe: Option<FencingToken>,
+    lock: HeldLock,
+    also: Option<dlock_axum::HeldLock>,
+) -> String {
+    format!("{id} {fence} {maybe:?} {} {}", lock.is_lost(), also.is_some())
+}
+
 fn main() {
     let _app: Router = Router::new()
         .route("/orders", post(create))
         .route("/tuple/{a}/{b}", get(tuple))
         .route("/plain", post(plain))
+        .route("/fenced/{id}", post(fenced))
         .with_state(AppState);
 }

@@ -1,0 +1,218 @@
+//! The one request-lock pipeline: acquire for a request, map a failure to
+//! its [`Rejection`], log one `dlock.request` event, release.
+//!
+//! [`LockLayer`](super::LockLayer), the `#[lockable]` runtime and anything
+//! else that locks a request go through [`acquire_for_request`] and
+//! [`Refusal::respond`], so both faces answer the same request with the same
+//! status, body and headers, and log it the same way:
+//!
+//! | outcome | level | fields |
+//! |---|---|---|
+//! | acquired, busy, invalid, over quota | `DEBUG` | `lock`, `key`, `outcome`, `status`, `error`, `waited_ms`, `fence` |
+//! | unavailable | `WARN` | `lock`, `outcome`, `status`, `error`, `cause` |
+//! | misconfigured | `ERROR` | `lock`, `outcome`, `status`, `error`, `cause` |
+//!
+//! The key (escaped request values: account ids, tokens) appears at `DEBUG`
+//! only; what a service logs at `INFO` and above names the lock, never the
+//! request's values. An access log reads the [`LockOutcome`] in the response.
+
+use std::borrow::Cow;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use axum::response::{IntoResponse, Response};
+use dlock_core::{LockGuard, LockKey, Locker, Owner};
+
+use super::policy::Policy;
+use crate::rejection::Rejection;
+use crate::request::LockOutcome;
+
+/// A request that holds its lock.
+#[derive(Debug)]
+pub(crate) struct Held {
+    pub(crate) guard: LockGuard,
+    pub(crate) waited: Duration,
+}
+
+/// A request refused before its route ran: the answer, the outcome for the
+/// access log, and what the log event says about it.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    rejection: Rejection,
+    outcome: LockOutcome,
+    key: Option<LockKey>,
+    /// Why, for the log only (engine errors name servers; clients never see it).
+    cause: Option<Cow<'static, str>>,
+}
+
+impl Refusal {
+    /// A refusal of the request itself (missing field, bad JSON, body too
+    /// large), or of the service's setup when the rejection is a `5xx`.
+    pub(crate) fn invalid(rejection: Rejection) -> Self {
+        let outcome = if rejection.status().is_server_error() {
+            LockOutcome::Misconfigured
+        } else {
+            LockOutcome::Invalid { error: rejection.error().to_owned() }
+        };
+        Refusal { rejection, outcome, key: None, cause: None }
+    }
+
+    /// No engine installed where the request was locked.
+    pub(crate) fn no_engine() -> Self {
+        Refusal::invalid(Rejection::misconfigured().with_message("no lock engine installed on this route")).with_cause(
+            "no dlock engine in the request extensions; install one with `.with_locker(..)` after the routes that need it",
+        )
+    }
+
+    /// The OS random source could not make the request's lock owner.
+    pub(crate) fn no_owner(err: dlock_core::Error) -> Self {
+        Refusal {
+            rejection: Rejection::from_lock_error(&err),
+            outcome: LockOutcome::Unavailable,
+            key: None,
+            cause: Some(err.to_string().into()),
+        }
+    }
+
+    /// The principal already holds as many locks as the layer allows.
+    pub(crate) fn over_quota(rejection: Rejection, key: LockKey) -> Self {
+        Refusal { rejection, outcome: LockOutcome::OverQuota, key: Some(key), cause: None }
+    }
+
+    /// An engine error, mapped by [`Rejection::from_lock_error`]; a lost race
+    /// gets the policy's message and code.
+    pub(crate) fn from_error(err: dlock_core::Error, policy: &Policy, key: Option<LockKey>, waited: Duration) -> Self {
+        let mut rejection = Rejection::from_lock_error(&err);
+        let outcome = if err.is_contention() {
+            if let Some(message) = &policy.message {
+                rejection = rejection.with_message(message.clone());
+            }
+            if let Some(code) = policy.code {
+                rejection = rejection.with_code(code);
+            }
+            LockOutcome::Busy { waited }
+        } else if matches!(err, dlock_core::Error::InvalidKey(_)) {
+            LockOutcome::Invalid { error: rejection.error().to_owned() }
+        } else if err.is_misconfigured() {
+            LockOutcome::Misconfigured
+        } else {
+            LockOutcome::Unavailable
+        };
+        Refusal { rejection, outcome, key, cause: Some(err.to_string().into()) }
+    }
+
+    /// Adds what the log says about the refusal.
+    pub(crate) fn with_cause(mut self, cause: impl Into<Cow<'static, str>>) -> Self {
+        self.cause = Some(cause.into());
+        self
+    }
+
+    /// Logs the request's one `dlock.request` event and answers: the
+    /// rejection's response with the [`LockOutcome`] in its extensions.
+    pub(crate) fn respond(self, policy: &Policy) -> Response {
+        let Refusal { rejection, outcome, key, cause } = self;
+        let (lock, status, error) = (policy.name(), rejection.status().as_u16(), rejection.error());
+        let cause = cause.as_deref().unwrap_or("");
+        match &outcome {
+            LockOutcome::Unavailable => {
+                tracing::warn!(lock, outcome = outcome.as_str(), status, error, cause, "dlock.request")
+            }
+            LockOutcome::Misconfigured => {
+                tracing::error!(lock, outcome = outcome.as_str(), status, error, cause, "dlock.request")
+            }
+            _ => {
+                let waited_ms = match &outcome {
+                    LockOutcome::Busy { waited } => waited.as_millis() as u64,
+                    _ => 0,
+                };
+                let key = key.as_ref().map_or("", |k| k.as_str());
+                tracing::debug!(lock, key, outcome = outcome.as_str(), status, error, waited_ms, "dlock.request")
+            }
+        }
+        let mut response = rejection.into_response();
+        response.extensions_mut().insert(outcome);
+        response
+    }
+}
+
+/// Takes `key` for a request as `owner` (the request's
+/// [`RequestOwner`](crate::RequestOwner)) with the policy's wait, lease and
+/// max hold, and logs the grant; a failure is the request's [`Refusal`].
+pub(crate) async fn acquire_for_request(
+    locker: &Locker,
+    owner: Owner,
+    key: LockKey,
+    policy: &Policy,
+) -> Result<Held, Refusal> {
+    // An acquire that may not wait has nothing to time: no clock is read.
+    let may_wait = !policy.wait.unwrap_or_else(|| locker.options().wait()).is_zero();
+    let started = may_wait.then(Instant::now);
+    let waited = || started.map_or(Duration::ZERO, |started| started.elapsed());
+    match locker.acquire(&key, policy.options(owner)).await {
+        Ok(guard) => {
+            let waited = waited();
+            tracing::debug!(
+                lock = policy.name(),
+                key = %guard.key(),
+                outcome = "acquired",
+                fence = guard.fencing_token(),
+                waited_ms = waited.as_millis() as u64,
+                "dlock.request"
+            );
+            Ok(Held { guard, waited })
+        }
+        Err(e) => {
+            let waited = waited();
+            Err(Refusal::from_error(e, policy, Some(key), waited))
+        }
+    }
+}
+
+impl Policy {
+    /// Takes `key` as `owner` (a request's [`RequestOwner`](crate::RequestOwner),
+    /// so a lock the request already holds re-enters), runs `work` while
+    /// holding it, and releases it: the pipeline of [`LockLayer`](crate::LockLayer),
+    /// for a lock taken inside a handler.
+    ///
+    /// # Errors
+    ///
+    /// The answer [`LockLayer`](crate::LockLayer) would give, with the
+    /// [`LockOutcome`] in its extensions: `409` when the lock stays held
+    /// (with this policy's message and code), `503` when the lock service is
+    /// down, `400` for an invalid key. `work` did not run.
+    ///
+    /// # Cancellation safety
+    ///
+    /// Dropping the future releases the lock in the background.
+    pub async fn run_locked<F: Future>(
+        &self,
+        locker: &Locker,
+        owner: Owner,
+        key: LockKey,
+        work: F,
+    ) -> Result<(F::Output, LockOutcome), Response> {
+        let held = acquire_for_request(locker, owner, key, self).await.map_err(|refusal| refusal.respond(self))?;
+        let out = work.await;
+        Ok((out, held.release(self).await))
+    }
+}
+
+impl Held {
+    /// Releases the lock once the route has answered, and says what happened
+    /// for the response's extensions. A release that fails is logged: the
+    /// route's work is done, and the lease frees the key when it runs out.
+    pub(crate) async fn release(self, policy: &Policy) -> LockOutcome {
+        let Held { guard, waited } = self;
+        let fencing_token = guard.fencing_token();
+        match guard.release().await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                lock = policy.name(),
+                fence = fencing_token,
+                "the lock ran out before the request finished; another request may have run concurrently"
+            ),
+            Err(e) => tracing::warn!(lock = policy.name(), error = %e, "release failed; the lease frees the lock"),
+        }
+        LockOutcome::Acquired { fencing_token, waited }
+    }
+}

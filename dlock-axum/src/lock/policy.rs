@@ -1,0 +1,152 @@
+//! What a locked request asks of its lock: one type for every face.
+//!
+//! [`LockLayer`](crate::LockLayer) builds a [`Policy`] with its builder;
+//! `#[lockable]` writes one as a `static` in the expansion; a handler that
+//! locks by hand uses [`Policy::run_locked`] (in `acquire.rs`, with the
+//! pipeline it runs). Everything after that —
+//! acquire, refusal, log event, release — reads only the policy, so the
+//! faces cannot drift.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use dlock_core::AcquireOptions;
+
+/// The name, timing and duplicate-answer of one lock of a request: what
+/// [`LockLayer`](crate::LockLayer) and `#[lockable]` are configured with,
+/// for handlers that take a further lock by hand.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::time::Duration;
+/// use dlock_axum::lock::Policy;
+/// use dlock_core::{Locker, MemoryBackend, Owner};
+///
+/// let locker = Locker::new(MemoryBackend::new());
+/// let policy = Policy::new("product.stock").with_wait(Duration::from_secs(5)).with_code(4001);
+/// let key = locker.key(policy.name()).part(42).build().unwrap();
+/// let (sold, _outcome) = policy.run_locked(&locker, Owner::random().unwrap(), key, async { 1 }).await.unwrap();
+/// assert_eq!(sold, 1);
+/// # }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// The lock's name, the key's first part.
+    pub(crate) name: Cow<'static, str>,
+    /// How long to wait for a held lock; `None`: the engine's default.
+    pub(crate) wait: Option<Duration>,
+    /// A fixed lease; `None`: watchdog mode.
+    pub(crate) lease: Option<Duration>,
+    /// In watchdog mode, the longest a request may hold the lock.
+    pub(crate) max_hold: Option<Duration>,
+    /// `message` of the `409 duplicate_submission` answer.
+    pub(crate) message: Option<Cow<'static, str>>,
+    /// `code` of that answer.
+    pub(crate) code: Option<u32>,
+}
+
+impl Policy {
+    /// A policy with the engine's defaults for the lock `name`: its wait
+    /// (`DLOCK_WAIT_MS`), watchdog mode, dlock's duplicate answer.
+    pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
+        Policy { name: name.into(), wait: None, lease: None, max_hold: None, message: None, code: None }
+    }
+
+    /// How long to wait for a held lock before refusing with `409`.
+    pub fn with_wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// A fixed lease instead of watchdog mode.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// In watchdog mode, stop renewing once the lock was held this long.
+    pub fn with_max_hold(mut self, max_hold: Duration) -> Self {
+        self.max_hold = Some(max_hold);
+        self
+    }
+
+    /// The `message` of the `409 duplicate_submission` answer.
+    pub fn with_message(mut self, message: impl Into<Cow<'static, str>>) -> Self {
+        self.message = Some(message.into());
+        self
+    }
+
+    /// The `code` of the `409 duplicate_submission` answer (default 2101).
+    pub fn with_code(mut self, code: u32) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    /// The policy of a `#[lockable(...)]` attribute, in a `static` of the
+    /// expansion (so nothing is built per request).
+    #[doc(hidden)]
+    pub const fn from_attribute(
+        name: &'static str,
+        wait_ms: Option<u64>,
+        lease_ms: Option<u64>,
+        max_hold_ms: Option<u64>,
+        message: Option<&'static str>,
+        code: Option<u32>,
+    ) -> Self {
+        const fn millis(ms: Option<u64>) -> Option<Duration> {
+            match ms {
+                Some(ms) => Some(Duration::from_millis(ms)),
+                None => None,
+            }
+        }
+        Policy {
+            name: Cow::Borrowed(name),
+            wait: millis(wait_ms),
+            lease: millis(lease_ms),
+            max_hold: millis(max_hold_ms),
+            message: match message {
+                Some(m) => Some(Cow::Borrowed(m)),
+                None => None,
+            },
+            code,
+        }
+    }
+
+    /// The lock's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The acquire options of a request taken as `owner`.
+    pub(crate) fn options(&self, owner: dlock_core::Owner) -> AcquireOptions {
+        let mut opts = AcquireOptions::new().owner(owner);
+        if let Some(wait) = self.wait {
+            opts = opts.wait(wait);
+        }
+        if let Some(lease) = self.lease {
+            opts = opts.lease(lease);
+        }
+        if let Some(max_hold) = self.max_hold {
+            opts = opts.max_hold(max_hold);
+        }
+        opts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_attribute_policy_is_the_builder_policy() {
+        static FROM_MACRO: Policy =
+            Policy::from_attribute("order.create", Some(5), Some(6000), Some(7000), Some("busy"), Some(9));
+        let mut built = Policy::new("order.create");
+        built.wait = Some(Duration::from_millis(5));
+        built.lease = Some(Duration::from_secs(6));
+        built.max_hold = Some(Duration::from_secs(7));
+        built.message = Some("busy".into());
+        built.code = Some(9);
+        assert_eq!(FROM_MACRO, built);
+    }
+}

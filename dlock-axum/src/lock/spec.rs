@@ -1,0 +1,63 @@
+//! What a [`LockLayer`](super::LockLayer) was configured with: its
+//! [`Policy`] and where each part of its key comes from.
+
+use std::fmt;
+use std::sync::Arc;
+
+use axum::http::HeaderName;
+use dlock_core::Locker;
+
+use super::json::Want;
+use super::policy::Policy;
+use super::quota::Quota;
+
+/// Where one part of the lock key comes from.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum KeySource {
+    /// A field of the JSON body, as a path of object keys / array indices.
+    Json { path: String, segments: Vec<String> },
+    /// A query-string parameter.
+    Query(String),
+    /// A path parameter of the matched route.
+    Path(String),
+    /// A request header.
+    Header(HeaderName),
+}
+
+impl fmt::Debug for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySource::Json { path, .. } => write!(f, "JSON field `{path}`"),
+            KeySource::Query(name) => write!(f, "query parameter `{name}`"),
+            KeySource::Path(name) => write!(f, "path parameter `{name}`"),
+            KeySource::Header(name) => write!(f, "header `{name}`"),
+        }
+    }
+}
+
+/// Everything a [`LockLayer`](super::LockLayer) was configured with; shared
+/// by its services.
+#[derive(Clone)]
+pub(crate) struct Spec {
+    pub(crate) policy: Policy,
+    pub(crate) parts: Vec<KeySource>,
+    /// What of the JSON body the key needs.
+    pub(crate) json_want: Want,
+    /// The layer's own body limit; `None`: the installed engine's
+    /// (`DLOCK_MAX_BODY_BYTES` through [`Dlock`](crate::Dlock)).
+    pub(crate) max_body_bytes: Option<usize>,
+    pub(crate) locker: Option<Locker>,
+    pub(crate) quota: Option<Arc<Quota>>,
+}
+
+impl Spec {
+    pub(crate) fn needs_json(&self) -> bool {
+        self.parts.iter().any(|p| matches!(p, KeySource::Json { .. }))
+    }
+}

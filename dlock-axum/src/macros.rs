@@ -1,0 +1,31 @@
+//! What every middleware service of this crate has alike.
+
+/// `get_ref`, `get_mut` and `into_inner` of a middleware service whose
+/// wrapped service is its field `inner` (tower-http's
+/// `define_inner_service_accessors!`).
+macro_rules! inner_service_accessors {
+    () => {
+        /// The wrapped service.
+        pub fn get_ref(&self) -> &S {
+            &self.inner
+        }
+
+        /// The wrapped service, mutably.
+        pub fn get_mut(&mut self) -> &mut S {
+            &mut self.inner
+        }
+
+        /// The wrapped service, by value.
+        pub fn into_inner(self) -> S {
+            self.inner
+        }
+    };
+}
+
+/// The wrapped service that was polled ready, for the request being called;
+/// a clone takes its place for the next one (tower's usual swap: the clone
+/// itself may not be ready).
+pub(crate) fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
+}
