@@ -21,7 +21,7 @@ pub(crate) enum BenchError {
 impl fmt::Display for BenchError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            BenchError::Usage(m) => write!(f, "{m}\n\n{}", crate::args::USAGE),
+            BenchError::Usage(m) => f.write_str(m),
             BenchError::Redis(e) => write!(f, "redis: {e}"),
             BenchError::Lock(e) => write!(f, "dlock: {e}"),
             BenchError::Server(m) => write!(f, "redis-server: {m}"),

@@ -48,8 +48,10 @@ fn main() -> ExitCode {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
         }
+        // A bad command line is answered with the usage, which the command
+        // line's module owns (the error type only carries the complaint).
         Err(e) => {
-            eprintln!("dlock-bench: {e}");
+            eprintln!("dlock-bench: {e}\n\n{USAGE}");
             return ExitCode::from(2);
         }
     };
