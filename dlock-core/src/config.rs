@@ -83,8 +83,14 @@ impl BackendKind {
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
 /// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
 /// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]) | the lock backend's Redis, else in process |
+/// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock` or `zookeeper` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
+///
+/// A backend's own variable (`DLOCK_REDIS_URL`, `DLOCK_REDLOCK_URLS`,
+/// `DLOCK_ZOOKEEPER*`) set while `DLOCK_BACKEND` is not is an error naming
+/// it, not a silent fallback to in-process locks; one of another backend
+/// than `DLOCK_BACKEND` names is ignored with a warning.
 ///
 /// An empty variable counts as unset. The TLS files apply to every
 /// `rediss://` URL (lock backend, RedLock masters, idempotency store); they
@@ -145,6 +151,12 @@ pub struct Config {
     /// No grants from a Redis that restarted or lost its data until it has
     /// been up this long (`DLOCK_RESTART_QUARANTINE_MS`; zero: off).
     pub restart_quarantine: Duration,
+    /// Whether idempotency records may stay in each process with the
+    /// `redlock` and `zookeeper` backends when `idempotency_redis_url` is
+    /// unset (`DLOCK_IDEMPOTENCY_LOCAL=1`). Off, that is a start-up error
+    /// (see [`Config::idempotency_store`]): a duplicate sent to two
+    /// instances would run on both.
+    pub allow_local_idempotency: bool,
 }
 
 impl Default for Config {
@@ -160,6 +172,7 @@ impl Default for Config {
             #[cfg(feature = "redis")]
             redis_tls: None,
             restart_quarantine: Duration::ZERO,
+            allow_local_idempotency: false,
         }
     }
 }
@@ -176,11 +189,30 @@ impl std::fmt::Debug for Config {
             .field("idempotency_redis_url", &self.idempotency_redis_url.as_deref().map(redact));
         #[cfg(feature = "redis")]
         d.field("redis_tls", &self.redis_tls);
-        d.field("restart_quarantine", &self.restart_quarantine).finish()
+        d.field("restart_quarantine", &self.restart_quarantine)
+            .field("allow_local_idempotency", &self.allow_local_idempotency)
+            .finish()
     }
 }
 
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+/// The variables that configure one backend, with that backend.
+///
+/// One of them set while `DLOCK_BACKEND` is not is a configuration error
+/// rather than a hint to pick that backend: a URL left in the environment
+/// by an earlier deployment would otherwise switch backends just as
+/// silently as the in-process fallback ignored it, variables of two
+/// backends would leave the choice to the order of this list, and the
+/// mistake costs one line to fix at start-up, while a silent fallback to
+/// in-process locks costs every lock its meaning with N instances and
+/// passes every single-instance test.
+const BACKEND_VARS: [(&str, &str); 4] = [
+    ("DLOCK_REDIS_URL", "redis"),
+    ("DLOCK_REDLOCK_URLS", "redlock"),
+    ("DLOCK_ZOOKEEPER", "zookeeper"),
+    ("DLOCK_ZOOKEEPER_SESSION_MS", "zookeeper"),
+];
 
 impl Config {
     /// Reads the `DLOCK_*` variables of this process.
@@ -200,7 +232,30 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let get = |var: &str| lookup(var).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
         let defaults = Config::default();
-        let backend = match get("DLOCK_BACKEND").as_deref() {
+        let chosen = get("DLOCK_BACKEND");
+        match chosen.as_deref() {
+            None => {
+                if let Some(&(var, backend)) = BACKEND_VARS.iter().find(|(var, _)| get(var).is_some()) {
+                    return Err(Error::config(
+                        var,
+                        format!(
+                            "is set but DLOCK_BACKEND is not: set DLOCK_BACKEND={backend} to use it, or \
+                             DLOCK_BACKEND=memory for locks that only this process sees"
+                        ),
+                    ));
+                }
+            }
+            Some(chosen) => {
+                for (var, backend) in BACKEND_VARS.iter().filter(|(var, b)| *b != chosen && get(var).is_some()) {
+                    tracing::warn!(
+                        variable = var,
+                        backend = chosen,
+                        "{var} is ignored: it configures DLOCK_BACKEND={backend}, not {chosen}"
+                    );
+                }
+            }
+        }
+        let backend = match chosen.as_deref() {
             None | Some("memory") => BackendKind::Memory,
             Some("redis") => {
                 BackendKind::Redis { url: get("DLOCK_REDIS_URL").unwrap_or_else(|| DEFAULT_REDIS_URL.into()) }
@@ -291,6 +346,7 @@ impl Config {
                  still be held when the quarantine ends"
             );
         }
+        let allow_local_idempotency = flag(&get, "DLOCK_IDEMPOTENCY_LOCAL")?.unwrap_or(false);
         Ok(Config {
             backend,
             prefix,
@@ -302,6 +358,7 @@ impl Config {
             #[cfg(feature = "redis")]
             redis_tls,
             restart_quarantine,
+            allow_local_idempotency,
         })
     }
 
@@ -331,6 +388,25 @@ impl Config {
     /// [`Error::Config`] for an invalid URL or missing permissions,
     /// [`Error::Backend`] when the server cannot be reached.
     pub async fn build(&self) -> Result<Locker> {
+        tracing::info!(backend = %self.backend_summary(), prefix = %self.prefix, "dlock: lock backend");
+        self.build_locker().await
+    }
+
+    /// The backend and where it is, for the start-up log line: URLs with
+    /// their passwords hidden, the ZooKeeper user without its password.
+    fn backend_summary(&self) -> String {
+        match &self.backend {
+            BackendKind::Memory => "memory (this process only)".into(),
+            BackendKind::Redis { url } => format!("redis {}", redact(url)),
+            BackendKind::RedLock { urls } => {
+                let urls: Vec<String> = urls.iter().map(|u| redact(u)).collect();
+                format!("redlock {}", urls.join(","))
+            }
+            BackendKind::ZooKeeper { connect, .. } => format!("zookeeper {connect}"),
+        }
+    }
+
+    async fn build_locker(&self) -> Result<Locker> {
         let backend: Arc<dyn Backend> = match &self.backend {
             BackendKind::Memory => Arc::new(MemoryBackend::new()),
             #[cfg(feature = "redis")]
@@ -399,6 +475,17 @@ impl Config {
     ///
     /// As [`build`](Self::build) and [`idempotency_store`](Self::idempotency_store).
     pub async fn build_services(&self) -> Result<Services> {
+        let idempotency = match (&self.idempotency_redis_url, &self.backend) {
+            (Some(url), _) => format!("redis {}", redact(url)),
+            (None, BackendKind::Redis { .. }) => "the lock backend's redis".into(),
+            (None, _) => "memory (this process only)".into(),
+        };
+        tracing::info!(
+            backend = %self.backend_summary(),
+            prefix = %self.prefix,
+            idempotency = %idempotency,
+            "dlock: lock backend and idempotency store"
+        );
         #[cfg(feature = "redis")]
         if let BackendKind::Redis { url } = &self.backend {
             if self.idempotency_redis_url.as_ref().is_none_or(|own| own == url) {
@@ -410,7 +497,9 @@ impl Config {
                 return Ok(Services { locker, idempotency });
             }
         }
-        Ok(Services { locker: self.build().await?, idempotency: self.idempotency_store().await? })
+        // The store first: its configuration error needs no connection.
+        let idempotency = self.idempotency_store().await?;
+        Ok(Services { locker: self.build_locker().await?, idempotency })
     }
 
     /// Connects the idempotency store that goes with this configuration
@@ -421,7 +510,12 @@ impl Config {
     /// |---|---|
     /// | `memory` | this process ([`MemoryStore`](crate::idempotency::MemoryStore)), unless `DLOCK_IDEMPOTENCY_REDIS_URL` is set |
     /// | `redis` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same Redis as the locks |
-    /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset → this process, with a warning (instances do not share records) |
+    /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset → an error, unless `DLOCK_IDEMPOTENCY_LOCAL=1` ([`allow_local_idempotency`](Self::allow_local_idempotency)) keeps them in this process, with a warning |
+    ///
+    /// Records in each process are refused by default with several
+    /// instances in mind: a duplicate request sent to two of them would run
+    /// on both, and nothing would say so. The `memory` backend is one
+    /// process by design, so its records stay there.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -430,14 +524,40 @@ impl Config {
     /// # Ok(()) }
     /// ```
     ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let mut cfg = dlock_core::Config::from_lookup(|var| match var {
+    ///     "DLOCK_BACKEND" => Some("zookeeper".into()),
+    ///     _ => None,
+    /// }).unwrap();
+    /// let err = cfg.idempotency_store().await.unwrap_err();
+    /// assert!(err.to_string().contains("DLOCK_IDEMPOTENCY_REDIS_URL"));
+    /// cfg.allow_local_idempotency = true;
+    /// assert_eq!(cfg.idempotency_store().await.unwrap().name(), "memory");
+    /// # }
+    /// ```
+    ///
     /// # Errors
     ///
-    /// As [`RedisStore::connect`](crate::idempotency::RedisStore::connect).
+    /// [`Error::Config`] naming `DLOCK_IDEMPOTENCY_REDIS_URL` for `redlock`
+    /// or `zookeeper` without it (and without `DLOCK_IDEMPOTENCY_LOCAL=1`);
+    /// as [`RedisStore::connect`](crate::idempotency::RedisStore::connect).
     pub async fn idempotency_store(&self) -> Result<Arc<dyn crate::idempotency::IdempotencyStore>> {
         let url = match (&self.idempotency_redis_url, &self.backend) {
             (Some(url), _) => Some(url.as_str()),
             (None, BackendKind::Redis { url }) => Some(url.as_str()),
             (None, BackendKind::Memory) => None,
+            (None, other) if !self.allow_local_idempotency => {
+                return Err(Error::config(
+                    "DLOCK_IDEMPOTENCY_REDIS_URL",
+                    format!(
+                        "must be set with DLOCK_BACKEND={}: without it each instance keeps its own idempotency \
+                         records, and a duplicate sent to two instances runs on both (set \
+                         DLOCK_IDEMPOTENCY_LOCAL=1 to accept that)",
+                        other.name()
+                    ),
+                ));
+            }
             (None, other) => {
                 tracing::warn!(
                     backend = other.name(),
@@ -483,6 +603,18 @@ fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> 
 fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {
     get(var)
         .map(|v| v.parse::<u64>().map_err(|_| Error::config(var, format!("`{v}` is not a whole non-negative number"))))
+        .transpose()
+}
+
+/// `1`/`true`/`yes` or `0`/`false`/`no`; anything else is an error rather
+/// than "off", so a typo does not quietly keep the default.
+fn flag(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<bool>> {
+    get(var)
+        .map(|v| match v.to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" => Ok(true),
+            "0" | "false" | "no" => Ok(false),
+            _ => Err(Error::config(var, format!("`{v}` is not `1` or `0` (`true`/`false`, `yes`/`no`)"))),
+        })
         .transpose()
 }
 
@@ -567,5 +699,70 @@ mod tests {
         }
         assert!(printed.contains("redis://***@h1:6379") && printed.contains("redis://h3:6379"), "{printed}");
         assert!(printed.contains("redis://***@h4:6379"), "{printed}");
+    }
+
+    /// `DLOCK_REDIS_URL` alone, the natural first guess, used to give
+    /// in-process locks without a word: N instances that share nothing.
+    #[test]
+    fn a_backend_variable_without_a_backend_is_an_error_naming_it() {
+        for (var, val, backend) in [
+            ("DLOCK_REDIS_URL", "redis://10.0.0.1:6379", "redis"),
+            ("DLOCK_REDLOCK_URLS", "redis://a,redis://b,redis://c", "redlock"),
+            ("DLOCK_ZOOKEEPER", "10.0.0.1:2181", "zookeeper"),
+            ("DLOCK_ZOOKEEPER_SESSION_MS", "6000", "zookeeper"),
+        ] {
+            let err = cfg(&[(var, val)]).expect_err(var);
+            assert!(err.is_misconfigured(), "{err}");
+            let text = err.to_string();
+            assert!(text.contains(var), "{text} should name {var}");
+            assert!(text.contains(&format!("DLOCK_BACKEND={backend}")), "{text} should say which backend");
+            assert!(!text.contains("pw"), "{text} must not show the password");
+        }
+        // Named, the backend takes its variables; `memory` chosen on purpose
+        // ignores them (with a warning).
+        let c = cfg(&[("DLOCK_BACKEND", "redis"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:6379")]).expect("redis");
+        assert_eq!(c.backend, BackendKind::Redis { url: "redis://10.0.0.1:6379".into() });
+        let c = cfg(&[("DLOCK_BACKEND", "memory"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:6379")]).expect("memory");
+        assert_eq!(c.backend, BackendKind::Memory);
+        // Variables that are not a backend's own stay valid without one.
+        let c = cfg(&[("DLOCK_IDEMPOTENCY_REDIS_URL", "redis://10.0.0.2:6379"), ("DLOCK_PREFIX", "shop")]);
+        assert_eq!(c.expect("not a backend's variable").backend, BackendKind::Memory);
+    }
+
+    #[test]
+    fn idempotency_local_is_a_checked_flag() {
+        assert!(!cfg(&[]).expect("default").allow_local_idempotency);
+        for (val, want) in [("1", true), ("true", true), ("YES", true), ("0", false), ("no", false)] {
+            let c = cfg(&[("DLOCK_IDEMPOTENCY_LOCAL", val)]).expect(val);
+            assert_eq!(c.allow_local_idempotency, want, "{val}");
+        }
+        let err = cfg(&[("DLOCK_IDEMPOTENCY_LOCAL", "on please")]).expect_err("not a flag");
+        assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_IDEMPOTENCY_LOCAL"), "{err}");
+    }
+
+    /// With RedLock or ZooKeeper and no shared store, each instance would
+    /// keep its own records and a duplicate sent to two would run twice.
+    #[tokio::test]
+    async fn records_in_each_process_need_to_be_allowed() {
+        let redlock = [("DLOCK_BACKEND", "redlock"), ("DLOCK_REDLOCK_URLS", "redis://a,redis://b,redis://c")];
+        let zookeeper = [("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER", "10.0.0.1:2181")];
+        for vars in [&redlock[..], &zookeeper[..]] {
+            let c = cfg(vars).expect("valid");
+            let err = c.idempotency_store().await.map(|s| s.name()).expect_err("refused");
+            assert!(err.is_misconfigured(), "{err}");
+            let text = err.to_string();
+            assert!(text.contains("DLOCK_IDEMPOTENCY_REDIS_URL") && text.contains("DLOCK_IDEMPOTENCY_LOCAL"), "{text}");
+            // build_services refuses before connecting to anything (the
+            // addresses here answer nobody).
+            let err = c.build_services().await.map(|s| s.locker.backend_name()).expect_err("refused");
+            assert!(err.to_string().contains("DLOCK_IDEMPOTENCY_REDIS_URL"), "{err}");
+
+            let mut allowed = vars.to_vec();
+            allowed.push(("DLOCK_IDEMPOTENCY_LOCAL", "1"));
+            let store = cfg(&allowed).expect("valid").idempotency_store().await.expect("allowed");
+            assert_eq!(store.name(), "memory");
+        }
+        // The in-process backend is one process by design.
+        assert_eq!(cfg(&[]).expect("valid").idempotency_store().await.expect("memory").name(), "memory");
     }
 }
