@@ -30,13 +30,123 @@ pub enum BackendKind {
         urls: Vec<String>,
     },
     /// ZooKeeper (`DLOCK_BACKEND=zookeeper`, `DLOCK_ZOOKEEPER`,
-    /// `DLOCK_ZOOKEEPER_SESSION_MS`).
+    /// `DLOCK_ZOOKEEPER_SESSION_MS`, `DLOCK_ZOOKEEPER_AUTH`).
     ZooKeeper {
         /// `host:port[,host:port…][/chroot]`.
         connect: String,
         /// The session timeout: the lease of every lock.
         session_timeout: Duration,
+        /// Digest credentials; with them the lock nodes can be changed and
+        /// deleted only by clients with the same credentials. `None`: the
+        /// nodes are open to every client of the ensemble.
+        auth: Option<ZooKeeperAuth>,
     },
+}
+
+/// Digest credentials for ZooKeeper (`DLOCK_ZOOKEEPER_AUTH=user:password`).
+///
+/// With them the ZooKeeper backend authenticates every session and creates
+/// its nodes with the ACL "all rights to the creator's identity, none to
+/// anyone else" (ZooKeeper's `CREATOR_ALL_ACL`), so a client without the
+/// same credentials can neither delete a lock node (freeing a lock someone
+/// holds) nor create or change one. Every instance sharing the locks must
+/// use the same user and password. Its `Debug` hides the password.
+///
+/// ```
+/// use dlock_core::ZooKeeperAuth;
+/// let auth: ZooKeeperAuth = "orders:s3cret".parse().unwrap();
+/// assert_eq!(auth.user(), "orders");
+/// // The identity ZooKeeper puts in the nodes' ACLs (`digest` scheme).
+/// assert_eq!(auth.digest_id(), "orders:JzXBb2C5hwnsnX7m8cr2OK2VyUI=");
+/// assert!(!format!("{auth:?}").contains("s3cret"));
+/// assert!("no-password".parse::<ZooKeeperAuth>().is_err());
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct ZooKeeperAuth {
+    user: String,
+    password: String,
+}
+
+impl ZooKeeperAuth {
+    /// Credentials for ZooKeeper's `digest` scheme.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming `DLOCK_ZOOKEEPER_AUTH` when the user is empty
+    /// or contains `:` (the digest scheme splits on the first one), or the
+    /// password is empty.
+    pub fn digest(user: impl Into<String>, password: impl Into<String>) -> Result<Self> {
+        let (user, password) = (user.into(), password.into());
+        if user.is_empty() || user.contains(':') {
+            return Err(Error::config(AUTH_VAR, "needs `user:password` with a non-empty user (no `:` in it)"));
+        }
+        if password.is_empty() {
+            return Err(Error::config(AUTH_VAR, "needs `user:password` with a non-empty password"));
+        }
+        Ok(ZooKeeperAuth { user, password })
+    }
+
+    /// The user name.
+    pub fn user(&self) -> &str {
+        &self.user
+    }
+
+    /// `user:password`, the bytes the `digest` scheme sends to the server.
+    #[cfg_attr(not(feature = "zookeeper"), allow(dead_code))]
+    pub(crate) fn credentials(&self) -> String {
+        format!("{}:{}", self.user, self.password)
+    }
+
+    /// The identity the server derives from these credentials and lists in
+    /// ACLs: `user:base64(sha1(user:password))`. An operator grants it with
+    /// `setAcl /path digest:<this>:cdrwa`; it does not reveal the password
+    /// (beyond allowing a guess to be checked offline).
+    pub fn digest_id(&self) -> String {
+        let hash = sha1_smol::Sha1::from(self.credentials()).digest().bytes();
+        format!("{}:{}", self.user, base64(&hash))
+    }
+}
+
+impl std::str::FromStr for ZooKeeperAuth {
+    type Err = Error;
+
+    /// Parses `user:password` (the password may contain `:`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.split_once(':') {
+            Some((user, password)) => ZooKeeperAuth::digest(user, password),
+            None => Err(Error::config(AUTH_VAR, "needs `user:password`")),
+        }
+    }
+}
+
+impl std::fmt::Debug for ZooKeeperAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZooKeeperAuth")
+            .field("scheme", &"digest")
+            .field("user", &self.user)
+            .field("password", &"***")
+            .finish()
+    }
+}
+
+pub(crate) const AUTH_VAR: &str = "DLOCK_ZOOKEEPER_AUTH";
+
+/// Standard base64 with padding, for the 20-byte digest of a ZooKeeper
+/// identity (not worth a dependency).
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 impl std::fmt::Debug for BackendKind {
@@ -48,9 +158,12 @@ impl std::fmt::Debug for BackendKind {
                 let urls: Vec<String> = urls.iter().map(|u| redact(u)).collect();
                 f.debug_struct("RedLock").field("urls", &urls).finish()
             }
-            BackendKind::ZooKeeper { connect, session_timeout } => {
-                f.debug_struct("ZooKeeper").field("connect", connect).field("session_timeout", session_timeout).finish()
-            }
+            BackendKind::ZooKeeper { connect, session_timeout, auth } => f
+                .debug_struct("ZooKeeper")
+                .field("connect", connect)
+                .field("session_timeout", session_timeout)
+                .field("auth", auth)
+                .finish(),
         }
     }
 }
@@ -76,6 +189,7 @@ impl BackendKind {
 /// | `DLOCK_REDLOCK_URLS` | comma-separated Redis URLs, odd count ≥ 3 | — |
 /// | `DLOCK_ZOOKEEPER` | ZooKeeper connect string (optional `/chroot`) | `127.0.0.1:2181` |
 /// | `DLOCK_ZOOKEEPER_SESSION_MS` | ZooKeeper session timeout (the lease) | `10000` |
+/// | `DLOCK_ZOOKEEPER_AUTH` | `user:password` for ZooKeeper's digest scheme; lock nodes then get a creator-only ACL (see [`ZooKeeperAuth`]) | none: nodes open to every client |
 /// | `DLOCK_PREFIX` | key namespace | `dlock` |
 /// | `DLOCK_LEASE_MS` | watchdog lease | `30000` |
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
@@ -207,11 +321,12 @@ const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 /// mistake costs one line to fix at start-up, while a silent fallback to
 /// in-process locks costs every lock its meaning with N instances and
 /// passes every single-instance test.
-const BACKEND_VARS: [(&str, &str); 4] = [
+const BACKEND_VARS: [(&str, &str); 5] = [
     ("DLOCK_REDIS_URL", "redis"),
     ("DLOCK_REDLOCK_URLS", "redlock"),
     ("DLOCK_ZOOKEEPER", "zookeeper"),
     ("DLOCK_ZOOKEEPER_SESSION_MS", "zookeeper"),
+    ("DLOCK_ZOOKEEPER_AUTH", "zookeeper"),
 ];
 
 impl Config {
@@ -283,6 +398,7 @@ impl Config {
                 BackendKind::ZooKeeper {
                     connect: get("DLOCK_ZOOKEEPER").unwrap_or_else(|| "127.0.0.1:2181".into()),
                     session_timeout,
+                    auth: get(AUTH_VAR).map(|v| v.parse()).transpose()?,
                 }
             }
             Some(other) => {
@@ -402,7 +518,10 @@ impl Config {
                 let urls: Vec<String> = urls.iter().map(|u| redact(u)).collect();
                 format!("redlock {}", urls.join(","))
             }
-            BackendKind::ZooKeeper { connect, .. } => format!("zookeeper {connect}"),
+            BackendKind::ZooKeeper { connect, auth, .. } => match auth {
+                Some(auth) => format!("zookeeper {connect} (digest auth as `{}`)", auth.user()),
+                None => format!("zookeeper {connect} (no auth: lock nodes open to every client)"),
+            },
         }
     }
 
@@ -427,14 +546,16 @@ impl Config {
                 return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `redis` feature"))
             }
             #[cfg(feature = "zookeeper")]
-            BackendKind::ZooKeeper { connect, session_timeout } => Arc::new(
-                crate::backend::zookeeper::ZooKeeperBackend::connect_with(
-                    connect,
-                    &self.prefix,
-                    crate::backend::zookeeper::ZooKeeperOptions::default().with_session_timeout(*session_timeout),
+            BackendKind::ZooKeeper { connect, session_timeout, auth } => {
+                let mut options =
+                    crate::backend::zookeeper::ZooKeeperOptions::default().with_session_timeout(*session_timeout);
+                if let Some(auth) = auth {
+                    options = options.with_auth(auth.clone());
+                }
+                Arc::new(
+                    crate::backend::zookeeper::ZooKeeperBackend::connect_with(connect, &self.prefix, options).await?,
                 )
-                .await?,
-            ),
+            }
             #[cfg(not(feature = "zookeeper"))]
             BackendKind::ZooKeeper { .. } => {
                 return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `zookeeper` feature"))
@@ -710,6 +831,7 @@ mod tests {
             ("DLOCK_REDLOCK_URLS", "redis://a,redis://b,redis://c", "redlock"),
             ("DLOCK_ZOOKEEPER", "10.0.0.1:2181", "zookeeper"),
             ("DLOCK_ZOOKEEPER_SESSION_MS", "6000", "zookeeper"),
+            ("DLOCK_ZOOKEEPER_AUTH", "app:pw", "zookeeper"),
         ] {
             let err = cfg(&[(var, val)]).expect_err(var);
             assert!(err.is_misconfigured(), "{err}");
@@ -727,6 +849,38 @@ mod tests {
         // Variables that are not a backend's own stay valid without one.
         let c = cfg(&[("DLOCK_IDEMPOTENCY_REDIS_URL", "redis://10.0.0.2:6379"), ("DLOCK_PREFIX", "shop")]);
         assert_eq!(c.expect("not a backend's variable").backend, BackendKind::Memory);
+    }
+
+    #[test]
+    fn zookeeper_auth_is_read_and_never_printed() {
+        let c = cfg(&[("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER_AUTH", "orders:pa:ss")]).expect("valid");
+        let BackendKind::ZooKeeper { auth: Some(auth), .. } = &c.backend else { panic!("{c:?}") };
+        assert_eq!(auth.user(), "orders");
+        assert_eq!(auth.credentials(), "orders:pa:ss", "the password may contain `:`");
+        let printed = format!("{c:?}");
+        assert!(!printed.contains("pa:ss") && printed.contains("orders"), "{printed}");
+        assert!(!c.backend_summary().contains("pa:ss"), "{}", c.backend_summary());
+        let c = cfg(&[("DLOCK_BACKEND", "zookeeper")]).expect("valid");
+        assert!(matches!(c.backend, BackendKind::ZooKeeper { auth: None, .. }), "{c:?}");
+        for bad in ["orders", ":pw", "orders:", "a:"] {
+            let err = cfg(&[("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER_AUTH", bad)]).expect_err(bad);
+            assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_ZOOKEEPER_AUTH"), "{err}");
+            assert!(!err.to_string().contains("pw"), "{err}");
+        }
+    }
+
+    /// ZooKeeper's own digest (`DigestAuthenticationProvider.generateDigest`),
+    /// checked against values computed outside this crate (Python's hashlib and
+    /// base64); `zookeeper_acl.rs` checks it against a real server.
+    #[test]
+    fn digest_id_is_zookeepers() {
+        let id = |s: &str| s.parse::<ZooKeeperAuth>().expect("valid").digest_id();
+        assert_eq!(id("orders:s3cret"), "orders:JzXBb2C5hwnsnX7m8cr2OK2VyUI=");
+        assert_eq!(id("super:adminsecret"), "super:GcMT0ijsx21yLyTWAWMqFV/azZE=");
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
     }
 
     #[test]
