@@ -851,6 +851,27 @@ mod tests {
         assert_eq!(c.expect("not a backend's variable").backend, BackendKind::Memory);
     }
 
+    /// The start-up line says which backend and where, never a password.
+    #[test]
+    fn the_start_up_summary_names_the_backend_without_secrets() {
+        let summary = |vars: &[(&str, &str)]| cfg(vars).expect("valid").backend_summary();
+        assert!(summary(&[]).starts_with("memory"), "{}", summary(&[]));
+        let redis = summary(&[("DLOCK_BACKEND", "redis"), ("DLOCK_REDIS_URL", "redis://app:pw1@h1:6379/0")]);
+        assert_eq!(redis, "redis redis://***@h1:6379/0");
+        let redlock = summary(&[
+            ("DLOCK_BACKEND", "redlock"),
+            ("DLOCK_REDLOCK_URLS", "redis://:pw2@h1:6379,redis://h2:6379,redis://h3:6379"),
+        ]);
+        assert_eq!(redlock, "redlock redis://***@h1:6379,redis://h2:6379,redis://h3:6379");
+        let zookeeper = summary(&[
+            ("DLOCK_BACKEND", "zookeeper"),
+            ("DLOCK_ZOOKEEPER", "z1:2181"),
+            ("DLOCK_ZOOKEEPER_AUTH", "app:pw3"),
+        ]);
+        assert!(zookeeper.starts_with("zookeeper z1:2181") && zookeeper.contains("app"), "{zookeeper}");
+        assert!(!zookeeper.contains("pw3"), "{zookeeper}");
+    }
+
     #[test]
     fn zookeeper_auth_is_read_and_never_printed() {
         let c = cfg(&[("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER_AUTH", "orders:pa:ss")]).expect("valid");
