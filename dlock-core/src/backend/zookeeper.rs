@@ -57,10 +57,13 @@
 //!   lock nodes. The prefix node `/<prefix>` is then persistent and checked
 //!   when connecting: open to anyone, or not granting our identity, it is a
 //!   configuration error, since nodes created under it could be taken over.
-//!   It also gets a persistent creator-only child, `_dlock_acl_anchor`, so that it is
-//!   never empty: ZooKeeper deletes no node with children, and `/` (or the
-//!   chroot) is usually open to anyone, who could otherwise delete an empty
-//!   `/<prefix>` and make it again with an ACL of their own.
+//!   It also gets a persistent creator-only child, `_dlock_acl_anchor`, so
+//!   that it is never empty: ZooKeeper deletes no node with children, and
+//!   `/` (or the chroot) is usually open to anyone, who could otherwise
+//!   delete an empty `/<prefix>` and make it again with an ACL of their own.
+//!   ZooKeeper's ACLs do not hide that a lock exists (`exists` needs no
+//!   right), nor stop a client that may delete nodes in `/` from other harm
+//!   there; give `/` or the chroot a restrictive ACL too.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock, Weak};
