@@ -30,13 +30,123 @@ pub enum BackendKind {
         urls: Vec<String>,
     },
     /// ZooKeeper (`DLOCK_BACKEND=zookeeper`, `DLOCK_ZOOKEEPER`,
-    /// `DLOCK_ZOOKEEPER_SESSION_MS`).
+    /// `DLOCK_ZOOKEEPER_SESSION_MS`, `DLOCK_ZOOKEEPER_AUTH`).
     ZooKeeper {
         /// `host:port[,host:port…][/chroot]`.
         connect: String,
         /// The session timeout: the lease of every lock.
         session_timeout: Duration,
+        /// Digest credentials; with them the lock nodes can be changed and
+        /// deleted only by clients with the same credentials. `None`: the
+        /// nodes are open to every client of the ensemble.
+        auth: Option<ZooKeeperAuth>,
     },
+}
+
+/// Digest credentials for ZooKeeper (`DLOCK_ZOOKEEPER_AUTH=user:password`).
+///
+/// With them the ZooKeeper backend authenticates every session and creates
+/// its nodes with the ACL "all rights to the creator's identity, none to
+/// anyone else" (ZooKeeper's `CREATOR_ALL_ACL`), so a client without the
+/// same credentials can neither delete a lock node (freeing a lock someone
+/// holds) nor create or change one. Every instance sharing the locks must
+/// use the same user and password. Its `Debug` hides the password.
+///
+/// ```
+/// use dlock_core::ZooKeeperAuth;
+/// let auth: ZooKeeperAuth = "orders:s3cret".parse().unwrap();
+/// assert_eq!(auth.user(), "orders");
+/// // The identity ZooKeeper puts in the nodes' ACLs (`digest` scheme).
+/// assert_eq!(auth.digest_id(), "orders:JzXBb2C5hwnsnX7m8cr2OK2VyUI=");
+/// assert!(!format!("{auth:?}").contains("s3cret"));
+/// assert!("no-password".parse::<ZooKeeperAuth>().is_err());
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct ZooKeeperAuth {
+    user: String,
+    password: String,
+}
+
+impl ZooKeeperAuth {
+    /// Credentials for ZooKeeper's `digest` scheme.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming `DLOCK_ZOOKEEPER_AUTH` when the user is empty
+    /// or contains `:` (the digest scheme splits on the first one), or the
+    /// password is empty.
+    pub fn digest(user: impl Into<String>, password: impl Into<String>) -> Result<Self> {
+        let (user, password) = (user.into(), password.into());
+        if user.is_empty() || user.contains(':') {
+            return Err(Error::config(AUTH_VAR, "needs `user:password` with a non-empty user (no `:` in it)"));
+        }
+        if password.is_empty() {
+            return Err(Error::config(AUTH_VAR, "needs `user:password` with a non-empty password"));
+        }
+        Ok(ZooKeeperAuth { user, password })
+    }
+
+    /// The user name.
+    pub fn user(&self) -> &str {
+        &self.user
+    }
+
+    /// `user:password`, the bytes the `digest` scheme sends to the server.
+    #[cfg_attr(not(feature = "zookeeper"), allow(dead_code))]
+    pub(crate) fn credentials(&self) -> String {
+        format!("{}:{}", self.user, self.password)
+    }
+
+    /// The identity the server derives from these credentials and lists in
+    /// ACLs: `user:base64(sha1(user:password))`. An operator grants it with
+    /// `setAcl /path digest:<this>:cdrwa`; it does not reveal the password
+    /// (beyond allowing a guess to be checked offline).
+    pub fn digest_id(&self) -> String {
+        let hash = sha1_smol::Sha1::from(self.credentials()).digest().bytes();
+        format!("{}:{}", self.user, base64(&hash))
+    }
+}
+
+impl std::str::FromStr for ZooKeeperAuth {
+    type Err = Error;
+
+    /// Parses `user:password` (the password may contain `:`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.split_once(':') {
+            Some((user, password)) => ZooKeeperAuth::digest(user, password),
+            None => Err(Error::config(AUTH_VAR, "needs `user:password`")),
+        }
+    }
+}
+
+impl std::fmt::Debug for ZooKeeperAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZooKeeperAuth")
+            .field("scheme", &"digest")
+            .field("user", &self.user)
+            .field("password", &"***")
+            .finish()
+    }
+}
+
+pub(crate) const AUTH_VAR: &str = "DLOCK_ZOOKEEPER_AUTH";
+
+/// Standard base64 with padding, for the 20-byte digest of a ZooKeeper
+/// identity (not worth a dependency).
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 impl std::fmt::Debug for BackendKind {
@@ -48,9 +158,12 @@ impl std::fmt::Debug for BackendKind {
                 let urls: Vec<String> = urls.iter().map(|u| redact(u)).collect();
                 f.debug_struct("RedLock").field("urls", &urls).finish()
             }
-            BackendKind::ZooKeeper { connect, session_timeout } => {
-                f.debug_struct("ZooKeeper").field("connect", connect).field("session_timeout", session_timeout).finish()
-            }
+            BackendKind::ZooKeeper { connect, session_timeout, auth } => f
+                .debug_struct("ZooKeeper")
+                .field("connect", connect)
+                .field("session_timeout", session_timeout)
+                .field("auth", auth)
+                .finish(),
         }
     }
 }
@@ -76,6 +189,7 @@ impl BackendKind {
 /// | `DLOCK_REDLOCK_URLS` | comma-separated Redis URLs, odd count ≥ 3 | — |
 /// | `DLOCK_ZOOKEEPER` | ZooKeeper connect string (optional `/chroot`) | `127.0.0.1:2181` |
 /// | `DLOCK_ZOOKEEPER_SESSION_MS` | ZooKeeper session timeout (the lease) | `10000` |
+/// | `DLOCK_ZOOKEEPER_AUTH` | `user:password` for ZooKeeper's digest scheme; lock nodes then get a creator-only ACL (see [`ZooKeeperAuth`]) | none: nodes open to every client |
 /// | `DLOCK_PREFIX` | key namespace | `dlock` |
 /// | `DLOCK_LEASE_MS` | watchdog lease | `30000` |
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
@@ -83,8 +197,14 @@ impl BackendKind {
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
 /// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
 /// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]) | the lock backend's Redis, else in process |
+/// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock` or `zookeeper` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
+///
+/// A backend's own variable (`DLOCK_REDIS_URL`, `DLOCK_REDLOCK_URLS`,
+/// `DLOCK_ZOOKEEPER*`) set while `DLOCK_BACKEND` is not is an error naming
+/// it, not a silent fallback to in-process locks; one of another backend
+/// than `DLOCK_BACKEND` names is ignored with a warning.
 ///
 /// An empty variable counts as unset. The TLS files apply to every
 /// `rediss://` URL (lock backend, RedLock masters, idempotency store); they
@@ -145,6 +265,12 @@ pub struct Config {
     /// No grants from a Redis that restarted or lost its data until it has
     /// been up this long (`DLOCK_RESTART_QUARANTINE_MS`; zero: off).
     pub restart_quarantine: Duration,
+    /// Whether idempotency records may stay in each process with the
+    /// `redlock` and `zookeeper` backends when `idempotency_redis_url` is
+    /// unset (`DLOCK_IDEMPOTENCY_LOCAL=1`). Off, that is a start-up error
+    /// (see [`Config::idempotency_store`]): a duplicate sent to two
+    /// instances would run on both.
+    pub allow_local_idempotency: bool,
 }
 
 impl Default for Config {
@@ -160,6 +286,7 @@ impl Default for Config {
             #[cfg(feature = "redis")]
             redis_tls: None,
             restart_quarantine: Duration::ZERO,
+            allow_local_idempotency: false,
         }
     }
 }
@@ -176,11 +303,31 @@ impl std::fmt::Debug for Config {
             .field("idempotency_redis_url", &self.idempotency_redis_url.as_deref().map(redact));
         #[cfg(feature = "redis")]
         d.field("redis_tls", &self.redis_tls);
-        d.field("restart_quarantine", &self.restart_quarantine).finish()
+        d.field("restart_quarantine", &self.restart_quarantine)
+            .field("allow_local_idempotency", &self.allow_local_idempotency)
+            .finish()
     }
 }
 
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+/// The variables that configure one backend, with that backend.
+///
+/// One of them set while `DLOCK_BACKEND` is not is a configuration error
+/// rather than a hint to pick that backend: a URL left in the environment
+/// by an earlier deployment would otherwise switch backends just as
+/// silently as the in-process fallback ignored it, variables of two
+/// backends would leave the choice to the order of this list, and the
+/// mistake costs one line to fix at start-up, while a silent fallback to
+/// in-process locks costs every lock its meaning with N instances and
+/// passes every single-instance test.
+const BACKEND_VARS: [(&str, &str); 5] = [
+    ("DLOCK_REDIS_URL", "redis"),
+    ("DLOCK_REDLOCK_URLS", "redlock"),
+    ("DLOCK_ZOOKEEPER", "zookeeper"),
+    ("DLOCK_ZOOKEEPER_SESSION_MS", "zookeeper"),
+    ("DLOCK_ZOOKEEPER_AUTH", "zookeeper"),
+];
 
 impl Config {
     /// Reads the `DLOCK_*` variables of this process.
@@ -200,7 +347,30 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let get = |var: &str| lookup(var).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
         let defaults = Config::default();
-        let backend = match get("DLOCK_BACKEND").as_deref() {
+        let chosen = get("DLOCK_BACKEND");
+        match chosen.as_deref() {
+            None => {
+                if let Some(&(var, backend)) = BACKEND_VARS.iter().find(|(var, _)| get(var).is_some()) {
+                    return Err(Error::config(
+                        var,
+                        format!(
+                            "is set but DLOCK_BACKEND is not: set DLOCK_BACKEND={backend} to use it, or \
+                             DLOCK_BACKEND=memory for locks that only this process sees"
+                        ),
+                    ));
+                }
+            }
+            Some(chosen) => {
+                for (var, backend) in BACKEND_VARS.iter().filter(|(var, b)| *b != chosen && get(var).is_some()) {
+                    tracing::warn!(
+                        variable = var,
+                        backend = chosen,
+                        "{var} is ignored: it configures DLOCK_BACKEND={backend}, not {chosen}"
+                    );
+                }
+            }
+        }
+        let backend = match chosen.as_deref() {
             None | Some("memory") => BackendKind::Memory,
             Some("redis") => {
                 BackendKind::Redis { url: get("DLOCK_REDIS_URL").unwrap_or_else(|| DEFAULT_REDIS_URL.into()) }
@@ -228,6 +398,7 @@ impl Config {
                 BackendKind::ZooKeeper {
                     connect: get("DLOCK_ZOOKEEPER").unwrap_or_else(|| "127.0.0.1:2181".into()),
                     session_timeout,
+                    auth: get(AUTH_VAR).map(|v| v.parse()).transpose()?,
                 }
             }
             Some(other) => {
@@ -291,6 +462,7 @@ impl Config {
                  still be held when the quarantine ends"
             );
         }
+        let allow_local_idempotency = flag(&get, "DLOCK_IDEMPOTENCY_LOCAL")?.unwrap_or(false);
         Ok(Config {
             backend,
             prefix,
@@ -302,6 +474,7 @@ impl Config {
             #[cfg(feature = "redis")]
             redis_tls,
             restart_quarantine,
+            allow_local_idempotency,
         })
     }
 
@@ -331,6 +504,28 @@ impl Config {
     /// [`Error::Config`] for an invalid URL or missing permissions,
     /// [`Error::Backend`] when the server cannot be reached.
     pub async fn build(&self) -> Result<Locker> {
+        tracing::info!(backend = %self.backend_summary(), prefix = %self.prefix, "dlock: lock backend");
+        self.build_locker().await
+    }
+
+    /// The backend and where it is, for the start-up log line: URLs with
+    /// their passwords hidden, the ZooKeeper user without its password.
+    fn backend_summary(&self) -> String {
+        match &self.backend {
+            BackendKind::Memory => "memory (this process only)".into(),
+            BackendKind::Redis { url } => format!("redis {}", redact(url)),
+            BackendKind::RedLock { urls } => {
+                let urls: Vec<String> = urls.iter().map(|u| redact(u)).collect();
+                format!("redlock {}", urls.join(","))
+            }
+            BackendKind::ZooKeeper { connect, auth, .. } => match auth {
+                Some(auth) => format!("zookeeper {connect} (digest auth as `{}`)", auth.user()),
+                None => format!("zookeeper {connect} (no auth: lock nodes open to every client)"),
+            },
+        }
+    }
+
+    async fn build_locker(&self) -> Result<Locker> {
         let backend: Arc<dyn Backend> = match &self.backend {
             BackendKind::Memory => Arc::new(MemoryBackend::new()),
             #[cfg(feature = "redis")]
@@ -351,14 +546,16 @@ impl Config {
                 return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `redis` feature"))
             }
             #[cfg(feature = "zookeeper")]
-            BackendKind::ZooKeeper { connect, session_timeout } => Arc::new(
-                crate::backend::zookeeper::ZooKeeperBackend::connect_with(
-                    connect,
-                    &self.prefix,
-                    crate::backend::zookeeper::ZooKeeperOptions::default().with_session_timeout(*session_timeout),
+            BackendKind::ZooKeeper { connect, session_timeout, auth } => {
+                let mut options =
+                    crate::backend::zookeeper::ZooKeeperOptions::default().with_session_timeout(*session_timeout);
+                if let Some(auth) = auth {
+                    options = options.with_auth(auth.clone());
+                }
+                Arc::new(
+                    crate::backend::zookeeper::ZooKeeperBackend::connect_with(connect, &self.prefix, options).await?,
                 )
-                .await?,
-            ),
+            }
             #[cfg(not(feature = "zookeeper"))]
             BackendKind::ZooKeeper { .. } => {
                 return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `zookeeper` feature"))
@@ -399,6 +596,17 @@ impl Config {
     ///
     /// As [`build`](Self::build) and [`idempotency_store`](Self::idempotency_store).
     pub async fn build_services(&self) -> Result<Services> {
+        let idempotency = match (&self.idempotency_redis_url, &self.backend) {
+            (Some(url), _) => format!("redis {}", redact(url)),
+            (None, BackendKind::Redis { .. }) => "the lock backend's redis".into(),
+            (None, _) => "memory (this process only)".into(),
+        };
+        tracing::info!(
+            backend = %self.backend_summary(),
+            prefix = %self.prefix,
+            idempotency = %idempotency,
+            "dlock: lock backend and idempotency store"
+        );
         #[cfg(feature = "redis")]
         if let BackendKind::Redis { url } = &self.backend {
             if self.idempotency_redis_url.as_ref().is_none_or(|own| own == url) {
@@ -410,7 +618,9 @@ impl Config {
                 return Ok(Services { locker, idempotency });
             }
         }
-        Ok(Services { locker: self.build().await?, idempotency: self.idempotency_store().await? })
+        // The store first: its configuration error needs no connection.
+        let idempotency = self.idempotency_store().await?;
+        Ok(Services { locker: self.build_locker().await?, idempotency })
     }
 
     /// Connects the idempotency store that goes with this configuration
@@ -421,7 +631,12 @@ impl Config {
     /// |---|---|
     /// | `memory` | this process ([`MemoryStore`](crate::idempotency::MemoryStore)), unless `DLOCK_IDEMPOTENCY_REDIS_URL` is set |
     /// | `redis` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same Redis as the locks |
-    /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset → this process, with a warning (instances do not share records) |
+    /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset → an error, unless `DLOCK_IDEMPOTENCY_LOCAL=1` ([`allow_local_idempotency`](Self::allow_local_idempotency)) keeps them in this process, with a warning |
+    ///
+    /// Records in each process are refused by default with several
+    /// instances in mind: a duplicate request sent to two of them would run
+    /// on both, and nothing would say so. The `memory` backend is one
+    /// process by design, so its records stay there.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -430,14 +645,40 @@ impl Config {
     /// # Ok(()) }
     /// ```
     ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let mut cfg = dlock_core::Config::from_lookup(|var| match var {
+    ///     "DLOCK_BACKEND" => Some("zookeeper".into()),
+    ///     _ => None,
+    /// }).unwrap();
+    /// let err = cfg.idempotency_store().await.unwrap_err();
+    /// assert!(err.to_string().contains("DLOCK_IDEMPOTENCY_REDIS_URL"));
+    /// cfg.allow_local_idempotency = true;
+    /// assert_eq!(cfg.idempotency_store().await.unwrap().name(), "memory");
+    /// # }
+    /// ```
+    ///
     /// # Errors
     ///
-    /// As [`RedisStore::connect`](crate::idempotency::RedisStore::connect).
+    /// [`Error::Config`] naming `DLOCK_IDEMPOTENCY_REDIS_URL` for `redlock`
+    /// or `zookeeper` without it (and without `DLOCK_IDEMPOTENCY_LOCAL=1`);
+    /// as [`RedisStore::connect`](crate::idempotency::RedisStore::connect).
     pub async fn idempotency_store(&self) -> Result<Arc<dyn crate::idempotency::IdempotencyStore>> {
         let url = match (&self.idempotency_redis_url, &self.backend) {
             (Some(url), _) => Some(url.as_str()),
             (None, BackendKind::Redis { url }) => Some(url.as_str()),
             (None, BackendKind::Memory) => None,
+            (None, other) if !self.allow_local_idempotency => {
+                return Err(Error::config(
+                    "DLOCK_IDEMPOTENCY_REDIS_URL",
+                    format!(
+                        "must be set with DLOCK_BACKEND={}: without it each instance keeps its own idempotency \
+                         records, and a duplicate sent to two instances runs on both (set \
+                         DLOCK_IDEMPOTENCY_LOCAL=1 to accept that)",
+                        other.name()
+                    ),
+                ));
+            }
             (None, other) => {
                 tracing::warn!(
                     backend = other.name(),
@@ -483,6 +724,18 @@ fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> 
 fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {
     get(var)
         .map(|v| v.parse::<u64>().map_err(|_| Error::config(var, format!("`{v}` is not a whole non-negative number"))))
+        .transpose()
+}
+
+/// `1`/`true`/`yes` or `0`/`false`/`no`; anything else is an error rather
+/// than "off", so a typo does not quietly keep the default.
+fn flag(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<bool>> {
+    get(var)
+        .map(|v| match v.to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" => Ok(true),
+            "0" | "false" | "no" => Ok(false),
+            _ => Err(Error::config(var, format!("`{v}` is not `1` or `0` (`true`/`false`, `yes`/`no`)"))),
+        })
         .transpose()
 }
 
@@ -567,5 +820,124 @@ mod tests {
         }
         assert!(printed.contains("redis://***@h1:6379") && printed.contains("redis://h3:6379"), "{printed}");
         assert!(printed.contains("redis://***@h4:6379"), "{printed}");
+    }
+
+    /// `DLOCK_REDIS_URL` alone, the natural first guess, used to give
+    /// in-process locks without a word: N instances that share nothing.
+    #[test]
+    fn a_backend_variable_without_a_backend_is_an_error_naming_it() {
+        for (var, val, backend) in [
+            ("DLOCK_REDIS_URL", "redis://10.0.0.1:6379", "redis"),
+            ("DLOCK_REDLOCK_URLS", "redis://a,redis://b,redis://c", "redlock"),
+            ("DLOCK_ZOOKEEPER", "10.0.0.1:2181", "zookeeper"),
+            ("DLOCK_ZOOKEEPER_SESSION_MS", "6000", "zookeeper"),
+            ("DLOCK_ZOOKEEPER_AUTH", "app:pw", "zookeeper"),
+        ] {
+            let err = cfg(&[(var, val)]).expect_err(var);
+            assert!(err.is_misconfigured(), "{err}");
+            let text = err.to_string();
+            assert!(text.contains(var), "{text} should name {var}");
+            assert!(text.contains(&format!("DLOCK_BACKEND={backend}")), "{text} should say which backend");
+            assert!(!text.contains("pw"), "{text} must not show the password");
+        }
+        // Named, the backend takes its variables; `memory` chosen on purpose
+        // ignores them (with a warning).
+        let c = cfg(&[("DLOCK_BACKEND", "redis"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:6379")]).expect("redis");
+        assert_eq!(c.backend, BackendKind::Redis { url: "redis://10.0.0.1:6379".into() });
+        let c = cfg(&[("DLOCK_BACKEND", "memory"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:6379")]).expect("memory");
+        assert_eq!(c.backend, BackendKind::Memory);
+        // Variables that are not a backend's own stay valid without one.
+        let c = cfg(&[("DLOCK_IDEMPOTENCY_REDIS_URL", "redis://10.0.0.2:6379"), ("DLOCK_PREFIX", "shop")]);
+        assert_eq!(c.expect("not a backend's variable").backend, BackendKind::Memory);
+    }
+
+    /// The start-up line says which backend and where, never a password.
+    #[test]
+    fn the_start_up_summary_names_the_backend_without_secrets() {
+        let summary = |vars: &[(&str, &str)]| cfg(vars).expect("valid").backend_summary();
+        assert!(summary(&[]).starts_with("memory"), "{}", summary(&[]));
+        let redis = summary(&[("DLOCK_BACKEND", "redis"), ("DLOCK_REDIS_URL", "redis://app:pw1@h1:6379/0")]);
+        assert_eq!(redis, "redis redis://***@h1:6379/0");
+        let redlock = summary(&[
+            ("DLOCK_BACKEND", "redlock"),
+            ("DLOCK_REDLOCK_URLS", "redis://:pw2@h1:6379,redis://h2:6379,redis://h3:6379"),
+        ]);
+        assert_eq!(redlock, "redlock redis://***@h1:6379,redis://h2:6379,redis://h3:6379");
+        let zookeeper = summary(&[
+            ("DLOCK_BACKEND", "zookeeper"),
+            ("DLOCK_ZOOKEEPER", "z1:2181"),
+            ("DLOCK_ZOOKEEPER_AUTH", "app:pw3"),
+        ]);
+        assert!(zookeeper.starts_with("zookeeper z1:2181") && zookeeper.contains("app"), "{zookeeper}");
+        assert!(!zookeeper.contains("pw3"), "{zookeeper}");
+    }
+
+    #[test]
+    fn zookeeper_auth_is_read_and_never_printed() {
+        let c = cfg(&[("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER_AUTH", "orders:pa:ss")]).expect("valid");
+        let BackendKind::ZooKeeper { auth: Some(auth), .. } = &c.backend else { panic!("{c:?}") };
+        assert_eq!(auth.user(), "orders");
+        assert_eq!(auth.credentials(), "orders:pa:ss", "the password may contain `:`");
+        let printed = format!("{c:?}");
+        assert!(!printed.contains("pa:ss") && printed.contains("orders"), "{printed}");
+        assert!(!c.backend_summary().contains("pa:ss"), "{}", c.backend_summary());
+        let c = cfg(&[("DLOCK_BACKEND", "zookeeper")]).expect("valid");
+        assert!(matches!(c.backend, BackendKind::ZooKeeper { auth: None, .. }), "{c:?}");
+        for bad in ["orders", ":pw", "orders:", "a:"] {
+            let err = cfg(&[("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER_AUTH", bad)]).expect_err(bad);
+            assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_ZOOKEEPER_AUTH"), "{err}");
+            assert!(!err.to_string().contains("pw"), "{err}");
+        }
+    }
+
+    /// ZooKeeper's own digest (`DigestAuthenticationProvider.generateDigest`),
+    /// checked against values computed outside this crate (Python's hashlib and
+    /// base64); `zookeeper_acl.rs` checks it against a real server.
+    #[test]
+    fn digest_id_is_zookeepers() {
+        let id = |s: &str| s.parse::<ZooKeeperAuth>().expect("valid").digest_id();
+        assert_eq!(id("orders:s3cret"), "orders:JzXBb2C5hwnsnX7m8cr2OK2VyUI=");
+        assert_eq!(id("super:adminsecret"), "super:GcMT0ijsx21yLyTWAWMqFV/azZE=");
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
+    }
+
+    #[test]
+    fn idempotency_local_is_a_checked_flag() {
+        assert!(!cfg(&[]).expect("default").allow_local_idempotency);
+        for (val, want) in [("1", true), ("true", true), ("YES", true), ("0", false), ("no", false)] {
+            let c = cfg(&[("DLOCK_IDEMPOTENCY_LOCAL", val)]).expect(val);
+            assert_eq!(c.allow_local_idempotency, want, "{val}");
+        }
+        let err = cfg(&[("DLOCK_IDEMPOTENCY_LOCAL", "on please")]).expect_err("not a flag");
+        assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_IDEMPOTENCY_LOCAL"), "{err}");
+    }
+
+    /// With RedLock or ZooKeeper and no shared store, each instance would
+    /// keep its own records and a duplicate sent to two would run twice.
+    #[tokio::test]
+    async fn records_in_each_process_need_to_be_allowed() {
+        let redlock = [("DLOCK_BACKEND", "redlock"), ("DLOCK_REDLOCK_URLS", "redis://a,redis://b,redis://c")];
+        let zookeeper = [("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER", "10.0.0.1:2181")];
+        for vars in [&redlock[..], &zookeeper[..]] {
+            let c = cfg(vars).expect("valid");
+            let err = c.idempotency_store().await.map(|s| s.name()).expect_err("refused");
+            assert!(err.is_misconfigured(), "{err}");
+            let text = err.to_string();
+            assert!(text.contains("DLOCK_IDEMPOTENCY_REDIS_URL") && text.contains("DLOCK_IDEMPOTENCY_LOCAL"), "{text}");
+            // build_services refuses before connecting to anything (the
+            // addresses here answer nobody).
+            let err = c.build_services().await.map(|s| s.locker.backend_name()).expect_err("refused");
+            assert!(err.to_string().contains("DLOCK_IDEMPOTENCY_REDIS_URL"), "{err}");
+
+            let mut allowed = vars.to_vec();
+            allowed.push(("DLOCK_IDEMPOTENCY_LOCAL", "1"));
+            let store = cfg(&allowed).expect("valid").idempotency_store().await.expect("allowed");
+            assert_eq!(store.name(), "memory");
+        }
+        // The in-process backend is one process by design.
+        assert_eq!(cfg(&[]).expect("valid").idempotency_store().await.expect("memory").name(), "memory");
     }
 }

@@ -33,7 +33,7 @@ mod owner;
 
 pub use backend::memory::MemoryBackend;
 pub use backend::{Backend, LostReason, LostSignal};
-pub use config::{BackendKind, Config, Services};
+pub use config::{BackendKind, Config, Services, ZooKeeperAuth};
 pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE};
 pub use error::{Error, Result};
 pub use key::{escape_into, KeyBuilder, KeyPart, LockKey, MAX_KEY_LEN};

@@ -48,6 +48,22 @@
 //!   response timeout; the node is deleted in the background.
 //! * A waiting acquire that finds its session over waits, within its wait,
 //!   for the new session the backend opens, rather than failing at once.
+//! * Without credentials every node is open to every client of the ensemble
+//!   (`world:anyone`, all rights): any of them can delete a lock node and so
+//!   free a lock someone holds. With digest credentials
+//!   ([`ZooKeeperOptions::with_auth`], `DLOCK_ZOOKEEPER_AUTH`) every session
+//!   authenticates and every node is created with the creator-only ACL, so
+//!   only clients with the same credentials can create, change or delete
+//!   lock nodes. The prefix node `/<prefix>` is then persistent and checked
+//!   when connecting: open to anyone, or not granting our identity, it is a
+//!   configuration error, since nodes created under it could be taken over.
+//!   It also gets a persistent creator-only child, `_dlock_acl_anchor`, so
+//!   that it is never empty: ZooKeeper deletes no node with children, and
+//!   `/` (or the chroot) is usually open to anyone, who could otherwise
+//!   delete an empty `/<prefix>` and make it again with an ACL of their own.
+//!   ZooKeeper's ACLs do not hide that a lock exists (`exists` needs no
+//!   right), nor stop a client that may delete nodes in `/` from other harm
+//!   there; give `/` or the chroot a restrictive ACL too.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -60,6 +76,8 @@ use zookeeper_client as zk;
 use super::{
     contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release, Renewal,
 };
+pub use crate::config::ZooKeeperAuth;
+use crate::config::AUTH_VAR;
 use crate::error::{Error, Result};
 use crate::key::{validate_prefix, LockKey};
 use crate::owner::{random_hex, Owner};
@@ -106,6 +124,8 @@ pub struct ZooKeeperBackend {
     holds: Holds,
     /// How long an acquire may take past its wait, and a release at all.
     response_timeout: Duration,
+    /// The credentials of every session; with them nodes are creator-only.
+    auth: Option<ZooKeeperAuth>,
 }
 
 /// One ZooKeeper session and its own state: a hold belongs to the session
@@ -234,27 +254,32 @@ fn answered(e: &zk::Error) -> bool {
     )
 }
 
-/// How to reach ZooKeeper, and how long locks survive a silent server.
+/// How to reach ZooKeeper, how long locks survive a silent server, and
+/// who may touch the lock nodes. Its `Debug` hides the password.
 ///
 /// ```
 /// use std::time::Duration;
-/// use dlock_core::backend::zookeeper::ZooKeeperOptions;
+/// use dlock_core::backend::zookeeper::{ZooKeeperAuth, ZooKeeperOptions};
 /// let opts = ZooKeeperOptions::default()
 ///     .with_session_timeout(Duration::from_secs(6))
-///     .with_response_timeout(Duration::from_secs(2));
+///     .with_response_timeout(Duration::from_secs(2))
+///     .with_auth(ZooKeeperAuth::digest("orders", "s3cret").unwrap());
 /// assert_eq!(opts.session_timeout(), Duration::from_secs(6));
 /// assert_eq!(opts.response_timeout(), Duration::from_secs(2));
+/// assert_eq!(opts.auth().map(ZooKeeperAuth::user), Some("orders"));
+/// assert!(!format!("{opts:?}").contains("s3cret"));
 /// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ZooKeeperOptions {
     session_timeout: Duration,
     response_timeout: Option<Duration>,
+    auth: Option<ZooKeeperAuth>,
 }
 
 impl Default for ZooKeeperOptions {
     fn default() -> Self {
-        ZooKeeperOptions { session_timeout: DEFAULT_SESSION_TIMEOUT, response_timeout: None }
+        ZooKeeperOptions { session_timeout: DEFAULT_SESSION_TIMEOUT, response_timeout: None, auth: None }
     }
 }
 
@@ -274,6 +299,29 @@ impl ZooKeeperOptions {
     pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = Some(timeout);
         self
+    }
+
+    /// Authenticates every session with these digest credentials
+    /// (`DLOCK_ZOOKEEPER_AUTH`) and creates every node with the creator-only
+    /// ACL: clients without the same credentials can then neither create,
+    /// change nor delete lock nodes. Every instance that shares the locks
+    /// must use the same credentials. See the [module docs](self) for the
+    /// check of `/<prefix>` when connecting.
+    ///
+    /// ```
+    /// use dlock_core::backend::zookeeper::{ZooKeeperAuth, ZooKeeperOptions};
+    /// let auth: ZooKeeperAuth = "orders:s3cret".parse().unwrap();
+    /// let opts = ZooKeeperOptions::default().with_auth(auth);
+    /// assert!(opts.auth().is_some());
+    /// ```
+    pub fn with_auth(mut self, auth: ZooKeeperAuth) -> Self {
+        self.auth = Some(auth);
+        self
+    }
+
+    /// The credentials, if any.
+    pub fn auth(&self) -> Option<&ZooKeeperAuth> {
+        self.auth.as_ref()
     }
 
     /// The session timeout.
@@ -313,12 +361,17 @@ impl ZooKeeperBackend {
     /// # Errors
     ///
     /// [`Error::Config`] naming `DLOCK_ZOOKEEPER` for a malformed connect
-    /// string, or `DLOCK_PREFIX` for an invalid prefix; [`Error::Backend`]
-    /// when no server answers within the session timeout.
+    /// string, `DLOCK_PREFIX` for an invalid prefix, or
+    /// `DLOCK_ZOOKEEPER_AUTH` when, with credentials, `/<prefix>` is open to
+    /// anyone or does not grant them; [`Error::Backend`] when no server
+    /// answers within the session timeout.
     pub async fn connect_with(connect_string: &str, prefix: &str, options: ZooKeeperOptions) -> Result<Self> {
         validate_prefix(prefix)?;
         let session_timeout = options.session_timeout;
-        let first = open_session(connect_string, session_timeout).await?;
+        let first = open_session(connect_string, session_timeout, options.auth.as_ref()).await?;
+        if let Some(auth) = &options.auth {
+            secure_root(&first.client, &format!("/{prefix}"), auth).await?;
+        }
         let (public, state) = watch::channel(ConnectionState::Connected);
         let session = Arc::new(RwLock::new(first));
         let holds = Holds::default();
@@ -328,6 +381,7 @@ impl ZooKeeperBackend {
             public,
             connect_string.to_owned(),
             session_timeout,
+            options.auth.clone(),
         ));
         Ok(ZooKeeperBackend {
             session,
@@ -335,6 +389,7 @@ impl ZooKeeperBackend {
             state,
             holds,
             response_timeout: options.response_timeout(),
+            auth: options.auth,
         })
     }
 
@@ -448,10 +503,16 @@ impl ZooKeeperBackend {
     /// trying again. Giving up without that look would leave a node that
     /// sorts ahead of every later contender for as long as our session
     /// lives, and the session survives the reconnect.
-    async fn create_node(client: &zk::Client, dir: &str, prefix: &str) -> Result<(String, u64)> {
+    async fn create_node(
+        client: &zk::Client,
+        dir: &str,
+        prefix: &str,
+        auth: Option<&ZooKeeperAuth>,
+    ) -> Result<(String, u64)> {
         let name = format!("{dir}/{prefix}");
-        let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
-        let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        let acls = if auth.is_some() { zk::Acls::creator_all() } else { zk::Acls::anyone_all() };
+        let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(acls);
+        let container = zk::CreateMode::Container.with_acls(acls);
         let mut last = None;
         for _ in 0..8 {
             match client.create(&name, &[], &ephemeral).await {
@@ -459,12 +520,35 @@ impl ZooKeeperBackend {
                     return Ok((format!("{name}{sequence}"), u64::try_from(stat.czxid).unwrap_or(0)));
                 }
                 // The container is missing, or was just reaped: make it again.
-                Err(zk::Error::NoNode) => match client.mkdir(dir, &container).await {
-                    Ok(()) | Err(zk::Error::NodeExists) => continue,
-                    // Made or not, the next create tells.
-                    Err(e) if !answered(&e) => last = Some(e),
-                    Err(e) => return Err(zk_error(e)),
-                },
+                Err(zk::Error::NoNode) => {
+                    let made = match auth {
+                        // Without credentials, `mkdir` makes `/<prefix>` too
+                        // if it is missing, as a container.
+                        None => client.mkdir(dir, &container).await,
+                        Some(auth) => match client.create(dir, &[], &container).await {
+                            Ok(_) => Ok(()),
+                            // `/<prefix>` was deleted (only possible while
+                            // empty): make it again, and check it, since
+                            // whoever made it owns every lock node under it.
+                            Err(zk::Error::NoNode) => match dir.rsplit_once('/') {
+                                Some((root, _)) => {
+                                    secure_root(client, root, auth).await?;
+                                    Ok(())
+                                }
+                                None => Err(zk::Error::NoNode),
+                            },
+                            Err(e) => Err(e),
+                        },
+                    };
+                    match made {
+                        Ok(()) | Err(zk::Error::NodeExists) => continue,
+                        // Made or not, the next create tells.
+                        Err(e) if !answered(&e) => last = Some(e),
+                        Err(zk::Error::NoAuth) => return Err(not_allowed(dir, auth)),
+                        Err(e) => return Err(zk_error(e)),
+                    }
+                }
+                Err(zk::Error::NoAuth) => return Err(not_allowed(dir, auth)),
                 Err(e) if !answered(&e) => {
                     tracing::debug!(error = %e, dir, "create's outcome unknown; looking for our node");
                     match Self::find_node(client, dir, prefix).await {
@@ -598,16 +682,93 @@ impl ZooKeeperBackend {
 
 type Holds = Arc<Mutex<HashMap<(LockKey, Owner), Hold>>>;
 
+/// The child that keeps a secured `/<prefix>` from ever being empty (see
+/// the module docs). No lock key can have this name: every key contains
+/// `{`.
+const ANCHOR: &str = "_dlock_acl_anchor";
+
+/// The error for a create ZooKeeper refused for want of permission: the
+/// credentials are missing or not those of whoever made the nodes.
+fn not_allowed(dir: &str, auth: Option<&ZooKeeperAuth>) -> Error {
+    let who = match auth {
+        Some(auth) => format!("the identity `{}`", auth.user()),
+        None => "a client without credentials".to_owned(),
+    };
+    Error::config(
+        AUTH_VAR,
+        format!(
+            "ZooKeeper does not let {who} create lock nodes under `{dir}`: the nodes were made with other \
+             credentials; every instance sharing these locks needs the same DLOCK_ZOOKEEPER_AUTH"
+        ),
+    )
+}
+
+/// Makes `root` (`/<prefix>`) a persistent node with the creator-only ACL
+/// if it is missing, and checks, when it was there already, that it is
+/// neither open to anyone nor closed to us: whoever may create nodes in it
+/// can create a lock's node with an ACL of their choosing and then delete
+/// every contender's node in it, and without create and delete rights of
+/// our own no lock could be taken. Persistent rather than a container, so
+/// that the server does not reap it and leave the name free for anyone.
+async fn secure_root(client: &zk::Client, root: &str, auth: &ZooKeeperAuth) -> Result<()> {
+    let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::creator_all());
+    match client.create(root, &[], &persistent).await {
+        Ok(_) | Err(zk::Error::NodeExists) => {}
+        Err(zk::Error::NoAuth) => return Err(not_allowed(root, Some(auth))),
+        Err(e) => return Err(zk_error(e)),
+    }
+    let acls = match client.get_acl(root).await {
+        Ok((acls, _)) => acls,
+        // ZooKeeper reads an ACL only for a client with read or admin rights.
+        Err(zk::Error::NoAuth) => return Err(not_allowed(root, Some(auth))),
+        Err(e) => return Err(zk_error(e)),
+    };
+    let changes = [zk::Permission::WRITE, zk::Permission::CREATE, zk::Permission::DELETE, zk::Permission::ADMIN];
+    let open = acls.iter().find(|acl| {
+        acl.scheme() == "world" && acl.id() == "anyone" && changes.iter().any(|p| acl.permission().has(*p))
+    });
+    if let Some(open) = open {
+        return Err(Error::config(
+            AUTH_VAR,
+            format!(
+                "`{root}` lets anyone change its lock nodes ({:?} for world:anyone; made before credentials were \
+                 configured?): delete it while no lock is held, or give it the ACL digest:{}:cdrwa",
+                open.permission(),
+                auth.digest_id()
+            ),
+        ));
+    }
+    let ours = auth.digest_id();
+    let needed = zk::Permission::READ | zk::Permission::CREATE | zk::Permission::DELETE;
+    if !acls.iter().any(|acl| acl.scheme() == "digest" && acl.id() == ours && acl.permission().has(needed)) {
+        return Err(not_allowed(root, Some(auth)));
+    }
+    match client.create(&format!("{root}/{ANCHOR}"), &[], &persistent).await {
+        Ok(_) | Err(zk::Error::NodeExists) => Ok(()),
+        Err(zk::Error::NoAuth) => Err(not_allowed(root, Some(auth))),
+        Err(e) => Err(zk_error(e)),
+    }
+}
+
 /// Opens a session and maps its states to [`ConnectionState`] on a channel
 /// of its own.
-async fn open_session(connect_string: &str, session_timeout: Duration) -> Result<Session> {
+async fn open_session(
+    connect_string: &str,
+    session_timeout: Duration,
+    auth: Option<&ZooKeeperAuth>,
+) -> Result<Session> {
     // The server starts the session's clock when our connect request
     // arrives, which is after this.
     let started = Instant::now();
-    let connecting = zk::Client::connector()
+    let mut connector = zk::Client::connector()
         .with_session_timeout(session_timeout)
-        .with_connection_timeout(session_timeout.min(Duration::from_secs(2)))
-        .connect(connect_string);
+        .with_connection_timeout(session_timeout.min(Duration::from_secs(2)));
+    if let Some(auth) = auth {
+        // Sent before any request of the session, and again after every
+        // reconnect, by the client.
+        connector = connector.with_auth("digest", auth.credentials().as_bytes());
+    }
+    let connecting = connector.connect(connect_string);
     let client = match tokio::time::timeout(session_timeout + Duration::from_secs(1), connecting).await {
         Ok(Ok(client)) => client,
         Ok(Err(e @ zk::Error::BadArguments(_))) => {
@@ -655,6 +816,7 @@ async fn supervise(
     public: watch::Sender<ConnectionState>,
     connect_string: String,
     session_timeout: Duration,
+    auth: Option<ZooKeeperAuth>,
 ) {
     loop {
         let Some(current) = session.upgrade() else { return };
@@ -704,7 +866,7 @@ async fn supervise(
             if session.strong_count() == 0 {
                 return;
             }
-            match open_session(&connect_string, session_timeout).await {
+            match open_session(&connect_string, session_timeout, auth.as_ref()).await {
                 Ok(fresh) => {
                     let Some(current) = session.upgrade() else { return };
                     *current.write().unwrap_or_else(|p| p.into_inner()) = fresh;
@@ -946,7 +1108,7 @@ impl Backend for ZooKeeperBackend {
             // after this attempt is cut short.
             let prefix = format!("_c_{}{LOCK_NAME}", random_hex::<16>()?);
             let attempt = async {
-                let (node, fence) = Self::create_node(client, &dir, &prefix).await?;
+                let (node, fence) = Self::create_node(client, &dir, &prefix, self.auth.as_ref()).await?;
                 if let Err(e) = Self::wait_turn(client, req, &dir, &node, cancel).await {
                     // Leave no node behind: a timeout, a cancel or an error gives up our place.
                     if let Err(del) = Self::delete_node(client, &node).await {
