@@ -208,7 +208,8 @@ impl<S> Idempotent<S> {
 
 /// A syntactically acceptable `Idempotency-Key`, or the rejection.
 fn idempotency_key(parts: &Parts) -> Result<String, Rejection> {
-    let value = parts.headers.get(KEY_HEADER).ok_or_else(Rejection::idempotency_key_missing)?;
+    let value = crate::headers::sole_idempotency_key(&parts.headers, KEY_HEADER)?
+        .ok_or_else(Rejection::idempotency_key_missing)?;
     let bytes = value.as_bytes();
     // The draft sends the key as a structured-field string: accept the
     // quoted form too, and compare keys by their content.

@@ -100,7 +100,9 @@ impl LockLayer {
         })
     }
 
-    /// Adds a query-string parameter (percent-decoded; the first if repeated).
+    /// Adds a query-string parameter (percent-decoded). A request that sends
+    /// it more than once is refused with `400 lock_key_field_duplicated`: the
+    /// key and the handler could otherwise read different values.
     pub fn query(self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.with(|s| s.parts.push(KeySource::Query(name)))
@@ -117,7 +119,8 @@ impl LockLayer {
         self.with(|s| s.parts.push(KeySource::Path(name)))
     }
 
-    /// Adds a request header.
+    /// Adds a request header. A request that sends it more than once is
+    /// refused with `400 lock_key_field_duplicated`, as for [`query`](Self::query).
     ///
     /// # Panics
     ///
