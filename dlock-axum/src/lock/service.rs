@@ -163,12 +163,8 @@ async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Re
     let key = build_key(spec, &locker, parts, json.as_ref()).await?;
     let owner = RequestOwner::get_or_insert(&mut parts.extensions).map_err(Refusal::no_owner)?;
     let permit = match &spec.quota {
-        Some(quota) => Some(quota.take(&parts.headers).map_err(|over| {
-            let rejection = Rejection::too_many_locks().with_message(format!(
-                "the requests with this {} header already hold {} locks here; retry when one has finished",
-                over.header, over.max
-            ));
-            Refusal::over_quota(rejection, key.clone())
+        Some(quota) => Some(quota.take(parts).map_err(|over| {
+            Refusal::over_quota(Rejection::too_many_locks().with_message(over.message()), key.clone())
         })?),
         None => None,
     };
