@@ -1,4 +1,4 @@
-//! Headers that must come once.
+//! Headers that must come once, and request secrets as logs write them.
 //!
 //! A header sent twice has two values, and the code that reads it decides
 //! which counts: `HeaderMap::get` takes the first, a framework or proxy may
@@ -37,6 +37,15 @@ pub(crate) fn sole_idempotency_key(
     })
 }
 
+/// A request secret (an `Idempotency-Key`) as logs write it: 12 hex digits
+/// of its SHA-1, the same in every process, so that the lines of one key
+/// can be matched without the key being in the log.
+pub(crate) fn log_id(secret: &str) -> String {
+    let mut id = dlock_core::idempotency::fingerprint(&[secret]);
+    id.truncate(12);
+    id
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -51,5 +60,13 @@ mod tests {
         assert_eq!(sole(&h, &name).ok().flatten().map(HeaderValue::as_bytes), Some(&b"a"[..]));
         h.append(&name, HeaderValue::from_static("a"));
         assert!(sole(&h, &name).is_err(), "equal values repeated are still two");
+    }
+
+    #[test]
+    fn a_log_id_is_short_stable_and_not_the_secret() {
+        assert_eq!(log_id("k-secret"), log_id("k-secret"));
+        assert_ne!(log_id("k-secret"), log_id("k-secreT"));
+        assert_eq!(log_id("k-secret").len(), 12);
+        assert!(!log_id("k-secret").contains("secret"));
     }
 }
