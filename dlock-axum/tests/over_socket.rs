@@ -208,3 +208,22 @@ async fn a_body_that_stops_arriving_is_408() {
     .await
     .expect("client");
 }
+
+/// A refusal made before the body is read (here `415`: the key needs JSON)
+/// is answered after the body is drained, like a `413`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_body_refused_before_reading_gets_its_answer() {
+    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    tokio::task::spawn_blocking(move || {
+        let body = vec![b'x'; TWO_MIB];
+        for path in ["/layer", "/macro"] {
+            let mut s = connect(addr);
+            let first = head(path, &format!("content-length: {}\r\n", body.len()))
+                .replace("content-type: application/json", "content-type: text/plain");
+            let res = send_then_read(&mut s, &first, &body).unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert_eq!((res.status, res.error()), (415, "unsupported_media_type".to_owned()), "{path}");
+        }
+    })
+    .await
+    .expect("client");
+}
