@@ -192,10 +192,25 @@ impl Dlock {
     /// `max_bytes` if given (a layer's own), else the engine's; its
     /// read timeout.
     pub(crate) fn body_limits_in(extensions: &Extensions, max_bytes: Option<usize>) -> BodyLimits {
-        let installed = extensions.get::<Dlock>();
-        BodyLimits {
-            max_bytes: max_bytes.unwrap_or_else(|| Dlock::max_body_bytes_in(extensions)),
-            timeout: installed.map_or(DEFAULT_BODY_READ_TIMEOUT, |d| d.body_read_timeout),
+        Dlock::body_limits_of(extensions.get::<Dlock>(), extensions, max_bytes)
+    }
+
+    /// [`body_limits_in`](Self::body_limits_in) for a caller that looked up
+    /// the installed `Dlock` already (once per request is enough).
+    pub(crate) fn body_limits_of(
+        installed: Option<&Dlock>,
+        extensions: &Extensions,
+        max_bytes: Option<usize>,
+    ) -> BodyLimits {
+        match installed {
+            Some(dlock) => {
+                BodyLimits { max_bytes: max_bytes.unwrap_or(dlock.max_body_bytes), timeout: dlock.body_read_timeout }
+            }
+            // A bare `Locker` extension, or none: the defaults.
+            None => BodyLimits {
+                max_bytes: max_bytes.unwrap_or_else(|| Dlock::max_body_bytes_in(extensions)),
+                timeout: DEFAULT_BODY_READ_TIMEOUT,
+            },
         }
     }
 }

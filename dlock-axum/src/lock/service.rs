@@ -141,7 +141,9 @@ struct Admitted {
 /// needed, build the key, acquire. The body to hand on stays in `pending`:
 /// as it came, or as the bytes read when the key needed them.
 async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Result<Admitted, Refusal> {
+    // One look into the extensions for the engine and its body limits.
     let installed = parts.extensions.get::<Dlock>();
+    let limits = Dlock::body_limits_of(installed, &parts.extensions, spec.max_body_bytes);
     let locker: Locker = match (&spec.locker, installed) {
         (Some(l), _) => l.clone(),
         (None, Some(dlock)) => dlock.locker().clone(),
@@ -149,7 +151,6 @@ async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Re
     };
     let json = if spec.needs_json() {
         require_json_content_type(&parts.headers).map_err(Refusal::invalid)?;
-        let limits = Dlock::body_limits_in(&parts.extensions, spec.max_body_bytes);
         let body = pending.take().unwrap_or_default();
         let bytes = read_body(&parts.headers, body, limits).await.map_err(Refusal::invalid)?;
         let json = super::json::read(&bytes, &spec.json_want).map_err(|e| {
