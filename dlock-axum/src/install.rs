@@ -15,12 +15,14 @@ use axum::routing::{MethodRouter, Router};
 use axum::Extension;
 use dlock_core::{Config, Locker};
 
+use crate::lock::body::{BodyLimits, DEFAULT_BODY_READ_TIMEOUT};
 use crate::rejection::Rejection;
 
 /// The installed lock engine and the settings the layers take from its
 /// configuration: the most body bytes read ([`Config::max_body_bytes`],
 /// `DLOCK_MAX_BODY_BYTES`) and the life of idempotency records
-/// ([`Config::idempotency_ttl`], `DLOCK_IDEMPOTENCY_TTL_SECS`).
+/// ([`Config::idempotency_ttl`], `DLOCK_IDEMPOTENCY_TTL_SECS`); beside them,
+/// how long a body may take to arrive ([`Dlock::with_body_read_timeout`]).
 ///
 /// [`LockerExt::with_locker`] puts it in every request; [`LockLayer`](crate::LockLayer),
 /// `#[lockable]`, [`JsonBody`](crate::JsonBody) and the
@@ -51,6 +53,7 @@ pub struct Dlock {
     locker: Locker,
     max_body_bytes: usize,
     idempotency_ttl: Duration,
+    body_read_timeout: Duration,
 }
 
 impl Dlock {
@@ -76,7 +79,12 @@ impl Dlock {
     /// assert_eq!(dlock.max_body_bytes(), 100);
     /// ```
     pub fn from_config(locker: Locker, config: &Config) -> Self {
-        Dlock { locker, max_body_bytes: config.max_body_bytes, idempotency_ttl: config.idempotency_ttl }
+        Dlock {
+            locker,
+            max_body_bytes: config.max_body_bytes,
+            idempotency_ttl: config.idempotency_ttl,
+            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
+        }
     }
 
     /// Replaces the most body bytes the layers read (`DLOCK_MAX_BODY_BYTES`).
@@ -88,6 +96,22 @@ impl Dlock {
     /// ```
     pub fn with_max_body_bytes(mut self, limit: usize) -> Self {
         self.max_body_bytes = limit;
+        self
+    }
+
+    /// Replaces how long a request body may take to arrive, from the first
+    /// read to the last byte (default 30 s). A body still arriving then is
+    /// refused with `408 request_timeout` and its connection closed, so a
+    /// client that sends slowly or stops cannot hold a task for ever.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dlock_core::{Locker, MemoryBackend};
+    /// let dlock = dlock_axum::Dlock::new(Locker::new(MemoryBackend::new())).with_body_read_timeout(Duration::from_secs(5));
+    /// assert_eq!(dlock.body_read_timeout(), Duration::from_secs(5));
+    /// ```
+    pub fn with_body_read_timeout(mut self, timeout: Duration) -> Self {
+        self.body_read_timeout = timeout;
         self
     }
 
@@ -118,6 +142,11 @@ impl Dlock {
     /// The most request body bytes a layer reads unless told otherwise.
     pub fn max_body_bytes(&self) -> usize {
         self.max_body_bytes
+    }
+
+    /// How long a request body may take to arrive before `408`.
+    pub fn body_read_timeout(&self) -> Duration {
+        self.body_read_timeout
     }
 
     /// How long idempotency tokens and stored responses live unless the
@@ -156,6 +185,32 @@ impl Dlock {
         match extensions.get::<Dlock>() {
             Some(dlock) => dlock.max_body_bytes,
             None => *DEFAULT.get_or_init(|| Config::default().max_body_bytes),
+        }
+    }
+
+    /// The bounds of a body read for the engine installed in `extensions`:
+    /// `max_bytes` if given (a layer's own), else the engine's; its
+    /// read timeout.
+    pub(crate) fn body_limits_in(extensions: &Extensions, max_bytes: Option<usize>) -> BodyLimits {
+        Dlock::body_limits_of(extensions.get::<Dlock>(), extensions, max_bytes)
+    }
+
+    /// [`body_limits_in`](Self::body_limits_in) for a caller that looked up
+    /// the installed `Dlock` already (once per request is enough).
+    pub(crate) fn body_limits_of(
+        installed: Option<&Dlock>,
+        extensions: &Extensions,
+        max_bytes: Option<usize>,
+    ) -> BodyLimits {
+        match installed {
+            Some(dlock) => {
+                BodyLimits { max_bytes: max_bytes.unwrap_or(dlock.max_body_bytes), timeout: dlock.body_read_timeout }
+            }
+            // A bare `Locker` extension, or none: the defaults.
+            None => BodyLimits {
+                max_bytes: max_bytes.unwrap_or_else(|| Dlock::max_body_bytes_in(extensions)),
+                timeout: DEFAULT_BODY_READ_TIMEOUT,
+            },
         }
     }
 }

@@ -4,7 +4,7 @@ use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
 
 use crate::install::Dlock;
-use crate::lock::body::{read_body, require_json_content_type};
+use crate::lock::body::{discard, read_body, require_json_content_type};
 use crate::rejection::Rejection;
 
 /// A JSON request body, read and refused exactly as [`LockLayer`](crate::LockLayer)
@@ -14,6 +14,7 @@ use crate::rejection::Rejection;
 /// |---|---|
 /// | `Content-Type` present and not JSON | `415 unsupported_media_type` |
 /// | longer than the installed engine's `max_body_bytes` (`DLOCK_MAX_BODY_BYTES`) | `413 payload_too_large` |
+/// | still arriving after the engine's [`body_read_timeout`](crate::Dlock::body_read_timeout) | `408 request_timeout` |
 /// | not JSON, or JSON of the wrong shape | `400 invalid_json` |
 /// | a field of `T` missing | `400 lock_key_field_missing` |
 /// | cannot be read | `400 request_body_unreadable` |
@@ -55,8 +56,12 @@ where
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Rejection> {
         let (parts, body) = req.into_parts();
-        require_json_content_type(&parts.headers)?;
-        let bytes = read_body(&parts.headers, body, Dlock::max_body_bytes_in(&parts.extensions)).await?;
+        if let Err(rejection) = require_json_content_type(&parts.headers) {
+            // Drained so the client can read the 415 (see `lock/body.rs`).
+            discard(&parts.headers, body, false).await;
+            return Err(rejection);
+        }
+        let bytes = read_body(&parts.headers, body, Dlock::body_limits_in(&parts.extensions, None)).await?;
         parse(&bytes).map(JsonBody)
     }
 }

@@ -39,6 +39,7 @@
 #[macro_use]
 mod macros;
 
+mod headers;
 pub mod idempotency;
 mod install;
 mod json_body;

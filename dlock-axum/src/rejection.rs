@@ -54,6 +54,8 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
 /// | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
 /// | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
+/// | 400 | `lock_key_field_duplicated` | 2008 | a query parameter or header of the lock key is sent more than once |
+/// | 408 | `request_timeout` | 2303 | the body did not arrive within the body-read timeout |
 /// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request; a token unknown or already used |
 /// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed |
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
@@ -127,6 +129,12 @@ rejections! {
     lock_key_invalid => (BAD_REQUEST, "lock_key_invalid", 2006, "the lock key built from this request is invalid");
     /// The request body could not be read.
     body_unreadable => (BAD_REQUEST, "request_body_unreadable", 2007, "the request body could not be read");
+    /// A query parameter or header of the lock key is sent more than once:
+    /// the lock would take one value while the handler may act on another.
+    field_duplicated => (BAD_REQUEST, "lock_key_field_duplicated", 2008,
+        "a field of the lock key is sent more than once");
+    /// The body did not arrive within the body-read timeout.
+    request_timeout => (REQUEST_TIMEOUT, "request_timeout", 2303, "the request body did not arrive in time");
     /// The body is larger than the most bytes read to derive a key.
     payload_too_large => (PAYLOAD_TOO_LARGE, "payload_too_large", 2301, "the request body is too large");
     /// The key needs fields of a JSON body and the request declares another
@@ -310,6 +318,8 @@ mod tests {
             ("idempotency_key_invalid", 400),
             ("lock_key_invalid", 400),
             ("request_body_unreadable", 400),
+            ("lock_key_field_duplicated", 400),
+            ("request_timeout", 408),
             ("payload_too_large", 413),
             ("unsupported_media_type", 415),
             ("idempotency_key_mismatch", 422),

@@ -239,7 +239,8 @@ fn no_lock(extractor: &str, message: &'static str) -> Rejection {
 /// What happened to the lock of a request; [`LockLayer`](crate::LockLayer),
 /// `#[lockable]` and [`Policy::run_locked`](crate::lock::Policy::run_locked)
 /// put it in the response extensions so an access log can print it (dlock's
-/// own `dlock.request` event prints the key at `DEBUG` only).
+/// own `dlock.request` event, at `DEBUG`, names the key only by its
+/// [`log_id`](dlock_core::LockKey::log_id)).
 ///
 /// ```
 /// use dlock_axum::LockOutcome;

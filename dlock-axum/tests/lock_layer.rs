@@ -523,3 +523,55 @@ async fn a_principal_cannot_hold_more_locks_than_its_cap() {
     let res = app.oneshot(as_user("greedy", "greedy-again".into())).await.expect("infallible");
     assert_eq!(res.status(), StatusCode::OK, "the cap is free again");
 }
+
+/// Set by the service's authentication (here, for every request).
+#[derive(Clone)]
+struct User(&'static str);
+
+/// A cap keyed on the principal the application established holds however
+/// the client varies its headers; a cap on a header the client chooses
+/// (no trusted proxy in front) gives each made-up value a cap of its own.
+#[tokio::test]
+async fn a_cap_keyed_on_the_apps_principal_ignores_client_headers() {
+    let by_app = LockLayer::new("report").json("id").max_holds_per(2, |parts: &axum::http::request::Parts| {
+        parts.extensions.get::<User>().map_or("anonymous", |u| u.0).to_owned()
+    });
+    assert_eq!(third_of_one_user(by_app).await, 429, "keyed on the app's principal: capped");
+    let by_header = LockLayer::new("report").json("id").max_holds_per_principal("x-user-id", 2);
+    assert_eq!(third_of_one_user(by_header).await, 200, "keyed on a client-chosen header: bypassed");
+}
+
+/// One authenticated user sends three requests, each with a made-up
+/// `x-user-id`, while its first two hold their locks: the third's status.
+async fn third_of_one_user(layer: LockLayer) -> u16 {
+    let (app, mut entered) = gated_app(&locker(), layer);
+    let app = app.layer(axum::Extension(User("mallory")));
+    let as_header = |user: &str, id: u32| {
+        Request::post("/r").header("x-user-id", user).body(Body::from(format!("{{\"id\":{id}}}"))).expect("request")
+    };
+    let first = tokio::spawn(app.clone().oneshot(as_header("u1", 1)));
+    let second = tokio::spawn(app.clone().oneshot(as_header("u2", 2)));
+    let mut gates = Vec::new();
+    for _ in 0..2 {
+        gates.push(tokio::time::timeout(LONG, entered.recv()).await.expect("holds").expect("channel"));
+    }
+    let third = tokio::spawn(app.clone().oneshot(as_header("u3", 3)));
+    // A third that got past the cap reaches the handler: let it go too.
+    if let Ok(Some(gate)) = tokio::time::timeout(Duration::from_millis(500), entered.recv()).await {
+        gates.push(gate);
+    }
+    for gate in gates {
+        let _ = gate.send(());
+    }
+    let res = third.await.expect("task").expect("infallible");
+    let status = res.status().as_u16();
+    if status == 429 {
+        assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::OverQuota)));
+        let v = assert_rejection(res, 429, "too_many_locks").await;
+        assert!(!v["message"].as_str().unwrap_or_default().contains("mallory"), "names no principal: {v}");
+    }
+    for t in [first, second] {
+        assert_eq!(t.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+    status
+}

@@ -1,15 +1,20 @@
 //! One `dlock.request` event per locked request, at the same level through
-//! both faces, and no request values (the key) at `INFO` or above.
+//! both faces, and no request values (the key) at `INFO` or above; no
+//! request secret at any level.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::Request;
 use axum::routing::post;
 use axum::Router;
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
 use dlock_axum::{lockable, JsonBody, LockLayer, LockerExt};
-use dlock_core::{Locker, MemoryBackend};
+use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use dlock_core::idempotency::{Begin, Claim, IdempotencyStore, MemoryStore, StoredResponse};
+use dlock_core::{Backend, LockKey, Locker, MemoryBackend, Owner, Result};
 use serde::Deserialize;
 use tower::ServiceExt;
 
@@ -101,4 +106,92 @@ async fn one_event_per_request_at_the_same_level_through_both_faces() {
         assert!(events[0].contains("ERROR") && events[0].contains("outcome=\"misconfigured\""), "{}", events[0]);
         assert!(!events[0].contains("secret-7"), "no request value above DEBUG: {}", events[0]);
     }
+}
+
+/// A lock service that grants and renews but cannot release, as during an
+/// outage: the paths that log at `WARN`.
+#[derive(Debug)]
+struct NoRelease(MemoryBackend);
+
+impl Backend for NoRelease {
+    fn name(&self) -> &'static str {
+        "no-release"
+    }
+    fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
+        self.0.acquire(req, cancel)
+    }
+    fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
+        self.0.renew(key, owner, lease)
+    }
+    fn release<'a>(&'a self, _: &'a LockKey, _: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(async { Err(dlock_core::Error::backend("no-release", "connection reset")) })
+    }
+}
+
+/// An idempotency store that cannot store a response.
+#[derive(Debug)]
+struct NoComplete(MemoryStore);
+
+impl IdempotencyStore for NoComplete {
+    fn name(&self) -> &'static str {
+        "no-complete"
+    }
+    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        self.0.issue_token(ttl)
+    }
+    fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+        self.0.consume_token(token)
+    }
+    fn begin<'a>(&'a self, scope: &'a str, key: &'a str, fp: &'a str, lease: Duration) -> BoxFuture<'a, Result<Begin>> {
+        self.0.begin(scope, key, fp, lease)
+    }
+    fn complete<'a>(&'a self, _: &'a Claim, _: &'a StoredResponse, _: Duration) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async { Err(dlock_core::Error::backend("no-complete", "connection reset")) })
+    }
+    fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        self.0.abandon(claim)
+    }
+}
+
+/// Key parts from the request (a one-time token here) and `Idempotency-Key`s
+/// are secrets: no log line at any level writes them, only a short hash,
+/// also on the `WARN` paths of a failing lock service and store.
+#[tokio::test(flavor = "current_thread")]
+async fn no_request_secret_is_logged_at_any_level() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    let locker = Locker::new(NoRelease(MemoryBackend::new()));
+    let idem = Idempotency::new(Arc::new(NoComplete(MemoryStore::new())));
+    let app = Router::new()
+        .route("/layer", post(|| async { "ok" }).layer(LockLayer::new("t").query("token")))
+        .route("/pay", post(|| async { "paid" }).layer(IdempotencyLayer::new(idem)))
+        .with_locker(locker.clone());
+
+    let req = Request::post("/layer?token=tok-s3cr3t").body(Body::empty()).expect("request");
+    assert_eq!(app.clone().oneshot(req).await.expect("infallible").status(), 200);
+    let req = Request::post("/pay").header("idempotency-key", "idem-s3cr3t").body(Body::empty()).expect("request");
+    assert_eq!(app.oneshot(req).await.expect("infallible").status(), 200);
+    // Background releases and frees log on their own tasks.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let bytes = std::mem::take(&mut *captured.0.lock().unwrap_or_else(|p| p.into_inner()));
+    let log = String::from_utf8_lossy(&bytes);
+    assert!(log.contains("WARN"), "the failure paths ran: {log}");
+    assert!(log.contains("dlock.release failed"), "{log}");
+    assert!(log.contains("storing the idempotent response failed"), "{log}");
+    for line in log.lines() {
+        assert!(!line.contains("s3cr3t"), "a secret in the log: {line}");
+    }
+    // The lock is still named, and its key stands as a short hash that is
+    // the same in every line (and every process).
+    let id = locker.key("t").part("tok-s3cr3t").build().expect("key").log_id().to_string();
+    assert!(id.starts_with("t#") && id.len() == 2 + 12, "{id}");
+    assert!(log.lines().filter(|l| l.contains(&id)).count() >= 2, "{id} in {log}");
 }

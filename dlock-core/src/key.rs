@@ -50,6 +50,49 @@ impl LockKey {
     pub fn as_str(&self) -> &str {
         &self.full
     }
+
+    /// The key as logs write it: the lock's name and a short hash of the
+    /// whole key, `order.create#1a2b3c4d5e6f`.
+    ///
+    /// A key's parts are often request values — account ids, one-time
+    /// tokens — that do not belong in logs; the name is the developer's.
+    /// The hash (the first 12 hex digits of a SHA-1 of the key) is the same
+    /// in every process, so the lines of one key can be matched across
+    /// instances; a guessable value (a small id) can still be found by
+    /// hashing candidates, a secret one (a token) cannot.
+    ///
+    /// ```
+    /// use dlock_core::LockKey;
+    /// let key = LockKey::builder("dlock", "order.create").part("tok-secret").build().unwrap();
+    /// let id = key.log_id().to_string();
+    /// assert!(id.starts_with("order.create#") && !id.contains("secret"));
+    /// assert_eq!(id.len(), "order.create#".len() + 12);
+    /// ```
+    pub fn log_id(&self) -> KeyLogId<'_> {
+        KeyLogId(&self.full)
+    }
+}
+
+/// A [`LockKey`] as logs write it; see [`LockKey::log_id`].
+#[derive(Clone, Copy)]
+pub struct KeyLogId<'a>(&'a str);
+
+impl fmt::Display for KeyLogId<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The escaped name runs from the first `{` to the first `:` or `}`:
+        // escaping leaves neither inside a name or a part.
+        let inner = self.0.split_once('{').map_or(self.0, |(_, rest)| rest);
+        let name = inner.split([':', '}']).next().unwrap_or_default();
+        let digest = sha1_smol::Sha1::from(self.0).digest().to_string();
+        write!(f, "{name}#{}", &digest[..12])
+    }
+}
+
+impl fmt::Debug for KeyLogId<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the key itself, whichever way it is formatted.
+        fmt::Display::fmt(self, f)
+    }
 }
 
 impl fmt::Display for LockKey {

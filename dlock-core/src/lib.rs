@@ -36,7 +36,7 @@ pub use backend::{Backend, LostReason, LostSignal};
 pub use config::{BackendKind, Config, Services, ZooKeeperAuth};
 pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE};
 pub use error::{Error, Result};
-pub use key::{escape_into, KeyBuilder, KeyPart, LockKey, MAX_KEY_LEN};
+pub use key::{escape_into, KeyBuilder, KeyLogId, KeyPart, LockKey, MAX_KEY_LEN};
 pub use owner::Owner;
 
 #[cfg(feature = "redis")]

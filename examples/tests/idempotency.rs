@@ -215,3 +215,20 @@ async fn one_key_storm_across_two_instances_pays_once() {
     assert_ne!(bob.body, first.body);
     assert_eq!(payment_count(&redis), 2);
 }
+
+/// The caller's credentials and its `Idempotency-Key` are secrets: the
+/// payment's own claim in Redis is named by their hash, not their text (key
+/// names show in `MONITOR`, `SCAN`, slow logs and dumps).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_redis_key_name_holds_a_credential_or_an_idempotency_key() {
+    let redis = RedisServer::start();
+    let a = Orders::start(&redis.url()).await;
+    let headers = [("idempotency-key", "key-s3cret"), ("authorization", "Bearer cred-s3cret")];
+    let paid = request(&a.addr, "POST", "/payments", &headers, r#"{"order_id": "ord_1", "amount": 1}"#).await;
+    assert_eq!(paid.status, 201, "{}", paid.body);
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut redis.connection()).expect("KEYS");
+    assert!(keys.iter().any(|k| k.starts_with("orders:paykey:")), "the claim was made: {keys:?}");
+    for k in &keys {
+        assert!(!k.contains("s3cret"), "a secret in a key name: {k}");
+    }
+}

@@ -208,7 +208,8 @@ impl<S> Idempotent<S> {
 
 /// A syntactically acceptable `Idempotency-Key`, or the rejection.
 fn idempotency_key(parts: &Parts) -> Result<String, Rejection> {
-    let value = parts.headers.get(KEY_HEADER).ok_or_else(Rejection::idempotency_key_missing)?;
+    let value = crate::headers::sole_idempotency_key(&parts.headers, KEY_HEADER)?
+        .ok_or_else(Rejection::idempotency_key_missing)?;
     let bytes = value.as_bytes();
     // The draft sends the key as a structured-field string: accept the
     // quoted form too, and compare keys by their content.
@@ -261,12 +262,12 @@ impl Drop for ClaimGuard {
             Ok(handle) => {
                 handle.spawn(async move {
                     if let Err(e) = store.abandon(&claim).await {
-                        tracing::warn!(error = %e, key = claim.key(), "dlock: freeing an idempotency key failed; it frees itself when its lease ends");
+                        tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: freeing an idempotency key failed; it frees itself when its lease ends");
                     }
                 });
             }
             Err(_) => tracing::warn!(
-                key = claim.key(),
+                key = crate::headers::log_id(claim.key()),
                 "dlock: no runtime to free an idempotency key; it frees itself when its lease ends"
             ),
         }
@@ -365,7 +366,7 @@ where
             abandon(&*store, &claim).await;
             if e.is::<LengthLimitError>() {
                 tracing::error!(
-                    key = claim.key(),
+                    key = crate::headers::log_id(claim.key()),
                     limit = layer.max_response_bytes,
                     "dlock: response too large to store for replay"
                 );
@@ -386,10 +387,12 @@ where
     match store.complete(&claim, &stored, ttl).await {
         Ok(true) => {}
         Ok(false) => tracing::warn!(
-            key = claim.key(),
+            key = crate::headers::log_id(claim.key()),
             "dlock: the idempotency lease ran out before the route answered; response not stored"
         ),
-        Err(e) => tracing::warn!(error = %e, key = claim.key(), "dlock: storing the idempotent response failed"),
+        Err(e) => {
+            tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: storing the idempotent response failed")
+        }
     }
     res_parts.headers.remove(header::CONTENT_LENGTH);
     Ok(Response::from_parts(res_parts, Body::from(bytes)))
@@ -397,6 +400,6 @@ where
 
 async fn abandon(store: &dyn IdempotencyStore, claim: &Claim) {
     if let Err(e) = store.abandon(claim).await {
-        tracing::warn!(error = %e, key = claim.key(), "dlock: freeing an idempotency key failed; it frees itself when its lease ends");
+        tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: freeing an idempotency key failed; it frees itself when its lease ends");
     }
 }

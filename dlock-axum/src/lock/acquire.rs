@@ -12,9 +12,10 @@
 //! | unavailable | `WARN` | `lock`, `outcome`, `status`, `error`, `cause` |
 //! | misconfigured | `ERROR` | `lock`, `outcome`, `status`, `error`, `cause` |
 //!
-//! The key (escaped request values: account ids, tokens) appears at `DEBUG`
-//! only; what a service logs at `INFO` and above names the lock, never the
-//! request's values. An access log reads the [`LockOutcome`] in the response.
+//! `key` is the key's [`log_id`](dlock_core::LockKey::log_id) — the lock's
+//! name and a short hash — never the key: its parts are request values
+//! (account ids, one-time tokens). dlock-core logs keys the same way. An
+//! access log reads the [`LockOutcome`] in the response.
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -125,8 +126,16 @@ impl Refusal {
                     LockOutcome::Busy { waited } => waited.as_millis() as u64,
                     _ => 0,
                 };
-                let key = key.as_ref().map_or("", |k| k.as_str());
-                tracing::debug!(lock, key, outcome = outcome.as_str(), status, error, waited_ms, "dlock.request")
+                let key = key.as_ref().map(LockKey::log_id);
+                tracing::debug!(
+                    lock,
+                    key = key.map(tracing::field::display),
+                    outcome = outcome.as_str(),
+                    status,
+                    error,
+                    waited_ms,
+                    "dlock.request"
+                )
             }
         }
         let mut response = rejection.into_response();
@@ -153,7 +162,7 @@ pub(crate) async fn acquire_for_request(
             let waited = waited();
             tracing::debug!(
                 lock = policy.name(),
-                key = %guard.key(),
+                key = %guard.key().log_id(),
                 outcome = "acquired",
                 fence = guard.fencing_token(),
                 waited_ms = waited.as_millis() as u64,

@@ -5,33 +5,88 @@
 //! (a `#[lockable]` handler's key fields) and
 //! [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) (the fingerprint)
 //! read a request body through [`read_body`], so the three answer an
-//! oversized or broken body alike: `413 payload_too_large` naming the limit,
-//! `400 request_body_unreadable`.
+//! oversized, slow or broken body alike: `413 payload_too_large` naming the
+//! limit, `408 request_timeout`, `400 request_body_unreadable`.
+//!
+//! **A refused body is drained before the answer.** A client that sends its
+//! whole body before reading (Python's `http.client`, many SDKs: no
+//! `Expect: 100-continue`) is still writing when a `413` is ready. Closing
+//! the connection then makes the server's TCP stack reset it, and the client
+//! gets a broken pipe instead of the answer. So, as nginx's lingering close
+//! does, what is left of a refused body is read and thrown away first —
+//! at most [`DRAIN_MAX_BYTES`] for at most [`DRAIN_MAX_TIME`], so refusing
+//! costs bandwidth the client pays for too, never memory; past either bound
+//! the connection is closed (hyper closes one whose body was not read to the
+//! end). A client that asked `Expect: 100-continue` is answered at once: it
+//! has sent nothing, and reading would invite it to send.
+
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{header, HeaderMap};
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
+use tokio::time::Instant;
 
 use crate::rejection::Rejection;
 
-/// Reads at most `limit` bytes, refusing up front when `Content-Length`
-/// already says the body is larger.
+/// The most bytes of a refused body read and thrown away before answering.
+pub(crate) const DRAIN_MAX_BYTES: u64 = 8 * 1024 * 1024;
+/// The longest a refused body is read and thrown away before answering.
+pub(crate) const DRAIN_MAX_TIME: Duration = Duration::from_secs(5);
+/// How long a body may take to arrive unless the installed
+/// [`Dlock`](crate::Dlock) says otherwise.
+pub(crate) const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The bounds of one body read: bytes and time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BodyLimits {
+    pub(crate) max_bytes: usize,
+    pub(crate) timeout: Duration,
+}
+
+impl From<usize> for BodyLimits {
+    /// `max_bytes` with the default time bound.
+    fn from(max_bytes: usize) -> Self {
+        BodyLimits { max_bytes, timeout: DEFAULT_BODY_READ_TIMEOUT }
+    }
+}
+
+/// Reads at most `limits.max_bytes` bytes within `limits.timeout`, refusing
+/// up front when `Content-Length` already says the body is larger. A refused
+/// body is drained first (see the module docs).
 ///
 /// Most bodies arrive in one frame, which is kept as it is: no copy and no
 /// buffer list (`BodyExt::collect` makes both for every body).
-pub(crate) async fn read_body(headers: &HeaderMap, mut body: Body, limit: usize) -> Result<Bytes, Rejection> {
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    mut body: Body,
+    limits: impl Into<BodyLimits>,
+) -> Result<Bytes, Rejection> {
+    let BodyLimits { max_bytes: limit, timeout } = limits.into();
     let too_large =
         || Rejection::payload_too_large().with_message(format!("the request body is larger than {limit} bytes"));
-    let declared =
-        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if declared_length(headers).is_some_and(|n| n > limit as u64) {
+        discard(headers, body, false).await;
         return Err(too_large());
     }
+    // One deadline for the whole body: a sender that trickles a byte at a
+    // time cannot stretch it, as it could a timeout per frame.
+    let deadline = Instant::now() + timeout;
     let mut first = Bytes::new();
     let mut joined: Option<BytesMut> = None;
     let mut len = 0usize;
-    while let Some(frame) = body.frame().await {
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            // The connection is closed with the answer (the body was not
+            // read to its end): nothing is drained from a slow sender.
+            Err(_) => {
+                return Err(Rejection::request_timeout()
+                    .with_message(format!("the request body did not arrive within {} ms", timeout.as_millis())))
+            }
+        };
         let frame = frame.map_err(|e| {
             tracing::debug!(error = %e, "dlock: reading the request body failed");
             Rejection::body_unreadable()
@@ -40,6 +95,7 @@ pub(crate) async fn read_body(headers: &HeaderMap, mut body: Body, limit: usize)
         let Ok(data) = frame.into_data() else { continue };
         len += data.len();
         if len > limit {
+            discard(headers, body, true).await;
             return Err(too_large());
         }
         match joined.as_mut() {
@@ -54,6 +110,47 @@ pub(crate) async fn read_body(headers: &HeaderMap, mut body: Body, limit: usize)
         }
     }
     Ok(joined.map_or(first, BytesMut::freeze))
+}
+
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
+}
+
+/// Reads and throws away what is left of a body the answer refuses, within
+/// [`DRAIN_MAX_BYTES`] and [`DRAIN_MAX_TIME`], so the client can read the
+/// answer (see the module docs). `started`: some of it was read already.
+///
+/// Skipped when it cannot help: the client waits for `100 Continue` and has
+/// sent nothing (unless reading began, which sent that `100`), or declares
+/// more than the bound up front.
+pub(crate) async fn discard(headers: &HeaderMap, body: Body, started: bool) {
+    let expects_continue =
+        headers.get(header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if (expects_continue && !started) || declared_length(headers).is_some_and(|n| n > DRAIN_MAX_BYTES) {
+        return;
+    }
+    drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
+}
+
+/// Reads `body` to its end unless that takes more than `max_bytes` or
+/// `max_time`; whether it reached the end.
+async fn drain(mut body: Body, max_bytes: u64, max_time: Duration) -> bool {
+    let deadline = Instant::now() + max_time;
+    let mut left = max_bytes;
+    loop {
+        match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(None) => return true,
+            Ok(Some(Ok(frame))) => {
+                let n = frame.data_ref().map_or(0, |d| d.len() as u64);
+                match left.checked_sub(n) {
+                    Some(rest) => left = rest,
+                    None => return false,
+                }
+            }
+            // A broken body or the time is up: hyper closes the connection.
+            Ok(Some(Err(_))) | Err(_) => return false,
+        }
+    }
 }
 
 /// Refuses a body whose declared `Content-Type` is not JSON
@@ -129,5 +226,31 @@ mod tests {
         let r = read_body(&declared, Body::empty(), 10).await.expect_err("declared over the limit");
         assert_eq!(r.status().as_u16(), 413);
         assert_eq!(read_body(&HeaderMap::new(), body(), 11).await.expect("at the limit").len(), 11);
+    }
+
+    #[tokio::test]
+    async fn a_drain_stops_at_its_bounds() {
+        use std::convert::Infallible;
+        let chunks = |n: usize| {
+            Body::from_stream(futures_util::stream::iter(
+                (0..n).map(|_| Ok::<_, Infallible>(Bytes::from_static(&[b'x'; 1024]))),
+            ))
+        };
+        assert!(drain(chunks(4), 4096, Duration::from_secs(5)).await, "read to the end within the bounds");
+        assert!(!drain(chunks(5), 4096, Duration::from_secs(5)).await, "stops past the byte bound");
+        // A sender that stops: the time bound ends the drain.
+        let stalled = Body::from_stream(futures_util::stream::pending::<Result<Bytes, Infallible>>());
+        let started = std::time::Instant::now();
+        assert!(!drain(stalled, 4096, Duration::from_millis(50)).await, "stops at the time bound");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn a_body_that_stops_arriving_is_408() {
+        use std::convert::Infallible;
+        let stalled = Body::from_stream(futures_util::stream::pending::<Result<Bytes, Infallible>>());
+        let limits = BodyLimits { max_bytes: 10, timeout: Duration::from_millis(20) };
+        let r = read_body(&HeaderMap::new(), stalled, limits).await.expect_err("timed out");
+        assert_eq!((r.status().as_u16(), r.error()), (408, "request_timeout"));
     }
 }

@@ -54,12 +54,18 @@ pub(crate) async fn build_key(
                 key.push(JsonPart(value));
             }
             KeySource::Query(name) => {
-                let value = parts
+                // Compared once percent-decoded: `%71` is `q` to every reader.
+                let mut values = parts
                     .uri
                     .query()
-                    .and_then(|q| form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == name.as_str()))
-                    .map(|(_, v)| v)
-                    .ok_or_else(|| missing(source))?;
+                    .into_iter()
+                    .flat_map(|q| form_urlencoded::parse(q.as_bytes()))
+                    .filter(|(k, _)| k == name.as_str())
+                    .map(|(_, v)| v);
+                let value = values.next().ok_or_else(|| missing(source))?;
+                if values.next().is_some() {
+                    return Err(duplicated(source));
+                }
                 key.push(value.as_ref());
             }
             KeySource::Path(name) => {
@@ -91,7 +97,9 @@ pub(crate) async fn build_key(
                 key.push(value);
             }
             KeySource::Header(name) => {
-                let value = parts.headers.get(name).ok_or_else(|| missing(source))?;
+                let value = crate::headers::sole(&parts.headers, name)
+                    .map_err(|_| duplicated(source))?
+                    .ok_or_else(|| missing(source))?;
                 let text = value.to_str().map_err(|_| {
                     Refusal::invalid(
                         Rejection::lock_key_invalid().with_message(format!("{source} is not visible ASCII")),
@@ -106,6 +114,16 @@ pub(crate) async fn build_key(
 
 fn missing(source: &KeySource) -> Refusal {
     Refusal::invalid(Rejection::missing_field(source))
+}
+
+/// A query parameter or header of the key sent more than once: the key
+/// would take one of the values and the handler's extractor may take another
+/// (axum's `Query<HashMap>` takes the last), so the lock would not protect
+/// what the handler acts on.
+fn duplicated(source: &KeySource) -> Refusal {
+    Refusal::invalid(
+        Rejection::field_duplicated().with_message(format!("{source} is sent more than once; send it once")),
+    )
 }
 
 #[cfg(test)]

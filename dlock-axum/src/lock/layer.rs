@@ -3,13 +3,14 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::http::request::Parts;
 use axum::http::HeaderName;
 use dlock_core::Locker;
 use tower::Layer;
 
 use super::json::Want;
 use super::policy::Policy;
-use super::quota::Quota;
+use super::quota::{Principal, Quota};
 use super::service::RequireLock;
 use super::spec::{KeySource, Spec};
 
@@ -100,7 +101,9 @@ impl LockLayer {
         })
     }
 
-    /// Adds a query-string parameter (percent-decoded; the first if repeated).
+    /// Adds a query-string parameter (percent-decoded). A request that sends
+    /// it more than once is refused with `400 lock_key_field_duplicated`: the
+    /// key and the handler could otherwise read different values.
     pub fn query(self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.with(|s| s.parts.push(KeySource::Query(name)))
@@ -117,7 +120,8 @@ impl LockLayer {
         self.with(|s| s.parts.push(KeySource::Path(name)))
     }
 
-    /// Adds a request header.
+    /// Adds a request header. A request that sends it more than once is
+    /// refused with `400 lock_key_field_duplicated`, as for [`query`](Self::query).
     ///
     /// # Panics
     ///
@@ -178,6 +182,14 @@ impl LockLayer {
     /// anonymous principal. Counted in this process, per layer (a service
     /// with N instances allows N × `max`).
     ///
+    /// **The header must be set by a trusted upstream.** A client chooses
+    /// its own headers: one that can set this header gets a fresh cap for
+    /// every value it makes up, and the cap bounds nothing. Use this only
+    /// behind a proxy or gateway that sets the header from the identity it
+    /// authenticated and drops any value the client sent. Otherwise key the
+    /// cap on what your own authentication established, with
+    /// [`max_holds_per`](Self::max_holds_per).
+    ///
     /// ```
     /// use std::time::Duration;
     /// use dlock_axum::LockLayer;
@@ -196,7 +208,38 @@ impl LockLayer {
             Err(_) => panic!("LockLayer::max_holds_per_principal: `{header}` is not a valid HTTP header name"),
         };
         assert!(max > 0, "LockLayer::max_holds_per_principal: a cap of 0 would refuse every request");
-        self.with(|s| s.quota = Some(Arc::new(Quota::new(header, max))))
+        self.with(|s| s.quota = Some(Arc::new(Quota::new(Principal::Header(header), max))))
+    }
+
+    /// At most `max` locks held at once through this layer by requests of
+    /// the same principal, as named by `principal` from the request: the
+    /// identity your authentication established (an extension its layer
+    /// set, a verified token's subject), never a value the client can choose
+    /// freely. Otherwise as [`max_holds_per_principal`](Self::max_holds_per_principal):
+    /// `429 too_many_locks` beyond the cap, counted per layer in this
+    /// process. Requests for which `principal` returns the same text (say,
+    /// `"anonymous"` for unauthenticated ones) share one cap.
+    ///
+    /// ```
+    /// use axum::http::request::Parts;
+    /// use dlock_axum::LockLayer;
+    ///
+    /// /// Set by the service's authentication middleware.
+    /// #[derive(Clone)]
+    /// struct User(String);
+    ///
+    /// let layer = LockLayer::new("report.build").json("report_id").max_holds_per(20, |parts: &Parts| {
+    ///     parts.extensions.get::<User>().map_or_else(|| "anonymous".to_owned(), |u| u.0.clone())
+    /// });
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// When `max` is zero: a programming error found on start-up.
+    pub fn max_holds_per(self, max: usize, principal: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
+        assert!(max > 0, "LockLayer::max_holds_per: a cap of 0 would refuse every request");
+        let principal = Principal::Fn(Arc::new(principal));
+        self.with(|s| s.quota = Some(Arc::new(Quota::new(principal, max))))
     }
 
     /// Uses `locker` instead of the one installed in the request extensions.

@@ -33,7 +33,9 @@
 //!    JSON (`415 unsupported_media_type`), reads at most `max_body_bytes` of
 //!    the body (the layer's own, else the installed engine's
 //!    `DLOCK_MAX_BODY_BYTES`; `413 payload_too_large` past it, also when
-//!    `Content-Length` says so up front), parses it once (`400 invalid_json`),
+//!    `Content-Length` says so up front) within the engine's
+//!    [`body_read_timeout`](crate::Dlock::body_read_timeout) (`408
+//!    request_timeout` past it), parses it once (`400 invalid_json`),
 //!    and later hands the very same bytes to the route;
 //! 3. builds the key from the declared parts in order
 //!    (`400 lock_key_field_missing` when one is absent);
@@ -52,7 +54,11 @@
 //! by either gets the same answer.
 //!
 //! Refusals are responses (see [`Rejection`](crate::Rejection)); the route's
-//! own error type passes through unchanged.
+//! own error type passes through unchanged. Before answering a refusal, the
+//! layer reads and throws away what is left of the request body (at most
+//! 8 MiB for at most 5 s; not when the client waits for `100 Continue`), so
+//! that a client still sending it reads the answer rather than a reset
+//! connection, as nginx's lingering close does.
 
 pub(crate) mod acquire;
 pub(crate) mod body;

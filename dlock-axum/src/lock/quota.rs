@@ -8,21 +8,55 @@
 //! (`max_hold` bounds how long each of the capped holds can last.)
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use axum::http::{HeaderMap, HeaderName};
+use axum::http::request::Parts;
+use axum::http::HeaderName;
+
+/// Names the principal of a request from what the application established
+/// (an extension set by its authentication layer, …).
+pub(crate) type PrincipalFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
+
+/// Where the principal of a request comes from.
+#[derive(Clone)]
+pub(crate) enum Principal {
+    /// A request header, which must be set by a trusted upstream (see
+    /// [`LockLayer::max_holds_per_principal`](crate::LockLayer::max_holds_per_principal)).
+    Header(HeaderName),
+    /// The application's own function.
+    Fn(PrincipalFn),
+}
+
+impl Principal {
+    fn of(&self, parts: &Parts) -> Vec<u8> {
+        match self {
+            Principal::Header(name) => parts.headers.get(name).map(|v| v.as_bytes().to_vec()).unwrap_or_default(),
+            Principal::Fn(f) => f(parts).into_bytes(),
+        }
+    }
+}
+
+impl fmt::Debug for Principal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Principal::Header(name) => write!(f, "header `{name}`"),
+            Principal::Fn(_) => f.write_str("the application's function"),
+        }
+    }
+}
 
 /// The holds of each principal, counted by one layer in this process.
 #[derive(Debug)]
 pub(crate) struct Quota {
-    header: HeaderName,
+    principal: Principal,
     max: usize,
     held: Mutex<HashMap<Vec<u8>, usize>>,
 }
 
 impl Quota {
-    pub(crate) fn new(header: HeaderName, max: usize) -> Self {
-        Quota { header, max, held: Mutex::new(HashMap::new()) }
+    pub(crate) fn new(principal: Principal, max: usize) -> Self {
+        Quota { principal, max, held: Mutex::new(HashMap::new()) }
     }
 
     fn held(&self) -> MutexGuard<'_, HashMap<Vec<u8>, usize>> {
@@ -33,12 +67,12 @@ impl Quota {
     /// Takes one of the principal's holds, or says who is over the cap.
     /// Requests without the header share one anonymous principal, so leaving
     /// the header out is no way around the cap.
-    pub(crate) fn take(self: &Arc<Self>, headers: &HeaderMap) -> Result<Permit, OverQuota> {
-        let principal = headers.get(&self.header).map(|v| v.as_bytes().to_vec()).unwrap_or_default();
+    pub(crate) fn take(self: &Arc<Self>, parts: &Parts) -> Result<Permit, OverQuota> {
+        let principal = self.principal.of(parts);
         let mut held = self.held();
         let count = held.entry(principal.clone()).or_insert(0);
         if *count >= self.max {
-            return Err(OverQuota { header: self.header.clone(), max: self.max });
+            return Err(OverQuota { principal: self.principal.clone(), max: self.max });
         }
         *count += 1;
         Ok(Permit { quota: self.clone(), principal })
@@ -76,26 +110,41 @@ impl Drop for Permit {
 /// A principal already holds the most locks allowed.
 #[derive(Debug)]
 pub(crate) struct OverQuota {
-    pub(crate) header: HeaderName,
-    pub(crate) max: usize,
+    principal: Principal,
+    max: usize,
+}
+
+impl OverQuota {
+    /// The `message` of the `429` (naming no principal: it may be a secret).
+    pub(crate) fn message(&self) -> String {
+        let who = match &self.principal {
+            Principal::Header(name) => format!("the requests with this {name} header"),
+            Principal::Fn(_) => "your requests".to_owned(),
+        };
+        format!("{who} already hold {} locks here; retry when one has finished", self.max)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::HeaderValue;
+    use axum::http::Request;
 
-    fn headers(user: Option<&'static str>) -> HeaderMap {
-        let mut h = HeaderMap::new();
+    fn headers(user: Option<&'static str>) -> Parts {
+        let mut req = Request::builder();
         if let Some(u) = user {
-            h.insert("x-user-id", HeaderValue::from_static(u));
+            req = req.header("x-user-id", u);
         }
-        h
+        req.body(()).expect("request").into_parts().0
+    }
+
+    fn by_header(max: usize) -> Arc<Quota> {
+        Arc::new(Quota::new(Principal::Header(HeaderName::from_static("x-user-id")), max))
     }
 
     #[test]
     fn each_principal_has_its_own_cap_and_gets_it_back() {
-        let q = Arc::new(Quota::new(HeaderName::from_static("x-user-id"), 2));
+        let q = by_header(2);
         let a1 = q.take(&headers(Some("a"))).expect("1st");
         let _a2 = q.take(&headers(Some("a"))).expect("2nd");
         assert!(q.take(&headers(Some("a"))).is_err(), "3rd over the cap");
@@ -107,7 +156,7 @@ mod tests {
 
     #[test]
     fn requests_without_the_header_share_one_cap() {
-        let q = Arc::new(Quota::new(HeaderName::from_static("x-user-id"), 1));
+        let q = by_header(1);
         let p = q.take(&headers(None)).expect("1st anonymous");
         assert!(q.take(&headers(None)).is_err());
         drop(p);

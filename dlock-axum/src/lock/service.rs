@@ -13,7 +13,7 @@ use dlock_core::Locker;
 use tower::Service;
 
 use super::acquire::{acquire_for_request, Held, Refusal};
-use super::body::{read_body, require_json_content_type};
+use super::body::{discard, read_body, require_json_content_type};
 use super::key::build_key;
 use super::quota::Permit;
 use super::spec::Spec;
@@ -101,9 +101,19 @@ where
     S::Response: IntoResponse,
 {
     let (mut parts, body) = req.into_parts();
-    let Admitted { held, permit, body } = match admit(&spec, &mut parts, body).await {
+    let mut pending = Some(body);
+    let Admitted { held, permit, body } = match admit(&spec, &mut parts, &mut pending).await {
         Ok(admitted) => admitted,
-        Err(refusal) => return Ok(refusal.respond(&spec.policy)),
+        Err(refusal) => {
+            // A body the layer did not read (a 409, 415, 429, 503 refused
+            // before it) is drained first, so that a client still sending it
+            // reads the answer instead of a reset connection (`body.rs`). One
+            // read already is bytes in memory: nothing to wait for.
+            if let Some(body) = pending {
+                discard(&parts.headers, body, false).await;
+            }
+            return Ok(refusal.respond(&spec.policy));
+        }
     };
     let req = Request::from_parts(parts, body);
     // If this future is dropped while the inner service runs, `held` is
@@ -128,40 +138,38 @@ struct Admitted {
 }
 
 /// Everything before the inner call: find the engine, read the body if
-/// needed, build the key, acquire.
-async fn admit(spec: &Spec, parts: &mut Parts, body: Body) -> Result<Admitted, Refusal> {
-    // One look into the extensions for the engine and its body limit.
+/// needed, build the key, acquire. The body to hand on stays in `pending`:
+/// as it came, or as the bytes read when the key needed them.
+async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Result<Admitted, Refusal> {
+    // One look into the extensions for the engine and its body limits.
     let installed = parts.extensions.get::<Dlock>();
-    let limit = spec.max_body_bytes.or(installed.map(Dlock::max_body_bytes));
+    let limits = Dlock::body_limits_of(installed, &parts.extensions, spec.max_body_bytes);
     let locker: Locker = match (&spec.locker, installed) {
         (Some(l), _) => l.clone(),
         (None, Some(dlock)) => dlock.locker().clone(),
         (None, None) => locker_from_extensions(&parts.extensions).cloned().ok_or_else(Refusal::no_engine)?,
     };
-    let (body, json) = if spec.needs_json() {
+    let json = if spec.needs_json() {
         require_json_content_type(&parts.headers).map_err(Refusal::invalid)?;
-        let limit = limit.unwrap_or_else(|| Dlock::max_body_bytes_in(&parts.extensions));
-        let bytes = read_body(&parts.headers, body, limit).await.map_err(Refusal::invalid)?;
+        let body = pending.take().unwrap_or_default();
+        let bytes = read_body(&parts.headers, body, limits).await.map_err(Refusal::invalid)?;
         let json = super::json::read(&bytes, &spec.json_want).map_err(|e| {
             Refusal::invalid(Rejection::invalid_json().with_message(format!("the request body is not valid JSON: {e}")))
         })?;
-        (Body::from(bytes), Some(json))
+        *pending = Some(Body::from(bytes));
+        Some(json)
     } else {
-        (body, None)
+        None
     };
     let key = build_key(spec, &locker, parts, json.as_ref()).await?;
     let owner = RequestOwner::get_or_insert(&mut parts.extensions).map_err(Refusal::no_owner)?;
     let permit = match &spec.quota {
-        Some(quota) => Some(quota.take(&parts.headers).map_err(|over| {
-            let rejection = Rejection::too_many_locks().with_message(format!(
-                "the requests with this {} header already hold {} locks here; retry when one has finished",
-                over.header, over.max
-            ));
-            Refusal::over_quota(rejection, key.clone())
+        Some(quota) => Some(quota.take(parts).map_err(|over| {
+            Refusal::over_quota(Rejection::too_many_locks().with_message(over.message()), key.clone())
         })?),
         None => None,
     };
     let held = acquire_for_request(&locker, owner, key, &spec.policy).await?;
     HeldLock::of(&held.guard).set(&mut parts.extensions, held.guard.owner());
-    Ok(Admitted { held, permit, body })
+    Ok(Admitted { held, permit, body: pending.take().unwrap_or_default() })
 }

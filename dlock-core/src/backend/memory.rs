@@ -177,7 +177,7 @@ impl MemoryBackend {
         Self::forget_if_idle(&mut state, key, now);
         drop(state);
         if let Some(watcher) = watcher {
-            tracing::warn!(key = %key, reason = %LostReason::Stolen, "dlock.lost");
+            tracing::warn!(key = %key.log_id(), reason = %LostReason::Stolen, "dlock.lost");
             watcher.lose(LostReason::Stolen);
         }
         held

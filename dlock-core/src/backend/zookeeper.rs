@@ -488,7 +488,7 @@ impl ZooKeeperBackend {
             }
             None => {
                 drop(holds);
-                tracing::warn!(key = %id.0, reason = %LostReason::Stolen, "dlock.lost");
+                tracing::warn!(key = %id.0.log_id(), reason = %LostReason::Stolen, "dlock.lost");
                 signal.lose(LostReason::Stolen);
             }
         }
@@ -888,7 +888,7 @@ async fn supervise(
 fn lose_session(holds: &mut HashMap<(LockKey, Owner), Hold>, id: zk::SessionId) {
     for ((key, _), hold) in holds.iter_mut().filter(|(_, h)| h.client.session_id() == id) {
         if !hold.signals.is_empty() {
-            tracing::warn!(key = %key, reason = %LostReason::SessionExpired, "dlock.lost");
+            tracing::warn!(key = %key.log_id(), reason = %LostReason::SessionExpired, "dlock.lost");
         }
         hold.lose(LostReason::SessionExpired);
     }
@@ -958,7 +958,7 @@ fn lock_holds(
 /// made just as the supervisor gave the session up.
 fn lose_if_session_over(session: &Session, key: &LockKey, signal: &LostSignal) {
     if session_may_be_over(session) && signal.lose(LostReason::SessionExpired) {
-        tracing::warn!(key = %key, reason = %LostReason::SessionExpired, "dlock.lost");
+        tracing::warn!(key = %key.log_id(), reason = %LostReason::SessionExpired, "dlock.lost");
     }
 }
 
@@ -985,7 +985,7 @@ async fn follow(
                 if gone {
                     if let Some(hold) = lock_holds(&holds).get_mut(&id).filter(|h| h.node == node) {
                         if !hold.signals.is_empty() {
-                            tracing::warn!(key = %id.0, reason = %LostReason::Stolen, "dlock.lost");
+                            tracing::warn!(key = %id.0.log_id(), reason = %LostReason::Stolen, "dlock.lost");
                         }
                         hold.lose(LostReason::Stolen);
                     }

@@ -213,9 +213,9 @@ impl LockGuard {
         match &result {
             Ok(r) => {
                 let took_us = started.map(|s| s.elapsed().as_micros() as u64);
-                tracing::debug!(key = %self.key, outcome = ?r, took_us, "dlock.release")
+                tracing::debug!(key = %self.key.log_id(), outcome = ?r, took_us, "dlock.release")
             }
-            Err(e) => tracing::warn!(key = %self.key, error = %e, "dlock.release failed"),
+            Err(e) => tracing::warn!(key = %self.key.log_id(), error = %e, "dlock.release failed"),
         }
         result.map(|r| r != Release::NotHeld)
     }
@@ -238,7 +238,7 @@ impl Drop for LockGuard {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!(key = %self.key, "lock guard dropped outside a tokio runtime; the lease frees it");
+            tracing::warn!(key = %self.key.log_id(), "lock guard dropped outside a tokio runtime; the lease frees it");
             return;
         };
         let engine = self.engine.clone();
@@ -252,7 +252,9 @@ impl Drop for LockGuard {
 
 fn trace_dropped_release(key: &LockKey, result: &Result<Release>) {
     match result {
-        Ok(r) => tracing::debug!(key = %key, outcome = ?r, "dlock.release (guard dropped)"),
-        Err(e) => tracing::warn!(key = %key, error = %e, "dlock.release after drop failed; the lease frees it"),
+        Ok(r) => tracing::debug!(key = %key.log_id(), outcome = ?r, "dlock.release (guard dropped)"),
+        Err(e) => {
+            tracing::warn!(key = %key.log_id(), error = %e, "dlock.release after drop failed; the lease frees it")
+        }
     }
 }

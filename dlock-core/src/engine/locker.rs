@@ -287,7 +287,7 @@ impl Locker {
         }
         let max_hold = opts.max_hold;
         let mut req = AcquireRequest::new(key.clone(), owner, lease).with_until_released(renewed && max_hold.is_none());
-        let span = tracing::debug_span!("dlock.acquire", key = %key, backend = self.engine.backend.name(), wait_ms = wait.as_millis() as u64);
+        let span = tracing::debug_span!("dlock.acquire", key = %key.log_id(), backend = self.engine.backend.name(), wait_ms = wait.as_millis() as u64);
         // An answer on the spot never suspends, so spend the task's
         // cooperative budget as tokio's own primitives do (a loop of
         // in-process locks still lets the other tasks of its worker run).

@@ -208,7 +208,7 @@ impl Hold {
     }
 
     fn lose(self, reason: LostReason) {
-        tracing::warn!(key = %self.key, %reason, "dlock.lost");
+        tracing::warn!(key = %self.key.log_id(), %reason, "dlock.lost");
         self.state.lose(reason);
     }
 }
@@ -383,7 +383,7 @@ fn settle(shared: &Shared, (id, sent, result): RenewalResult) {
     hold.renewing = false;
     match result {
         Ok(Renewal::Held { valid_until }) => {
-            tracing::trace!(key = %hold.key, took_us = sent.elapsed().as_micros() as u64, "dlock.renew");
+            tracing::trace!(key = %hold.key.log_id(), took_us = sent.elapsed().as_micros() as u64, "dlock.renew");
             // The backend measures from its own send; never extend past what
             // our clock can vouch for.
             let valid_until = valid_until.min(sent + hold.lease);
@@ -398,7 +398,7 @@ fn settle(shared: &Shared, (id, sent, result): RenewalResult) {
             return;
         }
         Err(e) => {
-            tracing::warn!(key = %hold.key, error = %e, "dlock.renew failed; retrying until the lease ends");
+            tracing::warn!(key = %hold.key.log_id(), error = %e, "dlock.renew failed; retrying until the lease ends");
             // Sooner than the regular interval, but no more than ten times
             // per lease.
             hold.next_renewal = Instant::now() + (hold.lease / 10).max(Duration::from_millis(1));

@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
 use dlock_axum::Rejection;
-use dlock_core::idempotency::RedisStore;
+use dlock_core::idempotency::{fingerprint, RedisStore};
 use dlock_core::{BackendKind, Config, Locker};
 use serde::Deserialize;
 use serde_json::json;
@@ -121,10 +121,13 @@ async fn create_payment(
     };
     let payment = json!({"payment_id": payment_id, "order_id": order_id, "amount": amount});
     // The effect is keyed by the caller and its Idempotency-Key (the layer
-    // guarantees the header), the same scope the layer uses.
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let (caller, key) = (header("authorization"), header("idempotency-key"));
-    let claim = format!("{}:{caller}:{key}", caller.len());
+    // guarantees the header), the same scope the layer uses. Both are
+    // secrets (a bearer credential, a replay handle): the Redis key name is
+    // their hash, never their text, as key names show up in `MONITOR`,
+    // `SCAN`, slow logs and dumps. `fingerprint` length-prefixes each part,
+    // so no two (caller, key) pairs share a hash input.
+    let header = |name: &str| headers.get(name).map_or(&b""[..], |v| v.as_bytes());
+    let claim = fingerprint(&[header("authorization"), header("idempotency-key")]);
     match store.record_payment_once(&claim, &payment_id, &payment).await {
         Ok(None) => {
             tracing::info!(%payment_id, "payment recorded");

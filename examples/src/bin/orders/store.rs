@@ -136,7 +136,7 @@ impl Store {
         }
     }
 
-    /// Records a payment once per `claim` (the caller and its
+    /// Records a payment once per `claim` (a hash of the caller and its
     /// `Idempotency-Key`), atomically: returns `None` when this call recorded
     /// it, or the payment recorded earlier under the same claim. The
     /// idempotency layer stores the response only after the handler ran, so

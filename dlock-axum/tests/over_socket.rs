@@ -1,0 +1,229 @@
+//! The layers over a real socket, against clients that behave as common HTTP
+//! clients do: the answer to a refused body must reach a client that is still
+//! sending it, and a client that stops sending must not hold a task forever.
+//!
+//! These cannot be tested with `oneshot`: what goes wrong is the connection.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+use dlock_axum::{lockable, Dlock, JsonBody, LockLayer, LockerExt};
+use dlock_core::idempotency::MemoryStore;
+use dlock_core::{Locker, MemoryBackend};
+use serde::Deserialize;
+use serde_json::Value;
+
+const TWO_MIB: usize = 2 * 1024 * 1024;
+
+#[derive(Deserialize)]
+struct Req {
+    id: u64,
+}
+
+#[lockable(key = "t", fields = ["req.id"])]
+async fn by_macro(JsonBody(req): JsonBody<Req>) -> String {
+    req.id.to_string()
+}
+
+/// The three readers of a body: `LockLayer`, `#[lockable]` with `JsonBody`,
+/// `IdempotencyLayer`; bodies limited to 64 KiB (the default).
+fn app(dlock: Dlock) -> Router {
+    let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+    Router::new()
+        .route("/layer", post(|body: String| async move { body }).layer(LockLayer::new("t").json("id")))
+        .route("/macro", post(by_macro))
+        .route("/idem", post(|| async { "done" }).layer(IdempotencyLayer::new(idem)))
+        .with_locker(dlock)
+}
+
+/// Serves `app` on a socket whose receive buffer is small, as on a real
+/// network, where a 2 MiB body is in flight rather than absorbed by
+/// loopback's large buffers.
+async fn serve(app: Router) -> SocketAddr {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(16 * 1024).expect("SO_RCVBUF");
+    socket.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let listener = socket.listen(64).expect("listen");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// A client whose send buffer is small too: its writes block until the
+/// server reads.
+fn connect(addr: SocketAddr) -> TcpStream {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    socket.set_send_buffer_size(16 * 1024).expect("SO_SNDBUF");
+    socket.connect(&addr.into()).expect("connect");
+    let s: TcpStream = socket.into();
+    s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    s.set_write_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    s
+}
+
+/// One HTTP/1.1 answer: status and body.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn error(&self) -> String {
+        let v: Value = serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)));
+        v["error"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+/// Reads one answer (head, then `Content-Length` bytes of body): the
+/// connection may stay open afterwards.
+fn read_answer(s: &mut TcpStream) -> Result<Answer, String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).map_err(|e| format!("reading the answer: {e}"))?;
+        if n == 0 {
+            return Err(format!("connection closed before an answer; got {:?}", String::from_utf8_lossy(&buf)));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or(format!("no status: {head}"))?;
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_owned()))
+        .and_then(|v| v.parse().ok())
+        .ok_or(format!("no content-length: {head}"))?;
+    let mut body = buf[head_end..].to_vec();
+    while body.len() < length {
+        let n = s.read(&mut chunk).map_err(|e| format!("reading the body: {e}"))?;
+        if n == 0 {
+            return Err("connection closed in the body".into());
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    body.truncate(length);
+    Ok(Answer { status, body })
+}
+
+/// What Python's `http.client` (and many SDKs) do: write the head and the
+/// whole body, with no `Expect: 100-continue`, and only then read.
+fn send_then_read(s: &mut TcpStream, head: &str, body: &[u8]) -> Result<Answer, String> {
+    s.write_all(head.as_bytes()).map_err(|e| format!("writing the head: {e}"))?;
+    s.write_all(body).map_err(|e| format!("writing the body: {e}"))?;
+    read_answer(s)
+}
+
+fn head(path: &str, extra: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\nidempotency-key: k-{path}\r\n{extra}\r\n"
+    )
+}
+
+/// A JSON body of `len` bytes with the key field first.
+fn big_json(len: usize) -> Vec<u8> {
+    let mut body = br#"{"id": 1, "pad": ""#.to_vec();
+    body.resize(len - 2, b'x');
+    body.extend_from_slice(b"\"}");
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_body_sent_in_one_go_gets_its_413() {
+    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    tokio::task::spawn_blocking(move || {
+        let body = big_json(TWO_MIB);
+        for path in ["/layer", "/macro", "/idem"] {
+            // Declared up front, then streamed with no length: both are read
+            // to the end and answered, and the connection stays usable.
+            let declared = head(path, &format!("content-length: {}\r\n", body.len()));
+            let mut chunked = head(path, "transfer-encoding: chunked\r\n").into_bytes();
+            let mut framed = Vec::new();
+            for c in body.chunks(16 * 1024) {
+                framed.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+                framed.extend_from_slice(c);
+                framed.extend_from_slice(b"\r\n");
+            }
+            framed.extend_from_slice(b"0\r\n\r\n");
+            chunked.extend_from_slice(&framed);
+            for (how, first, body) in [("content-length", declared.as_str(), &body[..]), ("chunked", "", &chunked[..])]
+            {
+                let mut s = connect(addr);
+                let res = send_then_read(&mut s, first, body).unwrap_or_else(|e| panic!("{path} {how}: {e}"));
+                assert_eq!((res.status, res.error()), (413, "payload_too_large".to_owned()), "{path} {how}");
+                // The body was drained, not left in the socket: the same
+                // connection serves the next request.
+                let small = br#"{"id": 2}"#;
+                let next = head(path, &format!("content-length: {}\r\n", small.len())).replace("k-/", "k2-/");
+                let res = send_then_read(&mut s, &next, small).unwrap_or_else(|e| panic!("{path} {how} next: {e}"));
+                assert_eq!(res.status, 200, "{path} {how}: {}", String::from_utf8_lossy(&res.body));
+            }
+        }
+    })
+    .await
+    .expect("client");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_waiting_for_100_continue_is_answered_at_once() {
+    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    tokio::task::spawn_blocking(move || {
+        for path in ["/layer", "/macro", "/idem"] {
+            let mut s = connect(addr);
+            // Only the head: the client sends the body after `100 Continue`.
+            let first = head(path, &format!("content-length: {TWO_MIB}\r\nexpect: 100-continue\r\n"));
+            let res = send_then_read(&mut s, &first, b"").unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert_eq!((res.status, res.error()), (413, "payload_too_large".to_owned()), "{path}");
+        }
+    })
+    .await
+    .expect("client");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_arriving_is_408() {
+    let timeout = Duration::from_millis(300);
+    let dlock = Dlock::new(Locker::new(MemoryBackend::new())).with_body_read_timeout(timeout);
+    let addr = serve(app(dlock)).await;
+    tokio::task::spawn_blocking(move || {
+        for path in ["/layer", "/macro"] {
+            let mut s = connect(addr);
+            // Announces 100 bytes, sends 10, then nothing.
+            let started = std::time::Instant::now();
+            let res = send_then_read(&mut s, &head(path, "content-length: 100\r\n"), br#"{"id": 1, "#)
+                .unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert_eq!((res.status, res.error()), (408, "request_timeout".to_owned()), "{path}");
+            assert!(started.elapsed() >= timeout, "{path}: answered before the timeout");
+        }
+    })
+    .await
+    .expect("client");
+}
+
+/// A refusal made before the body is read (here `415`: the key needs JSON)
+/// is answered after the body is drained, like a `413`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_body_refused_before_reading_gets_its_answer() {
+    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    tokio::task::spawn_blocking(move || {
+        let body = vec![b'x'; TWO_MIB];
+        for path in ["/layer", "/macro"] {
+            let mut s = connect(addr);
+            let first = head(path, &format!("content-length: {}\r\n", body.len()))
+                .replace("content-type: application/json", "content-type: text/plain");
+            let res = send_then_read(&mut s, &first, &body).unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert_eq!((res.status, res.error()), (415, "unsupported_media_type".to_owned()), "{path}");
+        }
+    })
+    .await
+    .expect("client");
+}
