@@ -304,7 +304,7 @@ async fn a_dropped_request_releases_its_lock() {
     }
     drop(pending); // the client went away mid-request
     let key = locker.key("stock").part(9).build().expect("key");
-    let guard = locker.acquire(&key, AcquireOptions::new().wait(LONG)).await.expect("freed by the dropped guard");
+    let guard = locker.acquire(&key, AcquireOptions::new().with_wait(LONG)).await.expect("freed by the dropped guard");
     guard.release().await.expect("release");
 }
 

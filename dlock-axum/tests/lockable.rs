@@ -46,7 +46,8 @@ async fn create_order(Query(TokenParam { token }): Query<TokenParam>, Json(order
 async fn nested(Path(id): Path<u64>, dlock: Dlock, RequestOwner(owner): RequestOwner) -> Result<String, StatusCode> {
     let locker = dlock.locker();
     let key = locker.key("nested").part(id).build().map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
-    let inner = locker.acquire(&key, AcquireOptions::new().owner(owner)).await.map_err(|_| StatusCode::CONFLICT)?;
+    let inner =
+        locker.acquire(&key, AcquireOptions::new().with_owner(owner)).await.map_err(|_| StatusCode::CONFLICT)?;
     inner.release().await.map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
     Ok(format!("re-entered {id}"))
 }

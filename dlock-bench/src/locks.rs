@@ -70,7 +70,7 @@ impl BenchLock for DlockLock {
     type Held = LockGuard;
 
     async fn acquire(&self, slot: usize, wait: bool) -> Result<LockGuard> {
-        let opts = AcquireOptions::new().lease(LEASE).wait(if wait { WAIT } else { Duration::ZERO });
+        let opts = AcquireOptions::new().with_lease(LEASE).with_wait(if wait { WAIT } else { Duration::ZERO });
         Ok(self.locker.acquire(self.key(slot)?, opts).await?)
     }
 

@@ -17,7 +17,7 @@
 //!
 //! let locker = Config::from_env()?.build().await?; // in process unless DLOCK_BACKEND says otherwise
 //! let key = locker.key("order.create").part(42).part("token-1").build()?;
-//! let guard = locker.acquire(&key, AcquireOptions::new().lease(Duration::from_secs(5))).await?;
+//! let guard = locker.acquire(&key, AcquireOptions::new().with_lease(Duration::from_secs(5))).await?;
 //! assert!(guard.fencing_token() > 0);
 //! guard.release().await?;
 //! # Ok(()) }

@@ -114,7 +114,7 @@ async fn a_hold_until_an_instant_is_renewed_and_its_signal_carries_the_renewals(
     let key = locker.key("custom").part(2).build().expect("key");
     // With a max_hold the guard may not keep the lock for ever: the request
     // does not ask to keep it until released, so the backend gives a lease.
-    let guard = locker.acquire(&key, AcquireOptions::new().max_hold(Duration::from_secs(60))).await.expect("free");
+    let guard = locker.acquire(&key, AcquireOptions::new().with_max_hold(Duration::from_secs(60))).await.expect("free");
     let first_end = guard.valid_until();
     assert!(first_end < Instant::now() + Duration::from_secs(1), "a lease of its own");
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -132,7 +132,7 @@ async fn a_fixed_lease_from_a_signalled_grant_expires_as_a_lease() {
     let table = Arc::new(Table::default());
     let locker = locker(&table);
     let key = locker.key("custom").part(3).build().expect("key");
-    let guard = locker.acquire(&key, AcquireOptions::new().lease(Duration::from_millis(50))).await.expect("free");
+    let guard = locker.acquire(&key, AcquireOptions::new().with_lease(Duration::from_millis(50))).await.expect("free");
     assert!(guard.valid_until() <= Instant::now() + Duration::from_millis(50), "the grant's lease, not the signal's");
     let reason = tokio::time::timeout(Duration::from_secs(1), guard.lost()).await.expect("the lease runs out");
     assert_eq!(reason, LostReason::LeaseExpired);

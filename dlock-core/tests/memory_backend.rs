@@ -69,8 +69,8 @@ async fn a_reentered_in_process_hold_keeps_holding_until_released() {
     let (a, b) = (m.client().await, m.client().await);
     let k = a.key("reentered").build().expect("key");
     let owner = Owner::random().expect("owner");
-    let first = a.acquire(&k, AcquireOptions::new().owner(owner.clone())).await.expect("free key");
-    let second = a.acquire(&k, AcquireOptions::new().owner(owner)).await.expect("re-entry");
+    let first = a.acquire(&k, AcquireOptions::new().with_owner(owner.clone())).await.expect("free key");
+    let second = a.acquire(&k, AcquireOptions::new().with_owner(owner)).await.expect("re-entry");
     assert_eq!(first.fencing_token(), second.fencing_token());
     assert!(first.release().await.expect("release"));
     tokio::time::sleep(Duration::from_millis(700)).await; // > 2 watchdog leases of 300 ms
@@ -87,7 +87,7 @@ async fn a_reentered_in_process_hold_keeps_holding_until_released() {
 async fn a_zero_lease_is_an_invalid_argument() {
     let locker = Locker::new(MemoryBackend::new());
     let key = locker.key("zero").part(1).build().expect("key");
-    let err = locker.acquire(&key, AcquireOptions::new().lease(Duration::ZERO)).await.expect_err("zero lease");
+    let err = locker.acquire(&key, AcquireOptions::new().with_lease(Duration::ZERO)).await.expect_err("zero lease");
     assert!(matches!(err, Error::InvalidArgument { name: "lease", .. }), "{err:?}");
     assert!(err.is_misconfigured() && !err.is_unavailable() && !err.is_contention());
 }

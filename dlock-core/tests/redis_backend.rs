@@ -57,16 +57,18 @@ async fn releases_announce_themselves_only_when_someone_waits() {
     let k = a.key("announce").part(1).build().expect("key");
     server.reset_stats();
     for _ in 0..20 {
-        let wait = AcquireOptions::new().lease(Duration::from_secs(30)).wait(Duration::from_secs(1));
+        let wait = AcquireOptions::new().with_lease(Duration::from_secs(30)).with_wait(Duration::from_secs(1));
         a.acquire(&k, wait).await.expect("free").release().await.expect("release");
     }
     let publishes = |server: &RedisServer| server.command_stats().get("publish").copied().unwrap_or(0);
     assert_eq!(publishes(&server), 0, "uncontended releases published");
 
-    let g = a.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free");
+    let g = a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free");
     let waiter = tokio::spawn(async move {
         let started = Instant::now();
-        let g = b.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30)).wait(Duration::from_secs(10))).await;
+        let g = b
+            .acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30)).with_wait(Duration::from_secs(10)))
+            .await;
         let waited = started.elapsed();
         let released = match g {
             Ok(g) => g.release().await.expect("release"),
@@ -95,13 +97,13 @@ async fn waiters_survive_a_killed_subscriber_connection() {
     let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
     for (round, pause_after_kill) in [Duration::ZERO, Duration::from_millis(500)].into_iter().enumerate() {
         let k = a.key("pubsub-kill").part(round).build().expect("key");
-        let holder = a.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free");
+        let holder = a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free");
         let mut waiters = Vec::new();
         for _ in 0..16 {
             let (b, k) = (b.clone(), k.clone());
             waiters.push(tokio::spawn(async move {
                 let started = Instant::now();
-                let opts = AcquireOptions::new().lease(Duration::from_secs(30)).wait(Duration::from_secs(20));
+                let opts = AcquireOptions::new().with_lease(Duration::from_secs(30)).with_wait(Duration::from_secs(20));
                 let g = b.acquire(&k, opts).await.expect("a waiter got the lock within its wait");
                 let waited = started.elapsed();
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -139,9 +141,9 @@ async fn a_waiter_sends_a_bounded_number_of_commands() {
     let server = RedisServer::start();
     let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
     let k = a.key("quiet").part(1).build().expect("key");
-    let g = a.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free");
+    let g = a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free");
     server.reset_stats();
-    let err = b.acquire(&k, AcquireOptions::new().wait(Duration::from_millis(1_500))).await.expect_err("held");
+    let err = b.acquire(&k, AcquireOptions::new().with_wait(Duration::from_millis(1_500))).await.expect_err("held");
     assert!(err.is_contention(), "{err}");
     let stats = server.command_stats();
     // commandstats also counts the commands our scripts run inside EVALSHA;
@@ -161,7 +163,10 @@ async fn killing_the_server_fires_lost_and_errors_cleanly() {
     let k = a.key("killed").part(1).build().expect("key");
     let g = a.acquire(&k, AcquireOptions::new()).await.expect("free");
     let fixed = a
-        .acquire(&a.key("killed").part(2).build().expect("key"), AcquireOptions::new().lease(Duration::from_secs(60)))
+        .acquire(
+            &a.key("killed").part(2).build().expect("key"),
+            AcquireOptions::new().with_lease(Duration::from_secs(60)),
+        )
         .await
         .expect("free");
     server.kill();
@@ -276,10 +281,10 @@ async fn redis_cluster_spreads_locks_and_survives_a_dead_master() {
 
     // Wake-ups cross nodes: the waiters' subscription is on the first seed.
     let k = keys.iter().find(|k| cluster.node_for(k.as_str()) != 0).expect("a key off the first node");
-    let g = a.acquire(k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free");
+    let g = a.acquire(k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free");
     let waiter = {
         let (b, k) = (b.clone(), k.clone());
-        tokio::spawn(async move { b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await })
+        tokio::spawn(async move { b.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(10))).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let released = Instant::now();
@@ -408,7 +413,7 @@ async fn a_full_server_evicts_locks_only_under_an_evicting_policy() {
         let keys: Vec<_> = (0..50).map(|i| a.key("full").part(i).build().expect("key")).collect();
         let mut guards = Vec::new();
         for k in &keys {
-            guards.push(a.acquire(k, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free"));
+            guards.push(a.acquire(k, AcquireOptions::new().with_lease(Duration::from_secs(60))).await.expect("free"));
         }
         let refused = fill_with_ttl_keys(&server, 12);
         let mut stolen = 0;
@@ -489,9 +494,10 @@ async fn a_user_limited_to_the_lock_namespace_is_enough() {
     let (a, b) = (locker_for(&url, 300).await, locker_for(&url, 300).await);
     let k = a.key("acl").part(1).build().expect("key");
     let me = dlock_core::Owner::random().expect("random");
-    let outer = a.acquire(&k, AcquireOptions::new().owner(me.clone())).await.expect("free");
-    let inner = a.acquire(&k, AcquireOptions::new().owner(me)).await.expect("re-entry");
-    let waiter = tokio::spawn(async move { b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(5))).await });
+    let outer = a.acquire(&k, AcquireOptions::new().with_owner(me.clone())).await.expect("free");
+    let inner = a.acquire(&k, AcquireOptions::new().with_owner(me)).await.expect("re-entry");
+    let waiter =
+        tokio::spawn(async move { b.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(5))).await });
     tokio::time::sleep(Duration::from_millis(600)).await; // two watchdog renewals
     assert!(!outer.is_lost());
     assert!(inner.release().await.expect("release inner"));
@@ -537,7 +543,7 @@ async fn a_slow_server_queues_no_waiter_and_stretches_no_wait() {
     let keys: Vec<LockKey> = (0..17).map(|i| holder.key("slow-server").part(i).build().expect("key")).collect();
     let mut guards = Vec::new();
     for k in &keys {
-        guards.push(holder.acquire(k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free"));
+        guards.push(holder.acquire(k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free"));
     }
     let proxy = FaultProxy::start(server.port());
     let waiter = locker_for(&format!("redis://127.0.0.1:{}", proxy.port()), 30_000).await;
@@ -551,7 +557,8 @@ async fn a_slow_server_queues_no_waiter_and_stretches_no_wait() {
             let (waiter, k) = (waiter.clone(), k.clone());
             let wait = Duration::from_secs(if i == 16 { 1 } else { 3 });
             tokio::spawn(async move {
-                let result = waiter.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30)).wait(wait)).await;
+                let result =
+                    waiter.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30)).with_wait(wait)).await;
                 (result, started.elapsed())
             })
         })

@@ -44,7 +44,7 @@ async fn locks_work_over_tls_with_the_right_ca() {
     let key = a.key("tls").part("order-1").build().expect("key");
 
     let owner = Owner::random().expect("OS randomness");
-    let opts = AcquireOptions::new().lease(Duration::from_secs(10)).owner(owner.clone());
+    let opts = AcquireOptions::new().with_lease(Duration::from_secs(10)).with_owner(owner.clone());
     let first = a.acquire(&key, opts.clone()).await.expect("take over TLS");
     let again = a.acquire(&key, opts).await.expect("re-enter over TLS");
     assert_eq!(again.fencing_token(), first.fencing_token(), "a re-entry keeps its token");
@@ -53,7 +53,7 @@ async fn locks_work_over_tls_with_the_right_ca() {
     let waiter = {
         let (b, key) = (b.clone(), key.clone());
         tokio::spawn(async move {
-            let opts = AcquireOptions::new().lease(Duration::from_secs(10)).wait(Duration::from_secs(8));
+            let opts = AcquireOptions::new().with_lease(Duration::from_secs(10)).with_wait(Duration::from_secs(8));
             let g = b.acquire(&key, opts).await?;
             Ok::<_, Error>((Instant::now(), g))
         })
@@ -92,7 +92,7 @@ async fn a_dead_tls_server_is_a_bounded_backend_error() {
     .expect("valid");
     let locker = build_within(&cfg, Duration::from_secs(5)).await.expect("connect");
     let key = locker.key("dead").part(1).build().expect("key");
-    let g = locker.acquire(&key, AcquireOptions::new().lease(Duration::from_secs(5))).await.expect("take");
+    let g = locker.acquire(&key, AcquireOptions::new().with_lease(Duration::from_secs(5))).await.expect("take");
     server.kill();
     let started = Instant::now();
     let other = locker.key("dead").part(2).build().expect("key");
@@ -170,7 +170,7 @@ async fn a_server_that_wants_client_certificates_gets_them_from_the_variables() 
     .expect("valid");
     let locker = build_within(&with, Duration::from_secs(5)).await.expect("connect with a client certificate");
     let key = locker.key("mtls").part(1).build().expect("key");
-    let g = locker.acquire(&key, AcquireOptions::new().lease(Duration::from_secs(5))).await.expect("take");
+    let g = locker.acquire(&key, AcquireOptions::new().with_lease(Duration::from_secs(5))).await.expect("take");
     assert!(g.release().await.expect("release"));
 }
 
@@ -196,8 +196,9 @@ async fn redlock_and_the_idempotency_store_work_over_tls() {
     .expect("valid configuration");
     let locker = build_within(&cfg, Duration::from_secs(5)).await.expect("connect to every master over TLS");
     let key = locker.key("redlock-tls").part(7).build().expect("key");
-    let g = locker.acquire(&key, AcquireOptions::new().lease(Duration::from_secs(5))).await.expect("quorum over TLS");
-    let busy = locker.acquire(&key, AcquireOptions::new().lease(Duration::from_secs(5))).await;
+    let g =
+        locker.acquire(&key, AcquireOptions::new().with_lease(Duration::from_secs(5))).await.expect("quorum over TLS");
+    let busy = locker.acquire(&key, AcquireOptions::new().with_lease(Duration::from_secs(5))).await;
     assert!(busy.as_ref().is_err_and(Error::is_contention), "{busy:?}");
     assert!(g.release().await.expect("release"));
     for s in &servers {

@@ -75,7 +75,7 @@ async fn validity_accounts_for_elapsed_time_and_drift() {
     let a = locker_for(&h.urls(), 300).await;
     let k = a.key("validity").part(1).build().expect("key");
     let before = Instant::now();
-    let g = a.acquire(&k, AcquireOptions::new().lease(Duration::from_millis(1_000))).await.expect("free");
+    let g = a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_millis(1_000))).await.expect("free");
     let after = Instant::now();
     // valid_until = start of the attempt + lease − (1 % of lease + 2 ms),
     // and the attempt started between `before` and `after`.
@@ -107,7 +107,7 @@ async fn five_masters_survive_two_failures_and_refuse_at_three() {
             (k.clone(), inside.clone(), overlaps.clone(), acquired.clone(), quorum_errors.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::SeqCst) {
-                match locker.acquire(&k, AcquireOptions::new().wait(Duration::from_millis(500))).await {
+                match locker.acquire(&k, AcquireOptions::new().with_wait(Duration::from_millis(500))).await {
                     Ok(g) => {
                         if inside.swap(true, Ordering::SeqCst) {
                             overlaps.fetch_add(1, Ordering::SeqCst);
@@ -152,7 +152,8 @@ async fn five_masters_survive_two_failures_and_refuse_at_three() {
 
     // A caller sees the typed error within its wait.
     let started = Instant::now();
-    let err = lockers[0].acquire(&k, AcquireOptions::new().wait(Duration::from_secs(2))).await.expect_err("no quorum");
+    let err =
+        lockers[0].acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(2))).await.expect_err("no quorum");
     assert!(matches!(err, Error::QuorumUnavailable { nodes: 5, needed: 3, .. }), "{err}");
     assert!(started.elapsed() < Duration::from_secs(2));
 
@@ -206,7 +207,7 @@ async fn local_waiters_are_all_woken_by_releases() {
         let (locker, k) = (locker.clone(), k.clone());
         tasks.push(tokio::spawn(async move {
             for _ in 0..5 {
-                let opts = AcquireOptions::new().lease(Duration::from_secs(30)).wait(Duration::from_secs(60));
+                let opts = AcquireOptions::new().with_lease(Duration::from_secs(30)).with_wait(Duration::from_secs(60));
                 let g = locker.acquire(&k, opts).await.expect("acquire");
                 tokio::time::sleep(Duration::from_millis(2)).await;
                 assert!(g.release().await.expect("release"));
@@ -238,14 +239,15 @@ async fn a_node_restarted_empty_can_grant_a_second_quorum() {
         let k = a.key("restarted-empty").part(1).build().expect("key");
         servers[3].kill();
         servers[4].kill();
-        let held = a.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("quorum of 1-3");
+        let held =
+            a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("quorum of 1-3");
         servers[3].start_again();
         servers[4].start_again();
         servers[2].kill();
         servers[2].start_again();
         // B is another process, connecting after the restarts.
         let b = locker_for(&urls, 300).await;
-        let second = b.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await;
+        let second = b.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await;
         if persistence.is_empty() {
             let second = second.expect("documented unsafety: nodes 3-5 grant B while A holds");
             assert!(!held.is_lost(), "A still believes it holds the lock");
@@ -274,7 +276,7 @@ async fn a_grant_reaches_every_live_node() {
         let k = locker.key("every-node").part(i).build().expect("key");
         guards.push((
             k.clone(),
-            locker.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(30))).await.expect("free"),
+            locker.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free"),
         ));
     }
     // Let the last commands not waited for land.

@@ -170,7 +170,7 @@ async fn clock_jump_on_one_node_gives_two_holders_and_fencing_refuses_the_stale_
     let a = client(&servers, DEFAULT_NODE_TIMEOUT).await;
     let b = client(&servers, DEFAULT_NODE_TIMEOUT).await;
     let k = a.locker.key("clock-jump").part(1).build().expect("key");
-    let lease = AcquireOptions::new().lease(Duration::from_secs(30));
+    let lease = AcquireOptions::new().with_lease(Duration::from_secs(30));
 
     // A is partitioned from nodes 4 and 5 and locks 1, 2, 3: a quorum.
     a.proxies[3].cut();
@@ -299,7 +299,7 @@ async fn slow_nodes_never_yield_an_expired_guard_and_leave_no_keys() {
                 while total.load(Ordering::SeqCst) < TARGET && started.elapsed() < budget {
                     i += 1;
                     let k = i % KEYS;
-                    let opts = AcquireOptions::new().lease(lease).wait(lease * 10);
+                    let opts = AcquireOptions::new().with_lease(lease).with_wait(lease * 10);
                     let guard = match locker.acquire(&keys[k], opts).await {
                         Ok(g) => g,
                         Err(e) => {
@@ -414,7 +414,7 @@ async fn the_first_acquire_through_slow_nodes_is_one_round_trip() {
     let started = Instant::now();
     let g = c
         .locker
-        .acquire(&k, AcquireOptions::new().lease(Duration::from_secs(5)))
+        .acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(5)))
         .await
         .expect("a quorum answers in time");
     assert!(started.elapsed() >= node_timeout * 2 / 5, "the replies were delayed");
@@ -461,7 +461,7 @@ async fn an_attempt_stops_waiting_when_its_validity_ends() {
     }
     let k = c.locker.key("past-validity").part(1).build().expect("key");
     let started = Instant::now();
-    let err = c.locker.acquire(&k, AcquireOptions::new().lease(lease)).await.expect_err("no quorum in time");
+    let err = c.locker.acquire(&k, AcquireOptions::new().with_lease(lease)).await.expect_err("no quorum in time");
     let took = started.elapsed();
     assert!(matches!(err, Error::QuorumUnavailable { granted: 2, .. }), "{err}");
     assert!(took >= slow, "the undo waits for the slow nodes: {took:?}");

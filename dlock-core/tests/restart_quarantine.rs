@@ -26,7 +26,7 @@ async fn redis_locker(url: &str, quarantine: Duration) -> Locker {
 }
 
 fn fixed() -> AcquireOptions {
-    AcquireOptions::new().lease(LEASE)
+    AcquireOptions::new().with_lease(LEASE)
 }
 
 /// Tries until granted (errors while the server is away or quarantined),

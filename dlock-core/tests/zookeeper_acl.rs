@@ -53,7 +53,7 @@ async fn lock_node(server: &ZooKeeperServer, guard: &LockGuard) -> (String, Stri
 }
 
 fn lease() -> AcquireOptions {
-    AcquireOptions::new().lease(Duration::from_secs(60))
+    AcquireOptions::new().with_lease(Duration::from_secs(60))
 }
 
 /// The hole: without credentials any client of the ensemble frees a held

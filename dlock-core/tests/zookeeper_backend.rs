@@ -121,7 +121,7 @@ async fn every_guard_of_a_lost_session_learns_it() {
     .expect("connect through the proxy");
     let holder = locker(backend);
     let owner = dlock_core::Owner::random().expect("owner");
-    let fixed = || AcquireOptions::new().lease(Duration::from_secs(60)).owner(owner.clone());
+    let fixed = || AcquireOptions::new().with_lease(Duration::from_secs(60)).with_owner(owner.clone());
     let mut guards = Vec::new();
     for i in 0..6 {
         let k = holder.key("many").part(i).build().expect("key");
@@ -167,11 +167,11 @@ async fn session_expiry_fires_lost_and_frees_the_lock() {
     let holder = locker(holder_backend);
     let other = locker(backend(&server, SESSION).await);
     let k = holder.key("expiry").part(1).build().expect("key");
-    let g = holder.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    let g = holder.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(60))).await.expect("free");
 
     let waiter = {
         let (other, k) = (other.clone(), k.clone());
-        tokio::spawn(async move { other.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(20))).await })
+        tokio::spawn(async move { other.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(20))).await })
     };
     proxy.cut();
     let started = Instant::now();
@@ -198,8 +198,10 @@ async fn session_expiry_fires_lost_and_frees_the_lock() {
         .await
         .expect("a new session after the partition heals")
         .expect("state channel");
-    let g3 =
-        holder.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("the holder locks again");
+    let g3 = holder
+        .acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(10)))
+        .await
+        .expect("the holder locks again");
     assert!(g3.fencing_token() > second);
     assert!(g3.release().await.expect("release"));
     assert!(!g.release().await.expect("release of the lost guard"), "the old guard's lock is gone");
@@ -223,7 +225,7 @@ async fn waiters_are_served_in_order() {
     for (i, l) in lockers.iter().enumerate().skip(1) {
         let (l, k, order) = (l.clone(), k.clone(), order.clone());
         tasks.push(tokio::spawn(async move {
-            let g = l.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(30))).await.expect("acquire");
+            let g = l.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(30))).await.expect("acquire");
             order.lock().expect("order").push(i);
             tokio::time::sleep(Duration::from_millis(20)).await;
             g.release().await.expect("release");
@@ -295,11 +297,11 @@ async fn a_cut_off_server_answers_within_the_wait_plus_the_response_timeout() {
     let l = locker(b);
     let held_key = l.key("cut").part("held").build().expect("key");
     let key = l.key("cut").part("free").build().expect("key");
-    let held = l.acquire(&held_key, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    let held = l.acquire(&held_key, AcquireOptions::new().with_lease(Duration::from_secs(60))).await.expect("free");
     proxy.cut();
 
     let t = Instant::now();
-    let err = l.acquire(&key, AcquireOptions::new().wait(Duration::ZERO)).await.expect_err("no server");
+    let err = l.acquire(&key, AcquireOptions::new().with_wait(Duration::ZERO)).await.expect_err("no server");
     assert!(err.is_unavailable(), "{err}");
     assert!(
         t.elapsed() <= response + slack,
@@ -314,7 +316,7 @@ async fn a_cut_off_server_answers_within_the_wait_plus_the_response_timeout() {
 
     let wait = Duration::from_secs(1);
     let t = Instant::now();
-    let err = l.acquire(&key, AcquireOptions::new().wait(wait)).await.expect_err("no server");
+    let err = l.acquire(&key, AcquireOptions::new().with_wait(wait)).await.expect_err("no server");
     assert!(err.is_unavailable(), "{err}");
     assert!(
         t.elapsed() <= wait + response + slack,
@@ -327,13 +329,13 @@ async fn a_cut_off_server_answers_within_the_wait_plus_the_response_timeout() {
     proxy.heal();
     // A waiting acquire waits for the backend's new session.
     let g = l
-        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(20)))
+        .acquire(&key, AcquireOptions::new().with_wait(Duration::from_secs(20)))
         .await
         .expect("a new session within the wait");
     assert!(g.release().await.expect("release"));
     let other = locker(backend(&server, SESSION).await);
     let g = other
-        .acquire(&held_key, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .acquire(&held_key, AcquireOptions::new().with_wait(Duration::from_secs(10)))
         .await
         .expect("the old hold went with its session");
     assert!(g.release().await.expect("release"));
@@ -359,13 +361,13 @@ async fn an_acquire_cut_short_leaves_no_node_behind() {
     // Held by another process, so the lock's directory exists and the
     // cut-short attempt's create makes a node (behind this one).
     let other = locker(backend(&server, SESSION).await);
-    let held = other.acquire(&key, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    let held = other.acquire(&key, AcquireOptions::new().with_lease(Duration::from_secs(60))).await.expect("free");
     // Every reply reaches us 3 s late: the create makes its node at once,
     // and the attempt gives up while it waits to hear so.
     let late = Duration::from_secs(3);
     proxy.set_delay(late);
     let t = Instant::now();
-    let err = l.acquire(&key, AcquireOptions::new().wait(Duration::ZERO)).await.expect_err("no answer in time");
+    let err = l.acquire(&key, AcquireOptions::new().with_wait(Duration::ZERO)).await.expect_err("no answer in time");
     assert!(err.is_unavailable(), "{err}");
     assert!(t.elapsed() <= response + Duration::from_millis(1500), "took {:?}", t.elapsed());
     proxy.set_delay(Duration::ZERO);
@@ -390,7 +392,7 @@ async fn a_short_outage_suspends_without_losing_the_lock() {
     let mut state = b.connection_state();
     let l = locker(b);
     let k = l.key("suspend").part(1).build().expect("key");
-    let g = l.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(120))).await.expect("free");
+    let g = l.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(120))).await.expect("free");
     server.kill();
     tokio::time::timeout(Duration::from_secs(10), state.wait_for(|s| *s == ConnectionState::Suspended))
         .await
@@ -425,7 +427,7 @@ async fn an_outage_longer_than_the_session_loses_the_lock_before_anyone_else_get
     assert!(matches!(lost, LostReason::SessionExpired | LostReason::RenewalFailed | LostReason::Stolen), "{lost:?}");
     let b = locker(backend(&server, SESSION).await);
     let next = b
-        .acquire(&k, AcquireOptions::new().wait(Duration::from_secs(20)))
+        .acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(20)))
         .await
         .expect("free once A's session is gone");
     assert!(held.is_lost(), "A knew before B was granted");
@@ -462,7 +464,7 @@ async fn a_three_server_ensemble_survives_a_member_and_expires_a_partitioned_hol
         .expect("connect directly"),
     );
     let k = holder.key("ensemble").part(1).build().expect("key");
-    let wait = AcquireOptions::new().wait(Duration::from_secs(10));
+    let wait = AcquireOptions::new().with_wait(Duration::from_secs(10));
 
     ensemble.kill(2);
     // Clients that were on the dead member move to another one; give them
@@ -486,10 +488,10 @@ async fn a_three_server_ensemble_survives_a_member_and_expires_a_partitioned_hol
         assert!(other.acquire(&k, wait.clone()).await.expect("other").release().await.expect("release"));
     }
 
-    let g = holder.acquire(&k, AcquireOptions::new().lease(Duration::from_secs(60))).await.expect("free");
+    let g = holder.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(60))).await.expect("free");
     let waiter = {
         let (other, k) = (other.clone(), k.clone());
-        tokio::spawn(async move { other.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(30))).await })
+        tokio::spawn(async move { other.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(30))).await })
     };
     for p in &proxies {
         p.cut();

@@ -135,7 +135,7 @@ async fn dlock_run(server: &ZooKeeperServer, proxy: &ZooKeeperProxy, waiters: us
     let admin = zk::Client::connect(&server.connect_string()).await.expect("admin session");
 
     let gate = gate_locker.try_acquire(&key).await.expect("the key is free");
-    let wait = AcquireOptions::new().wait(Duration::from_secs(120));
+    let wait = AcquireOptions::new().with_wait(Duration::from_secs(120));
     let tasks: Vec<_> = lockers
         .into_iter()
         .map(|l| {

@@ -105,7 +105,7 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
                 let asked = Instant::now();
                 let guard = tokio::time::timeout(
                     WAIT + Duration::from_secs(5),
-                    locker.acquire(&key, AcquireOptions::new().wait(WAIT)),
+                    locker.acquire(&key, AcquireOptions::new().with_wait(WAIT)),
                 )
                 .await
                 .unwrap_or_else(|_| panic!("contender {c}: acquire hung past its deadline (round {round})"))
@@ -222,7 +222,7 @@ async fn a_node_that_cannot_be_found_again_is_swept_up() {
     proxy.drop_create_replies(1);
     proxy.drop_replies(&[GET_CHILDREN], 6, Hangup::Reset);
     let err = unlucky_locker
-        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(5)))
+        .acquire(&key, AcquireOptions::new().with_wait(Duration::from_secs(5)))
         .await
         .expect_err("the lookups all fail");
     eprintln!("acquire after a lost create and lost lookups: {err}");
@@ -233,7 +233,7 @@ async fn a_node_that_cannot_be_found_again_is_swept_up() {
     // Without the sweep, the orphan sorts first and this waits it out.
     let started = Instant::now();
     let g = other
-        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(15)))
+        .acquire(&key, AcquireOptions::new().with_wait(Duration::from_secs(15)))
         .await
         .expect("the orphan is swept up and the lock granted");
     eprintln!("granted {:?} after the release", started.elapsed());

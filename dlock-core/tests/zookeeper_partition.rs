@@ -67,7 +67,7 @@ async fn acquire_retrying(
         if left.is_zero() {
             return Err(format!("the waiter was not granted within {within:?} ({errors} errors, the last: {last})"));
         }
-        match locker.acquire(key, AcquireOptions::new().wait(left)).await {
+        match locker.acquire(key, AcquireOptions::new().with_wait(left)).await {
             Ok(g) => return Ok((g, errors)),
             Err(e) => {
                 assert!(e.is_unavailable() || e.is_contention(), "unexpected error: {e}");
@@ -222,7 +222,7 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
     eprintln!("T8e healed: leader {leader_after}, the isolated member {isolated} now {:?}", ensemble.mode(isolated));
     let again = locker(connect(ensemble.port(isolated), session).await, Duration::from_secs(30));
     let g = again
-        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .acquire(&key, AcquireOptions::new().with_wait(Duration::from_secs(10)))
         .await
         .expect("the isolated member serves again");
     assert!(g.fencing_token() > next_token);
@@ -234,7 +234,7 @@ async fn holder_on_an_isolated_member(ensemble: &Arc<ZooKeeperEnsemble>, isolate
         .expect("a new session after the heal")
         .expect("state channel");
     let g = holder
-        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .acquire(&key, AcquireOptions::new().with_wait(Duration::from_secs(10)))
         .await
         .expect("the holder locks again");
     assert!(g.release().await.expect("release"));

@@ -36,7 +36,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
                     errors += 1;
                     continue;
                 };
-                let opts = AcquireOptions::new().wait(Duration::from_millis(rng.below(5)));
+                let opts = AcquireOptions::new().with_wait(Duration::from_millis(rng.below(5)));
                 let cut = Duration::from_micros(rng.below(2000));
                 match rng.below(4) {
                     0 => match tokio::time::timeout(cut, locker.acquire(&key, opts)).await {

@@ -103,7 +103,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     for _ in 0..episodes {
         // The holder's connection may still be reconnecting after the last
         // heal; a holder that cannot take a free key within 3 s is a bug.
-        let ga = match holder.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(3))).await {
+        let ga = match holder.acquire(&key, AcquireOptions::new().with_wait(Duration::from_secs(3))).await {
             Ok(g) => g,
             Err(e) => {
                 no_grant += 1;
@@ -220,7 +220,7 @@ async fn episode(
                 redis::cmd("PEXPIRETIME").arg(&name).query_async(&mut probe2).await.map_err(|e| e.to_string())?;
             if at == -2 {
                 let gone = Instant::now();
-                let gb = other.acquire(&ga_key(other, &name)?, AcquireOptions::new().wait(LEASE)).await.ok();
+                let gb = other.acquire(&ga_key(other, &name)?, AcquireOptions::new().with_wait(LEASE)).await.ok();
                 return Ok::<_, String>((Some(gone), server_end, gb.map(|g| (Instant::now(), g))));
             }
             if at > 0 {

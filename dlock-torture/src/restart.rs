@@ -59,7 +59,7 @@ async fn restart_probe(
     // B tries as soon as the server answers again.
     let deadline = tokio::time::Instant::now() + quarantine + Duration::from_secs(3);
     let gb = loop {
-        match b.acquire(&key, AcquireOptions::new().wait(Duration::from_millis(100))).await {
+        match b.acquire(&key, AcquireOptions::new().with_wait(Duration::from_millis(100))).await {
             Ok(g) => break Some(g),
             Err(e) if e.is_contention() => break None,
             Err(_) if tokio::time::Instant::now() < deadline => sleep(Duration::from_millis(20)).await,

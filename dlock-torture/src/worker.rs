@@ -209,8 +209,8 @@ async fn one_op(
                     return;
                 }
             };
-            let opts = AcquireOptions::new().wait(wait);
-            let opts = if cfg.watchdog { opts } else { opts.lease(Duration::from_millis(cfg.lease_ms)) };
+            let opts = AcquireOptions::new().with_wait(wait);
+            let opts = if cfg.watchdog { opts } else { opts.with_lease(Duration::from_millis(cfg.lease_ms)) };
             match locker.acquire(&lock_key, opts).await {
                 Ok(g) => {
                     left_us = Some(validity_left_us(g.valid_until()));

@@ -119,15 +119,15 @@ impl Policy {
 
     /// The acquire options of a request taken as `owner`.
     pub(crate) fn options(&self, owner: dlock_core::Owner) -> AcquireOptions {
-        let mut opts = AcquireOptions::new().owner(owner);
+        let mut opts = AcquireOptions::new().with_owner(owner);
         if let Some(wait) = self.wait {
-            opts = opts.wait(wait);
+            opts = opts.with_wait(wait);
         }
         if let Some(lease) = self.lease {
-            opts = opts.lease(lease);
+            opts = opts.with_lease(lease);
         }
         if let Some(max_hold) = self.max_hold {
-            opts = opts.max_hold(max_hold);
+            opts = opts.with_max_hold(max_hold);
         }
         opts
     }

@@ -99,7 +99,7 @@ impl LockerOptions {
 /// ```
 /// use std::time::Duration;
 /// use dlock_core::AcquireOptions;
-/// let opts = AcquireOptions::new().wait(Duration::from_secs(5)).lease(Duration::from_secs(10));
+/// let opts = AcquireOptions::new().with_wait(Duration::from_secs(5)).with_lease(Duration::from_secs(10));
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct AcquireOptions {
@@ -116,14 +116,14 @@ impl AcquireOptions {
     }
 
     /// Wait up to `wait` for the lock (zero: try once).
-    pub fn wait(mut self, wait: Duration) -> Self {
+    pub fn with_wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
         self
     }
 
     /// A fixed lease: the lock frees itself after `lease` unless released
     /// before, and [`LockGuard::lost`] fires when it runs out.
-    pub fn lease(mut self, lease: Duration) -> Self {
+    pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = Some(lease);
         self
     }
@@ -131,7 +131,7 @@ impl AcquireOptions {
     /// Watchdog mode (the default): hold the locker's watchdog lease and
     /// renew it while the guard lives. (In process there is nothing to
     /// renew: the lock is simply held until the guard lets it go.)
-    pub fn watchdog(mut self) -> Self {
+    pub fn with_watchdog(mut self) -> Self {
         self.lease = None;
         self
     }
@@ -147,16 +147,16 @@ impl AcquireOptions {
     /// ```
     /// use std::time::Duration;
     /// use dlock_core::AcquireOptions;
-    /// let opts = AcquireOptions::new().watchdog().max_hold(Duration::from_secs(60));
+    /// let opts = AcquireOptions::new().with_watchdog().with_max_hold(Duration::from_secs(60));
     /// ```
-    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+    pub fn with_max_hold(mut self, max_hold: Duration) -> Self {
         self.max_hold = Some(max_hold);
         self
     }
 
     /// Acquire as `owner`, so that the same owner re-entering is counted
     /// instead of deadlocking.
-    pub fn owner(mut self, owner: Owner) -> Self {
+    pub fn with_owner(mut self, owner: Owner) -> Self {
         self.owner = Some(owner);
         self
     }
@@ -171,7 +171,7 @@ impl AcquireOptions {
 ///
 /// let locker = Locker::new(MemoryBackend::new());
 /// let key = locker.key("order.create").part(42).build()?;
-/// let guard = locker.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(1))).await?;
+/// let guard = locker.acquire(&key, AcquireOptions::new().with_wait(Duration::from_secs(1))).await?;
 /// // ... work, passing guard.fencing_token() to the storage you protect ...
 /// assert!(guard.release().await?);
 /// # Ok(()) }
@@ -252,7 +252,7 @@ impl Locker {
     ///
     /// As [`Locker::acquire`]; [`Error::Busy`] when the key is held.
     pub async fn try_acquire(&self, key: &LockKey) -> Result<LockGuard> {
-        self.acquire(key, AcquireOptions::new().wait(Duration::ZERO)).await
+        self.acquire(key, AcquireOptions::new().with_wait(Duration::ZERO)).await
     }
 
     /// Takes `key`, waiting as `opts` say.

@@ -35,7 +35,7 @@ fn key(locker: &Locker, name: &str) -> LockKey {
 }
 
 fn fixed(ms: u64) -> AcquireOptions {
-    AcquireOptions::new().lease(Duration::from_millis(ms))
+    AcquireOptions::new().with_lease(Duration::from_millis(ms))
 }
 
 pub(crate) async fn try_once_is_busy_while_held<H: Harness>(h: &H) {
@@ -53,7 +53,7 @@ pub(crate) async fn wait_times_out<H: Harness>(h: &H) {
     let k = key(&a, "timeout");
     let g = a.acquire(&k, fixed(10_000)).await.expect("free key");
     let started = Instant::now();
-    let err = b.acquire(&k, AcquireOptions::new().wait(Duration::from_millis(150))).await.expect_err("held");
+    let err = b.acquire(&k, AcquireOptions::new().with_wait(Duration::from_millis(150))).await.expect_err("held");
     let waited = started.elapsed();
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
     assert!(waited >= Duration::from_millis(150), "gave up early: {waited:?}");
@@ -72,7 +72,7 @@ pub(crate) async fn waiter_wakes_on_release<H: Harness>(h: &H) {
         let b2 = b.clone();
         let k2 = k.clone();
         let waiter = tokio::spawn(async move {
-            let g = b2.acquire(&k2, AcquireOptions::new().wait(Duration::from_secs(10))).await;
+            let g = b2.acquire(&k2, AcquireOptions::new().with_wait(Duration::from_secs(10))).await;
             (Instant::now(), g)
         });
         tokio::time::sleep(Duration::from_millis(100)).await; // let it park
@@ -94,7 +94,7 @@ pub(crate) async fn waiter_wakes_when_the_holders_lease_runs_out<H: Harness>(h: 
     // The holder vanishes without releasing (as a crashed process would).
     std::mem::forget(g);
     let started = Instant::now();
-    let g = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(5))).await.expect("acquired after TTL");
+    let g = b.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(5))).await.expect("acquired after TTL");
     let waited = started.elapsed();
     assert!(waited >= Duration::from_millis(250) && waited < Duration::from_secs(2), "{waited:?}");
     g.release().await.expect("release");
@@ -140,8 +140,8 @@ pub(crate) async fn same_owner_reenters_and_frees_on_last_release<H: Harness>(h:
     let (a, b) = (h.client().await, h.client().await);
     let k = key(&a, "reentrant");
     let me = Owner::random().expect("random");
-    let outer = a.acquire(&k, AcquireOptions::new().owner(me.clone())).await.expect("outer");
-    let inner = a.acquire(&k, AcquireOptions::new().owner(me.clone())).await.expect("inner re-enters");
+    let outer = a.acquire(&k, AcquireOptions::new().with_owner(me.clone())).await.expect("outer");
+    let inner = a.acquire(&k, AcquireOptions::new().with_owner(me.clone())).await.expect("inner re-enters");
     assert_eq!(inner.fencing_token(), outer.fencing_token(), "a re-entry joins the same grant");
     assert!(b.try_acquire(&k).await.is_err(), "others are excluded");
     assert!(inner.release().await.expect("release inner"));
@@ -162,7 +162,8 @@ pub(crate) async fn fencing_tokens_strictly_increase_across_clients<H: Harness>(
         if i % 3 == 0 {
             drop(g); // a background release must not break monotonicity either
             tokio::time::sleep(Duration::from_millis(5)).await;
-            let g = locker.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(2))).await.expect("after drop");
+            let g =
+                locker.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(2))).await.expect("after drop");
             assert!(g.fencing_token() > last);
             last = g.fencing_token();
             g.release().await.expect("release");
@@ -216,7 +217,7 @@ pub(crate) async fn dropping_a_guard_releases_it<H: Harness>(h: &H) {
     let g = a.acquire(&k, AcquireOptions::new()).await.expect("free key");
     drop(g);
     let started = Instant::now();
-    let g = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(5))).await.expect("freed by drop");
+    let g = b.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(5))).await.expect("freed by drop");
     assert!(started.elapsed() < Duration::from_secs(1), "released by drop, not by the 300 ms lease chain");
     g.release().await.expect("release");
 }
@@ -251,7 +252,7 @@ pub(crate) async fn cancelled_acquires_leave_nothing_behind<H: Harness>(h: &H, i
                 rng ^= rng << 17;
                 let k = &keys[(rng % 4) as usize];
                 let opts = if rng & 16 == 0 { AcquireOptions::new() } else { fixed(2_000) };
-                let opts = opts.wait(Duration::from_millis(3));
+                let opts = opts.with_wait(Duration::from_millis(3));
                 let budget = Duration::from_micros(rng % max_budget_us);
                 match tokio::time::timeout(budget, locker.acquire(k, opts)).await {
                     Ok(Ok(g)) => {
@@ -320,7 +321,7 @@ pub(crate) async fn mutual_exclusion_under_contention<H: Harness>(h: &H) {
         tasks.push(tokio::spawn(async move {
             for _ in 0..PER_TASK {
                 let g = locker
-                    .acquire(&k, AcquireOptions::new().wait(Duration::from_secs(60)))
+                    .acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(60)))
                     .await
                     .expect("acquire within the wait");
                 let read = counter.load(Ordering::SeqCst);
@@ -351,7 +352,7 @@ pub(crate) async fn waiters_of_one_client_are_woken_in_turn<H: Harness>(h: &H) {
         let (locker, k, counter) = (locker.clone(), k.clone(), counter.clone());
         tasks.push(tokio::spawn(async move {
             for _ in 0..PER_TASK {
-                let opts = fixed(60_000).wait(Duration::from_secs(20));
+                let opts = fixed(60_000).with_wait(Duration::from_secs(20));
                 let g = locker.acquire(&k, opts).await.expect("woken by a release within the wait");
                 let read = counter.load(Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_micros(200)).await;
@@ -374,11 +375,14 @@ pub(crate) async fn max_hold_stops_the_watchdog<H: Harness>(h: &H) {
     let (a, b) = (h.client().await, h.client().await);
     let k = key(&a, "max-hold");
     let granted = Instant::now();
-    let stalled =
-        a.acquire(&k, AcquireOptions::new().watchdog().max_hold(Duration::from_millis(900))).await.expect("free");
+    let stalled = a
+        .acquire(&k, AcquireOptions::new().with_watchdog().with_max_hold(Duration::from_millis(900)))
+        .await
+        .expect("free");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(b.try_acquire(&k).await.is_err(), "renewed past its lease before max_hold");
-    let next = b.acquire(&k, AcquireOptions::new().wait(Duration::from_secs(10))).await.expect("free after max_hold");
+    let next =
+        b.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(10))).await.expect("free after max_hold");
     let held = granted.elapsed();
     assert!(held >= Duration::from_millis(900), "freed before max_hold: {held:?}");
     assert!(held < Duration::from_secs(5), "max_hold 900 ms + lease 300 ms, freed only after {held:?}");

@@ -46,7 +46,7 @@ async fn run(locker: Option<Locker>) -> Result<(u64, u64, u64), dlock_core::Erro
                 let guard = match &locker {
                     Some(l) => {
                         let key = l.key("demo.counter").build()?;
-                        let g = l.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(30))).await?;
+                        let g = l.acquire(&key, AcquireOptions::new().with_wait(Duration::from_secs(30))).await?;
                         tokens.0.fetch_min(g.fencing_token(), Ordering::Relaxed);
                         tokens.1.fetch_max(g.fencing_token(), Ordering::Relaxed);
                         Some(g)
