@@ -238,8 +238,10 @@ async fn tokens_are_issued_and_spent_once() {
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_token_missing"));
     let by_query = || Request::post(format!("/orders?token={token}")).body(Body::empty()).expect("req");
     assert_eq!(send(&app, by_query()).await.0, StatusCode::OK);
-    let (s, _, b) = send(&app, by_query()).await;
-    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "duplicate_submission"));
+    let (s, h, b) = send(&app, by_query()).await;
+    // A spent token is permanent: its own code, and no Retry-After.
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_token_unknown"));
+    assert!(h.get("retry-after").is_none());
     let (s, _, _) = send(&app, Request::post("/orders?token=made-up").body(Body::empty()).expect("req")).await;
     assert_eq!(s, StatusCode::CONFLICT);
 

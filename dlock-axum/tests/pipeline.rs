@@ -125,7 +125,9 @@ async fn every_refusal_is_the_same_through_both_faces() {
     // The lock is held elsewhere: at once, and after a wait.
     let guard = hold(&locker, "7").await;
     both(&app, "at-once", JSON, r#"{"id": "7"}"#, (409, "duplicate_submission", 4242)).await;
-    both(&app, "waiting", JSON, r#"{"id": "7"}"#, (409, "duplicate_submission", 4242)).await;
+    // A wait that ran out is its own answer (issue 15: nothing was
+    // duplicated), without the configured duplicate message and code.
+    both(&app, "waiting", JSON, r#"{"id": "7"}"#, (409, "lock_wait_timeout", 2103)).await;
     // A body the route cannot read is refused before the lock is asked for.
     both(&app, "waiting", "text/plain", r#"{"id": "7"}"#, (415, "unsupported_media_type", 2302)).await;
     guard.release().await.expect("release");

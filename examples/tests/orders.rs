@@ -316,7 +316,12 @@ async fn orders_spend_their_token_once() {
     assert_eq!((first.json["product_id"].clone(), first.json["quantity"].clone()), (json!(5), json!(1)));
 
     let again = request(addr, "POST", &format!("/orders?token={t1}"), Some(&order)).await.expect("order");
-    assert_eq!((again.status, again.json["error"].as_str()), (409, Some("duplicate_submission")), "{}", again.json);
+    assert_eq!(
+        (again.status, again.json["error"].as_str()),
+        (409, Some("idempotency_token_unknown")),
+        "{}",
+        again.json
+    );
 
     let missing = request(addr, "POST", "/orders", Some(&order)).await.expect("order");
     assert_eq!(missing.status, 400, "{}", missing.json);

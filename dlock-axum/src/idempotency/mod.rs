@@ -6,7 +6,7 @@
 //! `Idempotency-Token` or a query parameter ([`TokenLayer::query_param`]).
 //! [`TokenLayer`] consumes it atomically before the route runs: missing →
 //! `400 idempotency_token_missing`; unknown, expired or used →
-//! `409 duplicate_submission`. Of any number of concurrent submits of one
+//! `409 idempotency_token_unknown` (permanent: fetch a new token). Of any number of concurrent submits of one
 //! token, exactly one reaches the route.
 //!
 //! **Key mode** (IETF "The Idempotency-Key HTTP Header Field", Stripe):

@@ -86,7 +86,7 @@ pub struct TokenLayer {
 impl TokenLayer {
     /// Tokens from the `Idempotency-Token` header.
     pub fn new(idem: Idempotency) -> Self {
-        TokenLayer { idem, query_param: None, duplicate: Rejection::duplicate_submission() }
+        TokenLayer { idem, query_param: None, duplicate: Rejection::idempotency_token_unknown() }
     }
 
     /// Also accept the token as the query parameter `name` (`?token=...`).
@@ -95,7 +95,7 @@ impl TokenLayer {
         self
     }
 
-    /// The answer to a used or unknown token (default `409 duplicate_submission`).
+    /// The answer to a used or unknown token (default `409 idempotency_token_unknown`).
     pub fn duplicate_rejection(mut self, rejection: Rejection) -> Self {
         self.duplicate = rejection;
         self

@@ -27,7 +27,9 @@
 //! * `POST /orders?token=T` `{"product":{"id":id},"quantity":q}` → 201
 //!   `{"order_id":..,"product_id":..,"quantity":..}`; `#[lockable]` on `order.create`
 //!   by product and token; `T` comes from `GET /idempotency/token` and is
-//!   spent once (`400 idempotency_token_missing`, `409 duplicate_submission`)
+//!   spent once (`400 idempotency_token_missing`; `409 idempotency_token_unknown`
+//!   once spent; `409 duplicate_submission` with `Retry-After` while the
+//!   same order is running)
 //! * `GET /idempotency/token` → `{"token": "...", "expires_in_secs": n}`
 //! * `POST /payments` with `Idempotency-Key: K`, `{"order_id": "...", "amount": n}`
 //!   → 201 `{"payment_id":..,"order_id":..,"amount":..}` after ~200 ms of work;
@@ -306,9 +308,8 @@ async fn create_order(
     }
     let ProductRef { id } = product;
     if !payments::spend_token(&app.idem, &token).await? {
-        return Err(Rejection::duplicate_submission()
-            .with_message("this order token is unknown or was already used")
-            .into());
+        // Permanent, unlike a held lock: the client needs a new token.
+        return Err(Rejection::idempotency_token_unknown().into());
     }
     let remaining = app.with_stock_lock(owner, &id, take_stock(&app.store, &id, quantity)).await?;
     let order_id = new_order_id()?;
