@@ -54,6 +54,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
 /// | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
 /// | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
+/// | 400 | `idempotency_scope_missing` | 2008 | the request does not name the caller its `Idempotency-Key` belongs to |
 /// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request (transient: `Retry-After`) |
 /// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed (transient: `Retry-After`) |
 /// | 409 | `lock_wait_timeout` | 2103 | the route waits for its lock, and it stayed held for the whole wait (transient: `Retry-After`) |
@@ -61,8 +62,8 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
 /// | 415 | `unsupported_media_type` | 2302 | the key needs JSON fields and the body's `Content-Type` is not JSON |
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
+/// | 409 | `idempotency_response_not_stored` | 2202 | the request with this `Idempotency-Key` ran, but its response was too large to keep (permanent) |
 /// | 429 | `too_many_locks` | 2401 | the principal already holds the most locks a layer allows at once (transient: `Retry-After`) |
-/// | 500 | `idempotency_response_too_large` | 2902 | the route's response exceeds the size the idempotency layer stores |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed (transient: `Retry-After`) |
 ///
@@ -163,6 +164,15 @@ rejections! {
     /// `Content-Type`.
     unsupported_media_type => (UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", 2302,
         "the request body must be JSON (Content-Type: application/json)", None);
+    /// The request does not say which caller its `Idempotency-Key` belongs
+    /// to (the layer's [`Scope`](crate::idempotency::Scope) found nothing).
+    idempotency_scope_missing => (BAD_REQUEST, "idempotency_scope_missing", 2008,
+        "the request does not name the caller its Idempotency-Key belongs to", None);
+    /// A request with this `Idempotency-Key` ran, and its response was too
+    /// large to keep for replay: the work was done, its answer is gone.
+    /// Permanent: look the result up instead of retrying.
+    idempotency_response_not_stored => (CONFLICT, "idempotency_response_not_stored", 2202,
+        "a request with this idempotency key was processed, but its response was too large to keep", None);
     /// The same `Idempotency-Key` was used with a different payload.
     idempotency_key_mismatch => (UNPROCESSABLE_ENTITY, "idempotency_key_mismatch", 2201,
         "this idempotency key was used with a different request", None);
@@ -173,11 +183,6 @@ rejections! {
     /// closed). Transient: `Retry-After: 1`.
     backend_unavailable => (SERVICE_UNAVAILABLE, "lock_backend_unavailable", 2501,
         "lock service unavailable, please retry later", Some(1));
-    /// The route answered with a body larger than the idempotency layer may
-    /// store; the key was freed and the answer withheld, since it could not
-    /// be replayed.
-    idempotency_response_too_large => (INTERNAL_SERVER_ERROR, "idempotency_response_too_large", 2902,
-        "the response is too large to be stored for idempotent replay", None);
     /// The service is misconfigured (no engine installed, invalid options).
     misconfigured => (INTERNAL_SERVER_ERROR, "lock_misconfigured", 2901, "the lock service is misconfigured", None);
 }
@@ -304,6 +309,37 @@ impl Rejection {
         format!(r#"{{"error":{error},"code":{},"message":{message}}}"#, self.code)
     }
 
+    /// This refusal as RFC 9457 Problem Details: `application/problem+json`
+    /// with `type` (`about:blank`: the status says what happened), `title`
+    /// (the status's reason phrase), `status`, `detail` (the message), and
+    /// dlock's `error` and `code` as extension members; `Retry-After` as
+    /// [`IntoResponse`] sends it; the rejection itself in the extensions.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use http_body_util::BodyExt;
+    /// let res = dlock_axum::Rejection::lock_wait_timeout().to_problem_details();
+    /// assert_eq!(res.headers()["content-type"], "application/problem+json");
+    /// let body = res.into_body().collect().await.unwrap().to_bytes();
+    /// let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    /// assert_eq!((v["status"].as_u64(), v["error"].as_str(), v["code"].as_u64()), (Some(409), Some("lock_wait_timeout"), Some(2103)));
+    /// # }
+    /// ```
+    pub fn to_problem_details(&self) -> Response {
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": self.status.canonical_reason().unwrap_or("Error"),
+            "status": self.status.as_u16(),
+            "detail": self.message.as_ref(),
+            "error": self.error.as_ref(),
+            "code": self.code,
+        });
+        let mut response = self.clone().into_response();
+        *response.body_mut() = Body::from(body.to_string());
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        response
+    }
+
     /// Maps an engine error: a held lock → `409 duplicate_submission`, a
     /// wait that ran out → `409 lock_wait_timeout`, unavailable → `503 lock_backend_unavailable`, an invalid key →
     /// `400 lock_key_invalid`, bad configuration → `500 lock_misconfigured`.
@@ -403,12 +439,13 @@ mod tests {
             ("idempotency_key_invalid", 400),
             ("lock_key_invalid", 400),
             ("request_body_unreadable", 400),
+            ("idempotency_scope_missing", 400),
+            ("idempotency_response_not_stored", 409),
             ("payload_too_large", 413),
             ("unsupported_media_type", 415),
             ("idempotency_key_mismatch", 422),
             ("too_many_locks", 429),
             ("lock_backend_unavailable", 503),
-            ("idempotency_response_too_large", 500),
             ("lock_misconfigured", 500),
         ];
         let all: Vec<Rejection> = ALL.iter().map(|f| f()).collect();

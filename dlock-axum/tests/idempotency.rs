@@ -28,8 +28,10 @@ fn error_of(body: &[u8]) -> String {
     v["error"].as_str().expect("error field").to_owned()
 }
 
+/// A `POST /pay` of the caller `Bearer alice` (the layer's default scope is
+/// the `Authorization` header).
 fn pay(key: Option<&str>, body: &str) -> Request<Body> {
-    let mut b = Request::post("/pay");
+    let mut b = Request::post("/pay").header("authorization", "Bearer alice");
     if let Some(k) = key {
         b = b.header("idempotency-key", k);
     }
@@ -123,8 +125,11 @@ async fn scopes_keep_callers_apart() {
     assert_eq!((again, h["idempotent-replayed"].to_str().expect("ascii")), (alice, "true"));
 }
 
+/// Issue 15 item 1 changes this test: a `400` of the route was stored and
+/// replayed; now only results are (here the route's own `409`), and a `400`
+/// frees the key, as Stripe does for a request that failed validation.
 #[tokio::test]
-async fn server_errors_free_the_key_client_errors_are_stored() {
+async fn server_errors_and_refusals_free_the_key_results_are_stored() {
     let runs = Arc::new(AtomicUsize::new(0));
     let r = runs.clone();
     let app = Router::new().route(
@@ -134,6 +139,8 @@ async fn server_errors_free_the_key_client_errors_are_stored() {
             async move {
                 if body == "flaky" && n == 0 {
                     StatusCode::SERVICE_UNAVAILABLE.into_response()
+                } else if body == "paid" {
+                    (StatusCode::CONFLICT, "already paid").into_response()
                 } else if body == "bad" {
                     (StatusCode::BAD_REQUEST, "bad amount").into_response()
                 } else {
@@ -146,13 +153,137 @@ async fn server_errors_free_the_key_client_errors_are_stored() {
     assert_eq!(send(&app, pay(Some("f"), "flaky")).await.0, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(send(&app, pay(Some("f"), "flaky")).await.0, StatusCode::CREATED, "503 freed the key");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
-    assert_eq!(send(&app, pay(Some("b"), "bad")).await.0, StatusCode::BAD_REQUEST);
-    let (s, h, b) = send(&app, pay(Some("b"), "bad")).await;
+    assert_eq!(send(&app, pay(Some("c"), "paid")).await.0, StatusCode::CONFLICT);
+    let (s, h, b) = send(&app, pay(Some("c"), "paid")).await;
     assert_eq!(
         (s, b.as_slice(), h["idempotent-replayed"].to_str().expect("ascii")),
-        (StatusCode::BAD_REQUEST, &b"bad amount"[..], "true")
+        (StatusCode::CONFLICT, &b"already paid"[..], "true")
     );
     assert_eq!(runs.load(Ordering::SeqCst), 3);
+    assert_eq!(send(&app, pay(Some("b"), "bad")).await.0, StatusCode::BAD_REQUEST);
+    let (s, h, _) = send(&app, pay(Some("b"), "bad")).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(h.get("idempotent-replayed").is_none(), "a 400 is not stored");
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+}
+
+/// Issue 15 item 1: axum's own 415 (no `Content-Type` for `Json`) is a
+/// refusal before the work; the retry with the header fixed runs the route
+/// instead of getting the 415 replayed.
+#[tokio::test]
+async fn an_extractor_rejection_is_not_replayed_to_the_fixed_retry() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new().route(
+        "/pay",
+        post(move |axum::Json(v): axum::Json<serde_json::Value>| {
+            r.fetch_add(1, Ordering::SeqCst);
+            async move { (StatusCode::CREATED, v.to_string()) }
+        })
+        .layer(IdempotencyLayer::new(idem())),
+    );
+    assert_eq!(send(&app, pay(Some("x"), "{}")).await.0, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let fixed = Request::post("/pay")
+        .header("authorization", "Bearer alice")
+        .header("idempotency-key", "x")
+        .header("content-type", "application/json")
+        .body(Body::from("{}"))
+        .expect("request");
+    let (s, h, _) = send(&app, fixed).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Issue 15 item 1: a `LockLayer` inside the idempotency layer answers a held
+/// lock with `409 duplicate_submission`, "please retry later"; that refusal
+/// is dlock's own and is not stored, so the retry it invites runs.
+#[tokio::test]
+async fn a_lock_refusal_inside_is_not_replayed_to_the_retry_it_invites() {
+    use dlock_axum::{LockLayer, LockerExt};
+    use dlock_core::{Locker, MemoryBackend};
+    let locker = Locker::new(MemoryBackend::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let route = post(move || {
+        r.fetch_add(1, Ordering::SeqCst);
+        async { (StatusCode::CREATED, "paid") }
+    })
+    .layer::<_, std::convert::Infallible>(LockLayer::new("pay").header("authorization"))
+    .layer::<_, std::convert::Infallible>(IdempotencyLayer::new(idem()));
+    let app = Router::new().route("/pay", route).with_locker(locker.clone());
+    let key = locker.key("pay").part("Bearer alice").build().expect("key");
+    let held = locker.try_acquire(&key).await.expect("free");
+    let (s, h, b) = send(&app, pay(Some("l"), "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "duplicate_submission"));
+    assert_eq!(h["retry-after"], "1");
+    held.release().await.expect("release");
+    let (s, h, _) = send(&app, pay(Some("l"), "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Issue 15 item 1: the app decides what is stored.
+#[tokio::test]
+async fn the_app_can_set_what_is_stored() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(idem()).store_when(|res| res.status() != StatusCode::CREATED);
+    let app = counting_app(layer, runs.clone(), Duration::ZERO);
+    send(&app, pay(Some("s"), "{}")).await;
+    let (_, h, _) = send(&app, pay(Some("s"), "{}")).await;
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// Issue 15 item 2: on a whole router, only POST and PATCH need a key.
+#[tokio::test]
+async fn on_a_router_other_methods_pass_through() {
+    use axum::http::Method;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::ZERO)
+        .route("/health", get(|| async { "ok" }))
+        .layer(IdempotencyLayer::new(idem()));
+    let plain =
+        |method: Method, uri: &str| Request::builder().method(method).uri(uri).body(Body::empty()).expect("req");
+    assert_eq!(send(&app, plain(Method::GET, "/health")).await.0, StatusCode::OK);
+    assert_eq!(send(&app, plain(Method::OPTIONS, "/pay")).await.0, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(send(&app, plain(Method::GET, "/nowhere")).await.0, StatusCode::NOT_FOUND);
+    let (s, _, b) = send(&app, plain(Method::PATCH, "/pay")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_key_missing"));
+    let only_put = counting_app(IdempotencyLayer::new(idem()).methods([Method::PUT]), runs.clone(), Duration::ZERO);
+    assert_eq!(send(&only_put, pay(None, "{}")).await.0, StatusCode::CREATED, "POST is not guarded here");
+}
+
+/// Issue 15 item 3: callers of a cookie-session service never share records;
+/// without a scope the request is refused, never put in a shared one.
+#[tokio::test]
+async fn scope_is_the_callers_and_never_a_shared_anonymous_one() {
+    use dlock_axum::idempotency::Scope;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app =
+        counting_app(IdempotencyLayer::new(idem()).with_scope(Scope::cookie("session")), runs.clone(), Duration::ZERO);
+    let as_session = |cookie: &str| {
+        Request::post("/pay")
+            .header("idempotency-key", "1")
+            .header("cookie", cookie)
+            .body(Body::from("{}"))
+            .expect("req")
+    };
+    let (_, _, one) = send(&app, as_session("theme=dark; session=user1")).await;
+    let (_, h, two) = send(&app, as_session("session=user2")).await;
+    assert_ne!(one, two, "user2 must not get user1's response");
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let (s, _, b) = send(&app, as_session("theme=dark")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+
+    // The default scope is Authorization, and a request without it is refused.
+    let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::ZERO);
+    let anonymous = Request::post("/pay").header("idempotency-key", "1").body(Body::from("{}")).expect("req");
+    let (s, _, b) = send(&app, anonymous).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]
@@ -206,12 +337,16 @@ async fn oversized_bodies_are_refused_clearly() {
     let (s, _, b) = send(&app, pay(Some("big"), "0123456789")).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"));
     assert_eq!(runs.load(Ordering::SeqCst), 0);
-    // The route's answer is longer than 10 bytes: not stored, key freed.
+    // Issue 15 item 6 changes this part: the route's answer (longer than 10
+    // bytes) reaches the client whole; it is not kept, but the key stays
+    // completed, and the retry is told so instead of running the route again.
     let (s, _, b) = send(&app, pay(Some("r"), "{}")).await;
-    assert_eq!((s, error_of(&b).as_str()), (StatusCode::INTERNAL_SERVER_ERROR, "idempotency_response_too_large"));
-    let (s, _, _) = send(&app, pay(Some("r"), "{}")).await;
-    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(runs.load(Ordering::SeqCst), 2, "the key was freed, so the retry ran");
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(String::from_utf8_lossy(&b).starts_with("{\"run\":1,"), "{}", String::from_utf8_lossy(&b));
+    let (s, h, b) = send(&app, pay(Some("r"), "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_response_not_stored"));
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the retry did not run the route again");
 }
 
 #[tokio::test]

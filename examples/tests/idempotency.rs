@@ -159,9 +159,16 @@ async fn one_key_storm_across_two_instances_pays_once() {
     let tasks: Vec<_> = (0..20)
         .map(|i| {
             let addr = if i % 2 == 0 { a.addr.clone() } else { b.addr.clone() };
-            tokio::spawn(
-                async move { request(&addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await },
-            )
+            tokio::spawn(async move {
+                request(
+                    &addr,
+                    "POST",
+                    "/payments",
+                    &[("idempotency-key", "pay-storm"), ("authorization", "Bearer alice")],
+                    body,
+                )
+                .await
+            })
         })
         .collect();
     let (mut created, mut in_progress, mut replayed) = (Vec::new(), 0, 0);
@@ -186,7 +193,14 @@ async fn one_key_storm_across_two_instances_pays_once() {
 
     // After completion every retry, on either instance, is the same bytes.
     for addr in [&a.addr, &b.addr] {
-        let again = request(addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await;
+        let again = request(
+            addr,
+            "POST",
+            "/payments",
+            &[("idempotency-key", "pay-storm"), ("authorization", "Bearer alice")],
+            body,
+        )
+        .await;
         assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")));
         assert_eq!(again.body, first.body, "byte for byte");
         assert_eq!(again.header("content-type"), first.header("content-type"));
@@ -197,13 +211,17 @@ async fn one_key_storm_across_two_instances_pays_once() {
         &b.addr,
         "POST",
         "/payments",
-        &[("idempotency-key", "pay-storm")],
+        &[("idempotency-key", "pay-storm"), ("authorization", "Bearer alice")],
         r#"{"order_id": "ord_1", "amount": 1}"#,
     )
     .await;
     assert_eq!((other.status, other.json()["error"].clone()), (422, json!("idempotency_key_mismatch")));
     let none = request(&a.addr, "POST", "/payments", &[], body).await;
     assert_eq!((none.status, none.json()["error"].clone()), (400, json!("idempotency_key_missing")));
+    // A caller without credentials is refused, never put in a shared scope
+    // where another anonymous caller's key would replay this payment.
+    let anonymous = request(&a.addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await;
+    assert_eq!((anonymous.status, anonymous.json()["error"].clone()), (400, json!("idempotency_scope_missing")));
     // Another caller (other credentials) with the same key is a new payment.
     let bob = request(
         &a.addr,

@@ -260,8 +260,10 @@ async fn a_dead_redis_is_a_quick_503_and_the_service_recovers() {
     eprintln!("dead redis answered {} in {:?}: {}", r.status, started.elapsed(), r.json);
     assert_eq!(r.status, 503, "{}", r.json);
     assert_eq!(r.json["error"], "lock_backend_unavailable");
-    assert!(r.json["code"].is_u64() && r.json["message"].is_string(), "{}", r.json);
-    assert_eq!(r.header("content-type"), Some("application/json"));
+    // RFC 9457 Problem Details, with dlock's `error` and `code` kept.
+    assert!(r.json["code"].is_u64() && r.json["detail"].is_string(), "{}", r.json);
+    assert_eq!((r.json["status"].as_u64(), r.json["type"].as_str()), (Some(503), Some("about:blank")), "{}", r.json);
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
     assert_eq!(request(&orders.addr, "GET", "/health", None).await.expect("health").status, 200);
 
     // Redis comes back empty (no persistence): restock, then sales work again.

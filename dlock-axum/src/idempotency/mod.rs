@@ -32,7 +32,8 @@
 //!
 //! let res = app.clone().oneshot(Request::post("/orders").body(Body::empty()).unwrap()).await.unwrap();
 //! assert_eq!(res.status(), 400); // idempotency_token_missing
-//! let res = app.oneshot(Request::post("/payments").header("idempotency-key", "k-1").body(Body::empty()).unwrap()).await.unwrap();
+//! let pay = Request::post("/payments").header("idempotency-key", "k-1").header("authorization", "Bearer alice");
+//! let res = app.oneshot(pay.body(Body::empty()).unwrap()).await.unwrap();
 //! assert_eq!(res.status(), 200);
 //! # }
 //! ```
@@ -47,7 +48,7 @@ use crate::install::Dlock;
 mod key;
 mod token;
 
-pub use key::{IdempotencyLayer, Idempotent, DEFAULT_STORED_HEADERS};
+pub use key::{stored_by_default, IdempotencyLayer, Idempotent, Scope, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
 pub use token::{RequireToken, TokenLayer, TokenResponse};
 
 /// The future of [`Idempotent`] and [`RequireToken`]: the layer's work, then

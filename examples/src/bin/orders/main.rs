@@ -31,13 +31,17 @@
 //!   once spent; `409 duplicate_submission` with `Retry-After` while the
 //!   same order is running)
 //! * `GET /idempotency/token` → `{"token": "...", "expires_in_secs": n}`
-//! * `POST /payments` with `Idempotency-Key: K`, `{"order_id": "...", "amount": n}`
+//! * `POST /payments` with `Idempotency-Key: K` and `Authorization` (the
+//!   caller, whose records the key belongs to: `400 idempotency_scope_missing`
+//!   without), `{"order_id": "...", "amount": n}`
 //!   → 201 `{"payment_id":..,"order_id":..,"amount":..}` after ~200 ms of work;
 //!   a retry replays it (`Idempotent-Replayed: true`), `409
 //!   idempotency_request_in_progress` while running, `422
 //!   idempotency_key_mismatch` for another body, `400` without a key
 //!
-//! Every error is `{"error": "...", "code": n, "message": "..."}`. JSON bodies
+//! Every error is RFC 9457 Problem Details (`application/problem+json`):
+//! `{"type": "about:blank", "title": "...", "status": n, "detail": "...",
+//! "error": "...", "code": n}`, through `RenderRejections`. JSON bodies
 //! are read with `dlock_axum::JsonBody`, by the rules of `LockLayer`: a
 //! declared `Content-Type` that is not JSON is `415`, a bad body `400`.
 
@@ -52,7 +56,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use dlock_axum::lock::Policy;
-use dlock_axum::{lockable, Dlock, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RequestOwner};
+use dlock_axum::{
+    lockable, Dlock, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RenderRejections, RequestOwner,
+};
 use dlock_core::{Config, Locker, Owner};
 use serde_json::{json, Value};
 use tracing_subscriber::EnvFilter;
@@ -147,6 +153,9 @@ fn router(app: App, dlock: Dlock) -> Router {
         .route("/stock/reduce", reduce)
         .route("/orders", post(create_order))
         .merge(payments::routes(&app.idem, app.payment_lease, app.store.clone()))
+        // Every refusal, dlock's and this service's own `Rejection`s, as
+        // RFC 9457 Problem Details (`error` and `code` kept as members).
+        .layer(RenderRejections::problem_details())
         .layer(middleware::from_fn(access_log))
         .with_locker(dlock)
         .with_state(app)
