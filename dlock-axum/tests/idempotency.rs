@@ -485,3 +485,88 @@ async fn an_inner_error_passes_through_and_frees_the_key() {
     let req = Request::post("/submit").header("idempotency-token", token).body(Body::empty()).expect("request");
     assert_eq!(svc.call(req).await.err(), Some(Broken(2)));
 }
+
+/// Issue 15 item 5: a token is given back when the route did not run
+/// (axum's 415) or failed (503, panic), and spent when it ran to a result;
+/// concurrent submits of one token still run the route once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_token_is_given_back_when_the_route_did_not_run_or_failed() {
+    let idem = idem();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app: Router = Router::new().route(
+        "/submit",
+        post(move |axum::Json(v): axum::Json<serde_json::Value>| {
+            let n = r.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match v["do"].as_str() {
+                    Some("fail") if n == 0 => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+                    Some("panic") if n == 0 => panic!("handler bug"),
+                    Some("slow") => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        (StatusCode::CREATED, "placed").into_response()
+                    }
+                    _ => (StatusCode::CREATED, "placed").into_response(),
+                }
+            }
+        })
+        .layer(TokenLayer::new(idem.clone())),
+    );
+    let submit = |token: &str, content_type: Option<&str>, what: &str| {
+        let mut req = Request::post("/submit").header("idempotency-token", token);
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        req.body(Body::from(format!("{{\"do\":\"{what}\"}}"))).expect("req")
+    };
+    let json = Some("application/json");
+    let fresh = || async { idem.store().issue_token(idem.ttl()).await.expect("token") };
+
+    // 415 from axum's Json extractor: the route never ran; the fixed retry works.
+    let t = fresh().await;
+    assert_eq!(send(&app, submit(&t, None, "ok")).await.0, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(send(&app, submit(&t, json, "ok")).await.0, StatusCode::CREATED);
+    let (s, _, b) = send(&app, submit(&t, json, "ok")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_token_unknown"), "spent after the 201");
+
+    // A 503 of the route gives the token back.
+    runs.store(0, Ordering::SeqCst);
+    let t = fresh().await;
+    assert_eq!(send(&app, submit(&t, json, "fail")).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(send(&app, submit(&t, json, "fail")).await.0, StatusCode::CREATED);
+
+    // A panic gives it back too (in the background), and goes on.
+    runs.store(0, Ordering::SeqCst);
+    let t = fresh().await;
+    let panicked = tokio::spawn({
+        let (app, req) = (app.clone(), submit(&t, json, "panic"));
+        async move { send(&app, req).await }
+    })
+    .await;
+    assert!(panicked.expect_err("the panic goes on").is_panic());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(send(&app, submit(&t, json, "panic")).await.0, StatusCode::CREATED);
+
+    // Concurrent submits: one runs; the others are told it is in progress.
+    runs.store(0, Ordering::SeqCst);
+    let t = fresh().await;
+    let tasks: Vec<_> = (0..10)
+        .map(|_| {
+            let (app, req) = (app.clone(), submit(&t, json, "slow"));
+            tokio::spawn(async move { send(&app, req).await })
+        })
+        .collect();
+    let (mut created, mut in_progress) = (0, 0);
+    for task in tasks {
+        match task.await.expect("task") {
+            (StatusCode::CREATED, _, _) => created += 1,
+            (StatusCode::CONFLICT, h, b) => {
+                assert_eq!(error_of(&b), "idempotency_request_in_progress");
+                assert_eq!(h["retry-after"], "1");
+                in_progress += 1;
+            }
+            (other, _, b) => panic!("unexpected {other}: {}", String::from_utf8_lossy(&b)),
+        }
+    }
+    assert_eq!((created, in_progress, runs.load(Ordering::SeqCst)), (1, 9, 1));
+}

@@ -489,7 +489,7 @@ impl Drop for ClaimGuard {
 
 /// Polls the route's future and turns a panic into a value, so the key can
 /// be freed before the panic goes on.
-struct CatchUnwind<F>(Pin<Box<F>>);
+pub(super) struct CatchUnwind<F>(pub(super) Pin<Box<F>>);
 
 impl<F: Future> Future for CatchUnwind<F> {
     type Output = std::thread::Result<F::Output>;

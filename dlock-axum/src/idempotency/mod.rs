@@ -4,10 +4,18 @@
 //! token from [`Idempotency::token_handler`] (`{"token": "...",
 //! "expires_in_secs": n}`) and sends it with the submit, in the header
 //! `Idempotency-Token` or a query parameter ([`TokenLayer::query_param`]).
-//! [`TokenLayer`] consumes it atomically before the route runs: missing →
+//! [`TokenLayer`] claims it atomically before the route runs: missing →
 //! `400 idempotency_token_missing`; unknown, expired or used →
-//! `409 idempotency_token_unknown` (permanent: fetch a new token). Of any number of concurrent submits of one
-//! token, exactly one reaches the route.
+//! `409 idempotency_token_unknown` (permanent: fetch a new token); in use by
+//! a concurrent submit → `409 idempotency_request_in_progress`. Of any
+//! number of concurrent submits of one token, exactly one reaches the route.
+//!
+//! **One rule for tokens and keys.** A request counts — its token spent, its
+//! `Idempotency-Key` completed and replayed — only when its route ran to a
+//! result ([`stored_by_default`]). A refusal before the work (axum's
+//! extractor rejections, dlock's own refusals), a `5xx`, a panic or a
+//! dropped request gives the token back and frees the key, so the corrected
+//! retry runs.
 //!
 //! **Key mode** (IETF "The Idempotency-Key HTTP Header Field", Stripe):
 //! [`IdempotencyLayer`] — see there for the rules, the scope default and the

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TOKEN_BYTES};
+use super::{token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
@@ -31,9 +31,16 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct Inner {
-    tokens: HashMap<String, Instant>,
+    tokens: HashMap<String, Token>,
     records: HashMap<(String, String), Record>,
     inserts: usize,
+}
+
+#[derive(Debug)]
+struct Token {
+    expires: Instant,
+    /// Claimed by a running request ([`IdempotencyStore::claim_token`]).
+    claimed: bool,
 }
 
 #[derive(Debug)]
@@ -66,7 +73,7 @@ impl Inner {
         self.inserts += 1;
         if self.inserts >= SWEEP_EVERY {
             self.inserts = 0;
-            self.tokens.retain(|_, exp| *exp > now);
+            self.tokens.retain(|_, t| t.expires > now);
             self.records.retain(|_, r| r.expires > now);
         }
     }
@@ -82,7 +89,7 @@ impl IdempotencyStore for MemoryStore {
             let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
             let now = Instant::now();
             let mut inner = self.lock()?;
-            inner.tokens.insert(token.clone(), now + ttl);
+            inner.tokens.insert(token.clone(), Token { expires: now + ttl, claimed: false });
             inner.inserted(now);
             Ok(token)
         })
@@ -93,8 +100,56 @@ impl IdempotencyStore for MemoryStore {
             if !token_well_formed(token) {
                 return Ok(false);
             }
+            let now = Instant::now();
             let mut inner = self.lock()?;
-            Ok(inner.tokens.remove(token).is_some_and(|exp| exp > Instant::now()))
+            // A claimed token belongs to the request running with it.
+            let fresh = inner.tokens.get(token).is_some_and(|t| t.expires > now && !t.claimed);
+            if fresh {
+                inner.tokens.remove(token);
+            }
+            Ok(fresh)
+        })
+    }
+
+    fn claim_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<TokenClaim>> {
+        Box::pin(async move {
+            if !token_well_formed(token) {
+                return Ok(TokenClaim::Unknown);
+            }
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            Ok(match inner.tokens.get_mut(token).filter(|t| t.expires > now) {
+                None => TokenClaim::Unknown,
+                Some(t) if t.claimed => TokenClaim::InUse,
+                Some(t) => {
+                    t.claimed = true;
+                    TokenClaim::Claimed
+                }
+            })
+        })
+    }
+
+    fn spend_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            let claimed = inner.tokens.get(token).is_some_and(|t| t.expires > now && t.claimed);
+            inner.tokens.remove(token);
+            Ok(claimed)
+        })
+    }
+
+    fn return_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            Ok(match inner.tokens.get_mut(token).filter(|t| t.expires > now && t.claimed) {
+                Some(t) => {
+                    t.claimed = false;
+                    true
+                }
+                None => false,
+            })
         })
     }
 

@@ -1,7 +1,12 @@
 //! The Redis store.
 //!
-//! * A token is the key `prefix:idem:t:<token>` (value `1`, TTL); consuming
-//!   it is one `DEL`, and only the caller whose `DEL` counted 1 proceeds.
+//! * A fresh token is the key `prefix:idem:t:{<token>}` (value `1`, TTL);
+//!   consuming it is one `DEL`, and only the caller whose `DEL` counted 1
+//!   proceeds. A token claimed by a running request is renamed to
+//!   `prefix:idem:tu:{<token>}` (its TTL goes with it), so no `DEL` of the
+//!   fresh name can take it meanwhile; returning renames it back, spending
+//!   is one `DEL` of the claimed name. The braces keep both names in one
+//!   Redis Cluster slot, for the scripts that rename.
 //! * A key record is a hash `prefix:idem:k:<sha1(scope, key)>` with fields
 //!   `s` (`p` in progress / `c` completed), `f` fingerprint, `o` owner while
 //!   in progress, `r` the encoded response. Its TTL is the lease while in
@@ -16,7 +21,7 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TOKEN_BYTES};
+use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES};
 use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend, RedisOptions};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
@@ -38,6 +43,8 @@ pub struct RedisStore {
     begin: Script,
     complete: Script,
     abandon: Script,
+    claim_token: Script,
+    return_token: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -90,11 +97,27 @@ impl RedisStore {
             begin: Script::new(include_str!("begin.lua")),
             complete: Script::new(include_str!("complete.lua")),
             abandon: Script::new(include_str!("abandon.lua")),
+            claim_token: Script::new(include_str!("claim_token.lua")),
+            return_token: Script::new(include_str!("return_token.lua")),
         }
     }
 
     fn token_key(&self, token: &str) -> String {
-        format!("{}:idem:t:{token}", self.prefix)
+        format!("{}:idem:t:{{{token}}}", self.prefix)
+    }
+
+    fn claimed_token_key(&self, token: &str) -> String {
+        format!("{}:idem:tu:{{{token}}}", self.prefix)
+    }
+
+    /// Runs a rename script from `from` to `to`.
+    async fn rename(&self, script: &Script, from: String, to: String) -> Result<i64> {
+        script.key(from).key(to).invoke_async(&mut self.conn.clone()).await.map_err(redis_error)
+    }
+
+    async fn del(&self, key: String) -> Result<bool> {
+        let removed: i64 = redis::cmd("DEL").arg(key).query_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+        Ok(removed == 1)
     }
 
     fn record_key(&self, scope: &str, key: &str) -> String {
@@ -127,12 +150,31 @@ impl IdempotencyStore for RedisStore {
             if !token_well_formed(token) {
                 return Ok(false);
             }
-            let removed: i64 = redis::cmd("DEL")
-                .arg(self.token_key(token))
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(redis_error)?;
-            Ok(removed == 1)
+            self.del(self.token_key(token)).await
+        })
+    }
+
+    fn claim_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<TokenClaim>> {
+        Box::pin(async move {
+            if !token_well_formed(token) {
+                return Ok(TokenClaim::Unknown);
+            }
+            Ok(match self.rename(&self.claim_token, self.token_key(token), self.claimed_token_key(token)).await? {
+                1 => TokenClaim::Claimed,
+                2 => TokenClaim::InUse,
+                _ => TokenClaim::Unknown,
+            })
+        })
+    }
+
+    fn spend_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move { Ok(token_well_formed(token) && self.del(self.claimed_token_key(token)).await?) })
+    }
+
+    fn return_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            Ok(token_well_formed(token)
+                && self.rename(&self.return_token, self.claimed_token_key(token), self.token_key(token)).await? == 1)
         })
     }
 

@@ -55,6 +55,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use dlock_axum::idempotency::stored_by_default;
 use dlock_axum::lock::Policy;
 use dlock_axum::{
     lockable, Dlock, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RenderRejections, RequestOwner,
@@ -316,10 +317,19 @@ async fn create_order(
         return Err(invalid_quantity().into());
     }
     let ProductRef { id } = product;
-    if !payments::spend_token(&app.idem, &token).await? {
-        // Permanent, unlike a held lock: the client needs a new token.
-        return Err(Rejection::idempotency_token_unknown().into());
-    }
+    // The token is claimed, and spent only if the order ran to a result (an
+    // order, or `409 sold_out`); a 5xx (store down) gives it back for the
+    // retry: the rule `TokenLayer` follows.
+    payments::claim_token(&app.idem, &token).await?;
+    let response = place_order(&app, owner, id, quantity).await.into_response();
+    // Decided before the await: a `Response` is not `Sync`, so a reference
+    // to it would make this handler's future not `Send`.
+    let ran_to_result = stored_by_default(&response);
+    payments::settle_token(&app.idem, &token, ran_to_result).await;
+    Ok(response)
+}
+
+async fn place_order(app: &App, owner: Owner, id: ProductId, quantity: i64) -> Result<Response, AppError> {
     let remaining = app.with_stock_lock(owner, &id, take_stock(&app.store, &id, quantity)).await?;
     let order_id = new_order_id()?;
     let order = json!({"order_id": order_id, "product_id": id, "quantity": quantity});
