@@ -3,7 +3,8 @@
 //!
 //! * [`LockLayer`] locks a route on a key built from request fields (JSON
 //!   body, query, path, headers) and answers a lost race with
-//!   `409 duplicate_submission`.
+//!   `409 duplicate_submission` (`409 lock_wait_timeout` when a route's wait
+//!   ran out).
 //! * [`#[lockable]`](lockable) does the same on a handler, from the handler's
 //!   own arguments, through the same pipeline; a handler reaches its lock
 //!   with [`FencingToken`] and [`HeldLock`] arguments.
