@@ -570,3 +570,39 @@ async fn a_token_is_given_back_when_the_route_did_not_run_or_failed() {
     }
     assert_eq!((created, in_progress, runs.load(Ordering::SeqCst)), (1, 9, 1));
 }
+
+/// Issue 15 item 3: one-time tokens bound to the caller the layer's scope
+/// names: a token issued to alice is of no use to bob, nor to a request
+/// without a caller.
+#[tokio::test]
+async fn bound_tokens_serve_only_their_caller() {
+    use dlock_axum::idempotency::Scope;
+    let idem = idem();
+    let app: Router = Router::new().route("/token", get(idem.bound_token_handler(Scope::header("x-user")))).route(
+        "/submit",
+        post(|| async { "ok" }).layer(TokenLayer::new(idem.clone()).with_scope(Scope::header("x-user"))),
+    );
+    let as_user = |user: Option<&str>, req: axum::http::request::Builder| match user {
+        Some(u) => req.header("x-user", u),
+        None => req,
+    };
+    let (s, _, b) = send(&app, as_user(Some("alice"), Request::get("/token")).body(Body::empty()).expect("req")).await;
+    assert_eq!(s, StatusCode::OK);
+    let token = serde_json::from_slice::<serde_json::Value>(&b).expect("json")["token"].as_str().expect("t").to_owned();
+    let (s, _, b) = send(&app, Request::get("/token").body(Body::empty()).expect("req")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    let submit = |user: Option<&str>| {
+        as_user(user, Request::post("/submit").header("idempotency-token", &token)).body(Body::empty()).expect("req")
+    };
+    let (s, _, b) = send(&app, submit(Some("bob"))).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_token_unknown"));
+    let (s, _, b) = send(&app, submit(None)).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    assert_eq!(send(&app, submit(Some("alice"))).await.0, StatusCode::OK);
+    assert_eq!(send(&app, submit(Some("alice"))).await.0, StatusCode::CONFLICT, "spent");
+    // An unbound layer does not take a bound token either.
+    let unbound: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem.clone())));
+    let t = idem.store().issue_bound_token("h:x-user:whatever", idem.ttl()).await.expect("token");
+    let req = Request::post("/submit").header("idempotency-token", &t).body(Body::empty()).expect("req");
+    assert_eq!(send(&unbound, req).await.0, StatusCode::CONFLICT);
+}

@@ -57,6 +57,8 @@ mod key;
 mod token;
 
 pub use key::{stored_by_default, IdempotencyLayer, Idempotent, Scope, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
+
+use crate::Rejection;
 pub use token::{RequireToken, TokenLayer, TokenResponse};
 
 /// The future of [`Idempotent`] and [`RequireToken`]: the layer's work, then
@@ -159,6 +161,46 @@ impl Idempotency {
         &self.store
     }
 
+    /// A handler that issues a token bound to the request's caller, as
+    /// `scope` names it: only a [`TokenLayer::with_scope`] of the same scope,
+    /// on a request of the same caller, accepts it. A request whose scope is
+    /// missing is `400 idempotency_scope_missing`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use axum::{body::Body, http::Request, routing::get, Router};
+    /// use dlock_axum::idempotency::{Idempotency, Scope};
+    /// use tower::ServiceExt;
+    /// let idem = Idempotency::new(std::sync::Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let app: Router = Router::new().route("/token", get(idem.bound_token_handler(Scope::header("x-user"))));
+    /// let res = app.oneshot(Request::get("/token").header("x-user", "alice").body(Body::empty()).unwrap()).await.unwrap();
+    /// assert_eq!(res.status(), 200);
+    /// # }
+    /// ```
+    pub fn bound_token_handler(
+        &self,
+        scope: Scope,
+    ) -> impl Fn(
+        axum::http::request::Parts,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
+           + Clone
+           + Send
+           + Sync
+           + 'static {
+        let idem = self.clone();
+        move |parts: axum::http::request::Parts| {
+            let idem = idem.clone();
+            let ttl = idem.ttl_in(&parts.extensions);
+            let principal = scope.of(&parts);
+            Box::pin(async move {
+                match principal {
+                    Some(principal) => token::issue(&idem, Some(&principal), ttl).await,
+                    None => axum::response::IntoResponse::into_response(Rejection::idempotency_scope_missing()),
+                }
+            })
+        }
+    }
+
     /// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`,
     /// or `503 lock_backend_unavailable`. Mount it where clients ask for tokens.
     ///
@@ -185,7 +227,7 @@ impl Idempotency {
         move |extensions: axum::http::Extensions| {
             let idem = idem.clone();
             let ttl = idem.ttl_in(&extensions);
-            Box::pin(async move { token::issue(&idem, ttl).await })
+            Box::pin(async move { token::issue(&idem, None, ttl).await })
         }
     }
 }

@@ -12,7 +12,7 @@ use tower::{Layer, Service};
 
 use dlock_core::idempotency::{IdempotencyStore, TokenClaim};
 
-use super::key::{stored_by_default, CatchUnwind};
+use super::key::{stored_by_default, CatchUnwind, Scope};
 use super::{Idempotency, ResponseFuture, TOKEN_HEADER};
 use crate::Rejection;
 
@@ -46,8 +46,12 @@ impl TokenResponse {
     }
 }
 
-pub(super) async fn issue(idem: &Idempotency, ttl: Duration) -> Response {
-    match idem.store.issue_token(ttl).await {
+pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Duration) -> Response {
+    let issued = match principal {
+        Some(principal) => idem.store.issue_bound_token(principal, ttl).await,
+        None => idem.store.issue_token(ttl).await,
+    };
+    match issued {
         Ok(token) => {
             let body = TokenResponse { token, expires_in_secs: ttl.as_secs() }.to_json();
             let mut res = Response::new(Body::from(body));
@@ -105,6 +109,8 @@ pub struct TokenLayer {
     query_param: Option<String>,
     duplicate: Rejection,
     spend_when: SpendWhen,
+    /// The caller tokens are bound to; `None`: unbound tokens.
+    scope: Option<Scope>,
 }
 
 impl std::fmt::Debug for TokenLayer {
@@ -113,6 +119,7 @@ impl std::fmt::Debug for TokenLayer {
             .field("store", &self.idem.store.name())
             .field("query_param", &self.query_param)
             .field("duplicate", &self.duplicate)
+            .field("scope", &self.scope)
             .finish_non_exhaustive()
     }
 }
@@ -125,6 +132,7 @@ impl TokenLayer {
             query_param: None,
             duplicate: Rejection::idempotency_token_unknown(),
             spend_when: Arc::new(stored_by_default),
+            scope: None,
         }
     }
 
@@ -137,6 +145,26 @@ impl TokenLayer {
     /// The answer to a used or unknown token (default `409 idempotency_token_unknown`).
     pub fn duplicate_rejection(mut self, rejection: Rejection) -> Self {
         self.duplicate = rejection;
+        self
+    }
+
+    /// Accepts only tokens bound to the request's caller: issued by
+    /// [`Idempotency::bound_token_handler`] with the same `scope`. A request
+    /// whose scope is missing is `400 idempotency_scope_missing`; a token
+    /// bound to another caller (or to none) is `409 idempotency_token_unknown`,
+    /// so a leaked token is of no use to anyone else.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use axum::{routing::{get, post}, Router};
+    /// use dlock_axum::idempotency::{Idempotency, Scope, TokenLayer};
+    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let app: Router = Router::new()
+    ///     .route("/token", get(idem.bound_token_handler(Scope::cookie("session"))))
+    ///     .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem).with_scope(Scope::cookie("session"))));
+    /// ```
+    pub fn with_scope(mut self, scope: Scope) -> Self {
+        self.scope = Some(scope);
         self
     }
 
@@ -224,12 +252,22 @@ where
         let mut inner = take_ready(&mut self.inner);
         let token = self.token(&req);
         let layer = self.layer.clone();
+        // The caller the token must be bound to, read before the request
+        // moves into the route.
+        let (parts, body) = req.into_parts();
+        let principal = layer.scope.as_ref().map(|scope| scope.of(&parts));
+        let req = Request::from_parts(parts, body);
         ResponseFuture::new(async move {
             let Some(token) = token else {
                 return Ok(Rejection::idempotency_token_missing().into_response());
             };
+            let principal = match principal {
+                None => None,
+                Some(Some(principal)) => Some(principal),
+                Some(None) => return Ok(Rejection::idempotency_scope_missing().into_response()),
+            };
             let store = layer.idem.store.clone();
-            match store.claim_token(&token).await {
+            match store.claim_token(&token, principal.as_deref()).await {
                 Ok(TokenClaim::Claimed) => {}
                 Ok(TokenClaim::InUse) => {
                     return Ok(Rejection::idempotency_request_in_progress()
@@ -244,7 +282,7 @@ where
                 }
             }
             // Gives the token back if the route panics, errs or is dropped.
-            let mut guard = TokenGuard { store: store.clone(), token: Some(token) };
+            let mut guard = TokenGuard { store: store.clone(), token: Some((token, principal)) };
             let response = match CatchUnwind(Box::pin(inner.call(req))).await {
                 Ok(Ok(res)) => res.into_response(),
                 Ok(Err(e)) => {
@@ -256,22 +294,22 @@ where
                     std::panic::resume_unwind(panic);
                 }
             };
-            let Some(token) = guard.token.take() else { return Ok(response) };
+            let Some((token, principal)) = guard.token.take() else { return Ok(response) };
             if !response.status().is_server_error() && (layer.spend_when)(&response) {
-                if let Err(e) = store.spend_token(&token).await {
+                if let Err(e) = store.spend_token(&token, principal.as_deref()).await {
                     // Still claimed: it counts as spent until its TTL ends.
                     tracing::warn!(error = %e, "dlock: spending an idempotency token failed; it stays claimed");
                 }
             } else {
-                give_back(&*store, &token).await;
+                give_back(&*store, &token, principal.as_deref()).await;
             }
             Ok(response)
         })
     }
 }
 
-async fn give_back(store: &dyn IdempotencyStore, token: &str) {
-    match store.return_token(token).await {
+async fn give_back(store: &dyn IdempotencyStore, token: &str, principal: Option<&str>) {
+    match store.return_token(token, principal).await {
         Ok(true) => {}
         Ok(false) => tracing::warn!("dlock: an idempotency token could not be given back (expired); it stays spent"),
         Err(e) => tracing::warn!(error = %e, "dlock: giving an idempotency token back failed; it stays spent"),
@@ -282,16 +320,17 @@ async fn give_back(store: &dyn IdempotencyStore, token: &str) {
 /// dropped future (client gone), a panic, an error of the route.
 struct TokenGuard {
     store: Arc<dyn IdempotencyStore>,
-    token: Option<String>,
+    /// The token and the caller it is bound to.
+    token: Option<(String, Option<String>)>,
 }
 
 impl Drop for TokenGuard {
     fn drop(&mut self) {
-        let Some(token) = self.token.take() else { return };
+        let Some((token, principal)) = self.token.take() else { return };
         let store = self.store.clone();
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
-                handle.spawn(async move { give_back(&*store, &token).await });
+                handle.spawn(async move { give_back(&*store, &token, principal.as_deref()).await });
             }
             Err(_) => tracing::warn!("dlock: no runtime to give an idempotency token back; it stays spent"),
         }

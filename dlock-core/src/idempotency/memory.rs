@@ -41,6 +41,8 @@ struct Token {
     expires: Instant,
     /// Claimed by a running request ([`IdempotencyStore::claim_token`]).
     claimed: bool,
+    /// The caller it is bound to ([`IdempotencyStore::issue_bound_token`]).
+    principal: Option<String>,
 }
 
 #[derive(Debug)]
@@ -61,6 +63,16 @@ impl MemoryStore {
     /// with another process or another store.
     pub fn new() -> Self {
         MemoryStore { inner: Mutex::new(Inner::default()) }
+    }
+
+    fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
+        let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
+        let now = Instant::now();
+        let mut inner = self.lock()?;
+        let record = Token { expires: now + ttl, claimed: false, principal: principal.map(str::to_owned) };
+        inner.tokens.insert(token.clone(), record);
+        inner.inserted(now);
+        Ok(token)
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Inner>> {
@@ -85,14 +97,11 @@ impl IdempotencyStore for MemoryStore {
     }
 
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(async move {
-            let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
-            let now = Instant::now();
-            let mut inner = self.lock()?;
-            inner.tokens.insert(token.clone(), Token { expires: now + ttl, claimed: false });
-            inner.inserted(now);
-            Ok(token)
-        })
+        Box::pin(async move { self.issue(None, ttl) })
+    }
+
+    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(async move { self.issue(Some(principal), ttl) })
     }
 
     fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
@@ -102,8 +111,9 @@ impl IdempotencyStore for MemoryStore {
             }
             let now = Instant::now();
             let mut inner = self.lock()?;
-            // A claimed token belongs to the request running with it.
-            let fresh = inner.tokens.get(token).is_some_and(|t| t.expires > now && !t.claimed);
+            // A claimed token belongs to the request running with it, a
+            // bound one to its caller's claims.
+            let fresh = inner.tokens.get(token).is_some_and(|t| t.expires > now && !t.claimed && t.principal.is_none());
             if fresh {
                 inner.tokens.remove(token);
             }
@@ -111,14 +121,14 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
-    fn claim_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<TokenClaim>> {
+    fn claim_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<TokenClaim>> {
         Box::pin(async move {
             if !token_well_formed(token) {
                 return Ok(TokenClaim::Unknown);
             }
             let now = Instant::now();
             let mut inner = self.lock()?;
-            Ok(match inner.tokens.get_mut(token).filter(|t| t.expires > now) {
+            Ok(match inner.tokens.get_mut(token).filter(|t| t.expires > now && t.principal.as_deref() == principal) {
                 None => TokenClaim::Unknown,
                 Some(t) if t.claimed => TokenClaim::InUse,
                 Some(t) => {
@@ -129,21 +139,25 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
-    fn spend_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+    fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
             let mut inner = self.lock()?;
-            let claimed = inner.tokens.get(token).is_some_and(|t| t.expires > now && t.claimed);
-            inner.tokens.remove(token);
+            let ours = |t: &Token| t.claimed && t.principal.as_deref() == principal;
+            let claimed = inner.tokens.get(token).is_some_and(|t| t.expires > now && ours(t));
+            if inner.tokens.get(token).is_some_and(ours) {
+                inner.tokens.remove(token);
+            }
             Ok(claimed)
         })
     }
 
-    fn return_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+    fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
             let mut inner = self.lock()?;
-            Ok(match inner.tokens.get_mut(token).filter(|t| t.expires > now && t.claimed) {
+            let ours = |t: &&mut Token| t.expires > now && t.claimed && t.principal.as_deref() == principal;
+            Ok(match inner.tokens.get_mut(token).filter(ours) {
                 Some(t) => {
                     t.claimed = false;
                     true

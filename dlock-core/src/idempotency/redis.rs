@@ -6,7 +6,9 @@
 //!   `prefix:idem:tu:{<token>}` (its TTL goes with it), so no `DEL` of the
 //!   fresh name can take it meanwhile; returning renames it back, spending
 //!   is one `DEL` of the claimed name. The braces keep both names in one
-//!   Redis Cluster slot, for the scripts that rename.
+//!   Redis Cluster slot, for the scripts that rename. A token bound to a
+//!   caller has the caller's hash after both names (`...:{<token>}:<sha1>`):
+//!   a claim naming another caller, or none, finds nothing.
 //! * A key record is a hash `prefix:idem:k:<sha1(scope, key)>` with fields
 //!   `s` (`p` in progress / `c` completed), `f` fingerprint, `o` owner while
 //!   in progress, `r` the encoded response. Its TTL is the lease while in
@@ -106,8 +108,24 @@ impl RedisStore {
         format!("{}:idem:t:{{{token}}}", self.prefix)
     }
 
-    fn claimed_token_key(&self, token: &str) -> String {
-        format!("{}:idem:tu:{{{token}}}", self.prefix)
+    /// Issues a token, bound to `principal` or not.
+    async fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
+        let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
+        let () = redis::cmd("SET")
+            .arg(self.token_names(&token, principal).0)
+            .arg(1)
+            .arg("PX")
+            .arg(lease_ms(ttl))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+        Ok(token)
+    }
+
+    /// The fresh and the claimed name of `token`, bound to `principal` or not.
+    fn token_names(&self, token: &str, principal: Option<&str>) -> (String, String) {
+        let bound = principal.map(|p| format!(":{}", fingerprint(&[p]))).unwrap_or_default();
+        (format!("{}:idem:t:{{{token}}}{bound}", self.prefix), format!("{}:idem:tu:{{{token}}}{bound}", self.prefix))
     }
 
     /// Runs a rename script from `from` to `to`.
@@ -131,18 +149,11 @@ impl IdempotencyStore for RedisStore {
     }
 
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(async move {
-            let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
-            let () = redis::cmd("SET")
-                .arg(self.token_key(&token))
-                .arg(1)
-                .arg("PX")
-                .arg(lease_ms(ttl))
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(redis_error)?;
-            Ok(token)
-        })
+        Box::pin(async move { self.issue(None, ttl).await })
+    }
+
+    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(async move { self.issue(Some(principal), ttl).await })
     }
 
     fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
@@ -154,12 +165,13 @@ impl IdempotencyStore for RedisStore {
         })
     }
 
-    fn claim_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<TokenClaim>> {
+    fn claim_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<TokenClaim>> {
         Box::pin(async move {
             if !token_well_formed(token) {
                 return Ok(TokenClaim::Unknown);
             }
-            Ok(match self.rename(&self.claim_token, self.token_key(token), self.claimed_token_key(token)).await? {
+            let (fresh, claimed) = self.token_names(token, principal);
+            Ok(match self.rename(&self.claim_token, fresh, claimed).await? {
                 1 => TokenClaim::Claimed,
                 2 => TokenClaim::InUse,
                 _ => TokenClaim::Unknown,
@@ -167,14 +179,14 @@ impl IdempotencyStore for RedisStore {
         })
     }
 
-    fn spend_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move { Ok(token_well_formed(token) && self.del(self.claimed_token_key(token)).await?) })
+    fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move { Ok(token_well_formed(token) && self.del(self.token_names(token, principal).1).await?) })
     }
 
-    fn return_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
+    fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            Ok(token_well_formed(token)
-                && self.rename(&self.return_token, self.claimed_token_key(token), self.token_key(token)).await? == 1)
+            let (fresh, claimed) = self.token_names(token, principal);
+            Ok(token_well_formed(token) && self.rename(&self.return_token, claimed, fresh).await? == 1)
         })
     }
 

@@ -54,7 +54,7 @@ pub(crate) async fn services(
 /// (`409 idempotency_request_in_progress` while it runs,
 /// `409 idempotency_token_unknown` once spent or when never issued).
 pub(crate) async fn claim_token(idem: &Idempotency, token: &str) -> Result<(), Rejection> {
-    let claim = idem.store().claim_token(token).await.map_err(|e| {
+    let claim = idem.store().claim_token(token, None).await.map_err(|e| {
         tracing::warn!(error = %e, "idempotency store unavailable");
         Rejection::from_lock_error(&e)
     })?;
@@ -74,8 +74,11 @@ pub(crate) async fn claim_token(idem: &Idempotency, token: &str) -> Result<(), R
 /// rule of `TokenLayer` and `IdempotencyLayer`), else gives it back. A store
 /// failure here leaves the token claimed: spent, never run twice.
 pub(crate) async fn settle_token(idem: &Idempotency, token: &str, ran_to_result: bool) {
-    let settled =
-        if ran_to_result { idem.store().spend_token(token).await } else { idem.store().return_token(token).await };
+    let settled = if ran_to_result {
+        idem.store().spend_token(token, None).await
+    } else {
+        idem.store().return_token(token, None).await
+    };
     if let Err(e) = settled {
         tracing::warn!(error = %e, "settling an order token failed; it stays spent");
     }
