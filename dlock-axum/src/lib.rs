@@ -3,12 +3,15 @@
 //!
 //! * [`LockLayer`] locks a route on a key built from request fields (JSON
 //!   body, query, path, headers) and answers a lost race with
-//!   `409 duplicate_submission`.
+//!   `409 duplicate_submission` (`409 lock_wait_timeout` when a route's wait
+//!   ran out).
 //! * [`#[lockable]`](lockable) does the same on a handler, from the handler's
 //!   own arguments, through the same pipeline; a handler reaches its lock
 //!   with [`FencingToken`] and [`HeldLock`] arguments.
-//! * [`Rejection`] is the one JSON error shape every refusal uses:
-//!   `{"error": "<machine code>", "code": <number>, "message": "<text>"}`.
+//! * [`Rejection`] is every refusal: by default the JSON
+//!   `{"error": "<machine code>", "code": <number>, "message": "<text>"}`;
+//!   [`RenderRejections`] renders all of them, from every layer and the
+//!   macro, in the application's own shape or as RFC 9457 Problem Details.
 //! * [`LockerExt::with_locker`] and [`from_env`] install the engine built from
 //!   the `DLOCK_*` environment variables, with the settings the layers take
 //!   from them ([`Dlock`]), in one line, after the routes.
@@ -45,6 +48,7 @@ mod install;
 mod json_body;
 pub mod lock;
 mod rejection;
+mod render;
 mod request;
 
 #[doc(hidden)]
@@ -58,6 +62,7 @@ pub use install::{from_env, locker_from_extensions, Dlock, LockerExt};
 pub use json_body::JsonBody;
 pub use lock::LockLayer;
 pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};
+pub use render::{RenderRejections, Rendered};
 pub use request::{FencingToken, HeldLock, LockOutcome, RequestOwner};
 
 /// The README's Rust blocks, compiled and run as doctests of this crate.

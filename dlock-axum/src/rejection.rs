@@ -54,17 +54,31 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
 /// | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
 /// | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
-/// | 400 | `lock_key_field_duplicated` | 2008 | a query parameter or header of the lock key is sent more than once |
+/// | 400 | `idempotency_scope_missing` | 2008 | the request does not name the caller its `Idempotency-Key` belongs to |
+/// | 400 | `lock_key_field_duplicated` | 2009 | a query parameter or header of the lock key is sent more than once |
 /// | 408 | `request_timeout` | 2303 | the body did not arrive within the body-read timeout |
-/// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request; a token unknown or already used |
-/// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed |
+/// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request (transient: `Retry-After`) |
+/// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed (transient: `Retry-After`) |
+/// | 409 | `lock_wait_timeout` | 2103 | the route waits for its lock, and it stayed held for the whole wait (transient: `Retry-After`) |
+/// | 409 | `idempotency_token_unknown` | 2104 | the one-time token is unknown, expired or already used (permanent: fetch a new token) |
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
 /// | 415 | `unsupported_media_type` | 2302 | the key needs JSON fields and the body's `Content-Type` is not JSON |
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
-/// | 429 | `too_many_locks` | 2401 | the principal already holds the most locks a layer allows at once |
-/// | 500 | `idempotency_response_too_large` | 2902 | the route's response exceeds the size the idempotency layer stores |
+/// | 409 | `idempotency_response_not_stored` | 2202 | the request with this `Idempotency-Key` ran, but its response was too large to keep (permanent) |
+/// | 429 | `too_many_locks` | 2401 | the principal already holds the most locks a layer allows at once (transient: `Retry-After`) |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
-/// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed, retry later |
+/// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed (transient: `Retry-After`) |
+///
+/// A transient refusal carries `Retry-After: 1` ([`Rejection::retry_after`]):
+/// the same request may succeed later. A permanent one carries none: the
+/// request must change first.
+///
+/// Every refusal dlock makes is marked: its response carries the
+/// [`Rejection`] in its extensions, with [`Rejection::is_dlock`] `true`, so a
+/// `map_response` middleware (or an idempotency layer deciding what to
+/// store) recognises it without reading the body. A rejection an
+/// application makes with [`Rejection::new`] is marked too, with
+/// `is_dlock()` `false`.
 ///
 /// ```
 /// use dlock_axum::Rejection;
@@ -81,12 +95,16 @@ pub struct Rejection {
     error: Cow<'static, str>,
     code: u32,
     message: Cow<'static, str>,
+    /// Seconds for `Retry-After`: set on the transient refusals.
+    retry_after: Option<u32>,
+    /// Made by dlock (one of the constructors below), not by `Rejection::new`.
+    dlock: bool,
 }
 
 macro_rules! rejections {
     ($(
         $(#[$doc:meta])*
-        $fn:ident => ($status:ident, $error:literal, $code:literal, $message:literal);
+        $fn:ident => ($status:ident, $error:literal, $code:literal, $message:literal, $retry:expr);
     )*) => {
         impl Rejection {
             $(
@@ -98,6 +116,8 @@ macro_rules! rejections {
                         error: Cow::Borrowed($error),
                         code: $code,
                         message: Cow::Borrowed($message),
+                        retry_after: $retry,
+                        dlock: true,
                     }
                 }
             )*
@@ -109,54 +129,70 @@ macro_rules! rejections {
 }
 
 rejections! {
-    /// The lock is held by another request, or a one-time token is unknown or
-    /// already used. Its message and code can be changed per handler or layer.
-    duplicate_submission => (CONFLICT, "duplicate_submission", 2101, "duplicate submission, please retry later");
+    /// The lock is held by another request (a route that does not wait for
+    /// it). Transient: `Retry-After: 1`. Its message and code can be changed
+    /// per handler or layer (the seed's `@Lockable(failMsg, failCode)`).
+    duplicate_submission => (CONFLICT, "duplicate_submission", 2101, "duplicate submission, please retry later", Some(1));
     /// A request with the same `Idempotency-Key` is still being processed.
+    /// Transient: `Retry-After: 1`.
     idempotency_request_in_progress => (CONFLICT, "idempotency_request_in_progress", 2102,
-        "a request with this idempotency key is still being processed");
+        "a request with this idempotency key is still being processed", Some(1));
+    /// The route waits for its lock (a queue), and the lock stayed held for
+    /// the whole wait: nothing was duplicated, the queue was too long.
+    /// Transient: `Retry-After: 1`.
+    lock_wait_timeout => (CONFLICT, "lock_wait_timeout", 2103,
+        "the lock stayed held for as long as this route waits, please retry later", Some(1));
+    /// The one-time token is unknown, expired or already used. Permanent: a
+    /// retry with the same token can never succeed; fetch a new token.
+    idempotency_token_unknown => (CONFLICT, "idempotency_token_unknown", 2104,
+        "the one-time token is unknown, expired or already used; fetch a new one", None);
     /// A field named in the lock key is absent from the request.
-    field_missing => (BAD_REQUEST, "lock_key_field_missing", 2001, "a field of the lock key is missing from the request");
+    field_missing => (BAD_REQUEST, "lock_key_field_missing", 2001, "a field of the lock key is missing from the request", None);
     /// The body must be JSON to derive the key, and it is not.
-    invalid_json => (BAD_REQUEST, "invalid_json", 2002, "the request body is not valid JSON");
+    invalid_json => (BAD_REQUEST, "invalid_json", 2002, "the request body is not valid JSON", None);
     /// No one-time token was sent.
-    idempotency_token_missing => (BAD_REQUEST, "idempotency_token_missing", 2003, "the one-time submission token is missing");
+    idempotency_token_missing => (BAD_REQUEST, "idempotency_token_missing", 2003, "the one-time submission token is missing", None);
     /// No `Idempotency-Key` header was sent.
-    idempotency_key_missing => (BAD_REQUEST, "idempotency_key_missing", 2004, "the Idempotency-Key header is missing");
+    idempotency_key_missing => (BAD_REQUEST, "idempotency_key_missing", 2004, "the Idempotency-Key header is missing", None);
     /// The `Idempotency-Key` header is malformed.
-    idempotency_key_invalid => (BAD_REQUEST, "idempotency_key_invalid", 2005, "the Idempotency-Key header is malformed");
+    idempotency_key_invalid => (BAD_REQUEST, "idempotency_key_invalid", 2005, "the Idempotency-Key header is malformed", None);
     /// The key built from the request cannot be used (for example too long).
-    lock_key_invalid => (BAD_REQUEST, "lock_key_invalid", 2006, "the lock key built from this request is invalid");
+    lock_key_invalid => (BAD_REQUEST, "lock_key_invalid", 2006, "the lock key built from this request is invalid", None);
     /// The request body could not be read.
-    body_unreadable => (BAD_REQUEST, "request_body_unreadable", 2007, "the request body could not be read");
+    body_unreadable => (BAD_REQUEST, "request_body_unreadable", 2007, "the request body could not be read", None);
     /// A query parameter or header of the lock key is sent more than once:
     /// the lock would take one value while the handler may act on another.
-    field_duplicated => (BAD_REQUEST, "lock_key_field_duplicated", 2008,
-        "a field of the lock key is sent more than once");
+    field_duplicated => (BAD_REQUEST, "lock_key_field_duplicated", 2009,
+        "a field of the lock key is sent more than once", None);
     /// The body did not arrive within the body-read timeout.
-    request_timeout => (REQUEST_TIMEOUT, "request_timeout", 2303, "the request body did not arrive in time");
+    request_timeout => (REQUEST_TIMEOUT, "request_timeout", 2303, "the request body did not arrive in time", None);
     /// The body is larger than the most bytes read to derive a key.
-    payload_too_large => (PAYLOAD_TOO_LARGE, "payload_too_large", 2301, "the request body is too large");
+    payload_too_large => (PAYLOAD_TOO_LARGE, "payload_too_large", 2301, "the request body is too large", None);
     /// The key needs fields of a JSON body and the request declares another
     /// `Content-Type`.
     unsupported_media_type => (UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", 2302,
-        "the request body must be JSON (Content-Type: application/json)");
+        "the request body must be JSON (Content-Type: application/json)", None);
+    /// The request does not say which caller its `Idempotency-Key` belongs
+    /// to (the layer's [`Scope`](crate::idempotency::Scope) found nothing).
+    idempotency_scope_missing => (BAD_REQUEST, "idempotency_scope_missing", 2008,
+        "the request does not name the caller its Idempotency-Key belongs to", None);
+    /// A request with this `Idempotency-Key` ran, and its response was too
+    /// large to keep for replay: the work was done, its answer is gone.
+    /// Permanent: look the result up instead of retrying.
+    idempotency_response_not_stored => (CONFLICT, "idempotency_response_not_stored", 2202,
+        "a request with this idempotency key was processed, but its response was too large to keep", None);
     /// The same `Idempotency-Key` was used with a different payload.
     idempotency_key_mismatch => (UNPROCESSABLE_ENTITY, "idempotency_key_mismatch", 2201,
-        "this idempotency key was used with a different request");
+        "this idempotency key was used with a different request", None);
     /// The principal (say, the `x-user-id` header) already holds as many
-    /// locks through this layer as it may at once.
-    too_many_locks => (TOO_MANY_REQUESTS, "too_many_locks", 2401, "too many locks held at once, please retry later");
-    /// The lock service cannot be reached; the request is refused (fail closed).
+    /// locks through this layer as it may at once. Transient: `Retry-After: 1`.
+    too_many_locks => (TOO_MANY_REQUESTS, "too_many_locks", 2401, "too many locks held at once, please retry later", Some(1));
+    /// The lock service cannot be reached; the request is refused (fail
+    /// closed). Transient: `Retry-After: 1`.
     backend_unavailable => (SERVICE_UNAVAILABLE, "lock_backend_unavailable", 2501,
-        "lock service unavailable, please retry later");
-    /// The route answered with a body larger than the idempotency layer may
-    /// store; the key was freed and the answer withheld, since it could not
-    /// be replayed.
-    idempotency_response_too_large => (INTERNAL_SERVER_ERROR, "idempotency_response_too_large", 2902,
-        "the response is too large to be stored for idempotent replay");
+        "lock service unavailable, please retry later", Some(1));
     /// The service is misconfigured (no engine installed, invalid options).
-    misconfigured => (INTERNAL_SERVER_ERROR, "lock_misconfigured", 2901, "the lock service is misconfigured");
+    misconfigured => (INTERNAL_SERVER_ERROR, "lock_misconfigured", 2901, "the lock service is misconfigured", None);
 }
 
 impl Rejection {
@@ -174,7 +210,7 @@ impl Rejection {
         code: u32,
         message: impl Into<Cow<'static, str>>,
     ) -> Self {
-        Rejection { status, error: error.into(), code, message: message.into() }
+        Rejection { status, error: error.into(), code, message: message.into(), retry_after: None, dlock: false }
     }
 
     /// `lock_key_field_missing` naming the field.
@@ -197,6 +233,59 @@ impl Rejection {
     pub fn with_code(mut self, code: u32) -> Self {
         self.code = code;
         self
+    }
+
+    /// Sets (or, with `None`, removes) the `Retry-After` seconds.
+    ///
+    /// ```
+    /// use axum::http::StatusCode;
+    /// use dlock_axum::Rejection;
+    /// let r = Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", 3004, "retry").with_retry_after(Some(2));
+    /// assert_eq!(r.retry_after(), Some(2));
+    /// ```
+    pub fn with_retry_after(mut self, seconds: Option<u32>) -> Self {
+        self.retry_after = seconds;
+        self
+    }
+
+    /// The `Retry-After` seconds: `Some` on a transient refusal (the same
+    /// request may succeed later), `None` on a permanent one.
+    ///
+    /// ```
+    /// use dlock_axum::Rejection;
+    /// assert_eq!(Rejection::duplicate_submission().retry_after(), Some(1));
+    /// assert_eq!(Rejection::idempotency_token_unknown().retry_after(), None);
+    /// ```
+    pub fn retry_after(&self) -> Option<u32> {
+        self.retry_after
+    }
+
+    /// Whether dlock made this refusal (a lock, key, token or body refusal
+    /// before the route's work), rather than the application with
+    /// [`Rejection::new`].
+    ///
+    /// ```
+    /// use axum::http::StatusCode;
+    /// use dlock_axum::Rejection;
+    /// assert!(Rejection::lock_wait_timeout().is_dlock());
+    /// assert!(!Rejection::new(StatusCode::CONFLICT, "sold_out", 3001, "none left").is_dlock());
+    /// ```
+    pub fn is_dlock(&self) -> bool {
+        self.dlock
+    }
+
+    /// The rejection a response carries, if dlock or the application
+    /// answered it with a [`Rejection`]: what a `map_response` middleware
+    /// reads to recognise a refusal without parsing its body.
+    ///
+    /// ```
+    /// use axum::response::IntoResponse;
+    /// use dlock_axum::Rejection;
+    /// let response = Rejection::lock_wait_timeout().into_response();
+    /// assert_eq!(Rejection::of(&response).map(Rejection::error), Some("lock_wait_timeout"));
+    /// ```
+    pub fn of<B>(response: &axum::http::Response<B>) -> Option<&Rejection> {
+        response.extensions().get::<Rejection>()
     }
 
     /// The HTTP status.
@@ -228,8 +317,39 @@ impl Rejection {
         format!(r#"{{"error":{error},"code":{},"message":{message}}}"#, self.code)
     }
 
-    /// Maps an engine error: contention → `409 duplicate_submission`,
-    /// unavailable → `503 lock_backend_unavailable`, an invalid key →
+    /// This refusal as RFC 9457 Problem Details: `application/problem+json`
+    /// with `type` (`about:blank`: the status says what happened), `title`
+    /// (the status's reason phrase), `status`, `detail` (the message), and
+    /// dlock's `error` and `code` as extension members; `Retry-After` as
+    /// [`IntoResponse`] sends it; the rejection itself in the extensions.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use http_body_util::BodyExt;
+    /// let res = dlock_axum::Rejection::lock_wait_timeout().to_problem_details();
+    /// assert_eq!(res.headers()["content-type"], "application/problem+json");
+    /// let body = res.into_body().collect().await.unwrap().to_bytes();
+    /// let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    /// assert_eq!((v["status"].as_u64(), v["error"].as_str(), v["code"].as_u64()), (Some(409), Some("lock_wait_timeout"), Some(2103)));
+    /// # }
+    /// ```
+    pub fn to_problem_details(&self) -> Response {
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": self.status.canonical_reason().unwrap_or("Error"),
+            "status": self.status.as_u16(),
+            "detail": self.message.as_ref(),
+            "error": self.error.as_ref(),
+            "code": self.code,
+        });
+        let mut response = self.clone().into_response();
+        *response.body_mut() = Body::from(body.to_string());
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        response
+    }
+
+    /// Maps an engine error: a held lock → `409 duplicate_submission`, a
+    /// wait that ran out → `409 lock_wait_timeout`, unavailable → `503 lock_backend_unavailable`, an invalid key →
     /// `400 lock_key_invalid`, bad configuration → `500 lock_misconfigured`.
     /// Anything else is treated as unavailable (fail closed).
     ///
@@ -240,11 +360,15 @@ impl Rejection {
     /// use dlock_axum::Rejection;
     /// let busy = dlock_core::Error::Busy { key: "dlock:{k}".into() };
     /// assert_eq!(Rejection::from_lock_error(&busy).error(), "duplicate_submission");
+    /// let waited = dlock_core::Error::Timeout { key: "dlock:{k}".into(), waited: std::time::Duration::from_secs(5) };
+    /// assert_eq!(Rejection::from_lock_error(&waited).error(), "lock_wait_timeout");
     /// let down = dlock_core::Error::backend("redis", "connection refused");
     /// assert_eq!(Rejection::from_lock_error(&down).status(), 503);
     /// ```
     pub fn from_lock_error(err: &dlock_core::Error) -> Self {
-        if err.is_contention() {
+        if matches!(err, dlock_core::Error::Timeout { .. }) {
+            Self::lock_wait_timeout()
+        } else if err.is_contention() {
             Self::duplicate_submission()
         } else if matches!(err, dlock_core::Error::InvalidKey(_)) {
             Self::lock_key_invalid()
@@ -281,10 +405,13 @@ impl IntoResponse for Rejection {
         let mut response = Response::new(Body::from(self.body_json()));
         *response.status_mut() = self.status;
         response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+        if let Some(seconds) = self.retry_after {
             // Tells clients and proxies that a retry makes sense, and when.
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        // The marker: what the refusal was, for middleware and for the
+        // idempotency layer, without parsing the body.
+        response.extensions_mut().insert(self);
         response
     }
 }
@@ -311,6 +438,8 @@ mod tests {
         let expect = [
             ("duplicate_submission", 409),
             ("idempotency_request_in_progress", 409),
+            ("lock_wait_timeout", 409),
+            ("idempotency_token_unknown", 409),
             ("lock_key_field_missing", 400),
             ("invalid_json", 400),
             ("idempotency_token_missing", 400),
@@ -320,12 +449,13 @@ mod tests {
             ("request_body_unreadable", 400),
             ("lock_key_field_duplicated", 400),
             ("request_timeout", 408),
+            ("idempotency_scope_missing", 400),
+            ("idempotency_response_not_stored", 409),
             ("payload_too_large", 413),
             ("unsupported_media_type", 415),
             ("idempotency_key_mismatch", 422),
             ("too_many_locks", 429),
             ("lock_backend_unavailable", 503),
-            ("idempotency_response_too_large", 500),
             ("lock_misconfigured", 500),
         ];
         let all: Vec<Rejection> = ALL.iter().map(|f| f()).collect();
@@ -368,6 +498,47 @@ mod tests {
     fn unavailable_says_when_to_retry() {
         let response = Rejection::backend_unavailable().into_response();
         assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn transient_refusals_say_when_to_retry_and_permanent_ones_do_not() {
+        let transient = [
+            "duplicate_submission",
+            "idempotency_request_in_progress",
+            "lock_wait_timeout",
+            "too_many_locks",
+            "lock_backend_unavailable",
+        ];
+        for r in ALL.iter().map(|f| f()) {
+            let response = r.clone().into_response();
+            let header = response.headers().get(header::RETRY_AFTER);
+            if transient.contains(&r.error()) {
+                assert_eq!(header.map(|v| v.as_bytes()), Some(&b"1"[..]), "{}", r.error());
+            } else {
+                assert!(header.is_none(), "{} is permanent", r.error());
+            }
+        }
+    }
+
+    #[test]
+    fn engine_contention_is_told_apart() {
+        use dlock_core::Error;
+        let busy = Rejection::from(&Error::Busy { key: "k".into() });
+        let waited = Rejection::from(&Error::Timeout { key: "k".into(), waited: std::time::Duration::from_secs(1) });
+        assert_eq!((busy.error(), busy.code()), ("duplicate_submission", 2101));
+        assert_eq!((waited.error(), waited.code()), ("lock_wait_timeout", 2103));
+    }
+
+    #[test]
+    fn every_response_carries_its_rejection() {
+        for r in ALL.iter().map(|f| f()) {
+            let response = r.clone().into_response();
+            let marked = Rejection::of(&response).expect("marked");
+            assert_eq!(marked, &r);
+            assert!(marked.is_dlock());
+        }
+        let own = Rejection::new(StatusCode::CONFLICT, "sold_out", 3001, "none left").into_response();
+        assert_eq!(Rejection::of(&own).map(Rejection::is_dlock), Some(false));
     }
 
     #[test]

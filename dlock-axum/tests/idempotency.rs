@@ -28,8 +28,10 @@ fn error_of(body: &[u8]) -> String {
     v["error"].as_str().expect("error field").to_owned()
 }
 
+/// A `POST /pay` of the caller `Bearer alice` (the layer's default scope is
+/// the `Authorization` header).
 fn pay(key: Option<&str>, body: &str) -> Request<Body> {
-    let mut b = Request::post("/pay");
+    let mut b = Request::post("/pay").header("authorization", "Bearer alice");
     if let Some(k) = key {
         b = b.header("idempotency-key", k);
     }
@@ -123,8 +125,11 @@ async fn scopes_keep_callers_apart() {
     assert_eq!((again, h["idempotent-replayed"].to_str().expect("ascii")), (alice, "true"));
 }
 
+/// Issue 15 item 1 changes this test: a `400` of the route was stored and
+/// replayed; now only results are (here the route's own `409`), and a `400`
+/// frees the key, as Stripe does for a request that failed validation.
 #[tokio::test]
-async fn server_errors_free_the_key_client_errors_are_stored() {
+async fn server_errors_and_refusals_free_the_key_results_are_stored() {
     let runs = Arc::new(AtomicUsize::new(0));
     let r = runs.clone();
     let app = Router::new().route(
@@ -134,6 +139,8 @@ async fn server_errors_free_the_key_client_errors_are_stored() {
             async move {
                 if body == "flaky" && n == 0 {
                     StatusCode::SERVICE_UNAVAILABLE.into_response()
+                } else if body == "paid" {
+                    (StatusCode::CONFLICT, "already paid").into_response()
                 } else if body == "bad" {
                     (StatusCode::BAD_REQUEST, "bad amount").into_response()
                 } else {
@@ -146,13 +153,137 @@ async fn server_errors_free_the_key_client_errors_are_stored() {
     assert_eq!(send(&app, pay(Some("f"), "flaky")).await.0, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(send(&app, pay(Some("f"), "flaky")).await.0, StatusCode::CREATED, "503 freed the key");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
-    assert_eq!(send(&app, pay(Some("b"), "bad")).await.0, StatusCode::BAD_REQUEST);
-    let (s, h, b) = send(&app, pay(Some("b"), "bad")).await;
+    assert_eq!(send(&app, pay(Some("c"), "paid")).await.0, StatusCode::CONFLICT);
+    let (s, h, b) = send(&app, pay(Some("c"), "paid")).await;
     assert_eq!(
         (s, b.as_slice(), h["idempotent-replayed"].to_str().expect("ascii")),
-        (StatusCode::BAD_REQUEST, &b"bad amount"[..], "true")
+        (StatusCode::CONFLICT, &b"already paid"[..], "true")
     );
     assert_eq!(runs.load(Ordering::SeqCst), 3);
+    assert_eq!(send(&app, pay(Some("b"), "bad")).await.0, StatusCode::BAD_REQUEST);
+    let (s, h, _) = send(&app, pay(Some("b"), "bad")).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(h.get("idempotent-replayed").is_none(), "a 400 is not stored");
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+}
+
+/// Issue 15 item 1: axum's own 415 (no `Content-Type` for `Json`) is a
+/// refusal before the work; the retry with the header fixed runs the route
+/// instead of getting the 415 replayed.
+#[tokio::test]
+async fn an_extractor_rejection_is_not_replayed_to_the_fixed_retry() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new().route(
+        "/pay",
+        post(move |axum::Json(v): axum::Json<serde_json::Value>| {
+            r.fetch_add(1, Ordering::SeqCst);
+            async move { (StatusCode::CREATED, v.to_string()) }
+        })
+        .layer(IdempotencyLayer::new(idem())),
+    );
+    assert_eq!(send(&app, pay(Some("x"), "{}")).await.0, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let fixed = Request::post("/pay")
+        .header("authorization", "Bearer alice")
+        .header("idempotency-key", "x")
+        .header("content-type", "application/json")
+        .body(Body::from("{}"))
+        .expect("request");
+    let (s, h, _) = send(&app, fixed).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Issue 15 item 1: a `LockLayer` inside the idempotency layer answers a held
+/// lock with `409 duplicate_submission`, "please retry later"; that refusal
+/// is dlock's own and is not stored, so the retry it invites runs.
+#[tokio::test]
+async fn a_lock_refusal_inside_is_not_replayed_to_the_retry_it_invites() {
+    use dlock_axum::{LockLayer, LockerExt};
+    use dlock_core::{Locker, MemoryBackend};
+    let locker = Locker::new(MemoryBackend::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let route = post(move || {
+        r.fetch_add(1, Ordering::SeqCst);
+        async { (StatusCode::CREATED, "paid") }
+    })
+    .layer::<_, std::convert::Infallible>(LockLayer::new("pay").header("authorization"))
+    .layer::<_, std::convert::Infallible>(IdempotencyLayer::new(idem()));
+    let app = Router::new().route("/pay", route).with_locker(locker.clone());
+    let key = locker.key("pay").part("Bearer alice").build().expect("key");
+    let held = locker.try_acquire(&key).await.expect("free");
+    let (s, h, b) = send(&app, pay(Some("l"), "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "duplicate_submission"));
+    assert_eq!(h["retry-after"], "1");
+    held.release().await.expect("release");
+    let (s, h, _) = send(&app, pay(Some("l"), "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Issue 15 item 1: the app decides what is stored.
+#[tokio::test]
+async fn the_app_can_set_what_is_stored() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(idem()).store_when(|res| res.status() != StatusCode::CREATED);
+    let app = counting_app(layer, runs.clone(), Duration::ZERO);
+    send(&app, pay(Some("s"), "{}")).await;
+    let (_, h, _) = send(&app, pay(Some("s"), "{}")).await;
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// Issue 15 item 2: on a whole router, only POST and PATCH need a key.
+#[tokio::test]
+async fn on_a_router_other_methods_pass_through() {
+    use axum::http::Method;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::ZERO)
+        .route("/health", get(|| async { "ok" }))
+        .layer(IdempotencyLayer::new(idem()));
+    let plain =
+        |method: Method, uri: &str| Request::builder().method(method).uri(uri).body(Body::empty()).expect("req");
+    assert_eq!(send(&app, plain(Method::GET, "/health")).await.0, StatusCode::OK);
+    assert_eq!(send(&app, plain(Method::OPTIONS, "/pay")).await.0, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(send(&app, plain(Method::GET, "/nowhere")).await.0, StatusCode::NOT_FOUND);
+    let (s, _, b) = send(&app, plain(Method::PATCH, "/pay")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_key_missing"));
+    let only_put = counting_app(IdempotencyLayer::new(idem()).methods([Method::PUT]), runs.clone(), Duration::ZERO);
+    assert_eq!(send(&only_put, pay(None, "{}")).await.0, StatusCode::CREATED, "POST is not guarded here");
+}
+
+/// Issue 15 item 3: callers of a cookie-session service never share records;
+/// without a scope the request is refused, never put in a shared one.
+#[tokio::test]
+async fn scope_is_the_callers_and_never_a_shared_anonymous_one() {
+    use dlock_axum::idempotency::Scope;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app =
+        counting_app(IdempotencyLayer::new(idem()).with_scope(Scope::cookie("session")), runs.clone(), Duration::ZERO);
+    let as_session = |cookie: &str| {
+        Request::post("/pay")
+            .header("idempotency-key", "1")
+            .header("cookie", cookie)
+            .body(Body::from("{}"))
+            .expect("req")
+    };
+    let (_, _, one) = send(&app, as_session("theme=dark; session=user1")).await;
+    let (_, h, two) = send(&app, as_session("session=user2")).await;
+    assert_ne!(one, two, "user2 must not get user1's response");
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let (s, _, b) = send(&app, as_session("theme=dark")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+
+    // The default scope is Authorization, and a request without it is refused.
+    let app = counting_app(IdempotencyLayer::new(idem()), runs.clone(), Duration::ZERO);
+    let anonymous = Request::post("/pay").header("idempotency-key", "1").body(Body::from("{}")).expect("req");
+    let (s, _, b) = send(&app, anonymous).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]
@@ -206,12 +337,16 @@ async fn oversized_bodies_are_refused_clearly() {
     let (s, _, b) = send(&app, pay(Some("big"), "0123456789")).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"));
     assert_eq!(runs.load(Ordering::SeqCst), 0);
-    // The route's answer is longer than 10 bytes: not stored, key freed.
+    // Issue 15 item 6 changes this part: the route's answer (longer than 10
+    // bytes) reaches the client whole; it is not kept, but the key stays
+    // completed, and the retry is told so instead of running the route again.
     let (s, _, b) = send(&app, pay(Some("r"), "{}")).await;
-    assert_eq!((s, error_of(&b).as_str()), (StatusCode::INTERNAL_SERVER_ERROR, "idempotency_response_too_large"));
-    let (s, _, _) = send(&app, pay(Some("r"), "{}")).await;
-    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(runs.load(Ordering::SeqCst), 2, "the key was freed, so the retry ran");
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(String::from_utf8_lossy(&b).starts_with("{\"run\":1,"), "{}", String::from_utf8_lossy(&b));
+    let (s, h, b) = send(&app, pay(Some("r"), "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_response_not_stored"));
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the retry did not run the route again");
 }
 
 #[tokio::test]
@@ -238,8 +373,10 @@ async fn tokens_are_issued_and_spent_once() {
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_token_missing"));
     let by_query = || Request::post(format!("/orders?token={token}")).body(Body::empty()).expect("req");
     assert_eq!(send(&app, by_query()).await.0, StatusCode::OK);
-    let (s, _, b) = send(&app, by_query()).await;
-    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "duplicate_submission"));
+    let (s, h, b) = send(&app, by_query()).await;
+    // A spent token is permanent: its own code, and no Retry-After.
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_token_unknown"));
+    assert!(h.get("retry-after").is_none());
     let (s, _, _) = send(&app, Request::post("/orders?token=made-up").body(Body::empty()).expect("req")).await;
     assert_eq!(s, StatusCode::CONFLICT);
 
@@ -347,4 +484,125 @@ async fn an_inner_error_passes_through_and_frees_the_key() {
     let token = idem.store().issue_token(idem.ttl()).await.expect("token");
     let req = Request::post("/submit").header("idempotency-token", token).body(Body::empty()).expect("request");
     assert_eq!(svc.call(req).await.err(), Some(Broken(2)));
+}
+
+/// Issue 15 item 5: a token is given back when the route did not run
+/// (axum's 415) or failed (503, panic), and spent when it ran to a result;
+/// concurrent submits of one token still run the route once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_token_is_given_back_when_the_route_did_not_run_or_failed() {
+    let idem = idem();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app: Router = Router::new().route(
+        "/submit",
+        post(move |axum::Json(v): axum::Json<serde_json::Value>| {
+            let n = r.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match v["do"].as_str() {
+                    Some("fail") if n == 0 => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+                    Some("panic") if n == 0 => panic!("handler bug"),
+                    Some("slow") => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        (StatusCode::CREATED, "placed").into_response()
+                    }
+                    _ => (StatusCode::CREATED, "placed").into_response(),
+                }
+            }
+        })
+        .layer(TokenLayer::new(idem.clone())),
+    );
+    let submit = |token: &str, content_type: Option<&str>, what: &str| {
+        let mut req = Request::post("/submit").header("idempotency-token", token);
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        req.body(Body::from(format!("{{\"do\":\"{what}\"}}"))).expect("req")
+    };
+    let json = Some("application/json");
+    let fresh = || async { idem.store().issue_token(idem.ttl()).await.expect("token") };
+
+    // 415 from axum's Json extractor: the route never ran; the fixed retry works.
+    let t = fresh().await;
+    assert_eq!(send(&app, submit(&t, None, "ok")).await.0, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(send(&app, submit(&t, json, "ok")).await.0, StatusCode::CREATED);
+    let (s, _, b) = send(&app, submit(&t, json, "ok")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_token_unknown"), "spent after the 201");
+
+    // A 503 of the route gives the token back.
+    runs.store(0, Ordering::SeqCst);
+    let t = fresh().await;
+    assert_eq!(send(&app, submit(&t, json, "fail")).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(send(&app, submit(&t, json, "fail")).await.0, StatusCode::CREATED);
+
+    // A panic gives it back too (in the background), and goes on.
+    runs.store(0, Ordering::SeqCst);
+    let t = fresh().await;
+    let panicked = tokio::spawn({
+        let (app, req) = (app.clone(), submit(&t, json, "panic"));
+        async move { send(&app, req).await }
+    })
+    .await;
+    assert!(panicked.expect_err("the panic goes on").is_panic());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(send(&app, submit(&t, json, "panic")).await.0, StatusCode::CREATED);
+
+    // Concurrent submits: one runs; the others are told it is in progress.
+    runs.store(0, Ordering::SeqCst);
+    let t = fresh().await;
+    let tasks: Vec<_> = (0..10)
+        .map(|_| {
+            let (app, req) = (app.clone(), submit(&t, json, "slow"));
+            tokio::spawn(async move { send(&app, req).await })
+        })
+        .collect();
+    let (mut created, mut in_progress) = (0, 0);
+    for task in tasks {
+        match task.await.expect("task") {
+            (StatusCode::CREATED, _, _) => created += 1,
+            (StatusCode::CONFLICT, h, b) => {
+                assert_eq!(error_of(&b), "idempotency_request_in_progress");
+                assert_eq!(h["retry-after"], "1");
+                in_progress += 1;
+            }
+            (other, _, b) => panic!("unexpected {other}: {}", String::from_utf8_lossy(&b)),
+        }
+    }
+    assert_eq!((created, in_progress, runs.load(Ordering::SeqCst)), (1, 9, 1));
+}
+
+/// Issue 15 item 3: one-time tokens bound to the caller the layer's scope
+/// names: a token issued to alice is of no use to bob, nor to a request
+/// without a caller.
+#[tokio::test]
+async fn bound_tokens_serve_only_their_caller() {
+    use dlock_axum::idempotency::Scope;
+    let idem = idem();
+    let app: Router = Router::new().route("/token", get(idem.bound_token_handler(Scope::header("x-user")))).route(
+        "/submit",
+        post(|| async { "ok" }).layer(TokenLayer::new(idem.clone()).with_scope(Scope::header("x-user"))),
+    );
+    let as_user = |user: Option<&str>, req: axum::http::request::Builder| match user {
+        Some(u) => req.header("x-user", u),
+        None => req,
+    };
+    let (s, _, b) = send(&app, as_user(Some("alice"), Request::get("/token")).body(Body::empty()).expect("req")).await;
+    assert_eq!(s, StatusCode::OK);
+    let token = serde_json::from_slice::<serde_json::Value>(&b).expect("json")["token"].as_str().expect("t").to_owned();
+    let (s, _, b) = send(&app, Request::get("/token").body(Body::empty()).expect("req")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    let submit = |user: Option<&str>| {
+        as_user(user, Request::post("/submit").header("idempotency-token", &token)).body(Body::empty()).expect("req")
+    };
+    let (s, _, b) = send(&app, submit(Some("bob"))).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_token_unknown"));
+    let (s, _, b) = send(&app, submit(None)).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    assert_eq!(send(&app, submit(Some("alice"))).await.0, StatusCode::OK);
+    assert_eq!(send(&app, submit(Some("alice"))).await.0, StatusCode::CONFLICT, "spent");
+    // An unbound layer does not take a bound token either.
+    let unbound: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem.clone())));
+    let t = idem.store().issue_bound_token("h:x-user:whatever", idem.ttl()).await.expect("token");
+    let req = Request::post("/submit").header("idempotency-token", &t).body(Body::empty()).expect("req");
+    assert_eq!(send(&unbound, req).await.0, StatusCode::CONFLICT);
 }

@@ -161,6 +161,40 @@ async fn two_concurrent_requests_on_one_key_give_one_409() {
     assert_eq!(again.await.expect("task").expect("infallible").status(), StatusCode::OK);
 }
 
+/// Issue 15 item 4: a held lock on a route that does not wait, and a wait
+/// that ran out on a queueing route, are two answers a client can tell
+/// apart; both say when to retry, and only the first takes the layer's
+/// configured message and code (the seed's duplicate-submission answer).
+#[tokio::test]
+async fn busy_and_wait_timeout_are_told_apart_and_both_say_retry_after() {
+    let locker = locker();
+    let busy_layer = LockLayer::new("stock").json("product_id").message("busy, try later").code(4242);
+    let queue_layer = LockLayer::new("stock")
+        .json("product_id")
+        .message("busy, try later")
+        .code(4242)
+        .wait(Duration::from_millis(100));
+    let (app, mut entered) = gated_app(&locker, busy_layer);
+    let (queue, _queue_entered) = gated_app(&locker, queue_layer);
+    let first = tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"product_id": 1}"#)));
+    let go = tokio::time::timeout(LONG, entered.recv()).await.expect("first request runs").expect("channel");
+
+    let res = app.clone().oneshot(post_json("/r", r#"{"product_id": 1}"#)).await.expect("infallible");
+    assert_eq!(res.headers()["retry-after"], "1");
+    let v = assert_rejection(res, 409, "duplicate_submission").await;
+    assert_eq!(v["code"], 4242);
+
+    let res = queue.oneshot(post_json("/r", r#"{"product_id": 1}"#)).await.expect("infallible");
+    assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })));
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(dlock_axum::Rejection::of(&res).map(|r| r.is_dlock()), Some(true));
+    let v = assert_rejection(res, 409, "lock_wait_timeout").await;
+    assert_eq!(v["code"], 2103, "a wait that ran out keeps its own code: {v}");
+
+    let _ = go.send(());
+    assert_eq!(first.await.expect("task").expect("infallible").status(), StatusCode::OK);
+}
+
 #[tokio::test]
 async fn many_concurrent_requests_never_overlap() {
     // The counter is read, the task yields, then it is written back: without

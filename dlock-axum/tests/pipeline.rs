@@ -125,7 +125,9 @@ async fn every_refusal_is_the_same_through_both_faces() {
     // The lock is held elsewhere: at once, and after a wait.
     let guard = hold(&locker, "7").await;
     both(&app, "at-once", JSON, r#"{"id": "7"}"#, (409, "duplicate_submission", 4242)).await;
-    both(&app, "waiting", JSON, r#"{"id": "7"}"#, (409, "duplicate_submission", 4242)).await;
+    // A wait that ran out is its own answer (issue 15: nothing was
+    // duplicated), without the configured duplicate message and code.
+    both(&app, "waiting", JSON, r#"{"id": "7"}"#, (409, "lock_wait_timeout", 2103)).await;
     // A body the route cannot read is refused before the lock is asked for.
     both(&app, "waiting", "text/plain", r#"{"id": "7"}"#, (415, "unsupported_media_type", 2302)).await;
     guard.release().await.expect("release");
@@ -176,9 +178,59 @@ async fn the_installed_body_limit_reaches_every_layer() {
         let req = Request::post(uri)
             .header("content-type", "application/json")
             .header("idempotency-key", "k")
+            .header("authorization", "Bearer alice")
             .body(Body::from(body.clone()))
             .expect("request");
         let res = app.clone().oneshot(req).await.expect("infallible");
         assert_eq!(res.status().as_u16(), status, "{uri}");
     }
+}
+
+/// Issue 15 item 7: one hook renders the refusals of every dlock layer and
+/// of the macro, found by the `Rejection` each response carries; the lock
+/// outcome and `Retry-After` survive the rendering.
+#[tokio::test]
+async fn one_hook_renders_every_refusal_as_problem_details() {
+    use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, TokenLayer};
+    use dlock_axum::{LockOutcome, RenderRejections};
+    use dlock_core::idempotency::MemoryStore;
+    let locker = Locker::new(MemoryBackend::new());
+    let idem = Idempotency::new(std::sync::Arc::new(MemoryStore::new()));
+    let echo = |body: String| async move { body };
+    let app = routes()
+        .route("/idem", post(echo).layer(IdempotencyLayer::new(idem.clone())))
+        .route("/token", post(echo).layer(TokenLayer::new(idem)))
+        .route(
+            "/own",
+            post(|| async { dlock_axum::Rejection::new(StatusCode::CONFLICT, "sold_out", 3001, "none left") }),
+        )
+        .layer(RenderRejections::problem_details())
+        .with_locker(Dlock::new(locker.clone()).with_max_body_bytes(LIMIT));
+    let guard = hold(&locker, "7").await;
+    let cases = [
+        ("/layer/at-once", r#"{"id": "7"}"#, 409, "taken", "duplicate_submission"),
+        ("/macro/waiting", r#"{"id": "7"}"#, 409, "lock_wait_timeout", "lock_wait_timeout"),
+        ("/idem", "{}", 400, "idempotency_key_missing", "idempotency_key_missing"),
+        ("/token", "{}", 400, "idempotency_token_missing", "idempotency_token_missing"),
+        ("/own", "{}", 409, "sold_out", "sold_out"),
+    ];
+    for (uri, body, status, _, error) in cases {
+        let res = app.clone().oneshot(request(uri, "application/json", body.to_owned())).await.expect("infallible");
+        assert_eq!(res.status().as_u16(), status, "{uri}");
+        assert_eq!(res.headers()["content-type"], "application/problem+json", "{uri}");
+        assert_eq!(dlock_axum::Rejection::of(&res).map(|r| r.error().to_owned()).as_deref(), Some(error), "{uri}");
+        if uri.contains("at-once") || uri.contains("waiting") {
+            assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })), "{uri}");
+            assert_eq!(res.headers()["retry-after"], "1", "{uri}");
+        }
+        let v: Value =
+            serde_json::from_slice(&res.into_body().collect().await.expect("body").to_bytes()).expect("json");
+        assert_eq!(
+            (v["status"].as_u64(), v["error"].as_str(), v["type"].as_str()),
+            (Some(status as u64), Some(error), Some("about:blank")),
+            "{uri}: {v}"
+        );
+        assert!(v["code"].is_u64() && v["title"].is_string() && v["detail"].is_string(), "{uri}: {v}");
+    }
+    guard.release().await.expect("release");
 }

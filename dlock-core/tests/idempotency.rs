@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::idempotency::{fingerprint, Begin, IdempotencyStore, MemoryStore, RedisStore, StoredResponse};
+use dlock_core::idempotency::{
+    fingerprint, Begin, IdempotencyStore, MemoryStore, RedisStore, StoredResponse, TokenClaim,
+};
 
 async fn suite(store: Arc<dyn IdempotencyStore>) {
     tokens(&store).await;
@@ -13,7 +15,69 @@ async fn suite(store: Arc<dyn IdempotencyStore>) {
     lease_expiry(&store).await;
     response_expiry(&store).await;
     concurrent_tokens(store.clone()).await;
+    claimed_tokens(&store).await;
+    bound_tokens(&store).await;
+    concurrent_claims(store.clone()).await;
     concurrent_begin(store).await;
+}
+
+/// Issue 15 item 5: a token claimed for a running request can be given back
+/// (the route did not run or failed) or spent; while claimed nobody else
+/// takes it, by claim or by consume.
+async fn claimed_tokens(store: &Arc<dyn IdempotencyStore>) {
+    let t = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::Claimed);
+    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::InUse);
+    assert!(!store.consume_token(&t).await.expect("consume"), "a claimed token is not consumed by another");
+    assert!(store.return_token(&t, None).await.expect("return"));
+    assert!(!store.return_token(&t, None).await.expect("return"), "given back once");
+    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::Claimed, "usable again");
+    assert!(store.spend_token(&t, None).await.expect("spend")); // DEL 1
+    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::Unknown);
+    assert!(!store.return_token(&t, None).await.expect("return"), "a spent token stays spent");
+    assert!(!store.consume_token(&t).await.expect("consume"));
+    assert_eq!(store.claim_token("not-a-token", None).await.expect("claim"), TokenClaim::Unknown);
+    // The claim keeps the token's TTL: a claimed token still expires.
+    let short = store.issue_token(Duration::from_millis(80)).await.expect("issue");
+    assert_eq!(store.claim_token(&short, None).await.expect("claim"), TokenClaim::Claimed);
+    tokio::time::sleep(Duration::from_millis(160)).await;
+    assert!(!store.return_token(&short, None).await.expect("return"), "expired while claimed");
+    assert_eq!(store.claim_token(&short, None).await.expect("claim"), TokenClaim::Unknown);
+}
+
+/// Issue 15 item 3: a token bound to a caller is taken by that caller's
+/// claims only: not by another caller, not unbound, not by `consume_token`.
+async fn bound_tokens(store: &Arc<dyn IdempotencyStore>) {
+    let t = store.issue_bound_token("alice", Duration::from_secs(30)).await.expect("issue");
+    assert_eq!(store.claim_token(&t, Some("bob")).await.expect("claim"), TokenClaim::Unknown);
+    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::Unknown);
+    assert!(!store.consume_token(&t).await.expect("consume"), "an unbound consume does not take it"); // DEL 0
+    assert_eq!(store.claim_token(&t, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
+    assert!(!store.return_token(&t, Some("bob")).await.expect("return"));
+    assert!(!store.spend_token(&t, Some("bob")).await.expect("spend"), "bob cannot spend alice's claim"); // DEL 0
+    assert!(store.return_token(&t, Some("alice")).await.expect("return"));
+    assert_eq!(store.claim_token(&t, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
+    assert!(store.spend_token(&t, Some("alice")).await.expect("spend")); // DEL 1
+    assert_eq!(store.claim_token(&t, Some("alice")).await.expect("claim"), TokenClaim::Unknown);
+}
+
+async fn concurrent_claims(store: Arc<dyn IdempotencyStore>) {
+    let token = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (store, token) = (store.clone(), token.clone());
+            tokio::spawn(async move { store.claim_token(&token, None).await.expect("claim") })
+        })
+        .collect();
+    let mut claimed = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            TokenClaim::Claimed => claimed += 1,
+            TokenClaim::InUse => {}
+            TokenClaim::Unknown => panic!("a live token was unknown"),
+        }
+    }
+    assert_eq!(claimed, 1, "exactly one claimant");
 }
 
 async fn tokens(store: &Arc<dyn IdempotencyStore>) {
@@ -146,9 +210,10 @@ async fn redis_store() {
     redis.reset_stats();
     suite(Arc::new(store)).await;
     assert_eq!(redis.command_calls("get"), 0, "tokens are consumed with DEL, never GET");
-    // 5 well-formed consumes in `tokens`, 50 in the storm, and the 2 DELs the
-    // abandon script makes when it frees a key.
-    assert_eq!(redis.command_calls("del"), 5 + 50 + 2, "one DEL per consume");
+    // 5 well-formed consumes in `tokens`, 50 in the storm, the 2 DELs the
+    // abandon script makes when it frees a key, and in `claimed_tokens` 2
+    // consumes and 1 spend, in `bound_tokens` 1 consume and 2 spends.
+    assert_eq!(redis.command_calls("del"), 5 + 50 + 2 + 3 + 3, "one DEL per consume");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

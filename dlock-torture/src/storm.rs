@@ -61,7 +61,9 @@ struct Reply {
 async fn request(addr: &str, method: &str, path: &str, key: Option<&str>, body: &str) -> Result<Reply, String> {
     let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n", body.len());
     if let Some(k) = key {
-        head.push_str(&format!("idempotency-key: {k}\r\n"));
+        // One caller: `orders` scopes its Idempotency-Key records by the
+        // `Authorization` header and refuses a request without one.
+        head.push_str(&format!("idempotency-key: {k}\r\nauthorization: Bearer storm\r\n"));
     }
     head.push_str("\r\n");
     let exchange = async {
@@ -283,7 +285,13 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
                     t.in_progress_409 += 1
                 }
                 (Job::Token(k), Ok(rep)) if rep.status == 201 => t.token_created[k as usize] += 1,
-                (Job::Token(_), Ok(rep)) if rep.status == 409 && rep.body.contains("duplicate_submission") => {
+                // The order's lock held by the running submit, or the token
+                // already spent (its own code since issue 15).
+                (Job::Token(_), Ok(rep))
+                    if rep.status == 409
+                        && (rep.body.contains("duplicate_submission")
+                            || rep.body.contains("idempotency_token_unknown")) =>
+                {
                     t.duplicate_409 += 1
                 }
                 (_, Ok(rep)) => {

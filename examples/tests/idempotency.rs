@@ -133,7 +133,9 @@ async fn one_token_twenty_submits_two_instances_one_order() {
         let r = t.await.expect("task");
         match (r.status, r.json()["error"].as_str().map(str::to_owned)) {
             (201, _) => created += 1,
-            (409, Some(e)) if e == "duplicate_submission" => duplicate += 1,
+            // The lock is held by the running submit (transient) or the
+            // token is spent already (permanent).
+            (409, Some(e)) if e == "duplicate_submission" || e == "idempotency_token_unknown" => duplicate += 1,
             other => panic!("unexpected {other:?}: {}", r.body),
         }
     }
@@ -146,7 +148,7 @@ async fn one_token_twenty_submits_two_instances_one_order() {
     // `lock_key_field_missing` before the handler can say `idempotency_token_missing`.
     assert_eq!(missing.status, 400, "{}", missing.body);
     let made_up = request(&a.addr, "POST", "/orders?token=t-1", &[], r#"{"product": {"id": 9}, "quantity": 1}"#).await;
-    assert_eq!((made_up.status, made_up.json()["error"].clone()), (409, json!("duplicate_submission")));
+    assert_eq!((made_up.status, made_up.json()["error"].clone()), (409, json!("idempotency_token_unknown")));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,9 +159,16 @@ async fn one_key_storm_across_two_instances_pays_once() {
     let tasks: Vec<_> = (0..20)
         .map(|i| {
             let addr = if i % 2 == 0 { a.addr.clone() } else { b.addr.clone() };
-            tokio::spawn(
-                async move { request(&addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await },
-            )
+            tokio::spawn(async move {
+                request(
+                    &addr,
+                    "POST",
+                    "/payments",
+                    &[("idempotency-key", "pay-storm"), ("authorization", "Bearer alice")],
+                    body,
+                )
+                .await
+            })
         })
         .collect();
     let (mut created, mut in_progress, mut replayed) = (Vec::new(), 0, 0);
@@ -184,7 +193,14 @@ async fn one_key_storm_across_two_instances_pays_once() {
 
     // After completion every retry, on either instance, is the same bytes.
     for addr in [&a.addr, &b.addr] {
-        let again = request(addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await;
+        let again = request(
+            addr,
+            "POST",
+            "/payments",
+            &[("idempotency-key", "pay-storm"), ("authorization", "Bearer alice")],
+            body,
+        )
+        .await;
         assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")));
         assert_eq!(again.body, first.body, "byte for byte");
         assert_eq!(again.header("content-type"), first.header("content-type"));
@@ -195,13 +211,17 @@ async fn one_key_storm_across_two_instances_pays_once() {
         &b.addr,
         "POST",
         "/payments",
-        &[("idempotency-key", "pay-storm")],
+        &[("idempotency-key", "pay-storm"), ("authorization", "Bearer alice")],
         r#"{"order_id": "ord_1", "amount": 1}"#,
     )
     .await;
     assert_eq!((other.status, other.json()["error"].clone()), (422, json!("idempotency_key_mismatch")));
     let none = request(&a.addr, "POST", "/payments", &[], body).await;
     assert_eq!((none.status, none.json()["error"].clone()), (400, json!("idempotency_key_missing")));
+    // A caller without credentials is refused, never put in a shared scope
+    // where another anonymous caller's key would replay this payment.
+    let anonymous = request(&a.addr, "POST", "/payments", &[("idempotency-key", "pay-storm")], body).await;
+    assert_eq!((anonymous.status, anonymous.json()["error"].clone()), (400, json!("idempotency_scope_missing")));
     // Another caller (other credentials) with the same key is a new payment.
     let bob = request(
         &a.addr,

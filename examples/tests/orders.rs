@@ -260,8 +260,10 @@ async fn a_dead_redis_is_a_quick_503_and_the_service_recovers() {
     eprintln!("dead redis answered {} in {:?}: {}", r.status, started.elapsed(), r.json);
     assert_eq!(r.status, 503, "{}", r.json);
     assert_eq!(r.json["error"], "lock_backend_unavailable");
-    assert!(r.json["code"].is_u64() && r.json["message"].is_string(), "{}", r.json);
-    assert_eq!(r.header("content-type"), Some("application/json"));
+    // RFC 9457 Problem Details, with dlock's `error` and `code` kept.
+    assert!(r.json["code"].is_u64() && r.json["detail"].is_string(), "{}", r.json);
+    assert_eq!((r.json["status"].as_u64(), r.json["type"].as_str()), (Some(503), Some("about:blank")), "{}", r.json);
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
     assert_eq!(request(&orders.addr, "GET", "/health", None).await.expect("health").status, 200);
 
     // Redis comes back empty (no persistence): restock, then sales work again.
@@ -316,7 +318,12 @@ async fn orders_spend_their_token_once() {
     assert_eq!((first.json["product_id"].clone(), first.json["quantity"].clone()), (json!(5), json!(1)));
 
     let again = request(addr, "POST", &format!("/orders?token={t1}"), Some(&order)).await.expect("order");
-    assert_eq!((again.status, again.json["error"].as_str()), (409, Some("duplicate_submission")), "{}", again.json);
+    assert_eq!(
+        (again.status, again.json["error"].as_str()),
+        (409, Some("idempotency_token_unknown")),
+        "{}",
+        again.json
+    );
 
     let missing = request(addr, "POST", "/orders", Some(&order)).await.expect("order");
     assert_eq!(missing.status, 400, "{}", missing.json);

@@ -10,11 +10,11 @@ use std::time::Duration;
 use crate::macros::take_ready;
 use axum::body::Body;
 use axum::http::request::Parts;
-use axum::http::{header, HeaderName, HeaderValue, Request, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, Method, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use dlock_core::idempotency::{fingerprint, Begin, Claim, IdempotencyStore, StoredResponse};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use futures_util::StreamExt;
 use tower::{Layer, Service};
 
 use super::{Idempotency, ResponseFuture, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
@@ -28,8 +28,159 @@ use crate::Rejection;
 pub const DEFAULT_STORED_HEADERS: &[&str] =
     &["content-type", "content-language", "content-encoding", "location", "etag", "cache-control"];
 
-/// Names the caller a request belongs to; see [`IdempotencyLayer::scope`].
-type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
+/// Decides from the route's response (before its body is read) whether it
+/// is stored for replay; see [`IdempotencyLayer::store_when`].
+type StoreWhen = Arc<dyn Fn(&Response) -> bool + Send + Sync>;
+
+/// The methods [`IdempotencyLayer`] applies to unless
+/// [`IdempotencyLayer::methods`] says otherwise: the unsafe, non-idempotent
+/// ones of the IETF draft. `GET`, `HEAD`, `OPTIONS` (CORS preflights),
+/// `PUT` and `DELETE` pass through untouched.
+pub const DEFAULT_METHODS: &[Method] = &[Method::POST, Method::PATCH];
+
+/// Statuses [`stored_by_default`] never stores: the request was refused
+/// before the work (an extractor's rejection, a missing route or method, a
+/// timeout, a limit), so a corrected retry must run. As `axum-idempotent`'s
+/// defaults, plus `404`.
+const NOT_STORED: &[u16] = &[400, 401, 403, 404, 405, 408, 411, 413, 414, 415, 422, 429];
+
+/// The default of [`IdempotencyLayer::store_when`]: store a response only
+/// when the route ran to a result.
+///
+/// * `2xx`, `3xx` and the `4xx` that are results (`409` of the app, `410`,
+///   `402`, …) are stored and replayed.
+/// * Never stored: `5xx` (the key is freed, a retry runs again); refusals
+///   before the work — axum's extractor rejections and what a route answers
+///   the same way (`400`, `401`, `403`, `404`, `405`, `408`, `411`, `413`,
+///   `414`, `415`, `422`, `429`); and every refusal dlock made (a lock held,
+///   a lock wait that ran out, a spent token, …: a response that carries a
+///   [`Rejection`] with [`Rejection::is_dlock`]). The key is freed, so the
+///   retry the refusal invites runs.
+///
+/// This is Stripe's rule ("results are only saved if an API endpoint
+/// started executing; if incoming parameters failed validation, or the
+/// request conflicted with another that was executing concurrently, no
+/// idempotent result is saved"), told by status because an axum route's
+/// validation and its extractors answer alike.
+///
+/// ```
+/// use axum::{http::StatusCode, response::IntoResponse};
+/// use dlock_axum::{idempotency::stored_by_default, Rejection};
+/// assert!(stored_by_default(&(StatusCode::CREATED, "made").into_response()));
+/// assert!(stored_by_default(&Rejection::new(StatusCode::CONFLICT, "sold_out", 3001, "none left").into_response()));
+/// assert!(!stored_by_default(&StatusCode::UNSUPPORTED_MEDIA_TYPE.into_response()));
+/// assert!(!stored_by_default(&Rejection::duplicate_submission().into_response()));
+/// ```
+pub fn stored_by_default(response: &Response) -> bool {
+    let status = response.status();
+    !(status.is_server_error()
+        || NOT_STORED.contains(&status.as_u16())
+        || Rejection::of(response).is_some_and(Rejection::is_dlock))
+}
+
+/// Whom an `Idempotency-Key` belongs to: keys of different scopes never
+/// meet, so one caller can never be answered with another's stored response.
+///
+/// A request whose scope cannot be found (no such header, no such cookie,
+/// the closure says `None`) is refused with `400 idempotency_scope_missing`
+/// before anything is claimed: there is no shared "anonymous" scope unless
+/// the service asks for one with [`Scope::shared`].
+///
+/// ```
+/// use dlock_axum::idempotency::Scope;
+///
+/// #[derive(Clone)]
+/// struct UserId(u64); // put in the extensions by the app's auth layer
+///
+/// let by_api_key = Scope::header("x-api-key");
+/// let by_session = Scope::cookie("session");
+/// let by_user = Scope::from_fn(|parts| parts.extensions.get::<UserId>().map(|u| u.0.to_string()));
+/// ```
+#[derive(Clone)]
+pub struct Scope(ScopeKind);
+
+/// A scope read from the request by the application's closure.
+type ScopeFn = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
+
+#[derive(Clone)]
+enum ScopeKind {
+    Header(HeaderName),
+    Cookie(Arc<str>),
+    Fn(ScopeFn),
+    Shared,
+}
+
+impl std::fmt::Debug for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            ScopeKind::Header(name) => write!(f, "Scope::header({name:?})"),
+            ScopeKind::Cookie(name) => write!(f, "Scope::cookie({name:?})"),
+            ScopeKind::Fn(_) => f.write_str("Scope::from_fn(..)"),
+            ScopeKind::Shared => f.write_str("Scope::shared()"),
+        }
+    }
+}
+
+impl Scope {
+    /// The value of a request header (`Authorization`, `x-api-key`), hashed:
+    /// the credential itself is never stored. A request without it, or with
+    /// it empty, is refused.
+    ///
+    /// # Panics
+    ///
+    /// When `name` is not a valid header name: a programming error, found
+    /// when the layer is built.
+    pub fn header(name: &str) -> Self {
+        match HeaderName::from_bytes(name.as_bytes()) {
+            Ok(name) => Scope(ScopeKind::Header(name)),
+            Err(_) => panic!("Scope::header: `{name}` is not a valid header name"),
+        }
+    }
+
+    /// The value of a cookie (a session id), hashed. A request without it
+    /// is refused.
+    pub fn cookie(name: &str) -> Self {
+        Scope(ScopeKind::Cookie(name.into()))
+    }
+
+    /// Whatever the request says, read by `f` — typically the user id an
+    /// auth layer put in the extensions. `None` refuses the request.
+    pub fn from_fn(f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
+        Scope(ScopeKind::Fn(Arc::new(f)))
+    }
+
+    /// One scope for every request: any caller who sends a key another
+    /// caller used gets that caller's stored response. Only for services
+    /// with one caller (a service called by one backend) or none that can be
+    /// told apart.
+    pub fn shared() -> Self {
+        Scope(ScopeKind::Shared)
+    }
+
+    /// The scope of a request, prefixed by its kind so that a header value
+    /// and a closure's answer can never be the same scope.
+    pub(crate) fn of(&self, parts: &Parts) -> Option<String> {
+        let hashed = |kind: &str, name: &str, value: &[u8]| format!("{kind}:{name}:{}", fingerprint(&[value]));
+        match &self.0 {
+            ScopeKind::Header(name) => parts
+                .headers
+                .get(name)
+                .filter(|v| !v.as_bytes().iter().all(u8::is_ascii_whitespace))
+                .map(|v| hashed("h", name.as_str(), v.as_bytes())),
+            ScopeKind::Cookie(name) => parts
+                .headers
+                .get_all(header::COOKIE)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(';'))
+                .filter_map(|pair| pair.trim().split_once('='))
+                .find(|(n, v)| *n == &**name && !v.is_empty())
+                .map(|(_, v)| hashed("c", name, v.as_bytes())),
+            ScopeKind::Fn(f) => f(parts).map(|v| format!("f:{v}")),
+            ScopeKind::Shared => Some("shared".to_owned()),
+        }
+    }
+}
 
 /// `Idempotency-Key` handling for a route, per the IETF draft and Stripe.
 ///
@@ -50,14 +201,27 @@ type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 /// * Same key still running → `409 idempotency_request_in_progress`.
 /// * Same key, different fingerprint → `422 idempotency_key_mismatch`.
 ///
+/// **Methods.** Only `POST` and `PATCH` ([`DEFAULT_METHODS`],
+/// [`IdempotencyLayer::methods`]); every other request passes through
+/// untouched, so the layer may sit on a whole router (`GET /health`, CORS
+/// preflights and 404s are not asked for a key).
+///
+/// **What is stored.** Only a response of a route that ran to a result:
+/// [`stored_by_default`], which refuses `5xx`, the statuses of refusals
+/// before the work (axum's extractor rejections: `400`, `415`, `422`, …;
+/// `408`, `413`, `429`) and every refusal dlock made (a lock held inside this
+/// layer, a spent token). A response not stored frees the key, so the
+/// corrected retry runs. Set another rule with [`IdempotencyLayer::store_when`].
+///
 /// **Failure policy.** A `5xx` answer or a panic of the route frees the key,
 /// so a retry runs again (the panic is then resumed, for an outer
 /// `CatchPanicLayer` to answer). So does a request dropped before the route
-/// answered (client gone). `2xx`, `3xx` and `4xx` answers are stored and
-/// replayed: a `4xx` is the answer to that request, and re-running it would
-/// give the same. A response body above `max_response_bytes` (default 1 MiB)
-/// is not stored: the key is freed and the client gets
-/// `500 idempotency_response_too_large`, never a silently unstored success.
+/// answered (client gone). The one-time tokens of
+/// [`TokenLayer`](super::TokenLayer) follow the same rule. A response body
+/// above `max_response_bytes` (default 1 MiB) is sent to the client but not
+/// stored: the key stays completed, and a retry gets
+/// `409 idempotency_response_not_stored` (the work was done; its answer was
+/// not kept) instead of running the route again.
 /// If storing fails (store down after the route ran) the route's response is
 /// still returned and the key stays in progress until its lease ends. An
 /// instance that dies after the route's side effect and before its response
@@ -66,10 +230,13 @@ type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 /// effect itself on the `Idempotency-Key` (the `orders` example records its
 /// payment with `SET NX` on caller + key).
 ///
-/// **Scope.** By default the scope is a SHA-1 of the `Authorization` header,
-/// so callers with different credentials never see each other's responses;
-/// requests without `Authorization` share one anonymous scope. Services that
-/// authenticate otherwise set [`IdempotencyLayer::scope`].
+/// **Scope.** Keys belong to a caller ([`Scope`]). The default is
+/// [`Scope::header`]`("authorization")`: callers with different credentials
+/// never see each other's responses, and a request without `Authorization`
+/// is refused with `400 idempotency_scope_missing` (there is no shared
+/// anonymous scope). Services that authenticate otherwise say how with
+/// [`IdempotencyLayer::with_scope`] (a header, a cookie, a closure over the
+/// request such as the user id an auth layer set) or [`IdempotencyLayer::scope`].
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -94,7 +261,9 @@ type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     idem: Idempotency,
-    scope: ScopeFn,
+    scope: Scope,
+    methods: Arc<[Method]>,
+    store_when: StoreWhen,
     lease: Duration,
     /// `None`: the installed engine's (`DLOCK_MAX_BODY_BYTES`).
     max_body_bytes: Option<usize>,
@@ -106,17 +275,12 @@ impl std::fmt::Debug for IdempotencyLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("store", &self.idem.store.name())
+            .field("scope", &self.scope)
+            .field("methods", &self.methods)
             .field("lease", &self.lease)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("max_response_bytes", &self.max_response_bytes)
             .finish_non_exhaustive()
-    }
-}
-
-fn default_scope(parts: &Parts) -> String {
-    match parts.headers.get(header::AUTHORIZATION) {
-        Some(auth) => format!("auth:{}", fingerprint(&[auth.as_bytes()])),
-        None => "anonymous".to_owned(),
     }
 }
 
@@ -125,7 +289,9 @@ impl IdempotencyLayer {
     pub fn new(idem: Idempotency) -> Self {
         IdempotencyLayer {
             idem,
-            scope: Arc::new(default_scope),
+            scope: Scope(ScopeKind::Header(header::AUTHORIZATION)),
+            methods: DEFAULT_METHODS.into(),
+            store_when: Arc::new(stored_by_default),
             lease: Duration::from_secs(60),
             max_body_bytes: None,
             max_response_bytes: 1024 * 1024,
@@ -133,10 +299,56 @@ impl IdempotencyLayer {
         }
     }
 
-    /// The caller a request belongs to (from an auth header, an extension set
-    /// by an auth layer, …). Keys of different scopes never meet.
+    /// The caller a request belongs to, as a closure that always finds one
+    /// (from an auth header, an extension set by an auth layer, …): the
+    /// short form of [`with_scope`](Self::with_scope)`(`[`Scope::from_fn`]`)`.
+    /// Keys of different scopes never meet.
     pub fn scope(mut self, f: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
-        self.scope = Arc::new(f);
+        self.scope = Scope::from_fn(move |parts| Some(f(parts)));
+        self
+    }
+
+    /// The caller a request belongs to (default: the `Authorization` header).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
+    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let layer = IdempotencyLayer::new(idem).with_scope(Scope::cookie("session"));
+    /// ```
+    pub fn with_scope(mut self, scope: Scope) -> Self {
+        self.scope = scope;
+        self
+    }
+
+    /// The methods the layer applies to (default [`DEFAULT_METHODS`]: `POST`,
+    /// `PATCH`); requests of other methods pass through untouched.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use axum::http::Method;
+    /// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let layer = IdempotencyLayer::new(idem).methods([Method::POST, Method::PATCH, Method::DELETE]);
+    /// ```
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Which responses are stored and replayed (default
+    /// [`stored_by_default`]). A `5xx` is never stored, whatever this says:
+    /// it frees the key. A response not stored frees the key too.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlock_axum::idempotency::{stored_by_default, Idempotency, IdempotencyLayer};
+    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// // Also replay the route's own 422s (its validation runs after the work started).
+    /// let layer = IdempotencyLayer::new(idem).store_when(|res| res.status() == 422 || stored_by_default(res));
+    /// ```
+    pub fn store_when(mut self, f: impl Fn(&Response) -> bool + Send + Sync + 'static) -> Self {
+        self.store_when = Arc::new(f);
         self
     }
 
@@ -155,7 +367,9 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Largest response body stored.
+    /// Largest response body stored (default 1 MiB). A larger one is sent
+    /// to the client but not kept: retries get
+    /// `409 idempotency_response_not_stored`.
     pub fn max_response_bytes(mut self, n: usize) -> Self {
         self.max_response_bytes = n;
         self
@@ -276,7 +490,7 @@ impl Drop for ClaimGuard {
 
 /// Polls the route's future and turns a panic into a value, so the key can
 /// be freed before the panic goes on.
-struct CatchUnwind<F>(Pin<Box<F>>);
+pub(super) struct CatchUnwind<F>(pub(super) Pin<Box<F>>);
 
 impl<F: Future> Future for CatchUnwind<F> {
     type Output = std::thread::Result<F::Output>;
@@ -307,7 +521,12 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let inner = take_ready(&mut self.inner);
+        let mut inner = take_ready(&mut self.inner);
+        if !self.layer.methods.contains(req.method()) {
+            // Not a method this layer guards: untouched, no key asked for.
+            let future = inner.call(req);
+            return ResponseFuture::new(async move { future.await.map(IntoResponse::into_response) });
+        }
         let layer = self.layer.clone();
         ResponseFuture::new(handle(layer, inner, req))
     }
@@ -331,7 +550,9 @@ where
     };
     let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     let fp = fingerprint(&[parts.method.as_str().as_bytes(), path.as_bytes(), &body]);
-    let scope = (layer.scope)(&parts);
+    let Some(scope) = layer.scope.of(&parts) else {
+        return Ok(Rejection::idempotency_scope_missing().into_response());
+    };
     let store = layer.idem.store.clone();
     let claim = match store.begin(&scope, &key, &fp, layer.lease).await {
         Ok(Begin::New(claim)) => claim,
@@ -355,36 +576,60 @@ where
         }
     };
     let Some(claim) = guard.take() else { return Ok(response) };
-    if response.status().is_server_error() {
+    if response.status().is_server_error() || !(layer.store_when)(&response) {
+        // Not a result of the route (a 5xx, a refusal before the work): free
+        // the key so that the retry runs, and answer untouched.
         abandon(&*store, &claim).await;
         return Ok(response);
     }
     let (mut res_parts, res_body) = response.into_parts();
-    let bytes: Bytes = match Limited::new(res_body, layer.max_response_bytes).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) => {
-            abandon(&*store, &claim).await;
-            if e.is::<LengthLimitError>() {
-                tracing::error!(
-                    key = crate::headers::log_id(claim.key()),
-                    limit = layer.max_response_bytes,
-                    "dlock: response too large to store for replay"
-                );
-                return Ok(Rejection::idempotency_response_too_large().into_response());
-            }
-            tracing::warn!(error = %e, "dlock: reading the route's response failed");
-            return Ok(Rejection::body_unreadable().into_response());
-        }
-    };
-    let headers = layer
+    let headers: Vec<(String, Vec<u8>)> = layer
         .stored_headers
         .iter()
         .flat_map(|name| {
             res_parts.headers.get_all(name).iter().map(move |v| (name.as_str().to_owned(), v.as_bytes().to_vec()))
         })
         .collect();
+    let bytes = match read_response(res_body, layer.max_response_bytes).await {
+        ResponseBody::Whole(bytes) => bytes,
+        ResponseBody::TooLarge(body) => {
+            // The work is done and the client gets its answer; what a retry
+            // gets instead of running the work again is a clear refusal.
+            tracing::warn!(
+                key = crate::headers::log_id(claim.key()),
+                limit = layer.max_response_bytes,
+                "dlock: response too large to store for replay; retries get idempotency_response_not_stored"
+            );
+            let stored = not_stored_record();
+            complete(&*store, &claim, &stored, ttl).await;
+            res_parts.headers.remove(header::CONTENT_LENGTH);
+            return Ok(Response::from_parts(res_parts, body));
+        }
+        ResponseBody::Failed(e) => {
+            abandon(&*store, &claim).await;
+            tracing::warn!(error = %e, "dlock: reading the route's response failed");
+            return Ok(Rejection::body_unreadable().into_response());
+        }
+    };
     let stored = StoredResponse::new(res_parts.status.as_u16(), headers, bytes.to_vec());
-    match store.complete(&claim, &stored, ttl).await {
+    complete(&*store, &claim, &stored, ttl).await;
+    res_parts.headers.remove(header::CONTENT_LENGTH);
+    Ok(Response::from_parts(res_parts, Body::from(bytes)))
+}
+
+/// What a retry of a key whose response was too large to keep is answered:
+/// `409 idempotency_response_not_stored`, as its JSON body.
+fn not_stored_record() -> StoredResponse {
+    let rejection = Rejection::idempotency_response_not_stored();
+    StoredResponse::new(
+        rejection.status().as_u16(),
+        vec![("content-type".to_owned(), b"application/json".to_vec())],
+        rejection.body_json().into_bytes(),
+    )
+}
+
+async fn complete(store: &dyn IdempotencyStore, claim: &Claim, stored: &StoredResponse, ttl: Duration) {
+    match store.complete(claim, stored, ttl).await {
         Ok(true) => {}
         Ok(false) => tracing::warn!(
             key = crate::headers::log_id(claim.key()),
@@ -394,8 +639,41 @@ where
             tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: storing the idempotent response failed")
         }
     }
-    res_parts.headers.remove(header::CONTENT_LENGTH);
-    Ok(Response::from_parts(res_parts, Body::from(bytes)))
+}
+
+/// A route's response body, read for storing.
+enum ResponseBody {
+    /// All of it, within the limit.
+    Whole(Bytes),
+    /// Over the limit: the bytes read so far followed by the rest, for the
+    /// client (never buffered whole).
+    TooLarge(Body),
+    /// The body failed while being read.
+    Failed(axum::Error),
+}
+
+async fn read_response(body: Body, limit: usize) -> ResponseBody {
+    let mut stream = body.into_data_stream();
+    let mut read: Vec<Bytes> = Vec::new();
+    let mut len = 0usize;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(chunk) => {
+                len += chunk.len();
+                read.push(chunk);
+                if len > limit {
+                    let head = futures_util::stream::iter(read.into_iter().map(Ok::<Bytes, axum::Error>));
+                    return ResponseBody::TooLarge(Body::from_stream(head.chain(stream)));
+                }
+            }
+            Err(e) => return ResponseBody::Failed(e),
+        }
+    }
+    ResponseBody::Whole(match read.len() {
+        0 => Bytes::new(),
+        1 => read.swap_remove(0),
+        _ => read.concat().into(),
+    })
 }
 
 async fn abandon(store: &dyn IdempotencyStore, claim: &Claim) {

@@ -4,10 +4,18 @@
 //! token from [`Idempotency::token_handler`] (`{"token": "...",
 //! "expires_in_secs": n}`) and sends it with the submit, in the header
 //! `Idempotency-Token` or a query parameter ([`TokenLayer::query_param`]).
-//! [`TokenLayer`] consumes it atomically before the route runs: missing →
+//! [`TokenLayer`] claims it atomically before the route runs: missing →
 //! `400 idempotency_token_missing`; unknown, expired or used →
-//! `409 duplicate_submission`. Of any number of concurrent submits of one
-//! token, exactly one reaches the route.
+//! `409 idempotency_token_unknown` (permanent: fetch a new token); in use by
+//! a concurrent submit → `409 idempotency_request_in_progress`. Of any
+//! number of concurrent submits of one token, exactly one reaches the route.
+//!
+//! **One rule for tokens and keys.** A request counts — its token spent, its
+//! `Idempotency-Key` completed and replayed — only when its route ran to a
+//! result ([`stored_by_default`]). A refusal before the work (axum's
+//! extractor rejections, dlock's own refusals), a `5xx`, a panic or a
+//! dropped request gives the token back and frees the key, so the corrected
+//! retry runs.
 //!
 //! **Key mode** (IETF "The Idempotency-Key HTTP Header Field", Stripe):
 //! [`IdempotencyLayer`] — see there for the rules, the scope default and the
@@ -32,7 +40,8 @@
 //!
 //! let res = app.clone().oneshot(Request::post("/orders").body(Body::empty()).unwrap()).await.unwrap();
 //! assert_eq!(res.status(), 400); // idempotency_token_missing
-//! let res = app.oneshot(Request::post("/payments").header("idempotency-key", "k-1").body(Body::empty()).unwrap()).await.unwrap();
+//! let pay = Request::post("/payments").header("idempotency-key", "k-1").header("authorization", "Bearer alice");
+//! let res = app.oneshot(pay.body(Body::empty()).unwrap()).await.unwrap();
 //! assert_eq!(res.status(), 200);
 //! # }
 //! ```
@@ -47,7 +56,9 @@ use crate::install::Dlock;
 mod key;
 mod token;
 
-pub use key::{IdempotencyLayer, Idempotent, DEFAULT_STORED_HEADERS};
+pub use key::{stored_by_default, IdempotencyLayer, Idempotent, Scope, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
+
+use crate::Rejection;
 pub use token::{RequireToken, TokenLayer, TokenResponse};
 
 /// The future of [`Idempotent`] and [`RequireToken`]: the layer's work, then
@@ -150,6 +161,46 @@ impl Idempotency {
         &self.store
     }
 
+    /// A handler that issues a token bound to the request's caller, as
+    /// `scope` names it: only a [`TokenLayer::with_scope`] of the same scope,
+    /// on a request of the same caller, accepts it. A request whose scope is
+    /// missing is `400 idempotency_scope_missing`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use axum::{body::Body, http::Request, routing::get, Router};
+    /// use dlock_axum::idempotency::{Idempotency, Scope};
+    /// use tower::ServiceExt;
+    /// let idem = Idempotency::new(std::sync::Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let app: Router = Router::new().route("/token", get(idem.bound_token_handler(Scope::header("x-user"))));
+    /// let res = app.oneshot(Request::get("/token").header("x-user", "alice").body(Body::empty()).unwrap()).await.unwrap();
+    /// assert_eq!(res.status(), 200);
+    /// # }
+    /// ```
+    pub fn bound_token_handler(
+        &self,
+        scope: Scope,
+    ) -> impl Fn(
+        axum::http::request::Parts,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
+           + Clone
+           + Send
+           + Sync
+           + 'static {
+        let idem = self.clone();
+        move |parts: axum::http::request::Parts| {
+            let idem = idem.clone();
+            let ttl = idem.ttl_in(&parts.extensions);
+            let principal = scope.of(&parts);
+            Box::pin(async move {
+                match principal {
+                    Some(principal) => token::issue(&idem, Some(&principal), ttl).await,
+                    None => axum::response::IntoResponse::into_response(Rejection::idempotency_scope_missing()),
+                }
+            })
+        }
+    }
+
     /// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`,
     /// or `503 lock_backend_unavailable`. Mount it where clients ask for tokens.
     ///
@@ -176,7 +227,7 @@ impl Idempotency {
         move |extensions: axum::http::Extensions| {
             let idem = idem.clone();
             let ttl = idem.ttl_in(&extensions);
-            Box::pin(async move { token::issue(&idem, ttl).await })
+            Box::pin(async move { token::issue(&idem, None, ttl).await })
         }
     }
 }

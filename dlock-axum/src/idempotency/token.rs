@@ -1,5 +1,6 @@
 //! Token mode: issue and consume one-time tokens.
 
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -9,8 +10,15 @@ use axum::http::{header, HeaderValue, Request};
 use axum::response::{IntoResponse, Response};
 use tower::{Layer, Service};
 
+use dlock_core::idempotency::{IdempotencyStore, TokenClaim};
+
+use super::key::{stored_by_default, CatchUnwind, Scope};
 use super::{Idempotency, ResponseFuture, TOKEN_HEADER};
 use crate::Rejection;
+
+/// Decides from the route's response whether its token is spent; see
+/// [`TokenLayer::spend_when`].
+type SpendWhen = Arc<dyn Fn(&Response) -> bool + Send + Sync>;
 
 /// The body of the token endpoint.
 ///
@@ -38,8 +46,12 @@ impl TokenResponse {
     }
 }
 
-pub(super) async fn issue(idem: &Idempotency, ttl: Duration) -> Response {
-    match idem.store.issue_token(ttl).await {
+pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Duration) -> Response {
+    let issued = match principal {
+        Some(principal) => idem.store.issue_bound_token(principal, ttl).await,
+        None => idem.store.issue_token(ttl).await,
+    };
+    match issued {
         Ok(token) => {
             let body = TokenResponse { token, expires_in_secs: ttl.as_secs() }.to_json();
             let mut res = Response::new(Body::from(body));
@@ -55,10 +67,25 @@ pub(super) async fn issue(idem: &Idempotency, ttl: Duration) -> Response {
     }
 }
 
-/// Consumes a one-time token before the route runs.
+/// Admits one request per one-time token.
 ///
 /// Reads the `Idempotency-Token` header, else the query parameter set with
-/// [`TokenLayer::query_param`].
+/// [`TokenLayer::query_param`]. The token is claimed atomically before the
+/// route runs — of any number of concurrent submits exactly one runs, the
+/// others get `409 idempotency_request_in_progress` (transient) — and then:
+///
+/// * **spent** when the route ran to a result (the rule of
+///   [`stored_by_default`](super::stored_by_default), the same one that
+///   completes an `Idempotency-Key`): a later submit gets
+///   `409 idempotency_token_unknown`;
+/// * **given back**, with the rest of its TTL, when the route did not run or
+///   failed: a refusal before the work (axum's `415`/`400`/`422` extractor
+///   rejections, dlock's own refusals), a `5xx`, a panic, the inner
+///   service's error, or a request dropped before it answered. The
+///   corrected retry can use it.
+///
+/// An instance that dies while running a request leaves its token claimed:
+/// it then counts as spent (never run twice).
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -76,17 +103,37 @@ pub(super) async fn issue(idem: &Idempotency, ttl: Duration) -> Response {
 /// assert_eq!(app.oneshot(submit()).await.unwrap().status(), 409);
 /// # }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct TokenLayer {
     idem: Idempotency,
     query_param: Option<String>,
     duplicate: Rejection,
+    spend_when: SpendWhen,
+    /// The caller tokens are bound to; `None`: unbound tokens.
+    scope: Option<Scope>,
+}
+
+impl std::fmt::Debug for TokenLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenLayer")
+            .field("store", &self.idem.store.name())
+            .field("query_param", &self.query_param)
+            .field("duplicate", &self.duplicate)
+            .field("scope", &self.scope)
+            .finish_non_exhaustive()
+    }
 }
 
 impl TokenLayer {
     /// Tokens from the `Idempotency-Token` header.
     pub fn new(idem: Idempotency) -> Self {
-        TokenLayer { idem, query_param: None, duplicate: Rejection::duplicate_submission() }
+        TokenLayer {
+            idem,
+            query_param: None,
+            duplicate: Rejection::idempotency_token_unknown(),
+            spend_when: Arc::new(stored_by_default),
+            scope: None,
+        }
     }
 
     /// Also accept the token as the query parameter `name` (`?token=...`).
@@ -95,9 +142,45 @@ impl TokenLayer {
         self
     }
 
-    /// The answer to a used or unknown token (default `409 duplicate_submission`).
+    /// The answer to a used or unknown token (default `409 idempotency_token_unknown`).
     pub fn duplicate_rejection(mut self, rejection: Rejection) -> Self {
         self.duplicate = rejection;
+        self
+    }
+
+    /// Accepts only tokens bound to the request's caller: issued by
+    /// [`Idempotency::bound_token_handler`] with the same `scope`. A request
+    /// whose scope is missing is `400 idempotency_scope_missing`; a token
+    /// bound to another caller (or to none) is `409 idempotency_token_unknown`,
+    /// so a leaked token is of no use to anyone else.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use axum::{routing::{get, post}, Router};
+    /// use dlock_axum::idempotency::{Idempotency, Scope, TokenLayer};
+    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let app: Router = Router::new()
+    ///     .route("/token", get(idem.bound_token_handler(Scope::cookie("session"))))
+    ///     .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem).with_scope(Scope::cookie("session"))));
+    /// ```
+    pub fn with_scope(mut self, scope: Scope) -> Self {
+        self.scope = Some(scope);
+        self
+    }
+
+    /// Which answers of the route spend the token (default
+    /// [`stored_by_default`](super::stored_by_default)); the others give it
+    /// back. A `5xx` always gives it back.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlock_axum::idempotency::{stored_by_default, Idempotency, TokenLayer};
+    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// // A 422 of this route comes after its side effect: spend the token then too.
+    /// let layer = TokenLayer::new(idem).spend_when(|res| res.status() == 422 || stored_by_default(res));
+    /// ```
+    pub fn spend_when(mut self, f: impl Fn(&Response) -> bool + Send + Sync + 'static) -> Self {
+        self.spend_when = Arc::new(f);
         self
     }
 }
@@ -169,19 +252,87 @@ where
         let mut inner = take_ready(&mut self.inner);
         let token = self.token(&req);
         let layer = self.layer.clone();
+        // The caller the token must be bound to, read before the request
+        // moves into the route.
+        let (parts, body) = req.into_parts();
+        let principal = layer.scope.as_ref().map(|scope| scope.of(&parts));
+        let req = Request::from_parts(parts, body);
         ResponseFuture::new(async move {
             let Some(token) = token else {
                 return Ok(Rejection::idempotency_token_missing().into_response());
             };
-            match layer.idem.store.consume_token(&token).await {
-                Ok(true) => inner.call(req).await.map(IntoResponse::into_response),
-                Ok(false) => Ok(layer.duplicate.clone().into_response()),
+            let principal = match principal {
+                None => None,
+                Some(Some(principal)) => Some(principal),
+                Some(None) => return Ok(Rejection::idempotency_scope_missing().into_response()),
+            };
+            let store = layer.idem.store.clone();
+            match store.claim_token(&token, principal.as_deref()).await {
+                Ok(TokenClaim::Claimed) => {}
+                Ok(TokenClaim::InUse) => {
+                    return Ok(Rejection::idempotency_request_in_progress()
+                        .with_message("a request with this token is still being processed")
+                        .into_response())
+                }
+                Ok(TokenClaim::Unknown) => return Ok(layer.duplicate.clone().into_response()),
                 Err(e) => {
-                    tracing::warn!(error = %e, "dlock: consuming an idempotency token failed");
+                    tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
                     // `Retry-After` on a 503 comes with the rejection's response.
-                    Ok(Rejection::from_lock_error(&e).into_response())
+                    return Ok(Rejection::from_lock_error(&e).into_response());
                 }
             }
+            // Gives the token back if the route panics, errs or is dropped.
+            let mut guard = TokenGuard { store: store.clone(), token: Some((token, principal)) };
+            let response = match CatchUnwind(Box::pin(inner.call(req))).await {
+                Ok(Ok(res)) => res.into_response(),
+                Ok(Err(e)) => {
+                    drop(guard);
+                    return Err(e);
+                }
+                Err(panic) => {
+                    drop(guard);
+                    std::panic::resume_unwind(panic);
+                }
+            };
+            let Some((token, principal)) = guard.token.take() else { return Ok(response) };
+            if !response.status().is_server_error() && (layer.spend_when)(&response) {
+                if let Err(e) = store.spend_token(&token, principal.as_deref()).await {
+                    // Still claimed: it counts as spent until its TTL ends.
+                    tracing::warn!(error = %e, "dlock: spending an idempotency token failed; it stays claimed");
+                }
+            } else {
+                give_back(&*store, &token, principal.as_deref()).await;
+            }
+            Ok(response)
         })
+    }
+}
+
+async fn give_back(store: &dyn IdempotencyStore, token: &str, principal: Option<&str>) {
+    match store.return_token(token, principal).await {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!("dlock: an idempotency token could not be given back (expired); it stays spent"),
+        Err(e) => tracing::warn!(error = %e, "dlock: giving an idempotency token back failed; it stays spent"),
+    }
+}
+
+/// Gives a claimed token back if the request ends without deciding: a
+/// dropped future (client gone), a panic, an error of the route.
+struct TokenGuard {
+    store: Arc<dyn IdempotencyStore>,
+    /// The token and the caller it is bound to.
+    token: Option<(String, Option<String>)>,
+}
+
+impl Drop for TokenGuard {
+    fn drop(&mut self) {
+        let Some((token, principal)) = self.token.take() else { return };
+        let store = self.store.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move { give_back(&*store, &token, principal.as_deref()).await });
+            }
+            Err(_) => tracing::warn!("dlock: no runtime to give an idempotency token back; it stays spent"),
+        }
     }
 }

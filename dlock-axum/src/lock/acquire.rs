@@ -80,15 +80,19 @@ impl Refusal {
         Refusal { rejection, outcome: LockOutcome::OverQuota, key: Some(key), cause: None }
     }
 
-    /// An engine error, mapped by [`Rejection::from_lock_error`]; a lost race
-    /// gets the policy's message and code.
+    /// An engine error, mapped by [`Rejection::from_lock_error`]; a lock
+    /// found held on a route that does not wait (the seed's duplicate
+    /// submission) gets the policy's message and code. A wait that ran out
+    /// keeps `lock_wait_timeout`'s: nothing was duplicated, and the client
+    /// must be able to tell the two apart.
     pub(crate) fn from_error(err: dlock_core::Error, policy: &Policy, key: Option<LockKey>, waited: Duration) -> Self {
         let mut rejection = Rejection::from_lock_error(&err);
         let outcome = if err.is_contention() {
-            if let Some(message) = &policy.message {
+            let duplicate = matches!(err, dlock_core::Error::Busy { .. });
+            if let Some(message) = policy.message.as_ref().filter(|_| duplicate) {
                 rejection = rejection.with_message(message.clone());
             }
-            if let Some(code) = policy.code {
+            if let Some(code) = policy.code.filter(|_| duplicate) {
                 rejection = rejection.with_code(code);
             }
             LockOutcome::Busy { waited }

@@ -154,7 +154,8 @@ impl LockLayer {
         self.with(|s| s.policy.max_hold = Some(max_hold))
     }
 
-    /// The `message` of the `409 duplicate_submission` answer.
+    /// The `message` of the `409 duplicate_submission` answer (a lock held
+    /// by another request; a wait that ran out is `lock_wait_timeout`).
     pub fn message(self, message: impl Into<Cow<'static, str>>) -> Self {
         let message = message.into();
         self.with(|s| s.policy.message = Some(message))

@@ -41,7 +41,9 @@
 //!    (`400 lock_key_field_missing` when one is absent);
 //! 4. acquires as the request's [`RequestOwner`](crate::RequestOwner), so a
 //!    nested lock on the same key in the same request re-enters;
-//!    a lock held elsewhere past the wait is `409 duplicate_submission`, an
+//!    a lock held elsewhere is `409 duplicate_submission` on a route that
+//!    does not wait, `409 lock_wait_timeout` once a route's wait ran out
+//!    (both with `Retry-After`), an
 //!    unreachable backend `503 lock_backend_unavailable`;
 //! 5. records the grant's [`FencingToken`](crate::FencingToken) for the
 //!    route to extract, calls the route, and releases once the route has answered

@@ -39,7 +39,7 @@ pub struct Policy {
     pub(crate) lease: Option<Duration>,
     /// In watchdog mode, the longest a request may hold the lock.
     pub(crate) max_hold: Option<Duration>,
-    /// `message` of the `409 duplicate_submission` answer.
+    /// `message` of the `409 duplicate_submission` answer (not of `lock_wait_timeout`).
     pub(crate) message: Option<Cow<'static, str>>,
     /// `code` of that answer.
     pub(crate) code: Option<u32>,
@@ -70,7 +70,8 @@ impl Policy {
         self
     }
 
-    /// The `message` of the `409 duplicate_submission` answer.
+    /// The `message` of the `409 duplicate_submission` answer (a lock held
+    /// by another request; a wait that ran out is `lock_wait_timeout`).
     pub fn with_message(mut self, message: impl Into<Cow<'static, str>>) -> Self {
         self.message = Some(message.into());
         self

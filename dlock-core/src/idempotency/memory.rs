@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TOKEN_BYTES};
+use super::{token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
@@ -31,9 +31,18 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct Inner {
-    tokens: HashMap<String, Instant>,
+    tokens: HashMap<String, Token>,
     records: HashMap<(String, String), Record>,
     inserts: usize,
+}
+
+#[derive(Debug)]
+struct Token {
+    expires: Instant,
+    /// Claimed by a running request ([`IdempotencyStore::claim_token`]).
+    claimed: bool,
+    /// The caller it is bound to ([`IdempotencyStore::issue_bound_token`]).
+    principal: Option<String>,
 }
 
 #[derive(Debug)]
@@ -56,6 +65,16 @@ impl MemoryStore {
         MemoryStore { inner: Mutex::new(Inner::default()) }
     }
 
+    fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
+        let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
+        let now = Instant::now();
+        let mut inner = self.lock()?;
+        let record = Token { expires: now + ttl, claimed: false, principal: principal.map(str::to_owned) };
+        inner.tokens.insert(token.clone(), record);
+        inner.inserted(now);
+        Ok(token)
+    }
+
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Inner>> {
         self.inner.lock().map_err(|_| Error::backend("memory", "idempotency store poisoned by a panic"))
     }
@@ -66,7 +85,7 @@ impl Inner {
         self.inserts += 1;
         if self.inserts >= SWEEP_EVERY {
             self.inserts = 0;
-            self.tokens.retain(|_, exp| *exp > now);
+            self.tokens.retain(|_, t| t.expires > now);
             self.records.retain(|_, r| r.expires > now);
         }
     }
@@ -78,14 +97,11 @@ impl IdempotencyStore for MemoryStore {
     }
 
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(async move {
-            let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
-            let now = Instant::now();
-            let mut inner = self.lock()?;
-            inner.tokens.insert(token.clone(), now + ttl);
-            inner.inserted(now);
-            Ok(token)
-        })
+        Box::pin(async move { self.issue(None, ttl) })
+    }
+
+    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(async move { self.issue(Some(principal), ttl) })
     }
 
     fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
@@ -93,8 +109,61 @@ impl IdempotencyStore for MemoryStore {
             if !token_well_formed(token) {
                 return Ok(false);
             }
+            let now = Instant::now();
             let mut inner = self.lock()?;
-            Ok(inner.tokens.remove(token).is_some_and(|exp| exp > Instant::now()))
+            // A claimed token belongs to the request running with it, a
+            // bound one to its caller's claims.
+            let fresh = inner.tokens.get(token).is_some_and(|t| t.expires > now && !t.claimed && t.principal.is_none());
+            if fresh {
+                inner.tokens.remove(token);
+            }
+            Ok(fresh)
+        })
+    }
+
+    fn claim_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<TokenClaim>> {
+        Box::pin(async move {
+            if !token_well_formed(token) {
+                return Ok(TokenClaim::Unknown);
+            }
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            Ok(match inner.tokens.get_mut(token).filter(|t| t.expires > now && t.principal.as_deref() == principal) {
+                None => TokenClaim::Unknown,
+                Some(t) if t.claimed => TokenClaim::InUse,
+                Some(t) => {
+                    t.claimed = true;
+                    TokenClaim::Claimed
+                }
+            })
+        })
+    }
+
+    fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            let ours = |t: &Token| t.claimed && t.principal.as_deref() == principal;
+            let claimed = inner.tokens.get(token).is_some_and(|t| t.expires > now && ours(t));
+            if inner.tokens.get(token).is_some_and(ours) {
+                inner.tokens.remove(token);
+            }
+            Ok(claimed)
+        })
+    }
+
+    fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock()?;
+            let ours = |t: &&mut Token| t.expires > now && t.claimed && t.principal.as_deref() == principal;
+            Ok(match inner.tokens.get_mut(token).filter(ours) {
+                Some(t) => {
+                    t.claimed = false;
+                    true
+                }
+                None => false,
+            })
         })
     }
 

@@ -2,9 +2,13 @@
 //!
 //! * **Tokens** — [`IdempotencyStore::issue_token`] makes a 128-bit token from
 //!   the OS CSPRNG that lives for a TTL; [`IdempotencyStore::consume_token`]
-//!   deletes it in one atomic step (Redis: one `DEL` whose count says whether
-//!   this caller removed it), so of any number of concurrent submits exactly
-//!   one sees `true`. Never GET-then-DEL: two callers could both see it.
+//!   spends it in one atomic step, so of any number of concurrent submits
+//!   exactly one sees `true`. Never GET-then-DEL: two callers could both see
+//!   it. A request that may have to give its token back (its route did not
+//!   run, or failed) [`claim_token`](IdempotencyStore::claim_token)s it
+//!   instead — also once, atomically — and then either
+//!   [`spend_token`](IdempotencyStore::spend_token)s or
+//!   [`return_token`](IdempotencyStore::return_token)s it.
 //! * **Keys** — [`IdempotencyStore::begin`] claims `(scope, key)` atomically
 //!   and answers [`Begin::New`] (run the handler), [`Begin::InProgress`],
 //!   [`Begin::Completed`] (the stored response) or [`Begin::Mismatch`] (same
@@ -73,6 +77,57 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     /// `false` when it is unknown, expired or already used.
     fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>>;
 
+    /// Issues a fresh token bound to `principal` (a caller: a hashed
+    /// credential, a user id): only a claim naming the same principal takes
+    /// it, and [`consume_token`](Self::consume_token) never does.
+    ///
+    /// The default (for stores that cannot bind) is an error.
+    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        let _ = (principal, ttl);
+        Box::pin(async move { Err(Error::backend(self.name(), "this store cannot bind tokens to a caller")) })
+    }
+
+    /// Claims a fresh `token` for a request about to run, atomically: of any
+    /// number of concurrent callers exactly one gets [`TokenClaim::Claimed`],
+    /// the others [`TokenClaim::InUse`] until it is spent or returned. The
+    /// token keeps its TTL. A claim whose instance dies is never returned:
+    /// the token then counts as spent. `principal` is the caller a token was
+    /// bound to ([`issue_bound_token`](Self::issue_bound_token)), `None` for
+    /// an unbound one; a token bound to another principal is
+    /// [`TokenClaim::Unknown`].
+    ///
+    /// The default (for stores that cannot hold a claim) spends an unbound
+    /// token with [`consume_token`](Self::consume_token).
+    fn claim_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<TokenClaim>> {
+        Box::pin(async move {
+            if principal.is_some() {
+                return Ok(TokenClaim::Unknown);
+            }
+            Ok(if self.consume_token(token).await? { TokenClaim::Claimed } else { TokenClaim::Unknown })
+        })
+    }
+
+    /// Spends a token this caller claimed (with the same `principal`).
+    /// `Ok(false)` when it was no longer claimed (it expired).
+    ///
+    /// The default does nothing: its [`claim_token`](Self::claim_token)
+    /// spent the token already.
+    fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+        let _ = (token, principal);
+        Box::pin(async { Ok(true) })
+    }
+
+    /// Gives a token this caller claimed (with the same `principal`) back,
+    /// fresh, with the rest of its TTL, so that a retry can use it.
+    /// `Ok(false)` when it could not be (it expired; or this store cannot
+    /// return tokens).
+    ///
+    /// The default cannot: the token stays spent.
+    fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+        let _ = (token, principal);
+        Box::pin(async { Ok(false) })
+    }
+
     /// Claims `key` within `scope` for a request whose `fingerprint` is given,
     /// with an in-progress record that expires after `lease`.
     fn begin<'a>(
@@ -95,6 +150,36 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     /// Frees a claimed key so that a retry runs again. `Ok(false)` when the
     /// claim is no longer ours.
     fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>>;
+}
+
+/// The answer of [`IdempotencyStore::claim_token`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// use dlock_core::idempotency::{IdempotencyStore, MemoryStore, TokenClaim};
+/// let store = MemoryStore::new();
+/// let token = store.issue_token(std::time::Duration::from_secs(60)).await?;
+/// assert_eq!(store.claim_token(&token, None).await?, TokenClaim::Claimed);
+/// assert_eq!(store.claim_token(&token, None).await?, TokenClaim::InUse);
+/// assert!(store.return_token(&token, None).await?); // the route failed: usable again
+/// assert_eq!(store.claim_token(&token, None).await?, TokenClaim::Claimed);
+/// assert!(store.spend_token(&token, None).await?);
+/// assert_eq!(store.claim_token(&token, None).await?, TokenClaim::Unknown);
+///
+/// // Bound to a caller: nobody else takes it.
+/// let mine = store.issue_bound_token("alice", std::time::Duration::from_secs(60)).await?;
+/// assert_eq!(store.claim_token(&mine, Some("bob")).await?, TokenClaim::Unknown);
+/// assert_eq!(store.claim_token(&mine, Some("alice")).await?, TokenClaim::Claimed);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenClaim {
+    /// The token was fresh and is now this caller's: run, then spend or return it.
+    Claimed,
+    /// Another request holds the token and has not finished.
+    InUse,
+    /// The token is unknown, expired or spent.
+    Unknown,
 }
 
 /// The answer of [`IdempotencyStore::begin`].

@@ -1,7 +1,14 @@
 //! The Redis store.
 //!
-//! * A token is the key `prefix:idem:t:<token>` (value `1`, TTL); consuming
-//!   it is one `DEL`, and only the caller whose `DEL` counted 1 proceeds.
+//! * A fresh token is the key `prefix:idem:t:{<token>}` (value `1`, TTL);
+//!   consuming it is one `DEL`, and only the caller whose `DEL` counted 1
+//!   proceeds. A token claimed by a running request is renamed to
+//!   `prefix:idem:tu:{<token>}` (its TTL goes with it), so no `DEL` of the
+//!   fresh name can take it meanwhile; returning renames it back, spending
+//!   is one `DEL` of the claimed name. The braces keep both names in one
+//!   Redis Cluster slot, for the scripts that rename. A token bound to a
+//!   caller has the caller's hash after both names (`...:{<token>}:<sha1>`):
+//!   a claim naming another caller, or none, finds nothing.
 //! * A key record is a hash `prefix:idem:k:<sha1(scope, key)>` with fields
 //!   `s` (`p` in progress / `c` completed), `f` fingerprint, `o` owner while
 //!   in progress, `r` the encoded response. Its TTL is the lease while in
@@ -16,7 +23,7 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TOKEN_BYTES};
+use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES};
 use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend, RedisOptions};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
@@ -38,6 +45,8 @@ pub struct RedisStore {
     begin: Script,
     complete: Script,
     abandon: Script,
+    claim_token: Script,
+    return_token: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -90,11 +99,43 @@ impl RedisStore {
             begin: Script::new(include_str!("begin.lua")),
             complete: Script::new(include_str!("complete.lua")),
             abandon: Script::new(include_str!("abandon.lua")),
+            claim_token: Script::new(include_str!("claim_token.lua")),
+            return_token: Script::new(include_str!("return_token.lua")),
         }
     }
 
     fn token_key(&self, token: &str) -> String {
-        format!("{}:idem:t:{token}", self.prefix)
+        format!("{}:idem:t:{{{token}}}", self.prefix)
+    }
+
+    /// Issues a token, bound to `principal` or not.
+    async fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
+        let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
+        let () = redis::cmd("SET")
+            .arg(self.token_names(&token, principal).0)
+            .arg(1)
+            .arg("PX")
+            .arg(lease_ms(ttl))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+        Ok(token)
+    }
+
+    /// The fresh and the claimed name of `token`, bound to `principal` or not.
+    fn token_names(&self, token: &str, principal: Option<&str>) -> (String, String) {
+        let bound = principal.map(|p| format!(":{}", fingerprint(&[p]))).unwrap_or_default();
+        (format!("{}:idem:t:{{{token}}}{bound}", self.prefix), format!("{}:idem:tu:{{{token}}}{bound}", self.prefix))
+    }
+
+    /// Runs a rename script from `from` to `to`.
+    async fn rename(&self, script: &Script, from: String, to: String) -> Result<i64> {
+        script.key(from).key(to).invoke_async(&mut self.conn.clone()).await.map_err(redis_error)
+    }
+
+    async fn del(&self, key: String) -> Result<bool> {
+        let removed: i64 = redis::cmd("DEL").arg(key).query_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+        Ok(removed == 1)
     }
 
     fn record_key(&self, scope: &str, key: &str) -> String {
@@ -108,18 +149,11 @@ impl IdempotencyStore for RedisStore {
     }
 
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(async move {
-            let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
-            let () = redis::cmd("SET")
-                .arg(self.token_key(&token))
-                .arg(1)
-                .arg("PX")
-                .arg(lease_ms(ttl))
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(redis_error)?;
-            Ok(token)
-        })
+        Box::pin(async move { self.issue(None, ttl).await })
+    }
+
+    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(async move { self.issue(Some(principal), ttl).await })
     }
 
     fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
@@ -127,12 +161,32 @@ impl IdempotencyStore for RedisStore {
             if !token_well_formed(token) {
                 return Ok(false);
             }
-            let removed: i64 = redis::cmd("DEL")
-                .arg(self.token_key(token))
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(redis_error)?;
-            Ok(removed == 1)
+            self.del(self.token_key(token)).await
+        })
+    }
+
+    fn claim_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<TokenClaim>> {
+        Box::pin(async move {
+            if !token_well_formed(token) {
+                return Ok(TokenClaim::Unknown);
+            }
+            let (fresh, claimed) = self.token_names(token, principal);
+            Ok(match self.rename(&self.claim_token, fresh, claimed).await? {
+                1 => TokenClaim::Claimed,
+                2 => TokenClaim::InUse,
+                _ => TokenClaim::Unknown,
+            })
+        })
+    }
+
+    fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move { Ok(token_well_formed(token) && self.del(self.token_names(token, principal).1).await?) })
+    }
+
+    fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let (fresh, claimed) = self.token_names(token, principal);
+            Ok(token_well_formed(token) && self.rename(&self.return_token, claimed, fresh).await? == 1)
         })
     }
 

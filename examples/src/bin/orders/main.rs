@@ -27,15 +27,21 @@
 //! * `POST /orders?token=T` `{"product":{"id":id},"quantity":q}` → 201
 //!   `{"order_id":..,"product_id":..,"quantity":..}`; `#[lockable]` on `order.create`
 //!   by product and token; `T` comes from `GET /idempotency/token` and is
-//!   spent once (`400 idempotency_token_missing`, `409 duplicate_submission`)
+//!   spent once (`400 idempotency_token_missing`; `409 idempotency_token_unknown`
+//!   once spent; `409 duplicate_submission` with `Retry-After` while the
+//!   same order is running)
 //! * `GET /idempotency/token` → `{"token": "...", "expires_in_secs": n}`
-//! * `POST /payments` with `Idempotency-Key: K`, `{"order_id": "...", "amount": n}`
+//! * `POST /payments` with `Idempotency-Key: K` and `Authorization` (the
+//!   caller, whose records the key belongs to: `400 idempotency_scope_missing`
+//!   without), `{"order_id": "...", "amount": n}`
 //!   → 201 `{"payment_id":..,"order_id":..,"amount":..}` after ~200 ms of work;
 //!   a retry replays it (`Idempotent-Replayed: true`), `409
 //!   idempotency_request_in_progress` while running, `422
 //!   idempotency_key_mismatch` for another body, `400` without a key
 //!
-//! Every error is `{"error": "...", "code": n, "message": "..."}`. JSON bodies
+//! Every error is RFC 9457 Problem Details (`application/problem+json`):
+//! `{"type": "about:blank", "title": "...", "status": n, "detail": "...",
+//! "error": "...", "code": n}`, through `RenderRejections`. JSON bodies
 //! are read with `dlock_axum::JsonBody`, by the rules of `LockLayer`: a
 //! declared `Content-Type` that is not JSON is `415`, a bad body `400`.
 
@@ -49,8 +55,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use dlock_axum::idempotency::stored_by_default;
 use dlock_axum::lock::Policy;
-use dlock_axum::{lockable, Dlock, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RequestOwner};
+use dlock_axum::{
+    lockable, Dlock, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RenderRejections, RequestOwner,
+};
 use dlock_core::{Config, Locker, Owner};
 use serde_json::{json, Value};
 use tracing_subscriber::EnvFilter;
@@ -145,6 +154,9 @@ fn router(app: App, dlock: Dlock) -> Router {
         .route("/stock/reduce", reduce)
         .route("/orders", post(create_order))
         .merge(payments::routes(&app.idem, app.payment_lease, app.store.clone()))
+        // Every refusal, dlock's and this service's own `Rejection`s, as
+        // RFC 9457 Problem Details (`error` and `code` kept as members).
+        .layer(RenderRejections::problem_details())
         .layer(middleware::from_fn(access_log))
         .with_locker(dlock)
         .with_state(app)
@@ -305,11 +317,19 @@ async fn create_order(
         return Err(invalid_quantity().into());
     }
     let ProductRef { id } = product;
-    if !payments::spend_token(&app.idem, &token).await? {
-        return Err(Rejection::duplicate_submission()
-            .with_message("this order token is unknown or was already used")
-            .into());
-    }
+    // The token is claimed, and spent only if the order ran to a result (an
+    // order, or `409 sold_out`); a 5xx (store down) gives it back for the
+    // retry: the rule `TokenLayer` follows.
+    payments::claim_token(&app.idem, &token).await?;
+    let response = place_order(&app, owner, id, quantity).await.into_response();
+    // Decided before the await: a `Response` is not `Sync`, so a reference
+    // to it would make this handler's future not `Send`.
+    let ran_to_result = stored_by_default(&response);
+    payments::settle_token(&app.idem, &token, ran_to_result).await;
+    Ok(response)
+}
+
+async fn place_order(app: &App, owner: Owner, id: ProductId, quantity: i64) -> Result<Response, AppError> {
     let remaining = app.with_stock_lock(owner, &id, take_stock(&app.store, &id, quantity)).await?;
     let order_id = new_order_id()?;
     let order = json!({"order_id": order_id, "product_id": id, "quantity": quantity});

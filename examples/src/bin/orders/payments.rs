@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
 use dlock_axum::Rejection;
-use dlock_core::idempotency::{fingerprint, RedisStore};
+use dlock_core::idempotency::{fingerprint, RedisStore, TokenClaim};
 use dlock_core::{BackendKind, Config, Locker};
 use serde::Deserialize;
 use serde_json::json;
@@ -49,13 +49,39 @@ pub(crate) async fn services(
     }
 }
 
-/// Spends a one-time order token from `GET /idempotency/token`: `Ok(true)`
-/// for exactly one request, whichever instance it reaches.
-pub(crate) async fn spend_token(idem: &Idempotency, token: &str) -> Result<bool, Rejection> {
-    idem.store().consume_token(token).await.map_err(|e| {
+/// Claims a one-time order token from `GET /idempotency/token` for exactly
+/// one request, whichever instance it reaches; refuses the others
+/// (`409 idempotency_request_in_progress` while it runs,
+/// `409 idempotency_token_unknown` once spent or when never issued).
+pub(crate) async fn claim_token(idem: &Idempotency, token: &str) -> Result<(), Rejection> {
+    let claim = idem.store().claim_token(token, None).await.map_err(|e| {
         tracing::warn!(error = %e, "idempotency store unavailable");
         Rejection::from_lock_error(&e)
-    })
+    })?;
+    match claim {
+        TokenClaim::Claimed => Ok(()),
+        TokenClaim::InUse => {
+            Err(Rejection::idempotency_request_in_progress()
+                .with_message("an order with this token is still being placed"))
+        }
+        // Permanent, unlike a held lock: the client needs a new token.
+        TokenClaim::Unknown => Err(Rejection::idempotency_token_unknown()),
+    }
+}
+
+/// Spends a claimed token if the order ran to a result (`ran_to_result`:
+/// [`stored_by_default`](dlock_axum::idempotency::stored_by_default), the
+/// rule of `TokenLayer` and `IdempotencyLayer`), else gives it back. A store
+/// failure here leaves the token claimed: spent, never run twice.
+pub(crate) async fn settle_token(idem: &Idempotency, token: &str, ran_to_result: bool) {
+    let settled = if ran_to_result {
+        idem.store().spend_token(token, None).await
+    } else {
+        idem.store().return_token(token, None).await
+    };
+    if let Err(e) = settled {
+        tracing::warn!(error = %e, "settling an order token failed; it stays spent");
+    }
 }
 
 /// `GET /idempotency/token` and `POST /payments` (whose in-progress claim
