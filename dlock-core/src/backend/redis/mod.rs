@@ -12,7 +12,9 @@
 //!   deleted.
 //! * Acquire, renew and release are one Lua script each (EVALSHA), with the
 //!   owner checked inside the script. A refused acquire returns the holder's
-//!   remaining TTL in the same call.
+//!   remaining TTL in the same call. Renewals queued while a renew call is
+//!   in flight go out together in the next call, many locks per script
+//!   (one per lock in a cluster, whose locks live in many slots).
 //! * Release publishes on `prefix:{name:parts}:released` when `w` says
 //!   someone waits (uncontended releases skip it); waiters of this process
 //!   share one subscriber connection (see `subscriber.rs`).
@@ -62,6 +64,7 @@ use crate::owner::Owner;
 use tls::{is_tls_url, CA_FILE_VAR, CLIENT_CERT_VAR};
 
 mod high_water;
+mod renew_batch;
 mod restart;
 pub(crate) mod subscriber;
 pub(crate) mod tls;
@@ -170,7 +173,10 @@ pub struct RedisBackend {
     high_water: HighWater,
     pub(crate) subscriber: Subscriber,
     acquire: Script,
-    renew: Script,
+    /// The renew script, and what its calls go through (one call for the
+    /// renewals queued together; see `renew_batch.rs`).
+    renew: renew_batch::Sender,
+    renewals: renew_batch::RenewBatch,
     release: Script,
 }
 
@@ -301,6 +307,11 @@ impl RedisBackend {
             Conn::Cluster(_) => HighWater::PerSlot,
             Conn::Single(_) | Conn::Sentinel(_) => HighWater::Prefix(high_water::prefix_mark(prefix)),
         };
+        let renew = renew_batch::Sender {
+            conn: conn.clone(),
+            script: Script::new(include_str!("renew.lua")),
+            restart: restart.clone(),
+        };
         Ok(RedisBackend {
             conn,
             prefix: prefix.into(),
@@ -308,7 +319,8 @@ impl RedisBackend {
             high_water,
             subscriber,
             acquire: Script::new(include_str!("acquire.lua")),
-            renew: Script::new(include_str!("renew.lua")),
+            renew,
+            renewals: renew_batch::RenewBatch::default(),
             release: Script::new(include_str!("release.lua")),
         })
     }
@@ -344,7 +356,7 @@ impl RedisBackend {
     /// slow RedLock node is enough to miss the node timeout.
     pub(crate) async fn load_scripts(&self) -> Result<()> {
         let mut conn = self.conn.clone();
-        for script in [&self.acquire, &self.renew, &self.release] {
+        for script in [&self.acquire, &self.renew.script, &self.release] {
             script.prepare_invoke().load_async(&mut conn).await.map_err(redis_error)?;
         }
         Ok(())
@@ -431,16 +443,24 @@ impl Backend for RedisBackend {
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
-            let sent = Instant::now();
-            let extended: i64 = self
-                .renew
-                .key(key.as_str())
-                .arg(owner.as_str())
-                .arg(lease_ms(lease))
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| self.failed(e))?;
-            Ok(if extended == 1 { Renewal::Held { valid_until: sent + lease } } else { Renewal::Lost })
+            let (extended, sent) = if matches!(self.conn, Conn::Cluster(_)) {
+                // One script call touches one slot, and the locks renewed
+                // together may live in many: one call per lock.
+                let sent = Instant::now();
+                let extended: Vec<i64> = self
+                    .renew
+                    .script
+                    .key(key.as_str())
+                    .arg(owner.as_str())
+                    .arg(lease_ms(lease))
+                    .invoke_async(&mut self.conn.clone())
+                    .await
+                    .map_err(|e| self.failed(e))?;
+                (extended == [1], sent)
+            } else {
+                self.renewals.renew(&self.renew, key, owner, lease_ms(lease)).await?
+            };
+            Ok(if extended { Renewal::Held { valid_until: sent + lease } } else { Renewal::Lost })
         })
     }
 
