@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::error::{BenchError, Result};
 
 /// The benchmarks this binary knows, in the order they run.
-pub(crate) const BENCHES: &[&str] = &["uncontended", "handoff", "http", "idempotency", "backends"];
+pub(crate) const BENCHES: &[&str] = &["uncontended", "memory", "handoff", "http", "idempotency", "backends"];
 
 pub(crate) const USAGE: &str = "\
 usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--settle-us N]
@@ -21,8 +21,8 @@ usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--
   --settle-us N    strict handoff: the holder keeps the lock N us (plus a random
                    0-2 ms) after the last waiter entered acquire, so that it is
                    parked (default 1000)
-  --bench NAMES    run only these benchmarks: uncontended, handoff, http, idempotency,
-                   backends
+  --bench NAMES    run only these benchmarks: uncontended, memory, handoff, http,
+                   idempotency, backends
   --quick          tiny sizes, for a CI smoke test";
 
 /// Parsed options.
@@ -35,6 +35,8 @@ pub(crate) struct Args {
     pub(crate) uncontended_rounds: usize,
     pub(crate) handoff_rounds: usize,
     pub(crate) settle: Duration,
+    /// Locks of the `memory` burst (100,000; 2,000 with `--quick`).
+    pub(crate) one_off_locks: usize,
     pub(crate) benches: Vec<&'static str>,
 }
 
@@ -99,6 +101,7 @@ impl Args {
             uncontended_rounds,
             handoff_rounds,
             settle: Duration::from_micros(settle_us),
+            one_off_locks: if quick { 2_000 } else { 100_000 },
             benches: benches.unwrap_or_else(|| BENCHES.to_vec()),
         }))
     }

@@ -45,7 +45,7 @@ pub(crate) trait BenchLock: Send + Sync + 'static {
 /// {acquire,release,renew}.lua`); the engine itself sends only EVALSHA
 /// (EVAL / SCRIPT LOAD once after a restart) and SUBSCRIBE / UNSUBSCRIBE.
 const DLOCK_SCRIPT_COMMANDS: &[&str] =
-    &["hmget", "time", "set", "hset", "pexpire", "hincrby", "pttl", "del", "publish"];
+    &["hget", "hmget", "time", "set", "hset", "pexpire", "hincrby", "pttl", "del", "publish"];
 
 /// dlock's [`Locker`] over any backend.
 #[derive(Debug)]

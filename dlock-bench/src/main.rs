@@ -4,6 +4,8 @@
 //! * uncontended acquire+release cycles/s and p50/p99 latency at concurrency
 //!   1, 16 and 256, for dlock and for a raw `SET NX PX` + compare-and-delete
 //!   baseline, with the ratio dlock/baseline;
+//! * one-off locks (a key locked once each): the keys and bytes Redis keeps
+//!   per released lock;
 //! * contended handoff on one key with K = 2, 8 and 32 tasks in strict-handoff
 //!   mode: release → next-acquire latency and Redis commands per acquisition,
 //!   for dlock (Redis and in-process) and for a 1 ms poller and naive pub/sub.
@@ -30,6 +32,7 @@ mod http;
 mod idempotency;
 mod locks;
 mod measure;
+mod memory;
 mod report;
 mod series;
 mod uncontended;
@@ -98,6 +101,9 @@ fn run(args: &Args) -> Result<String> {
         if args.runs("uncontended") {
             rows.extend(uncontended::run(&env, args).await?);
         }
+        if args.runs("memory") {
+            rows.extend(memory::run(&env, args).await?);
+        }
         if args.runs("handoff") {
             rows.extend(handoff::run(&env, args).await?);
         }
@@ -120,6 +126,7 @@ fn run(args: &Args) -> Result<String> {
             );
             let titles = [
                 ("uncontended", uncontended::TITLE),
+                ("memory", memory::TITLE),
                 ("handoff", handoff::TITLE),
                 ("http", http::TITLE),
                 ("http-in-process", http::IN_PROCESS_TITLE),

@@ -36,6 +36,10 @@ pub(crate) struct Row {
     pub(crate) ratio: Option<f64>,
     /// dlock / the fenced floor (uncontended rows on Redis).
     pub(crate) vs_floor: Option<f64>,
+    /// Keys Redis holds more after the run, per lock (`memory` rows).
+    pub(crate) keys_left_per_lock: Option<f64>,
+    /// `used_memory` bytes more after the run, per lock (`memory` rows).
+    pub(crate) bytes_left_per_lock: Option<f64>,
     pub(crate) targets: Vec<Target>,
     /// Measurements the medians were taken over.
     pub(crate) rounds: usize,
@@ -68,6 +72,12 @@ impl Row {
         }
         if let Some(r) = self.vs_floor {
             m.insert("ratio_vs_fenced_floor".into(), json!(round(r, 3)));
+        }
+        if let Some(k) = self.keys_left_per_lock {
+            m.insert("keys_left_per_lock".into(), json!(round(k, 5)));
+        }
+        if let Some(b) = self.bytes_left_per_lock {
+            m.insert("bytes_left_per_lock".into(), json!(round(b, 2)));
         }
         if !self.targets.is_empty() {
             m.insert("targets".into(), json!(self.targets.iter().map(|t| t.goal.as_str()).collect::<Vec<_>>()));
@@ -118,6 +128,10 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
             if let Some(v) = r.vs_floor {
                 targets.push_str(&format!("; {v:.3} of the fenced floor"));
             }
+            if let (Some(k), Some(b)) = (r.keys_left_per_lock, r.bytes_left_per_lock) {
+                let sep = if targets.is_empty() { "" } else { "; " };
+                targets.push_str(&format!("{sep}left per lock: {k:.5} keys, {b:.1} bytes"));
+            }
             let _ = writeln!(
                 out,
                 "{:<16} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>7} {:>6}  {}",
@@ -156,6 +170,8 @@ mod tests {
             server_cpu_us: Some(12.5),
             ratio: None,
             vs_floor: None,
+            keys_left_per_lock: None,
+            bytes_left_per_lock: None,
             targets: vec![Target { goal: "p50 <= 250 us".into(), met: true }],
             rounds: 3,
             samples: 900,

@@ -45,6 +45,8 @@ impl Series {
             server_cpu_us: median(self.samples.iter().filter_map(|s| s.server_cpu_us_per_op)),
             ratio: None,
             vs_floor: None,
+            keys_left_per_lock: None,
+            bytes_left_per_lock: None,
             targets: Vec::new(),
             rounds: self.samples.len(),
             samples: self.samples.iter().map(|s| s.ops).sum(),

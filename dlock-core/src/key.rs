@@ -4,7 +4,8 @@
 //! so that a value containing the separator (or a brace, or a slash) can never
 //! produce the same key as another tuple of values: `("a:b", "c")` and
 //! `("a", "b:c")` give different keys. The braces are a Redis Cluster hash
-//! tag, so the lock and its companion keys (fencing counter) live in one slot.
+//! tag, so the lock and its companion keys (release channel; in a cluster,
+//! the slot's fencing high-water mark) live in one slot.
 
 use std::fmt;
 

@@ -1,16 +1,20 @@
 //! The single-Redis backend.
 //!
-//! * A lock is a hash `prefix:{name:parts}` with fields `o` (owner), `n`
-//!   (holds, for re-entry), `f` (fencing token) and `w` (set by an acquire
-//!   that will wait for the release); its TTL is the lease.
-//! * Its fencing counter `prefix:{name:parts}:fence` shares the hash tag, so
-//!   both live in one Redis Cluster slot. Tokens are `max(last + 1, server
-//!   time in µs)`, so they keep growing even if the counter (kept 7 days after
-//!   the last grant) expires, is lost in a restart or lags on a promoted
-//!   replica.
+//! * A lock is a hash `prefix:{name:parts}` with fields `o` (owner), `f`
+//!   (fencing token), `n` (extra holds of a re-entrant owner, absent for
+//!   one hold) and `w` (set by an acquire that will wait for the release);
+//!   its TTL is the lease. Release deletes it: a key locked once leaves
+//!   nothing behind, so the server's memory follows the locks held now.
+//! * Tokens are `max(high-water mark + 1, server time in µs)`; the mark is
+//!   one key per prefix, `prefix:fence` (one per hash slot in a cluster, see
+//!   `high_water.rs`), so tokens grow strictly per key, and keep growing
+//!   when the mark is lost in a restart, lags on a promoted replica or is
+//!   deleted.
 //! * Acquire, renew and release are one Lua script each (EVALSHA), with the
 //!   owner checked inside the script. A refused acquire returns the holder's
-//!   remaining TTL in the same call.
+//!   remaining TTL in the same call. Renewals queued while a renew call is
+//!   in flight go out together in the next call, many locks per script
+//!   (one per lock in a cluster, whose locks live in many slots).
 //! * Release publishes on `prefix:{name:parts}:released` when `w` says
 //!   someone waits (uncontended releases skip it); waiters of this process
 //!   share one subscriber connection (see `subscriber.rs`).
@@ -59,6 +63,8 @@ use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
 use tls::{is_tls_url, CA_FILE_VAR, CLIENT_CERT_VAR};
 
+mod high_water;
+mod renew_batch;
 mod restart;
 pub(crate) mod subscriber;
 pub(crate) mod tls;
@@ -67,9 +73,6 @@ pub use tls::RedisTls;
 
 use restart::RestartGuard;
 use subscriber::Subscriber;
-
-/// How long the fencing counter outlives the last grant of its key.
-const FENCE_COUNTER_SECS: u64 = 7 * 24 * 3600;
 
 /// Timeouts of the Redis connections.
 ///
@@ -166,9 +169,14 @@ pub struct RedisBackend {
     /// The key namespace its channels are subscribed under.
     prefix: Arc<str>,
     restart: Option<Arc<RestartGuard>>,
+    /// Where the last fencing token is kept (see `high_water.rs`).
+    high_water: HighWater,
     pub(crate) subscriber: Subscriber,
     acquire: Script,
-    renew: Script,
+    /// The renew script, and what its calls go through (one call for the
+    /// renewals queued together; see `renew_batch.rs`).
+    renew: renew_batch::Sender,
+    renewals: renew_batch::RenewBatch,
     release: Script,
 }
 
@@ -295,13 +303,24 @@ impl RedisBackend {
         } else {
             Some(Arc::new(RestartGuard::new(options.restart_quarantine, prefix)))
         };
+        let high_water = match conn {
+            Conn::Cluster(_) => HighWater::PerSlot,
+            Conn::Single(_) | Conn::Sentinel(_) => HighWater::Prefix(high_water::prefix_mark(prefix)),
+        };
+        let renew = renew_batch::Sender {
+            conn: conn.clone(),
+            script: Script::new(include_str!("renew.lua")),
+            restart: restart.clone(),
+        };
         Ok(RedisBackend {
             conn,
             prefix: prefix.into(),
             restart,
+            high_water,
             subscriber,
             acquire: Script::new(include_str!("acquire.lua")),
-            renew: Script::new(include_str!("renew.lua")),
+            renew,
+            renewals: renew_batch::RenewBatch::default(),
             release: Script::new(include_str!("release.lua")),
         })
     }
@@ -337,7 +356,7 @@ impl RedisBackend {
     /// slow RedLock node is enough to miss the node timeout.
     pub(crate) async fn load_scripts(&self) -> Result<()> {
         let mut conn = self.conn.clone();
-        for script in [&self.acquire, &self.renew, &self.release] {
+        for script in [&self.acquire, &self.renew.script, &self.release] {
             script.prepare_invoke().load_async(&mut conn).await.map_err(redis_error)?;
         }
         Ok(())
@@ -355,12 +374,11 @@ impl RedisBackend {
             }
             let sent = Instant::now();
             let mut invocation = self.acquire.key(req.key.as_str());
-            invocation
-                .key(fence_key(&req.key))
-                .arg(req.owner.as_str())
-                .arg(lease_ms(req.lease))
-                .arg(FENCE_COUNTER_SECS)
-                .arg(if awaited { "1" } else { "0" });
+            match &self.high_water {
+                HighWater::Prefix(mark) => invocation.key(mark.as_str()),
+                HighWater::PerSlot => invocation.key(high_water::slot_mark(&req.key)),
+            };
+            invocation.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if awaited { "1" } else { "0" });
             if let Some(guard) = &self.restart {
                 invocation.key(guard.marker.as_str()).arg("1");
             }
@@ -387,6 +405,15 @@ impl RedisBackend {
             }
         })
     }
+}
+
+/// Where the acquire script keeps the last fencing token it granted.
+#[derive(Debug, Clone)]
+enum HighWater {
+    /// One key for every lock of the prefix (a single server or master).
+    Prefix(String),
+    /// One key per hash slot (a cluster script may only touch its lock's slot).
+    PerSlot,
 }
 
 /// One node's answer to an acquire.
@@ -416,16 +443,24 @@ impl Backend for RedisBackend {
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
-            let sent = Instant::now();
-            let extended: i64 = self
-                .renew
-                .key(key.as_str())
-                .arg(owner.as_str())
-                .arg(lease_ms(lease))
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| self.failed(e))?;
-            Ok(if extended == 1 { Renewal::Held { valid_until: sent + lease } } else { Renewal::Lost })
+            let (extended, sent) = if matches!(self.conn, Conn::Cluster(_)) {
+                // One script call touches one slot, and the locks renewed
+                // together may live in many: one call per lock.
+                let sent = Instant::now();
+                let extended: Vec<i64> = self
+                    .renew
+                    .script
+                    .key(key.as_str())
+                    .arg(owner.as_str())
+                    .arg(lease_ms(lease))
+                    .invoke_async(&mut self.conn.clone())
+                    .await
+                    .map_err(|e| self.failed(e))?;
+                (extended == [1], sent)
+            } else {
+                self.renewals.renew(&self.renew, key, owner, lease_ms(lease)).await?
+            };
+            Ok(if extended { Renewal::Held { valid_until: sent + lease } } else { Renewal::Lost })
         })
     }
 
@@ -672,14 +707,25 @@ fn cluster_seeds(url: &str) -> Option<Vec<String>> {
     Some(hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(|h| format!("{scheme}://{auth}{h}")).collect())
 }
 
-/// The fencing counter of `key` (same hash tag).
+/// The high-water mark of fencing tokens that a Redis Cluster keeps for
+/// the slot of `key` (same slot as `key`); a single server keeps one for
+/// the whole prefix instead, [`prefix_fence_key`].
 ///
 /// Hidden: it names how locks are stored in Redis, which may change between
 /// releases; public only so that the tests can damage and inspect the
 /// counter from outside.
 #[doc(hidden)]
 pub fn fence_key(key: &LockKey) -> String {
-    format!("{key}:fence")
+    high_water::slot_mark(key)
+}
+
+/// The high-water mark of fencing tokens that a single server (a Sentinel
+/// master, a RedLock node) keeps for every lock under `prefix`.
+///
+/// Hidden for the same reason as [`fence_key`].
+#[doc(hidden)]
+pub fn prefix_fence_key(prefix: &str) -> String {
+    high_water::prefix_mark(prefix)
 }
 
 /// The channel a release of `key` is announced on.

@@ -1,7 +1,13 @@
--- Extend the lease, only for its owner. KEYS[1] lock hash; ARGV[1] owner, ARGV[2] lease ms.
--- Returns 1 when extended, 0 when the key is gone or someone else's.
-if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
+-- Extend the leases of many locks in one call, each only for its owner.
+-- KEYS[i] lock hash; ARGV[2i - 1] its owner, ARGV[2i] its lease in ms.
+-- Returns, per key, 1 when extended, 0 when the key is gone or someone else's.
+local extended = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('HGET', key, 'o') == ARGV[2 * i - 1] then
+    redis.call('PEXPIRE', key, ARGV[2 * i])
+    extended[i] = 1
+  else
+    extended[i] = 0
+  end
 end
-return 0
+return extended
