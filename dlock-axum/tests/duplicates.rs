@@ -10,7 +10,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
 use dlock_axum::{LockLayer, LockerExt};
 use dlock_core::idempotency::MemoryStore;
 use dlock_core::{Locker, MemoryBackend};
@@ -70,7 +70,8 @@ async fn a_key_parameter_or_header_sent_twice_is_400() {
 async fn an_idempotency_key_sent_twice_is_400() {
     let calls = Arc::new(AtomicUsize::new(0));
     let idem = Idempotency::new(Arc::new(MemoryStore::new()));
-    let app: Router = Router::new().route("/pay", post(counting(&calls)).layer(IdempotencyLayer::new(idem)));
+    let app: Router = Router::new()
+        .route("/pay", post(counting(&calls)).layer(IdempotencyLayer::new(idem).with_scope(Scope::shared())));
     let pay = |keys: &[&str]| {
         let mut b = Request::post("/pay");
         for k in keys {

@@ -10,7 +10,7 @@ use axum::body::Body;
 use axum::http::Request;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
 use dlock_axum::{lockable, JsonBody, LockLayer, LockerExt};
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use dlock_core::idempotency::{Begin, Claim, IdempotencyStore, MemoryStore, StoredResponse};
@@ -171,7 +171,7 @@ async fn no_request_secret_is_logged_at_any_level() {
     let idem = Idempotency::new(Arc::new(NoComplete(MemoryStore::new())));
     let app = Router::new()
         .route("/layer", post(|| async { "ok" }).layer(LockLayer::new("t").query("token")))
-        .route("/pay", post(|| async { "paid" }).layer(IdempotencyLayer::new(idem)))
+        .route("/pay", post(|| async { "paid" }).layer(IdempotencyLayer::new(idem).with_scope(Scope::shared())))
         .with_locker(locker.clone());
 
     let req = Request::post("/layer?token=tok-s3cr3t").body(Body::empty()).expect("request");

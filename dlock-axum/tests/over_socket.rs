@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
 use dlock_axum::{lockable, Dlock, JsonBody, LockLayer, LockerExt};
 use dlock_core::idempotency::MemoryStore;
 use dlock_core::{Locker, MemoryBackend};
@@ -37,7 +37,7 @@ fn app(dlock: Dlock) -> Router {
     Router::new()
         .route("/layer", post(|body: String| async move { body }).layer(LockLayer::new("t").json("id")))
         .route("/macro", post(by_macro))
-        .route("/idem", post(|| async { "done" }).layer(IdempotencyLayer::new(idem)))
+        .route("/idem", post(|| async { "done" }).layer(IdempotencyLayer::new(idem).with_scope(Scope::shared())))
         .with_locker(dlock)
 }
 
