@@ -187,6 +187,15 @@ pub(crate) fn size_set_registers(short: bool) {
     SET_CAP.store(if short { SET_CAP_SHORT } else { SET_CAP_LONG }, Ordering::Relaxed);
 }
 
+/// How the workers of a run ended ([`Run::join`]).
+#[derive(Debug, Default)]
+pub(crate) struct Joined {
+    /// Still running past their end and grace: killed.
+    pub(crate) hung: u32,
+    /// Exited with a failure: what each said.
+    pub(crate) failed: Vec<String>,
+}
+
 /// A run's processes and files.
 #[derive(Debug)]
 pub(crate) struct Run {
@@ -223,6 +232,9 @@ impl Run {
         cfg.history = self.dir.join(format!("worker-{}.jsonl", self.next));
         cfg.seed ^= u64::from(self.next) << 40;
         cfg.set_cap = SET_CAP.load(Ordering::Relaxed);
+        // The file exists before the worker does: a history that cannot be
+        // read later is then an error, not a worker that had not started.
+        std::fs::OpenOptions::new().create(true).append(true).open(&cfg.history)?;
         self.histories.push(cfg.history.clone());
         let json = serde_json::to_string(&cfg).map_err(std::io::Error::other)?;
         let exe = std::env::current_exe()?;
@@ -262,14 +274,15 @@ impl Run {
         }
     }
 
-    pub(crate) fn events(&self) -> Vec<Event> {
+    /// Every event of the run so far; an unreadable history is an error.
+    pub(crate) fn events(&self) -> Result<Vec<Event>, String> {
         history::read_all(&self.histories)
     }
 
     /// Pids of workers that hold a lock right now, by the history's tail.
-    pub(crate) fn holders(&self, among: Option<&[u32]>) -> Vec<u32> {
+    pub(crate) fn holders(&self, among: Option<&[u32]>) -> Result<Vec<u32>, String> {
         let mut open: HashMap<(u32, u32), bool> = HashMap::new();
-        for e in self.events() {
+        for e in self.events()? {
             match e.op.as_str() {
                 "acq_ok" => {
                     open.insert((e.pid, e.task), true);
@@ -288,24 +301,36 @@ impl Run {
             .collect();
         pids.sort_unstable();
         pids.dedup();
-        pids
+        Ok(pids)
     }
 
     /// Waits for every worker to exit (they stop on their own after their
     /// duration); kills any still running `grace` after the last one was due
-    /// to stop, and returns how
-    /// many that were: a worker that cannot finish is a hang (a deadlock or
-    /// an acquire that ignores its deadline).
-    pub(crate) fn join(&mut self, grace: Duration) -> u32 {
+    /// to stop. A worker that cannot finish is a hang (a deadlock or an
+    /// acquire that ignores its deadline); one that exits with a failure
+    /// (it could not connect, a task panicked, a signal nobody sent on
+    /// purpose) is a lost worker: its share of the work was never done, and
+    /// the row must not pass on what the others did. Workers the nemesis
+    /// killed on purpose ([`Run::kill`]) are not joined.
+    pub(crate) fn join(&mut self, grace: Duration) -> Joined {
         let deadline = self.planned_end.max(std::time::Instant::now()) + grace;
-        let mut hung = 0;
+        let mut joined = Joined::default();
         for child in &mut self.children {
             loop {
                 match child.try_wait() {
-                    Ok(Some(_)) | Err(_) => break,
+                    Ok(Some(status)) => {
+                        if !status.success() {
+                            joined.failed.push(format!("worker {} exited with {status}", child.id()));
+                        }
+                        break;
+                    }
+                    Err(e) => {
+                        joined.failed.push(format!("worker {} could not be waited for: {e}", child.id()));
+                        break;
+                    }
                     Ok(None) if std::time::Instant::now() >= deadline => {
                         eprintln!("dlock-torture: worker {} did not stop in time; killing it", child.id());
-                        hung += 1;
+                        joined.hung += 1;
                         let _ = child.kill();
                         let _ = child.wait();
                         break;
@@ -314,7 +339,7 @@ impl Run {
                 }
             }
         }
-        hung
+        joined
     }
 
     /// Checks the history against the resource.
@@ -328,7 +353,7 @@ impl Run {
                 resource.set_snapshot(SetReg::Unfenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
             finals.insert(k, KeyState { fenced, unfenced, decisions, set, unfenced_set });
         }
-        Ok(checker::check(&self.events(), &finals, mono_ns()))
+        Ok(checker::check(&self.events()?, &finals, mono_ns()))
     }
 }
 
@@ -341,5 +366,23 @@ impl Drop for Run {
         if std::env::var_os("DLOCK_TORTURE_KEEP").is_none() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker that exits with a failure is a lost worker, one that does
+    /// not stop is a hang, and one that exits cleanly is neither.
+    #[test]
+    fn join_counts_lost_and_hung_workers() {
+        let mut run = Run::new("join-test").expect("run dir");
+        for script in ["exit 0", "exit 3", "kill -9 $$", "sleep 30"] {
+            run.children.push(Command::new("sh").arg("-c").arg(script).spawn().expect("spawn sh"));
+        }
+        let joined = run.join(Duration::from_millis(300));
+        assert_eq!(joined.hung, 1, "{joined:?}");
+        assert_eq!(joined.failed.len(), 2, "{joined:?}");
     }
 }

@@ -64,7 +64,7 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
             "an acquire took {slowest:.0} ms to report the quorum unavailable (bound {UNAVAILABLE_BOUND_MS} ms)"
         ));
     }
-    let events = run.events();
+    let events = run.events()?;
     // A grant needs 3 live nodes; allow 100 ms for replies already in flight.
     let during: usize = windows
         .iter()
