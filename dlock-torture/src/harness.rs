@@ -49,6 +49,10 @@ pub(crate) struct Report {
     pub(crate) lost_signals: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) stale_holds_signalled: Option<String>,
+    /// The same as numbers: holds refused by fencing, and how many of them
+    /// had seen their lost signal by their first refused access.
+    pub(crate) stale_holds: u64,
+    pub(crate) stale_holds_seen_lost: u64,
     pub(crate) p50_wait_ms: f64,
     pub(crate) p99_wait_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -117,6 +121,14 @@ impl Report {
                 first_ids(&f.unfenced_set_missing)
             ));
         }
+        if let Some(example) = &f.token_regression_example {
+            self.note(format!(
+                "C4: {} grant(s) with a token not above an earlier grant's; first: {example}",
+                f.token_regressions
+            ));
+        }
+        self.stale_holds += f.stale_holds;
+        self.stale_holds_seen_lost += f.stale_holds_signalled;
         if f.stale_holds > 0 {
             self.stale_holds_signalled = Some(format!("{}/{}", f.stale_holds_signalled, f.stale_holds));
         }
@@ -346,12 +358,11 @@ impl Run {
     pub(crate) async fn check(&self, resource: &Resource, keys: u32) -> Result<Findings, String> {
         let mut finals = HashMap::new();
         for k in 0..keys {
-            let (fenced, unfenced, decisions) =
-                resource.snapshot(k).await.map_err(|e| format!("resource snapshot: {e}"))?;
+            let (fenced, unfenced) = resource.snapshot(k).await.map_err(|e| format!("resource snapshot: {e}"))?;
             let set = resource.set_snapshot(SetReg::Fenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
             let unfenced_set =
                 resource.set_snapshot(SetReg::Unfenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
-            finals.insert(k, KeyState { fenced, unfenced, decisions, set, unfenced_set });
+            finals.insert(k, KeyState { fenced, unfenced, set, unfenced_set });
         }
         Ok(checker::check(&self.events()?, &finals, mono_ns()))
     }
