@@ -291,13 +291,18 @@ impl Run {
         history::read_all(&self.histories)
     }
 
-    /// Pids of workers that hold a lock right now, by the history's tail.
-    pub(crate) fn holders(&self, among: Option<&[u32]>) -> Result<Vec<u32>, String> {
+    /// Pids of workers that hold a lock right now, by the history's tail;
+    /// with `before_write`, only holds whose fenced write is still ahead of
+    /// them (a pause there makes the resumed holder write with its old token).
+    pub(crate) fn holders(&self, among: Option<&[u32]>, before_write: bool) -> Result<Vec<u32>, String> {
         let mut open: HashMap<(u32, u32), bool> = HashMap::new();
         for e in self.events()? {
             match e.op.as_str() {
                 "acq_ok" => {
                     open.insert((e.pid, e.task), true);
+                }
+                "w_invoke" | "write" if before_write && e.reg.as_deref() == Some("f") => {
+                    open.remove(&(e.pid, e.task));
                 }
                 "rel_invoke" => {
                     open.remove(&(e.pid, e.task));

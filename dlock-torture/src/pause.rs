@@ -8,7 +8,9 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, note_signalled, resource_server, spawn_workers, Size};
+use crate::scenario::{
+    config, describe, find_holder_before_write, finish, note_signalled, resource_server, spawn_workers, Size,
+};
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let lock = RedisServer::start();
@@ -25,12 +27,27 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let mut rng = Rng::new(seed);
     let mut done = 0;
     sleep(Duration::from_millis(300)).await;
+    // Stops that found the holder past its fenced write once stopped (the
+    // section had moved on between the history read and the signal): let go
+    // at once, not counted as an episode, and tried again.
+    let mut missed = 0;
     for _ in 0..episodes {
-        let Some(pid) = find_holder(&run, None, Duration::from_secs(1), &mut rng).await? else { continue };
-        run.signal(pid, Signal::STOP, "stop");
-        sleep(Duration::from_millis(1000)).await;
-        run.signal(pid, Signal::CONT, "cont");
-        done += 1;
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(2);
+        while tokio::time::Instant::now() < give_up {
+            let Some(pid) = find_holder_before_write(&run, Duration::from_secs(1), &mut rng).await? else { continue };
+            run.signal(pid, Signal::STOP, "stop");
+            // The stopped process's history is frozen once the signal lands.
+            sleep(Duration::from_millis(5)).await;
+            if !tokio::task::block_in_place(|| run.holders(Some(&[pid]), true))?.contains(&pid) {
+                run.signal(pid, Signal::CONT, "cont");
+                missed += 1;
+                continue;
+            }
+            sleep(Duration::from_millis(1000)).await;
+            run.signal(pid, Signal::CONT, "cont");
+            done += 1;
+            break;
+        }
         sleep(Duration::from_millis(400)).await;
     }
     let mut r = Report::new("pause", "redis", seed);
@@ -41,6 +58,11 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         r.note(format!("{} of {episodes} episode(s) found no holder to hit and were skipped", episodes - done));
     }
     r.fault_kind = "SIGSTOP holder 1000 ms > lease 300 ms".into();
+    if missed > 0 {
+        r.note(format!(
+            "{missed} stop(s) found the holder past its fenced write once stopped; let go at once and not counted"
+        ));
+    }
     describe(&mut r, procs, &cfg);
     finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
     note_signalled(&mut r);

@@ -188,9 +188,28 @@ pub(crate) async fn find_holder(
     within: Duration,
     rng: &mut Rng,
 ) -> Result<Option<u32>, String> {
+    find(run, among, false, within, rng).await
+}
+
+/// [`find_holder`], among holds whose fenced write is still ahead.
+pub(crate) async fn find_holder_before_write(
+    run: &Run,
+    within: Duration,
+    rng: &mut Rng,
+) -> Result<Option<u32>, String> {
+    find(run, None, true, within, rng).await
+}
+
+async fn find(
+    run: &Run,
+    among: Option<&[u32]>,
+    before_write: bool,
+    within: Duration,
+    rng: &mut Rng,
+) -> Result<Option<u32>, String> {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        let holders = tokio::task::block_in_place(|| run.holders(among))?;
+        let holders = tokio::task::block_in_place(|| run.holders(among, before_write))?;
         if !holders.is_empty() {
             let i = usize::try_from(rng.below(holders.len() as u64)).unwrap_or(0);
             return Ok(holders.get(i).copied());
