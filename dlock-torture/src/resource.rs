@@ -127,7 +127,13 @@ impl std::fmt::Debug for Resource {
 impl Resource {
     pub(crate) async fn connect(url: &str) -> redis::RedisResult<Self> {
         let client = redis::Client::open(url)?;
-        let conn = client.get_multiplexed_async_connection().await?;
+        // No response timeout (the client's default is 500 ms): this server
+        // is never faulted, and a worker stopped with an access in flight
+        // must get the register's real answer when it resumes (refused, as
+        // a stale holder), not a timeout the checker can only count as an
+        // indeterminate write. A hang shows as a worker that never finishes.
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+        let conn = client.get_multiplexed_async_connection_with_config(&config).await?;
         Ok(Resource { conn, script: Script::new(FENCED), set: Script::new(SET) })
     }
 
