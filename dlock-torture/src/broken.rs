@@ -34,6 +34,10 @@ pub(crate) enum Bug {
     /// cannot tell a stale holder from a fresh one and the fenced counter
     /// and fenced set lose what the overlaps clobber.
     DuplicateToken,
+    /// A correct lock whose release forgets to delete the key: every lock
+    /// is left on the server until its lease runs out. Only the residue
+    /// check (C6) sees it.
+    ReleaseForgets,
 }
 
 impl Bug {
@@ -45,18 +49,20 @@ impl Bug {
             "broken-redlock-ignores-elapsed" => Bug::RedlockIgnoresElapsed,
             "broken-token-regresses" => Bug::TokenRegresses,
             "broken-duplicate-token" => Bug::DuplicateToken,
+            "broken-release-forgets" => Bug::ReleaseForgets,
             _ => return None,
         })
     }
 
     /// Every variant's backend name, as the scenario table prints it.
-    pub(crate) const ALL: [&'static str; 6] = [
+    pub(crate) const ALL: [&'static str; 7] = [
         "broken-plain-del",
         "broken-get-then-set",
         "broken-renew-no-owner-check",
         "broken-redlock-ignores-elapsed",
         "broken-token-regresses",
         "broken-duplicate-token",
+        "broken-release-forgets",
     ];
 }
 
@@ -142,7 +148,11 @@ impl BrokenLock {
                         false
                     }
                 }
-                Bug::PlainDel | Bug::RenewNoOwnerCheck | Bug::TokenRegresses | Bug::DuplicateToken => {
+                Bug::PlainDel
+                | Bug::RenewNoOwnerCheck
+                | Bug::TokenRegresses
+                | Bug::DuplicateToken
+                | Bug::ReleaseForgets => {
                     let mut c = self.nodes[0].clone();
                     let set: Option<String> = redis::cmd("SET")
                         .arg(&key)
@@ -171,9 +181,11 @@ impl BrokenLock {
                     // The bug: validity counted from *after* the slow
                     // acquire; the correct one is started + lease − drift.
                     Bug::RedlockIgnoresElapsed => hold.valid_until_ns = Some(mono_ns() + lease_ns),
-                    Bug::PlainDel | Bug::GetThenSet | Bug::TokenRegresses | Bug::DuplicateToken => {
-                        hold.valid_until_ns = Some(started_ns + lease_ns)
-                    }
+                    Bug::PlainDel
+                    | Bug::GetThenSet
+                    | Bug::TokenRegresses
+                    | Bug::DuplicateToken
+                    | Bug::ReleaseForgets => hold.valid_until_ns = Some(started_ns + lease_ns),
                     Bug::RenewNoOwnerCheck => self.start_renewer(&mut hold, rng.next_u64()),
                 }
                 return Ok(Some(hold));
@@ -267,6 +279,8 @@ impl BrokenLock {
                 let mut c = self.nodes[0].clone();
                 let _: i64 = c.del(&hold.key).await?;
             }
+            // The bug: nothing is deleted; the lease frees the key, later.
+            Bug::ReleaseForgets => {}
             _ => self.release_all(&hold.key, &hold.owner).await,
         }
         Ok(())

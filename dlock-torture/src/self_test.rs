@@ -17,15 +17,10 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     // variant: fixed 50 ms leases, sections up to 80 ms.
     let variants: Vec<&str> = std::iter::once("redis").chain(Bug::ALL).collect();
     for (i, variant) in variants.into_iter().enumerate() {
-        let _ = redis::cmd("FLUSHALL")
-            .query_async::<()>(
-                &mut redis::Client::open(res_server.url())
-                    .map_err(|e| e.to_string())?
-                    .get_multiplexed_async_connection()
-                    .await
-                    .map_err(|e| e.to_string())?,
-            )
-            .await;
+        // Every variant starts from empty servers, so what C6 finds is its own.
+        for server in std::iter::once(&res_server).chain(&nodes) {
+            flush(server).await?;
+        }
         let urls: Vec<String> = if variant == "broken-redlock-ignores-elapsed" {
             nodes.iter().map(RedisServer::url).collect()
         } else {
@@ -47,6 +42,9 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
             // Sections far inside the lease: nothing overlaps, so only the
             // fencing check can catch the falling tokens.
             "broken-token-regresses" => (1000, 5),
+            // Leases that outlive the run: what release forgot is still
+            // there when the run ends.
+            "broken-release-forgets" => (5000, 5),
             _ => (50, 80),
         };
         let mut run = Run::new(&format!("self-test-{i}")).map_err(|e| e.to_string())?;
@@ -62,6 +60,10 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         } else {
             r.expected_safe = false;
             finish(&mut run, &mut r, &resource, 1, Duration::from_secs(15)).await?;
+            // C6 on the broken lock's own keys (plain strings `broken:<k>`),
+            // every worker gone: nothing may be left.
+            let left = broken_residue(&nodes).await?;
+            r.residual_keys = Some(left);
             judge(variant, &mut r);
         }
         rows.push(r);
@@ -95,6 +97,27 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     Ok(rows)
 }
 
+/// Empties `server`; an error is the self-test's, not swallowed.
+async fn flush(server: &RedisServer) -> Result<(), String> {
+    let client = redis::Client::open(server.url()).map_err(|e| e.to_string())?;
+    let mut c = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
+    redis::cmd("FLUSHALL").query_async::<()>(&mut c).await.map_err(|e| format!("FLUSHALL: {e}"))
+}
+
+/// C6 for the broken locks: their lock keys (`broken:<k>`, not the
+/// `…:fence` counters) still on any node once every worker has finished.
+async fn broken_residue(nodes: &[RedisServer]) -> Result<u64, String> {
+    let mut left = 0;
+    for node in nodes {
+        let client = redis::Client::open(node.url()).map_err(|e| e.to_string())?;
+        let mut c = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg("broken:*").query_async(&mut c).await.map_err(|e| e.to_string())?;
+        left += keys.iter().filter(|k| !k.ends_with(":fence")).count() as u64;
+    }
+    Ok(left)
+}
+
 /// The checks a broken variant must set off: (name, figure it reports).
 fn must_fire(variant: &str, r: &Report) -> Vec<(&'static str, u64)> {
     let c1 = ("C1 overlap", r.overlaps);
@@ -106,6 +129,9 @@ fn must_fire(variant: &str, r: &Report) -> Vec<(&'static str, u64)> {
         "broken-plain-del" | "broken-get-then-set" => vec![c1, ("C3 set-full (unfenced set)", r.unfenced_set_missing)],
         // Nothing overlaps: only the fencing check sees the falling tokens.
         "broken-token-regresses" => vec![("C4 token order", r.token_regressions)],
+        // Nothing overlaps (each waiter gets the key only when a lease
+        // ends): only the residue check sees the keys left behind.
+        "broken-release-forgets" => vec![("C6 residue", r.residual_keys.unwrap_or(0))],
         // Overlaps with one token for all: the fence cannot help, so the
         // fenced counter (C2) and the fenced set (C3) lose what they clobber.
         "broken-duplicate-token" => vec![
