@@ -266,15 +266,19 @@ impl Run {
         self.nemesis.log(&Event { target, ..Event::now(op) });
     }
 
-    /// SIGKILLs a worker and logs it.
+    /// SIGKILLs a worker and logs it once it is dead. Logged before the
+    /// signal, the victim could still log a grant after the `kill` event (it
+    /// ran between the two), a hold the checker would then see open until
+    /// the end of the run and count as overlapping every later grant of its
+    /// key; logged after the reaping, every event of the victim precedes it.
     pub(crate) fn kill(&mut self, pid: u32) {
-        self.log("kill", Some(pid));
         if let Some(i) = self.children.iter().position(|c| c.id() == pid) {
             let mut child = self.children.swap_remove(i);
             let _ = child.kill();
             let _ = child.wait();
             // Reaped: no longer a worker to pick as a holder or to join.
         }
+        self.log("kill", Some(pid));
     }
 
     pub(crate) fn signal(&self, pid: u32, sig: rustix::process::Signal, op: &str) {
