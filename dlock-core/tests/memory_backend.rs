@@ -30,6 +30,10 @@ impl suite::Harness for Memory {
     async fn lock_keys_left(&self) -> usize {
         self.backend.len()
     }
+
+    async fn parked(&self, key: &LockKey) -> usize {
+        self.backend.waiters(key)
+    }
 }
 
 async fn memory() -> Memory {

@@ -40,6 +40,21 @@ impl suite::Harness for Redis {
         // Fencing counters (`…:fence`) outlive locks on purpose.
         keys.iter().filter(|k| k.ends_with('}')).count()
     }
+
+    async fn parked(&self, key: &LockKey) -> usize {
+        subscribers(&self.server, key)
+    }
+}
+
+/// Subscribers of `key`'s release channel on `server` (`PUBSUB NUMSUB`):
+/// a waiter subscribes only once it found the key held and parks.
+fn subscribers(server: &RedisServer, key: &LockKey) -> usize {
+    let counts: Vec<(String, usize)> = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(format!("{}:released", key.as_str()))
+        .query(&mut server.connection())
+        .expect("PUBSUB NUMSUB");
+    counts.iter().map(|(_, n)| n).sum()
 }
 
 async fn redis() -> Redis {
@@ -286,7 +301,12 @@ async fn redis_cluster_spreads_locks_and_survives_a_dead_master() {
         let (b, k) = (b.clone(), k.clone());
         tokio::spawn(async move { b.acquire(&k, AcquireOptions::new().with_wait(Duration::from_secs(10))).await })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Parked: subscribed (on some node) to the key's release.
+    let parked_by = Instant::now() + Duration::from_secs(10);
+    while cluster.nodes.iter().map(|n| subscribers(n, k)).sum::<usize>() == 0 {
+        assert!(Instant::now() < parked_by, "the waiter never subscribed to the release");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let released = Instant::now();
     g.release().await.expect("release");
     waiter.await.expect("task").expect("woken by the release").release().await.expect("release");

@@ -51,6 +51,22 @@ impl suite::Harness for RedLock {
         }
         left
     }
+
+    /// Subscribers of `key`'s release channel, summed over the nodes
+    /// (`PUBSUB NUMSUB`): a waiter subscribes only once it found the key
+    /// held and parks.
+    async fn parked(&self, key: &LockKey) -> usize {
+        let mut n = 0;
+        for s in &self.servers {
+            let counts: Vec<(String, usize)> = redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg(format!("{}:released", key.as_str()))
+                .query(&mut s.connection())
+                .expect("PUBSUB NUMSUB");
+            n += counts.iter().map(|(_, c)| c).sum::<usize>();
+        }
+        n
+    }
 }
 
 async fn redlock() -> RedLock {

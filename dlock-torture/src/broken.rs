@@ -24,6 +24,20 @@ pub(crate) enum Bug {
     /// RedLock that measures validity from the end of the acquire, ignoring
     /// the time the acquire took.
     RedlockIgnoresElapsed,
+    /// A correct lock (atomic acquire, owner-checked release) whose fencing
+    /// tokens count *down*: every new holder gets a lower token than the
+    /// last. Only the fencing check (C4) can see it: nothing overlaps, and
+    /// the register refuses the fresh holder instead of the stale one.
+    TokenRegresses,
+    /// Release with a plain `DEL` (as [`Bug::PlainDel`]), and a fence that
+    /// never advances: every holder gets the same token, so the register
+    /// cannot tell a stale holder from a fresh one and the fenced counter
+    /// and fenced set lose what the overlaps clobber.
+    DuplicateToken,
+    /// A correct lock whose release forgets to delete the key: every lock
+    /// is left on the server until its lease runs out. Only the residue
+    /// check (C6) sees it.
+    ReleaseForgets,
 }
 
 impl Bug {
@@ -33,14 +47,27 @@ impl Bug {
             "broken-get-then-set" => Bug::GetThenSet,
             "broken-renew-no-owner-check" => Bug::RenewNoOwnerCheck,
             "broken-redlock-ignores-elapsed" => Bug::RedlockIgnoresElapsed,
+            "broken-token-regresses" => Bug::TokenRegresses,
+            "broken-duplicate-token" => Bug::DuplicateToken,
+            "broken-release-forgets" => Bug::ReleaseForgets,
             _ => return None,
         })
     }
 
     /// Every variant's backend name, as the scenario table prints it.
-    pub(crate) const ALL: [&'static str; 4] =
-        ["broken-plain-del", "broken-get-then-set", "broken-renew-no-owner-check", "broken-redlock-ignores-elapsed"];
+    pub(crate) const ALL: [&'static str; 7] = [
+        "broken-plain-del",
+        "broken-get-then-set",
+        "broken-renew-no-owner-check",
+        "broken-redlock-ignores-elapsed",
+        "broken-token-regresses",
+        "broken-duplicate-token",
+        "broken-release-forgets",
+    ];
 }
+
+/// Where [`Bug::TokenRegresses`] counts down from.
+const TOKEN_CEILING: u64 = 1_000_000_000;
 
 const RELEASE_IF_OWNER: &str = r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -121,7 +148,11 @@ impl BrokenLock {
                         false
                     }
                 }
-                Bug::PlainDel | Bug::RenewNoOwnerCheck => {
+                Bug::PlainDel
+                | Bug::RenewNoOwnerCheck
+                | Bug::TokenRegresses
+                | Bug::DuplicateToken
+                | Bug::ReleaseForgets => {
                     let mut c = self.nodes[0].clone();
                     let set: Option<String> = redis::cmd("SET")
                         .arg(&key)
@@ -136,7 +167,13 @@ impl BrokenLock {
             };
             if got {
                 let mut c = self.nodes[0].clone();
-                let token: u64 = c.incr(format!("{key}:fence"), 1u64).await?;
+                let counted: u64 = c.incr(format!("{key}:fence"), 1u64).await?;
+                let token = match self.bug {
+                    // The bugs: a fence counting down, and one that never moves.
+                    Bug::TokenRegresses => TOKEN_CEILING.saturating_sub(counted),
+                    Bug::DuplicateToken => 1,
+                    _ => counted,
+                };
                 let lease_ns = u64::try_from(self.lease.as_nanos()).unwrap_or(u64::MAX / 4);
                 let mut hold =
                     BrokenHold { key, owner: owner.to_owned(), token, valid_until_ns: None, lost: None, renewer: None };
@@ -144,7 +181,11 @@ impl BrokenLock {
                     // The bug: validity counted from *after* the slow
                     // acquire; the correct one is started + lease − drift.
                     Bug::RedlockIgnoresElapsed => hold.valid_until_ns = Some(mono_ns() + lease_ns),
-                    Bug::PlainDel | Bug::GetThenSet => hold.valid_until_ns = Some(started_ns + lease_ns),
+                    Bug::PlainDel
+                    | Bug::GetThenSet
+                    | Bug::TokenRegresses
+                    | Bug::DuplicateToken
+                    | Bug::ReleaseForgets => hold.valid_until_ns = Some(started_ns + lease_ns),
                     Bug::RenewNoOwnerCheck => self.start_renewer(&mut hold, rng.next_u64()),
                 }
                 return Ok(Some(hold));
@@ -234,10 +275,12 @@ impl BrokenLock {
             r.abort();
         }
         match self.bug {
-            Bug::PlainDel => {
+            Bug::PlainDel | Bug::DuplicateToken => {
                 let mut c = self.nodes[0].clone();
                 let _: i64 = c.del(&hold.key).await?;
             }
+            // The bug: nothing is deleted; the lease frees the key, later.
+            Bug::ReleaseForgets => {}
             _ => self.release_all(&hold.key, &hold.owner).await,
         }
         Ok(())

@@ -1,7 +1,8 @@
 //! The checker: reads the merged history and the resource's final state and
-//! computes C1 (overlapping believed holds), C2/C4 (lost updates on the
-//! fenced register, refused and accepted stale writes, token regressions,
-//! losses on the unfenced control), C3 (set-full: every op id whose write
+//! computes C1 (overlapping believed holds), C2 (lost updates on the fenced
+//! register and on the unfenced control), C4 (fencing, judged from the
+//! tokens the clients were handed and the answers they got, independently
+//! of the register: see [`fencing`]), C3 (set-full: every op id whose write
 //! to a set register was acknowledged must be in the final set) and C5
 //! (wait times, orphan recovery).
 //! C6 (residue) needs the lock servers and is measured by the scenarios.
@@ -22,8 +23,14 @@ pub(crate) struct Findings {
     /// Fenced writes whose outcome is unknown (crash or error mid-write).
     pub(crate) indeterminate: u64,
     pub(crate) stale_refused: u64,
+    /// C4 on the register's answers: fenced writes acknowledged although a
+    /// write with a higher token had been acknowledged before they began.
     pub(crate) stale_accepted: u64,
+    /// C4 on what dlock hands out: grants whose token is not above every
+    /// token granted on the key before this grant's acquire began.
     pub(crate) token_regressions: u64,
+    /// The first such grant, for the report.
+    pub(crate) token_regression_example: Option<String>,
     pub(crate) unfenced_lost: u64,
     pub(crate) lost_signals: u64,
     /// Holds refused by fencing, and how many of them had seen their lost
@@ -85,8 +92,6 @@ struct Interval {
 pub(crate) struct KeyState {
     pub(crate) fenced: i64,
     pub(crate) unfenced: i64,
-    /// (accepted, token, max before) in the resource's order.
-    pub(crate) decisions: Vec<(bool, u64, u64)>,
     /// The fenced set's and the unfenced set control's final op ids.
     pub(crate) set: HashSet<String>,
     pub(crate) unfenced_set: HashSet<String>,
@@ -100,6 +105,19 @@ struct PerKey {
     /// Op ids whose set write was acknowledged: (fenced set?, id).
     acked_sets: Vec<(bool, String)>,
     intervals: Vec<Interval>,
+    grants: Vec<Grant>,
+    /// Fenced writes acknowledged: (invoked, answered, token).
+    accepted_f: Vec<(u64, u64, u64)>,
+}
+
+/// One grant, as its client saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// When its acquire was called, and when it returned the grant.
+    pub(crate) invoked: u64,
+    pub(crate) granted: u64,
+    pub(crate) token: u64,
+    pub(crate) owner: String,
 }
 
 /// A set write accepted by the resource: (key, to the fenced set?, op id).
@@ -114,7 +132,7 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
     let mut open: HashMap<(u32, u32), (u32, Interval)> = HashMap::new();
     let mut invoked: HashMap<(u32, u32), u64> = HashMap::new();
     // A write invoked and never answered (its process died): indeterminate.
-    let mut pending_w: HashMap<(u32, u32, String), u32> = HashMap::new();
+    let mut pending_w: HashMap<(u32, u32, String), (u32, u64)> = HashMap::new();
     let mut kills: Vec<(u64, u32, Vec<u32>)> = Vec::new();
     // Set writes accepted in the current section of (pid, task): they count
     // as acknowledged once its `cs_exit` is logged.
@@ -150,10 +168,21 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                     f.expired_on_return += u64::from(left <= 0);
                     f.min_left_us = Some(f.min_left_us.map_or(left, |m| m.min(left)));
                 }
-                if let Some(t0) = invoked.remove(&id) {
+                let asked = invoked.remove(&id);
+                if let Some(t0) = asked {
                     f.waits_ns.push(e.t.saturating_sub(t0));
                 }
                 let key = e.key.unwrap_or(0);
+                if let Some(token) = e.token {
+                    keys.entry(key).or_default().grants.push(Grant {
+                        // Not knowing when it was asked for, take the
+                        // grant's own time: every earlier grant then counts.
+                        invoked: asked.unwrap_or(e.t),
+                        granted: e.t,
+                        token,
+                        owner: e.owner.clone().unwrap_or_default(),
+                    });
+                }
                 let iv = Interval {
                     owner: e.owner.clone().unwrap_or_default(),
                     start: e.t,
@@ -190,14 +219,19 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                 }
             }
             "w_invoke" => {
-                pending_w.insert((e.pid, e.task, e.reg.clone().unwrap_or_default()), e.key.unwrap_or(0));
+                pending_w.insert((e.pid, e.task, e.reg.clone().unwrap_or_default()), (e.key.unwrap_or(0), e.t));
             }
             "write" => {
                 let reg = e.reg.clone().unwrap_or_default();
-                pending_w.remove(&(e.pid, e.task, reg.clone()));
+                let asked = pending_w.remove(&(e.pid, e.task, reg.clone())).map(|(_, t)| t);
                 let k = keys.entry(e.key.unwrap_or(0)).or_default();
                 match (reg.as_str(), e.res.as_deref()) {
-                    ("f", Some("ok")) => k.acked_f += 1,
+                    ("f", Some("ok")) => {
+                        k.acked_f += 1;
+                        if let Some(token) = e.token {
+                            k.accepted_f.push((asked.unwrap_or(e.t), e.t, token));
+                        }
+                    }
                     ("f", Some("stale")) => {
                         f.stale_refused += 1;
                         if let Some((_, iv)) = open.get_mut(&id) {
@@ -230,7 +264,7 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
             _ => {}
         }
     }
-    for ((_, _, reg), key) in pending_w {
+    for ((_, _, reg), (key, _)) in pending_w {
         if reg == "f" {
             keys.entry(key).or_default().indet_f += 1;
         }
@@ -267,21 +301,18 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
         f.lost_updates += u64::try_from(lost).unwrap_or(0);
         f.indeterminate += u64::try_from(pk.indet_f).unwrap_or(0);
         f.unfenced_lost += u64::try_from((pk.acked_u - state.unfenced).max(0)).unwrap_or(0);
-        // C4 recomputed from the resource's own log.
-        let mut max = 0u64;
-        let mut last_accepted = 0u64;
-        for &(accepted, token, _) in &state.decisions {
-            if accepted {
-                if token < max {
-                    f.stale_accepted += 1;
-                }
-                if token < last_accepted {
-                    f.token_regressions += 1;
-                }
-                last_accepted = token;
+        // C4 from the clients' side, not from the register's own log.
+        let regressions = fencing(&pk.grants);
+        f.token_regressions += regressions.len() as u64;
+        if f.token_regression_example.is_none() {
+            if let Some((g, before)) = regressions.first() {
+                f.token_regression_example = Some(format!(
+                    "key {key}: {} was granted token {} although {} had been granted token {} before it asked",
+                    g.owner, g.token, before.owner, before.token
+                ));
             }
-            max = max.max(token);
         }
+        f.stale_accepted += stale_accepted(&pk.accepted_f);
         // C1: a hold that starts before an earlier hold of another owner ended.
         pk.intervals.sort_by_key(|iv| iv.start);
         let mut active: Vec<&Interval> = Vec::new();
@@ -317,6 +348,61 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
         }
     }
     f
+}
+
+/// C4 on what the lock hands out: every grant's token must be above the
+/// token of every grant of the same key that was returned before this
+/// grant's acquire was called (earlier in real time; grants whose acquires
+/// overlap are not ordered, and C1 judges them). Returns each grant that is
+/// not, with the earlier grant of the highest token. This needs nothing
+/// from the register: a lock that hands a new holder a lower (or the same)
+/// token fails here even though the register then refuses the new holder
+/// and accepts the stale one.
+pub(crate) fn fencing(grants: &[Grant]) -> Vec<(&Grant, &Grant)> {
+    let mut by_invoke: Vec<&Grant> = grants.iter().collect();
+    by_invoke.sort_by_key(|g| g.invoked);
+    let mut by_grant: Vec<&Grant> = grants.iter().collect();
+    by_grant.sort_by_key(|g| g.granted);
+    let mut done = by_grant.into_iter().peekable();
+    // The grant of the highest token among those returned so far.
+    let mut highest: Option<&Grant> = None;
+    let mut bad = Vec::new();
+    for g in by_invoke {
+        while let Some(h) = done.next_if(|h| h.granted < g.invoked) {
+            if highest.is_none_or(|m| h.token > m.token) {
+                highest = Some(h);
+            }
+        }
+        if let Some(h) = highest {
+            if h.token >= g.token {
+                bad.push((g, h));
+            }
+        }
+    }
+    bad
+}
+
+/// C4 on the register's answers: fenced writes (invoked, answered, token)
+/// acknowledged although a write with a higher token had been acknowledged
+/// before they were invoked. The harness's register refuses those, so this
+/// is a check of the harness's own fencing, judged from the clients.
+fn stale_accepted(writes: &[(u64, u64, u64)]) -> u64 {
+    let mut by_invoke: Vec<&(u64, u64, u64)> = writes.iter().collect();
+    by_invoke.sort_by_key(|w| w.0);
+    let mut by_answer: Vec<&(u64, u64, u64)> = writes.iter().collect();
+    by_answer.sort_by_key(|w| w.1);
+    let mut done = by_answer.into_iter().peekable();
+    let mut max = None;
+    let mut stale = 0;
+    for w in by_invoke {
+        while let Some(d) = done.next_if(|d| d.1 < w.0) {
+            max = max.max(Some(d.2));
+        }
+        if max.is_some_and(|m| m > w.2) {
+            stale += 1;
+        }
+    }
+    stale
 }
 
 #[cfg(test)]
@@ -442,20 +528,72 @@ mod tests {
         assert_eq!(f.min_left_us, Some(-300));
     }
 
+    fn fenced_write(invoked: u64, answered: u64, pid: u32, token: u64) -> [Event; 2] {
+        let mut w = e(invoked, pid, "w_invoke", "a");
+        w.reg = Some("f".into());
+        w.token = Some(token);
+        let mut done = w.clone();
+        done.t = answered;
+        done.op = "write".into();
+        done.res = Some("ok".into());
+        [w, done]
+    }
+
     #[test]
     fn lost_updates_and_stale_acceptance_are_found() {
-        let mut w = e(2, 1, "write", "a");
-        w.reg = Some("f".into());
-        w.res = Some("ok".into());
-        let mut w2 = w.clone();
-        w2.t = 3;
-        let finals = HashMap::from([(
-            0,
-            KeyState { fenced: 1, unfenced: 0, decisions: vec![(true, 5, 0), (true, 4, 5)], ..KeyState::default() },
-        )]);
-        let f = check(&[e(1, 1, "acq_ok", "a"), w, w2, e(4, 1, "rel_invoke", "a")], &finals, 5);
+        // Token 5 acknowledged at 3; a write with token 4 invoked at 4 and
+        // acknowledged: stale. Two acknowledged increments, final 1: one lost.
+        let mut events = vec![e(1, 1, "acq_ok", "a")];
+        events.extend(fenced_write(2, 3, 1, 5));
+        events.extend(fenced_write(4, 5, 2, 4));
+        events.push(e(6, 1, "rel_invoke", "a"));
+        let finals = HashMap::from([(0, KeyState { fenced: 1, unfenced: 0, ..KeyState::default() })]);
+        let f = check(&events, &finals, 7);
         assert_eq!(f.lost_updates, 1);
         assert_eq!(f.stale_accepted, 1);
+        // Overlapping writes are not ordered: no stale acceptance.
+        let mut events = fenced_write(2, 5, 1, 5).to_vec();
+        events.extend(fenced_write(4, 6, 2, 4));
+        events.sort_by_key(|e| e.t);
+        assert_eq!(check(&events, &HashMap::new(), 7).stale_accepted, 0);
+    }
+
+    fn grant(invoked: u64, granted: u64, token: u64, owner: &str) -> Grant {
+        Grant { invoked, granted, token, owner: owner.into() }
+    }
+
+    /// C4: a grant whose token is not above a grant returned before its
+    /// acquire began fails, a lower and an equal token alike; grants whose
+    /// acquires overlap are not ordered.
+    #[test]
+    fn fencing_catches_a_token_that_does_not_grow() {
+        let rising = [grant(0, 1, 10, "a"), grant(2, 3, 11, "b"), grant(4, 5, 12, "c")];
+        assert!(fencing(&rising).is_empty());
+        let lower = [grant(0, 1, 10, "a"), grant(2, 3, 9, "b")];
+        let bad = fencing(&lower);
+        assert_eq!(bad.len(), 1);
+        assert_eq!((bad[0].0.owner.as_str(), bad[0].1.owner.as_str()), ("b", "a"));
+        assert_eq!(fencing(&[grant(0, 1, 10, "a"), grant(2, 3, 10, "b")]).len(), 1);
+        // b asked before a's grant returned: not ordered, not judged.
+        assert!(fencing(&[grant(0, 2, 10, "a"), grant(1, 3, 9, "b")]).is_empty());
+        // Against every earlier grant, not only the last one.
+        assert_eq!(fencing(&[grant(0, 1, 20, "a"), grant(2, 3, 5, "b"), grant(4, 5, 6, "c")]).len(), 2);
+    }
+
+    /// The same through the history: acq_invoke/acq_ok pairs per key.
+    #[test]
+    fn token_regressions_are_found_in_the_history() {
+        let ok = |t: u64, pid: u32, token: u64| Event { token: Some(token), ..e(t, pid, "acq_ok", "x") };
+        let events = vec![
+            e(1, 1, "acq_invoke", "a"),
+            ok(2, 1, 7),
+            e(3, 1, "rel_invoke", "a"),
+            e(4, 2, "acq_invoke", "b"),
+            ok(5, 2, 3),
+            e(6, 2, "rel_invoke", "b"),
+        ];
+        let f = check(&events, &HashMap::new(), 7);
         assert_eq!(f.token_regressions, 1);
+        assert!(f.token_regression_example.as_deref().is_some_and(|x| x.contains("token 3")), "{f:?}");
     }
 }

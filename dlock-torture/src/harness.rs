@@ -49,6 +49,10 @@ pub(crate) struct Report {
     pub(crate) lost_signals: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) stale_holds_signalled: Option<String>,
+    /// The same as numbers: holds refused by fencing, and how many of them
+    /// had seen their lost signal by their first refused access.
+    pub(crate) stale_holds: u64,
+    pub(crate) stale_holds_seen_lost: u64,
     pub(crate) p50_wait_ms: f64,
     pub(crate) p99_wait_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -117,6 +121,14 @@ impl Report {
                 first_ids(&f.unfenced_set_missing)
             ));
         }
+        if let Some(example) = &f.token_regression_example {
+            self.note(format!(
+                "C4: {} grant(s) with a token not above an earlier grant's; first: {example}",
+                f.token_regressions
+            ));
+        }
+        self.stale_holds += f.stale_holds;
+        self.stale_holds_seen_lost += f.stale_holds_signalled;
         if f.stale_holds > 0 {
             self.stale_holds_signalled = Some(format!("{}/{}", f.stale_holds_signalled, f.stale_holds));
         }
@@ -187,6 +199,15 @@ pub(crate) fn size_set_registers(short: bool) {
     SET_CAP.store(if short { SET_CAP_SHORT } else { SET_CAP_LONG }, Ordering::Relaxed);
 }
 
+/// How the workers of a run ended ([`Run::join`]).
+#[derive(Debug, Default)]
+pub(crate) struct Joined {
+    /// Still running past their end and grace: killed.
+    pub(crate) hung: u32,
+    /// Exited with a failure: what each said.
+    pub(crate) failed: Vec<String>,
+}
+
 /// A run's processes and files.
 #[derive(Debug)]
 pub(crate) struct Run {
@@ -223,6 +244,9 @@ impl Run {
         cfg.history = self.dir.join(format!("worker-{}.jsonl", self.next));
         cfg.seed ^= u64::from(self.next) << 40;
         cfg.set_cap = SET_CAP.load(Ordering::Relaxed);
+        // The file exists before the worker does: a history that cannot be
+        // read later is then an error, not a worker that had not started.
+        std::fs::OpenOptions::new().create(true).append(true).open(&cfg.history)?;
         self.histories.push(cfg.history.clone());
         let json = serde_json::to_string(&cfg).map_err(std::io::Error::other)?;
         let exe = std::env::current_exe()?;
@@ -242,15 +266,19 @@ impl Run {
         self.nemesis.log(&Event { target, ..Event::now(op) });
     }
 
-    /// SIGKILLs a worker and logs it.
+    /// SIGKILLs a worker and logs it once it is dead. Logged before the
+    /// signal, the victim could still log a grant after the `kill` event (it
+    /// ran between the two), a hold the checker would then see open until
+    /// the end of the run and count as overlapping every later grant of its
+    /// key; logged after the reaping, every event of the victim precedes it.
     pub(crate) fn kill(&mut self, pid: u32) {
-        self.log("kill", Some(pid));
         if let Some(i) = self.children.iter().position(|c| c.id() == pid) {
             let mut child = self.children.swap_remove(i);
             let _ = child.kill();
             let _ = child.wait();
             // Reaped: no longer a worker to pick as a holder or to join.
         }
+        self.log("kill", Some(pid));
     }
 
     pub(crate) fn signal(&self, pid: u32, sig: rustix::process::Signal, op: &str) {
@@ -262,17 +290,23 @@ impl Run {
         }
     }
 
-    pub(crate) fn events(&self) -> Vec<Event> {
+    /// Every event of the run so far; an unreadable history is an error.
+    pub(crate) fn events(&self) -> Result<Vec<Event>, String> {
         history::read_all(&self.histories)
     }
 
-    /// Pids of workers that hold a lock right now, by the history's tail.
-    pub(crate) fn holders(&self, among: Option<&[u32]>) -> Vec<u32> {
+    /// Pids of workers that hold a lock right now, by the history's tail;
+    /// with `before_write`, only holds whose fenced write is still ahead of
+    /// them (a pause there makes the resumed holder write with its old token).
+    pub(crate) fn holders(&self, among: Option<&[u32]>, before_write: bool) -> Result<Vec<u32>, String> {
         let mut open: HashMap<(u32, u32), bool> = HashMap::new();
-        for e in self.events() {
+        for e in self.events()? {
             match e.op.as_str() {
                 "acq_ok" => {
                     open.insert((e.pid, e.task), true);
+                }
+                "w_invoke" | "write" if before_write && e.reg.as_deref() == Some("f") => {
+                    open.remove(&(e.pid, e.task));
                 }
                 "rel_invoke" => {
                     open.remove(&(e.pid, e.task));
@@ -288,24 +322,36 @@ impl Run {
             .collect();
         pids.sort_unstable();
         pids.dedup();
-        pids
+        Ok(pids)
     }
 
     /// Waits for every worker to exit (they stop on their own after their
     /// duration); kills any still running `grace` after the last one was due
-    /// to stop, and returns how
-    /// many that were: a worker that cannot finish is a hang (a deadlock or
-    /// an acquire that ignores its deadline).
-    pub(crate) fn join(&mut self, grace: Duration) -> u32 {
+    /// to stop. A worker that cannot finish is a hang (a deadlock or an
+    /// acquire that ignores its deadline); one that exits with a failure
+    /// (it could not connect, a task panicked, a signal nobody sent on
+    /// purpose) is a lost worker: its share of the work was never done, and
+    /// the row must not pass on what the others did. Workers the nemesis
+    /// killed on purpose ([`Run::kill`]) are not joined.
+    pub(crate) fn join(&mut self, grace: Duration) -> Joined {
         let deadline = self.planned_end.max(std::time::Instant::now()) + grace;
-        let mut hung = 0;
+        let mut joined = Joined::default();
         for child in &mut self.children {
             loop {
                 match child.try_wait() {
-                    Ok(Some(_)) | Err(_) => break,
+                    Ok(Some(status)) => {
+                        if !status.success() {
+                            joined.failed.push(format!("worker {} exited with {status}", child.id()));
+                        }
+                        break;
+                    }
+                    Err(e) => {
+                        joined.failed.push(format!("worker {} could not be waited for: {e}", child.id()));
+                        break;
+                    }
                     Ok(None) if std::time::Instant::now() >= deadline => {
                         eprintln!("dlock-torture: worker {} did not stop in time; killing it", child.id());
-                        hung += 1;
+                        joined.hung += 1;
                         let _ = child.kill();
                         let _ = child.wait();
                         break;
@@ -314,21 +360,20 @@ impl Run {
                 }
             }
         }
-        hung
+        joined
     }
 
     /// Checks the history against the resource.
     pub(crate) async fn check(&self, resource: &Resource, keys: u32) -> Result<Findings, String> {
         let mut finals = HashMap::new();
         for k in 0..keys {
-            let (fenced, unfenced, decisions) =
-                resource.snapshot(k).await.map_err(|e| format!("resource snapshot: {e}"))?;
+            let (fenced, unfenced) = resource.snapshot(k).await.map_err(|e| format!("resource snapshot: {e}"))?;
             let set = resource.set_snapshot(SetReg::Fenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
             let unfenced_set =
                 resource.set_snapshot(SetReg::Unfenced, k).await.map_err(|e| format!("resource snapshot: {e}"))?;
-            finals.insert(k, KeyState { fenced, unfenced, decisions, set, unfenced_set });
+            finals.insert(k, KeyState { fenced, unfenced, set, unfenced_set });
         }
-        Ok(checker::check(&self.events(), &finals, mono_ns()))
+        Ok(checker::check(&self.events()?, &finals, mono_ns()))
     }
 }
 
@@ -341,5 +386,23 @@ impl Drop for Run {
         if std::env::var_os("DLOCK_TORTURE_KEEP").is_none() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker that exits with a failure is a lost worker, one that does
+    /// not stop is a hang, and one that exits cleanly is neither.
+    #[test]
+    fn join_counts_lost_and_hung_workers() {
+        let mut run = Run::new("join-test").expect("run dir");
+        for script in ["exit 0", "exit 3", "kill -9 $$", "sleep 30"] {
+            run.children.push(Command::new("sh").arg("-c").arg(script).spawn().expect("spawn sh"));
+        }
+        let joined = run.join(Duration::from_millis(300));
+        assert_eq!(joined.hung, 1, "{joined:?}");
+        assert_eq!(joined.failed.len(), 2, "{joined:?}");
     }
 }

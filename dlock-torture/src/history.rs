@@ -118,18 +118,71 @@ impl History {
     }
 }
 
-/// Reads every event of the given files, sorted by time. A torn last line
-/// (a process killed mid-write) is skipped.
-pub(crate) fn read_all(paths: &[std::path::PathBuf]) -> Vec<Event> {
+/// Reads every event of the given files, sorted by time.
+///
+/// Every file must be readable and every complete line (ending in `\n`)
+/// must be an event: a missing file, an I/O error or a bad line is an
+/// error, never skipped, or a history could lose a worker's events and the
+/// checks pass on what is left. Only a file's last line may be torn (no
+/// `\n`: its process was killed mid-write, or is writing it right now);
+/// it is left out.
+pub(crate) fn read_all(paths: &[std::path::PathBuf]) -> Result<Vec<Event>, String> {
     let mut events = Vec::new();
     for path in paths {
-        let Ok(file) = File::open(path) else { continue };
-        for line in BufReader::new(file).lines().map_while(Result::ok) {
-            if let Ok(e) = serde_json::from_str::<Event>(&line) {
-                events.push(e);
-            }
-        }
+        let file = File::open(path).map_err(|e| format!("cannot open the history {}: {e}", path.display()))?;
+        parse_into(BufReader::new(file), &path.display().to_string(), &mut events)?;
     }
     events.sort_by_key(|e| e.t);
-    events
+    Ok(events)
+}
+
+/// Appends the events of one history to `events`; `name` is for errors.
+fn parse_into(mut reader: impl BufRead, name: &str, events: &mut Vec<Event>) -> Result<(), String> {
+    let mut line = Vec::new();
+    for number in 1.. {
+        line.clear();
+        let n = reader.read_until(b'\n', &mut line).map_err(|e| format!("cannot read the history {name}: {e}"))?;
+        if n == 0 {
+            break;
+        }
+        if line.last() != Some(&b'\n') {
+            // A torn last line: at most the one event in flight.
+            break;
+        }
+        let e = serde_json::from_slice::<Event>(&line).map_err(|e| {
+            format!("the history {name} has a bad line {number} ({e}): {}", String::from_utf8_lossy(&line).trim_end())
+        })?;
+        events.push(e);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Vec<Event>, String> {
+        let mut events = Vec::new();
+        parse_into(text.as_bytes(), "test", &mut events).map(|()| events)
+    }
+
+    #[test]
+    fn a_torn_last_line_is_left_out() {
+        let events = parse("{\"t\":1,\"pid\":2,\"op\":\"acq_ok\"}\n{\"t\":2,\"pid\":2,\"op\":\"re").expect("parse");
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].op, "acq_ok");
+    }
+
+    #[test]
+    fn a_bad_complete_line_is_an_error() {
+        let err = parse("{\"t\":1,\"pid\":2,\"op\":\"acq_ok\"}\nnot json\n{\"t\":3,\"pid\":2,\"op\":\"rel_ok\"}\n")
+            .expect_err("a bad line must not be skipped");
+        assert!(err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_history_is_an_error() {
+        let missing = std::env::temp_dir().join(format!("dlock-torture-no-such-history-{}", std::process::id()));
+        assert!(read_all(&[missing]).is_err());
+    }
 }

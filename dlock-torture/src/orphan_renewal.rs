@@ -1,11 +1,12 @@
 //! `orphan-renewal`: cancelled acquires, dropped guards and aborted holder
 //! tasks must leave no lock key behind and no renewal running.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
-use dlock_core::{AcquireOptions, Locker, LockerOptions};
+use dlock_core::{AcquireOptions, LockGuard, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::sleep;
 
@@ -24,53 +25,61 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     .map_err(|e| e.to_string())?;
     let cycles = size.pick(1500u64, 20_000);
     let lanes = 8u64;
+    let tally = Arc::new(Tally::default());
     let mut handles = Vec::new();
     for lane in 0..lanes {
-        let locker = locker.clone();
+        let (locker, tally) = (locker.clone(), tally.clone());
         handles.push(tokio::spawn(async move {
             let mut rng = Rng::new(seed ^ (lane << 32));
-            let (mut cancelled, mut dropped, mut aborted, mut errors) = (0u64, 0u64, 0u64, 0u64);
             for _ in 0..cycles / lanes {
                 let k = rng.below(16);
-                let Ok(key) = locker.key("orphan").part(k).build() else {
-                    errors += 1;
-                    continue;
+                let key = match locker.key("orphan").part(k).build() {
+                    Ok(key) => key,
+                    Err(e) => {
+                        tally.error(format!("key: {e}"));
+                        continue;
+                    }
                 };
                 let opts = AcquireOptions::new().with_wait(Duration::from_millis(rng.below(5)));
                 let cut = Duration::from_micros(rng.below(2000));
                 match rng.below(4) {
                     0 => match tokio::time::timeout(cut, locker.acquire(&key, opts)).await {
-                        Err(_) => cancelled += 1,
-                        Ok(Ok(g)) => drop(g.release().await),
-                        Ok(Err(_)) => {}
+                        Err(_) => tally.faults.fetch_add(1, Ordering::Relaxed),
+                        Ok(got) => {
+                            if let Some(g) = tally.granted(got) {
+                                tally.released(g.release().await);
+                            }
+                            0
+                        }
                     },
                     1 => {
-                        if let Ok(g) = locker.acquire(&key, opts).await {
+                        if let Some(g) = tally.granted(locker.acquire(&key, opts).await) {
                             sleep(cut).await;
                             drop(g);
-                            dropped += 1;
+                            tally.faults.fetch_add(1, Ordering::Relaxed);
                         }
+                        0
                     }
                     2 => {
-                        let l = locker.clone();
+                        let (l, t) = (locker.clone(), tally.clone());
                         let task = tokio::spawn(async move {
-                            if let Ok(g) = l.acquire(&key, opts).await {
+                            if let Some(g) = t.granted(l.acquire(&key, opts).await) {
                                 sleep(Duration::from_millis(50)).await;
-                                drop(g.release().await);
+                                t.released(g.release().await);
                             }
                         });
                         sleep(cut).await;
                         task.abort();
-                        aborted += 1;
+                        tally.faults.fetch_add(1, Ordering::Relaxed)
                     }
                     _ => {
-                        if let Ok(g) = locker.acquire(&key, opts).await {
-                            drop(g.release().await);
+                        if let Some(g) = tally.granted(locker.acquire(&key, opts).await) {
+                            tally.released(g.release().await);
                         }
+                        0
                     }
-                }
+                };
             }
-            (cancelled, dropped, aborted, errors)
         }));
     }
     let mut r = Report::new("orphan-renewal", "redis", seed);
@@ -81,11 +90,21 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     r.lease_ms = 300;
     r.fault_kind = "cancelled acquires, dropped guards, aborted holder tasks".into();
     for h in handles {
-        let (c, d, a, e) = h.await.map_err(|e| e.to_string())?;
-        r.faults += c + d + a;
-        r.acq_failures += e;
+        h.await.map_err(|e| e.to_string())?;
     }
-    r.operations = cycles;
+    // Aborted holder tasks are gone; counts are final.
+    r.operations = tally.acquired.load(Ordering::Relaxed);
+    r.faults = tally.faults.load(Ordering::Relaxed);
+    r.acq_failures = tally.contended.load(Ordering::Relaxed);
+    let errors = tally.errors.load(Ordering::Relaxed);
+    r.note(format!(
+        "{cycles} cycles: {} grants, {} acquires that found the key held, {} cancellations/drops/aborts, {errors} errors",
+        r.operations, r.acq_failures, r.faults
+    ));
+    if errors > 0 {
+        let first = tally.first_error.lock().map(|e| e.clone()).unwrap_or_default();
+        r.fail(format!("{errors} acquire or release error(s) with no fault to excuse them, first: {first}"));
+    }
     // Background releases of dropped guards are in flight; then two PTTL
     // samples 2 × renew interval apart: a refreshed key is an orphan renewal.
     sleep(Duration::from_millis(100)).await;
@@ -99,4 +118,49 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         r.fail("orphaned lock keys or a renewal still running");
     }
     Ok(vec![r])
+}
+
+/// What the lanes did: grants (the operations), acquires answered "held",
+/// cancellations, and errors, which nothing here excuses.
+#[derive(Debug, Default)]
+struct Tally {
+    acquired: AtomicU64,
+    contended: AtomicU64,
+    faults: AtomicU64,
+    errors: AtomicU64,
+    first_error: Mutex<String>,
+}
+
+impl Tally {
+    /// Counts an acquire's answer; the guard when it was a grant.
+    fn granted(&self, got: Result<LockGuard, dlock_core::Error>) -> Option<LockGuard> {
+        match got {
+            Ok(g) => {
+                self.acquired.fetch_add(1, Ordering::Relaxed);
+                Some(g)
+            }
+            Err(e) if e.is_contention() => {
+                self.contended.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Err(e) => {
+                self.error(format!("acquire: {e}"));
+                None
+            }
+        }
+    }
+
+    fn released(&self, got: Result<bool, dlock_core::Error>) {
+        if let Err(e) = got {
+            self.error(format!("release: {e}"));
+        }
+    }
+
+    fn error(&self, what: String) {
+        if self.errors.fetch_add(1, Ordering::Relaxed) == 0 {
+            if let Ok(mut first) = self.first_error.lock() {
+                *first = what;
+            }
+        }
+    }
 }

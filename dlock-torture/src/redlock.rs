@@ -43,8 +43,11 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
         }
         let down = &ids[..victims];
         run.log("kill", None);
-        let from = mono_ns();
         tokio::task::block_in_place(|| down.iter().for_each(|&i| nodes[i].kill()));
+        // The quorum is gone once the last victim is reaped (each kill waits
+        // for its process; three can take over 100 ms on a loaded machine),
+        // not when the first signal was sent.
+        let from = mono_ns();
         sleep(outage).await;
         let to = mono_ns();
         tokio::task::block_in_place(|| down.iter().for_each(|&i| nodes[i].restart()));
@@ -64,7 +67,7 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
             "an acquire took {slowest:.0} ms to report the quorum unavailable (bound {UNAVAILABLE_BOUND_MS} ms)"
         ));
     }
-    let events = run.events();
+    let events = run.events()?;
     // A grant needs 3 live nodes; allow 100 ms for replies already in flight.
     let during: usize = windows
         .iter()

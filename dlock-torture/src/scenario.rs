@@ -151,9 +151,12 @@ pub(crate) async fn finish(
     keys: u32,
     grace: Duration,
 ) -> Result<Findings, String> {
-    let hung = tokio::task::block_in_place(|| run.join(grace));
-    if hung > 0 {
-        r.fail(format!("{hung} worker(s) did not finish within {grace:?} of their end (hang)"));
+    let joined = tokio::task::block_in_place(|| run.join(grace));
+    if joined.hung > 0 {
+        r.fail(format!("{} worker(s) did not finish within {grace:?} of their end (hang)", joined.hung));
+    }
+    if !joined.failed.is_empty() {
+        r.fail(format!("lost worker(s): {}", joined.failed.join(", ")));
     }
     let findings = run.check(resource, keys).await?;
     r.absorb(&findings);
@@ -177,17 +180,42 @@ pub(crate) async fn finish(
     Ok(findings)
 }
 
-/// Waits up to `within` for a worker (of `among`) that holds a lock.
-pub(crate) async fn find_holder(run: &Run, among: Option<&[u32]>, within: Duration, rng: &mut Rng) -> Option<u32> {
+/// Waits up to `within` for a worker (of `among`) that holds a lock;
+/// `Ok(None)` when none did, an error when the history cannot be read.
+pub(crate) async fn find_holder(
+    run: &Run,
+    among: Option<&[u32]>,
+    within: Duration,
+    rng: &mut Rng,
+) -> Result<Option<u32>, String> {
+    find(run, among, false, within, rng).await
+}
+
+/// [`find_holder`], among holds whose fenced write is still ahead.
+pub(crate) async fn find_holder_before_write(
+    run: &Run,
+    within: Duration,
+    rng: &mut Rng,
+) -> Result<Option<u32>, String> {
+    find(run, None, true, within, rng).await
+}
+
+async fn find(
+    run: &Run,
+    among: Option<&[u32]>,
+    before_write: bool,
+    within: Duration,
+    rng: &mut Rng,
+) -> Result<Option<u32>, String> {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        let holders = tokio::task::block_in_place(|| run.holders(among));
+        let holders = tokio::task::block_in_place(|| run.holders(among, before_write))?;
         if !holders.is_empty() {
             let i = usize::try_from(rng.below(holders.len() as u64)).unwrap_or(0);
-            return holders.get(i).copied();
+            return Ok(holders.get(i).copied());
         }
         if tokio::time::Instant::now() >= deadline {
-            return None;
+            return Ok(None);
         }
         sleep(Duration::from_millis(10)).await;
     }

@@ -17,30 +17,40 @@ use crate::{
 /// A running scenario: its report rows, or why it could not run.
 type Rows = Pin<Box<dyn Future<Output = Result<Vec<Report>, String>>>>;
 
-/// One scenario: the name `--scenario` takes and how to start it.
+/// One scenario: the name `--scenario` takes, how to start it, and whether
+/// it is meant to inject faults (every row of it must then count some).
 #[derive(Debug)]
 pub(crate) struct Scenario {
     pub(crate) name: &'static str,
     start: fn(Size, u64) -> Rows,
+    faults: bool,
 }
 
 /// Every scenario, in run order.
 pub(crate) const ALL: &[Scenario] = &[
-    Scenario { name: "baseline", start: |size, seed| Box::pin(baseline::run(size, seed)) },
-    Scenario { name: "pause", start: |size, seed| Box::pin(pause::run(size, seed)) },
-    Scenario { name: "kill-client", start: |size, seed| Box::pin(kill_client::run(size, seed)) },
-    Scenario { name: "restart-redis", start: |size, seed| Box::pin(restart::run(size, seed)) },
-    Scenario { name: "redlock-minority", start: |size, seed| Box::pin(redlock::outage(size, seed, false)) },
-    Scenario { name: "redlock-majority", start: |size, seed| Box::pin(redlock::outage(size, seed, true)) },
-    Scenario { name: "redlock-restart", start: |size, seed| Box::pin(redlock::restart(size, seed)) },
-    Scenario { name: "redlock-slow", start: |size, seed| Box::pin(one_row(slow::run(size, seed))) },
-    Scenario { name: "zk-expire", start: |size, seed| Box::pin(zk_expire::run(size, seed)) },
-    Scenario { name: "partition", start: |size, seed| Box::pin(partition::run(size, seed)) },
-    Scenario { name: "renewal-failure", start: |size, seed| Box::pin(one_row(renewal::run(size, seed))) },
-    Scenario { name: "checker-self-test", start: |size, seed| Box::pin(self_test::run(size, seed)) },
-    Scenario { name: "orphan-renewal", start: |size, seed| Box::pin(orphan_renewal::run(size, seed)) },
-    Scenario { name: "bad-input", start: |size, seed| Box::pin(one_row(badinput::run(size, seed))) },
-    Scenario { name: "idempotency-storm", start: |size, seed| Box::pin(one_row(storm::run(size, seed))) },
+    Scenario { name: "baseline", faults: false, start: |size, seed| Box::pin(baseline::run(size, seed)) },
+    Scenario { name: "pause", faults: true, start: |size, seed| Box::pin(pause::run(size, seed)) },
+    Scenario { name: "kill-client", faults: true, start: |size, seed| Box::pin(kill_client::run(size, seed)) },
+    Scenario { name: "restart-redis", faults: true, start: |size, seed| Box::pin(restart::run(size, seed)) },
+    Scenario {
+        name: "redlock-minority",
+        faults: true,
+        start: |size, seed| Box::pin(redlock::outage(size, seed, false)),
+    },
+    Scenario {
+        name: "redlock-majority",
+        faults: true,
+        start: |size, seed| Box::pin(redlock::outage(size, seed, true)),
+    },
+    Scenario { name: "redlock-restart", faults: true, start: |size, seed| Box::pin(redlock::restart(size, seed)) },
+    Scenario { name: "redlock-slow", faults: true, start: |size, seed| Box::pin(one_row(slow::run(size, seed))) },
+    Scenario { name: "zk-expire", faults: true, start: |size, seed| Box::pin(zk_expire::run(size, seed)) },
+    Scenario { name: "partition", faults: true, start: |size, seed| Box::pin(partition::run(size, seed)) },
+    Scenario { name: "renewal-failure", faults: true, start: |size, seed| Box::pin(one_row(renewal::run(size, seed))) },
+    Scenario { name: "checker-self-test", faults: false, start: |size, seed| Box::pin(self_test::run(size, seed)) },
+    Scenario { name: "orphan-renewal", faults: true, start: |size, seed| Box::pin(orphan_renewal::run(size, seed)) },
+    Scenario { name: "bad-input", faults: true, start: |size, seed| Box::pin(one_row(badinput::run(size, seed))) },
+    Scenario { name: "idempotency-storm", faults: true, start: |size, seed| Box::pin(one_row(storm::run(size, seed))) },
 ];
 
 /// The scenario called `name`.
@@ -58,17 +68,70 @@ async fn one_row(report: impl Future<Output = Result<Report, String>>) -> Result
 }
 
 /// Runs the scenario called `name`; one failed row when it could not run.
+/// Every row fails when it did no work, or injected no fault in a scenario
+/// meant to inject some: such a row would pass with nothing tested.
 pub(crate) async fn run(name: &str, size: Size, seed: u64) -> Vec<Report> {
-    let result = match find(name) {
-        Some(scenario) => (scenario.start)(size, seed).await,
-        None => Err(format!("unknown scenario `{name}`")),
+    let Some(scenario) = find(name) else {
+        let mut r = Report::new(name, "-", seed);
+        r.fail(format!("unknown scenario `{name}`"));
+        return vec![r];
     };
-    match result {
-        Ok(rows) => rows,
+    match (scenario.start)(size, seed).await {
+        Ok(mut rows) => {
+            if rows.is_empty() {
+                let mut r = Report::new(name, "-", seed);
+                r.fail("the scenario reported no row");
+                rows.push(r);
+            }
+            for r in &mut rows {
+                require_work(r, scenario.faults);
+            }
+            rows
+        }
         Err(e) => {
             let mut r = Report::new(name, "-", seed);
             r.fail(format!("the scenario could not run: {e}"));
             vec![r]
+        }
+    }
+}
+
+/// Fails a row that did no operation, or (`faults`) injected no fault.
+fn require_work(r: &mut Report, faults: bool) {
+    if r.operations == 0 {
+        r.fail("no operation was done (nothing was tested)");
+    }
+    if faults && r.faults == 0 {
+        r.fail("no fault was injected (nothing was tested under the fault)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_that_did_nothing_fails() {
+        let mut idle = Report::new("x", "y", 0);
+        require_work(&mut idle, false);
+        assert!(!idle.pass, "{}", idle.notes);
+
+        let mut unfaulted = Report::new("x", "y", 0);
+        unfaulted.operations = 10;
+        require_work(&mut unfaulted, true);
+        assert!(!unfaulted.pass, "{}", unfaulted.notes);
+
+        let mut worked = Report::new("x", "y", 0);
+        worked.operations = 10;
+        worked.faults = 1;
+        require_work(&mut worked, true);
+        assert!(worked.pass, "{}", worked.notes);
+    }
+
+    #[test]
+    fn only_baseline_and_the_self_test_inject_no_fault() {
+        for s in ALL {
+            assert_eq!(s.faults, !matches!(s.name, "baseline" | "checker-self-test"), "{}", s.name);
         }
     }
 }

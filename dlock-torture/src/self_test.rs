@@ -17,15 +17,10 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     // variant: fixed 50 ms leases, sections up to 80 ms.
     let variants: Vec<&str> = std::iter::once("redis").chain(Bug::ALL).collect();
     for (i, variant) in variants.into_iter().enumerate() {
-        let _ = redis::cmd("FLUSHALL")
-            .query_async::<()>(
-                &mut redis::Client::open(res_server.url())
-                    .map_err(|e| e.to_string())?
-                    .get_multiplexed_async_connection()
-                    .await
-                    .map_err(|e| e.to_string())?,
-            )
-            .await;
+        // Every variant starts from empty servers, so what C6 finds is its own.
+        for server in std::iter::once(&res_server).chain(&nodes) {
+            flush(server).await?;
+        }
         let urls: Vec<String> = if variant == "broken-redlock-ignores-elapsed" {
             nodes.iter().map(RedisServer::url).collect()
         } else {
@@ -44,6 +39,12 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
             // Sections as long as the lease, so a holder is still inside
             // when its first keys expire.
             "broken-redlock-ignores-elapsed" => (100, 100),
+            // Sections far inside the lease: nothing overlaps, so only the
+            // fencing check can catch the falling tokens.
+            "broken-token-regresses" => (1000, 5),
+            // Leases that outlive the run: what release forgot is still
+            // there when the run ends.
+            "broken-release-forgets" => (5000, 5),
             _ => (50, 80),
         };
         let mut run = Run::new(&format!("self-test-{i}")).map_err(|e| e.to_string())?;
@@ -59,21 +60,11 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         } else {
             r.expected_safe = false;
             finish(&mut run, &mut r, &resource, 1, Duration::from_secs(15)).await?;
-            // C3 must name the ids these two bugs lose: they overlap often
-            // enough to lose ids in every short run. The fenced set cannot
-            // lose one (every variant draws unique, growing tokens from
-            // INCR, and the set refuses a stale one), so the loss shows on
-            // the unfenced set, which the same C3 code checks.
-            let c3_required = matches!(variant, "broken-plain-del" | "broken-get-then-set");
-            let c3_caught = r.unfenced_set_missing > 0;
-            let caught = r.overlaps > 0 && (c3_caught || !c3_required);
-            r.caught = Some(caught);
-            if r.overlaps == 0 {
-                r.fail("the checker did not catch this broken lock");
-            }
-            if c3_required && !c3_caught {
-                r.fail("C3 (set-full) found no acknowledged op id missing from the unfenced set");
-            }
+            // C6 on the broken lock's own keys (plain strings `broken:<k>`),
+            // every worker gone: nothing may be left.
+            let left = broken_residue(&nodes).await?;
+            r.residual_keys = Some(left);
+            judge(variant, &mut r);
         }
         rows.push(r);
     }
@@ -104,4 +95,88 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     }
     rows.push(herd);
     Ok(rows)
+}
+
+/// Empties `server`; an error is the self-test's, not swallowed.
+async fn flush(server: &RedisServer) -> Result<(), String> {
+    let client = redis::Client::open(server.url()).map_err(|e| e.to_string())?;
+    let mut c = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
+    redis::cmd("FLUSHALL").query_async::<()>(&mut c).await.map_err(|e| format!("FLUSHALL: {e}"))
+}
+
+/// C6 for the broken locks: their lock keys (`broken:<k>`, not the
+/// `…:fence` counters) still on any node once every worker has finished.
+async fn broken_residue(nodes: &[RedisServer]) -> Result<u64, String> {
+    let mut left = 0;
+    for node in nodes {
+        let client = redis::Client::open(node.url()).map_err(|e| e.to_string())?;
+        let mut c = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg("broken:*").query_async(&mut c).await.map_err(|e| e.to_string())?;
+        left += keys.iter().filter(|k| !k.ends_with(":fence")).count() as u64;
+    }
+    Ok(left)
+}
+
+/// The checks a broken variant must set off: (name, figure it reports).
+fn must_fire(variant: &str, r: &Report) -> Vec<(&'static str, u64)> {
+    let c1 = ("C1 overlap", r.overlaps);
+    match variant {
+        // C3 must name the ids these two bugs lose: they overlap often
+        // enough to lose ids in every short run. Their tokens grow, so the
+        // fenced set loses nothing; the loss shows on the unfenced set,
+        // which the same C3 code checks.
+        "broken-plain-del" | "broken-get-then-set" => vec![c1, ("C3 set-full (unfenced set)", r.unfenced_set_missing)],
+        // Nothing overlaps: only the fencing check sees the falling tokens.
+        "broken-token-regresses" => vec![("C4 token order", r.token_regressions)],
+        // Nothing overlaps (each waiter gets the key only when a lease
+        // ends): only the residue check sees the keys left behind.
+        "broken-release-forgets" => vec![("C6 residue", r.residual_keys.unwrap_or(0))],
+        // Overlaps with one token for all: the fence cannot help, so the
+        // fenced counter (C2) and the fenced set (C3) lose what they clobber.
+        "broken-duplicate-token" => vec![
+            c1,
+            ("C2 lost update (fenced counter)", r.lost_updates),
+            ("C3 set-full (fenced set)", r.set_missing),
+            ("C4 token order", r.token_regressions),
+        ],
+        _ => vec![c1],
+    }
+}
+
+/// Files whether the checks `variant` must set off fired; a check that
+/// stayed silent fails the row.
+fn judge(variant: &str, r: &mut Report) {
+    let checks = must_fire(variant, r);
+    let fired: Vec<String> = checks.iter().map(|(name, n)| format!("{name} {n}")).collect();
+    r.note(format!("must fire: {}", fired.join(", ")));
+    let silent: Vec<&str> = checks.iter().filter(|(_, n)| *n == 0).map(|(name, _)| *name).collect();
+    r.caught = Some(silent.is_empty());
+    if !silent.is_empty() {
+        r.fail(format!("the checker did not catch this broken lock: {} stayed at 0", silent.join(", ")));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A broken variant whose required checks stay at zero fails, and
+    /// one where they all fire is caught.
+    #[test]
+    fn a_silent_check_fails_its_variant() {
+        let mut r = Report::new("checker-self-test", "broken-duplicate-token", 0);
+        r.overlaps = 3;
+        r.lost_updates = 2;
+        r.token_regressions = 9;
+        judge("broken-duplicate-token", &mut r);
+        assert_eq!(r.caught, Some(false));
+        assert!(!r.pass && r.notes.contains("C3 set-full (fenced set)"), "{}", r.notes);
+
+        let mut r = Report::new("checker-self-test", "broken-token-regresses", 0);
+        r.token_regressions = 1;
+        judge("broken-token-regresses", &mut r);
+        assert_eq!(r.caught, Some(true));
+        assert!(r.pass, "{}", r.notes);
+    }
 }

@@ -85,8 +85,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     r.residual_keys = Some(left);
     // A leftover of the run's last lease needs that lease to expire.
     sleep(lease + Duration::from_millis(200)).await;
-    let expired = tokio::task::block_in_place(|| expiries.finish());
-    let events = run.events();
+    let expired = tokio::task::block_in_place(|| expiries.finish())?;
+    let events = run.events()?;
     let late = late_releases(&events);
     let (explained, leftovers): (Vec<&Expiry>, Vec<&Expiry>) = expired.iter().partition(|x| {
         late.iter()
@@ -271,9 +271,14 @@ impl ExpiryWatch {
         Ok(ExpiryWatch { stop, threads })
     }
 
-    /// Stops watching; returns every lock key that expired.
-    fn finish(self) -> Vec<Expiry> {
+    /// Stops watching; returns every lock key that expired. A watcher that
+    /// panicked saw an unknown number: an error, not zero.
+    fn finish(self) -> Result<Vec<Expiry>, String> {
         self.stop.store(true, Ordering::SeqCst);
-        self.threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect()
+        let mut all = Vec::new();
+        for t in self.threads {
+            all.extend(t.join().map_err(|_| "an expiry watcher thread panicked")?);
+        }
+        Ok(all)
     }
 }

@@ -168,8 +168,16 @@ async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
             }
         }));
     }
+    // A task that panicked did not do its share: the worker fails, and the
+    // supervisor counts it as a lost worker.
+    let mut panicked = 0;
     for t in tasks {
-        let _ = t.await;
+        if t.await.is_err() {
+            panicked += 1;
+        }
+    }
+    if panicked > 0 {
+        return Err(format!("{panicked} of {} task(s) panicked", cfg.tasks));
     }
     if let Some(table) = table {
         // C6 for the in-process backend: every task has released, so the

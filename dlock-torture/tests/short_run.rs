@@ -7,13 +7,21 @@ use std::process::Command;
 
 use serde_json::Value;
 
-const BROKEN: [&str; 5] = [
+const BROKEN: [&str; 8] = [
     "broken-plain-del",
     "broken-get-then-set",
     "broken-renew-no-owner-check",
     "broken-redlock-ignores-elapsed",
+    "broken-token-regresses",
+    "broken-duplicate-token",
+    "broken-release-forgets",
     "broken-zk-herd",
 ];
+
+/// A row's counter, 0 when absent.
+fn n(row: &Value, field: &str) -> u64 {
+    row[field].as_u64().unwrap_or(0)
+}
 
 /// The registry's scenario names, from the binary itself (`--list`), so
 /// that the list is written once, in the harness.
@@ -61,6 +69,7 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         if r["expected_safe"] == true {
             assert_eq!(r["lost_updates"], 0, "lost update where the backend promises safety: {r}");
             assert_eq!(r["stale_accepted"], 0, "stale write accepted: {r}");
+            assert_eq!(r["token_regressions"], 0, "C4: a grant's token not above an earlier grant's: {r}");
             if !r["set_missing"].is_null() {
                 assert_eq!(r["set_missing"], 0, "C3: acknowledged op id missing from the fenced set: {r}");
             }
@@ -73,13 +82,38 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
             .find(|r| r["scenario"] == "checker-self-test" && r["backend"] == variant)
             .unwrap_or_else(|| panic!("self-test of {variant} missing"));
         assert_eq!(row["caught"], true, "the checker missed {variant}: {row}");
-        if variant != "broken-zk-herd" {
+        if !matches!(variant, "broken-zk-herd" | "broken-token-regresses" | "broken-release-forgets") {
             assert!(row["overlaps"].as_u64().unwrap_or(0) > 0, "{row}");
         }
         if variant == "broken-plain-del" || variant == "broken-get-then-set" {
             assert!(row["unfenced_set_missing"].as_u64().unwrap_or(0) > 0, "C3 missed the ids {variant} lost: {row}");
         }
+        // C4 on falling tokens, with nothing else to give the bug away.
+        if variant == "broken-token-regresses" {
+            assert!(n(row, "token_regressions") > 0, "C4 missed tokens counting down: {row}");
+        }
+        // C6 on the keys a release forgot.
+        if variant == "broken-release-forgets" {
+            assert!(n(row, "residual_keys") > 0, "C6 missed the keys left behind: {row}");
+        }
+        // One token for all: C4, the fenced counter (C2) and the fenced set (C3).
+        if variant == "broken-duplicate-token" {
+            assert!(n(row, "token_regressions") > 0, "C4 missed a repeated token: {row}");
+            assert!(n(row, "lost_updates") > 0, "C2 (fenced) missed the lost updates: {row}");
+            assert!(n(row, "set_missing") > 0, "C3 (fenced set) missed the lost ids: {row}");
+        }
     }
+    // T3 (pause): fencing refused the resumed holders, the pauses really
+    // broke mutual exclusion, and the holders had been told.
+    let pause = rows.iter().find(|r| r["scenario"] == "pause").expect("pause row");
+    assert!(n(pause, "faults") > 0, "{pause}");
+    assert!(n(pause, "stale_writes_refused") * 10 >= n(pause, "faults") * 9, "T3: refused < 0.9 x pauses: {pause}");
+    assert!(n(pause, "unfenced_lost") > 0, "T3: the unfenced control lost nothing: {pause}");
+    assert!(n(pause, "stale_holds") > 0, "{pause}");
+    assert!(
+        n(pause, "stale_holds_seen_lost") * 100 >= n(pause, "stale_holds") * 95,
+        "T3: lost signal seen by < 95 % of refused holds: {pause}"
+    );
     // T1: a baseline row per backend, each with work done and nothing left.
     for backend in ["redis", "redlock", "zookeeper", "memory"] {
         let row = rows
@@ -104,21 +138,13 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
     assert_eq!(renewal["silent_losses"], 0, "{renewal}");
     assert_eq!(renewal["resurrections"], 0, "{renewal}");
     assert!(!renewal["lost_latency_p99_ms"].is_null(), "{renewal}");
-    // Work really happened where it should.
-    for s in [
-        "baseline",
-        "pause",
-        "kill-client",
-        "redlock-minority",
-        "redlock-slow",
-        "zk-expire",
-        "partition",
-        "renewal-failure",
-        "orphan-renewal",
-        "bad-input",
-        "idempotency-storm",
-    ] {
-        let ops: u64 = rows.iter().filter(|r| r["scenario"] == s).filter_map(|r| r["operations"].as_u64()).sum();
-        assert!(ops > 0, "{s} did no operations");
+    // Work really happened, and every fault scenario injected its fault,
+    // in every row (the harness fails such rows itself; this checks it did).
+    for r in &rows {
+        assert!(r["operations"].as_u64().unwrap_or(0) > 0, "a row did no operations: {r}");
+        let faultless = r["scenario"] == "baseline" || r["scenario"] == "checker-self-test";
+        if !faultless {
+            assert!(r["faults"].as_u64().unwrap_or(0) > 0, "a row injected no fault: {r}");
+        }
     }
 }

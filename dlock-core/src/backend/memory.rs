@@ -198,6 +198,13 @@ impl MemoryBackend {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Test hook: how many acquires are parked waiting for `key`, so a test
+    /// can wait for a waiter to park instead of sleeping and hoping.
+    #[doc(hidden)]
+    pub fn waiters(&self, key: &LockKey) -> usize {
+        self.state().slots.get(key).map_or(0, |slot| slot.waiters)
+    }
 }
 
 struct Registration<'a> {

@@ -23,6 +23,10 @@ pub(crate) trait Harness: Send + Sync + 'static {
     fn delete_behind_back(&self, key: &LockKey) -> impl std::future::Future<Output = ()> + Send;
     /// How many lock keys (not fencing counters) the service still holds.
     fn lock_keys_left(&self) -> impl std::future::Future<Output = usize> + Send;
+    /// How many acquires the service shows parked waiting for `key` (subscribed
+    /// to its release, queued behind its holder, registered in the table),
+    /// so a test can wait for a waiter to park instead of sleeping.
+    fn parked(&self, key: &LockKey) -> impl std::future::Future<Output = usize> + Send;
     /// About how long one uncontended acquire takes; random cancellations
     /// are spread over twice that.
     fn typical_acquire(&self) -> Duration {
@@ -32,6 +36,17 @@ pub(crate) trait Harness: Send + Sync + 'static {
 
 fn key(locker: &Locker, name: &str) -> LockKey {
     locker.key(name).part(1).build().expect("short key")
+}
+
+/// Waits until the service shows a waiter parked on `key`; panics after
+/// 10 s. A wake-up test that released before its waiter parked would pass
+/// without testing a wake-up.
+pub(crate) async fn until_parked<H: Harness>(h: &H, key: &LockKey) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while h.parked(key).await == 0 {
+        assert!(Instant::now() < deadline, "the waiter never parked on {key}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 fn fixed(ms: u64) -> AcquireOptions {
@@ -75,7 +90,7 @@ pub(crate) async fn waiter_wakes_on_release<H: Harness>(h: &H) {
             let g = b2.acquire(&k2, AcquireOptions::new().with_wait(Duration::from_secs(10))).await;
             (Instant::now(), g)
         });
-        tokio::time::sleep(Duration::from_millis(100)).await; // let it park
+        until_parked(h, &k).await;
         let released_at = Instant::now();
         assert!(g.release().await.expect("release"));
         let (acquired_at, g2) = waiter.await.expect("waiter task");
