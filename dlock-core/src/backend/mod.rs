@@ -135,6 +135,7 @@ pub(crate) mod signal;
 pub(crate) mod wait;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
+pub(crate) mod zookeeper_auth;
 
 pub use signal::LostSignal;
 

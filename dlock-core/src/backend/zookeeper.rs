@@ -73,11 +73,11 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
+pub use super::zookeeper_auth::ZooKeeperAuth;
+use super::zookeeper_auth::AUTH_VAR;
 use super::{
     contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release, Renewal,
 };
-pub use crate::config::ZooKeeperAuth;
-use crate::config::AUTH_VAR;
 use crate::error::{Error, Result};
 use crate::key::{validate_prefix, LockKey};
 use crate::owner::{random_hex, Owner};
