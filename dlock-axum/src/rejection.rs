@@ -350,8 +350,10 @@ impl Rejection {
 
     /// Maps an engine error: a held lock → `409 duplicate_submission`, a
     /// wait that ran out → `409 lock_wait_timeout`, unavailable → `503 lock_backend_unavailable`, an invalid key →
-    /// `400 lock_key_invalid`, bad configuration → `500 lock_misconfigured`.
-    /// Anything else is treated as unavailable (fail closed).
+    /// `400 lock_key_invalid`, bad configuration or a rule dlock broke itself
+    /// ([`Error::Internal`](dlock_core::Error::Internal)) → `500 lock_misconfigured`
+    /// (a retry cannot help, so no `Retry-After`). Anything else is treated as
+    /// unavailable (fail closed).
     ///
     /// The engine's text is not copied into the body: it names keys and
     /// servers, which clients have no business seeing. Log the error itself.
@@ -364,6 +366,8 @@ impl Rejection {
     /// assert_eq!(Rejection::from_lock_error(&waited).error(), "lock_wait_timeout");
     /// let down = dlock_core::Error::backend("redis", "connection refused");
     /// assert_eq!(Rejection::from_lock_error(&down).status(), 503);
+    /// let bug = dlock_core::Error::Internal("polled after it finished".into());
+    /// assert_eq!(Rejection::from_lock_error(&bug).status(), 500);
     /// ```
     pub fn from_lock_error(err: &dlock_core::Error) -> Self {
         if matches!(err, dlock_core::Error::Timeout { .. }) {
@@ -372,7 +376,7 @@ impl Rejection {
             Self::duplicate_submission()
         } else if matches!(err, dlock_core::Error::InvalidKey(_)) {
             Self::lock_key_invalid()
-        } else if err.is_misconfigured() {
+        } else if err.is_misconfigured() || matches!(err, dlock_core::Error::Internal(_)) {
             Self::misconfigured()
         } else {
             Self::backend_unavailable()

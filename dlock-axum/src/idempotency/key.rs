@@ -559,6 +559,13 @@ where
         Ok(Begin::InProgress) => return Ok(Rejection::idempotency_request_in_progress().into_response()),
         Ok(Begin::Mismatch) => return Ok(Rejection::idempotency_key_mismatch().into_response()),
         Ok(Begin::Completed(stored)) => return Ok(replay(stored)),
+        // A store newer than this layer: running the route could run the
+        // work twice, so refuse as for a store that cannot answer.
+        Ok(other) => {
+            return Ok(store_error(&dlock_core::Error::Internal(format!(
+                "the idempotency store answered {other:?}, which this layer does not know"
+            ))))
+        }
         Err(e) => return Ok(store_error(&e)),
     };
     let mut guard = ClaimGuard { store: store.clone(), claim: Some(claim) };

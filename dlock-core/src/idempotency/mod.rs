@@ -183,7 +183,12 @@ pub enum TokenClaim {
 }
 
 /// The answer of [`IdempotencyStore::begin`].
+///
+/// `#[non_exhaustive]`: a later store may answer more (a record kept without
+/// its response, say), so a caller outside this crate keeps an arm for what
+/// it does not know.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Begin {
     /// The key was free and is now ours: run the handler, then complete or abandon.
     New(Claim),
