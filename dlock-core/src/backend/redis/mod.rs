@@ -19,9 +19,12 @@
 //!   someone waits (uncontended releases skip it); waiters of this process
 //!   share one subscriber connection (see `subscriber.rs`).
 //!
-//! All commands go through one multiplexed connection (redis-rs
-//! `ConnectionManager`, which reconnects), with connect and response
-//! timeouts so a dead server gives an error, never a hang.
+//! All commands go through one multiplexed connection with connect and
+//! response timeouts, so a dead server gives an error, never a hang. A
+//! background task keeps it up ([`RedisConnection`]): it notices a server
+//! that went away within 250 ms and reconnects with a backoff capped at
+//! 250 ms, so while the server is away requests fail at once, and the first
+//! request after it is back finds a live connection.
 //!
 //! **Redis Cluster**: a URL `redis+cluster://host1:port1,host2:port2,…`
 //! (seed nodes, `user:password@` before the first host; `rediss+cluster://`
@@ -50,7 +53,6 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use redis::aio::ConnectionManager;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::Script;
 use tokio::sync::watch;
@@ -72,9 +74,8 @@ pub(crate) mod tls;
 
 pub use tls::RedisTls;
 
-use connection::{
-    connect_error, manager_config, open_client, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget,
-};
+pub use connection::RedisConnection;
+use connection::{connect_error, open_client, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget};
 pub(crate) use connection::{lost_connection, redis_error, Conn};
 use restart::RestartGuard;
 use subscriber::Subscriber;
@@ -220,14 +221,7 @@ impl RedisBackend {
             return Self::connect_sentinel(url, target?, prefix, options).await;
         }
         let client = open_client(url, &options)?;
-        let config = manager_config(&options);
-        let conn = tokio::time::timeout(
-            options.connect_timeout + options.response_timeout,
-            ConnectionManager::new_with_config(client.clone(), config),
-        )
-        .await
-        .map_err(|_| Error::backend("redis", format!("no answer from {} within the connect timeout", redact(url))))?
-        .map_err(|e| connect_error(url, e, &options))?;
+        let conn = RedisConnection::connect(url, &options).await?;
         warn_on_evicting_policy(conn.clone()).await;
         Self::finish(Conn::Single(conn), watch::channel(client).1, prefix, &options).await
     }
@@ -281,8 +275,7 @@ impl RedisBackend {
             SentinelServerType::Master,
         )
         .map_err(invalid)?;
-        let config = manager_config(&options);
-        let conn = SentinelConn::connect(sentinel, config, options.connect_timeout).await?;
+        let conn = SentinelConn::connect(sentinel, options.connect_timeout, options.response_timeout).await?;
         let client = conn.client.subscribe();
         warn_on_evicting_policy(conn.current()).await;
         Self::finish(Conn::Sentinel(conn), client, prefix, &options).await

@@ -8,9 +8,8 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use dlock_core::backend::redis::{RedisConnection, RedisOptions};
 use redis::AsyncCommands;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
@@ -42,7 +41,7 @@ pub(crate) enum Store {
     /// In this process only.
     Memory(Arc<Mutex<MemoryStore>>),
     /// In a Redis that several instances share.
-    Redis(ConnectionManager),
+    Redis(RedisConnection),
 }
 
 impl fmt::Debug for Store {
@@ -76,16 +75,13 @@ impl Store {
     }
 
     /// A store in the Redis at `url`. Commands give up after a second so a
-    /// dead Redis answers errors, not hangs; the connection comes back by
-    /// itself when the server does.
+    /// dead Redis answers errors at once, not hangs; the connection is
+    /// re-established in the background, so the first request after the
+    /// server is back already succeeds (dlock's own `RedisConnection`).
     pub(crate) async fn redis(url: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(Some(Duration::from_secs(1)))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
-        Ok(Store::Redis(ConnectionManager::new_with_config(client, config).await?))
+        let conn =
+            RedisConnection::connect(url, &RedisOptions::default()).await.map_err(|e| StoreError(e.to_string()))?;
+        Ok(Store::Redis(conn))
     }
 
     /// `memory` or `redis`.
