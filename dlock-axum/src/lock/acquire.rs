@@ -224,7 +224,7 @@ impl Held {
                 fence = fencing_token,
                 "the lock ran out before the request finished; another request may have run concurrently"
             ),
-            Err(e) => tracing::warn!(lock = policy.name(), error = %e, "release failed; the lease frees the lock"),
+            Err(e) => tracing::warn!(lock = policy.name(), error = %e, "release failed; retried in the background"),
         }
         LockOutcome::Acquired { fencing_token, waited }
     }

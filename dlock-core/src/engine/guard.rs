@@ -53,6 +53,10 @@ pub struct LockGuard {
     state: LostSignal,
     /// The hold filed with the engine's watchdog (watchdog mode).
     renewals: Option<Filed>,
+    /// The lease runs out by itself (`GrantLease::Until`): a failed release
+    /// is retried until then. A lock held until released is not retried:
+    /// nothing bounds the retries, and its backend frees it with the session.
+    lease_ends: bool,
     released: bool,
 }
 
@@ -79,6 +83,7 @@ impl LockGuard {
         renewed: bool,
         max_hold: Option<Duration>,
     ) -> Self {
+        let lease_ends = matches!(grant.lease, GrantLease::Until(_));
         let (state, renewals) = match grant.lease {
             GrantLease::Until(valid_until) => {
                 // The backend measured `valid_until` from before its request
@@ -119,6 +124,7 @@ impl LockGuard {
             watchdog: renewed,
             state,
             renewals,
+            lease_ends,
             released: false,
         }
     }
@@ -200,7 +206,10 @@ impl LockGuard {
     /// # Errors
     ///
     /// [`Error::Backend`](crate::Error::Backend) when the service cannot be
-    /// reached; the lease then frees the key when it runs out.
+    /// reached. The release is then retried in the background (with a
+    /// backoff, until it goes through, the service says the lock is no longer
+    /// ours, or the lease runs out), so a short outage does not keep the key
+    /// held for the rest of a long lease.
     pub async fn release(mut self) -> Result<bool> {
         self.released = true;
         self.stop();
@@ -215,9 +224,27 @@ impl LockGuard {
                 let took_us = started.map(|s| s.elapsed().as_micros() as u64);
                 tracing::debug!(key = %self.key.log_id(), outcome = ?r, took_us, "dlock.release")
             }
-            Err(e) => tracing::warn!(key = %self.key.log_id(), error = %e, "dlock.release failed"),
+            Err(e) => {
+                let retried = self.retry_release(e);
+                tracing::warn!(key = %self.key.log_id(), error = %e, retried, "dlock.release failed");
+            }
         }
         result.map(|r| r != Release::NotHeld)
+    }
+
+    /// After a failed release: retries it in the background when the error
+    /// says the service could not be reached and the lease bounds the
+    /// retries. Returns whether it does.
+    fn retry_release(&self, e: &crate::Error) -> bool {
+        if !self.lease_ends || !e.is_unavailable() {
+            return false;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        let until = self.state.valid_until();
+        runtime.spawn(retry_release(self.engine.clone(), self.key.clone(), self.owner.clone(), until));
+        true
     }
 
     fn stop(&mut self) {
@@ -244,9 +271,58 @@ impl Drop for LockGuard {
         let engine = self.engine.clone();
         let key = self.key.clone();
         let owner = self.owner.clone();
+        let until = self.lease_ends.then(|| self.state.valid_until());
         runtime.spawn(async move {
-            trace_dropped_release(&key, &engine.backend.release(&key, &owner).await);
+            let result = engine.backend.release(&key, &owner).await;
+            trace_dropped_release(&key, &result);
+            if let (Err(e), Some(until)) = (&result, until) {
+                if e.is_unavailable() {
+                    retry_release(engine, key, owner, until).await;
+                }
+            }
         });
+    }
+}
+
+/// The first pause before a failed release is tried again; doubled up to
+/// [`RELEASE_RETRY_MAX_DELAY`], so a service that is back is found within
+/// half a second.
+const RELEASE_RETRY_MIN_DELAY: Duration = Duration::from_millis(50);
+const RELEASE_RETRY_MAX_DELAY: Duration = Duration::from_millis(500);
+
+/// Retries a release that could not reach the service, until it goes
+/// through, the service answers otherwise (the lock is no longer ours, or
+/// an error that a retry will not cure), or the lease ends at `until`:
+/// after that the key is free by itself, and a retry could only find
+/// someone else's lock (which the backend refuses to release).
+async fn retry_release(engine: Arc<Engine>, key: LockKey, owner: Owner, until: Instant) {
+    let mut delay = RELEASE_RETRY_MIN_DELAY;
+    let mut attempts = 0u32;
+    loop {
+        if Instant::now() + delay >= until {
+            tracing::warn!(key = %key.log_id(), attempts, "dlock.release not retried further: the lease ends");
+            return;
+        }
+        tokio::time::sleep(delay).await;
+        attempts += 1;
+        match tokio::time::timeout_at(until, engine.backend.release(&key, &owner)).await {
+            Err(_) => {
+                tracing::warn!(key = %key.log_id(), attempts, "dlock.release not retried further: the lease ended");
+                return;
+            }
+            Ok(Ok(outcome)) => {
+                tracing::info!(key = %key.log_id(), attempts, outcome = ?outcome, "dlock.release retried");
+                return;
+            }
+            Ok(Err(e)) if e.is_unavailable() => {
+                tracing::debug!(key = %key.log_id(), attempts, error = %e, "dlock.release retry failed");
+                delay = (delay * 2).min(RELEASE_RETRY_MAX_DELAY);
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(key = %key.log_id(), attempts, error = %e, "dlock.release retry refused; not retried");
+                return;
+            }
+        }
     }
 }
 
@@ -254,7 +330,7 @@ fn trace_dropped_release(key: &LockKey, result: &Result<Release>) {
     match result {
         Ok(r) => tracing::debug!(key = %key.log_id(), outcome = ?r, "dlock.release (guard dropped)"),
         Err(e) => {
-            tracing::warn!(key = %key.log_id(), error = %e, "dlock.release after drop failed; the lease frees it")
+            tracing::warn!(key = %key.log_id(), error = %e, "dlock.release after drop failed")
         }
     }
 }
