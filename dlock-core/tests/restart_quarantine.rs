@@ -46,17 +46,56 @@ async fn acquire_eventually(locker: &Locker, key: &LockKey) -> (LockGuard, Vec<E
     }
 }
 
-/// The first use of a server with the quarantine on: its data marker is
-/// not there yet, which cannot be told from a flush, so it sits out one
-/// quarantine before it sets the marker (once per server lifetime).
+/// The first use of a server that has been up longer than the quarantine
+/// (a first deploy): its data marker is not there yet, but nothing granted
+/// before a restart can still run, so the marker is set and the lock is
+/// granted at once.
 async fn first_use(locker: &Locker) {
     let k = locker.key("first-use").part(1).build().expect("key");
+    let g = locker.acquire(&k, fixed()).await.expect("a server up longer than the quarantine grants at once");
+    assert!(g.release().await.expect("release"));
+}
+
+fn marker_present(server: &RedisServer) -> bool {
+    let n: u64 = redis::cmd("EXISTS").arg("dlock:{dlock-data-marker}").query(&mut server.connection()).expect("EXISTS");
+    n == 1
+}
+
+/// The misfire of issue 16: a service deployed for the first time against a
+/// Redis that has long been up (no marker yet) was refused for a whole
+/// quarantine and logged "Redis lost its data". Every fresh process is
+/// granted at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_deploy_on_a_long_running_server_is_not_quarantined() {
+    let server = RedisServer::start();
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
+    assert!(!marker_present(&server));
+    for n in 0..2 {
+        // A new process each time: a backend with no history of the server.
+        let locker = redis_locker(&server.url(), QUARANTINE).await;
+        let k = locker.key("deploy").part(n).build().expect("key");
+        let g = locker.try_acquire(&k).await.unwrap_or_else(|e| panic!("process {n}: granted at once: {e}"));
+        assert!(g.release().await.expect("release"));
+        assert!(marker_present(&server), "the marker is set");
+    }
+}
+
+/// A server that has been up less than the quarantine may have lost locks
+/// at its start: nothing is granted until its uptime reaches the quarantine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_server_is_quarantined_until_its_uptime_reaches_the_quarantine() {
+    let server = RedisServer::start();
     let started = Instant::now();
-    let (g, refusals) = acquire_eventually(locker, &k).await;
-    // RedLock reports the quarantined nodes as a missing quorum.
-    let refused = |e: &Error| quarantined(e) || matches!(e, Error::QuorumUnavailable { .. });
-    assert!(refusals.iter().any(refused), "a server without the marker is quarantined first: {refusals:?}");
-    assert!(started.elapsed() >= QUARANTINE - Duration::from_millis(100));
+    let locker = redis_locker(&server.url(), QUARANTINE).await;
+    let k = locker.key("fresh").part(1).build().expect("key");
+    let (g, refusals) = acquire_eventually(&locker, &k).await;
+    assert!(refusals.iter().any(quarantined), "refused as quarantined first: {refusals:?}");
+    // `uptime_in_seconds` is whole seconds: up to one second early.
+    assert!(
+        started.elapsed() >= QUARANTINE - Duration::from_secs(1),
+        "granted {:?} after the start",
+        started.elapsed()
+    );
     assert!(g.release().await.expect("release"));
 }
 
@@ -96,6 +135,26 @@ async fn a_restarted_server_grants_nothing_until_the_quarantine_is_over() {
     assert!(refusals.iter().any(quarantined), "refused as quarantined: {refusals:?}");
     assert!(granted.fencing_token() > held1.fencing_token(), "fencing tokens still grow (clock floor)");
     drop((stolen, granted, held1, held2));
+}
+
+/// A restart that kept the data marker (persistence on, but `everysec` may
+/// still have lost the last writes) and that no request saw fail — the
+/// connection was re-established in the background — is still caught by
+/// its new `run_id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_seen_only_as_a_reconnect_is_still_checked() {
+    let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
+    let a = redis_locker(&server.url(), QUARANTINE).await;
+    first_use(&a).await;
+    assert!(marker_present(&server));
+
+    server.restart();
+    tokio::time::sleep(Duration::from_millis(700)).await; // reconnected meanwhile
+    assert!(marker_present(&server), "the marker survived the restart");
+    let k = a.key("reconnected").part(1).build().expect("key");
+    let first = a.try_acquire(&k).await.expect_err("the restarted server is quarantined");
+    assert!(quarantined(&first) && first.to_string().contains("has been up only"), "{first}");
 }
 
 /// The data marker: a flush that no connection error announced is caught
@@ -144,10 +203,7 @@ async fn restarted_redlock_nodes_are_quarantined() {
     // A quorum answered that first use; the nodes that were not waited for
     // may be sitting out their own first quarantine. Use them until every
     // node has its marker.
-    let marked = |s: &RedisServer| {
-        let n: u64 = redis::cmd("EXISTS").arg("dlock:{dlock-data-marker}").query(&mut s.connection()).expect("EXISTS");
-        n == 1
-    };
+    let marked = marker_present;
     let deadline = Instant::now() + Duration::from_secs(20);
     while !servers.iter().all(marked) {
         assert!(Instant::now() < deadline, "every node gets its data marker");

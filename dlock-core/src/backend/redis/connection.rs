@@ -86,10 +86,19 @@ struct Shared {
     wake: Arc<tokio::sync::Notify>,
 }
 
+/// Numbers the connections of every link, so that a number names one
+/// connection for the life of the process.
+static CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn next_number() -> u64 {
+    CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 #[derive(Clone)]
 enum Link {
     /// The live connection and its number (a failure seen on an older
-    /// connection must not take down a newer one).
+    /// connection must not take down a newer one; a new number tells the
+    /// restart guard that the server may have restarted).
     Up(MultiplexedConnection, u64),
     /// Broken; the task is reconnecting. The number of the last connection.
     Down(u64),
@@ -124,7 +133,7 @@ impl RedisConnection {
             .await
             .map_err(|_| ConnectFailure::Timeout)?
             .map_err(ConnectFailure::Redis)?;
-        *link.shared.write() = Link::Up(conn, 1);
+        *link.shared.write() = Link::Up(conn, next_number());
         link.spawn_keeper();
         Ok(link)
     }
@@ -164,6 +173,14 @@ impl RedisConnection {
                 std::io::ErrorKind::NotConnected,
                 format!("not connected to Redis at {} (reconnecting in the background)", self.shared.server),
             ))),
+        }
+    }
+
+    /// The number of the current (or last) connection: it changes with every
+    /// reconnect.
+    pub(crate) fn number(&self) -> u64 {
+        match &*self.shared.read() {
+            Link::Up(_, n) | Link::Down(n) => *n,
         }
     }
 
@@ -241,11 +258,11 @@ async fn keep_up(shared: std::sync::Weak<Shared>, wake: Arc<tokio::sync::Notify>
                     }
                 }
             }
-            Link::Down(last) => {
+            Link::Down(_) => {
                 let attempt = tokio::time::timeout(s.connect_timeout, s.open()).await;
                 match attempt {
                     Ok(Ok(conn)) => {
-                        *s.write() = Link::Up(conn, last + 1);
+                        *s.write() = Link::Up(conn, next_number());
                         tracing::info!(server = %s.server, "dlock: Redis connection re-established");
                         delay = RECONNECT_MIN_DELAY;
                     }
@@ -435,6 +452,19 @@ pub(super) fn sentinel_target(url: &str) -> Option<Result<SentinelTarget>> {
     };
     let sentinels = hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(|h| format!("redis://{h}")).collect();
     Some(Ok(SentinelTarget { sentinels, master: master.to_owned(), auth }))
+}
+
+impl Conn {
+    /// Changes whenever the connection to the server is re-established (a
+    /// server behind it may have restarted meanwhile); constant for a
+    /// cluster, whose restart quarantine is refused.
+    pub(crate) fn generation(&self) -> u64 {
+        match self {
+            Conn::Single(c) => c.number(),
+            Conn::Sentinel(s) => s.current().number(),
+            Conn::Cluster(_) => 0,
+        }
+    }
 }
 
 impl redis::aio::ConnectionLike for Conn {

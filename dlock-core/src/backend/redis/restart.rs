@@ -7,17 +7,33 @@
 //! in the critical section. The Redis documentation's remedy is to keep the
 //! restarted server unavailable for the longest lease. dlock enforces it in
 //! the client when `DLOCK_RESTART_QUARANTINE_MS` is set (to at least the
-//! longest lease any client uses):
+//! longest lease any client uses). The rule: quarantine only what the
+//! server's own uptime leaves in doubt.
 //!
-//! * **run_id**: after a connection error, and at the first contact, the
-//!   backend reads `INFO server`. A server whose `run_id` is new to this
-//!   client and whose uptime is below the quarantine grants nothing until
-//!   its uptime reaches it.
-//! * **data marker**: a key without TTL that the acquire script checks. A
-//!   restart that this client did not notice (it was idle) or a `FLUSHALL`
-//!   leaves it missing; the client then sits out a quarantine before it sets
-//!   the marker again, so no client grants earlier than one quarantine after
-//!   the loss.
+//! * **run_id**: at the first contact, and whenever the connection was lost
+//!   or re-established since, the backend reads `INFO server`. A server
+//!   whose `run_id` is new to this client and whose uptime is below the
+//!   quarantine grants nothing until its uptime reaches it. A server up
+//!   longer than the quarantine cannot still hold a lease granted before
+//!   its restart, so it is not quarantined.
+//! * **data marker**: a key without TTL that the acquire script checks, so
+//!   a restart this client did not notice (it was idle) or a `FLUSHALL`
+//!   shows as a missing marker. When the server has been up less than the
+//!   quarantine, the rest of it is sat out before the marker is set again.
+//!   When it has been up longer, the marker is set and grants go on at once
+//!   (a new server, a first deploy: logged at info, "data marker set") —
+//!   except when this process saw the marker present on the same `run_id`:
+//!   then the data was flushed under our eyes, and the quarantine runs from
+//!   now (the latest the loss can have happened).
+//!
+//! **The gap**: a flush that no client watching the server saw (every
+//! process that had seen the marker restarted, or none was running) looks
+//! like a first deploy on a server that has been up long, and is granted at
+//! once. Persistence (`appendonly yes`, `appendfsync always`) and an ACL
+//! that refuses `FLUSHALL`/`FLUSHDB` to the clients close it.
+//!
+//! The check reads `INFO server`, a `@dangerous` command: under an ACL with
+//! `-@dangerous` the user needs `+info`, which `connect` checks up front.
 //!
 //! A quarantined acquire fails with [`Error::Backend`] (`503` over HTTP):
 //! unavailable, never unsafe. Renewals need no quarantine (they only extend
@@ -51,6 +67,13 @@ struct State {
     /// The marker was found missing and a full quarantine has been sat out
     /// since: the marker may be set again.
     marker_wait_done: bool,
+    /// This process saw the marker present on the server of `run_id`: a
+    /// marker missing there later was flushed under our eyes.
+    marker_seen: bool,
+    /// The connection's generation at the last identity check: a new one
+    /// means the connection was re-established, perhaps to a restarted
+    /// server.
+    generation: u64,
 }
 
 impl RestartGuard {
@@ -58,7 +81,14 @@ impl RestartGuard {
         RestartGuard {
             quarantine,
             marker: format!("{prefix}:{{dlock-data-marker}}"),
-            state: Mutex::new(State { run_id: None, suspect: true, until: None, marker_wait_done: false }),
+            state: Mutex::new(State {
+                run_id: None,
+                suspect: true,
+                until: None,
+                marker_wait_done: false,
+                marker_seen: false,
+                generation: 0,
+            }),
         }
     }
 
@@ -87,6 +117,7 @@ impl RestartGuard {
     /// Before a grant: refuses while quarantined, and checks the server's
     /// identity when a restart is in doubt.
     pub(crate) async fn check(&self, conn: &Conn) -> Result<()> {
+        let generation = conn.generation();
         {
             let mut s = self.state();
             let now = Instant::now();
@@ -97,19 +128,41 @@ impl RestartGuard {
                 Some(_) => s.until = None,
                 None => {}
             }
-            if !s.suspect {
+            if s.generation != generation {
+                s.suspect = true;
+            }
+            if !s.suspect && s.marker_seen {
                 return Ok(());
             }
         }
-        let (run_id, uptime) = self.server_identity(conn).await?;
-        let mut s = self.state();
-        let restarted = s.run_id.as_deref() != Some(run_id.as_str());
-        s.run_id = Some(run_id);
-        s.suspect = false;
-        if restarted && uptime < self.quarantine {
-            let left = self.quarantine - uptime;
-            s.until = Some(Instant::now() + left);
-            return Err(self.refuse(left, &format!("the Redis server has been up only {} s", uptime.as_secs())));
+        if self.state().suspect {
+            let (run_id, uptime) = self.server_identity(conn).await?;
+            let mut s = self.state();
+            let restarted = s.run_id.as_deref() != Some(run_id.as_str());
+            if restarted {
+                s.marker_seen = false;
+            }
+            s.run_id = Some(run_id);
+            s.suspect = false;
+            s.generation = generation;
+            if restarted && uptime < self.quarantine {
+                let left = self.quarantine - uptime;
+                s.until = Some(Instant::now() + left);
+                return Err(self.refuse(left, &format!("the Redis server has been up only {} s", uptime.as_secs())));
+            }
+        }
+        if !self.state().marker_seen {
+            // Once per server, until the marker is seen: every grant is
+            // then preceded by the marker having been seen here, so a flush
+            // later is recognised as one.
+            let present: i64 = redis::cmd("EXISTS")
+                .arg(&self.marker)
+                .query_async(&mut conn.clone())
+                .await
+                .map_err(|e| self.failed(e))?;
+            if present == 1 {
+                self.state().marker_seen = true;
+            }
         }
         Ok(())
     }
@@ -119,14 +172,7 @@ impl RestartGuard {
     pub(crate) async fn marker_missing(&self, conn: &Conn) -> Result<()> {
         let wait_done = self.state().marker_wait_done;
         if wait_done {
-            let mut c = conn.clone();
-            let _: () = redis::cmd("SET")
-                .arg(&self.marker)
-                .arg("1")
-                .arg("NX")
-                .query_async(&mut c)
-                .await
-                .map_err(|e| self.failed(e))?;
+            self.set_marker(conn).await?;
             // Cleared only once the marker is set: a RedLock attempt may drop
             // this future half-way, and must not have to wait again.
             self.state().marker_wait_done = false;
@@ -134,16 +180,43 @@ impl RestartGuard {
             return Ok(());
         }
         let (run_id, uptime) = self.server_identity(conn).await?;
+        let flushed_under_our_eyes = {
+            let s = self.state();
+            s.marker_seen && s.run_id.as_deref() == Some(run_id.as_str())
+        };
+        if uptime >= self.quarantine && !flushed_under_our_eyes {
+            // Up longer than any lease: nothing granted before a restart can
+            // still run. A new server, or a first deploy on it.
+            self.set_marker(conn).await?;
+            let mut s = self.state();
+            s.run_id = Some(run_id);
+            s.suspect = false;
+            tracing::info!(marker = %self.marker, uptime_s = uptime.as_secs(), "dlock: data marker set");
+            return Ok(());
+        }
         let mut s = self.state();
-        // Lost at restart: the quarantine counts from the start. Lost while
-        // up (a flush): from now, the latest the loss can have happened.
-        let left = if uptime < self.quarantine { self.quarantine - uptime } else { self.quarantine };
+        // Lost at restart: the quarantine counts from the start. Flushed
+        // under our eyes: from now, the latest the loss can have happened.
+        let left = if flushed_under_our_eyes { self.quarantine } else { self.quarantine - uptime };
         s.run_id = Some(run_id);
         s.suspect = false;
+        s.marker_seen = false;
         s.until = Some(Instant::now() + left);
         s.marker_wait_done = true;
         tracing::warn!(marker = %self.marker, left_ms = left.as_millis() as u64, "dlock: Redis lost its data; quarantined");
         Err(self.refuse(left, "the Redis server lost its data (restart without persistence, or a flush)"))
+    }
+
+    async fn set_marker(&self, conn: &Conn) -> Result<()> {
+        let _: () = redis::cmd("SET")
+            .arg(&self.marker)
+            .arg("1")
+            .arg("NX")
+            .query_async(&mut conn.clone())
+            .await
+            .map_err(|e| self.failed(e))?;
+        self.state().marker_seen = true;
+        Ok(())
     }
 
     /// A command failed; a broken connection may mean a restarted server.
