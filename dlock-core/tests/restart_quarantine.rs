@@ -253,3 +253,33 @@ async fn the_quarantine_is_refused_with_redis_cluster() {
     assert!(err.is_misconfigured(), "{err}");
     assert!(err.to_string().contains("DLOCK_RESTART_QUARANTINE_MS"), "{err}");
 }
+
+/// The quarantine reads `INFO server`, which the README's ACL
+/// (`-@dangerous`) refuses: `connect` says so, naming the variable and the
+/// fix, instead of every acquire failing later; with `+info` it works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quarantine_under_an_acl_without_info_is_a_startup_error() {
+    let server = RedisServer::start();
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "locker", "on", ">pw", "~dlock:*", "&dlock:*", "+@all", "-@dangerous"])
+        .query(&mut server.connection())
+        .expect("ACL SETUSER");
+    let url = format!("redis://locker:pw@127.0.0.1:{}", server.port());
+    RedisBackend::connect(&url, "dlock").await.expect("without the quarantine the ACL is enough");
+
+    let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
+    let err = RedisBackend::connect_with(&url, "dlock", options.clone()).await.expect_err("INFO is refused");
+    assert!(err.is_misconfigured(), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("DLOCK_RESTART_QUARANTINE_MS") && text.contains("ACL SETUSER <user> +info"), "{text}");
+    assert!(!text.contains("pw@"), "password leaked: {text}");
+
+    let _: () = redis::cmd("ACL").arg(&["SETUSER", "locker", "+info"]).query(&mut server.connection()).expect("+info");
+    let locker = locker(RedisBackend::connect_with(&url, "dlock", options).await.expect("allowed now"));
+    let k = locker.key("acl").part(1).build().expect("key");
+    // A fresh server: refused as quarantined (not as NOPERM) until its
+    // uptime reaches the quarantine, then granted.
+    let (g, refusals) = acquire_eventually(&locker, &k).await;
+    assert!(refusals.iter().all(quarantined), "{refusals:?}");
+    assert!(g.release().await.expect("release"));
+}

@@ -299,7 +299,9 @@ impl RedisBackend {
                 "the restart quarantine is not available with Redis Cluster; unset it, or use AOF with appendfsync always",
             ));
         } else {
-            Some(Arc::new(RestartGuard::new(options.restart_quarantine, prefix)))
+            let guard = RestartGuard::new(options.restart_quarantine, prefix);
+            guard.check_permission(&conn).await?;
+            Some(Arc::new(guard))
         };
         let high_water = match conn {
             Conn::Cluster(_) => HighWater::PerSlot,

@@ -219,6 +219,22 @@ impl RestartGuard {
         Ok(())
     }
 
+    /// At start-up: the quarantine reads `INFO server` before grants, a
+    /// `@dangerous` command that the README's ACL (`-@dangerous`) refuses;
+    /// without this check every acquire would fail later instead.
+    pub(crate) async fn check_permission(&self, conn: &Conn) -> Result<()> {
+        let info: redis::RedisResult<String> = redis::cmd("INFO").arg("server").query_async(&mut conn.clone()).await;
+        match info {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some("NOPERM") => Err(Error::config(
+                "DLOCK_RESTART_QUARANTINE_MS",
+                "the restart quarantine reads `INFO server`, which the Redis ACL user may not run; allow it with \
+                 `ACL SETUSER <user> +info`, or unset DLOCK_RESTART_QUARANTINE_MS",
+            )),
+            Err(e) => Err(redis_error(e)),
+        }
+    }
+
     /// A command failed; a broken connection may mean a restarted server.
     pub(crate) fn failed(&self, e: redis::RedisError) -> Error {
         if lost_connection(&e) {
