@@ -283,3 +283,39 @@ async fn the_quarantine_under_an_acl_without_info_is_a_startup_error() {
     assert!(refusals.iter().all(quarantined), "{refusals:?}");
     assert!(g.release().await.expect("release"));
 }
+
+/// Idempotency records under the same rule: a Redis restarted without
+/// persistence has forgotten which keys already ran; with the quarantine
+/// on, `begin` refuses (503) until the server's uptime reaches it, instead
+/// of answering "new" and running a completed request again at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_claims_are_quarantined_after_a_restart() {
+    use dlock_core::idempotency::{Begin, IdempotencyStore, RedisStore, StoredResponse};
+
+    let mut server = RedisServer::start();
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
+    let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
+    let store = RedisStore::connect_with(&server.url(), "dlock", options).await.expect("connect");
+    let lease = Duration::from_secs(5);
+    let Ok(Begin::New(claim)) = store.begin("s", "k", "fp", lease).await else { panic!("a new key is claimed") };
+    let response = StoredResponse::new(200, Vec::new(), b"done".to_vec());
+    assert!(store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"));
+    assert!(matches!(store.begin("s", "k", "fp", lease).await, Ok(Begin::Completed(_))));
+
+    server.restart();
+    let restarted = Instant::now();
+    tokio::time::sleep(Duration::from_millis(700)).await; // reconnected meanwhile
+    let err = store.begin("s", "k", "fp", lease).await.expect_err("the record is gone: no claim yet");
+    assert!(quarantined(&err), "{err}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match store.begin("s", "k", "fp", lease).await {
+            Ok(Begin::New(_)) => break,
+            Err(e) if quarantined(&e) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(restarted.elapsed() >= QUARANTINE - Duration::from_secs(1), "{:?}", restarted.elapsed());
+}

@@ -24,7 +24,7 @@ use std::time::Duration;
 use redis::Script;
 
 use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES};
-use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend, RedisOptions};
+use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend, RedisOptions, RestartGuard};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
@@ -42,6 +42,9 @@ use crate::error::{Error, Result};
 pub struct RedisStore {
     conn: Conn,
     prefix: String,
+    /// The backend's restart quarantine, when one is configured: no key is
+    /// claimed from a server that may have lost its records.
+    restart: Option<std::sync::Arc<RestartGuard>>,
     begin: Script,
     complete: Script,
     abandon: Script,
@@ -96,6 +99,7 @@ impl RedisStore {
         RedisStore {
             conn: backend.command_conn(),
             prefix: backend.key_prefix().to_owned(),
+            restart: backend.restart_guard(),
             begin: Script::new(include_str!("begin.lua")),
             complete: Script::new(include_str!("complete.lua")),
             abandon: Script::new(include_str!("abandon.lua")),
@@ -198,6 +202,9 @@ impl IdempotencyStore for RedisStore {
         lease: Duration,
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
+            if let Some(guard) = &self.restart {
+                guard.check_data(&self.conn).await?;
+            }
             let claim = Claim::new(scope, key)?;
             let reply: redis::Value = self
                 .begin

@@ -77,7 +77,7 @@ pub use tls::RedisTls;
 pub use connection::RedisConnection;
 use connection::{connect_error, open_client, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget};
 pub(crate) use connection::{lost_connection, redis_error, Conn};
-use restart::RestartGuard;
+pub(crate) use restart::RestartGuard;
 use subscriber::Subscriber;
 
 /// Timeouts of the Redis connections.
@@ -337,6 +337,12 @@ impl RedisBackend {
     /// follows the same cluster routing and Sentinel failovers.
     pub(crate) fn command_conn(&self) -> Conn {
         self.conn.clone()
+    }
+
+    /// The restart guard, shared with the idempotency store so that records
+    /// are not claimed from a server whose data is in doubt.
+    pub(crate) fn restart_guard(&self) -> Option<Arc<RestartGuard>> {
+        self.restart.clone()
     }
 
     pub(crate) fn key_prefix(&self) -> &str {
