@@ -66,6 +66,7 @@ async fn a_release_that_hit_an_outage_frees_the_key_once_the_server_is_back() {
     for key in [&released, &dropped] {
         let took = freed_after(&b, key).await;
         assert!(took.is_some(), "{key} still held {FREED_WITHIN:?} after the restart (lease {LEASE:?})");
+        println!("{key} free {took:?} after the restart (lease {LEASE:?})");
     }
 }
 
