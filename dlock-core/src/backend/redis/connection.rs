@@ -259,20 +259,20 @@ async fn keep_up(shared: std::sync::Weak<Shared>, wake: Arc<tokio::sync::Notify>
                 }
             }
             Link::Down(_) => {
-                let attempt = tokio::time::timeout(s.connect_timeout, s.open()).await;
+                let attempt = tokio::time::timeout(s.connect_timeout, s.open()).await.unwrap_or_else(|_| {
+                    Err(redis::RedisError::from(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no connection within the connect timeout",
+                    )))
+                });
                 match attempt {
-                    Ok(Ok(conn)) => {
+                    Ok(conn) => {
                         *s.write() = Link::Up(conn, next_number());
                         tracing::info!(server = %s.server, "dlock: Redis connection re-established");
                         delay = RECONNECT_MIN_DELAY;
                     }
-                    Ok(Err(e)) => {
+                    Err(e) => {
                         tracing::debug!(server = %s.server, error = %e, "dlock: Redis reconnect failed");
-                        drop(s);
-                        tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(RECONNECT_MAX_DELAY);
-                    }
-                    Err(_) => {
                         drop(s);
                         tokio::time::sleep(delay).await;
                         delay = (delay * 2).min(RECONNECT_MAX_DELAY);
