@@ -213,7 +213,8 @@ impl Policy {
 impl Held {
     /// Releases the lock once the route has answered, and says what happened
     /// for the response's extensions. A release that fails is logged: the
-    /// route's work is done, and the lease frees the key when it runs out.
+    /// route's work is done, and the engine retries the release in the
+    /// background until it goes through or the lease runs out.
     pub(crate) async fn release(self, policy: &Policy) -> LockOutcome {
         let Held { guard, waited } = self;
         let fencing_token = guard.fencing_token();
