@@ -93,6 +93,8 @@ impl BackendKind {
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
 /// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
 /// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]) | the lock backend's Redis, else in process |
+/// | `DLOCK_IDEMPOTENCY_MAX_PER_SCOPE` | most live idempotency records (and, apart, bound tokens) of one caller; beyond, `429` (see [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits)) | `10000` |
+/// | `DLOCK_IDEMPOTENCY_MAX_RECORDS` | most live idempotency records (and, apart, tokens) in all; beyond, `503` | `1000000` |
 /// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock` or `zookeeper` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
@@ -167,6 +169,10 @@ pub struct Config {
     /// (see [`Config::idempotency_store`]): a duplicate sent to two
     /// instances would run on both.
     pub allow_local_idempotency: bool,
+    /// Caps on live idempotency records and tokens, per caller and in all
+    /// (`DLOCK_IDEMPOTENCY_MAX_PER_SCOPE`, `DLOCK_IDEMPOTENCY_MAX_RECORDS`);
+    /// the stores this configuration builds enforce them.
+    pub idempotency_limits: crate::idempotency::IdempotencyLimits,
 }
 
 impl Default for Config {
@@ -183,6 +189,7 @@ impl Default for Config {
             redis_tls: None,
             restart_quarantine: Duration::ZERO,
             allow_local_idempotency: false,
+            idempotency_limits: crate::idempotency::IdempotencyLimits::default(),
         }
     }
 }
@@ -201,6 +208,7 @@ impl std::fmt::Debug for Config {
         d.field("redis_tls", &self.redis_tls);
         d.field("restart_quarantine", &self.restart_quarantine)
             .field("allow_local_idempotency", &self.allow_local_idempotency)
+            .field("idempotency_limits", &self.idempotency_limits)
             .finish()
     }
 }
@@ -359,6 +367,20 @@ impl Config {
             );
         }
         let allow_local_idempotency = flag(&get, "DLOCK_IDEMPOTENCY_LOCAL")?.unwrap_or(false);
+        let mut idempotency_limits = defaults.idempotency_limits;
+        if let Some(n) = positive(&get, "DLOCK_IDEMPOTENCY_MAX_PER_SCOPE")? {
+            idempotency_limits = idempotency_limits.with_max_per_scope(n);
+        }
+        if let Some(n) = positive(&get, "DLOCK_IDEMPOTENCY_MAX_RECORDS")? {
+            idempotency_limits = idempotency_limits.with_max_records(n);
+        }
+        if idempotency_limits.max_per_scope() > idempotency_limits.max_records() {
+            tracing::warn!(
+                max_per_scope = idempotency_limits.max_per_scope(),
+                max_records = idempotency_limits.max_records(),
+                "DLOCK_IDEMPOTENCY_MAX_PER_SCOPE is above DLOCK_IDEMPOTENCY_MAX_RECORDS: one caller can fill the store"
+            );
+        }
         Ok(Config {
             backend,
             prefix,
@@ -371,6 +393,7 @@ impl Config {
             redis_tls,
             restart_quarantine,
             allow_local_idempotency,
+            idempotency_limits,
         })
     }
 
@@ -509,7 +532,9 @@ impl Config {
                 let backend = Arc::new(
                     crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?,
                 );
-                let idempotency = Arc::new(crate::idempotency::RedisStore::from_backend(&backend));
+                let idempotency = Arc::new(
+                    crate::idempotency::RedisStore::from_backend(&backend).with_limits(self.idempotency_limits),
+                );
                 let locker = Locker::with_options(backend, self.locker_options())?;
                 return Ok(Services { locker, idempotency });
             }
@@ -584,10 +609,12 @@ impl Config {
             }
         };
         match url {
-            None => Ok(Arc::new(crate::idempotency::MemoryStore::new())),
+            None => Ok(Arc::new(crate::idempotency::MemoryStore::new().with_limits(self.idempotency_limits))),
             #[cfg(feature = "redis")]
             Some(url) => Ok(Arc::new(
-                crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options()).await?,
+                crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options())
+                    .await?
+                    .with_limits(self.idempotency_limits),
             )),
             #[cfg(not(feature = "redis"))]
             Some(_) => {
@@ -621,6 +648,15 @@ fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Op
     get(var)
         .map(|v| v.parse::<u64>().map_err(|_| Error::config(var, format!("`{v}` is not a whole non-negative number"))))
         .transpose()
+}
+
+/// A whole number of at least 1: a cap of 0 would refuse everything, which
+/// is never what a typo meant.
+fn positive(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {
+    match number(get, var)? {
+        Some(0) => Err(Error::config(var, "must be at least 1")),
+        n => Ok(n),
+    }
 }
 
 /// `1`/`true`/`yes` or `0`/`false`/`no`; anything else is an error rather
@@ -783,6 +819,21 @@ mod tests {
             let err = cfg(&[("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER_AUTH", bad)]).expect_err(bad);
             assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_ZOOKEEPER_AUTH"), "{err}");
             assert!(!err.to_string().contains("pw"), "{err}");
+        }
+    }
+
+    #[test]
+    fn idempotency_caps_are_read_and_checked() {
+        use crate::idempotency::IdempotencyLimits;
+        assert_eq!(cfg(&[]).expect("default").idempotency_limits, IdempotencyLimits::default());
+        let c =
+            cfg(&[("DLOCK_IDEMPOTENCY_MAX_PER_SCOPE", "50"), ("DLOCK_IDEMPOTENCY_MAX_RECORDS", "5000")]).expect("caps");
+        assert_eq!((c.idempotency_limits.max_per_scope(), c.idempotency_limits.max_records()), (50, 5000));
+        for var in ["DLOCK_IDEMPOTENCY_MAX_PER_SCOPE", "DLOCK_IDEMPOTENCY_MAX_RECORDS"] {
+            for bad in ["0", "-1", "many", "1e6"] {
+                let e = cfg(&[(var, bad)]).expect_err(bad);
+                assert!(e.to_string().contains(var), "{bad}: {e}");
+            }
         }
     }
 

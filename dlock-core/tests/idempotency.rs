@@ -373,3 +373,28 @@ async fn dead_redis_is_an_error_not_a_hang() {
     assert!(err.is_unavailable(), "{err}");
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+/// The caps of the configuration reach the stores it builds: in process,
+/// and in the lock backend's Redis through `build_services`.
+#[tokio::test]
+async fn configured_caps_reach_the_store() {
+    let redis = dlock_testing::RedisServer::start();
+    let url = redis.url();
+    let vars = move |backend: bool| {
+        let url = url.clone();
+        dlock_core::Config::from_lookup(move |var| match var {
+            "DLOCK_IDEMPOTENCY_MAX_PER_SCOPE" => Some("1".into()),
+            "DLOCK_BACKEND" if backend => Some("redis".into()),
+            "DLOCK_REDIS_URL" if backend => Some(url.clone()),
+            _ => None,
+        })
+        .expect("config")
+    };
+    let in_process = vars(false).idempotency_store().await.expect("memory store");
+    let shared = vars(true).build_services().await.expect("redis services").idempotency;
+    for store in [in_process, shared] {
+        let lease = Duration::from_secs(5);
+        assert!(matches!(store.begin("alice", "k1", "fp", lease).await.expect("begin"), Begin::New(_)));
+        assert_full(store.begin("alice", "k2", "fp", lease).await, true, lease);
+    }
+}

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{token_well_formed, Begin, Claim, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES};
+use super::{
+    token_well_formed, Begin, Claim, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES,
+};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
