@@ -438,7 +438,13 @@ fn idempotency_key(parts: &Parts) -> Result<String, Rejection> {
 }
 
 fn store_error(e: &dlock_core::Error) -> Response {
-    tracing::warn!(error = %e, "dlock: idempotency store failed");
+    if matches!(e, dlock_core::Error::IdempotencyFull { .. }) {
+        // A refusal the caps are there to make, once per request of a flood:
+        // not worth a warning each.
+        tracing::debug!(error = %e, "dlock: idempotency store full");
+    } else {
+        tracing::warn!(error = %e, "dlock: idempotency store failed");
+    }
     // `Retry-After` on a 503 comes with the rejection's response.
     Rejection::from_lock_error(e).into_response()
 }

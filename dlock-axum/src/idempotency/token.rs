@@ -60,6 +60,10 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
             res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
             res
         }
+        Err(e @ dlock_core::Error::IdempotencyFull { .. }) => {
+            tracing::debug!(error = %e, "dlock: no idempotency token issued: the store is full");
+            Rejection::from_lock_error(&e).into_response()
+        }
         Err(e) => {
             tracing::warn!(error = %e, "dlock: issuing an idempotency token failed");
             Rejection::from_lock_error(&e).into_response()
