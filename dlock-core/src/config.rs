@@ -532,9 +532,9 @@ impl Config {
                 let backend = Arc::new(
                     crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?,
                 );
-                let idempotency = Arc::new(
-                    crate::idempotency::RedisStore::from_backend(&backend).with_limits(self.idempotency_limits),
-                );
+                let store = crate::idempotency::RedisStore::from_backend(&backend).with_limits(self.idempotency_limits);
+                self.check_records_beside_locks(&store, url).await?;
+                let idempotency = Arc::new(store);
                 let locker = Locker::with_options(backend, self.locker_options())?;
                 return Ok(Services { locker, idempotency });
             }
@@ -611,15 +611,128 @@ impl Config {
         match url {
             None => Ok(Arc::new(crate::idempotency::MemoryStore::new().with_limits(self.idempotency_limits))),
             #[cfg(feature = "redis")]
-            Some(url) => Ok(Arc::new(
-                crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options())
+            Some(url) => {
+                let store = crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options())
                     .await?
-                    .with_limits(self.idempotency_limits),
-            )),
+                    .with_limits(self.idempotency_limits);
+                self.check_records_beside_locks(&store, url).await?;
+                Ok(Arc::new(store))
+            }
             #[cfg(not(feature = "redis"))]
             Some(_) => {
                 Err(Error::config("DLOCK_IDEMPOTENCY_REDIS_URL", "dlock-core was built without the `redis` feature"))
             }
+        }
+    }
+}
+
+/// Where idempotency records live, seen from the locks.
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Beside {
+    /// The same server and database as (some of) the locks.
+    Keyspace,
+    /// The same server, another database: apart keys, shared memory.
+    Instance,
+    /// Elsewhere.
+    Apart,
+}
+
+/// Whether `records` (a Redis URL) is where a lock URL is: the same string,
+/// or the same host, port and database once parsed (`localhost` is
+/// `127.0.0.1`). Cluster and Sentinel URLs count as one place only when
+/// written the same.
+#[cfg(feature = "redis")]
+fn beside(records: &str, lock: &str) -> Beside {
+    use redis::IntoConnectionInfo;
+    if records == lock {
+        return Beside::Keyspace;
+    }
+    let place = |url: &str| {
+        let info = url.into_connection_info().ok()?;
+        let (host, port) = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => (host.clone(), *port),
+            _ => return None,
+        };
+        let host = match host.to_ascii_lowercase().as_str() {
+            "localhost" | "::1" | "[::1]" => "127.0.0.1".to_owned(),
+            other => other.to_owned(),
+        };
+        Some((host, port, info.redis_settings().db()))
+    };
+    match (place(records), place(lock)) {
+        (Some(r), Some(l)) if r == l => Beside::Keyspace,
+        (Some(r), Some(l)) if (&r.0, r.1) == (&l.0, l.1) => Beside::Instance,
+        _ => Beside::Apart,
+    }
+}
+
+#[cfg(feature = "redis")]
+impl Config {
+    /// Refuses idempotency records in the lock keyspace of a Redis whose
+    /// `maxmemory-policy` evicts keys: a flood of records would then evict
+    /// held locks. `noeviction` is allowed (the caps keep the records from
+    /// filling it); a policy that cannot be read (`CONFIG` refused by an
+    /// ACL) is a warning, and the caps are what is left.
+    async fn check_records_beside_locks(
+        &self,
+        store: &crate::idempotency::RedisStore,
+        records_url: &str,
+    ) -> Result<()> {
+        let locks: &[String] = match &self.backend {
+            BackendKind::Redis { url } => std::slice::from_ref(url),
+            BackendKind::RedLock { urls } => urls,
+            BackendKind::Memory | BackendKind::ZooKeeper { .. } => &[],
+        };
+        let place = locks.iter().map(|lock| beside(records_url, lock)).min_by_key(|b| *b as u8);
+        let place = match place {
+            None | Some(Beside::Apart) => return Ok(()),
+            Some(place) => place,
+        };
+        let policy = match store.maxmemory_policy().await {
+            Ok(policy) => policy,
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "dlock: cannot read the maxmemory-policy of the Redis that holds both locks and idempotency \
+                     records (CONFIG not permitted?): if it evicts keys, a flood of records can evict held locks. \
+                     Only DLOCK_IDEMPOTENCY_MAX_RECORDS bounds them; set DLOCK_IDEMPOTENCY_REDIS_URL to another \
+                     Redis instance to be sure"
+                );
+                return Ok(());
+            }
+        };
+        let evicts = policy.starts_with("volatile-") || policy.starts_with("allkeys-");
+        match (place, evicts) {
+            (Beside::Keyspace, true) => Err(Error::config(
+                "DLOCK_IDEMPOTENCY_REDIS_URL",
+                format!(
+                    "idempotency records would live in the lock keyspace of a Redis whose maxmemory-policy is \
+                     `{policy}`: when it fills up, it evicts keys with a TTL, held locks among them. Set \
+                     DLOCK_IDEMPOTENCY_REDIS_URL to a separate instance (best: it has its own memory) or a \
+                     separate database (e.g. redis://host:6379/1), or set maxmemory-policy noeviction on this one"
+                ),
+            )),
+            (Beside::Instance, true) => {
+                tracing::warn!(
+                    policy = %policy,
+                    "dlock: idempotency records are in another database of the lock Redis, whose maxmemory-policy \
+                     evicts keys: the databases share its memory, so records can still cause locks to be evicted. \
+                     Prefer a separate instance for DLOCK_IDEMPOTENCY_REDIS_URL, or maxmemory-policy noeviction"
+                );
+                Ok(())
+            }
+            (_, false) => {
+                tracing::info!(
+                    policy = %policy,
+                    max_records = self.idempotency_limits.max_records(),
+                    "dlock: idempotency records share the lock Redis; DLOCK_IDEMPOTENCY_MAX_RECORDS keeps them \
+                     from filling it"
+                );
+                Ok(())
+            }
+            (Beside::Apart, true) => Ok(()),
         }
     }
 }
@@ -820,6 +933,19 @@ mod tests {
             assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_ZOOKEEPER_AUTH"), "{err}");
             assert!(!err.to_string().contains("pw"), "{err}");
         }
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn records_beside_locks_are_told_by_host_port_and_database() {
+        let at = |records: &str, lock: &str| beside(records, lock);
+        assert_eq!(at("redis://h:6379", "redis://h:6379"), Beside::Keyspace);
+        assert_eq!(at("redis://localhost/0", "redis://127.0.0.1:6379"), Beside::Keyspace);
+        assert_eq!(at("redis://u:pw@h:6379/0", "redis://h"), Beside::Keyspace);
+        assert_eq!(at("redis://h:6379/1", "redis://h:6379"), Beside::Instance);
+        assert_eq!(at("redis://h:6380", "redis://h:6379"), Beside::Apart);
+        assert_eq!(at("redis://other:6379", "redis://h:6379"), Beside::Apart);
+        assert_eq!(at("redis+cluster://a:1,b:2", "redis+cluster://a:1"), Beside::Apart);
     }
 
     #[test]

@@ -263,7 +263,7 @@ async fn record_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
 async fn token_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
     let (ttl, short) = (Duration::from_secs(30), Duration::from_millis(300));
     let a1 = store.issue_bound_token("alice", ttl).await.expect("issue");
-    let a2 = store.issue_bound_token("alice", short).await.expect("issue");
+    let _a2 = store.issue_bound_token("alice", short).await.expect("issue");
     assert_full(store.issue_bound_token("alice", ttl).await, true, short);
     // Claimed and given back: still live, still counted.
     assert_eq!(store.claim_token(&a1, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
@@ -397,4 +397,52 @@ async fn configured_caps_reach_the_store() {
         assert!(matches!(store.begin("alice", "k1", "fp", lease).await.expect("begin"), Begin::New(_)));
         assert_full(store.begin("alice", "k2", "fp", lease).await, true, lease);
     }
+}
+
+/// Issue 16: records in the lock keyspace of a Redis that evicts keys would
+/// let a flood of records evict held locks, so that is a start-up error
+/// naming `DLOCK_IDEMPOTENCY_REDIS_URL`; another database starts (with a
+/// warning), `noeviction` starts, and a policy the ACL hides starts (with a
+/// warning: the caps are what is left).
+#[tokio::test]
+async fn records_never_share_an_evicting_lock_keyspace() {
+    let evicting = dlock_testing::RedisServer::start_with(&["--maxmemory-policy", "volatile-lru"]);
+    let config = |lock: String, records: Option<String>| {
+        dlock_core::Config::from_lookup(move |var| match var {
+            "DLOCK_BACKEND" => Some("redis".into()),
+            "DLOCK_REDIS_URL" => Some(lock.clone()),
+            "DLOCK_IDEMPOTENCY_REDIS_URL" => records.clone(),
+            _ => None,
+        })
+        .expect("config")
+    };
+    let refused = |e: Error| match e {
+        Error::Config { var, reason } => {
+            assert_eq!(var, "DLOCK_IDEMPOTENCY_REDIS_URL");
+            assert!(reason.contains("volatile-lru") && reason.contains("redis://host:6379/1"), "{reason}");
+        }
+        other => panic!("expected a configuration error, got {other}"),
+    };
+    // By default, and named explicitly (as `localhost`): the lock keyspace.
+    let url = evicting.url();
+    refused(config(url.clone(), None).build_services().await.expect_err("shared by default"));
+    let same = url.replace("127.0.0.1", "localhost") + "/0";
+    refused(config(url.clone(), Some(same.clone())).build_services().await.expect_err("same place"));
+    refused(config(url.clone(), None).idempotency_store().await.expect_err("own connection, same place"));
+    // Another database of the same server.
+    let services = config(url.clone(), Some(format!("{url}/1"))).build_services().await.expect("another database");
+    let Begin::New(_) = services.idempotency.begin("s", "k", "fp", Duration::from_secs(5)).await.expect("begin") else {
+        panic!("a fresh key is claimed")
+    };
+    // `noeviction` beside the locks: allowed, the caps guard it.
+    let noeviction = dlock_testing::RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+    config(noeviction.url(), None).build_services().await.expect("noeviction is allowed");
+    // A user the ACL does not let read CONFIG: allowed, with a warning.
+    let mut admin = evicting.connection();
+    let () = redis::cmd("ACL")
+        .arg(&["SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-config"][..])
+        .query(&mut admin)
+        .expect("acl");
+    let app = url.replace("redis://", "redis://app:pw@");
+    config(app.clone(), None).build_services().await.expect("policy unknown: the caps are what is left");
 }

@@ -231,6 +231,21 @@ impl RedisStore {
         Ok(removed == 1)
     }
 
+    /// The `maxmemory-policy` of the server the records live on; an error
+    /// when it cannot be read (`CONFIG` refused by an ACL, say).
+    pub(crate) async fn maxmemory_policy(&self) -> Result<String> {
+        let reply: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+        match reply.as_slice() {
+            [_, policy] => Ok(policy.clone()),
+            other => Err(Error::backend("redis", format!("CONFIG GET maxmemory-policy answered {other:?}"))),
+        }
+    }
+
     /// The record's key, its member in the counts, and the counts.
     fn record(&self, scope: &str, key: &str) -> (String, String, Vec<Counted>) {
         let tag = fingerprint(&[scope]);
