@@ -92,7 +92,7 @@ impl BackendKind {
 /// | `DLOCK_IDEMPOTENCY_TTL_SECS` | life of tokens and stored responses | `86400` |
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
 /// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
-/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]) | the lock backend's Redis, else in process |
+/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]); not the lock keyspace of a Redis whose `maxmemory-policy` evicts | the lock backend's Redis, else in process |
 /// | `DLOCK_IDEMPOTENCY_MAX_PER_SCOPE` | most live idempotency records (and, apart, bound tokens) of one caller; beyond, `429` (see [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits)) | `10000` |
 /// | `DLOCK_IDEMPOTENCY_MAX_RECORDS` | most live idempotency records (and, apart, tokens) in all; beyond, `503` | `1000000` |
 /// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock` or `zookeeper` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
@@ -511,9 +511,18 @@ impl Config {
     /// instead of opening its own; otherwise this is [`build`](Self::build)
     /// and [`idempotency_store`](Self::idempotency_store).
     ///
+    /// Records in the lock keyspace (no `DLOCK_IDEMPOTENCY_REDIS_URL`, or
+    /// one naming the same server and database) of a Redis whose
+    /// `maxmemory-policy` evicts keys are refused: a flood of records would
+    /// make it evict held locks. Point `DLOCK_IDEMPOTENCY_REDIS_URL` at
+    /// another instance or database (`redis://host:6379/1`), or use
+    /// `noeviction`.
+    ///
     /// # Errors
     ///
-    /// As [`build`](Self::build) and [`idempotency_store`](Self::idempotency_store).
+    /// As [`build`](Self::build) and [`idempotency_store`](Self::idempotency_store);
+    /// [`Error::Config`] naming `DLOCK_IDEMPOTENCY_REDIS_URL` for records in
+    /// an evicting lock keyspace.
     pub async fn build_services(&self) -> Result<Services> {
         let idempotency = match (&self.idempotency_redis_url, &self.backend) {
             (Some(url), _) => format!("redis {}", redact(url)),
@@ -582,7 +591,9 @@ impl Config {
     /// # Errors
     ///
     /// [`Error::Config`] naming `DLOCK_IDEMPOTENCY_REDIS_URL` for `redlock`
-    /// or `zookeeper` without it (and without `DLOCK_IDEMPOTENCY_LOCAL=1`);
+    /// or `zookeeper` without it (and without `DLOCK_IDEMPOTENCY_LOCAL=1`),
+    /// or for records in the lock keyspace of a Redis whose
+    /// `maxmemory-policy` evicts keys (see [`build_services`](Self::build_services));
     /// as [`RedisStore::connect`](crate::idempotency::RedisStore::connect).
     pub async fn idempotency_store(&self) -> Result<Arc<dyn crate::idempotency::IdempotencyStore>> {
         let url = match (&self.idempotency_redis_url, &self.backend) {

@@ -20,6 +20,7 @@
 //!
 //! [`MemoryStore`] serves one process; [`RedisStore`] shares records between
 //! instances (single server, Cluster or Sentinel URLs, as the lock backend).
+//! Both bound what lives, per caller and in total ([`IdempotencyLimits`]).
 //! [`Config::idempotency_store`](crate::Config::idempotency_store) picks one.
 //!
 //! ```
@@ -135,7 +136,9 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     /// `memory` or `redis`, for logs.
     fn name(&self) -> &'static str;
 
-    /// Issues a fresh token that can be consumed once within `ttl`.
+    /// Issues a fresh token that can be consumed once within `ttl`;
+    /// [`Error::IdempotencyFull`] when the store holds as many tokens as its
+    /// [`IdempotencyLimits`] allow.
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>>;
 
     /// Consumes `token`: `true` for exactly one caller while the token lives;
@@ -194,7 +197,10 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     }
 
     /// Claims `key` within `scope` for a request whose `fingerprint` is given,
-    /// with an in-progress record that expires after `lease`.
+    /// with an in-progress record that expires after `lease`. A key that
+    /// has a record is answered from it; a new one beyond the
+    /// [`IdempotencyLimits`] of `scope` or of the store is
+    /// [`Error::IdempotencyFull`] (nothing is stored).
     fn begin<'a>(
         &'a self,
         scope: &'a str,
