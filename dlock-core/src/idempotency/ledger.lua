@@ -21,13 +21,17 @@ local function full(first, maxes, now)
   return 0, 0
 end
 
--- Counts `member` until `expires` in every set; a set lives as long as its
--- last member.
+-- Counts `member` until `expires` in every set. A caller's set lives as
+-- long as its last member, so the set of a caller who never comes back is
+-- not left behind; the total set (`...:all`) needs no TTL: every claim trims
+-- it, and Redis deletes a set that is trimmed empty.
 local function count(first, member, expires)
   for i = first, #KEYS do
     redis.call('ZADD', KEYS[i], expires, member)
-    local last = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')
-    redis.call('PEXPIREAT', KEYS[i], last[2])
+    if string.sub(KEYS[i], -4) ~= ':all' then
+      local last = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')
+      redis.call('PEXPIREAT', KEYS[i], last[2])
+    end
   end
 end
 
