@@ -659,3 +659,25 @@ async fn a_full_redis_store_is_429_or_503() {
     let store = dlock_core::idempotency::RedisStore::connect(&redis.url(), "full").await.expect("connect");
     full_store_answers(Arc::new(store.with_limits(tiny()))).await;
 }
+
+/// A key the layer frees (the route answered `5xx`) gives its room back at
+/// once: the caller's next key runs instead of waiting out the lease.
+#[tokio::test]
+async fn a_freed_key_gives_its_room_back() {
+    let idem = Idempotency::new(Arc::new(MemoryStore::new().with_limits(tiny())));
+    let app = Router::new().route(
+        "/pay",
+        post(|body: String| async move {
+            if body == "fail" {
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                StatusCode::CREATED
+            }
+        })
+        .layer(IdempotencyLayer::new(idem)),
+    );
+    assert_eq!(send(&app, pay(Some("k1"), "fail")).await.0, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(send(&app, pay(Some("k2"), "{}")).await.0, StatusCode::CREATED, "k1's room was given back");
+    let (s, _, b) = send(&app, pay(Some("k3"), "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::TOO_MANY_REQUESTS, "idempotency_scope_full"));
+}

@@ -263,7 +263,7 @@ where
         let principal = layer.scope.as_ref().map(|scope| scope.of(&parts));
         let req = Request::from_parts(parts, body);
         ResponseFuture::new(async move {
-            let refusal = match (token, principal) {
+            let claimed = match (token, principal) {
                 (None, _) => Err(Rejection::idempotency_token_missing().into_response()),
                 (Some(_), Some(None)) => Err(Rejection::idempotency_scope_missing().into_response()),
                 (Some(token), principal) => {
@@ -282,7 +282,7 @@ where
                     }
                 }
             };
-            let (token, principal) = match refusal {
+            let (token, principal) = match claimed {
                 Ok(claimed) => claimed,
                 Err(response) => {
                     // Refused before the route read the body: drain it
