@@ -446,3 +446,40 @@ async fn records_never_share_an_evicting_lock_keyspace() {
     let app = url.replace("redis://", "redis://app:pw@");
     config(app.clone(), None).build_services().await.expect("policy unknown: the caps are what is left");
 }
+
+/// Issue 16, the threat itself: a flood of new keys from many callers into
+/// the lock Redis (`noeviction`, 4 MB). The total cap stops the records long
+/// before the server is full, so locks are still granted; without it (the
+/// cap set above what fits) the flood fills the server and locking fails.
+#[tokio::test]
+async fn a_flood_of_records_cannot_fill_the_lock_redis() {
+    let server = dlock_testing::RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]);
+    let url = server.url();
+    let services = dlock_core::Config::from_lookup(|var| match var {
+        "DLOCK_BACKEND" => Some("redis".into()),
+        "DLOCK_REDIS_URL" => Some(url.clone()),
+        "DLOCK_IDEMPOTENCY_MAX_RECORDS" => Some("1000".into()),
+        _ => None,
+    })
+    .expect("config")
+    .build_services()
+    .await
+    .expect("noeviction beside the locks is allowed");
+    let (store, locker) = (services.idempotency, services.locker);
+    let response = StoredResponse::new(201, vec![], vec![b'x'; 1024]);
+    let (mut stored, mut full) = (0, 0);
+    for i in 0..5000 {
+        match store.begin(&format!("caller-{i}"), "k", "fp", Duration::from_secs(60)).await {
+            Ok(Begin::New(claim)) => {
+                assert!(store.complete(&claim, &response, Duration::from_secs(3600)).await.expect("complete"));
+                stored += 1;
+            }
+            Err(Error::IdempotencyFull { per_scope: false, .. }) => full += 1,
+            other => panic!("record {i}: {other:?}"),
+        }
+    }
+    assert_eq!((stored, full), (1000, 4000), "the total cap holds");
+    let key = locker.key("after-the-flood").build().expect("key");
+    let guard = locker.try_acquire(&key).await.expect("a lock is still granted");
+    assert!(guard.release().await.expect("release"));
+}
