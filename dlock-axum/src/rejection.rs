@@ -66,8 +66,10 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
 /// | 409 | `idempotency_response_not_stored` | 2202 | the request with this `Idempotency-Key` ran, but its response was too large to keep (permanent) |
 /// | 429 | `too_many_locks` | 2401 | the principal already holds the most locks a layer allows at once (transient: `Retry-After`) |
+/// | 429 | `idempotency_scope_full` | 2402 | the caller already has the most live idempotency records (or tokens) the store keeps per caller (transient: `Retry-After` until its oldest expires) |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed (transient: `Retry-After`) |
+/// | 503 | `idempotency_store_full` | 2502 | the idempotency store holds the most live records (or tokens) it keeps in all (transient: `Retry-After` until the oldest expires) |
 ///
 /// A transient refusal carries `Retry-After: 1` ([`Rejection::retry_after`]):
 /// the same request may succeed later. A permanent one carries none: the
@@ -187,6 +189,20 @@ rejections! {
     /// The principal (say, the `x-user-id` header) already holds as many
     /// locks through this layer as it may at once. Transient: `Retry-After: 1`.
     too_many_locks => (TOO_MANY_REQUESTS, "too_many_locks", 2401, "too many locks held at once, please retry later", Some(1));
+    /// The caller already has as many live idempotency records (or bound
+    /// tokens) as the store keeps per caller
+    /// ([`IdempotencyLimits`](dlock_core::idempotency::IdempotencyLimits)):
+    /// nothing was stored, the route did not run. Transient: `Retry-After`
+    /// (from [`from_lock_error`](Self::from_lock_error): until the caller's
+    /// oldest record expires).
+    idempotency_scope_full => (TOO_MANY_REQUESTS, "idempotency_scope_full", 2402,
+        "too many idempotency records are kept for this caller, please retry later", Some(1));
+    /// The idempotency store holds as many live records (or tokens) as it
+    /// keeps in all: nothing was stored, the route did not run. Transient:
+    /// `Retry-After` (from [`from_lock_error`](Self::from_lock_error): until
+    /// the oldest record expires).
+    idempotency_store_full => (SERVICE_UNAVAILABLE, "idempotency_store_full", 2502,
+        "the idempotency store is full, please retry later", Some(1));
     /// The lock service cannot be reached; the request is refused (fail
     /// closed). Transient: `Retry-After: 1`.
     backend_unavailable => (SERVICE_UNAVAILABLE, "lock_backend_unavailable", 2501,
@@ -352,7 +368,10 @@ impl Rejection {
     /// wait that ran out → `409 lock_wait_timeout`, unavailable → `503 lock_backend_unavailable`, an invalid key →
     /// `400 lock_key_invalid`, bad configuration or a rule dlock broke itself
     /// ([`Error::Internal`](dlock_core::Error::Internal)) → `500 lock_misconfigured`
-    /// (a retry cannot help, so no `Retry-After`). Anything else is treated as
+    /// (a retry cannot help, so no `Retry-After`), a full idempotency store
+    /// → `429 idempotency_scope_full` (this caller's cap) or
+    /// `503 idempotency_store_full` (the total), with `Retry-After` the
+    /// seconds until the oldest record expires. Anything else is treated as
     /// unavailable (fail closed).
     ///
     /// The engine's text is not copied into the body: it names keys and
@@ -368,8 +387,17 @@ impl Rejection {
     /// assert_eq!(Rejection::from_lock_error(&down).status(), 503);
     /// let bug = dlock_core::Error::Internal("polled after it finished".into());
     /// assert_eq!(Rejection::from_lock_error(&bug).status(), 500);
+    /// let full = dlock_core::Error::IdempotencyFull { per_scope: true, retry_after: std::time::Duration::from_millis(2500) };
+    /// let r = Rejection::from_lock_error(&full);
+    /// assert_eq!((r.status().as_u16(), r.error(), r.retry_after()), (429, "idempotency_scope_full", Some(3)));
     /// ```
     pub fn from_lock_error(err: &dlock_core::Error) -> Self {
+        if let dlock_core::Error::IdempotencyFull { per_scope, retry_after } = err {
+            let full = if *per_scope { Self::idempotency_scope_full() } else { Self::idempotency_store_full() };
+            // Whole seconds, rounded up: a retry sooner would be refused again.
+            let seconds = retry_after.as_millis().div_ceil(1000).clamp(1, u128::from(u32::MAX));
+            return full.with_retry_after(Some(u32::try_from(seconds).unwrap_or(u32::MAX)));
+        }
         if matches!(err, dlock_core::Error::Timeout { .. }) {
             Self::lock_wait_timeout()
         } else if err.is_contention() {
@@ -459,7 +487,9 @@ mod tests {
             ("unsupported_media_type", 415),
             ("idempotency_key_mismatch", 422),
             ("too_many_locks", 429),
+            ("idempotency_scope_full", 429),
             ("lock_backend_unavailable", 503),
+            ("idempotency_store_full", 503),
             ("lock_misconfigured", 500),
         ];
         let all: Vec<Rejection> = ALL.iter().map(|f| f()).collect();
@@ -481,6 +511,8 @@ mod tests {
             (Error::InvalidKey("too long".into()), 400),
             (Error::config("DLOCK_PREFIX", "empty"), 500),
             (Error::Cancelled, 503),
+            (Error::IdempotencyFull { per_scope: true, retry_after: std::time::Duration::from_secs(1) }, 429),
+            (Error::IdempotencyFull { per_scope: false, retry_after: std::time::Duration::from_secs(1) }, 503),
         ];
         for (err, status) in cases {
             assert_eq!(Rejection::from(&err).status().as_u16(), status, "{err}");
@@ -511,7 +543,9 @@ mod tests {
             "idempotency_request_in_progress",
             "lock_wait_timeout",
             "too_many_locks",
+            "idempotency_scope_full",
             "lock_backend_unavailable",
+            "idempotency_store_full",
         ];
         for r in ALL.iter().map(|f| f()) {
             let response = r.clone().into_response();

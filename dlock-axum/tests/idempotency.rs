@@ -606,3 +606,78 @@ async fn bound_tokens_serve_only_their_caller() {
     let req = Request::post("/submit").header("idempotency-token", &t).body(Body::empty()).expect("req");
     assert_eq!(send(&unbound, req).await.0, StatusCode::CONFLICT);
 }
+
+/// Issue 16 over HTTP: a caller at its cap gets `429 idempotency_scope_full`
+/// and a full store `503 idempotency_store_full`, both JSON with
+/// `Retry-After`; the route does not run, a retry of a stored key is still
+/// replayed, and tokens are refused the same way.
+async fn full_store_answers(store: Arc<dyn dlock_core::idempotency::IdempotencyStore>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let idem = Idempotency::new(store);
+    let app = counting_app(IdempotencyLayer::new(idem.clone()), runs.clone(), Duration::ZERO)
+        .route("/token", get(idem.token_handler()));
+    assert_eq!(send(&app, pay(Some("k1"), "{}")).await.0, StatusCode::CREATED);
+    let (s, h, b) = send(&app, pay(Some("k2"), "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::TOO_MANY_REQUESTS, "idempotency_scope_full"));
+    assert_eq!(h["content-type"], "application/json");
+    // The stored record lives 24 hours: that is when alice has room again.
+    let retry: u64 = h["retry-after"].to_str().expect("ascii").parse().expect("seconds");
+    assert!((86_000..=86_400).contains(&retry), "retry after {retry}");
+    // A retry of the stored key is replayed at the cap.
+    let (s, h, _) = send(&app, pay(Some("k1"), "{}")).await;
+    assert_eq!((s, h.get("idempotent-replayed").map(|v| v.as_bytes())), (StatusCode::CREATED, Some(&b"true"[..])));
+    // Another caller fills the total (2); a third finds the store full.
+    let of = |caller: &str| {
+        Request::post("/pay").header("authorization", caller).header("idempotency-key", "k").body(Body::from("{}"))
+    };
+    assert_eq!(send(&app, of("Bearer bob").expect("request")).await.0, StatusCode::CREATED);
+    let (s, h, b) = send(&app, of("Bearer carol").expect("request")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::SERVICE_UNAVAILABLE, "idempotency_store_full"));
+    assert!(h.contains_key("retry-after"));
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "refused requests never ran");
+    // Tokens: 2 in all, then 503.
+    for _ in 0..2 {
+        assert_eq!(send(&app, Request::get("/token").body(Body::empty()).expect("request")).await.0, StatusCode::OK);
+    }
+    let (s, h, b) = send(&app, Request::get("/token").body(Body::empty()).expect("request")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::SERVICE_UNAVAILABLE, "idempotency_store_full"));
+    assert!(h.contains_key("retry-after"));
+}
+
+fn tiny() -> dlock_core::idempotency::IdempotencyLimits {
+    dlock_core::idempotency::IdempotencyLimits::default().with_max_per_scope(1).with_max_records(2)
+}
+
+#[tokio::test]
+async fn a_full_memory_store_is_429_or_503() {
+    full_store_answers(Arc::new(MemoryStore::new().with_limits(tiny()))).await;
+}
+
+#[tokio::test]
+async fn a_full_redis_store_is_429_or_503() {
+    let redis = dlock_testing::RedisServer::start();
+    let store = dlock_core::idempotency::RedisStore::connect(&redis.url(), "full").await.expect("connect");
+    full_store_answers(Arc::new(store.with_limits(tiny()))).await;
+}
+
+/// A key the layer frees (the route answered `5xx`) gives its room back at
+/// once: the caller's next key runs instead of waiting out the lease.
+#[tokio::test]
+async fn a_freed_key_gives_its_room_back() {
+    let idem = Idempotency::new(Arc::new(MemoryStore::new().with_limits(tiny())));
+    let app = Router::new().route(
+        "/pay",
+        post(|body: String| async move {
+            if body == "fail" {
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                StatusCode::CREATED
+            }
+        })
+        .layer(IdempotencyLayer::new(idem)),
+    );
+    assert_eq!(send(&app, pay(Some("k1"), "fail")).await.0, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(send(&app, pay(Some("k2"), "{}")).await.0, StatusCode::CREATED, "k1's room was given back");
+    let (s, _, b) = send(&app, pay(Some("k3"), "{}")).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::TOO_MANY_REQUESTS, "idempotency_scope_full"));
+}

@@ -92,7 +92,9 @@ impl BackendKind {
 /// | `DLOCK_IDEMPOTENCY_TTL_SECS` | life of tokens and stored responses | `86400` |
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
 /// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
-/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]) | the lock backend's Redis, else in process |
+/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]); not the lock keyspace of a Redis whose `maxmemory-policy` evicts | the lock backend's Redis, else in process |
+/// | `DLOCK_IDEMPOTENCY_MAX_PER_SCOPE` | most live idempotency records (and, apart, bound tokens) of one caller; beyond, `429` (see [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits)) | `10000` |
+/// | `DLOCK_IDEMPOTENCY_MAX_RECORDS` | most live idempotency records (and, apart, tokens) in all; beyond, `503` | `1000000` |
 /// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock` or `zookeeper` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
@@ -167,6 +169,10 @@ pub struct Config {
     /// (see [`Config::idempotency_store`]): a duplicate sent to two
     /// instances would run on both.
     pub allow_local_idempotency: bool,
+    /// Caps on live idempotency records and tokens, per caller and in all
+    /// (`DLOCK_IDEMPOTENCY_MAX_PER_SCOPE`, `DLOCK_IDEMPOTENCY_MAX_RECORDS`);
+    /// the stores this configuration builds enforce them.
+    pub idempotency_limits: crate::idempotency::IdempotencyLimits,
 }
 
 impl Default for Config {
@@ -183,6 +189,7 @@ impl Default for Config {
             redis_tls: None,
             restart_quarantine: Duration::ZERO,
             allow_local_idempotency: false,
+            idempotency_limits: crate::idempotency::IdempotencyLimits::default(),
         }
     }
 }
@@ -201,6 +208,7 @@ impl std::fmt::Debug for Config {
         d.field("redis_tls", &self.redis_tls);
         d.field("restart_quarantine", &self.restart_quarantine)
             .field("allow_local_idempotency", &self.allow_local_idempotency)
+            .field("idempotency_limits", &self.idempotency_limits)
             .finish()
     }
 }
@@ -359,6 +367,20 @@ impl Config {
             );
         }
         let allow_local_idempotency = flag(&get, "DLOCK_IDEMPOTENCY_LOCAL")?.unwrap_or(false);
+        let mut idempotency_limits = defaults.idempotency_limits;
+        if let Some(n) = positive(&get, "DLOCK_IDEMPOTENCY_MAX_PER_SCOPE")? {
+            idempotency_limits = idempotency_limits.with_max_per_scope(n);
+        }
+        if let Some(n) = positive(&get, "DLOCK_IDEMPOTENCY_MAX_RECORDS")? {
+            idempotency_limits = idempotency_limits.with_max_records(n);
+        }
+        if idempotency_limits.max_per_scope() > idempotency_limits.max_records() {
+            tracing::warn!(
+                max_per_scope = idempotency_limits.max_per_scope(),
+                max_records = idempotency_limits.max_records(),
+                "DLOCK_IDEMPOTENCY_MAX_PER_SCOPE is above DLOCK_IDEMPOTENCY_MAX_RECORDS: one caller can fill the store"
+            );
+        }
         Ok(Config {
             backend,
             prefix,
@@ -371,6 +393,7 @@ impl Config {
             redis_tls,
             restart_quarantine,
             allow_local_idempotency,
+            idempotency_limits,
         })
     }
 
@@ -488,9 +511,18 @@ impl Config {
     /// instead of opening its own; otherwise this is [`build`](Self::build)
     /// and [`idempotency_store`](Self::idempotency_store).
     ///
+    /// Records in the lock keyspace (no `DLOCK_IDEMPOTENCY_REDIS_URL`, or
+    /// one naming the same server and database) of a Redis whose
+    /// `maxmemory-policy` evicts keys are refused: a flood of records would
+    /// make it evict held locks. Point `DLOCK_IDEMPOTENCY_REDIS_URL` at
+    /// another instance or database (`redis://host:6379/1`), or use
+    /// `noeviction`.
+    ///
     /// # Errors
     ///
-    /// As [`build`](Self::build) and [`idempotency_store`](Self::idempotency_store).
+    /// As [`build`](Self::build) and [`idempotency_store`](Self::idempotency_store);
+    /// [`Error::Config`] naming `DLOCK_IDEMPOTENCY_REDIS_URL` for records in
+    /// an evicting lock keyspace.
     pub async fn build_services(&self) -> Result<Services> {
         let idempotency = match (&self.idempotency_redis_url, &self.backend) {
             (Some(url), _) => format!("redis {}", redact(url)),
@@ -509,7 +541,9 @@ impl Config {
                 let backend = Arc::new(
                     crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?,
                 );
-                let idempotency = Arc::new(crate::idempotency::RedisStore::from_backend(&backend));
+                let store = crate::idempotency::RedisStore::from_backend(&backend).with_limits(self.idempotency_limits);
+                self.check_records_beside_locks(&store, url).await?;
+                let idempotency = Arc::new(store);
                 let locker = Locker::with_options(backend, self.locker_options())?;
                 return Ok(Services { locker, idempotency });
             }
@@ -557,7 +591,9 @@ impl Config {
     /// # Errors
     ///
     /// [`Error::Config`] naming `DLOCK_IDEMPOTENCY_REDIS_URL` for `redlock`
-    /// or `zookeeper` without it (and without `DLOCK_IDEMPOTENCY_LOCAL=1`);
+    /// or `zookeeper` without it (and without `DLOCK_IDEMPOTENCY_LOCAL=1`),
+    /// or for records in the lock keyspace of a Redis whose
+    /// `maxmemory-policy` evicts keys (see [`build_services`](Self::build_services));
     /// as [`RedisStore::connect`](crate::idempotency::RedisStore::connect).
     pub async fn idempotency_store(&self) -> Result<Arc<dyn crate::idempotency::IdempotencyStore>> {
         let url = match (&self.idempotency_redis_url, &self.backend) {
@@ -584,15 +620,130 @@ impl Config {
             }
         };
         match url {
-            None => Ok(Arc::new(crate::idempotency::MemoryStore::new())),
+            None => Ok(Arc::new(crate::idempotency::MemoryStore::new().with_limits(self.idempotency_limits))),
             #[cfg(feature = "redis")]
-            Some(url) => Ok(Arc::new(
-                crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options()).await?,
-            )),
+            Some(url) => {
+                let store = crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options())
+                    .await?
+                    .with_limits(self.idempotency_limits);
+                self.check_records_beside_locks(&store, url).await?;
+                Ok(Arc::new(store))
+            }
             #[cfg(not(feature = "redis"))]
             Some(_) => {
                 Err(Error::config("DLOCK_IDEMPOTENCY_REDIS_URL", "dlock-core was built without the `redis` feature"))
             }
+        }
+    }
+}
+
+/// Where idempotency records live, seen from the locks.
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Beside {
+    /// The same server and database as (some of) the locks.
+    Keyspace,
+    /// The same server, another database: apart keys, shared memory.
+    Instance,
+    /// Elsewhere.
+    Apart,
+}
+
+/// Whether `records` (a Redis URL) is where a lock URL is: the same string,
+/// or the same host, port and database once parsed (`localhost` is
+/// `127.0.0.1`). Cluster and Sentinel URLs count as one place only when
+/// written the same.
+#[cfg(feature = "redis")]
+fn beside(records: &str, lock: &str) -> Beside {
+    use redis::IntoConnectionInfo;
+    if records == lock {
+        return Beside::Keyspace;
+    }
+    let place = |url: &str| {
+        let info = url.into_connection_info().ok()?;
+        let (host, port) = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => (host.clone(), *port),
+            _ => return None,
+        };
+        let host = match host.to_ascii_lowercase().as_str() {
+            "localhost" | "::1" | "[::1]" => "127.0.0.1".to_owned(),
+            other => other.to_owned(),
+        };
+        Some((host, port, info.redis_settings().db()))
+    };
+    match (place(records), place(lock)) {
+        (Some(r), Some(l)) if r == l => Beside::Keyspace,
+        (Some(r), Some(l)) if (&r.0, r.1) == (&l.0, l.1) => Beside::Instance,
+        _ => Beside::Apart,
+    }
+}
+
+#[cfg(feature = "redis")]
+impl Config {
+    /// Refuses idempotency records in the lock keyspace of a Redis whose
+    /// `maxmemory-policy` evicts keys: a flood of records would then evict
+    /// held locks. `noeviction` is allowed (the caps keep the records from
+    /// filling it); a policy that cannot be read (`CONFIG` refused by an
+    /// ACL) is a warning, and the caps are what is left.
+    async fn check_records_beside_locks(
+        &self,
+        store: &crate::idempotency::RedisStore,
+        records_url: &str,
+    ) -> Result<()> {
+        let locks: &[String] = match &self.backend {
+            BackendKind::Redis { url } => std::slice::from_ref(url),
+            BackendKind::RedLock { urls } => urls,
+            BackendKind::Memory | BackendKind::ZooKeeper { .. } => &[],
+        };
+        let place = locks.iter().map(|lock| beside(records_url, lock)).min_by_key(|b| *b as u8);
+        let place = match place {
+            None | Some(Beside::Apart) => return Ok(()),
+            Some(place) => place,
+        };
+        let policy = match store.maxmemory_policy().await {
+            Ok(policy) => policy,
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "dlock: cannot read the maxmemory-policy of the Redis that holds both locks and idempotency \
+                     records (CONFIG not permitted?): if it evicts keys, a flood of records can evict held locks. \
+                     Only DLOCK_IDEMPOTENCY_MAX_RECORDS bounds them; set DLOCK_IDEMPOTENCY_REDIS_URL to another \
+                     Redis instance to be sure"
+                );
+                return Ok(());
+            }
+        };
+        let evicts = policy.starts_with("volatile-") || policy.starts_with("allkeys-");
+        match (place, evicts) {
+            (Beside::Keyspace, true) => Err(Error::config(
+                "DLOCK_IDEMPOTENCY_REDIS_URL",
+                format!(
+                    "idempotency records would live in the lock keyspace of a Redis whose maxmemory-policy is \
+                     `{policy}`: when it fills up, it evicts keys with a TTL, held locks among them. Set \
+                     DLOCK_IDEMPOTENCY_REDIS_URL to a separate instance (best: it has its own memory) or a \
+                     separate database (e.g. redis://host:6379/1), or set maxmemory-policy noeviction on this one"
+                ),
+            )),
+            (Beside::Instance, true) => {
+                tracing::warn!(
+                    policy = %policy,
+                    "dlock: idempotency records are in another database of the lock Redis, whose maxmemory-policy \
+                     evicts keys: the databases share its memory, so records can still cause locks to be evicted. \
+                     Prefer a separate instance for DLOCK_IDEMPOTENCY_REDIS_URL, or maxmemory-policy noeviction"
+                );
+                Ok(())
+            }
+            (_, false) => {
+                tracing::info!(
+                    policy = %policy,
+                    max_records = self.idempotency_limits.max_records(),
+                    "dlock: idempotency records share the lock Redis; DLOCK_IDEMPOTENCY_MAX_RECORDS keeps them \
+                     from filling it"
+                );
+                Ok(())
+            }
+            (Beside::Apart, true) => Ok(()),
         }
     }
 }
@@ -621,6 +772,15 @@ fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Op
     get(var)
         .map(|v| v.parse::<u64>().map_err(|_| Error::config(var, format!("`{v}` is not a whole non-negative number"))))
         .transpose()
+}
+
+/// A whole number of at least 1: a cap of 0 would refuse everything, which
+/// is never what a typo meant.
+fn positive(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {
+    match number(get, var)? {
+        Some(0) => Err(Error::config(var, "must be at least 1")),
+        n => Ok(n),
+    }
 }
 
 /// `1`/`true`/`yes` or `0`/`false`/`no`; anything else is an error rather
@@ -783,6 +943,34 @@ mod tests {
             let err = cfg(&[("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER_AUTH", bad)]).expect_err(bad);
             assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_ZOOKEEPER_AUTH"), "{err}");
             assert!(!err.to_string().contains("pw"), "{err}");
+        }
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn records_beside_locks_are_told_by_host_port_and_database() {
+        let at = |records: &str, lock: &str| beside(records, lock);
+        assert_eq!(at("redis://h:6379", "redis://h:6379"), Beside::Keyspace);
+        assert_eq!(at("redis://localhost/0", "redis://127.0.0.1:6379"), Beside::Keyspace);
+        assert_eq!(at("redis://u:pw@h:6379/0", "redis://h"), Beside::Keyspace);
+        assert_eq!(at("redis://h:6379/1", "redis://h:6379"), Beside::Instance);
+        assert_eq!(at("redis://h:6380", "redis://h:6379"), Beside::Apart);
+        assert_eq!(at("redis://other:6379", "redis://h:6379"), Beside::Apart);
+        assert_eq!(at("redis+cluster://a:1,b:2", "redis+cluster://a:1"), Beside::Apart);
+    }
+
+    #[test]
+    fn idempotency_caps_are_read_and_checked() {
+        use crate::idempotency::IdempotencyLimits;
+        assert_eq!(cfg(&[]).expect("default").idempotency_limits, IdempotencyLimits::default());
+        let c =
+            cfg(&[("DLOCK_IDEMPOTENCY_MAX_PER_SCOPE", "50"), ("DLOCK_IDEMPOTENCY_MAX_RECORDS", "5000")]).expect("caps");
+        assert_eq!((c.idempotency_limits.max_per_scope(), c.idempotency_limits.max_records()), (50, 5000));
+        for var in ["DLOCK_IDEMPOTENCY_MAX_PER_SCOPE", "DLOCK_IDEMPOTENCY_MAX_RECORDS"] {
+            for bad in ["0", "-1", "many", "1e6"] {
+                let e = cfg(&[(var, bad)]).expect_err(bad);
+                assert!(e.to_string().contains(var), "{bad}: {e}");
+            }
         }
     }
 

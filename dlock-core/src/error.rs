@@ -90,6 +90,18 @@ pub enum Error {
     /// backends, never by a caller of [`Locker::acquire`](crate::Locker::acquire).
     #[error("acquire cancelled")]
     Cancelled,
+    /// An idempotency store holds as many live records (or tokens) as its
+    /// [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits) allow:
+    /// for this caller (`per_scope`), or in total. Nothing was stored; the
+    /// same request may succeed once `retry_after` has passed and the
+    /// oldest record expired.
+    #[error("idempotency store full ({}): retry after {retry_after:?}", if *per_scope { "this caller's records" } else { "all records" })]
+    IdempotencyFull {
+        /// The caller's cap was reached (else the store's total cap).
+        per_scope: bool,
+        /// When the oldest counted record (or token) expires.
+        retry_after: Duration,
+    },
 }
 
 impl Error {

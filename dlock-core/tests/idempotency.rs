@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::idempotency::{
-    fingerprint, Begin, IdempotencyStore, MemoryStore, RedisStore, StoredResponse, TokenClaim,
+    fingerprint, Begin, IdempotencyLimits, IdempotencyStore, MemoryStore, RedisStore, StoredResponse, TokenClaim,
 };
+use dlock_core::Error;
 
 async fn suite(store: Arc<dyn IdempotencyStore>) {
     tokens(&store).await;
@@ -198,6 +199,143 @@ async fn concurrent_begin(store: Arc<dyn IdempotencyStore>) {
     assert_eq!(new, 1, "exactly one claim");
 }
 
+/// The caps of these tests: 2 live records per caller, 3 in all.
+fn small() -> IdempotencyLimits {
+    IdempotencyLimits::default().with_max_per_scope(2).with_max_records(3)
+}
+
+/// Whether `result` is the refusal of a full store, of the caller's cap
+/// (`per_scope`) or of the total, with a `Retry-After` within `most`.
+fn assert_full<T: std::fmt::Debug>(result: dlock_core::Result<T>, per_scope: bool, most: Duration) {
+    match result {
+        Err(Error::IdempotencyFull { per_scope: p, retry_after }) => {
+            assert_eq!(p, per_scope, "which cap");
+            assert!(retry_after > Duration::ZERO && retry_after <= most, "retry after {retry_after:?}");
+        }
+        other => panic!("expected a full store (per_scope: {per_scope}), got {other:?}"),
+    }
+}
+
+/// Issue 16: records are capped per scope and in total, atomically; a key
+/// that exists is still answered at the cap; expiry, abandon and complete
+/// never leak a count. `total`: whether the store enforces the total cap
+/// (not on Redis Cluster).
+async fn record_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
+    let (fp, lease, ttl) = (fingerprint(&["caps"]), Duration::from_secs(30), Duration::from_secs(60));
+    let new = |b: Begin| match b {
+        Begin::New(c) => c,
+        other => panic!("expected a claim, got {other:?}"),
+    };
+    let k1 = new(store.begin("alice", "k1", &fp, lease).await.expect("begin"));
+    let k2 = new(store.begin("alice", "k2", &fp, lease).await.expect("begin"));
+    assert_full(store.begin("alice", "k3", &fp, lease).await, true, lease);
+    // At the cap, what exists is still answered: a retry is replayed.
+    let resp = StoredResponse::new(201, vec![], b"paid".to_vec());
+    assert!(store.complete(&k1, &resp, ttl).await.expect("complete"));
+    assert_eq!(store.begin("alice", "k1", &fp, lease).await.expect("replay"), Begin::Completed(resp));
+    assert_eq!(store.begin("alice", "k2", &fp, lease).await.expect("begin"), Begin::InProgress);
+    assert_eq!(store.begin("alice", "k2", "other", lease).await.expect("begin"), Begin::Mismatch);
+    // Completing kept the count at 2 (no double count), abandoning frees one.
+    assert_full(store.begin("alice", "k3", &fp, lease).await, true, ttl);
+    assert!(store.abandon(&k2).await.expect("abandon"));
+    let short = Duration::from_millis(300);
+    let _k3 = new(store.begin("alice", "k3", &fp, short).await.expect("room after abandon"));
+    // Another caller has a cap of its own; the total is 3 (k1, k3, b1).
+    let _b1 = new(store.begin("bob", "b1", &fp, lease).await.expect("begin"));
+    if total {
+        assert_full(store.begin("carol", "c1", &fp, lease).await, false, Duration::from_secs(1));
+    } else {
+        let c1 = new(store.begin("carol", "c1", &fp, lease).await.expect("no total cap here"));
+        assert!(store.abandon(&c1).await.expect("abandon"));
+    }
+    // A record that expires by its TTL stops counting.
+    tokio::time::sleep(short + Duration::from_millis(200)).await;
+    let c1 = new(store.begin("carol", "c1", &fp, lease).await.expect("room after expiry"));
+    assert!(store.abandon(&c1).await.expect("abandon"));
+    let k4 = new(store.begin("alice", "k4", &fp, lease).await.expect("alice's room after expiry"));
+    assert_full(store.begin("alice", "k5", &fp, lease).await, true, ttl);
+    assert!(store.abandon(&k4).await.expect("abandon"));
+}
+
+/// Issue 16: tokens are capped the same way: bound ones per caller and in
+/// total, unbound ones in total; consume and spend free room, a claim or a
+/// return does not, expiry does.
+async fn token_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
+    let (ttl, short) = (Duration::from_secs(30), Duration::from_millis(300));
+    let a1 = store.issue_bound_token("alice", ttl).await.expect("issue");
+    let _a2 = store.issue_bound_token("alice", short).await.expect("issue");
+    assert_full(store.issue_bound_token("alice", ttl).await, true, short);
+    // Claimed and given back: still live, still counted.
+    assert_eq!(store.claim_token(&a1, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
+    assert_full(store.issue_bound_token("alice", ttl).await, true, short);
+    assert!(store.return_token(&a1, Some("alice")).await.expect("return"));
+    assert_full(store.issue_bound_token("alice", ttl).await, true, short);
+    // Spent: room for one more.
+    assert_eq!(store.claim_token(&a1, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
+    assert!(store.spend_token(&a1, Some("alice")).await.expect("spend"));
+    let a3 = store.issue_bound_token("alice", ttl).await.expect("room after spend");
+    // Total: a2, a3 and one unbound token make 3.
+    let u1 = store.issue_token(ttl).await.expect("issue");
+    if total {
+        assert_full(store.issue_token(ttl).await, false, short);
+        assert!(store.consume_token(&u1).await.expect("consume"));
+        let u2 = store.issue_token(ttl).await.expect("room after consume");
+        assert_full(store.issue_bound_token("bob", ttl).await, false, short);
+        assert!(store.consume_token(&u2).await.expect("consume"));
+    } else {
+        for _ in 0..3 {
+            store.issue_token(ttl).await.expect("no total cap here");
+        }
+        assert!(store.consume_token(&u1).await.expect("consume"));
+    }
+    // a2 expires: alice has room again.
+    tokio::time::sleep(short + Duration::from_millis(200)).await;
+    let a4 = store.issue_bound_token("alice", ttl).await.expect("room after expiry");
+    assert_full(store.issue_bound_token("alice", ttl).await, true, ttl);
+    for t in [a3, a4] {
+        assert_eq!(store.claim_token(&t, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
+        assert!(store.spend_token(&t, Some("alice")).await.expect("spend"));
+    }
+}
+
+async fn caps(store: Arc<dyn IdempotencyStore>, total: bool) {
+    record_caps(&store, total).await;
+    token_caps(&store, total).await;
+}
+
+#[tokio::test]
+async fn memory_store_caps() {
+    caps(Arc::new(MemoryStore::new().with_limits(small())), true).await;
+}
+
+#[tokio::test]
+async fn redis_store_caps() {
+    let redis = dlock_testing::RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), "caps").await.expect("connect").with_limits(small());
+    caps(Arc::new(store), true).await;
+    // The counts hold exactly what lives: k1 (completed) and b1 (running);
+    // every token was spent, consumed or expired.
+    let mut conn = redis.connection();
+    let mut count = |pattern: &str| -> usize {
+        let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut conn).expect("keys");
+        keys.len()
+    };
+    let (records, tokens) = (count("caps:idem:k:*"), count("caps:idem:t*:*") - count("caps:idem:tn:*"));
+    let zcard = |key: &str| -> usize {
+        let mut conn = redis.connection();
+        redis::cmd("ZCARD").arg(key).query(&mut conn).expect("zcard")
+    };
+    assert_eq!((records, zcard("caps:idem:kn:all")), (2, 2), "records live and counted");
+    assert_eq!((tokens, zcard("caps:idem:tn:all")), (0, 0), "tokens live and counted");
+}
+
+#[tokio::test]
+async fn redis_cluster_store_caps() {
+    let cluster = dlock_testing::RedisCluster::start(3);
+    let store = RedisStore::connect(&cluster.url(), "caps").await.expect("connect").with_limits(small());
+    caps(Arc::new(store), false).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_store() {
     suite(Arc::new(MemoryStore::new())).await;
@@ -234,4 +372,114 @@ async fn dead_redis_is_an_error_not_a_hang() {
     let err = store.begin("s", "k", "fp", Duration::from_secs(1)).await.expect_err("server is down");
     assert!(err.is_unavailable(), "{err}");
     assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+/// The caps of the configuration reach the stores it builds: in process,
+/// and in the lock backend's Redis through `build_services`.
+#[tokio::test]
+async fn configured_caps_reach_the_store() {
+    let redis = dlock_testing::RedisServer::start();
+    let url = redis.url();
+    let vars = move |backend: bool| {
+        let url = url.clone();
+        dlock_core::Config::from_lookup(move |var| match var {
+            "DLOCK_IDEMPOTENCY_MAX_PER_SCOPE" => Some("1".into()),
+            "DLOCK_BACKEND" if backend => Some("redis".into()),
+            "DLOCK_REDIS_URL" if backend => Some(url.clone()),
+            _ => None,
+        })
+        .expect("config")
+    };
+    let in_process = vars(false).idempotency_store().await.expect("memory store");
+    let shared = vars(true).build_services().await.expect("redis services").idempotency;
+    for store in [in_process, shared] {
+        let lease = Duration::from_secs(5);
+        assert!(matches!(store.begin("alice", "k1", "fp", lease).await.expect("begin"), Begin::New(_)));
+        assert_full(store.begin("alice", "k2", "fp", lease).await, true, lease);
+    }
+}
+
+/// Issue 16: records in the lock keyspace of a Redis that evicts keys would
+/// let a flood of records evict held locks, so that is a start-up error
+/// naming `DLOCK_IDEMPOTENCY_REDIS_URL`; another database starts (with a
+/// warning), `noeviction` starts, and a policy the ACL hides starts (with a
+/// warning: the caps are what is left).
+#[tokio::test]
+async fn records_never_share_an_evicting_lock_keyspace() {
+    let evicting = dlock_testing::RedisServer::start_with(&["--maxmemory-policy", "volatile-lru"]);
+    let config = |lock: String, records: Option<String>| {
+        dlock_core::Config::from_lookup(move |var| match var {
+            "DLOCK_BACKEND" => Some("redis".into()),
+            "DLOCK_REDIS_URL" => Some(lock.clone()),
+            "DLOCK_IDEMPOTENCY_REDIS_URL" => records.clone(),
+            _ => None,
+        })
+        .expect("config")
+    };
+    let refused = |e: Error| match e {
+        Error::Config { var, reason } => {
+            assert_eq!(var, "DLOCK_IDEMPOTENCY_REDIS_URL");
+            assert!(reason.contains("volatile-lru") && reason.contains("redis://host:6379/1"), "{reason}");
+        }
+        other => panic!("expected a configuration error, got {other}"),
+    };
+    // By default, and named explicitly (as `localhost`): the lock keyspace.
+    let url = evicting.url();
+    refused(config(url.clone(), None).build_services().await.expect_err("shared by default"));
+    let same = url.replace("127.0.0.1", "localhost") + "/0";
+    refused(config(url.clone(), Some(same.clone())).build_services().await.expect_err("same place"));
+    refused(config(url.clone(), None).idempotency_store().await.expect_err("own connection, same place"));
+    // Another database of the same server.
+    let services = config(url.clone(), Some(format!("{url}/1"))).build_services().await.expect("another database");
+    let Begin::New(_) = services.idempotency.begin("s", "k", "fp", Duration::from_secs(5)).await.expect("begin") else {
+        panic!("a fresh key is claimed")
+    };
+    // `noeviction` beside the locks: allowed, the caps guard it.
+    let noeviction = dlock_testing::RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+    config(noeviction.url(), None).build_services().await.expect("noeviction is allowed");
+    // A user the ACL does not let read CONFIG: allowed, with a warning.
+    let mut admin = evicting.connection();
+    let () = redis::cmd("ACL")
+        .arg(&["SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-config"][..])
+        .query(&mut admin)
+        .expect("acl");
+    let app = url.replace("redis://", "redis://app:pw@");
+    config(app.clone(), None).build_services().await.expect("policy unknown: the caps are what is left");
+}
+
+/// Issue 16, the threat itself: a flood of new keys from many callers into
+/// the lock Redis (`noeviction`, 4 MB). The total cap stops the records long
+/// before the server is full, so locks are still granted; without it (the
+/// cap set above what fits) the flood fills the server and locking fails.
+#[tokio::test]
+async fn a_flood_of_records_cannot_fill_the_lock_redis() {
+    let server = dlock_testing::RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]);
+    let url = server.url();
+    let services = dlock_core::Config::from_lookup(|var| match var {
+        "DLOCK_BACKEND" => Some("redis".into()),
+        "DLOCK_REDIS_URL" => Some(url.clone()),
+        "DLOCK_IDEMPOTENCY_MAX_RECORDS" => Some("1000".into()),
+        _ => None,
+    })
+    .expect("config")
+    .build_services()
+    .await
+    .expect("noeviction beside the locks is allowed");
+    let (store, locker) = (services.idempotency, services.locker);
+    let response = StoredResponse::new(201, vec![], vec![b'x'; 1024]);
+    let (mut stored, mut full) = (0, 0);
+    for i in 0..5000 {
+        match store.begin(&format!("caller-{i}"), "k", "fp", Duration::from_secs(60)).await {
+            Ok(Begin::New(claim)) => {
+                assert!(store.complete(&claim, &response, Duration::from_secs(3600)).await.expect("complete"));
+                stored += 1;
+            }
+            Err(Error::IdempotencyFull { per_scope: false, .. }) => full += 1,
+            other => panic!("record {i}: {other:?}"),
+        }
+    }
+    assert_eq!((stored, full), (1000, 4000), "the total cap holds");
+    let key = locker.key("after-the-flood").build().expect("key");
+    let guard = locker.try_acquire(&key).await.expect("a lock is still granted");
+    assert!(guard.release().await.expect("release"));
 }

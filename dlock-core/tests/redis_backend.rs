@@ -642,7 +642,7 @@ async fn one_config_builds_locks_and_idempotency_over_shared_connections() {
     let key = services.locker.key("order").part(1).build().expect("key");
     let guard = services.locker.try_acquire(&key).await.expect("free");
     let token = services.idempotency.issue_token(Duration::from_secs(60)).await.expect("token");
-    let keys: Vec<String> = redis::cmd("KEYS").arg("shop:idem:*").query(&mut server.connection()).expect("KEYS");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("shop:idem:t:*").query(&mut server.connection()).expect("KEYS");
     assert_eq!(keys.len(), 1, "the token lives under the one prefix: {keys:?}");
     assert!(services.idempotency.consume_token(&token).await.expect("consume"));
     assert!(guard.release().await.expect("release"));

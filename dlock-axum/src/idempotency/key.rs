@@ -19,7 +19,7 @@ use tower::{Layer, Service};
 
 use super::{Idempotency, ResponseFuture, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
 use crate::install::Dlock;
-use crate::lock::body::read_body;
+use crate::lock::body::{discard, read_body};
 use crate::Rejection;
 
 /// Response headers stored and replayed unless [`IdempotencyLayer::store_headers`]
@@ -438,7 +438,13 @@ fn idempotency_key(parts: &Parts) -> Result<String, Rejection> {
 }
 
 fn store_error(e: &dlock_core::Error) -> Response {
-    tracing::warn!(error = %e, "dlock: idempotency store failed");
+    if matches!(e, dlock_core::Error::IdempotencyFull { .. }) {
+        // A refusal the caps are there to make, once per request of a flood:
+        // not worth a warning each.
+        tracing::debug!(error = %e, "dlock: idempotency store full");
+    } else {
+        tracing::warn!(error = %e, "dlock: idempotency store failed");
+    }
     // `Retry-After` on a 503 comes with the rejection's response.
     Rejection::from_lock_error(e).into_response()
 }
@@ -541,10 +547,17 @@ where
     let (parts, body) = req.into_parts();
     let key = match idempotency_key(&parts) {
         Ok(k) => k,
-        Err(r) => return Ok(r.into_response()),
+        Err(r) => {
+            // Refused before the body was read: drain it first, or a client
+            // still sending it gets a broken pipe instead of this answer.
+            discard(&parts.headers, body, false).await;
+            return Ok(r.into_response());
+        }
     };
-    let limit = layer.max_body_bytes.unwrap_or_else(|| Dlock::max_body_bytes_in(&parts.extensions));
-    let body = match read_body(&parts.headers, body, limit).await {
+    // The installed engine's bounds: its body limit unless the layer has
+    // its own, and its body-read timeout.
+    let limits = Dlock::body_limits_in(&parts.extensions, layer.max_body_bytes);
+    let body = match read_body(&parts.headers, body, limits).await {
         Ok(body) => body,
         Err(rejection) => return Ok(rejection.into_response()),
     };

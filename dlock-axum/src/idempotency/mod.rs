@@ -22,7 +22,13 @@
 //! failure policy.
 //!
 //! Both answer `503 lock_backend_unavailable` when the store cannot be reached
-//! (fail closed: never run a request whose duplicate could not be ruled out).
+//! (fail closed: never run a request whose duplicate could not be ruled out),
+//! and refuse a new key or token beyond the store's
+//! [`IdempotencyLimits`](dlock_core::idempotency::IdempotencyLimits) with
+//! `429 idempotency_scope_full` (the caller's cap) or
+//! `503 idempotency_store_full` (the total), `Retry-After` until the oldest
+//! record expires. A refusal made before the body is read drains it first,
+//! as the lock layers do, so a client still sending it reads the answer.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {

@@ -14,6 +14,7 @@ use dlock_core::idempotency::{IdempotencyStore, TokenClaim};
 
 use super::key::{stored_by_default, CatchUnwind, Scope};
 use super::{Idempotency, ResponseFuture, TOKEN_HEADER};
+use crate::lock::body::discard;
 use crate::Rejection;
 
 /// Decides from the route's response whether its token is spent; see
@@ -59,6 +60,10 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
             // A token must never be served from a cache to a second client.
             res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
             res
+        }
+        Err(e @ dlock_core::Error::IdempotencyFull { .. }) => {
+            tracing::debug!(error = %e, "dlock: no idempotency token issued: the store is full");
+            Rejection::from_lock_error(&e).into_response()
         }
         Err(e) => {
             tracing::warn!(error = %e, "dlock: issuing an idempotency token failed");
@@ -258,29 +263,37 @@ where
         let principal = layer.scope.as_ref().map(|scope| scope.of(&parts));
         let req = Request::from_parts(parts, body);
         ResponseFuture::new(async move {
-            let Some(token) = token else {
-                return Ok(Rejection::idempotency_token_missing().into_response());
+            let claimed = match (token, principal) {
+                (None, _) => Err(Rejection::idempotency_token_missing().into_response()),
+                (Some(_), Some(None)) => Err(Rejection::idempotency_scope_missing().into_response()),
+                (Some(token), principal) => {
+                    let principal = principal.flatten();
+                    match layer.idem.store.claim_token(&token, principal.as_deref()).await {
+                        Ok(TokenClaim::Claimed) => Ok((token, principal)),
+                        Ok(TokenClaim::InUse) => Err(Rejection::idempotency_request_in_progress()
+                            .with_message("a request with this token is still being processed")
+                            .into_response()),
+                        Ok(TokenClaim::Unknown) => Err(layer.duplicate.clone().into_response()),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
+                            // `Retry-After` on a 503 comes with the rejection's response.
+                            Err(Rejection::from_lock_error(&e).into_response())
+                        }
+                    }
+                }
             };
-            let principal = match principal {
-                None => None,
-                Some(Some(principal)) => Some(principal),
-                Some(None) => return Ok(Rejection::idempotency_scope_missing().into_response()),
+            let (token, principal) = match claimed {
+                Ok(claimed) => claimed,
+                Err(response) => {
+                    // Refused before the route read the body: drain it
+                    // first, or a client still sending it gets a broken
+                    // pipe instead of this answer.
+                    let (parts, body) = req.into_parts();
+                    discard(&parts.headers, body, false).await;
+                    return Ok(response);
+                }
             };
             let store = layer.idem.store.clone();
-            match store.claim_token(&token, principal.as_deref()).await {
-                Ok(TokenClaim::Claimed) => {}
-                Ok(TokenClaim::InUse) => {
-                    return Ok(Rejection::idempotency_request_in_progress()
-                        .with_message("a request with this token is still being processed")
-                        .into_response())
-                }
-                Ok(TokenClaim::Unknown) => return Ok(layer.duplicate.clone().into_response()),
-                Err(e) => {
-                    tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
-                    // `Retry-After` on a 503 comes with the rejection's response.
-                    return Ok(Rejection::from_lock_error(&e).into_response());
-                }
-            }
             // Gives the token back if the route panics, errs or is dropped.
             let mut guard = TokenGuard { store: store.clone(), token: Some((token, principal)) };
             let response = match CatchUnwind(Box::pin(inner.call(req))).await {

@@ -1,20 +1,21 @@
-//! The in-process store: one mutex-protected map, entries expire lazily.
+//! The in-process store: one mutex-protected map. Every live record and
+//! token is also in a [`Ledger`] ordered by expiry, so what expired is
+//! dropped from the front at each call (never a scan of the whole map) and
+//! the caps count exactly what lives.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES};
+use super::{
+    token_well_formed, Begin, Claim, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES,
+};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
-/// Sweep every expired entry once the maps grew by this many inserts, so
-/// that records nobody asks for again do not pile up.
-const SWEEP_EVERY: usize = 1024;
-
-/// Idempotency records of one process.
+/// Idempotency records of one process, bounded by [`IdempotencyLimits`].
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -27,13 +28,74 @@ const SWEEP_EVERY: usize = 1024;
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     inner: Mutex<Inner>,
+    limits: IdempotencyLimits,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     tokens: HashMap<String, Token>,
     records: HashMap<(String, String), Record>,
-    inserts: usize,
+    /// Live tokens by expiry (scope: the bound principal).
+    token_ledger: Ledger,
+    /// Live records by expiry.
+    record_ledger: Ledger,
+}
+
+/// What lives, by expiry: in all, and per scope. An entry is `(scope, id)`.
+#[derive(Debug, Default)]
+struct Ledger {
+    all: BTreeSet<(Instant, Option<String>, String)>,
+    scopes: HashMap<String, BTreeSet<(Instant, String)>>,
+}
+
+impl Ledger {
+    fn add(&mut self, expires: Instant, scope: Option<&str>, id: &str) {
+        self.all.insert((expires, scope.map(str::to_owned), id.to_owned()));
+        if let Some(scope) = scope {
+            self.scopes.entry(scope.to_owned()).or_default().insert((expires, id.to_owned()));
+        }
+    }
+
+    fn remove(&mut self, expires: Instant, scope: Option<&str>, id: &str) {
+        self.all.remove(&(expires, scope.map(str::to_owned), id.to_owned()));
+        if let Some(scope) = scope {
+            if let Some(set) = self.scopes.get_mut(scope) {
+                set.remove(&(expires, id.to_owned()));
+                if set.is_empty() {
+                    self.scopes.remove(scope);
+                }
+            }
+        }
+    }
+
+    /// Takes out what expired by `now`, oldest first.
+    fn expired(&mut self, now: Instant) -> Vec<(Option<String>, String)> {
+        let mut gone = Vec::new();
+        while self.all.first().is_some_and(|(expires, _, _)| *expires <= now) {
+            let Some((expires, scope, id)) = self.all.pop_first() else { break };
+            self.remove(expires, scope.as_deref(), &id);
+            gone.push((scope, id));
+        }
+        gone
+    }
+
+    /// Whether one more entry of `scope` fits; else the refusal, with the
+    /// time until the oldest counted entry expires.
+    fn room(&self, limits: &IdempotencyLimits, scope: Option<&str>, now: Instant) -> Result<()> {
+        let full = |per_scope: bool, oldest: Option<Instant>| Error::IdempotencyFull {
+            per_scope,
+            retry_after: oldest.map_or(Duration::ZERO, |t| t.saturating_duration_since(now)),
+        };
+        if let Some(set) = scope.and_then(|s| self.scopes.get(s)) {
+            if set.len() as u64 >= limits.max_per_scope() {
+                return Err(full(true, set.first().map(|e| e.0)));
+            }
+        }
+        if self.all.len() as u64 >= limits.max_records() {
+            return Err(full(false, self.all.first().map(|e| e.0)));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug)]
@@ -59,34 +121,64 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store. It needs no key prefix: nothing here is shared
-    /// with another process or another store.
+    /// An empty store with the default [`IdempotencyLimits`]. It needs no
+    /// key prefix: nothing here is shared with another process or another
+    /// store.
     pub fn new() -> Self {
-        MemoryStore { inner: Mutex::new(Inner::default()) }
+        MemoryStore::default()
+    }
+
+    /// Replaces the caps on live records and tokens.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+    /// use std::time::Duration;
+    /// use dlock_core::idempotency::{Begin, IdempotencyLimits, IdempotencyStore, MemoryStore};
+    /// let store = MemoryStore::new().with_limits(IdempotencyLimits::default().with_max_per_scope(1));
+    /// assert!(matches!(store.begin("alice", "k1", "fp", Duration::from_secs(5)).await?, Begin::New(_)));
+    /// let full = store.begin("alice", "k2", "fp", Duration::from_secs(5)).await.unwrap_err();
+    /// assert!(matches!(full, dlock_core::Error::IdempotencyFull { per_scope: true, .. }));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_limits(mut self, limits: IdempotencyLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
         let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
         let now = Instant::now();
-        let mut inner = self.lock()?;
-        let record = Token { expires: now + ttl, claimed: false, principal: principal.map(str::to_owned) };
-        inner.tokens.insert(token.clone(), record);
-        inner.inserted(now);
+        let mut inner = self.lock(now)?;
+        inner.token_ledger.room(&self.limits, principal, now)?;
+        let expires = now + ttl;
+        inner.tokens.insert(token.clone(), Token { expires, claimed: false, principal: principal.map(str::to_owned) });
+        inner.token_ledger.add(expires, principal, &token);
         Ok(token)
     }
 
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Inner>> {
-        self.inner.lock().map_err(|_| Error::backend("memory", "idempotency store poisoned by a panic"))
+    /// The store, with what expired by `now` dropped.
+    fn lock(&self, now: Instant) -> Result<std::sync::MutexGuard<'_, Inner>> {
+        let mut inner =
+            self.inner.lock().map_err(|_| Error::backend("memory", "idempotency store poisoned by a panic"))?;
+        inner.purge(now);
+        Ok(inner)
     }
 }
 
 impl Inner {
-    fn inserted(&mut self, now: Instant) {
-        self.inserts += 1;
-        if self.inserts >= SWEEP_EVERY {
-            self.inserts = 0;
-            self.tokens.retain(|_, t| t.expires > now);
-            self.records.retain(|_, r| r.expires > now);
+    fn purge(&mut self, now: Instant) {
+        for (_, token) in self.token_ledger.expired(now) {
+            self.tokens.remove(&token);
+        }
+        for (scope, key) in self.record_ledger.expired(now) {
+            self.records.remove(&(scope.unwrap_or_default(), key));
+        }
+    }
+
+    /// Removes a token that is no longer live (consumed or spent).
+    fn drop_token(&mut self, token: &str) {
+        if let Some(t) = self.tokens.remove(token) {
+            self.token_ledger.remove(t.expires, t.principal.as_deref(), token);
         }
     }
 }
@@ -110,12 +202,12 @@ impl IdempotencyStore for MemoryStore {
                 return Ok(false);
             }
             let now = Instant::now();
-            let mut inner = self.lock()?;
+            let mut inner = self.lock(now)?;
             // A claimed token belongs to the request running with it, a
             // bound one to its caller's claims.
             let fresh = inner.tokens.get(token).is_some_and(|t| t.expires > now && !t.claimed && t.principal.is_none());
             if fresh {
-                inner.tokens.remove(token);
+                inner.drop_token(token);
             }
             Ok(fresh)
         })
@@ -127,7 +219,7 @@ impl IdempotencyStore for MemoryStore {
                 return Ok(TokenClaim::Unknown);
             }
             let now = Instant::now();
-            let mut inner = self.lock()?;
+            let mut inner = self.lock(now)?;
             Ok(match inner.tokens.get_mut(token).filter(|t| t.expires > now && t.principal.as_deref() == principal) {
                 None => TokenClaim::Unknown,
                 Some(t) if t.claimed => TokenClaim::InUse,
@@ -142,11 +234,11 @@ impl IdempotencyStore for MemoryStore {
     fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
-            let mut inner = self.lock()?;
+            let mut inner = self.lock(now)?;
             let ours = |t: &Token| t.claimed && t.principal.as_deref() == principal;
             let claimed = inner.tokens.get(token).is_some_and(|t| t.expires > now && ours(t));
-            if inner.tokens.get(token).is_some_and(ours) {
-                inner.tokens.remove(token);
+            if claimed {
+                inner.drop_token(token);
             }
             Ok(claimed)
         })
@@ -155,7 +247,7 @@ impl IdempotencyStore for MemoryStore {
     fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
-            let mut inner = self.lock()?;
+            let mut inner = self.lock(now)?;
             let ours = |t: &&mut Token| t.expires > now && t.claimed && t.principal.as_deref() == principal;
             Ok(match inner.tokens.get_mut(token).filter(ours) {
                 Some(t) => {
@@ -176,7 +268,7 @@ impl IdempotencyStore for MemoryStore {
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
             let now = Instant::now();
-            let mut inner = self.lock()?;
+            let mut inner = self.lock(now)?;
             let id = (scope.to_owned(), key.to_owned());
             if let Some(r) = inner.records.get(&id).filter(|r| r.expires > now) {
                 return Ok(if r.fingerprint != fingerprint {
@@ -188,16 +280,14 @@ impl IdempotencyStore for MemoryStore {
                     }
                 });
             }
+            // Only a new record counts against the caps: a retry of one
+            // that exists was answered above, at the cap too.
+            inner.record_ledger.room(&self.limits, Some(scope), now)?;
             let claim = Claim::new(scope, key)?;
-            inner.records.insert(
-                id,
-                Record {
-                    fingerprint: fingerprint.to_owned(),
-                    expires: now + lease,
-                    state: State::InProgress { owner: claim.owner.clone() },
-                },
-            );
-            inner.inserted(now);
+            let expires = now + lease;
+            inner.record_ledger.add(expires, Some(scope), key);
+            let state = State::InProgress { owner: claim.owner.clone() };
+            inner.records.insert(id, Record { fingerprint: fingerprint.to_owned(), expires, state });
             Ok(Begin::New(claim))
         })
     }
@@ -210,31 +300,37 @@ impl IdempotencyStore for MemoryStore {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
-            let mut inner = self.lock()?;
+            let mut inner = self.lock(now)?;
             let id = (claim.scope.clone(), claim.key.clone());
-            match inner.records.get_mut(&id) {
+            let (old, new) = match inner.records.get_mut(&id) {
                 Some(r)
                     if r.expires > now && matches!(&r.state, State::InProgress { owner } if *owner == claim.owner) =>
                 {
+                    let old = r.expires;
                     r.state = State::Completed(response.clone());
                     r.expires = now + ttl;
-                    Ok(true)
+                    (old, r.expires)
                 }
-                _ => Ok(false),
-            }
+                _ => return Ok(false),
+            };
+            inner.record_ledger.remove(old, Some(&claim.scope), &claim.key);
+            inner.record_ledger.add(new, Some(&claim.scope), &claim.key);
+            Ok(true)
         })
     }
 
     fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
-            let mut inner = self.lock()?;
+            let mut inner = self.lock(now)?;
             let id = (claim.scope.clone(), claim.key.clone());
             let ours = inner.records.get(&id).is_some_and(|r| {
                 r.expires > now && matches!(&r.state, State::InProgress { owner } if *owner == claim.owner)
             });
             if ours {
-                inner.records.remove(&id);
+                if let Some(r) = inner.records.remove(&id) {
+                    inner.record_ledger.remove(r.expires, Some(&claim.scope), &claim.key);
+                }
             }
             Ok(ours)
         })

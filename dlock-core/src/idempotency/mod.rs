@@ -20,6 +20,7 @@
 //!
 //! [`MemoryStore`] serves one process; [`RedisStore`] shares records between
 //! instances (single server, Cluster or Sentinel URLs, as the lock backend).
+//! Both bound what lives, per caller and in total ([`IdempotencyLimits`]).
 //! [`Config::idempotency_store`](crate::Config::idempotency_store) picks one.
 //!
 //! ```
@@ -56,6 +57,71 @@ pub use memory::MemoryStore;
 /// Random bytes in a token: 128 bits, shown as 32 hex characters.
 pub const TOKEN_BYTES: usize = 16;
 
+/// How many live records and tokens a store keeps, per caller and in total.
+///
+/// Without a bound, any client that can send an `Idempotency-Key` (or fetch
+/// a token) makes a record that lives for the TTL (24 hours by default):
+/// enough of them fill the Redis the records live in, and a full Redis
+/// refuses every lock (`noeviction`) or evicts held ones (`volatile-*`). So
+/// a store counts what lives, and refuses a new record or token beyond
+/// [`max_per_scope`](Self::max_per_scope) for one caller (the scope of a
+/// key; the principal of a bound token) or [`max_records`](Self::max_records)
+/// in all ([`Error::IdempotencyFull`]: `429` or `503` over HTTP, with
+/// `Retry-After`). Records and tokens are counted apart, each against
+/// both caps. A record that is already there is still answered at the cap
+/// (a retry is replayed), and an expired, abandoned, consumed or spent one
+/// stops counting at once.
+///
+/// The defaults (`DLOCK_IDEMPOTENCY_MAX_PER_SCOPE`,
+/// `DLOCK_IDEMPOTENCY_MAX_RECORDS`) suit a payment API: 10 000 live records
+/// per caller is one write every 9 seconds all day long for one credential
+/// (raise it for a busy server-to-server key, or shorten the TTL), and a
+/// million in all at a few hundred bytes each (a JSON answer and its
+/// headers) is a few hundred MB of Redis — size `maxmemory` for it, or lower
+/// the cap. Unbound tokens have no caller, so only the total bounds them.
+///
+/// ```
+/// use dlock_core::idempotency::{IdempotencyLimits, MemoryStore};
+/// let limits = IdempotencyLimits::default().with_max_per_scope(100).with_max_records(10_000);
+/// assert_eq!((limits.max_per_scope(), limits.max_records()), (100, 10_000));
+/// let store = MemoryStore::new().with_limits(limits);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdempotencyLimits {
+    max_per_scope: u64,
+    max_records: u64,
+}
+
+impl Default for IdempotencyLimits {
+    fn default() -> Self {
+        IdempotencyLimits { max_per_scope: 10_000, max_records: 1_000_000 }
+    }
+}
+
+impl IdempotencyLimits {
+    /// Most live records (and, apart, bound tokens) of one caller; at least 1.
+    pub fn with_max_per_scope(mut self, n: u64) -> Self {
+        self.max_per_scope = n.max(1);
+        self
+    }
+
+    /// Most live records (and, apart, tokens) in the whole store; at least 1.
+    pub fn with_max_records(mut self, n: u64) -> Self {
+        self.max_records = n.max(1);
+        self
+    }
+
+    /// Most live records of one caller.
+    pub fn max_per_scope(&self) -> u64 {
+        self.max_per_scope
+    }
+
+    /// Most live records in all.
+    pub fn max_records(&self) -> u64 {
+        self.max_records
+    }
+}
+
 /// A store of one-time tokens and idempotency-key records.
 ///
 /// Dyn-compatible: the HTTP layer holds an `Arc<dyn IdempotencyStore>`.
@@ -70,7 +136,9 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     /// `memory` or `redis`, for logs.
     fn name(&self) -> &'static str;
 
-    /// Issues a fresh token that can be consumed once within `ttl`.
+    /// Issues a fresh token that can be consumed once within `ttl`;
+    /// [`Error::IdempotencyFull`] when the store holds as many tokens as its
+    /// [`IdempotencyLimits`] allow.
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>>;
 
     /// Consumes `token`: `true` for exactly one caller while the token lives;
@@ -129,7 +197,10 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     }
 
     /// Claims `key` within `scope` for a request whose `fingerprint` is given,
-    /// with an in-progress record that expires after `lease`.
+    /// with an in-progress record that expires after `lease`. A key that
+    /// has a record is answered from it; a new one beyond the
+    /// [`IdempotencyLimits`] of `scope` or of the store is
+    /// [`Error::IdempotencyFull`] (nothing is stored).
     fn begin<'a>(
         &'a self,
         scope: &'a str,

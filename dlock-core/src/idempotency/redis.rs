@@ -7,14 +7,24 @@
 //!   fresh name can take it meanwhile; returning renames it back, spending
 //!   is one `DEL` of the claimed name. The braces keep both names in one
 //!   Redis Cluster slot, for the scripts that rename. A token bound to a
-//!   caller has the caller's hash after both names (`...:{<token>}:<sha1>`):
-//!   a claim naming another caller, or none, finds nothing.
-//! * A key record is a hash `prefix:idem:k:<sha1(scope, key)>` with fields
-//!   `s` (`p` in progress / `c` completed), `f` fingerprint, `o` owner while
-//!   in progress, `r` the encoded response. Its TTL is the lease while in
-//!   progress, then the response TTL. Begin, complete and abandon are one Lua
-//!   script each, touching only this key, so they are atomic and run on the
-//!   one node of a Redis Cluster that owns its slot.
+//!   caller is `prefix:idem:t:{<sha1>}:<token>` (and `tu:`), in the slot of
+//!   the caller's hash: a claim naming another caller, or none, finds
+//!   nothing, and the caller's count lives in the same slot.
+//! * A key record is a hash `prefix:idem:k:{<sha1(scope)>}:<sha1(scope, key)>`
+//!   with fields `s` (`p` in progress / `c` completed), `f` fingerprint, `o`
+//!   owner while in progress, `r` the encoded response. Its TTL is the lease
+//!   while in progress, then the response TTL. Begin, complete and abandon
+//!   are one Lua script each, touching only this key and its counts, so they
+//!   are atomic and run on the one node of a Redis Cluster that owns the
+//!   scope's slot.
+//! * **Counts** ([`IdempotencyLimits`]): a sorted set per scope
+//!   (`prefix:idem:kn:{<sha1(scope)>}`, `prefix:idem:tn:{<sha1(principal)>}`)
+//!   and one in total (`prefix:idem:kn:all`, `prefix:idem:tn:all`) score each
+//!   live record or token by its expiry; the scripts that add one first drop
+//!   what expired (`ZREMRANGEBYSCORE`) and refuse at the cap, and those that
+//!   remove one (abandon, consume, spend) take it out. On Redis Cluster the
+//!   total set cannot be reached from a script on another slot, so only the
+//!   per-scope cap holds there (a warning says so at start-up).
 //!
 //! Scope and key are hashed into the Redis key so that any bytes a client
 //! sends give a short, fixed-shape key that no other `(scope, key)` can reach.
@@ -23,17 +33,24 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::{fingerprint, token_well_formed, Begin, Claim, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES};
+use super::{
+    fingerprint, token_well_formed, Begin, Claim, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
+    TOKEN_BYTES,
+};
 use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend, RedisOptions, RestartGuard};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
-/// Idempotency records in Redis, shared by every instance on that Redis.
+/// The helpers the counting scripts share, prepended to each.
+const LEDGER: &str = include_str!("ledger.lua");
+
+/// Idempotency records in Redis, shared by every instance on that Redis,
+/// bounded by [`IdempotencyLimits`].
 ///
 /// ```no_run
 /// # async fn demo() -> dlock_core::Result<()> {
 /// use dlock_core::idempotency::{IdempotencyStore, RedisStore};
-/// let store = RedisStore::connect("redis://127.0.0.1:6400", "dlock").await?;
+/// let store = RedisStore::connect("redis://127.0.0.1:6400/1", "dlock").await?;
 /// let token = store.issue_token(std::time::Duration::from_secs(60)).await?;
 /// assert!(store.consume_token(&token).await?);
 /// # Ok(()) }
@@ -45,17 +62,33 @@ pub struct RedisStore {
     /// The backend's restart quarantine, when one is configured: no key is
     /// claimed from a server that may have lost its records.
     restart: Option<std::sync::Arc<RestartGuard>>,
+    limits: IdempotencyLimits,
+    /// Whether the total sets are counted: not on Redis Cluster.
+    total: bool,
     begin: Script,
     complete: Script,
     abandon: Script,
+    issue_token: Script,
+    spend_token: Script,
     claim_token: Script,
     return_token: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStore").field("prefix", &self.prefix).finish_non_exhaustive()
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .field("limits", &self.limits)
+            .field("total", &self.total)
+            .finish_non_exhaustive()
     }
+}
+
+/// A set that counts an entry, its cap, and whether it is the caller's.
+struct Counted {
+    key: String,
+    max: u64,
+    per_scope: bool,
 }
 
 impl RedisStore {
@@ -96,40 +129,93 @@ impl RedisStore {
     /// [`Config::build_services`](crate::Config::build_services) does this
     /// when locks and records live in the same Redis.
     pub fn from_backend(backend: &RedisBackend) -> Self {
+        let conn = backend.command_conn();
+        let total = !matches!(conn, Conn::Cluster(_));
+        if !total {
+            tracing::warn!(
+                "dlock: idempotency records on Redis Cluster: DLOCK_IDEMPOTENCY_MAX_RECORDS is not enforced (one count \
+                 cannot span every slot); the per-caller cap is, and maxmemory with `noeviction` bounds the rest"
+            );
+        }
+        let counting = |script: &str| Script::new(&format!("{LEDGER}{script}"));
         RedisStore {
-            conn: backend.command_conn(),
+            conn,
             prefix: backend.key_prefix().to_owned(),
             restart: backend.restart_guard(),
-            begin: Script::new(include_str!("begin.lua")),
-            complete: Script::new(include_str!("complete.lua")),
-            abandon: Script::new(include_str!("abandon.lua")),
+            limits: IdempotencyLimits::default(),
+            total,
+            begin: counting(include_str!("begin.lua")),
+            complete: counting(include_str!("complete.lua")),
+            abandon: counting(include_str!("abandon.lua")),
+            issue_token: counting(include_str!("issue_token.lua")),
+            spend_token: counting(include_str!("spend_token.lua")),
             claim_token: Script::new(include_str!("claim_token.lua")),
             return_token: Script::new(include_str!("return_token.lua")),
         }
     }
 
-    fn token_key(&self, token: &str) -> String {
-        format!("{}:idem:t:{{{token}}}", self.prefix)
+    /// Replaces the caps on live records and tokens (default
+    /// [`IdempotencyLimits::default`]).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> dlock_core::Result<()> {
+    /// use dlock_core::idempotency::{IdempotencyLimits, RedisStore};
+    /// let store = RedisStore::connect("redis://127.0.0.1:6400/1", "dlock")
+    ///     .await?
+    ///     .with_limits(IdempotencyLimits::default().with_max_per_scope(500));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_limits(mut self, limits: IdempotencyLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The sets that count an entry of kind `kind` (`kn` records, `tn`
+    /// tokens) of the caller hashed to `tag` (none: an unbound token).
+    fn counted(&self, kind: &str, tag: Option<&str>) -> Vec<Counted> {
+        let mut sets = Vec::with_capacity(2);
+        if let Some(tag) = tag {
+            let key = format!("{}:idem:{kind}:{{{tag}}}", self.prefix);
+            sets.push(Counted { key, max: self.limits.max_per_scope(), per_scope: true });
+        }
+        if self.total {
+            let key = format!("{}:idem:{kind}:all", self.prefix);
+            sets.push(Counted { key, max: self.limits.max_records(), per_scope: false });
+        }
+        sets
+    }
+
+    /// The refusal for the `i`-th (1-based) of `sets` being full.
+    fn full(sets: &[Counted], i: i64, ms: i64) -> Error {
+        let per_scope = usize::try_from(i - 1).ok().and_then(|i| sets.get(i)).is_some_and(|c| c.per_scope);
+        Error::IdempotencyFull { per_scope, retry_after: Duration::from_millis(u64::try_from(ms).unwrap_or(1)) }
     }
 
     /// Issues a token, bound to `principal` or not.
     async fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
         let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
-        let () = redis::cmd("SET")
-            .arg(self.token_names(&token, principal).0)
-            .arg(1)
-            .arg("PX")
-            .arg(lease_ms(ttl))
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(redis_error)?;
-        Ok(token)
+        let tag = principal.map(|p| fingerprint(&[p]));
+        let sets = self.counted("tn", tag.as_deref());
+        let mut call = self.issue_token.key(self.token_names(&token, principal).0);
+        call.arg(lease_ms(ttl)).arg(&token);
+        for set in &sets {
+            call.key(&set.key).arg(set.max);
+        }
+        let reply: Vec<i64> = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+        match reply.as_slice() {
+            [0] => Ok(token),
+            [i, ms] => Err(Self::full(&sets, *i, *ms)),
+            other => Err(Error::backend("redis", format!("unexpected reply from the issue script: {other:?}"))),
+        }
     }
 
     /// The fresh and the claimed name of `token`, bound to `principal` or not.
     fn token_names(&self, token: &str, principal: Option<&str>) -> (String, String) {
-        let bound = principal.map(|p| format!(":{}", fingerprint(&[p]))).unwrap_or_default();
-        (format!("{}:idem:t:{{{token}}}{bound}", self.prefix), format!("{}:idem:tu:{{{token}}}{bound}", self.prefix))
+        let tag = match principal {
+            Some(p) => format!("{{{}}}:{token}", fingerprint(&[p])),
+            None => format!("{{{token}}}"),
+        };
+        (format!("{}:idem:t:{tag}", self.prefix), format!("{}:idem:tu:{tag}", self.prefix))
     }
 
     /// Runs a rename script from `from` to `to`.
@@ -137,13 +223,38 @@ impl RedisStore {
         script.key(from).key(to).invoke_async(&mut self.conn.clone()).await.map_err(redis_error)
     }
 
-    async fn del(&self, key: String) -> Result<bool> {
-        let removed: i64 = redis::cmd("DEL").arg(key).query_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+    /// Deletes a token's `name` and takes it out of its counts, in one step.
+    async fn spend(&self, name: String, token: &str, principal: Option<&str>) -> Result<bool> {
+        let tag = principal.map(|p| fingerprint(&[p]));
+        let mut call = self.spend_token.key(name);
+        call.arg(token);
+        for set in self.counted("tn", tag.as_deref()) {
+            call.key(set.key);
+        }
+        let removed: i64 = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
         Ok(removed == 1)
     }
 
-    fn record_key(&self, scope: &str, key: &str) -> String {
-        format!("{}:idem:k:{}", self.prefix, fingerprint(&[scope, key]))
+    /// The `maxmemory-policy` of the server the records live on; an error
+    /// when it cannot be read (`CONFIG` refused by an ACL, say).
+    pub(crate) async fn maxmemory_policy(&self) -> Result<String> {
+        let reply: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+        match reply.as_slice() {
+            [_, policy] => Ok(policy.clone()),
+            other => Err(Error::backend("redis", format!("CONFIG GET maxmemory-policy answered {other:?}"))),
+        }
+    }
+
+    /// The record's key, its member in the counts, and the counts.
+    fn record(&self, scope: &str, key: &str) -> (String, String, Vec<Counted>) {
+        let tag = fingerprint(&[scope]);
+        let member = fingerprint(&[scope, key]);
+        (format!("{}:idem:k:{{{tag}}}:{member}", self.prefix), member, self.counted("kn", Some(&tag)))
     }
 }
 
@@ -165,7 +276,7 @@ impl IdempotencyStore for RedisStore {
             if !token_well_formed(token) {
                 return Ok(false);
             }
-            self.del(self.token_key(token)).await
+            self.spend(self.token_names(token, None).0, token, None).await
         })
     }
 
@@ -184,7 +295,9 @@ impl IdempotencyStore for RedisStore {
     }
 
     fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move { Ok(token_well_formed(token) && self.del(self.token_names(token, principal).1).await?) })
+        Box::pin(async move {
+            Ok(token_well_formed(token) && self.spend(self.token_names(token, principal).1, token, principal).await?)
+        })
     }
 
     fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
@@ -206,15 +319,13 @@ impl IdempotencyStore for RedisStore {
                 guard.check_data(&self.conn).await?;
             }
             let claim = Claim::new(scope, key)?;
-            let reply: redis::Value = self
-                .begin
-                .key(self.record_key(scope, key))
-                .arg(fingerprint)
-                .arg(claim.owner())
-                .arg(lease_ms(lease))
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(redis_error)?;
+            let (record, member, sets) = self.record(scope, key);
+            let mut call = self.begin.key(record);
+            call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(lease)).arg(&member);
+            for set in &sets {
+                call.key(&set.key).arg(set.max);
+            }
+            let reply: redis::Value = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
             let unexpected =
                 |v: &redis::Value| Error::backend("redis", format!("unexpected reply from the begin script: {v:?}"));
             let redis::Value::Array(items) = &reply else { return Err(unexpected(&reply)) };
@@ -224,6 +335,9 @@ impl IdempotencyStore for RedisStore {
                 [redis::Value::Int(3)] => Begin::Mismatch,
                 [redis::Value::Int(2), redis::Value::BulkString(bytes)] => {
                     Begin::Completed(StoredResponse::decode(bytes)?)
+                }
+                [redis::Value::Int(4), redis::Value::Int(i), redis::Value::Int(ms)] => {
+                    return Err(Self::full(&sets, *i, *ms))
                 }
                 _ => return Err(unexpected(&reply)),
             })
@@ -237,28 +351,26 @@ impl IdempotencyStore for RedisStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let done: i64 = self
-                .complete
-                .key(self.record_key(claim.scope(), claim.key()))
-                .arg(claim.owner())
-                .arg(response.encode())
-                .arg(lease_ms(ttl))
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(redis_error)?;
+            let (record, member, sets) = self.record(claim.scope(), claim.key());
+            let mut call = self.complete.key(record);
+            call.arg(claim.owner()).arg(response.encode()).arg(lease_ms(ttl)).arg(member);
+            for set in sets {
+                call.key(set.key);
+            }
+            let done: i64 = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
             Ok(done == 1)
         })
     }
 
     fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let done: i64 = self
-                .abandon
-                .key(self.record_key(claim.scope(), claim.key()))
-                .arg(claim.owner())
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(redis_error)?;
+            let (record, member, sets) = self.record(claim.scope(), claim.key());
+            let mut call = self.abandon.key(record);
+            call.arg(claim.owner()).arg(member);
+            for set in sets {
+                call.key(set.key);
+            }
+            let done: i64 = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
             Ok(done == 1)
         })
     }

@@ -1,0 +1,176 @@
+//! The idempotency layers over a real socket, as `over_socket.rs` tests the
+//! lock layers: a refusal made before the body is read reaches a client that
+//! is still sending a large body (no broken pipe), and the layer reads a body
+//! within the installed engine's body-read timeout.
+//!
+//! These cannot be tested with `oneshot`: what goes wrong is the connection.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope, TokenLayer};
+use dlock_axum::{Dlock, LockerExt};
+use dlock_core::idempotency::MemoryStore;
+use dlock_core::{Locker, MemoryBackend};
+use serde_json::Value;
+
+const TWO_MIB: usize = 2 * 1024 * 1024;
+
+/// `/idem` behind `IdempotencyLayer`, `/token` and `/bound` behind
+/// `TokenLayer` (unbound, and bound to the `x-user` header).
+fn app(dlock: Dlock) -> Router {
+    let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+    Router::new()
+        .route(
+            "/idem",
+            post(|| async { "done" }).layer(IdempotencyLayer::new(idem.clone()).with_scope(Scope::shared())),
+        )
+        .route("/token", post(|| async { "done" }).layer(TokenLayer::new(idem.clone())))
+        .route("/bound", post(|| async { "done" }).layer(TokenLayer::new(idem).with_scope(Scope::header("x-user"))))
+        .with_locker(dlock)
+}
+
+fn engine() -> Dlock {
+    Dlock::new(Locker::new(MemoryBackend::new()))
+}
+
+/// Serves `app` on a socket whose receive buffer is small, as on a real
+/// network, where a 2 MiB body is in flight rather than absorbed by
+/// loopback's large buffers.
+async fn serve(app: Router) -> SocketAddr {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(16 * 1024).expect("SO_RCVBUF");
+    socket.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let listener = socket.listen(64).expect("listen");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// A client whose send buffer is small too: its writes block until the
+/// server reads.
+fn connect(addr: SocketAddr) -> TcpStream {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    socket.set_send_buffer_size(16 * 1024).expect("SO_SNDBUF");
+    socket.connect(&addr.into()).expect("connect");
+    let s: TcpStream = socket.into();
+    s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    s.set_write_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    s
+}
+
+/// One HTTP/1.1 answer: status and the body's `error`.
+fn read_answer(s: &mut TcpStream) -> Result<(u16, String), String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).map_err(|e| format!("reading the answer: {e}"))?;
+        if n == 0 {
+            return Err(format!("connection closed before an answer; got {:?}", String::from_utf8_lossy(&buf)));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or(format!("no status: {head}"))?;
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_owned()))
+        .and_then(|v| v.parse().ok())
+        .ok_or(format!("no content-length: {head}"))?;
+    let mut body = buf[head_end..].to_vec();
+    while body.len() < length {
+        let n = s.read(&mut chunk).map_err(|e| format!("reading the body: {e}"))?;
+        if n == 0 {
+            return Err("connection closed in the body".into());
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    body.truncate(length);
+    let error = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["error"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+    Ok((status, error))
+}
+
+/// What Python's `http.client` (and many SDKs) do: write the head and the
+/// whole body, with no `Expect: 100-continue`, and only then read.
+fn send_then_read(s: &mut TcpStream, head: &str, body: &[u8]) -> Result<(u16, String), String> {
+    s.write_all(head.as_bytes()).map_err(|e| format!("writing the head: {e}"))?;
+    s.write_all(body).map_err(|e| format!("writing the body: {e}"))?;
+    read_answer(s)
+}
+
+fn head(path: &str, extra: &str) -> String {
+    format!("POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{extra}\r\n")
+}
+
+/// `IdempotencyLayer` refuses a request without a key before reading its
+/// body, and `TokenLayer` every request it refuses: the 2 MiB body is
+/// drained, the client reads the answer, and the connection serves the next
+/// request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_before_the_body_reach_a_client_still_sending_it() {
+    let addr = serve(app(engine())).await;
+    tokio::task::spawn_blocking(move || {
+        let body = vec![b'x'; TWO_MIB];
+        let length = format!("content-length: {TWO_MIB}\r\n");
+        let cases = [
+            ("/idem", String::new(), 400, "idempotency_key_missing"),
+            ("/idem", "idempotency-key: \"\"\r\n".to_owned(), 400, "idempotency_key_invalid"),
+            ("/idem", "idempotency-key: has\tspace\r\n".to_owned(), 400, "idempotency_key_invalid"),
+            ("/token", String::new(), 400, "idempotency_token_missing"),
+            ("/token", format!("idempotency-token: {}\r\n", "0".repeat(32)), 409, "idempotency_token_unknown"),
+            ("/bound", format!("idempotency-token: {}\r\n", "0".repeat(32)), 400, "idempotency_scope_missing"),
+            (
+                "/bound",
+                format!("x-user: alice\r\nidempotency-token: {}\r\n", "0".repeat(32)),
+                409,
+                "idempotency_token_unknown",
+            ),
+        ];
+        for (path, extra, status, error) in cases {
+            let mut s = connect(addr);
+            let first = head(path, &format!("{length}{extra}"));
+            let answer = send_then_read(&mut s, &first, &body).unwrap_or_else(|e| panic!("{path} {extra:?}: {e}"));
+            assert_eq!(answer, (status, error.to_owned()), "{path} {extra:?}");
+            // Drained, not left in the socket: the connection goes on.
+            let next = head("/idem", "content-length: 2\r\nidempotency-key: next\r\n");
+            let answer = send_then_read(&mut s, &next, b"{}").unwrap_or_else(|e| panic!("{path} next: {e}"));
+            // (The first case runs it, the later ones are replayed: 200 too.)
+            assert_eq!(answer.0, 200, "{path} {extra:?} next: {answer:?}");
+        }
+    })
+    .await
+    .expect("client");
+}
+
+/// `IdempotencyLayer` reads the body for its fingerprint within the
+/// installed engine's body-read timeout, as the lock layers do, not a
+/// default of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_arriving_is_408_within_the_engines_timeout() {
+    let timeout = Duration::from_millis(300);
+    let addr = serve(app(engine().with_body_read_timeout(timeout))).await;
+    tokio::task::spawn_blocking(move || {
+        let mut s = connect(addr);
+        // Announces 100 bytes, sends 10, then nothing.
+        let started = std::time::Instant::now();
+        let first = head("/idem", "content-length: 100\r\nidempotency-key: slow\r\n");
+        let answer = send_then_read(&mut s, &first, br#"{"id": 1, "#).unwrap_or_else(|e| panic!("/idem: {e}"));
+        let took = started.elapsed();
+        assert_eq!(answer, (408, "request_timeout".to_owned()));
+        assert!(took >= timeout, "answered before the timeout: {took:?}");
+        // Not the default 30 s; generous for a loaded machine.
+        assert!(took < Duration::from_secs(10), "the engine's timeout was not used: {took:?}");
+    })
+    .await
+    .expect("client");
+}
