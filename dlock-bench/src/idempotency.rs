@@ -8,6 +8,10 @@
 //!   the stored response replayed.
 //!
 //! `ratio` is the row's requests/s over `no-layer`'s, measured in the same round.
+//! On Redis the rows also carry the store's commands per request from
+//! `INFO commandstats` deltas: client commands (`cmds_per_acquisition`: 2
+//! for a first request, 1 for a replay) and every server call, the scripts'
+//! own included (`server_cmds_per_acquisition`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,11 +27,13 @@ use tower::Service;
 use crate::args::Args;
 use crate::env::Env;
 use crate::error::{BenchError, Result};
-use crate::measure::{median, run_window, CommandCounter, Sample, Timing};
+use crate::measure::{median, run_window, CommandCounter, Counting, Sample, Timing};
 use crate::report::Row;
 use crate::series::Series;
 
-pub(crate) const TITLE: &str = "idempotency key mode on a fast handler, in-process router (ops = requests/s; ratio = vs no-layer in the same round)";
+pub(crate) const TITLE: &str = "idempotency key mode on a fast handler, in-process router (ops = requests/s; on Redis \
+     cmds/acq = client commands per request, srv/acq = server commands per request incl. the scripts' calls: \
+     a first request claims + completes, a replay reads once; ratio = vs no-layer in the same round)";
 
 /// Tasks sending requests at once.
 const CONCURRENCY: usize = 8;
@@ -71,7 +77,8 @@ async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&Co
             return Err(BenchError::Invariant(format!("the first request answered {}", first.status())));
         }
     }
-    run_window(CONCURRENCY, timing, counter.map(|c| (c, SCRIPT_INTERNAL)), |_, clock, stop| {
+    let counting = counter.map(|counter| Counting { counter, script_internal: SCRIPT_INTERNAL, client_sent: None });
+    run_window(CONCURRENCY, timing, counting, |_, clock, stop| {
         let (mut router, seq, run) = (router.clone(), seq.clone(), run.clone());
         async move {
             let mut records = Vec::with_capacity(4096);

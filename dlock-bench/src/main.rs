@@ -33,6 +33,7 @@ mod idempotency;
 mod locks;
 mod measure;
 mod memory;
+mod peer;
 mod report;
 mod series;
 mod uncontended;
