@@ -34,7 +34,7 @@ use crate::args::Args;
 use crate::env::Env;
 use crate::error::{BenchError, Result};
 use crate::locks::{BenchLock, DlockLock, RawLock};
-use crate::measure::{command_delta, run_window, CommandCounter, CommandStats, Sample, Timing};
+use crate::measure::{command_delta, run_window, CommandCounter, CommandStats, Counting, Sample, Timing};
 use crate::report::Row;
 use crate::series::{target, Series};
 
@@ -185,7 +185,12 @@ pub(crate) async fn measure<L: BenchLock>(
     let first_mark = u64::try_from(timing.warmup.as_nanos()).unwrap_or(u64::MAX);
     let last_mark = first_mark
         .saturating_add(u64::try_from((timing.duration.saturating_sub(timing.duration / 10)).as_nanos()).unwrap_or(0));
-    let mut sample = run_window(k, timing, counter.map(|c| (c, internal)), |task, clock, stop| {
+    let counting = counter.map(|counter| Counting {
+        counter,
+        script_internal: internal,
+        client_sent: lock.client_sent_script_commands(),
+    });
+    let mut sample = run_window(k, timing, counting, |task, clock, stop| {
         let (lock, shared, quiet, counter) = (lock.clone(), shared.clone(), quiet.clone(), counter.cloned());
         async move {
             let mut records = Vec::with_capacity(1024);

@@ -12,7 +12,8 @@
 //!   on Redis ≥ 0.9 of it);
 //! * `fenced-raw-route/redis`: the same with a fencing token (`SET NX PX` +
 //!   `INCR` in one script, as the uncontended bench's fenced floor), to show
-//!   how much of the gap fencing explains.
+//!   how much of the gap fencing explains (target: the layer on Redis ≥ 0.9
+//!   of it too, since dlock's locks are fenced).
 //!
 //! The `http-in-process` rows call the first two routes without sockets,
 //! one request at a time through `Router::call` on one task: the layer's own
@@ -336,6 +337,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         }
         if i == 2 {
             row.vs_floor = median(ratio_fenced.iter().copied());
+            row.targets.push(target("vs fenced-raw-route", row.vs_floor.unwrap_or(0.0), false, 0.9, ""));
         }
         rows.push(row);
     }

@@ -8,6 +8,10 @@
 //!   the stored response replayed.
 //!
 //! `ratio` is the row's requests/s over `no-layer`'s, measured in the same round.
+//! On Redis the rows also carry the store's commands per request from
+//! `INFO commandstats` deltas: client commands (`cmds_per_acquisition`: 2
+//! for a first request, 1 for a replay) and every server call, the scripts'
+//! own included (`server_cmds_per_acquisition`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -16,18 +20,23 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
+use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope, REPLAYED_HEADER};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore, RedisStore};
 use tower::Service;
 
 use crate::args::Args;
 use crate::env::Env;
 use crate::error::{BenchError, Result};
-use crate::measure::{median, run_window, CommandCounter, Sample, Timing};
+use crate::measure::{median, run_window, CommandCounter, Counting, Sample, Timing};
 use crate::report::Row;
 use crate::series::Series;
 
-pub(crate) const TITLE: &str = "idempotency key mode on a fast handler, in-process router (ops = requests/s; ratio = vs no-layer in the same round)";
+pub(crate) const TITLE: &str = "idempotency key mode on a fast handler, in-process router (ops = requests/s; on Redis \
+     cmds/acq = client commands per request, srv/acq = server commands per request incl. the scripts' calls: \
+     a first request claims + completes, a replay reads once; ratio = vs no-layer in the same round)";
+
+/// Windows measured so far in this process, to name their keys.
+static WINDOWS: AtomicU64 = AtomicU64::new(0);
 
 /// Tasks sending requests at once.
 const CONCURRENCY: usize = 8;
@@ -56,7 +65,9 @@ enum Keys {
 
 async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&CommandCounter>) -> Result<Sample> {
     let seq = Arc::new(AtomicU64::new(0));
-    let run = format!("{}", std::process::id());
+    // Keys of their own per window: a later round reusing an earlier
+    // round's keys would measure replays in the first-request rows.
+    let run = format!("{}-{}", std::process::id(), WINDOWS.fetch_add(1, Ordering::Relaxed));
     if let Keys::Same = keys {
         // Complete the key once, so that every measured request is a replay.
         let req = Request::post("/pay")
@@ -71,7 +82,8 @@ async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&Co
             return Err(BenchError::Invariant(format!("the first request answered {}", first.status())));
         }
     }
-    run_window(CONCURRENCY, timing, counter.map(|c| (c, SCRIPT_INTERNAL)), |_, clock, stop| {
+    let counting = counter.map(|counter| Counting { counter, script_internal: SCRIPT_INTERNAL, client_sent: None });
+    run_window(CONCURRENCY, timing, counting, |_, clock, stop| {
         let (mut router, seq, run) = (router.clone(), seq.clone(), run.clone());
         async move {
             let mut records = Vec::with_capacity(4096);
@@ -93,6 +105,16 @@ async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&Co
                 let done = clock.now_ns();
                 if res.status() != StatusCode::CREATED {
                     return Err(BenchError::Invariant(format!("the route answered {}", res.status())));
+                }
+                let replayed = res.headers().get(REPLAYED_HEADER).is_some_and(|v| v == "true");
+                match keys {
+                    Keys::Fresh if replayed => {
+                        return Err(BenchError::Invariant("a first request was answered as a replay".into()))
+                    }
+                    Keys::Same if !replayed => {
+                        return Err(BenchError::Invariant("a replay was not answered from the store".into()))
+                    }
+                    _ => {}
                 }
                 records.push((done, done - started));
                 // In-process routes never wait, so without this a worker

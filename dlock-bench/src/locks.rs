@@ -39,6 +39,50 @@ pub(crate) trait BenchLock: Send + Sync + 'static {
     /// The Redis commands this implementation only issues from inside Lua
     /// scripts (see [`command_delta`](crate::measure::command_delta)).
     fn script_internal_commands(&self) -> &'static [&'static str];
+
+    /// When the client also sends one of the
+    /// [`script_internal_commands`](Self::script_internal_commands) itself,
+    /// how many it sent so far: `INFO commandstats` cannot tell them from the
+    /// script's calls.
+    fn client_sent_script_commands(&self) -> Option<&AtomicU64> {
+        None
+    }
+
+    /// The keys of this lock still in Redis. Once every hold was released
+    /// nothing may be left: a lock that never frees its keys would look
+    /// fast, and a re-entrant one would even keep granting.
+    fn leftovers(&self, conn: &MultiplexedConnection) -> impl Future<Output = Result<Vec<String>>> + Send;
+}
+
+/// Which of `keys` exist, in one pipeline.
+pub(crate) async fn existing_keys(conn: &MultiplexedConnection, keys: &[String]) -> Result<Vec<String>> {
+    let mut pipe = redis::pipe();
+    for key in keys {
+        pipe.exists(key);
+    }
+    let exists: Vec<bool> = pipe.query_async(&mut conn.clone()).await?;
+    Ok(keys.iter().zip(exists).filter(|(_, e)| *e).map(|(k, _)| k.clone()).collect())
+}
+
+/// Every key matching `pattern` (`SCAN`, so a large database is not blocked).
+pub(crate) async fn scan(conn: &MultiplexedConnection, pattern: &str) -> Result<Vec<String>> {
+    let mut found = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, mut keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn.clone())
+            .await?;
+        found.append(&mut keys);
+        if next == 0 {
+            return Ok(found);
+        }
+        cursor = next;
+    }
 }
 
 /// Commands called by dlock's Redis scripts (`dlock-core/src/backend/redis/
@@ -88,6 +132,14 @@ impl BenchLock for DlockLock {
         } else {
             DLOCK_SCRIPT_COMMANDS
         }
+    }
+
+    async fn leftovers(&self, conn: &MultiplexedConnection) -> Result<Vec<String>> {
+        if self.locker.backend_name() != "redis" {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = self.keys.iter().map(|k| k.as_str().to_owned()).collect();
+        existing_keys(conn, &keys).await
     }
 }
 
@@ -322,5 +374,9 @@ impl BenchLock for RawLock {
         } else {
             &["get", "del", "publish"]
         }
+    }
+
+    async fn leftovers(&self, conn: &MultiplexedConnection) -> Result<Vec<String>> {
+        existing_keys(conn, &self.keys).await
     }
 }

@@ -1,9 +1,10 @@
 //! `dlock-bench`: what dlock costs, against hand-written Redis locks, in one
 //! run against one local `redis-server`.
 //!
-//! * uncontended acquire+release cycles/s and p50/p99 latency at concurrency
-//!   1, 16 and 256, for dlock and for a raw `SET NX PX` + compare-and-delete
-//!   baseline, with the ratio dlock/baseline;
+//! * uncontended acquire+release cycles/s, p50/p99 latency, server commands
+//!   and Redis CPU per cycle at concurrency 1, 16 and 256, for dlock, a raw
+//!   `SET NX PX` + compare-and-delete baseline, the fenced floor and a
+//!   Redisson-semantics peer, with dlock's targets against each (PASS/MISS);
 //! * one-off locks (a key locked once each): the keys and bytes Redis keeps
 //!   per released lock;
 //! * contended handoff on one key with K = 2, 8 and 32 tasks in strict-handoff
@@ -33,6 +34,7 @@ mod idempotency;
 mod locks;
 mod measure;
 mod memory;
+mod peer;
 mod report;
 mod series;
 mod uncontended;

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,6 +122,25 @@ pub(crate) fn command_delta(before: &CommandStats, after: &CommandStats, script_
     delta
 }
 
+/// What [`run_window`] reads at both ends of its window.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Counting<'a> {
+    pub(crate) counter: &'a CommandCounter,
+    /// See [`command_delta`].
+    pub(crate) script_internal: &'a [&'a str],
+    /// Calls of `script_internal` commands the client sent itself, as the
+    /// implementation counts them; they move from server-only to client
+    /// commands.
+    pub(crate) client_sent: Option<&'a AtomicU64>,
+}
+
+impl Counting<'_> {
+    async fn snapshot(&self) -> Result<(CommandStats, u64)> {
+        let sent = self.client_sent.map_or(0, |n| n.load(Ordering::SeqCst));
+        Ok((self.counter.snapshot().await?, sent))
+    }
+}
+
 /// What one window measured.
 #[derive(Debug, Clone)]
 pub(crate) struct Sample {
@@ -158,7 +177,7 @@ pub(crate) fn median(values: impl IntoIterator<Item = f64>) -> Option<f64> {
 pub(crate) async fn run_window<W, F>(
     workers: usize,
     timing: Timing,
-    counter: Option<(&CommandCounter, &[&str])>,
+    counter: Option<Counting<'_>>,
     worker: W,
 ) -> Result<Sample>
 where
@@ -174,14 +193,19 @@ where
     let outcome = async {
         tokio::time::sleep(timing.warmup).await;
         let before = match counter {
-            Some((c, _)) => Some(c.snapshot().await?),
+            Some(c) => Some(c.snapshot().await?),
             None => None,
         };
         let start = clock.now_ns();
         tokio::time::sleep(timing.duration).await;
         let end = clock.now_ns();
         let delta = match (counter, before) {
-            (Some((c, internal)), Some(before)) => Some(command_delta(&before, &c.snapshot().await?, internal)),
+            (Some(c), Some((before, sent_before))) => {
+                let (after, sent_after) = c.snapshot().await?;
+                let mut delta = command_delta(&before, &after, c.script_internal);
+                delta.client += sent_after.saturating_sub(sent_before);
+                Some(delta)
+            }
             _ => None,
         };
         Ok::<_, BenchError>((start, end, delta))

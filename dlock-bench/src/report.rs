@@ -9,7 +9,20 @@ use serde_json::{json, Map, Value};
 pub(crate) struct Target {
     /// E.g. `p50 <= 250 us`.
     pub(crate) goal: String,
+    /// The figure measured against the goal.
+    pub(crate) value: f64,
     pub(crate) met: bool,
+}
+
+impl Target {
+    /// `PASS` or `MISS`, as the tables print it.
+    pub(crate) fn verdict(&self) -> &'static str {
+        if self.met {
+            "PASS"
+        } else {
+            "MISS"
+        }
+    }
 }
 
 /// One line of results: an implementation on a backend at one concurrency.
@@ -36,6 +49,10 @@ pub(crate) struct Row {
     pub(crate) ratio: Option<f64>,
     /// dlock / the fenced floor (uncontended rows on Redis).
     pub(crate) vs_floor: Option<f64>,
+    /// dlock / the Redisson-semantics peer, throughput (uncontended rows).
+    pub(crate) vs_peer: Option<f64>,
+    /// Redis CPU per cycle, dlock / the fenced floor (uncontended rows).
+    pub(crate) cpu_vs_floor: Option<f64>,
     /// Keys Redis holds more after the run, per lock (`memory` rows).
     pub(crate) keys_left_per_lock: Option<f64>,
     /// `used_memory` bytes more after the run, per lock (`memory` rows).
@@ -73,6 +90,12 @@ impl Row {
         if let Some(r) = self.vs_floor {
             m.insert("ratio_vs_fenced_floor".into(), json!(round(r, 3)));
         }
+        if let Some(r) = self.vs_peer {
+            m.insert("ratio_vs_redisson_peer".into(), json!(round(r, 3)));
+        }
+        if let Some(r) = self.cpu_vs_floor {
+            m.insert("server_cpu_vs_fenced_floor".into(), json!(round(r, 3)));
+        }
         if let Some(k) = self.keys_left_per_lock {
             m.insert("keys_left_per_lock".into(), json!(round(k, 5)));
         }
@@ -82,6 +105,14 @@ impl Row {
         if !self.targets.is_empty() {
             m.insert("targets".into(), json!(self.targets.iter().map(|t| t.goal.as_str()).collect::<Vec<_>>()));
             m.insert("meets_targets".into(), json!(self.targets.iter().all(|t| t.met)));
+            m.insert(
+                "target_results".into(),
+                json!(self
+                    .targets
+                    .iter()
+                    .map(|t| json!({"goal": t.goal, "value": round(t.value, 3), "met": t.met}))
+                    .collect::<Vec<_>>()),
+            );
         }
         m.insert("rounds".into(), json!(self.rounds));
         m.insert("samples".into(), json!(self.samples));
@@ -119,14 +150,17 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
         );
         for r in rows.iter().filter(|r| r.bench == bench) {
             let opt = |v: Option<f64>, d: usize| v.map_or("-".to_owned(), |v| format!("{v:.d$}"));
-            let mut targets = r
-                .targets
-                .iter()
-                .map(|t| format!("{} {}", t.goal, if t.met { "ok" } else { "MISSED" }))
-                .collect::<Vec<_>>()
-                .join("; ");
-            if let Some(v) = r.vs_floor {
-                targets.push_str(&format!("; {v:.3} of the fenced floor"));
+            let mut targets =
+                r.targets.iter().map(|t| format!("{} {}", t.goal, t.verdict())).collect::<Vec<_>>().join("; ");
+            for (v, what) in [
+                (r.vs_floor, "of the fenced floor"),
+                (r.cpu_vs_floor, "of the floor's srv us"),
+                (r.vs_peer, "of the redisson-peer"),
+            ] {
+                if let Some(v) = v {
+                    let sep = if targets.is_empty() { "" } else { "; " };
+                    targets.push_str(&format!("{sep}{v:.3} {what}"));
+                }
             }
             if let (Some(k), Some(b)) = (r.keys_left_per_lock, r.bytes_left_per_lock) {
                 let sep = if targets.is_empty() { "" } else { "; " };
@@ -146,6 +180,31 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
                 opt(r.server_cpu_us, 1),
                 opt(r.ratio, 3),
                 targets
+            );
+        }
+    }
+    let summary = target_lines(rows);
+    if !summary.is_empty() {
+        let _ = writeln!(out, "\ntargets (PASS = met; MISS = missed)\n{summary}");
+    }
+    out
+}
+
+/// One line per target of every row: the verdict first, then where and what.
+pub(crate) fn target_lines(rows: &[Row]) -> String {
+    let mut out = String::new();
+    for r in rows {
+        for t in &r.targets {
+            let _ = writeln!(
+                out,
+                "{}  {} {}/{} c={}: {} (measured {:.3})",
+                t.verdict(),
+                r.bench,
+                r.imp,
+                r.backend,
+                r.concurrency,
+                t.goal,
+                t.value
             );
         }
     }
@@ -170,9 +229,14 @@ mod tests {
             server_cpu_us: Some(12.5),
             ratio: None,
             vs_floor: None,
+            vs_peer: None,
+            cpu_vs_floor: None,
             keys_left_per_lock: None,
             bytes_left_per_lock: None,
-            targets: vec![Target { goal: "p50 <= 250 us".into(), met: true }],
+            targets: vec![
+                Target { goal: "p50 <= 250 us".into(), value: 180.04, met: true },
+                Target { goal: "cmds/acq <= 4".into(), value: 4.5, met: false },
+            ],
             rounds: 3,
             samples: 900,
         }
@@ -188,7 +252,9 @@ mod tests {
         }
         assert_eq!(v["impl"], "dlock");
         assert_eq!(v["ops_per_sec"], 512.3);
-        assert_eq!(v["meets_targets"], true);
+        assert_eq!(v["meets_targets"], false);
+        assert_eq!(v["target_results"][1]["value"], 4.5);
+        assert_eq!(v["target_results"][1]["met"], false);
         assert!(v.get("ratio").is_none());
     }
 
@@ -196,7 +262,9 @@ mod tests {
     fn tables_show_every_row_under_its_title() {
         let t = tables(&[row()], &[("handoff", "HANDOFF TITLE")]);
         assert!(t.contains("HANDOFF TITLE"));
-        assert!(t.contains("p50 <= 250 us ok"));
+        assert!(t.contains("p50 <= 250 us PASS"));
+        assert!(t.contains("PASS  handoff dlock/redis c=8: p50 <= 250 us (measured 180.040)"), "{t}");
+        assert!(t.contains("MISS  handoff dlock/redis c=8: cmds/acq <= 4 (measured 4.500)"), "{t}");
         assert!(t.lines().any(|l| l.starts_with("dlock") && l.contains("redis")));
     }
 }

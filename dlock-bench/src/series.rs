@@ -45,6 +45,8 @@ impl Series {
             server_cpu_us: median(self.samples.iter().filter_map(|s| s.server_cpu_us_per_op)),
             ratio: None,
             vs_floor: None,
+            vs_peer: None,
+            cpu_vs_floor: None,
             keys_left_per_lock: None,
             bytes_left_per_lock: None,
             targets: Vec::new(),
@@ -57,5 +59,5 @@ impl Series {
 /// A target on a figure: `value <= limit` or `value >= limit`.
 pub(crate) fn target(name: &str, value: f64, at_most: bool, limit: f64, unit: &str) -> Target {
     let (op, met) = if at_most { ("<=", value <= limit) } else { (">=", value >= limit) };
-    Target { goal: format!("{name} {op} {limit}{unit}"), met }
+    Target { goal: format!("{name} {op} {limit}{unit}"), value, met }
 }

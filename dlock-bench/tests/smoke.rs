@@ -67,6 +67,51 @@ fn quick_json_run_prints_rows_for_both_benches() {
         .collect();
     assert_eq!(ratios.len(), 3);
     assert!(ratios.iter().all(|r| *r > 0.0), "ratios must be positive: {ratios:?}");
+    // Every Redis implementation of the uncontended table, with its commands
+    // per cycle and Redis CPU, and dlock's targets, each with a verdict.
+    for c in [1u64, 16, 256] {
+        for imp in ["dlock", "baseline", "fenced-floor", "redisson-peer"] {
+            let row = rows
+                .iter()
+                .find(|r| {
+                    r["bench"] == "uncontended" && r["impl"] == imp && r["backend"] == "redis" && r["concurrency"] == c
+                })
+                .unwrap_or_else(|| panic!("no uncontended row for {imp}/redis at {c}; rows:\n{stdout}"));
+            for key in ["server_cmds_per_acquisition", "server_cpu_us"] {
+                assert!(row[key].as_f64().is_some_and(|v| v > 0.0), "`{key}` missing or not positive: {row}");
+            }
+            if imp == "redisson-peer" {
+                // Two EVALSHAs and the latch's DEL per cycle (the window's
+                // edges blur it a little); the scripts' calls on top.
+                let client = row["cmds_per_acquisition"].as_f64().unwrap_or(0.0);
+                assert!((2.5..3.5).contains(&client), "the peer sends 3 commands per cycle: {row}");
+                assert!(row["server_cmds_per_acquisition"].as_f64() > Some(client), "{row}");
+            }
+        }
+        let dlock = rows
+            .iter()
+            .find(|r| {
+                r["bench"] == "uncontended" && r["impl"] == "dlock" && r["backend"] == "redis" && r["concurrency"] == c
+            })
+            .unwrap_or_else(|| panic!("no uncontended dlock row at {c}"));
+        let goals: Vec<&str> = dlock["target_results"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|t| t["goal"].as_str()).collect())
+            .unwrap_or_default();
+        let expected = if c == 1 {
+            2
+        } else if c == 16 {
+            4
+        } else {
+            5
+        };
+        assert_eq!(goals.len(), expected, "dlock's targets at {c}: {goals:?}");
+        assert!(goals.iter().any(|g| g.starts_with("ops vs fenced-floor >= 0.95")), "{goals:?}");
+        if c >= 16 {
+            assert!(goals.iter().any(|g| g.starts_with("ops vs redisson-peer >= 1.3")), "{goals:?}");
+            assert!(goals.iter().any(|g| g.starts_with("srv us vs fenced-floor <= 1.2")), "{goals:?}");
+        }
+    }
     // The distributed backends, measured in the same run. CI builds with
     // --all-features, so ZooKeeper is in; a build without the feature must
     // say that it left the ZooKeeper rows out.
