@@ -21,7 +21,7 @@ use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::Router;
 use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope, REPLAYED_HEADER};
-use dlock_core::idempotency::{IdempotencyStore, MemoryStore, RedisStore};
+use dlock_core::idempotency::{IdempotencyLimits, IdempotencyStore, MemoryStore, RedisStore};
 use tower::Service;
 
 use crate::args::Args;
@@ -132,8 +132,13 @@ async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&Co
 /// Runs every round and returns the rows.
 pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     let timing = Timing { warmup: args.warmup, duration: args.duration };
-    let redis: Arc<dyn IdempotencyStore> = Arc::new(RedisStore::connect(&env.url, &env.prefix).await?);
-    let memory: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
+    // Every request of the bench comes from one caller and leaves a record
+    // for the whole TTL: the caps that guard a service against a flood would
+    // refuse the bench's own load, so it lifts them.
+    let unbounded = IdempotencyLimits::default().with_max_per_scope(u64::MAX).with_max_records(u64::MAX);
+    let redis: Arc<dyn IdempotencyStore> =
+        Arc::new(RedisStore::connect(&env.url, &env.prefix).await?.with_limits(unbounded));
+    let memory: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new().with_limits(unbounded));
     let plain = app(None);
     // The bench's requests carry no credentials: one caller, said explicitly
     // (the default scope, `Authorization`, would refuse them).

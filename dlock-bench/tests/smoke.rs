@@ -83,8 +83,11 @@ fn quick_json_run_prints_rows_for_both_benches() {
             if imp == "redisson-peer" {
                 // Two EVALSHAs and the latch's DEL per cycle (the window's
                 // edges blur it a little); the scripts' calls on top.
+                // At c = 256 a quick window holds few cycles next to the 256
+                // in flight at its edges, so the bound is looser there.
                 let client = row["cmds_per_acquisition"].as_f64().unwrap_or(0.0);
-                assert!((2.5..3.5).contains(&client), "the peer sends 3 commands per cycle: {row}");
+                let bound = if c == 1 { 2.5..3.5 } else { 2.0..4.0 };
+                assert!(bound.contains(&client), "the peer sends 3 commands per cycle: {row}");
                 assert!(row["server_cmds_per_acquisition"].as_f64() > Some(client), "{row}");
             }
         }
