@@ -1,17 +1,24 @@
 //! The single-Redis backend.
 //!
-//! * A lock is a hash `prefix:{name:parts}` with fields `o` (owner), `f`
-//!   (fencing token), `n` (extra holds of a re-entrant owner, absent for
-//!   one hold) and `w` (set by an acquire that will wait for the release);
-//!   its TTL is the lease. Release deletes it: a key locked once leaves
-//!   nothing behind, so the server's memory follows the locks held now.
+//! * A lock is a string `prefix:{name:parts}` = `<token>:<w>:<owner>`
+//!   (fencing token, `1` when an acquire waits for the release, owner); its
+//!   TTL is the lease. Release deletes it: a key locked once leaves nothing
+//!   behind, so the server's memory follows the locks held now. An
+//!   uncontended cycle costs the server five commands in two script calls:
+//!   `TIME`, `SET mark GET`, `SET key NX PX GET` to take it, `GET`, `DEL`
+//!   to give it back.
+//! * Re-entry is counted in the client (`holds.rs`): the server keeps one
+//!   hold per key, and only the first acquire and the last release of a
+//!   process reach it. An owner shared across processes shares the hold
+//!   but not the count (the first last-release frees it).
 //! * Tokens are `max(high-water mark + 1, server time in µs)`; the mark is
 //!   one key per prefix, `prefix:fence` (one per hash slot in a cluster, see
 //!   `high_water.rs`), so tokens grow strictly per key, and keep growing
 //!   when the mark is lost in a restart, lags on a promoted replica or is
 //!   deleted.
 //! * Acquire, renew and release are one Lua script each (EVALSHA), with the
-//!   owner checked inside the script. A refused acquire returns the holder's
+//!   owner checked inside the script (held by the same owner: the acquire
+//!   joins the hold, same token). A refused acquire returns the holder's
 //!   remaining TTL in the same call. Renewals queued while a renew call is
 //!   in flight go out together in the next call, many locks per script
 //!   (one per lock in a cluster, whose locks live in many slots).
@@ -64,6 +71,7 @@ use crate::owner::Owner;
 use tls::{is_tls_url, CA_FILE_VAR, CLIENT_CERT_VAR};
 
 mod high_water;
+pub(crate) mod holds;
 mod renew_batch;
 mod restart;
 pub(crate) mod subscriber;
@@ -71,6 +79,7 @@ pub(crate) mod tls;
 
 pub use tls::RedisTls;
 
+use holds::{LocalHolds, LocalRelease, Reentry};
 use restart::RestartGuard;
 use subscriber::Subscriber;
 
@@ -178,6 +187,8 @@ pub struct RedisBackend {
     renew: renew_batch::Sender,
     renewals: renew_batch::RenewBatch,
     release: Script,
+    /// The holds of this process, counted here (see `holds.rs`).
+    holds: Arc<LocalHolds>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -322,6 +333,7 @@ impl RedisBackend {
             renew,
             renewals: renew_batch::RenewBatch::default(),
             release: Script::new(include_str!("release.lua")),
+            holds: Arc::default(),
         })
     }
 
@@ -343,11 +355,45 @@ impl RedisBackend {
         &self.prefix
     }
 
+    /// One try on the server; a grant is counted in `holds` (or refused as
+    /// racing our own last release, see [`LocalHolds::granted`]).
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
-        Ok(match self.try_on_node(req, awaited).await? {
-            NodeAttempt::Granted { grant, .. } => Attempt::Acquired(grant),
-            NodeAttempt::Held { retry_in } => Attempt::Held { retry_in },
-        })
+        loop {
+            let (mut grant, reentry) = match self.try_on_node(req, awaited).await? {
+                NodeAttempt::Granted { grant, reentry } => (grant, reentry),
+                NodeAttempt::Held { retry_in } => return Ok(Attempt::Held { retry_in }),
+            };
+            let valid_until = grant.valid_until().unwrap_or_else(|| Instant::now() + req.lease);
+            match self.holds.granted(&req.key, &req.owner, grant.fencing_token, valid_until, reentry) {
+                Ok(token) => {
+                    grant.fencing_token = token;
+                    return Ok(Attempt::Acquired(grant));
+                }
+                // Our last release of the key may delete this grant when it
+                // lands: wait for it (bounded by its response timeout), then
+                // try again.
+                Err(turn) => drop(turn.lock().await),
+            }
+        }
+    }
+
+    /// Waits for our last release of `req`'s key to land, if one is on its
+    /// way, and joins a hold of this process when there is one.
+    async fn reenter(&self, req: &AcquireRequest, cancel: &CancellationToken) -> Result<Option<Grant>> {
+        loop {
+            match self.holds.reenter(&req.key, &req.owner, req.lease) {
+                Reentry::Local(grant) => return Ok(Some(grant)),
+                Reentry::Server => return Ok(None),
+                Reentry::AfterRelease(turn) => {
+                    // Bounded by the release's response timeout.
+                    tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => return Err(Error::Cancelled),
+                        _ = turn.lock() => {}
+                    }
+                }
+            }
+        }
     }
 
     /// Loads the lock scripts into the server's script cache. A script
@@ -407,6 +453,22 @@ impl RedisBackend {
     }
 }
 
+impl RedisBackend {
+    /// Frees `key` on the server if `owner` holds it there (the last hold
+    /// of this process, or one it does not count: a RedLock node's).
+    pub(crate) async fn release_on_server(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
+        let left: i64 = self
+            .release
+            .key(key.as_str())
+            .arg(owner.as_str())
+            .arg(release_channel(key))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.failed(e))?;
+        Ok(if left == 0 { Release::Freed } else { Release::NotHeld })
+    }
+}
+
 /// Where the acquire script keeps the last fencing token it granted.
 #[derive(Debug, Clone)]
 enum HighWater {
@@ -433,12 +495,29 @@ impl Backend for RedisBackend {
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
-        Box::pin(acquire_loop(
-            req,
-            cancel,
-            move |awaited| self.try_once(req, awaited),
-            move || self.subscriber.register(release_channel(&req.key)),
-        ))
+        Box::pin(async move {
+            if let Some(grant) = self.reenter(req, cancel).await? {
+                return Ok(grant);
+            }
+            acquire_loop(
+                req,
+                cancel,
+                move |awaited| self.try_once(req, awaited),
+                move || self.subscriber.register(release_channel(&req.key)),
+            )
+            .await
+        })
+    }
+
+    fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
+        match self.holds.reenter(&req.key, &req.owner, req.lease) {
+            Reentry::Local(grant) => Some(Ok(grant)),
+            Reentry::Server | Reentry::AfterRelease(_) => None,
+        }
+    }
+
+    fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
+        self.holds.release_inner(key, owner).map(Ok)
     }
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
@@ -460,25 +539,26 @@ impl Backend for RedisBackend {
             } else {
                 self.renewals.renew(&self.renew, key, owner, lease_ms(lease)).await?
             };
-            Ok(if extended { Renewal::Held { valid_until: sent + lease } } else { Renewal::Lost })
+            let valid_until = extended.then_some(sent + lease);
+            self.holds.renewed(key, owner, valid_until);
+            Ok(match valid_until {
+                Some(valid_until) => Renewal::Held { valid_until },
+                None => Renewal::Lost,
+            })
         })
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
         Box::pin(async move {
-            let left: i64 = self
-                .release
-                .key(key.as_str())
-                .arg(owner.as_str())
-                .arg(release_channel(key))
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| self.failed(e))?;
-            Ok(match left {
-                0 => Release::Freed,
-                n if n > 0 => Release::StillHeld(u32::try_from(n).unwrap_or(u32::MAX)),
-                _ => Release::NotHeld,
-            })
+            match self.holds.release(key, owner) {
+                LocalRelease::StillHeld(left) => Ok(Release::StillHeld(left)),
+                LocalRelease::Unknown => self.release_on_server(key, owner).await,
+                LocalRelease::Last(turn) => {
+                    let released = self.release_on_server(key, owner).await;
+                    self.holds.released(key, owner, turn);
+                    released
+                }
+            }
         })
     }
 }
