@@ -762,3 +762,62 @@ async fn a_join_racing_the_last_release_is_not_a_hold() {
     assert!(value.is_some_and(|v| v.ends_with(me.as_str())), "the server has the hold the guard believes in");
     assert!(inner.release().await.expect("release"), "still ours when released");
 }
+
+/// Issue 17 (coalescing): acquires and releases of many tasks at once share
+/// script calls — one `TIME` and one high-water mark update per call, with
+/// consecutive tokens — and every grant still has a token of its own above
+/// the mark it found, the mark ending at the largest; also when the mark is
+/// ahead of the server clock (as after a clock step back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_acquires_and_releases_share_script_calls() {
+    let server = RedisServer::start();
+    let a = Arc::new(locker_for(&server.url(), 300).await);
+    let warm = a.key("coalesce").part("warm").build().expect("key");
+    let fixed = || AcquireOptions::new().with_lease(Duration::from_secs(30));
+    a.acquire(&warm, fixed()).await.expect("free").release().await.expect("release");
+    let mark_key = dlock_core::backend::redis::prefix_fence_key("dlock");
+    let mark = |server: &RedisServer| -> u64 {
+        let v: String = redis::cmd("GET").arg(&mark_key).query(&mut server.connection()).expect("GET");
+        v.parse().expect("a number")
+    };
+    for ahead in [false, true] {
+        if ahead {
+            let _: () =
+                redis::cmd("SET").arg(&mark_key).arg("9000000000000000").query(&mut server.connection()).expect("SET");
+        }
+        let before = mark(&server);
+        server.reset_stats();
+        const TASKS: u64 = 64;
+        let start = Arc::new(tokio::sync::Barrier::new(TASKS as usize));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|i| {
+                let (a, start) = (a.clone(), start.clone());
+                tokio::spawn(async move {
+                    let k = a.key("coalesce").part(i).build().expect("key");
+                    start.wait().await;
+                    let g = a.acquire(&k, fixed()).await.expect("free");
+                    let token = g.fencing_token();
+                    start.wait().await;
+                    assert!(g.release().await.expect("release"), "held until released");
+                    token
+                })
+            })
+            .collect();
+        let mut tokens = Vec::new();
+        for t in tasks {
+            tokens.push(t.await.expect("task"));
+        }
+        let stats = server.command_stats();
+        let calls = server.command_calls("evalsha");
+        assert!(calls < 2 * TASKS, "{calls} script calls for {TASKS} acquires and releases: {stats:?}");
+        assert!(server.command_calls("time") < TASKS, "one TIME per call: {stats:?}");
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(tokens.len() as u64, TASKS, "every grant has a token of its own");
+        assert!(tokens[0] > before, "{} above the mark found, {before}", tokens[0]);
+        assert_eq!(mark(&server), *tokens.last().expect("tokens"), "the mark holds the last token");
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg("dlock:{coalesce*").query(&mut server.connection()).expect("KEYS");
+        assert!(keys.is_empty(), "released: {keys:?}");
+    }
+}

@@ -70,6 +70,7 @@ use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
 use tls::{is_tls_url, CA_FILE_VAR, CLIENT_CERT_VAR};
 
+mod coalesce;
 mod high_water;
 pub(crate) mod holds;
 mod renew_batch;
@@ -189,6 +190,9 @@ pub struct RedisBackend {
     release: Script,
     /// The holds of this process, counted here (see `holds.rs`).
     holds: Arc<LocalHolds>,
+    /// Acquires and releases gathered into shared script calls, on a single
+    /// server or Sentinel master (see `coalesce.rs`).
+    coalesce: Option<(coalesce::Coalescer, coalesce::Calls)>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -323,17 +327,35 @@ impl RedisBackend {
             script: Script::new(include_str!("renew.lua")),
             restart: restart.clone(),
         };
+        let acquire = Script::new(include_str!("acquire.lua"));
+        let release = Script::new(include_str!("release.lua"));
+        let coalesce = match &high_water {
+            HighWater::Prefix(mark) => Some((
+                coalesce::Coalescer::default(),
+                coalesce::Calls {
+                    conn: conn.clone(),
+                    restart: restart.clone(),
+                    mark: mark.clone(),
+                    acquire: acquire.clone(),
+                    acquire_many: Script::new(include_str!("acquire_many.lua")),
+                    release: release.clone(),
+                    release_many: Script::new(include_str!("release_many.lua")),
+                },
+            )),
+            HighWater::PerSlot => None,
+        };
         Ok(RedisBackend {
             conn,
             prefix: prefix.into(),
             restart,
             high_water,
             subscriber,
-            acquire: Script::new(include_str!("acquire.lua")),
+            acquire,
             renew,
             renewals: renew_batch::RenewBatch::default(),
-            release: Script::new(include_str!("release.lua")),
+            release,
             holds: Arc::default(),
+            coalesce,
         })
     }
 
@@ -359,7 +381,11 @@ impl RedisBackend {
     /// racing our own last release, see [`LocalHolds::granted`]).
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
         loop {
-            let (mut grant, reentry) = match self.try_on_node(req, awaited).await? {
+            let attempt = match &self.coalesce {
+                Some((coalescer, calls)) => self.try_coalesced(coalescer, calls, req, awaited).await?,
+                None => self.try_on_node(req, awaited).await?,
+            };
+            let (mut grant, reentry) = match attempt {
                 NodeAttempt::Granted { grant, reentry } => (grant, reentry),
                 NodeAttempt::Held { retry_in } => return Ok(Attempt::Held { retry_in }),
             };
@@ -437,23 +463,45 @@ impl RedisBackend {
                 _ => break (reply, sent),
             }
         };
-        Ok(match reply.as_slice() {
-            [1, token, holds] => NodeAttempt::Granted {
-                grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + req.lease),
-                reentry: *holds > 1,
-            },
-            // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
-            [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
-            [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
-            [0, _] => NodeAttempt::Held { retry_in: None },
-            other => {
-                return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}")))
+        node_attempt(&reply, sent, req.lease)
+    }
+
+    /// [`try_on_node`](Self::try_on_node) through the coalescer: in one
+    /// script call with the acquires of other tasks queued at the same time.
+    async fn try_coalesced(
+        &self,
+        coalescer: &coalesce::Coalescer,
+        calls: &coalesce::Calls,
+        req: &AcquireRequest,
+        awaited: bool,
+    ) -> Result<NodeAttempt> {
+        let mut remarked = false;
+        loop {
+            let op = coalesce::Op::Acquire { req: req.clone(), awaited };
+            let (reply, sent) = coalescer.run(calls, op).await?;
+            match (&self.restart, reply.as_slice()) {
+                (Some(guard), [2]) if !remarked => {
+                    guard.marker_missing(&self.conn).await?;
+                    remarked = true;
+                }
+                _ => return node_attempt(&reply, sent, req.lease),
             }
-        })
+        }
     }
 }
 
 impl RedisBackend {
+    /// [`release_on_server`](Self::release_on_server) through the
+    /// coalescer, where there is one.
+    async fn release_coalesced(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
+        let Some((coalescer, calls)) = &self.coalesce else {
+            return self.release_on_server(key, owner).await;
+        };
+        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone(), channel: release_channel(key) };
+        let (reply, _) = coalescer.run(calls, op).await?;
+        Ok(if reply == [0] { Release::Freed } else { Release::NotHeld })
+    }
+
     /// Frees `key` on the server if `owner` holds it there (the last hold
     /// of this process, or one it does not count: a RedLock node's).
     pub(crate) async fn release_on_server(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
@@ -467,6 +515,21 @@ impl RedisBackend {
             .map_err(|e| self.failed(e))?;
         Ok(if left == 0 { Release::Freed } else { Release::NotHeld })
     }
+}
+
+/// An acquire script's reply for one lock, sent at `sent`.
+fn node_attempt(reply: &[i64], sent: Instant, lease: Duration) -> Result<NodeAttempt> {
+    Ok(match reply {
+        [1, token, holds] => NodeAttempt::Granted {
+            grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + lease),
+            reentry: *holds > 1,
+        },
+        // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
+        [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
+        [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
+        [0, _] => NodeAttempt::Held { retry_in: None },
+        other => return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}"))),
+    })
 }
 
 /// Where the acquire script keeps the last fencing token it granted.
@@ -552,9 +615,9 @@ impl Backend for RedisBackend {
         Box::pin(async move {
             match self.holds.release(key, owner) {
                 LocalRelease::StillHeld(left) => Ok(Release::StillHeld(left)),
-                LocalRelease::Unknown => self.release_on_server(key, owner).await,
+                LocalRelease::Unknown => self.release_coalesced(key, owner).await,
                 LocalRelease::Last(turn) => {
-                    let released = self.release_on_server(key, owner).await;
+                    let released = self.release_coalesced(key, owner).await;
                     self.holds.released(key, owner, turn);
                     released
                 }
