@@ -21,7 +21,9 @@
 //!   joins the hold, same token). A refused acquire returns the holder's
 //!   remaining TTL in the same call. Renewals queued while a renew call is
 //!   in flight go out together in the next call, many locks per script
-//!   (one per lock in a cluster, whose locks live in many slots).
+//!   (one per lock in a cluster, whose locks live in many slots); so do
+//!   acquires and releases on a single server or Sentinel master
+//!   (`coalesce.rs`).
 //! * Release publishes on `prefix:{name:parts}:released` when `w` says
 //!   someone waits (uncontended releases skip it); waiters of this process
 //!   share one subscriber connection (see `subscriber.rs`).
