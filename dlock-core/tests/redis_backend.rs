@@ -821,3 +821,45 @@ async fn concurrent_acquires_and_releases_share_script_calls() {
         assert!(keys.is_empty(), "released: {keys:?}");
     }
 }
+
+/// Issue 17 (coalescing): the restart quarantine's data marker is checked
+/// by coalesced acquires too: after a flush, none of many concurrent
+/// acquires is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_acquires_respect_the_restart_quarantine() {
+    let server = RedisServer::start();
+    let options = dlock_core::backend::redis::RedisOptions::default().with_restart_quarantine(Duration::from_secs(1));
+    let backend = RedisBackend::connect_with(&server.url(), "dlock", options).await.expect("connect");
+    let a =
+        Arc::new(Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default()).expect("ok"));
+    // A server without the marker is quarantined first.
+    let first = a.key("first-use").part(1).build().expect("key");
+    let until = Instant::now() + Duration::from_secs(5);
+    let g = loop {
+        match a.acquire(&first, AcquireOptions::new().with_lease(Duration::from_secs(30))).await {
+            Ok(g) => break g,
+            Err(e) => assert!(Instant::now() < until, "never granted: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    g.release().await.expect("release");
+    let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+    let tasks: Vec<_> = (0..32u32)
+        .map(|i| {
+            let a = a.clone();
+            tokio::spawn(async move {
+                let k = a.key("after-flush").part(i).build().expect("key");
+                a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30)))
+                    .await
+                    .map(|g| g.fencing_token())
+            })
+        })
+        .collect();
+    let mut granted = Vec::new();
+    for t in tasks {
+        if let Ok(token) = t.await.expect("task") {
+            granted.push(token);
+        }
+    }
+    assert!(granted.is_empty(), "{} acquires granted during the quarantine", granted.len());
+}
