@@ -665,3 +665,201 @@ async fn the_engine_refuses_a_prefix_the_backend_was_not_connected_for() {
     let bad = RedisBackend::connect(&server.url(), "sh{op}").await.expect_err("braces are the hash tag");
     assert!(bad.is_misconfigured(), "{bad}");
 }
+
+/// Issue 17: an uncontended cycle costs the server `TIME`, `SET … GET` (the
+/// high-water mark) and `SET … NX PX GET` to take the lock, `GET` and `DEL`
+/// to give it back, in two script calls; nothing else (no hash, no
+/// `PEXPIRE`, no `PUBLISH` when nobody waits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncontended_cycle_costs_five_server_commands() {
+    let server = RedisServer::start();
+    let a = locker_for(&server.url(), 300).await;
+    let fixed = || AcquireOptions::new().with_lease(Duration::from_secs(30));
+    // The first cycle loads the scripts.
+    let warm = a.key("lean").part("warm").build().expect("key");
+    a.acquire(&warm, fixed()).await.expect("free").release().await.expect("release");
+    server.reset_stats();
+    const CYCLES: u64 = 50;
+    for i in 0..CYCLES {
+        let k = a.key("lean").part(i).build().expect("key");
+        assert!(a.acquire(&k, fixed()).await.expect("free").release().await.expect("release"));
+    }
+    let mut stats = server.command_stats();
+    stats.retain(|c, _| !c.starts_with("info") && !c.starts_with("config"));
+    let expected: std::collections::HashMap<String, u64> =
+        [("evalsha", 2 * CYCLES), ("time", CYCLES), ("set", 2 * CYCLES), ("get", CYCLES), ("del", CYCLES)]
+            .into_iter()
+            .map(|(c, n)| (c.to_owned(), n))
+            .collect();
+    assert_eq!(stats, expected, "server commands for {CYCLES} cycles");
+}
+
+/// Issue 17: re-entry is counted in the client, so a process's re-entries
+/// and the releases that are not its last send nothing to the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reentries_reach_the_server_only_at_the_first_acquire_and_the_last_release() {
+    let server = RedisServer::start();
+    let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
+    let k = a.key("local-reentry").part(1).build().expect("key");
+    let me = dlock_core::Owner::random().expect("random");
+    let as_me = || AcquireOptions::new().with_owner(me.clone());
+    let outer = a.acquire(&k, as_me()).await.expect("free");
+    server.reset_stats();
+    for _ in 0..20 {
+        let inner = a.acquire(&k, as_me()).await.expect("re-entry");
+        assert_eq!(inner.fencing_token(), outer.fencing_token(), "a re-entry joins the hold");
+        assert!(inner.release().await.expect("release inner"));
+    }
+    assert_eq!(server.command_calls("evalsha"), 0, "{:?}", server.command_stats());
+    assert!(b.try_acquire(&k).await.is_err(), "still held by the outer hold");
+    assert!(outer.release().await.expect("release outer"));
+    b.try_acquire(&k).await.expect("free after the last release").release().await.expect("release");
+}
+
+/// Issue 17: an owner shared by two processes (here two backends) shares
+/// the server's one hold but not the count: the second joins the first's
+/// hold with its token, and the first last-release frees the key for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_shared_across_processes_shares_one_hold() {
+    let server = RedisServer::start();
+    let (a, b, c) = (
+        locker_for(&server.url(), 300).await,
+        locker_for(&server.url(), 300).await,
+        locker_for(&server.url(), 300).await,
+    );
+    let k = a.key("shared-owner").part(1).build().expect("key");
+    let me = dlock_core::Owner::random().expect("random");
+    let in_a = a.acquire(&k, AcquireOptions::new().with_owner(me.clone())).await.expect("free");
+    let in_b = b.acquire(&k, AcquireOptions::new().with_owner(me)).await.expect("joins");
+    assert_eq!(in_b.fencing_token(), in_a.fencing_token(), "the second process joins the same grant");
+    assert!(c.try_acquire(&k).await.is_err(), "others are excluded");
+    assert!(in_b.release().await.expect("release in b"));
+    c.try_acquire(&k).await.expect("the first last-release frees it for both").release().await.expect("release");
+    assert!(!in_a.release().await.expect("release in a"), "a's hold went with b's release");
+}
+
+/// Issue 17: a re-entry that must ask the server (its hold has less than
+/// half the lease left) races the hold's last release: the join is sent
+/// first, so it lands before the release deletes the key. The acquire must
+/// not count that join as a hold: it waits for the release and takes the
+/// key afresh, so the server has the hold it believes it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_racing_the_last_release_is_not_a_hold() {
+    let server = RedisServer::start();
+    let a = locker_for(&server.url(), 300).await;
+    let k = a.key("join-race").part(1).build().expect("key");
+    let me = dlock_core::Owner::random().expect("random");
+    let lease = Duration::from_millis(1_000);
+    let fixed = || AcquireOptions::new().with_owner(me.clone()).with_lease(lease);
+    let outer = a.acquire(&k, fixed()).await.expect("free");
+    tokio::time::sleep(lease * 6 / 10).await;
+    // `join!` polls the acquire first: its script call is queued on the
+    // connection before the release's.
+    let (inner, released) = tokio::join!(a.acquire(&k, fixed()), outer.release());
+    assert!(released.expect("release"), "the outer hold was ours");
+    let inner = inner.expect("acquire");
+    let value: Option<String> = redis::cmd("GET").arg(k.as_str()).query(&mut server.connection()).expect("GET");
+    assert!(value.is_some_and(|v| v.ends_with(me.as_str())), "the server has the hold the guard believes in");
+    assert!(inner.release().await.expect("release"), "still ours when released");
+}
+
+/// Issue 17 (coalescing): acquires and releases of many tasks at once share
+/// script calls — one `TIME` and one high-water mark update per call, with
+/// consecutive tokens — and every grant still has a token of its own above
+/// the mark it found, the mark ending at the largest; also when the mark is
+/// ahead of the server clock (as after a clock step back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_acquires_and_releases_share_script_calls() {
+    let server = RedisServer::start();
+    let a = Arc::new(locker_for(&server.url(), 300).await);
+    let warm = a.key("coalesce").part("warm").build().expect("key");
+    let fixed = || AcquireOptions::new().with_lease(Duration::from_secs(30));
+    a.acquire(&warm, fixed()).await.expect("free").release().await.expect("release");
+    let mark_key = dlock_core::backend::redis::prefix_fence_key("dlock");
+    let mark = |server: &RedisServer| -> u64 {
+        let v: String = redis::cmd("GET").arg(&mark_key).query(&mut server.connection()).expect("GET");
+        v.parse().expect("a number")
+    };
+    for ahead in [false, true] {
+        if ahead {
+            let _: () =
+                redis::cmd("SET").arg(&mark_key).arg("9000000000000000").query(&mut server.connection()).expect("SET");
+        }
+        let before = mark(&server);
+        server.reset_stats();
+        const TASKS: u64 = 64;
+        let start = Arc::new(tokio::sync::Barrier::new(TASKS as usize));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|i| {
+                let (a, start) = (a.clone(), start.clone());
+                tokio::spawn(async move {
+                    let k = a.key("coalesce").part(i).build().expect("key");
+                    start.wait().await;
+                    let g = a.acquire(&k, fixed()).await.expect("free");
+                    let token = g.fencing_token();
+                    start.wait().await;
+                    assert!(g.release().await.expect("release"), "held until released");
+                    token
+                })
+            })
+            .collect();
+        let mut tokens = Vec::new();
+        for t in tasks {
+            tokens.push(t.await.expect("task"));
+        }
+        let stats = server.command_stats();
+        let calls = server.command_calls("evalsha");
+        assert!(calls < 2 * TASKS, "{calls} script calls for {TASKS} acquires and releases: {stats:?}");
+        assert!(server.command_calls("time") < TASKS, "one TIME per call: {stats:?}");
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(tokens.len() as u64, TASKS, "every grant has a token of its own");
+        assert!(tokens[0] > before, "{} above the mark found, {before}", tokens[0]);
+        assert_eq!(mark(&server), *tokens.last().expect("tokens"), "the mark holds the last token");
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg("dlock:{coalesce*").query(&mut server.connection()).expect("KEYS");
+        assert!(keys.is_empty(), "released: {keys:?}");
+    }
+}
+
+/// Issue 17 (coalescing): the restart quarantine's data marker is checked
+/// by coalesced acquires too: after a flush, none of many concurrent
+/// acquires is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_acquires_respect_the_restart_quarantine() {
+    let server = RedisServer::start();
+    let options = dlock_core::backend::redis::RedisOptions::default().with_restart_quarantine(Duration::from_secs(1));
+    let backend = RedisBackend::connect_with(&server.url(), "dlock", options).await.expect("connect");
+    let a =
+        Arc::new(Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default()).expect("ok"));
+    // A server without the marker is quarantined first.
+    let first = a.key("first-use").part(1).build().expect("key");
+    let until = Instant::now() + Duration::from_secs(5);
+    let g = loop {
+        match a.acquire(&first, AcquireOptions::new().with_lease(Duration::from_secs(30))).await {
+            Ok(g) => break g,
+            Err(e) => assert!(Instant::now() < until, "never granted: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    g.release().await.expect("release");
+    let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+    let tasks: Vec<_> = (0..32u32)
+        .map(|i| {
+            let a = a.clone();
+            tokio::spawn(async move {
+                let k = a.key("after-flush").part(i).build().expect("key");
+                a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30)))
+                    .await
+                    .map(|g| g.fencing_token())
+            })
+        })
+        .collect();
+    let mut granted = Vec::new();
+    for t in tasks {
+        if let Ok(token) = t.await.expect("task") {
+            granted.push(token);
+        }
+    }
+    assert!(granted.is_empty(), "{} acquires granted during the quarantine", granted.len());
+}

@@ -312,3 +312,35 @@ async fn a_grant_reaches_every_live_node() {
         );
     }
 }
+
+/// Issue 17: RedLock counts re-entries in the client too: re-entries and
+/// releases other than the last send nothing to any node, and an
+/// uncontended cycle costs each node the same 5 commands as a single Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reentries_reach_no_node_and_a_cycle_costs_each_node_five_commands() {
+    let r = redlock().await;
+    let a = locker_for(&r.urls(), 300).await;
+    let me = dlock_core::Owner::random().expect("random");
+    let as_me = || AcquireOptions::new().with_owner(me.clone()).with_lease(Duration::from_secs(30));
+    let k = a.key("lean").part(1).build().expect("key");
+    // Loads nothing new (the scripts are loaded at connect), but warms up.
+    a.acquire(&k, as_me()).await.expect("free").release().await.expect("release");
+    let calls = |command: &str| r.servers.iter().map(|s| s.command_calls(command)).collect::<Vec<_>>();
+    r.servers.iter().for_each(RedisServer::reset_stats);
+    let outer = a.acquire(&k, as_me()).await.expect("free");
+    for _ in 0..10 {
+        let inner = a.acquire(&k, as_me()).await.expect("re-entry");
+        assert_eq!(inner.fencing_token(), outer.fencing_token());
+        assert!(inner.release().await.expect("release inner"));
+    }
+    // Release waits for every node, so each has run what it was sent.
+    assert!(outer.release().await.expect("release outer"));
+    assert_eq!(calls("evalsha"), vec![2; 3], "the first acquire and the last release, nothing else");
+    for command in ["time", "get", "del"] {
+        assert_eq!(calls(command), vec![1; 3], "{command}");
+    }
+    assert_eq!(calls("set"), vec![2; 3], "the high-water mark and the lock");
+    for command in ["hset", "hget", "hmget", "pexpire", "publish"] {
+        assert_eq!(calls(command), vec![0; 3], "{command}");
+    }
+}

@@ -31,12 +31,14 @@ async fn client(servers: &[RedisServer], node_timeout: Duration) -> Client {
     Client { proxies, locker }
 }
 
-/// The owner recorded in node `server`'s copy of the lock, if it has one.
+/// The owner recorded in node `server`'s copy of the lock, if it has one
+/// (the value is `<token>:<w>:<owner>`).
 fn owner_on(server: &RedisServer, key: &LockKey) -> Option<String> {
-    redis::cmd("HGET").arg(key.as_str()).arg("o").query(&mut server.connection()).expect("HGET")
+    let value: Option<String> = redis::cmd("GET").arg(key.as_str()).query(&mut server.connection()).expect("GET");
+    value.map(|v| v.splitn(3, ':').nth(2).expect("a lock value names its owner").to_owned())
 }
 
-/// Lock hashes (not fencing counters, which outlive locks by design) left
+/// Lock keys (not fencing counters, which outlive locks by design) left
 /// on `server`.
 fn lock_keys_on(server: &RedisServer) -> Vec<String> {
     let keys: Vec<String> = redis::cmd("KEYS").arg("dlock:*").query(&mut server.connection()).expect("KEYS");

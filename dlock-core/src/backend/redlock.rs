@@ -33,6 +33,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::redis::holds::{LocalHolds, LocalRelease, Reentry};
 use super::redis::subscriber::Registration;
 use super::redis::{release_channel, NodeAttempt, RedisBackend, RedisOptions};
 use super::wait::{acquire_loop, Attempt};
@@ -59,8 +60,9 @@ pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 pub struct RedLockBackend {
     nodes: Vec<Arc<RedisBackend>>,
     node_timeout: Duration,
-    /// Our own holds: (key, owner) -> (fencing token, holds).
-    holds: Mutex<HashMap<(LockKey, Owner), (u64, u32)>>,
+    /// Our own holds, counted here: a re-entry and a release that is not
+    /// the last reach no node (see `redis/holds.rs`).
+    holds: LocalHolds,
     /// One wake-up per lock channel, shared by every node's subscriber and
     /// every local waiter of that lock: each node's subscriber keeps the
     /// first `Notify` it is given for a channel, so all waiters must bring
@@ -196,7 +198,7 @@ impl RedLockBackend {
         Ok(RedLockBackend {
             nodes,
             node_timeout,
-            holds: Mutex::default(),
+            holds: LocalHolds::default(),
             wakeups: Mutex::default(),
             turns: Mutex::default(),
         })
@@ -266,7 +268,23 @@ impl RedLockBackend {
         Error::QuorumUnavailable { granted, nodes: self.nodes.len(), needed: self.quorum() }
     }
 
+    /// One try on the masters, counted in `holds`; a grant that raced our
+    /// own last release of the key is tried again once that release landed
+    /// (it may have deleted the grant on some nodes).
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
+        loop {
+            match self.try_quorum(req, awaited).await? {
+                Ok(attempt) => return Ok(attempt),
+                Err(turn) => drop(turn.lock().await),
+            }
+        }
+    }
+
+    async fn try_quorum(
+        &self,
+        req: &AcquireRequest,
+        awaited: bool,
+    ) -> Result<std::result::Result<Attempt, Arc<tokio::sync::Mutex<()>>>> {
         let started = Instant::now();
         let granted_in =
             |a: &[(usize, NodeAttempt)]| a.iter().filter(|(_, a)| matches!(a, NodeAttempt::Granted { .. })).count();
@@ -306,8 +324,17 @@ impl RedLockBackend {
         }
         let valid_until = started + validity;
         if granted >= self.quorum() && Instant::now() < valid_until {
-            let fencing_token = self.hold(&req.key, &req.owner, fence, any_reentry);
-            return Ok(Attempt::Acquired(Grant::until(fencing_token, valid_until)));
+            // A re-entry keeps the token of the hold it joins, since
+            // different quorums may see different per-node maxima. It is a
+            // re-entry when we hold the key here and some node of the quorum
+            // says so: the outer acquire's commands to the nodes it did not
+            // wait for may land after ours, so those nodes can answer with a
+            // fresh grant. Only when every node grants afresh did our earlier
+            // hold lapse, and the grant takes a new token.
+            return Ok(self
+                .holds
+                .granted(&req.key, &req.owner, fence, valid_until, any_reentry)
+                .map(|token| Attempt::Acquired(Grant::until(token, valid_until))));
         }
         // Undo on every node that granted, or did not answer (its command may
         // land late) — not where someone else holds the key: an undo there
@@ -324,7 +351,7 @@ impl RedLockBackend {
                         if skip {
                             Ok(Release::NotHeld)
                         } else {
-                            node.release(&key, &owner).await
+                            node.release_on_server(&key, &owner).await
                         }
                     }
                 },
@@ -341,35 +368,7 @@ impl RedLockBackend {
         } else {
             holder_ttl
         };
-        Ok(Attempt::Held { retry_in })
-    }
-
-    /// Records a hold of ours and returns its fencing token: a re-entry keeps
-    /// the token of the hold it joins, since different quorums may see
-    /// different per-node maxima. It is a re-entry when we hold the key here
-    /// and some node of the quorum says so: the outer acquire's commands to
-    /// the nodes it did not wait for may land after ours, so those nodes can
-    /// answer with a fresh grant. Only when every node grants afresh did our
-    /// earlier hold lapse, and the grant takes a new token.
-    fn hold(&self, key: &LockKey, owner: &Owner, fence: u64, reentry: bool) -> u64 {
-        let mut holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
-        let entry = holds.entry((key.clone(), owner.clone())).or_insert((fence, 0));
-        if !(reentry && entry.1 > 0) {
-            entry.0 = fence;
-        }
-        entry.1 += 1;
-        entry.0
-    }
-
-    fn unhold(&self, key: &LockKey, owner: &Owner) {
-        let mut holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
-        let id = (key.clone(), owner.clone());
-        if let Some(entry) = holds.get_mut(&id) {
-            entry.1 -= 1;
-            if entry.1 == 0 {
-                holds.remove(&id);
-            }
-        }
+        Ok(Ok(Attempt::Held { retry_in }))
     }
 
     /// The local queue of `key`.
@@ -459,10 +458,20 @@ impl Backend for RedLockBackend {
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
             let started = Instant::now();
-            let reentry = {
-                let holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
-                holds.contains_key(&(req.key.clone(), req.owner.clone()))
-            };
+            loop {
+                match self.holds.reenter(&req.key, &req.owner, req.lease) {
+                    Reentry::Local(grant) => return Ok(grant),
+                    Reentry::Server => break,
+                    // Our last release of the key is on its way to the nodes.
+                    Reentry::AfterRelease(turn) => tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => return Err(Error::Cancelled),
+                        _ = turn.lock() => {}
+                    },
+                }
+            }
+            // A hold of ours with too little lease left to join here.
+            let reentry = self.holds.holding(&req.key, &req.owner);
             // A re-entry does not queue: the queue's head may be waiting for
             // exactly this hold to end.
             let _turn = if reentry {
@@ -505,8 +514,11 @@ impl Backend for RedLockBackend {
             let lost = answers.len() - held;
             let drift = lease / 100 + Duration::from_millis(2);
             if held >= self.quorum() {
-                Ok(Renewal::Held { valid_until: sent + lease.saturating_sub(drift) })
+                let valid_until = sent + lease.saturating_sub(drift);
+                self.holds.renewed(key, owner, Some(valid_until));
+                Ok(Renewal::Held { valid_until })
             } else if lost > self.nodes.len() - self.quorum() {
+                self.holds.renewed(key, owner, None);
                 Ok(Renewal::Lost)
             } else {
                 Err(self.unavailable(held))
@@ -514,41 +526,55 @@ impl Backend for RedLockBackend {
         })
     }
 
+    fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
+        match self.holds.reenter(&req.key, &req.owner, req.lease) {
+            Reentry::Local(grant) => Some(Ok(grant)),
+            Reentry::Server | Reentry::AfterRelease(_) => None,
+        }
+    }
+
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
         Box::pin(async move {
-            // Release waits for every node (bounded by the node timeout): it
-            // is not on anyone's hot path, and a node we skip keeps a stray
-            // hold until its lease ends.
-            self.unhold(key, owner);
-            let answers = self
-                .on_all(
-                    self.node_timeout,
-                    |_, node| {
-                        let (key, owner) = (key.clone(), owner.clone());
-                        async move { node.release(&key, &owner).await }
-                    },
-                    |_, _| false,
-                )
-                .await;
-            let freed = answers.iter().filter(|(_, a)| matches!(a, Release::Freed)).count();
-            let still: Vec<u32> = answers
-                .iter()
-                .filter_map(|(_, a)| if let Release::StillHeld(n) = a { Some(*n) } else { None })
-                .collect();
-            let answered = answers.len();
-            if freed >= self.quorum() {
-                Ok(Release::Freed)
-            } else if still.len() >= self.quorum() {
-                Ok(Release::StillHeld(still.iter().copied().min().unwrap_or(1)))
-            } else if freed + still.len() >= self.quorum() {
-                // Holds counted differently on different nodes; what matters
-                // is that a quorum had it.
-                Ok(Release::Freed)
-            } else if answered >= self.quorum() {
-                Ok(Release::NotHeld)
-            } else {
-                Err(self.unavailable(freed + still.len()))
+            match self.holds.release(key, owner) {
+                LocalRelease::StillHeld(left) => Ok(Release::StillHeld(left)),
+                LocalRelease::Unknown => self.release_on_all(key, owner).await,
+                LocalRelease::Last(turn) => {
+                    let released = self.release_on_all(key, owner).await;
+                    self.holds.released(key, owner, turn);
+                    released
+                }
             }
         })
+    }
+
+    fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
+        self.holds.release_inner(key, owner).map(Ok)
+    }
+}
+
+impl RedLockBackend {
+    /// Frees the key on every node where `owner` holds it.
+    async fn release_on_all(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
+        // Release waits for every node (bounded by the node timeout): it is
+        // not on anyone's hot path, and a node we skip keeps a stray hold
+        // until its lease ends.
+        let answers = self
+            .on_all(
+                self.node_timeout,
+                |_, node| {
+                    let (key, owner) = (key.clone(), owner.clone());
+                    async move { node.release_on_server(&key, &owner).await }
+                },
+                |_, _| false,
+            )
+            .await;
+        let freed = answers.iter().filter(|(_, a)| matches!(a, Release::Freed)).count();
+        if freed >= self.quorum() {
+            Ok(Release::Freed)
+        } else if answers.len() >= self.quorum() {
+            Ok(Release::NotHeld)
+        } else {
+            Err(self.unavailable(freed))
+        }
     }
 }

@@ -1,6 +1,7 @@
--- Take the lock, or re-enter it, or report how long the holder has left.
--- KEYS[1] lock hash {o = owner, f = fencing token, n = extra holds (absent
--- for a single hold), w = someone waits}
+-- Take the lock, or join our own owner's hold, or report how long the
+-- holder has left.
+-- KEYS[1] lock: a string '<token>:<w>:<owner>' whose TTL is the lease; `w`
+-- is '1' when someone waits for its release, else '0'.
 -- KEYS[2] high-water mark: the last fencing token granted. One key for all
 -- locks of a single server, one per hash slot in a cluster (same slot as
 -- KEYS[1]), without TTL: released locks leave nothing of their own behind.
@@ -11,42 +12,49 @@
 -- KEYS[3], ARGV[4] = '1' (only with the restart quarantine): a data marker
 -- without TTL; when it is gone the server lost its data, and nothing is
 -- granted (the client quarantines it, see restart.rs).
--- Returns {1, fencing token, holds} when granted (holds > 1: a re-entry),
--- {0, remaining ms of the holder} when held, {2} when the marker is gone.
+-- Returns {1, fencing token, 1} when granted, {1, fencing token, 2} when the
+-- owner held it already (a re-entry the client could not answer itself: no
+-- count is kept here, see holds.rs), {0, remaining ms of the holder} when
+-- held, {2} when the marker is gone.
 if ARGV[4] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then
   return {2}
 end
-local owner = redis.call('HGET', KEYS[1], 'o')
-if owner == false then
-  -- The token is max(last + 1, server time in us). The high-water mark is
-  -- shared by many keys, so every key's tokens grow strictly while it lives;
-  -- the clock keeps them growing when it is lost in a restart, lags on a
-  -- promoted replica or is deleted, as long as the server clock does not
-  -- step back. SET ... GET writes the common case (the clock is ahead) and
-  -- reads the last token in one call.
-  local t = redis.call('TIME')
-  local token = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local last = tonumber(redis.call('SET', KEYS[2], string.format('%d', token), 'GET') or '0')
-  if last >= token then
-    token = last + 1
-    redis.call('SET', KEYS[2], string.format('%d', token))
-  end
-  if ARGV[3] == '1' then
-    redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', string.format('%d', token), 'w', 1)
-  else
-    redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', string.format('%d', token))
-  end
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+-- The token is max(last + 1, server time in us). The high-water mark is
+-- shared by many keys, so every key's tokens grow strictly while it lives;
+-- the clock keeps them growing when it is lost in a restart, lags on a
+-- promoted replica or is deleted, as long as the server clock does not step
+-- back. SET ... GET writes the common case (the clock is ahead) and reads
+-- the last token in one call. It is computed before the lock is tried, so
+-- that a free lock costs one SET NX: a try that finds it held moves the mark
+-- for nothing, which only costs the contended path a write.
+local t = redis.call('TIME')
+local token = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local text = string.format('%d', token)
+local last = tonumber(redis.call('SET', KEYS[2], text, 'GET') or '0')
+if last >= token then
+  token = last + 1
+  text = string.format('%d', token)
+  redis.call('SET', KEYS[2], text)
+end
+local w = ARGV[3] == '1' and '1' or '0'
+local held = redis.call('SET', KEYS[1], text .. ':' .. w .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
+if not held then
   return {1, token, 1}
 end
+local fence, waited, owner = string.match(held, '^(%d+):([01]):(.*)$')
 if owner == ARGV[1] then
-  local holds = redis.call('HINCRBY', KEYS[1], 'n', 1) + 1
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, tonumber(redis.call('HGET', KEYS[1], 'f')), holds}
+  -- Joins the hold: same token, the lease extended (never shortened).
+  if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
+  if w == '1' and waited == '0' then
+    redis.call('SET', KEYS[1], fence .. ':1:' .. owner, 'KEEPTTL')
+  end
+  return {1, tonumber(fence), 2}
 end
-if ARGV[3] == '1' then
+if w == '1' and waited == '0' then
   -- Asks the holder's release to announce itself; releases nobody waits for
   -- skip the PUBLISH.
-  redis.call('HSET', KEYS[1], 'w', 1)
+  redis.call('SET', KEYS[1], fence .. ':1:' .. owner, 'KEEPTTL')
 end
 return {0, redis.call('PTTL', KEYS[1])}

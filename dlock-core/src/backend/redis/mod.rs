@@ -1,20 +1,29 @@
 //! The single-Redis backend.
 //!
-//! * A lock is a hash `prefix:{name:parts}` with fields `o` (owner), `f`
-//!   (fencing token), `n` (extra holds of a re-entrant owner, absent for
-//!   one hold) and `w` (set by an acquire that will wait for the release);
-//!   its TTL is the lease. Release deletes it: a key locked once leaves
-//!   nothing behind, so the server's memory follows the locks held now.
+//! * A lock is a string `prefix:{name:parts}` = `<token>:<w>:<owner>`
+//!   (fencing token, `1` when an acquire waits for the release, owner); its
+//!   TTL is the lease. Release deletes it: a key locked once leaves nothing
+//!   behind, so the server's memory follows the locks held now. An
+//!   uncontended cycle costs the server five commands in two script calls:
+//!   `TIME`, `SET mark GET`, `SET key NX PX GET` to take it, `GET`, `DEL`
+//!   to give it back.
+//! * Re-entry is counted in the client (`holds.rs`): the server keeps one
+//!   hold per key, and only the first acquire and the last release of a
+//!   process reach it. An owner shared across processes shares the hold
+//!   but not the count (the first last-release frees it).
 //! * Tokens are `max(high-water mark + 1, server time in µs)`; the mark is
 //!   one key per prefix, `prefix:fence` (one per hash slot in a cluster, see
 //!   `high_water.rs`), so tokens grow strictly per key, and keep growing
 //!   when the mark is lost in a restart, lags on a promoted replica or is
 //!   deleted.
 //! * Acquire, renew and release are one Lua script each (EVALSHA), with the
-//!   owner checked inside the script. A refused acquire returns the holder's
+//!   owner checked inside the script (held by the same owner: the acquire
+//!   joins the hold, same token). A refused acquire returns the holder's
 //!   remaining TTL in the same call. Renewals queued while a renew call is
 //!   in flight go out together in the next call, many locks per script
-//!   (one per lock in a cluster, whose locks live in many slots).
+//!   (one per lock in a cluster, whose locks live in many slots); so do
+//!   acquires and releases on a single server or Sentinel master
+//!   (`coalesce.rs`).
 //! * Release publishes on `prefix:{name:parts}:released` when `w` says
 //!   someone waits (uncontended releases skip it); waiters of this process
 //!   share one subscriber connection (see `subscriber.rs`).
@@ -65,8 +74,10 @@ use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
 use tls::{is_tls_url, CA_FILE_VAR};
 
+mod coalesce;
 mod connection;
 mod high_water;
+pub(crate) mod holds;
 mod renew_batch;
 mod restart;
 pub(crate) mod subscriber;
@@ -77,6 +88,7 @@ pub use tls::RedisTls;
 pub use connection::RedisConnection;
 use connection::{connect_error, open_client, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget};
 pub(crate) use connection::{lost_connection, redis_error, Conn};
+use holds::{LocalHolds, LocalRelease, Reentry};
 pub(crate) use restart::RestartGuard;
 use subscriber::Subscriber;
 
@@ -184,6 +196,11 @@ pub struct RedisBackend {
     renew: renew_batch::Sender,
     renewals: renew_batch::RenewBatch,
     release: Script,
+    /// The holds of this process, counted here (see `holds.rs`).
+    holds: Arc<LocalHolds>,
+    /// Acquires and releases gathered into shared script calls, on a single
+    /// server or Sentinel master (see `coalesce.rs`).
+    coalesce: Option<(coalesce::Coalescer, coalesce::Calls)>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -312,16 +329,35 @@ impl RedisBackend {
             script: Script::new(include_str!("renew.lua")),
             restart: restart.clone(),
         };
+        let acquire = Script::new(include_str!("acquire.lua"));
+        let release = Script::new(include_str!("release.lua"));
+        let coalesce = match &high_water {
+            HighWater::Prefix(mark) => Some((
+                coalesce::Coalescer::default(),
+                coalesce::Calls {
+                    conn: conn.clone(),
+                    restart: restart.clone(),
+                    mark: mark.clone(),
+                    acquire: acquire.clone(),
+                    acquire_many: Script::new(include_str!("acquire_many.lua")),
+                    release: release.clone(),
+                    release_many: Script::new(include_str!("release_many.lua")),
+                },
+            )),
+            HighWater::PerSlot => None,
+        };
         Ok(RedisBackend {
             conn,
             prefix: prefix.into(),
             restart,
             high_water,
             subscriber,
-            acquire: Script::new(include_str!("acquire.lua")),
+            acquire,
             renew,
             renewals: renew_batch::RenewBatch::default(),
-            release: Script::new(include_str!("release.lua")),
+            release,
+            holds: Arc::default(),
+            coalesce,
         })
     }
 
@@ -349,11 +385,49 @@ impl RedisBackend {
         &self.prefix
     }
 
+    /// One try on the server; a grant is counted in `holds` (or refused as
+    /// racing our own last release, see [`LocalHolds::granted`]).
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
-        Ok(match self.try_on_node(req, awaited).await? {
-            NodeAttempt::Granted { grant, .. } => Attempt::Acquired(grant),
-            NodeAttempt::Held { retry_in } => Attempt::Held { retry_in },
-        })
+        loop {
+            let attempt = match &self.coalesce {
+                Some((coalescer, calls)) => self.try_coalesced(coalescer, calls, req, awaited).await?,
+                None => self.try_on_node(req, awaited).await?,
+            };
+            let (mut grant, reentry) = match attempt {
+                NodeAttempt::Granted { grant, reentry } => (grant, reentry),
+                NodeAttempt::Held { retry_in } => return Ok(Attempt::Held { retry_in }),
+            };
+            let valid_until = grant.valid_until().unwrap_or_else(|| Instant::now() + req.lease);
+            match self.holds.granted(&req.key, &req.owner, grant.fencing_token, valid_until, reentry) {
+                Ok(token) => {
+                    grant.fencing_token = token;
+                    return Ok(Attempt::Acquired(grant));
+                }
+                // Our last release of the key may delete this grant when it
+                // lands: wait for it (bounded by its response timeout), then
+                // try again.
+                Err(turn) => drop(turn.lock().await),
+            }
+        }
+    }
+
+    /// Waits for our last release of `req`'s key to land, if one is on its
+    /// way, and joins a hold of this process when there is one.
+    async fn reenter(&self, req: &AcquireRequest, cancel: &CancellationToken) -> Result<Option<Grant>> {
+        loop {
+            match self.holds.reenter(&req.key, &req.owner, req.lease) {
+                Reentry::Local(grant) => return Ok(Some(grant)),
+                Reentry::Server => return Ok(None),
+                Reentry::AfterRelease(turn) => {
+                    // Bounded by the release's response timeout.
+                    tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => return Err(Error::Cancelled),
+                        _ = turn.lock() => {}
+                    }
+                }
+            }
+        }
     }
 
     /// Loads the lock scripts into the server's script cache. A script
@@ -397,20 +471,73 @@ impl RedisBackend {
                 _ => break (reply, sent),
             }
         };
-        Ok(match reply.as_slice() {
-            [1, token, holds] => NodeAttempt::Granted {
-                grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + req.lease),
-                reentry: *holds > 1,
-            },
-            // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
-            [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
-            [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
-            [0, _] => NodeAttempt::Held { retry_in: None },
-            other => {
-                return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}")))
-            }
-        })
+        node_attempt(&reply, sent, req.lease)
     }
+
+    /// [`try_on_node`](Self::try_on_node) through the coalescer: in one
+    /// script call with the acquires of other tasks queued at the same time.
+    async fn try_coalesced(
+        &self,
+        coalescer: &coalesce::Coalescer,
+        calls: &coalesce::Calls,
+        req: &AcquireRequest,
+        awaited: bool,
+    ) -> Result<NodeAttempt> {
+        let mut remarked = false;
+        loop {
+            let op = coalesce::Op::Acquire { req: req.clone(), awaited };
+            let (reply, sent) = coalescer.run(calls, op).await?;
+            match (&self.restart, reply.as_slice()) {
+                (Some(guard), [2]) if !remarked => {
+                    guard.marker_missing(&self.conn).await?;
+                    remarked = true;
+                }
+                _ => return node_attempt(&reply, sent, req.lease),
+            }
+        }
+    }
+}
+
+impl RedisBackend {
+    /// [`release_on_server`](Self::release_on_server) through the
+    /// coalescer, where there is one.
+    async fn release_coalesced(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
+        let Some((coalescer, calls)) = &self.coalesce else {
+            return self.release_on_server(key, owner).await;
+        };
+        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone(), channel: release_channel(key) };
+        let (reply, _) = coalescer.run(calls, op).await?;
+        Ok(if reply == [0] { Release::Freed } else { Release::NotHeld })
+    }
+
+    /// Frees `key` on the server if `owner` holds it there (the last hold
+    /// of this process, or one it does not count: a RedLock node's).
+    pub(crate) async fn release_on_server(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
+        let left: i64 = self
+            .release
+            .key(key.as_str())
+            .arg(owner.as_str())
+            .arg(release_channel(key))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.failed(e))?;
+        Ok(if left == 0 { Release::Freed } else { Release::NotHeld })
+    }
+}
+
+/// An acquire script's reply for one lock, sent at `sent`.
+fn node_attempt(reply: &[i64], sent: Instant, lease: Duration) -> Result<NodeAttempt> {
+    Ok(match reply {
+        [1, token, holds] => NodeAttempt::Granted {
+            grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + lease),
+            reentry: *holds > 1,
+        },
+        // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
+        [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
+        [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
+        [0, _] => NodeAttempt::Held { retry_in: None },
+        other => return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}"))),
+    })
 }
 
 /// Where the acquire script keeps the last fencing token it granted.
@@ -439,12 +566,29 @@ impl Backend for RedisBackend {
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
-        Box::pin(acquire_loop(
-            req,
-            cancel,
-            move |awaited| self.try_once(req, awaited),
-            move || self.subscriber.register(release_channel(&req.key)),
-        ))
+        Box::pin(async move {
+            if let Some(grant) = self.reenter(req, cancel).await? {
+                return Ok(grant);
+            }
+            acquire_loop(
+                req,
+                cancel,
+                move |awaited| self.try_once(req, awaited),
+                move || self.subscriber.register(release_channel(&req.key)),
+            )
+            .await
+        })
+    }
+
+    fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
+        match self.holds.reenter(&req.key, &req.owner, req.lease) {
+            Reentry::Local(grant) => Some(Ok(grant)),
+            Reentry::Server | Reentry::AfterRelease(_) => None,
+        }
+    }
+
+    fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
+        self.holds.release_inner(key, owner).map(Ok)
     }
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
@@ -466,25 +610,26 @@ impl Backend for RedisBackend {
             } else {
                 self.renewals.renew(&self.renew, key, owner, lease_ms(lease)).await?
             };
-            Ok(if extended { Renewal::Held { valid_until: sent + lease } } else { Renewal::Lost })
+            let valid_until = extended.then_some(sent + lease);
+            self.holds.renewed(key, owner, valid_until);
+            Ok(match valid_until {
+                Some(valid_until) => Renewal::Held { valid_until },
+                None => Renewal::Lost,
+            })
         })
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
         Box::pin(async move {
-            let left: i64 = self
-                .release
-                .key(key.as_str())
-                .arg(owner.as_str())
-                .arg(release_channel(key))
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| self.failed(e))?;
-            Ok(match left {
-                0 => Release::Freed,
-                n if n > 0 => Release::StillHeld(u32::try_from(n).unwrap_or(u32::MAX)),
-                _ => Release::NotHeld,
-            })
+            match self.holds.release(key, owner) {
+                LocalRelease::StillHeld(left) => Ok(Release::StillHeld(left)),
+                LocalRelease::Unknown => self.release_coalesced(key, owner).await,
+                LocalRelease::Last(turn) => {
+                    let released = self.release_coalesced(key, owner).await;
+                    self.holds.released(key, owner, turn);
+                    released
+                }
+            }
         })
     }
 }

@@ -1,0 +1,251 @@
+//! Re-entry decided in the client.
+//!
+//! A process that holds a key for an owner re-enters it without a round
+//! trip: the server keeps one hold per key (its value names the owner and
+//! the fencing token, no count), and this table counts the holds of this
+//! process. Only the first acquire and the last release reach the server.
+//!
+//! * A re-entry is answered here while at least half of the requested lease
+//!   is left on the hold it joins (the watchdog renews at a third, so a
+//!   renewed hold always qualifies); otherwise it goes to the server, whose
+//!   script joins the hold idempotently (same token, the lease extended).
+//! * Two tasks of one owner that miss the table at once both reach the
+//!   server; the second joins the first's hold there, and both count here.
+//! * While the last release of a key is on its way, an acquire of the same
+//!   key and owner waits for it: sent first, it could join the hold on the
+//!   server just before the release deletes it.
+//!
+//! **An owner shared across processes** shares the lock but not the count:
+//! each process joins the same server hold, and the first last-release in
+//! any of them frees it for all. Give every process an owner of its own.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::OwnedMutexGuard;
+use tokio::time::Instant;
+
+use crate::backend::{Grant, Release};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// The holds this process has on its backend, by key and owner.
+#[derive(Default)]
+pub(crate) struct LocalHolds {
+    map: Mutex<HashMap<(LockKey, Owner), Hold>>,
+}
+
+struct Hold {
+    token: u64,
+    /// Holds given out here; 0 while the last release is on its way.
+    count: u32,
+    /// The end of the lease as last granted or renewed.
+    valid_until: Instant,
+    /// Locked by the last release while it is on its way.
+    releasing: Option<Arc<tokio::sync::Mutex<()>>>,
+}
+
+/// What an acquire of a key may do before asking the server.
+pub(crate) enum Reentry {
+    /// Joined a hold of this process.
+    Local(Grant),
+    /// The last release of this key and owner is on its way: wait for the
+    /// lock, then look again.
+    AfterRelease(Arc<tokio::sync::Mutex<()>>),
+    /// Ask the server.
+    Server,
+}
+
+/// What a release of a key may do before asking the server.
+pub(crate) enum LocalRelease {
+    /// Other holds of this process remain.
+    StillHeld(u32),
+    /// The last hold: release on the server, then pass the guard to
+    /// [`LocalHolds::released`].
+    Last(ReleaseTurn),
+    /// Not a hold this table knows of (a RedLock node's, or a grant whose
+    /// answer was lost): release on the server, owner-checked.
+    Unknown,
+}
+
+/// Held by the last release of a key while it is on its way.
+pub(crate) struct ReleaseTurn {
+    turn: Arc<tokio::sync::Mutex<()>>,
+    _locked: OwnedMutexGuard<()>,
+}
+
+impl LocalHolds {
+    fn map(&self) -> MutexGuard<'_, HashMap<(LockKey, Owner), Hold>> {
+        // Every change under this lock is one field or one entry, so a panic
+        // elsewhere leaves it consistent.
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Joins a hold of this process when it has one with at least half of
+    /// `lease` left.
+    pub(crate) fn reenter(&self, key: &LockKey, owner: &Owner, lease: Duration) -> Reentry {
+        let mut map = self.map();
+        let Some(hold) = map.get_mut(&(key.clone(), owner.clone())) else {
+            return Reentry::Server;
+        };
+        if hold.count == 0 {
+            return match &hold.releasing {
+                Some(turn) => Reentry::AfterRelease(turn.clone()),
+                None => Reentry::Server,
+            };
+        }
+        if hold.valid_until < Instant::now() + lease / 2 {
+            return Reentry::Server;
+        }
+        hold.count += 1;
+        Reentry::Local(Grant::until(hold.token, hold.valid_until))
+    }
+
+    /// Whether this process counts a hold of `key` for `owner`.
+    pub(crate) fn holding(&self, key: &LockKey, owner: &Owner) -> bool {
+        self.map().get(&(key.clone(), owner.clone())).is_some_and(|h| h.count > 0)
+    }
+
+    /// Records a grant of the server and returns its fencing token.
+    /// `joined`: the server (or a RedLock quorum) says the owner held the key
+    /// already, so a hold of ours that is still counted keeps its token;
+    /// otherwise our earlier hold lapsed and the grant is a new one.
+    ///
+    /// `Err` with the release's turn when the last release of the key is on
+    /// its way: it may land after the grant and delete it, so the grant is
+    /// not counted; wait for the turn and acquire again.
+    pub(crate) fn granted(
+        &self,
+        key: &LockKey,
+        owner: &Owner,
+        token: u64,
+        valid_until: Instant,
+        joined: bool,
+    ) -> Result<u64, Arc<tokio::sync::Mutex<()>>> {
+        let mut map = self.map();
+        let hold =
+            map.entry((key.clone(), owner.clone())).or_insert(Hold { token, count: 0, valid_until, releasing: None });
+        if hold.count == 0 {
+            if let Some(turn) = &hold.releasing {
+                return Err(turn.clone());
+            }
+            hold.count = 1;
+            return Ok(token);
+        }
+        if joined {
+            hold.valid_until = hold.valid_until.max(valid_until);
+        } else {
+            hold.token = token;
+            hold.valid_until = valid_until;
+        }
+        hold.count += 1;
+        Ok(hold.token)
+    }
+
+    /// Gives back a hold that is not the last one, without I/O; `None` when
+    /// the server must be asked.
+    pub(crate) fn release_inner(&self, key: &LockKey, owner: &Owner) -> Option<Release> {
+        let mut map = self.map();
+        let hold = map.get_mut(&(key.clone(), owner.clone()))?;
+        if hold.count <= 1 {
+            return None;
+        }
+        hold.count -= 1;
+        Some(Release::StillHeld(hold.count))
+    }
+
+    /// Gives back one hold.
+    pub(crate) fn release(&self, key: &LockKey, owner: &Owner) -> LocalRelease {
+        let mut map = self.map();
+        let Some(hold) = map.get_mut(&(key.clone(), owner.clone())) else {
+            return LocalRelease::Unknown;
+        };
+        match hold.count {
+            0 => LocalRelease::Unknown,
+            1 => {
+                hold.count = 0;
+                let turn = Arc::new(tokio::sync::Mutex::new(()));
+                let Ok(locked) = turn.clone().try_lock_owned() else {
+                    // A fresh mutex is never locked.
+                    map.remove(&(key.clone(), owner.clone()));
+                    return LocalRelease::Unknown;
+                };
+                hold.releasing = Some(turn.clone());
+                LocalRelease::Last(ReleaseTurn { turn, _locked: locked })
+            }
+            _ => {
+                hold.count -= 1;
+                LocalRelease::StillHeld(hold.count)
+            }
+        }
+    }
+
+    /// The last release reached the server (or failed): forget the hold.
+    pub(crate) fn released(&self, key: &LockKey, owner: &Owner, turn: ReleaseTurn) {
+        let mut map = self.map();
+        let id = (key.clone(), owner.clone());
+        if map.get(&id).and_then(|h| h.releasing.as_ref()).is_some_and(|t| Arc::ptr_eq(t, &turn.turn)) {
+            map.remove(&id);
+        }
+        drop(map);
+        drop(turn);
+    }
+
+    /// A renewal answered: the hold lives until `valid_until`, or (`None`)
+    /// it is gone, so that no re-entry joins it here any more.
+    pub(crate) fn renewed(&self, key: &LockKey, owner: &Owner, valid_until: Option<Instant>) {
+        let mut map = self.map();
+        if let Some(hold) = map.get_mut(&(key.clone(), owner.clone())) {
+            hold.valid_until = match valid_until {
+                Some(at) => hold.valid_until.max(at),
+                None => Instant::now(),
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id() -> (LockKey, Owner) {
+        (LockKey::builder("dlock", "holds").part(1).build().expect("key"), Owner::random().expect("owner"))
+    }
+
+    #[tokio::test]
+    async fn only_the_first_acquire_and_the_last_release_reach_the_server() {
+        let holds = LocalHolds::default();
+        let (k, o) = id();
+        let lease = Duration::from_secs(30);
+        assert!(matches!(holds.reenter(&k, &o, lease), Reentry::Server));
+        assert_eq!(holds.granted(&k, &o, 7, Instant::now() + lease, false).ok(), Some(7));
+        let Reentry::Local(inner) = holds.reenter(&k, &o, lease) else { panic!("a re-entry is local") };
+        assert_eq!(inner.fencing_token, 7);
+        assert_eq!(holds.release_inner(&k, &o), Some(Release::StillHeld(1)));
+        assert_eq!(holds.release_inner(&k, &o), None, "the last hold needs the server");
+        let LocalRelease::Last(turn) = holds.release(&k, &o) else { panic!("the last release") };
+        assert!(matches!(holds.reenter(&k, &o, lease), Reentry::AfterRelease(_)), "waits for the release");
+        assert!(holds.granted(&k, &o, 7, Instant::now() + lease, true).is_err(), "a grant racing the release");
+        holds.released(&k, &o, turn);
+        assert!(matches!(holds.reenter(&k, &o, lease), Reentry::Server));
+        assert!(matches!(holds.release(&k, &o), LocalRelease::Unknown));
+    }
+
+    #[tokio::test]
+    async fn a_hold_short_of_lease_or_lost_goes_to_the_server() {
+        let holds = LocalHolds::default();
+        let (k, o) = id();
+        let lease = Duration::from_secs(30);
+        assert_eq!(holds.granted(&k, &o, 7, Instant::now() + Duration::from_secs(10), false).ok(), Some(7));
+        assert!(matches!(holds.reenter(&k, &o, lease), Reentry::Server), "less than half the lease left");
+        assert_eq!(holds.granted(&k, &o, 7, Instant::now() + lease, true).ok(), Some(7), "the server joined the hold");
+        holds.renewed(&k, &o, None);
+        assert!(matches!(holds.reenter(&k, &o, lease), Reentry::Server), "lost");
+        assert_eq!(
+            holds.granted(&k, &o, 9, Instant::now() + lease, false).ok(),
+            Some(9),
+            "a new grant takes its token"
+        );
+    }
+}
