@@ -8,7 +8,8 @@
 //!
 //! Every scenario prints one table row (or one JSON object per line with
 //! `--json`); `--markdown PATH` also writes the results block of
-//! RELIABILITY.md (see [`markdown`]). The exit code is 1 when a scenario that the backend promises
+//! RELIABILITY.md (see [`markdown`]), `--timelines DIR` an SVG per row
+//! (see [`timeline`]). The exit code is 1 when a scenario that the backend promises
 //! to survive loses an update on the fenced register, accepts a stale write
 //! or shows an overlap its fault does not excuse, or when a scenario's own
 //! assertion fails (a broken lock the checker missed, residue, a 5xx);
@@ -37,6 +38,7 @@ mod scenarios;
 mod self_test;
 mod slow;
 mod storm;
+mod timeline;
 mod worker;
 mod zk_expire;
 
@@ -46,7 +48,7 @@ use harness::Report;
 
 fn usage() -> String {
     format!(
-        "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N] [--markdown PATH|-] | --list\nscenarios: {}",
+        "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N] [--markdown PATH|-] [--timelines DIR] | --list\nscenarios: {}",
         scenarios::names()
     )
 }
@@ -85,6 +87,10 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
                 let v = it.next().ok_or("--markdown needs a path (or - for stdout)")?;
                 markdown::check_target(&v)?;
                 args.markdown = Some(v);
+            }
+            "--timelines" => {
+                let v = it.next().ok_or("--timelines needs a directory")?;
+                timeline::set_dir(std::path::Path::new(&v))?;
             }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument `{other}`")),

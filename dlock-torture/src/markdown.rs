@@ -134,15 +134,15 @@ pub(crate) fn block(stamp: &Stamp, rows: &[Report]) -> String {
     let _ = writeln!(
         s,
         "| scenario | backend | safe | ops | faults | overlaps | lost | refused | st.acc | tok.reg | set.miss | \
-         unf.lost | p50 ms | p99 ms | verdict |"
+         unf.lost | p50 ms | p99 ms | verdict | timeline |"
     );
-    let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|");
     for r in rows {
         let overlaps = if r.overlaps_informational { format!("{} (i)", r.overlaps) } else { r.overlaps.to_string() };
         let v = verdict(r);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {} | {} |",
             cell(&r.scenario),
             cell(&r.backend),
             if r.expected_safe { "yes" } else { "no" },
@@ -157,7 +157,8 @@ pub(crate) fn block(stamp: &Stamp, rows: &[Report]) -> String {
             r.unfenced_lost,
             r.p50_wait_ms,
             r.p99_wait_ms,
-            if v == "FAIL" { "**FAIL**" } else { v }
+            if v == "FAIL" { "**FAIL**" } else { v },
+            r.timeline.as_deref().map_or_else(|| "-".to_owned(), |p| format!("[svg]({})", p.replace(' ', "%20")))
         );
     }
     let _ = writeln!(s);
@@ -240,6 +241,7 @@ mod tests {
         ok.expected_safe = true;
         ok.operations = 10;
         ok.note("T3: fine");
+        ok.timeline = Some("docs/timelines/pause-redis.svg".into());
         let mut bad = Report::new("partition", "redis", 7);
         bad.expected_safe = true;
         bad.operations = 5;
@@ -269,9 +271,9 @@ mod tests {
     fn a_failing_row_shows_fail() {
         let b = block(&stamp(), &rows());
         let row = b.lines().find(|l| l.starts_with("| partition |")).expect("partition row");
-        assert!(row.ends_with("| **FAIL** |"), "{row}");
+        assert!(row.ends_with("| **FAIL** | - |"), "{row}");
         let ok_row = b.lines().find(|l| l.starts_with("| pause |")).expect("pause row");
-        assert!(ok_row.ends_with("| ok |"), "{ok_row}");
+        assert!(ok_row.ends_with("| ok | [svg](docs/timelines/pause-redis.svg) |"), "{ok_row}");
         assert!(b.contains("| rows | 2 (1 FAIL) |"), "{b}");
         assert!(b.contains("**partition [redis]** (FAIL): FAIL: safety violated"), "{b}");
         assert!(b.contains("| command | `dlock-torture --short --markdown RELIABILITY.md` |"), "{b}");

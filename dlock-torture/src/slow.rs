@@ -50,6 +50,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let expiries = ExpiryWatch::start(&nodes)?;
 
     let mut run = Run::new("redlock-slow").map_err(|e| e.to_string())?;
+    // The delays hold for the whole run: one band on the timeline.
+    run.log("slow", None);
     let urls = proxies.iter().map(|p| format!("redis://127.0.0.1:{}", p.port())).collect();
     let mut cfg = config("redlock", urls, &res_server, seed);
     cfg.lease_ms = LEASE_MS;
