@@ -19,7 +19,7 @@ use crate::history::Event;
 /// Lanes (keys) drawn; a run with more keys shows the first ones.
 pub(crate) const MAX_LANES: usize = 16;
 /// Hold bars drawn; a longer run shows a window of this many, starting
-/// shortly before its first overlap or fault.
+/// shortly before its first overlap (else refused stale write, else fault).
 pub(crate) const MAX_BARS: usize = 400;
 /// Labels written beside red marks; the rest are marked without text.
 const MAX_LABELS: usize = 12;
@@ -224,7 +224,12 @@ pub(crate) fn draw(title: &str, events: &[Event], run_end: u64) -> String {
     let (t0, t1, shown) = if in_lanes.len() <= MAX_BARS {
         (first, last, in_lanes.clone())
     } else {
-        let focus = all_overlaps.first().map(|o| o.1).into_iter().chain(faults.first().map(|b| b.from)).min();
+        // The first red mark matters most, then the first fault.
+        let focus = all_overlaps
+            .first()
+            .map(|o| o.1)
+            .or_else(|| stale.iter().map(|(_, t)| *t).min())
+            .or_else(|| faults.first().map(|b| b.from));
         let from = focus.map_or(first, |f| f.saturating_sub(500_000_000).max(first));
         let skip = in_lanes.iter().position(|h| h.end >= from).unwrap_or(0);
         let shown: Vec<&Hold> = in_lanes.iter().skip(skip).take(MAX_BARS).copied().collect();
@@ -455,6 +460,17 @@ mod tests {
         assert!(svg.contains("truncated: showing 400 of 2000 holds"), "{}", &svg[..600]);
         assert!(svg.contains("<title>pause</title>"));
         assert!(svg.len() < 100_000, "{}", svg.len());
+
+        // An overlap late in a long run is inside the window drawn.
+        // Between the holds at 15000–15005 and 15010–15015 ms.
+        let late = 15_006u64;
+        events.push(ev(late, 7, "acq_ok", "x"));
+        events.push(ev(late + 1, 8, "acq_ok", "y"));
+        events.push(ev(late + 2, 7, "rel_invoke", "x"));
+        events.push(ev(late + 3, 8, "rel_invoke", "y"));
+        events.sort_by_key(|e| e.t);
+        let svg = draw("late overlap", &events, 20_000_000_000);
+        assert_eq!(svg.matches(r#"class="overlap""#).count(), 1, "{}", &svg[..600]);
     }
 
     #[test]
