@@ -144,6 +144,7 @@ fn main() -> ExitCode {
     eprintln!("dlock-torture: seed {} ({})", args.seed, if args.short { "short" } else { "long" });
     let size = scenario::Size { short: args.short };
     let (started_at, run_started) = (std::time::SystemTime::now(), std::time::Instant::now());
+    let commit = if args.markdown.is_some() { markdown::commit() } else { String::new() };
     harness::size_set_registers(args.short);
     let mut rows: Vec<Report> = Vec::new();
     if !args.json {
@@ -166,7 +167,7 @@ fn main() -> ExitCode {
         }
     }
     if let Some(path) = &args.markdown {
-        let stamp = markdown::Stamp::of_this_run(&raw, args.seed, started_at, run_started.elapsed());
+        let stamp = markdown::Stamp::of_this_run(commit.clone(), &raw, args.seed, started_at, run_started.elapsed());
         match markdown::write(path, &markdown::block(&stamp, &rows)) {
             Ok(()) if path != "-" => eprintln!("dlock-torture: results written to {path}"),
             Ok(()) => {}

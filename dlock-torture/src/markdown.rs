@@ -29,10 +29,12 @@ pub(crate) struct Stamp {
 }
 
 impl Stamp {
-    /// The stamp of this process's run, begun at `started` with `args`.
-    pub(crate) fn of_this_run(args: &[String], seed: u64, started: SystemTime, wall: Duration) -> Self {
+    /// The stamp of this process's run, begun at `started` on `commit`
+    /// (read at the start: the run itself writes tracked files, the
+    /// timelines and this block) with `args`.
+    pub(crate) fn of_this_run(commit: String, args: &[String], seed: u64, started: SystemTime, wall: Duration) -> Self {
         Stamp {
-            commit: commit(),
+            commit,
             started_unix_s: started.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             command: command_line(args),
             seed,
@@ -45,7 +47,7 @@ impl Stamp {
 
 /// The checkout's commit; `unknown` when git or the repository is missing,
 /// since a run must not fail for its stamp.
-fn commit() -> String {
+pub(crate) fn commit() -> String {
     let git = |args: &[&str]| {
         std::process::Command::new("git")
             .args(args)
