@@ -81,6 +81,9 @@ pub(crate) struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) lost_latency_p99_ms: Option<f64>,
     pub(crate) notes: String,
+    /// The row's timeline picture (`--timelines`), when one was drawn.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) timeline: Option<String>,
     /// Whether the row passes its own assertions.
     pub(crate) pass: bool,
 }

@@ -2,12 +2,14 @@
 //! loopback ports) while injecting faults, then checks the history.
 //!
 //! ```text
-//! cargo run --release --bin dlock-torture -- [--short] [--scenario NAME] [--json] [--seed N]
+//! cargo run --release --bin dlock-torture -- [--short] [--scenario NAME] [--json] [--seed N] [--markdown PATH]
 //! cargo run --release --bin dlock-torture -- --list   # the scenario names, one a line
 //! ```
 //!
 //! Every scenario prints one table row (or one JSON object per line with
-//! `--json`). The exit code is 1 when a scenario that the backend promises
+//! `--json`); `--markdown PATH` also writes the results block of
+//! RELIABILITY.md (see [`markdown`]), `--timelines DIR` an SVG per row
+//! (see [`timeline`]). The exit code is 1 when a scenario that the backend promises
 //! to survive loses an update on the fenced register, accepts a stale write
 //! or shows an overlap its fault does not excuse, or when a scenario's own
 //! assertion fails (a broken lock the checker missed, residue, a 5xx);
@@ -22,6 +24,7 @@ mod harness;
 mod herd;
 mod history;
 mod kill_client;
+mod markdown;
 mod orphan_renewal;
 mod partition;
 mod pause;
@@ -35,6 +38,7 @@ mod scenarios;
 mod self_test;
 mod slow;
 mod storm;
+mod timeline;
 mod worker;
 mod zk_expire;
 
@@ -44,7 +48,7 @@ use harness::Report;
 
 fn usage() -> String {
     format!(
-        "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N] | --list\nscenarios: {}",
+        "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N] [--markdown PATH|-] [--timelines DIR] | --list\nscenarios: {}",
         scenarios::names()
     )
 }
@@ -55,10 +59,12 @@ struct Args {
     json: bool,
     seed: u64,
     scenarios: Vec<String>,
+    /// Where the RELIABILITY.md results block goes (`-`: stdout).
+    markdown: Option<String>,
 }
 
 fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
-    let mut args = Args { list: false, short: false, json: false, seed: 0, scenarios: Vec::new() };
+    let mut args = Args { list: false, short: false, json: false, seed: 0, scenarios: Vec::new(), markdown: None };
     let mut seeded = false;
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -77,6 +83,15 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
                 }
                 args.scenarios.push(v);
             }
+            "--markdown" => {
+                let v = it.next().ok_or("--markdown needs a path (or - for stdout)")?;
+                markdown::check_target(&v)?;
+                args.markdown = Some(v);
+            }
+            "--timelines" => {
+                let v = it.next().ok_or("--timelines needs a directory")?;
+                timeline::set_dir(std::path::Path::new(&v))?;
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument `{other}`")),
         }
@@ -91,7 +106,8 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
 }
 
 fn main() -> ExitCode {
-    let mut argv = std::env::args().skip(1).peekable();
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let mut argv = raw.clone().into_iter().peekable();
     if argv.peek().map(String::as_str) == Some("worker") {
         let config = argv.nth(1).unwrap_or_default();
         return match worker::run(&config) {
@@ -127,6 +143,8 @@ fn main() -> ExitCode {
     };
     eprintln!("dlock-torture: seed {} ({})", args.seed, if args.short { "short" } else { "long" });
     let size = scenario::Size { short: args.short };
+    let (started_at, run_started) = (std::time::SystemTime::now(), std::time::Instant::now());
+    let commit = if args.markdown.is_some() { markdown::commit() } else { String::new() };
     harness::size_set_registers(args.short);
     let mut rows: Vec<Report> = Vec::new();
     if !args.json {
@@ -146,6 +164,17 @@ fn main() -> ExitCode {
                 println!("{}", row(&r));
             }
             rows.push(r);
+        }
+    }
+    if let Some(path) = &args.markdown {
+        let stamp = markdown::Stamp::of_this_run(commit.clone(), &raw, args.seed, started_at, run_started.elapsed());
+        match markdown::write(path, &markdown::block(&stamp, &rows)) {
+            Ok(()) if path != "-" => eprintln!("dlock-torture: results written to {path}"),
+            Ok(()) => {}
+            Err(e) => {
+                eprintln!("dlock-torture: {e}");
+                return ExitCode::FAILURE;
+            }
         }
     }
     let failed: Vec<&Report> = rows.iter().filter(|r| !r.pass || !r.safety_ok()).collect();
@@ -188,11 +217,7 @@ fn header() -> String {
 
 fn row(r: &Report) -> String {
     let overlaps = if r.overlaps_informational { format!("{}(i)", r.overlaps) } else { r.overlaps.to_string() };
-    let verdict = match (r.pass && r.safety_ok(), r.caught) {
-        (true, Some(true)) => "caught",
-        (true, _) => "ok",
-        (false, _) => "FAIL",
-    };
+    let verdict = markdown::verdict(r);
     format!(
         "{:<18} {:<46} {:>5} {:>6} {:>6} {:>8} {:>5} {:>7} {:>7} {:>8} {:>8.2} {:>8.2} {}",
         r.scenario,

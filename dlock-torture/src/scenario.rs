@@ -160,6 +160,8 @@ pub(crate) async fn finish(
     }
     let findings = run.check(resource, keys).await?;
     r.absorb(&findings);
+    let drawn = crate::timeline::write(&r.scenario, &r.backend, &run.events()?, crate::history::mono_ns())?;
+    r.timeline = drawn.map(|p| p.display().to_string());
     if !findings.unavailable_ns.is_empty() {
         r.note(format!(
             "unavailable answers: {}, p99 {:.0} ms, max {:.0} ms after the acquire was called",

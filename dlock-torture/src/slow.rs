@@ -50,6 +50,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let expiries = ExpiryWatch::start(&nodes)?;
 
     let mut run = Run::new("redlock-slow").map_err(|e| e.to_string())?;
+    // The delays hold for the whole run: one band on the timeline.
+    run.log("slow", None);
     let urls = proxies.iter().map(|p| format!("redis://127.0.0.1:{}", p.port())).collect();
     let mut cfg = config("redlock", urls, &res_server, seed);
     cfg.lease_ms = LEASE_MS;
@@ -69,12 +71,29 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     cfg.duration_ms = size.pick(50_000, 150_000);
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
+    // The delays as the workers meet them, measured while they run.
+    let measured_early = probe_all(&proxies).await;
     let mut r = Report::new("redlock-slow", "redlock (5 nodes, 2 at 0.4 × lease, 1 at 1.1 × lease)", seed);
     r.expected_safe = true;
-    r.faults = 3;
     r.fault_kind = "delay requests and replies: +0.4 × lease round trip on 2 nodes, +1.1 × lease on 1".into();
     describe(&mut r, procs, &cfg);
     let findings = finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
+    let measured_late = probe_all(&proxies).await;
+    r.faults = count_delaying(&round_trips, &measured_early, &measured_late);
+    r.note(format!(
+        "PING round trips through each node's proxy at the start / end of the run, ms: {}; nodes delaying as set: {} of \
+         3",
+        round_trips
+            .iter()
+            .zip(measured_early.iter().zip(&measured_late))
+            .map(|(set, (a, b))| format!("{}→{}/{}", set.as_millis(), show_ms(*a), show_ms(*b)))
+            .collect::<Vec<_>>()
+            .join(", "),
+        r.faults
+    ));
+    if r.faults < 3 {
+        r.fail(format!("only {} of the 3 slow nodes were measured delaying their traffic", r.faults));
+    }
 
     // Every worker has exited; their last commands may still sit in a
     // proxy for up to half the slowest round trip. Once those have landed,
@@ -136,6 +155,41 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     }
     drop(proxies);
     Ok(r)
+}
+
+/// One `PING` round trip through each proxy, on a fresh connection; `None`
+/// when a node did not answer within 5 s.
+async fn probe_all(proxies: &[FaultProxy]) -> Vec<Option<Duration>> {
+    futures_util::future::join_all(proxies.iter().map(|p| ping_rtt(p.port()))).await
+}
+
+async fn ping_rtt(port: u16) -> Option<Duration> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+        let started = tokio::time::Instant::now();
+        conn.write_all(b"PING\r\n").await.ok()?;
+        let mut reply = [0u8; 7];
+        conn.read_exact(&mut reply).await.ok()?;
+        (&reply == b"+PONG\r\n").then(|| started.elapsed())
+    };
+    tokio::time::timeout(Duration::from_secs(5), probe).await.ok().flatten()
+}
+
+fn show_ms(rtt: Option<Duration>) -> String {
+    rtt.map_or_else(|| "none".to_owned(), |d| format!("{:.0}", d.as_secs_f64() * 1e3))
+}
+
+/// The nodes meant to be slow whose measured round trip, at both ends of
+/// the run, was at least 0.9 × the delay set: a fault counted only when the
+/// proxy was seen delaying bytes, not because it was told to.
+fn count_delaying(set: &[Duration], early: &[Option<Duration>], late: &[Option<Duration>]) -> u64 {
+    set.iter()
+        .zip(early.iter().zip(late))
+        .filter(|(set, (a, b))| {
+            !set.is_zero() && [a, b].iter().all(|m| m.is_some_and(|m| m.as_micros() * 10 >= set.as_micros() * 9))
+        })
+        .count() as u64
 }
 
 /// From the history: acquires that took longer than one uncontended round
@@ -280,5 +334,38 @@ impl ExpiryWatch {
             all.extend(t.join().map_err(|_| "an expiry watcher thread panicked")?);
         }
         Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node counts as a fault only when it was set slow and measured slow
+    /// at both ends; a node that answered fast, or not at all, does not.
+    #[test]
+    fn only_nodes_measured_slow_count_as_faults() {
+        let ms = Duration::from_millis;
+        let set = [Duration::ZERO, ms(200), ms(200), ms(550)];
+        let slow = [Some(ms(1)), Some(ms(205)), Some(ms(230)), Some(ms(560))];
+        assert_eq!(count_delaying(&set, &slow, &slow), 3);
+        let one_fast_at_the_end = [Some(ms(1)), Some(ms(205)), Some(ms(3)), Some(ms(560))];
+        assert_eq!(count_delaying(&set, &slow, &one_fast_at_the_end), 2);
+        let none_answered = [None, None, None, None];
+        assert_eq!(count_delaying(&set, &none_answered, &slow), 0);
+    }
+
+    /// The probe measures what a proxy really does to a real Redis.
+    #[test]
+    fn the_probe_sees_a_proxy_delay() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let node = RedisServer::start();
+        let proxy = FaultProxy::start(node.port());
+        let fast = rt.block_on(ping_rtt(proxy.port())).expect("PING through the proxy");
+        proxy.set_request_delay(Duration::from_millis(100));
+        proxy.set_delay(Duration::from_millis(100));
+        let slow = rt.block_on(ping_rtt(proxy.port())).expect("PING through the slow proxy");
+        assert!(fast < Duration::from_millis(100), "{fast:?}");
+        assert!(slow >= Duration::from_millis(180), "{slow:?}");
     }
 }

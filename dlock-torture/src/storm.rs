@@ -89,6 +89,13 @@ async fn request(addr: &str, method: &str, path: &str, key: Option<&str>, body: 
     Ok(Reply { status, replayed, body: body.to_owned() })
 }
 
+/// Whether a reaped child died of SIGKILL (and not of anything else, or
+/// still unknown because it could not be waited for).
+fn killed_by_sigkill(status: std::io::Result<std::process::ExitStatus>) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    status.is_ok_and(|s| s.signal() == Some(rustix::process::Signal::KILL.as_raw()))
+}
+
 /// One `orders` process; killed (SIGKILL) on drop if still running.
 struct Orders {
     child: Child,
@@ -225,6 +232,9 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let killed_at: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
     let gate = Arc::new(Semaphore::new(inflight));
     let started = Instant::now();
+    // Whether A was seen to die of the SIGKILL while the storm ran: the
+    // row's fault, counted once A is reaped, not because it was sent.
+    let mut reaped_mid_storm = false;
     let mut handles = Vec::with_capacity(jobs.len());
     for (_, job, to_a) in jobs {
         let permit = gate.clone().acquire_owned().await.map_err(|e| e.to_string())?;
@@ -233,7 +243,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
             if k.is_none() {
                 if let Some(mut o) = a.lock().map_err(|_| "poisoned")?.take() {
                     o.child.kill().map_err(|e| format!("kill -9 A: {e}"))?;
-                    let _ = o.child.wait();
+                    reaped_mid_storm = killed_by_sigkill(o.child.wait());
                 }
                 *k = Some(Instant::now());
             }
@@ -307,11 +317,13 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let storm_s = started.elapsed().as_secs_f64();
     let killed = killed_at.lock().map_err(|_| "poisoned")?.unwrap_or_else(Instant::now);
     if let Some(mut o) = a.lock().map_err(|_| "poisoned")?.take() {
-        // The storm ended before the kill point: kill now, still a kill mid-run.
+        // The storm ended before the kill point: a kill now injects nothing
+        // into the storm, so it is not counted.
         let _ = o.child.kill();
         let _ = o.child.wait();
+        r.note("the storm ended before A's kill point: A was killed after it, and no fault is counted");
     }
-    r.faults = 1;
+    r.faults = u64::from(reaped_mid_storm);
 
     // Every key must answer 2xx on the survivor within lease + margin.
     let deadline = std::cmp::max(killed + LEASE, Instant::now()) + MARGIN;
@@ -430,4 +442,22 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         r.fail("the storm executed nothing");
     }
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a child that died of SIGKILL counts as killed: one that exited
+    /// on its own, or died of another signal, does not.
+    #[test]
+    fn a_kill_counts_only_once_the_child_died_of_it() {
+        let mut victim = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        victim.kill().expect("kill");
+        assert!(killed_by_sigkill(victim.wait()));
+        let exited = std::process::Command::new("sh").args(["-c", "exit 0"]).status();
+        assert!(!killed_by_sigkill(exited));
+        let terminated = std::process::Command::new("sh").args(["-c", "kill -TERM $$"]).status();
+        assert!(!killed_by_sigkill(terminated));
+    }
 }

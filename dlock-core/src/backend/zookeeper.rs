@@ -550,7 +550,7 @@ impl ZooKeeperBackend {
                 }
                 Err(zk::Error::NoAuth) => return Err(not_allowed(dir, auth)),
                 Err(e) if !answered(&e) => {
-                    tracing::debug!(error = %e, dir, "create's outcome unknown; looking for our node");
+                    tracing::debug!(error = %e, dir = %path_log_id(dir), "create's outcome unknown; looking for our node");
                     match Self::find_node(client, dir, prefix).await {
                         Ok(Some(found)) => return Ok(found),
                         Ok(None) => last = Some(e),
@@ -600,7 +600,12 @@ impl ZooKeeperBackend {
             }
         }
         let e = last.map_or_else(|| Error::backend("zookeeper", "lookup failed"), zk_error);
-        tracing::warn!(error = %e, dir, prefix, "cannot tell whether a lost create made our node; it goes with the session");
+        tracing::warn!(
+            error = %e,
+            dir = %path_log_id(dir),
+            prefix,
+            "cannot tell whether a lost create made our node; it goes with the session"
+        );
         Err(e)
     }
 
@@ -620,11 +625,11 @@ impl ZooKeeperBackend {
                 Err(zk::Error::NoNode) => maybe_deleted,
                 Err(e @ (zk::Error::SessionExpired | zk::Error::ClientClosed)) => {
                     // The node died with the session.
-                    tracing::debug!(error = %e, node, "lock node went with the session");
+                    tracing::debug!(error = %e, node = %path_log_id(node), "lock node went with the session");
                     return Ok(false);
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, node, attempt, "deleting a lock node failed; retrying");
+                    tracing::warn!(error = %e, node = %path_log_id(node), attempt, "deleting a lock node failed; retrying");
                     maybe_deleted |= !answered(&e);
                     last = Some(e);
                     tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
@@ -1001,7 +1006,7 @@ async fn follow(
                     expired
                 };
                 if still_ours {
-                    tracing::debug!(node, "lease ran out; deleting the lock node");
+                    tracing::debug!(key = %id.0.log_id(), "lease ran out; deleting the lock node");
                     let _ = client.delete(&node, None).await;
                 }
                 return;
@@ -1034,6 +1039,29 @@ async fn node_deleted(client: &zk::Client, node: &str) -> bool {
     }
 }
 
+/// A lock directory or node path as logs write it: `zk#` and a short hash
+/// of the lock's directory, then the node's own name when there is one
+/// (`zk#1a2b3c4d5e6f/_c_…lock-0000000007`).
+///
+/// The directory is the lock key's text, and a key's parts are often
+/// request values (account ids, one-time tokens) that do not belong in
+/// logs; the node's name is ours (random hex and a sequence number). The
+/// hash is the same in every process, so the lines of one lock match
+/// across instances.
+fn path_log_id(path: &str) -> String {
+    // Only a name we made, `_c_…`, is split off as the node: the rest is
+    // the key's text, whatever it holds.
+    let (dir, node) = match path.rsplit_once('/') {
+        Some((dir, node)) if node.starts_with("_c_") => (dir, Some(node)),
+        _ => (path, None),
+    };
+    let digest = sha1_smol::Sha1::from(dir).digest().to_string();
+    match node {
+        Some(node) => format!("zk#{}/{node}", &digest[..12]),
+        None => format!("zk#{}", &digest[..12]),
+    }
+}
+
 /// Deletes, in the background, our node under `dir` whose name starts with
 /// `name`, when we could neither find it again after a lost reply nor
 /// delete it after giving up our place. Nobody else would: it would sort
@@ -1055,11 +1083,16 @@ async fn sweep(client: zk::Client, dir: String, name: String) {
                 | zk::Error::AuthFailed),
             ) => {
                 // An ephemeral node goes with its session.
-                tracing::debug!(error = %e, dir, name, "session over; no orphan left to sweep");
+                tracing::debug!(error = %e, dir = %path_log_id(&dir), name, "session over; no orphan left to sweep");
                 return;
             }
             Err(e) if answered(&e) => {
-                tracing::warn!(error = %e, dir, name, "giving up on a possible orphan lock node; it goes with the session");
+                tracing::warn!(
+                    error = %e,
+                    dir = %path_log_id(&dir),
+                    name,
+                    "giving up on a possible orphan lock node; it goes with the session"
+                );
                 return;
             }
             Err(_) => continue,
@@ -1067,7 +1100,7 @@ async fn sweep(client: zk::Client, dir: String, name: String) {
         let Some(child) = children.iter().find(|c| c.starts_with(&name)) else { return };
         let node = format!("{dir}/{child}");
         if ZooKeeperBackend::delete_node(&client, &node).await.is_ok() {
-            tracing::info!(node, "deleted an orphan lock node");
+            tracing::info!(node = %path_log_id(&node), "deleted an orphan lock node");
             return;
         }
     }
@@ -1112,7 +1145,11 @@ impl Backend for ZooKeeperBackend {
                 if let Err(e) = Self::wait_turn(client, req, &dir, &node, cancel).await {
                     // Leave no node behind: a timeout, a cancel or an error gives up our place.
                     if let Err(del) = Self::delete_node(client, &node).await {
-                        tracing::warn!(error = %del, node, "could not delete an abandoned lock node yet; retrying in the background");
+                        tracing::warn!(
+                            error = %del,
+                            node = %path_log_id(&node),
+                            "could not delete an abandoned lock node yet; retrying in the background"
+                        );
                         tokio::spawn(sweep(client.clone(), dir.clone(), prefix.clone()));
                     }
                     return Err(e);
@@ -1204,5 +1241,23 @@ impl Backend for ZooKeeperBackend {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lock key's text never reaches a log line; the node's own name
+    /// does, and one lock's directory and nodes share one hash.
+    #[test]
+    fn a_logged_path_hides_the_key_text() {
+        let key = LockKey::builder("dlock", "order.create").part("tok-secret").build().expect("key");
+        let backend_dir = format!("/dlock/{}", key.as_str());
+        let node = format!("{backend_dir}/_c_0123abcd-lock-0000000007");
+        for logged in [path_log_id(&backend_dir), path_log_id(&node)] {
+            assert!(!logged.contains("secret") && !logged.contains("order"), "{logged}");
+        }
+        assert_eq!(path_log_id(&node), format!("{}/_c_0123abcd-lock-0000000007", path_log_id(&backend_dir)));
     }
 }
