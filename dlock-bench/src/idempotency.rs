@@ -42,7 +42,23 @@ static WINDOWS: AtomicU64 = AtomicU64::new(0);
 const CONCURRENCY: usize = 8;
 
 /// Commands the idempotency scripts make inside Redis.
-const SCRIPT_INTERNAL: &[&str] = &["hget", "hset", "hdel", "pexpire", "del"];
+const SCRIPT_INTERNAL: &[&str] = &[
+    "hget",
+    "hset",
+    "hdel",
+    "pexpire",
+    "pexpireat",
+    "del",
+    "exists",
+    "set",
+    "time",
+    "rename",
+    "zadd",
+    "zcard",
+    "zrange",
+    "zrem",
+    "zremrangebyscore",
+];
 
 fn app(layer: Option<IdempotencyLayer>) -> Router {
     let route = post(|| async {

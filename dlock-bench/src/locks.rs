@@ -88,8 +88,7 @@ pub(crate) async fn scan(conn: &MultiplexedConnection, pattern: &str) -> Result<
 /// Commands called by dlock's Redis scripts (`dlock-core/src/backend/redis/
 /// {acquire,release,renew}.lua`); the engine itself sends only EVALSHA
 /// (EVAL / SCRIPT LOAD once after a restart) and SUBSCRIBE / UNSUBSCRIBE.
-const DLOCK_SCRIPT_COMMANDS: &[&str] =
-    &["hget", "hmget", "time", "set", "hset", "pexpire", "hincrby", "pttl", "del", "publish"];
+const DLOCK_SCRIPT_COMMANDS: &[&str] = &["get", "time", "set", "pexpire", "exists", "pttl", "del", "publish"];
 
 /// dlock's [`Locker`] over any backend.
 #[derive(Debug)]

@@ -249,8 +249,9 @@ async fn episode(
     // The held renewals land now. Watch the owner for a while.
     let until = Instant::now() + WATCH_AFTER_HEAL;
     while Instant::now() < until {
-        let owner: Option<String> =
-            redis::cmd("HGET").arg(&name).arg("o").query_async(probe).await.map_err(|e| e.to_string())?;
+        // A lock's value is `<token>:<w>:<owner>`.
+        let value: Option<String> = redis::cmd("GET").arg(&name).query_async(probe).await.map_err(|e| e.to_string())?;
+        let owner = value.as_deref().and_then(|v| v.splitn(3, ':').nth(2)).map(str::to_owned);
         if e.gone_at.is_some() && owner.as_deref() == Some(old_owner.as_str()) {
             e.resurrections += 1;
         }

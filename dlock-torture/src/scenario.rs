@@ -114,7 +114,7 @@ pub(crate) async fn residue_on(
     Ok(total)
 }
 
-/// C6 on a Redis lock server: lock hashes left, and how many of them have a
+/// C6 on a Redis lock server: lock keys left, and how many of them have a
 /// PTTL that grows between two samples 2 × renew interval apart.
 pub(crate) async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u64), String> {
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
@@ -123,7 +123,15 @@ pub(crate) async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u6
     let mut locks = Vec::new();
     for k in all {
         let kind: String = redis::cmd("TYPE").arg(&k).query_async(&mut c).await.map_err(|e| e.to_string())?;
-        if kind == "hash" {
+        if kind != "string" {
+            continue;
+        }
+        // A lock is `<token>:<w>:<owner>`; the fence high-water mark (a bare
+        // number) and the restart marker (`1`) are not locks.
+        let value: Option<String> = c.get(&k).await.map_err(|e| e.to_string())?;
+        if value.is_some_and(|v| {
+            v.splitn(3, ':').count() == 3 && v.split(':').next().is_some_and(|t| t.parse::<u64>().is_ok())
+        }) {
             locks.push(k);
         }
     }
