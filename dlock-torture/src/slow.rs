@@ -268,7 +268,7 @@ struct Expiry {
     t: u64,
 }
 
-/// The worker's key index in a lock hash's name, `torture:{torture:<k>}`.
+/// The worker's key index in a lock key's name, `torture:{torture:<k>}`.
 fn key_index(name: &str) -> Option<u32> {
     name.strip_prefix("torture:{torture:")?.strip_suffix('}')?.parse().ok()
 }
