@@ -126,8 +126,14 @@ async fn a_restarted_server_grants_nothing_until_the_quarantine_is_over() {
     server.restart();
     let restarted = Instant::now();
 
-    let (stolen, _) = acquire_eventually(&unguarded, &k2).await;
-    assert!(Instant::now() < held2.valid_until(), "the control took k2 while A's lease on it still ran");
+    let (stolen, control_refusals) = acquire_eventually(&unguarded, &k2).await;
+    assert!(
+        Instant::now() < held2.valid_until(),
+        "the control took k2 while A's lease on it still ran: {:?} after the restart, {:?} before the lease's end, \
+         refusals {control_refusals:?}",
+        restarted.elapsed(),
+        held2.valid_until().saturating_duration_since(restarted)
+    );
 
     let (granted, refusals) = acquire_eventually(&guarded, &k1).await;
     assert!(Instant::now() >= held1.valid_until(), "granted k1 while A's lease could still run");
