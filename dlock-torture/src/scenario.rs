@@ -137,7 +137,12 @@ pub(crate) async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u6
     }
     let mut first = Vec::new();
     for k in &locks {
-        first.push(c.pttl::<_, i64>(k).await.map_err(|e| e.to_string())?);
+        let pttl = c.pttl::<_, i64>(k).await.map_err(|e| e.to_string())?;
+        // Which grant it was (token and owner are in the value), to find it
+        // in the histories when a row fails on it.
+        let value: Option<String> = c.get(k).await.map_err(|e| e.to_string())?;
+        eprintln!("dlock-torture: lock key left on {url}: {k} = {value:?}, PTTL {pttl} ms");
+        first.push(pttl);
     }
     sleep(renew_every * 2).await;
     let mut refreshed = 0;

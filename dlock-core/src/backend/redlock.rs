@@ -215,8 +215,9 @@ impl RedLockBackend {
     /// node's index; a node without an answer failed, timed out or was not
     /// waited for.
     ///
-    /// Steps still running when the outcome is known finish on a task of
-    /// their own (each within `timeout`). Dropping them would not only lose
+    /// Steps still running when the outcome is known or the timeout is up
+    /// finish on a task of their own (within the connection's response
+    /// timeout). Dropping them would not only lose
     /// their answers: redis-rs does not send a queued command whose reply
     /// nobody waits for any more, so a lock granted on a bare quorum would
     /// never reach the other nodes, and losing one node of that quorum would
@@ -232,20 +233,27 @@ impl RedLockBackend {
         F: Fn(usize, Arc<RedisBackend>) -> Fut,
         Fut: std::future::Future<Output = Result<T>> + Send + 'static,
     {
+        let deadline = Instant::now() + timeout;
         let mut pending: FuturesUnordered<_> = self
             .nodes
             .iter()
             .enumerate()
             .map(|(i, node)| {
                 let fut = step(i, node.clone());
-                async move { (i, tokio::time::timeout(timeout, fut).await.ok().and_then(|r| r.ok())) }
+                async move { (i, fut.await.ok()) }
             })
             .collect();
         let (mut answers, mut failed) = (Vec::with_capacity(self.nodes.len()), 0);
-        while let Some((i, answer)) = pending.next().await {
-            match answer {
-                Some(a) => answers.push((i, a)),
-                None => failed += 1,
+        loop {
+            // One deadline for all (they start together), and a node past it
+            // is only no longer waited for: its step goes on below, so that
+            // its command is still sent (an undo or a release dropped before
+            // redis-rs sent it would leave the node's key for a whole lease).
+            match tokio::time::timeout_at(deadline, pending.next()).await {
+                Ok(Some((i, Some(a)))) => answers.push((i, a)),
+                Ok(Some((_, None))) => failed += 1,
+                Ok(None) => break,
+                Err(_) => break,
             }
             if decided(&answers, failed) {
                 break;
