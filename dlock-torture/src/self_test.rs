@@ -94,6 +94,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         herd.fail("the herd was not detected");
     }
     rows.push(herd);
+    rows.push(crate::storm::run_unguarded(size, seed).await?);
     Ok(rows)
 }
 

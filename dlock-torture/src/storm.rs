@@ -1,9 +1,12 @@
 //! `idempotency-storm`: duplicate submissions (Idempotency-Keys on
-//! `POST /payments`, one-time tokens on `POST /orders`) across two `orders`
+//! `POST /charges`, one-time tokens on `POST /orders`) across two `orders`
 //! processes sharing one Redis, one of them killed with SIGKILL mid-storm.
-//! Each logical request must execute at most once, and no key may stay in
-//! progress past its lease: afterwards every key is retried on the survivor
-//! until it answers 2xx.
+//! `POST /charges` has no deduplication of its own (it counts its runs per
+//! order), so `IdempotencyLayer` alone is under test: at most one fresh 2xx
+//! per key, every 2xx of a key byte-identical, a key run twice only when its
+//! first run died with A (the documented crash window), no 5xx from a live
+//! instance, and no key in progress past its lease: afterwards every key is
+//! retried on the survivor until it answers 2xx.
 //!
 //! The `orders` binary is looked up next to this one (`cargo test` and
 //! `cargo build --workspace` put it there; for `cargo run --bin
@@ -103,7 +106,7 @@ struct Orders {
 }
 
 impl Orders {
-    async fn start(bin: &PathBuf, redis_url: &str) -> Result<Orders, String> {
+    async fn start(bin: &PathBuf, redis_url: &str, charges_unguarded: bool) -> Result<Orders, String> {
         let mut child = Command::new(bin)
             .env("ORDERS_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "info")
@@ -113,6 +116,7 @@ impl Orders {
             .env("ORDERS_REDIS_URL", redis_url)
             .env("ORDERS_PAYMENT_LEASE_MS", LEASE.as_millis().to_string())
             .env_remove("ORDERS_UNLOCKED")
+            .env("ORDERS_CHARGES_UNGUARDED", if charges_unguarded { "1" } else { "0" })
             .env_remove("DLOCK_IDEMPOTENCY_REDIS_URL")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -162,14 +166,44 @@ struct Tally {
     survivor_errors: u64,
     other: HashMap<u16, u64>,
     token_created: Vec<u32>,
-    /// Fresh (not replayed) 2xx answers per payment key.
+    /// Fresh (not replayed) 2xx answers per charge key.
     fresh: Vec<u32>,
+    /// The first 2xx body per charge key: every later one must equal it.
+    bodies: Vec<Option<String>>,
+    /// 2xx answers whose body differed from their key's first.
+    body_mismatch: Vec<String>,
+    /// Keys with a request that A left unanswered when it died: their first
+    /// run may have died with A after its side effect, before its answer
+    /// was stored, and run again on B (the documented crash window).
+    in_doubt: Vec<bool>,
+    /// 5xx answers from an instance that was alive.
+    live_5xx: u64,
     sample: Option<String>,
 }
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
-    let mut r = Report::new("idempotency-storm", "redis+orders", seed);
-    r.expected_safe = true;
+    storm(size, seed, false).await
+}
+
+/// The negative control of `checker-self-test`: the same storm with
+/// `POST /charges` served without `IdempotencyLayer`
+/// (`ORDERS_CHARGES_UNGUARDED=1`); the storm's checks must catch duplicates
+/// running twice.
+pub(crate) async fn run_unguarded(size: Size, seed: u64) -> Result<Report, String> {
+    storm(size, seed, true).await
+}
+
+async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String> {
+    let mut r = if unguarded {
+        let mut r = Report::new("checker-self-test", "broken-no-idempotency", seed);
+        r.fault_kind = "none (the route has no idempotency layer)".into();
+        r
+    } else {
+        let mut r = Report::new("idempotency-storm", "redis+orders", seed);
+        r.expected_safe = true;
+        r.fault_kind = "kill -9 orders A mid-storm".into();
+        r
+    };
     let bin = match orders_binary() {
         Ok(b) => b,
         Err(e) => {
@@ -183,12 +217,11 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     r.tasks = inflight as u32;
     r.keys = keys;
     r.lease_ms = LEASE.as_millis() as u64;
-    r.fault_kind = "kill -9 orders A mid-storm".into();
 
     let redis = RedisServer::start();
     let url = redis.url();
-    let a = Arc::new(Mutex::new(Some(Orders::start(&bin, &url).await?)));
-    let b = Orders::start(&bin, &url).await?;
+    let a = Arc::new(Mutex::new(Some(Orders::start(&bin, &url, unguarded).await?)));
+    let b = Orders::start(&bin, &url, unguarded).await?;
     let a_addr = a.lock().map_err(|_| "poisoned")?.as_ref().map(|o| o.addr.clone()).unwrap_or_default();
     let b_addr = b.addr.clone();
     let stock = request(&b_addr, "PUT", "/products/9", None, &format!(r#"{{"stock": {}}}"#, tokens * 10)).await?;
@@ -226,6 +259,8 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     let tally = Arc::new(Mutex::new(Tally {
         token_created: vec![0; tokens as usize],
         fresh: vec![0; keys as usize],
+        bodies: vec![None; keys as usize],
+        in_doubt: vec![false; keys as usize],
         ..Tally::default()
     }));
     let done = Arc::new(AtomicU64::new(0));
@@ -257,7 +292,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
                     request(
                         &addr,
                         "POST",
-                        "/payments",
+                        "/charges",
                         Some(&format!("storm-{seed}-{i}")),
                         &format!(r#"{{"order_id": "ord_{i}", "amount": {}}}"#, 100 + i),
                     )
@@ -279,6 +314,15 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
             let a_dead = killed_at.lock().map(|k| k.is_some()).unwrap_or(true);
             let Ok(mut t) = tally.lock() else { return };
             t.requests += 1;
+            let unanswered_by_dead_a = to_a && a_dead && reply.as_ref().map_or(true, |rep| rep.status >= 500);
+            if let (Job::Pay(i), true) = (job, unanswered_by_dead_a) {
+                t.in_doubt[i as usize] = true;
+            }
+            if let (Job::Pay(i), Ok(rep)) = (job, &reply) {
+                if (200..300).contains(&rep.status) {
+                    t.check_body(i, &rep.body, seed);
+                }
+            }
             match (job, reply) {
                 (_, Err(_)) if to_a && a_dead => t.killed_errors += 1,
                 (_, Err(e)) => {
@@ -286,6 +330,10 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
                     t.sample.get_or_insert(e);
                 }
                 (_, Ok(rep)) if rep.status >= 500 && to_a && a_dead => t.killed_errors += 1,
+                (_, Ok(rep)) if rep.status >= 500 => {
+                    t.live_5xx += 1;
+                    t.sample.get_or_insert(format!("{} {}", rep.status, rep.body));
+                }
                 (Job::Pay(_), Ok(rep)) if (200..300).contains(&rep.status) && rep.replayed => t.replays += 1,
                 (Job::Pay(i), Ok(rep)) if (200..300).contains(&rep.status) => {
                     t.executed += 1;
@@ -339,13 +387,15 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
                 let rep = request(
                     &addr,
                     "POST",
-                    "/payments",
+                    "/charges",
                     Some(&format!("storm-{seed}-{i}")),
                     &format!(r#"{{"order_id": "ord_{i}", "amount": {}}}"#, 100 + i),
                 )
                 .await;
                 match rep {
-                    Ok(rep) if (200..300).contains(&rep.status) => return (sent, Ok((Instant::now(), !rep.replayed))),
+                    Ok(rep) if (200..300).contains(&rep.status) => {
+                        return (sent, Ok((Instant::now(), !rep.replayed, rep.body)))
+                    }
                     Ok(rep) if Instant::now() > deadline => {
                         return (sent, Err(format!("{} {}", rep.status, rep.body.trim())))
                     }
@@ -361,26 +411,21 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         let (sent, outcome) = h.await.map_err(|e| e.to_string())?;
         retry_requests += sent;
         match outcome {
-            Ok((at, fresh)) => {
+            Ok((at, fresh, body)) => {
                 recovery = recovery.max(at.saturating_duration_since(killed));
                 retry_fresh[i] += u32::from(fresh);
+                tally.lock().map_err(|_| "poisoned")?.check_body(i as u32, &body, seed);
             }
             Err(last) => stuck.push(format!("storm-{seed}-{i} ({last})")),
         }
     }
 
-    // Executions per logical payment: the records `orders` wrote.
+    // Runs per logical charge: the counter `POST /charges` increments.
     let mut conn = redis.connection();
-    let records: Vec<String> =
-        redis::cmd("KEYS").arg("orders:payment:*").query(&mut conn).map_err(|e| e.to_string())?;
-    let mut per_order: HashMap<String, u64> = HashMap::new();
-    for k in &records {
-        let v: String = redis::cmd("GET").arg(k).query(&mut conn).map_err(|e| e.to_string())?;
-        let p: serde_json::Value = serde_json::from_str(&v).map_err(|e| format!("{k}: {e}"))?;
-        *per_order.entry(p["order_id"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
-    }
-    let pay_double: u64 = per_order.values().map(|n| n.saturating_sub(1)).sum();
-    let missing = (0..keys).filter(|i| per_order.get(&format!("ord_{i}")).copied().unwrap_or(0) == 0).count();
+    let names: Vec<String> = (0..keys).map(|i| format!("orders:charges:ord_{i}")).collect();
+    let runs: Vec<Option<u64>> = redis::cmd("MGET").arg(&names).query(&mut conn).map_err(|e| e.to_string())?;
+    let runs: Vec<u64> = runs.into_iter().map(Option::unwrap_or_default).collect();
+    let missing = runs.iter().filter(|&&n| n == 0).count();
     let product = request(&b_addr, "GET", "/products/9", None, "").await?;
     let sold = serde_json::from_str::<serde_json::Value>(&product.body)
         .ok()
@@ -388,19 +433,24 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         .ok_or_else(|| format!("GET /products/9: {}", product.body))?;
 
     let t = tally.lock().map_err(|_| "poisoned")?;
-    // A double execution whose clients saw fewer fresh answers than there are
-    // records lost one answer with the killed instance: it ran the payment
-    // and died before its response was stored, and the key ran again after
-    // the lease.
-    let (mut doubled, mut unanswered) = (Vec::new(), 0u64);
+    // A key run twice is a double execution, unless A left a request of it
+    // unanswered when it died: the first run may have made its side effect
+    // and died before its answer was stored, and the key ran again on B after
+    // the lease — the crash window the README documents, which only the
+    // route's own deduplication closes. Two fresh answers for one key are
+    // the layer's failure whatever A did.
+    let (mut doubled, mut crash_window, mut pay_double) = (Vec::new(), 0u64, 0u64);
     for (i, (storm, retry)) in t.fresh.iter().zip(&retry_fresh).enumerate() {
-        let n = per_order.get(&format!("ord_{i}")).copied().unwrap_or(0);
-        if n > 1 {
-            let seen = storm + retry;
-            doubled.push(format!("storm-{seed}-{i}: {n} records, {seen} fresh 2xx answers"));
-            if u64::from(seen) < n {
-                unanswered += 1;
-            }
+        let (n, seen) = (runs[i], storm + retry);
+        let allowed = if t.in_doubt[i] { 2 } else { 1 };
+        if n > allowed || seen > 1 {
+            pay_double += n.saturating_sub(1).max(u64::from(seen.saturating_sub(1)));
+            doubled.push(format!(
+                "storm-{seed}-{i}: {n} runs, {seen} fresh 2xx answers{}",
+                if t.in_doubt[i] { " (A died with a request of it)" } else { "" }
+            ));
+        } else if n == 2 {
+            crash_window += 1;
         }
     }
     let token_double: u64 = t.token_created.iter().map(|&n| u64::from(n.saturating_sub(1))).sum();
@@ -412,17 +462,30 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     r.overlaps = doubles;
     r.recovery_max_ms = Some(recovery.as_secs_f64() * 1000.0);
     r.note(format!(
-        "{keys} keys x {dups} + {tokens} tokens x {dups} in {storm_s:.1} s, A killed after {kill_after}/{total}: payments {} executed, {} replayed, {} x 409 in progress; tokens {tokens_spent}/{tokens} spent by one 201, {} x 409 duplicate, {sold} sold; {} killed-instance errors (expected), {} survivor errors, other {:?}; {retry_requests} retries on B, every key 2xx within {:.0} ms of the kill",
-        t.executed, t.replays, t.in_progress_409, t.duplicate_409, t.killed_errors, t.survivor_errors, t.other, recovery.as_secs_f64() * 1000.0
+        "{keys} keys x {dups} + {tokens} tokens x {dups} in {storm_s:.1} s, A killed after {kill_after}/{total}: charges {} fresh 2xx, {} replayed, {} x 409 in progress, {} keys in doubt (A died with one of their requests), {crash_window} of them run again on B (crash window); tokens {tokens_spent}/{tokens} spent by one 201, {} x 409 duplicate, {sold} sold; {} killed-instance errors (expected), {} survivor errors, {} 5xx from a live instance, other {:?}; {retry_requests} retries on B, every key 2xx within {:.0} ms of the kill",
+        t.executed, t.replays, t.in_progress_409, t.in_doubt.iter().filter(|&&d| d).count(), t.duplicate_409, t.killed_errors, t.survivor_errors, t.live_5xx, t.other, recovery.as_secs_f64() * 1000.0
     ));
     if let Some(s) = &t.sample {
         r.note(format!("first unexpected answer: {s}"));
     }
+    if unguarded {
+        // The control: caught when the checks below the layer saw a charge
+        // run twice or two different answers for one key.
+        let caught = pay_double > 0 || !t.body_mismatch.is_empty();
+        r.caught = Some(caught);
+        r.note(format!(
+            "must fire: double executions {pay_double}, 2xx answers unlike their key's first {}",
+            t.body_mismatch.len()
+        ));
+        if !caught {
+            r.fail("the storm's checks did not catch duplicates running without IdempotencyLayer");
+        }
+        return Ok(r);
+    }
     if doubles > 0 {
         r.fail(format!(
-            "double executions: {pay_double} payments ({}{}), {token_double} tokens with two 201s, {sold_double} orders beyond the token count",
+            "double executions: {pay_double} charges ({}), {token_double} tokens with two 201s, {sold_double} orders beyond the token count",
             doubled.iter().take(5).cloned().collect::<Vec<_>>().join(", "),
-            if unanswered > 0 { format!("; {unanswered} of these keys ran on A, which died after recording the payment and before its response was stored, and ran again on B after the lease") } else { String::new() }
         ));
     }
     if !stuck.is_empty() {
@@ -433,7 +496,17 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         ));
     }
     if missing > 0 && stuck.is_empty() {
-        r.fail(format!("{missing} key(s) answered 2xx with no payment recorded"));
+        r.fail(format!("{missing} key(s) answered 2xx with no charge made"));
+    }
+    if !t.body_mismatch.is_empty() {
+        r.fail(format!(
+            "{} 2xx answer(s) unlike their key's first (a replay must be byte-identical): {}",
+            t.body_mismatch.len(),
+            t.body_mismatch.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
+        ));
+    }
+    if t.live_5xx > 0 {
+        r.fail(format!("{} 5xx answer(s) from an instance that was alive", t.live_5xx));
     }
     if t.survivor_errors > 0 {
         r.fail(format!("{} request(s) to the surviving instance failed at the connection", t.survivor_errors));
@@ -442,6 +515,19 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         r.fail("the storm executed nothing");
     }
     Ok(r)
+}
+
+impl Tally {
+    /// Every 2xx of charge key `i` must carry the first one's body.
+    fn check_body(&mut self, i: u32, body: &str, seed: u64) {
+        match &self.bodies[i as usize] {
+            None => self.bodies[i as usize] = Some(body.to_owned()),
+            Some(first) if first != body => {
+                self.body_mismatch.push(format!("storm-{seed}-{i}: {first} then {body}"));
+            }
+            Some(_) => {}
+        }
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-const BROKEN: [&str; 8] = [
+const BROKEN: [&str; 9] = [
     "broken-plain-del",
     "broken-get-then-set",
     "broken-renew-no-owner-check",
@@ -16,6 +16,7 @@ const BROKEN: [&str; 8] = [
     "broken-duplicate-token",
     "broken-release-forgets",
     "broken-zk-herd",
+    "broken-no-idempotency",
 ];
 
 /// A row's counter, 0 when absent.

@@ -13,6 +13,7 @@
 //! | `ORDERS_ADDR` | listen address (`:0` picks a free port) | `127.0.0.1:3000` |
 //! | `ORDERS_REDIS_URL` | keep products and orders in this Redis (plain `GET`/`SET`), shared by instances | in process |
 //! | `ORDERS_UNLOCKED` | `1`: no lock on the stock (shows the oversell) | off |
+//! | `ORDERS_CHARGES_UNGUARDED` | `1`: `POST /charges` without `IdempotencyLayer` (shows duplicates running twice; the torture harness's negative control) | off |
 //! | `ORDERS_PAYMENT_LEASE_MS` | how long a crashed instance's in-progress payment blocks its `Idempotency-Key` | `60000` |
 //! | `DLOCK_*` | the lock backend, see dlock-core's `Config` | in process |
 //! | `RUST_LOG` | log filter | `info` |
@@ -38,6 +39,10 @@
 //!   a retry replays it (`Idempotent-Replayed: true`), `409
 //!   idempotency_request_in_progress` while running, `422
 //!   idempotency_key_mismatch` for another body, `400` without a key
+//! * `POST /charges`, the same contract, but a side effect without
+//!   deduplication of its own (`{"charge_id", "order_id", "amount",
+//!   "execution"}`, `execution` counting its runs per order): only
+//!   `IdempotencyLayer` keeps a duplicate from running twice
 //!
 //! Every error is RFC 9457 Problem Details (`application/problem+json`):
 //! `{"type": "about:blank", "title": "...", "status": n, "detail": "...",
@@ -84,6 +89,8 @@ struct App {
     payment_lease: std::time::Duration,
     /// `ORDERS_UNLOCKED=1`: sell without the stock lock.
     unlocked: bool,
+    /// `ORDERS_CHARGES_UNGUARDED=1`: `POST /charges` without its idempotency layer.
+    charges_unguarded: bool,
 }
 
 #[tokio::main]
@@ -112,14 +119,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         None => std::time::Duration::from_secs(60),
     };
-    let unlocked = non_empty_env("ORDERS_UNLOCKED").is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
+    let flag = |var: &str| non_empty_env(var).is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
+    let (unlocked, charges_unguarded) = (flag("ORDERS_UNLOCKED"), flag("ORDERS_CHARGES_UNGUARDED"));
     let addr: SocketAddr = non_empty_env("ORDERS_ADDR")
         .unwrap_or_else(|| "127.0.0.1:3000".into())
         .parse()
         .map_err(|e| format!("ORDERS_ADDR: {e}"))?;
 
     let store_kind = store.kind();
-    let app = App { locker: locker.clone(), store, idem, unlocked, payment_lease };
+    let app = App { locker: locker.clone(), store, idem, unlocked, charges_unguarded, payment_lease };
     let router = router(app, dlock);
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(
@@ -131,6 +139,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     if unlocked {
         tracing::warn!("ORDERS_UNLOCKED is set: stock changes run without the lock and will oversell");
+    }
+    if charges_unguarded {
+        tracing::warn!("ORDERS_CHARGES_UNGUARDED is set: duplicate charges run twice");
     }
     axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await?;
     tracing::info!("orders stopped");
@@ -153,7 +164,7 @@ fn router(app: App, dlock: Dlock) -> Router {
         .route("/products/{id}", get(get_product).put(put_product))
         .route("/stock/reduce", reduce)
         .route("/orders", post(create_order))
-        .merge(payments::routes(&app.idem, app.payment_lease, app.store.clone()))
+        .merge(payments::routes(&app.idem, app.payment_lease, app.charges_unguarded, app.store.clone()))
         // Every refusal, dlock's and this service's own `Rejection`s, as
         // RFC 9457 Problem Details (`error` and `code` kept as members).
         .layer(RenderRejections::problem_details())

@@ -84,12 +84,23 @@ pub(crate) async fn settle_token(idem: &Idempotency, token: &str, ran_to_result:
     }
 }
 
-/// `GET /idempotency/token` and `POST /payments` (whose in-progress claim
-/// blocks its key for at most `lease` if this instance dies).
-pub(crate) fn routes<S: Clone + Send + Sync + 'static>(idem: &Idempotency, lease: Duration, store: Store) -> Router<S> {
+/// `GET /idempotency/token`, `POST /payments` and `POST /charges` (whose
+/// in-progress claims block their key for at most `lease` if this instance
+/// dies; `charges_unguarded`: `/charges` without its layer, the negative
+/// control of the torture harness).
+pub(crate) fn routes<S: Clone + Send + Sync + 'static>(
+    idem: &Idempotency,
+    lease: Duration,
+    charges_unguarded: bool,
+    store: Store,
+) -> Router<S> {
+    let charges = post(create_charge);
+    let charges =
+        if charges_unguarded { charges } else { charges.layer(IdempotencyLayer::new(idem.clone()).lease(lease)) };
     Router::new()
         .route("/idempotency/token", get(idem.token_handler()))
         .route("/payments", post(create_payment).layer(IdempotencyLayer::new(idem.clone()).lease(lease)))
+        .route("/charges", charges)
         .with_state(store)
 }
 
@@ -99,6 +110,78 @@ struct CreatePayment {
     amount: i64,
 }
 
+/// `POST /charges`, the same body as `POST /payments` → 201 `{"charge_id",
+/// "order_id", "amount", "execution"}`: a side effect with no deduplication
+/// of its own (each run counts one more execution of the order's charge), so
+/// that `IdempotencyLayer` alone stands between a duplicate and a second run.
+/// The torture harness storms it (`idempotency-storm`).
+async fn create_charge(State(store): State<Store>, body: axum::body::Bytes) -> Response {
+    let CreatePayment { order_id, amount } = match parse_payment(&body) {
+        Ok(p) => p,
+        Err(refusal) => return refusal.into_response(),
+    };
+    tokio::time::sleep(PAYMENT_WORK).await;
+    let charge_id = match random_id("ch_") {
+        Ok(id) => id,
+        Err(refusal) => return refusal.into_response(),
+    };
+    match store.count_charge(&order_id).await {
+        Ok(execution) => {
+            tracing::info!(%charge_id, execution, "charge made");
+            let charge =
+                json!({"charge_id": charge_id, "order_id": order_id, "amount": amount, "execution": execution});
+            (StatusCode::CREATED, Json(charge)).into_response()
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "store unavailable");
+            store_unavailable().into_response()
+        }
+    }
+}
+
+fn parse_payment(body: &[u8]) -> Result<CreatePayment, Rejection> {
+    let payment: CreatePayment = serde_json::from_slice(body).map_err(|e| {
+        Rejection::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_payment",
+            3007,
+            format!("expected {{\"order_id\": string, \"amount\": integer}}: {e}"),
+        )
+    })?;
+    if payment.amount < 1 || payment.order_id.is_empty() {
+        return Err(Rejection::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_payment",
+            3007,
+            "amount must be at least 1 and order_id non-empty",
+        ));
+    }
+    Ok(payment)
+}
+
+/// `prefix` and 24 random hex digits.
+fn random_id(prefix: &str) -> Result<String, Rejection> {
+    let mut bytes = [0u8; 12];
+    getrandom::fill(&mut bytes).map_err(|e| {
+        tracing::error!(error = %e, "OS random source failed");
+        Rejection::new(StatusCode::SERVICE_UNAVAILABLE, "payment_id_unavailable", 3008, "cannot create a payment id")
+    })?;
+    Ok(bytes.iter().fold(String::from(prefix), |mut s, b| {
+        s.push_str(&format!("{b:02x}"));
+        s
+    }))
+}
+
+/// A 503 frees the idempotency key, so the client's retry runs again.
+fn store_unavailable() -> Rejection {
+    Rejection::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store_unavailable",
+        3004,
+        "the store is unavailable, please retry later",
+    )
+}
+
 /// `POST /payments` `{"order_id": "...", "amount": n}` → 201
 /// `{"payment_id", "order_id", "amount"}`, once per `Idempotency-Key`.
 async fn create_payment(
@@ -106,44 +189,14 @@ async fn create_payment(
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let CreatePayment { order_id, amount } = match serde_json::from_slice(&body) {
+    let CreatePayment { order_id, amount } = match parse_payment(&body) {
         Ok(p) => p,
-        Err(e) => {
-            return Rejection::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_payment",
-                3007,
-                format!("expected {{\"order_id\": string, \"amount\": integer}}: {e}"),
-            )
-            .into_response()
-        }
+        Err(refusal) => return refusal.into_response(),
     };
-    if amount < 1 || order_id.is_empty() {
-        return Rejection::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_payment",
-            3007,
-            "amount must be at least 1 and order_id non-empty",
-        )
-        .into_response();
-    }
     tokio::time::sleep(PAYMENT_WORK).await;
-    let mut bytes = [0u8; 12];
-    let payment_id = match getrandom::fill(&mut bytes) {
-        Ok(()) => bytes.iter().fold(String::from("pay_"), |mut s, b| {
-            s.push_str(&format!("{b:02x}"));
-            s
-        }),
-        Err(e) => {
-            tracing::error!(error = %e, "OS random source failed");
-            return Rejection::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "payment_id_unavailable",
-                3008,
-                "cannot create a payment id",
-            )
-            .into_response();
-        }
+    let payment_id = match random_id("pay_") {
+        Ok(id) => id,
+        Err(refusal) => return refusal.into_response(),
     };
     let payment = json!({"payment_id": payment_id, "order_id": order_id, "amount": amount});
     // The effect is keyed by the caller and its Idempotency-Key (the layer
@@ -167,14 +220,7 @@ async fn create_payment(
         }
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable");
-            // A 503 frees the idempotency key, so the client's retry runs again.
-            Rejection::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store_unavailable",
-                3004,
-                "the store is unavailable, please retry later",
-            )
-            .into_response()
+            store_unavailable().into_response()
         }
     }
 }

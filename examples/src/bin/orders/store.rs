@@ -60,6 +60,7 @@ pub(crate) struct MemoryStore {
     orders: HashMap<String, String>,
     payments: HashMap<String, String>,
     payment_claims: HashMap<String, String>,
+    charges: HashMap<String, u64>,
 }
 
 const PREFIX: &str = "orders";
@@ -129,6 +130,21 @@ impl Store {
                 let () = conn.clone().set(format!("{PREFIX}:order:{order_id}"), order.to_string()).await?;
                 Ok(())
             }
+        }
+    }
+
+    /// Counts one more execution of the charge of `order_id` and returns the
+    /// count: `POST /charges` has no deduplication of its own, so this
+    /// counter shows how often the idempotency layer let it run.
+    pub(crate) async fn count_charge(&self, order_id: &str) -> Result<u64, StoreError> {
+        match self {
+            Store::Memory(m) => {
+                let mut m = m.lock().await;
+                let n = m.charges.entry(order_id.to_owned()).or_default();
+                *n += 1;
+                Ok(*n)
+            }
+            Store::Redis(conn) => Ok(conn.clone().incr(format!("{PREFIX}:charges:{order_id}"), 1u64).await?),
         }
     }
 
