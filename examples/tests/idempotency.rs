@@ -69,14 +69,19 @@ struct Orders {
 
 impl Orders {
     async fn start(redis_url: &str) -> Orders {
+        Orders::start_with(redis_url, &[]).await
+    }
+
+    async fn start_with(redis_url: &str, env: &[(&str, &str)]) -> Orders {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_orders"));
+        // Nothing of the caller's environment switches a guard off; `env` may.
+        cmd.env_remove("ORDERS_UNLOCKED").env_remove("ORDERS_CHARGES_UNGUARDED").envs(env.iter().copied());
         cmd.env("ORDERS_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .env("DLOCK_BACKEND", "redis")
             .env("DLOCK_REDIS_URL", redis_url)
             .env("ORDERS_REDIS_URL", redis_url)
-            .env_remove("ORDERS_UNLOCKED")
             .env_remove("DLOCK_IDEMPOTENCY_REDIS_URL")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -102,6 +107,60 @@ impl Drop for Orders {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Runs of `POST /charges` for `order_id`, from its own counter.
+fn charge_runs(redis: &RedisServer, order_id: &str) -> u64 {
+    let runs: Option<u64> =
+        redis::cmd("GET").arg(format!("orders:charges:{order_id}")).query(&mut redis.connection()).expect("GET");
+    runs.unwrap_or(0)
+}
+
+/// Ten copies of one charge, five to each instance at once: the statuses of
+/// the answers, and the bodies of the 2xx ones.
+async fn charge_storm(a: &Orders, b: &Orders, order_id: &str) -> (Vec<u16>, Vec<String>) {
+    let body = format!(r#"{{"order_id": "{order_id}", "amount": 700}}"#);
+    let tasks: Vec<_> = (0..10)
+        .map(|i| {
+            let (addr, body) = (if i % 2 == 0 { a.addr.clone() } else { b.addr.clone() }, body.clone());
+            tokio::spawn(async move {
+                let headers = [("idempotency-key", "charge-storm"), ("authorization", "Bearer carol")];
+                request(&addr, "POST", "/charges", &headers, &body).await
+            })
+        })
+        .collect();
+    let (mut statuses, mut bodies) = (Vec::new(), Vec::new());
+    for t in tasks {
+        let r = t.await.expect("task");
+        statuses.push(r.status);
+        if r.status == 201 {
+            bodies.push(r.body);
+        }
+    }
+    (statuses, bodies)
+}
+
+/// `POST /charges` has no deduplication of its own, so the layer alone
+/// keeps a duplicate from running twice; without it (the torture harness's
+/// negative control) every copy runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_run_once_per_key_behind_the_layer_and_every_time_without_it() {
+    let redis = RedisServer::start();
+    let (a, b) = (Orders::start(&redis.url()).await, Orders::start(&redis.url()).await);
+    let (statuses, _) = charge_storm(&a, &b, "ord_guarded").await;
+    assert_eq!(statuses.iter().filter(|&&s| s == 201).count(), 1, "{statuses:?}");
+    assert!(statuses.iter().all(|&s| s == 201 || s == 409), "{statuses:?}");
+    assert_eq!(charge_runs(&redis, "ord_guarded"), 1);
+    drop((a, b));
+
+    let unguarded = [("ORDERS_CHARGES_UNGUARDED", "1")];
+    let (a, b) =
+        (Orders::start_with(&redis.url(), &unguarded).await, Orders::start_with(&redis.url(), &unguarded).await);
+    let (statuses, bodies) = charge_storm(&a, &b, "ord_unguarded").await;
+    assert!(statuses.iter().all(|&s| s == 201), "{statuses:?}");
+    assert_eq!(charge_runs(&redis, "ord_unguarded"), 10, "without the layer every copy runs");
+    let first = bodies.first().expect("a body");
+    assert!(bodies.iter().any(|b| b != first), "ten runs, ten charges: {bodies:?}");
 }
 
 fn payment_count(redis: &RedisServer) -> usize {
