@@ -5,7 +5,7 @@
 //!
 //! These cannot be tested with `oneshot`: what goes wrong is the connection.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,41 +63,14 @@ fn connect(addr: SocketAddr) -> TcpStream {
     s
 }
 
-/// One HTTP/1.1 answer: status and the body's `error`.
+/// One HTTP/1.1 answer: status and the body's `error` (or the body).
 fn read_answer(s: &mut TcpStream) -> Result<(u16, String), String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).map_err(|e| format!("reading the answer: {e}"))?;
-        if n == 0 {
-            return Err(format!("connection closed before an answer; got {:?}", String::from_utf8_lossy(&buf)));
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or(format!("no status: {head}"))?;
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_owned()))
-        .and_then(|v| v.parse().ok())
-        .ok_or(format!("no content-length: {head}"))?;
-    let mut body = buf[head_end..].to_vec();
-    while body.len() < length {
-        let n = s.read(&mut chunk).map_err(|e| format!("reading the body: {e}"))?;
-        if n == 0 {
-            return Err("connection closed in the body".into());
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    body.truncate(length);
-    let error = serde_json::from_slice::<Value>(&body)
+    let answer = dlock_testing::read_http_answer(s)?;
+    let error = serde_json::from_slice::<Value>(&answer.body)
         .ok()
         .and_then(|v| v["error"].as_str().map(str::to_owned))
-        .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
-    Ok((status, error))
+        .unwrap_or_else(|| String::from_utf8_lossy(&answer.body).into_owned());
+    Ok((answer.status, error))
 }
 
 /// What Python's `http.client` (and many SDKs) do: write the head and the

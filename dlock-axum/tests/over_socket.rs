@@ -4,7 +4,7 @@
 //!
 //! These cannot be tested with `oneshot`: what goes wrong is the connection.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +15,7 @@ use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
 use dlock_axum::{lockable, Dlock, JsonBody, LockLayer, LockerExt};
 use dlock_core::idempotency::MemoryStore;
 use dlock_core::{Locker, MemoryBackend};
+use dlock_testing::{read_http_answer, HttpAnswer};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -66,61 +67,19 @@ fn connect(addr: SocketAddr) -> TcpStream {
     s
 }
 
-/// One HTTP/1.1 answer: status and body.
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    body: Vec<u8>,
-}
-
-impl Answer {
-    fn error(&self) -> String {
-        let v: Value = serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)));
-        v["error"].as_str().unwrap_or_default().to_owned()
-    }
-}
-
-/// Reads one answer (head, then `Content-Length` bytes of body): the
-/// connection may stay open afterwards.
-fn read_answer(s: &mut TcpStream) -> Result<Answer, String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).map_err(|e| format!("reading the answer: {e}"))?;
-        if n == 0 {
-            return Err(format!("connection closed before an answer; got {:?}", String::from_utf8_lossy(&buf)));
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or(format!("no status: {head}"))?;
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_owned()))
-        .and_then(|v| v.parse().ok())
-        .ok_or(format!("no content-length: {head}"))?;
-    let mut body = buf[head_end..].to_vec();
-    while body.len() < length {
-        let n = s.read(&mut chunk).map_err(|e| format!("reading the body: {e}"))?;
-        if n == 0 {
-            return Err("connection closed in the body".into());
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    body.truncate(length);
-    Ok(Answer { status, body })
+/// The body's `error` member.
+fn error(answer: &HttpAnswer) -> String {
+    let v: Value = serde_json::from_slice(&answer.body)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&answer.body)));
+    v["error"].as_str().unwrap_or_default().to_owned()
 }
 
 /// What Python's `http.client` (and many SDKs) do: write the head and the
 /// whole body, with no `Expect: 100-continue`, and only then read.
-fn send_then_read(s: &mut TcpStream, head: &str, body: &[u8]) -> Result<Answer, String> {
+fn send_then_read(s: &mut TcpStream, head: &str, body: &[u8]) -> Result<HttpAnswer, String> {
     s.write_all(head.as_bytes()).map_err(|e| format!("writing the head: {e}"))?;
     s.write_all(body).map_err(|e| format!("writing the body: {e}"))?;
-    read_answer(s)
+    read_http_answer(s)
 }
 
 fn head(path: &str, extra: &str) -> String {
@@ -159,7 +118,7 @@ async fn a_large_body_sent_in_one_go_gets_its_413() {
             {
                 let mut s = connect(addr);
                 let res = send_then_read(&mut s, first, body).unwrap_or_else(|e| panic!("{path} {how}: {e}"));
-                assert_eq!((res.status, res.error()), (413, "payload_too_large".to_owned()), "{path} {how}");
+                assert_eq!((res.status, error(&res)), (413, "payload_too_large".to_owned()), "{path} {how}");
                 // The body was drained, not left in the socket: the same
                 // connection serves the next request.
                 let small = br#"{"id": 2}"#;
@@ -182,7 +141,7 @@ async fn a_client_waiting_for_100_continue_is_answered_at_once() {
             // Only the head: the client sends the body after `100 Continue`.
             let first = head(path, &format!("content-length: {TWO_MIB}\r\nexpect: 100-continue\r\n"));
             let res = send_then_read(&mut s, &first, b"").unwrap_or_else(|e| panic!("{path}: {e}"));
-            assert_eq!((res.status, res.error()), (413, "payload_too_large".to_owned()), "{path}");
+            assert_eq!((res.status, error(&res)), (413, "payload_too_large".to_owned()), "{path}");
         }
     })
     .await
@@ -201,7 +160,7 @@ async fn a_body_that_stops_arriving_is_408() {
             let started = std::time::Instant::now();
             let res = send_then_read(&mut s, &head(path, "content-length: 100\r\n"), br#"{"id": 1, "#)
                 .unwrap_or_else(|e| panic!("{path}: {e}"));
-            assert_eq!((res.status, res.error()), (408, "request_timeout".to_owned()), "{path}");
+            assert_eq!((res.status, error(&res)), (408, "request_timeout".to_owned()), "{path}");
             assert!(started.elapsed() >= timeout, "{path}: answered before the timeout");
         }
     })
@@ -221,7 +180,7 @@ async fn a_large_body_refused_before_reading_gets_its_answer() {
             let first = head(path, &format!("content-length: {}\r\n", body.len()))
                 .replace("content-type: application/json", "content-type: text/plain");
             let res = send_then_read(&mut s, &first, &body).unwrap_or_else(|e| panic!("{path}: {e}"));
-            assert_eq!((res.status, res.error()), (415, "unsupported_media_type".to_owned()), "{path}");
+            assert_eq!((res.status, error(&res)), (415, "unsupported_media_type".to_owned()), "{path}");
         }
     })
     .await

@@ -17,6 +17,7 @@
 mod accept;
 mod announce;
 mod ensemble;
+mod http;
 mod port;
 mod proxy;
 mod redis;
@@ -27,6 +28,7 @@ mod zookeeper;
 
 pub use announce::announced_address;
 pub use ensemble::ZooKeeperEnsemble;
+pub use http::{read_http_answer, HttpAnswer};
 pub use port::free_port;
 pub use proxy::FaultProxy;
 pub use redis::{parse_command_stats, RedisCluster, RedisSentinel, RedisServer};
