@@ -169,8 +169,19 @@ impl RestartGuard {
 
     /// The acquire script found the data marker missing. Returns `Ok` when
     /// the marker has been set again and the acquire may be retried.
+    ///
+    /// Many calls may find the marker gone at once (coalesced batches, tasks
+    /// on one connection), and their answers come in any order: whatever
+    /// one of them decided, a quarantine in force refuses the others, and
+    /// each judges a flush by what this process knew before asking.
     pub(crate) async fn marker_missing(&self, conn: &Conn) -> Result<()> {
-        let wait_done = self.state().marker_wait_done;
+        let (wait_done, seen_before) = {
+            let s = self.state();
+            if let Some(left) = Self::left(&s) {
+                return Err(self.lost_data(left));
+            }
+            (s.marker_wait_done, s.marker_seen)
+        };
         if wait_done {
             self.set_marker(conn).await?;
             // Cleared only once the marker is set: a RedLock attempt may drop
@@ -180,10 +191,14 @@ impl RestartGuard {
             return Ok(());
         }
         let (run_id, uptime) = self.server_identity(conn).await?;
-        let flushed_under_our_eyes = {
+        {
+            // Another answer may have started a quarantine while we asked.
             let s = self.state();
-            s.marker_seen && s.run_id.as_deref() == Some(run_id.as_str())
-        };
+            if let Some(left) = Self::left(&s) {
+                return Err(self.lost_data(left));
+            }
+        }
+        let flushed_under_our_eyes = seen_before && self.state().run_id.as_deref() == Some(run_id.as_str());
         if uptime >= self.quarantine && !flushed_under_our_eyes {
             // Up longer than any lease: nothing granted before a restart can
             // still run. A new server, or a first deploy on it.
@@ -204,7 +219,16 @@ impl RestartGuard {
         s.until = Some(Instant::now() + left);
         s.marker_wait_done = true;
         tracing::warn!(marker = %self.marker, left_ms = left.as_millis() as u64, "dlock: Redis lost its data; quarantined");
-        Err(self.refuse(left, "the Redis server lost its data (restart without persistence, or a flush)"))
+        Err(self.lost_data(left))
+    }
+
+    /// What is left of a quarantine in force.
+    fn left(s: &State) -> Option<Duration> {
+        s.until.and_then(|u| u.checked_duration_since(Instant::now())).filter(|d| !d.is_zero())
+    }
+
+    fn lost_data(&self, left: Duration) -> Error {
+        self.refuse(left, "the Redis server lost its data (restart without persistence, or a flush)")
     }
 
     async fn set_marker(&self, conn: &Conn) -> Result<()> {
@@ -286,6 +310,29 @@ fn parse_identity(info: &str) -> Option<(String, Duration)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Answers that find the marker gone after a flush, all at once (as a
+    /// coalesced batch's do): whichever is judged first starts the
+    /// quarantine, and none of the others may end it by setting the marker
+    /// again. Before, the second one read the first one's `marker_seen =
+    /// false`, took the flush for a first use and granted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn answers_racing_after_a_flush_all_stay_quarantined() {
+        let server = dlock_testing::RedisServer::start();
+        // Up longer than the quarantine (uptime is counted a second short).
+        tokio::time::sleep(Duration::from_millis(2_100)).await;
+        let options = super::super::RedisOptions::default();
+        let conn =
+            Conn::Single(super::super::RedisConnection::connect(&server.url(), &options).await.expect("connect"));
+        let guard = RestartGuard::new(Duration::from_millis(500), "race");
+        guard.check(&conn).await.expect("first contact");
+        guard.marker_missing(&conn).await.expect("first use of a server up long enough: the marker is set");
+        guard.check(&conn).await.expect("the marker is seen");
+        let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+        let answers = futures_util::future::join_all((0..8).map(|_| guard.marker_missing(&conn))).await;
+        let granted = answers.iter().filter(|a| a.is_ok()).count();
+        assert_eq!(granted, 0, "a flush under our eyes quarantines every racing answer: {answers:?}");
+    }
 
     #[test]
     fn identity_is_read_from_info_server() {
