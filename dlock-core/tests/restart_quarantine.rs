@@ -325,3 +325,39 @@ async fn idempotency_claims_are_quarantined_after_a_restart() {
     }
     assert!(restarted.elapsed() >= QUARANTINE - Duration::from_secs(1), "{:?}", restarted.elapsed());
 }
+
+/// A flush this store saw (the data marker was there, now it is gone, the
+/// server never restarted): `begin` is refused for a whole quarantine, as
+/// a grant is. The begin script itself checks the marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_claims_are_quarantined_after_a_flush() {
+    use dlock_core::idempotency::{Begin, IdempotencyStore, RedisStore};
+
+    let server = RedisServer::start();
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
+    let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
+    let store = RedisStore::connect_with(&server.url(), "dlock", options).await.expect("connect");
+    let lease = Duration::from_secs(5);
+    assert!(
+        matches!(store.begin("s", "first", "fp", lease).await, Ok(Begin::New(_))),
+        "a first use is not quarantined"
+    );
+    assert!(marker_present(&server), "the first claim set the data marker");
+    assert!(matches!(store.begin("s", "seen", "fp", lease).await, Ok(Begin::New(_))), "the marker is seen");
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+    let flushed = Instant::now();
+    let err = store.begin("s", "first", "fp", lease).await.expect_err("the records are gone: no claim yet");
+    assert!(quarantined(&err), "{err}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match store.begin("s", "first", "fp", lease).await {
+            Ok(Begin::New(_)) => break,
+            Err(e) if quarantined(&e) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(flushed.elapsed() >= QUARANTINE - Duration::from_millis(100), "{:?}", flushed.elapsed());
+}

@@ -316,16 +316,35 @@ impl IdempotencyStore for RedisStore {
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
             if let Some(guard) = &self.restart {
-                guard.check_data(&self.conn).await?;
+                guard.check(&self.conn).await?;
             }
             let claim = Claim::new(scope, key)?;
             let (record, member, sets) = self.record(scope, key);
-            let mut call = self.begin.key(record);
-            call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(lease)).arg(&member);
-            for set in &sets {
-                call.key(&set.key).arg(set.max);
-            }
-            let reply: redis::Value = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+            let mut remarked = false;
+            let reply = loop {
+                let mut call = self.begin.key(&record);
+                // The script checks the data marker itself, as the lock's
+                // acquire does: no round trip of its own per claim.
+                match &self.restart {
+                    Some(guard) => call.key(guard.marker.as_str()),
+                    None => call.key(&record),
+                };
+                call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(lease)).arg(&member);
+                call.arg(if self.restart.is_some() { "1" } else { "0" });
+                for set in &sets {
+                    call.key(&set.key).arg(set.max);
+                }
+                let reply: redis::Value = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+                match (&self.restart, &reply) {
+                    (Some(guard), redis::Value::Array(items))
+                        if !remarked && matches!(items.as_slice(), [redis::Value::Int(5)]) =>
+                    {
+                        guard.marker_missing(&self.conn).await?;
+                        remarked = true;
+                    }
+                    _ => break reply,
+                }
+            };
             let unexpected =
                 |v: &redis::Value| Error::backend("redis", format!("unexpected reply from the begin script: {v:?}"));
             let redis::Value::Array(items) = &reply else { return Err(unexpected(&reply)) };

@@ -243,20 +243,6 @@ impl RestartGuard {
         Ok(())
     }
 
-    /// Before an idempotency claim: the same rule as for a grant, with the
-    /// data marker read here (the record scripts do not check it), one
-    /// `EXISTS` per claim.
-    pub(crate) async fn check_data(&self, conn: &Conn) -> Result<()> {
-        self.check(conn).await?;
-        let present: i64 =
-            redis::cmd("EXISTS").arg(&self.marker).query_async(&mut conn.clone()).await.map_err(|e| self.failed(e))?;
-        if present == 1 {
-            self.state().marker_seen = true;
-            return Ok(());
-        }
-        self.marker_missing(conn).await
-    }
-
     /// At start-up: the quarantine reads `INFO server` before grants, a
     /// `@dangerous` command that the README's ACL (`-@dangerous`) refuses;
     /// without this check every acquire would fail later instead.
