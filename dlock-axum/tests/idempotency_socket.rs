@@ -6,7 +6,7 @@
 //! These cannot be tested with `oneshot`: what goes wrong is the connection.
 
 use std::io::Write;
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +17,10 @@ use dlock_axum::{Dlock, LockerExt};
 use dlock_core::idempotency::MemoryStore;
 use dlock_core::{Locker, MemoryBackend};
 use serde_json::Value;
+
+mod small_buffers;
+
+use small_buffers::{connect, serve};
 
 const TWO_MIB: usize = 2 * 1024 * 1024;
 
@@ -36,31 +40,6 @@ fn app(dlock: Dlock) -> Router {
 
 fn engine() -> Dlock {
     Dlock::new(Locker::new(MemoryBackend::new()))
-}
-
-/// Serves `app` on a socket whose receive buffer is small, as on a real
-/// network, where a 2 MiB body is in flight rather than absorbed by
-/// loopback's large buffers.
-async fn serve(app: Router) -> SocketAddr {
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket.set_recv_buffer_size(16 * 1024).expect("SO_RCVBUF");
-    socket.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
-    let listener = socket.listen(64).expect("listen");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    addr
-}
-
-/// A client whose send buffer is small too: its writes block until the
-/// server reads.
-fn connect(addr: SocketAddr) -> TcpStream {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
-    socket.set_send_buffer_size(16 * 1024).expect("SO_SNDBUF");
-    socket.connect(&addr.into()).expect("connect");
-    let s: TcpStream = socket.into();
-    s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-    s.set_write_timeout(Some(Duration::from_secs(20))).expect("timeout");
-    s
 }
 
 /// One HTTP/1.1 answer: status and the body's `error` (or the body).
