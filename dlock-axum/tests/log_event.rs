@@ -57,8 +57,9 @@ fn request(uri: &str) -> Request<Body> {
         .expect("request")
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn one_event_per_request_at_the_same_level_through_both_faces() {
+/// Every event at every level of this thread, written to `Captured`, while
+/// the guard lives.
+fn capture() -> (Captured, tracing::subscriber::DefaultGuard) {
     let captured = Captured::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -66,7 +67,12 @@ async fn one_event_per_request_at_the_same_level_through_both_faces() {
         .with_max_level(tracing::Level::TRACE)
         .with_writer(move || writer.clone())
         .finish();
-    let _default = tracing::subscriber::set_default(subscriber);
+    (captured, tracing::subscriber::set_default(subscriber))
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn one_event_per_request_at_the_same_level_through_both_faces() {
+    let (captured, _default) = capture();
 
     let locker = Locker::new(MemoryBackend::new());
     let app = Router::new()
@@ -158,14 +164,7 @@ impl IdempotencyStore for NoComplete {
 /// also on the `WARN` paths of a failing lock service and store.
 #[tokio::test(flavor = "current_thread")]
 async fn no_request_secret_is_logged_at_any_level() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_max_level(tracing::Level::TRACE)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _default = tracing::subscriber::set_default(subscriber);
+    let (captured, _default) = capture();
 
     let locker = Locker::new(NoRelease(MemoryBackend::new()));
     let idem = Idempotency::new(Arc::new(NoComplete(MemoryStore::new())));
