@@ -33,7 +33,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::redis::holds::{LocalHolds, LocalRelease, Reentry};
+use super::redis::holds::{LocalHolds, Reentry};
 use super::redis::subscriber::Registration;
 use super::redis::{release_channel, NodeAttempt, RedisBackend, RedisOptions};
 use super::wait::{acquire_loop, Attempt};
@@ -535,24 +535,11 @@ impl Backend for RedLockBackend {
     }
 
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
-        match self.holds.reenter(&req.key, &req.owner, req.lease) {
-            Reentry::Local(grant) => Some(Ok(grant)),
-            Reentry::Server | Reentry::AfterRelease(_) => None,
-        }
+        self.holds.reenter_now(&req.key, &req.owner, req.lease)
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(async move {
-            match self.holds.release(key, owner) {
-                LocalRelease::StillHeld(left) => Ok(Release::StillHeld(left)),
-                LocalRelease::Unknown => self.release_on_all(key, owner).await,
-                LocalRelease::Last(turn) => {
-                    let released = self.release_on_all(key, owner).await;
-                    self.holds.released(key, owner, turn);
-                    released
-                }
-            }
-        })
+        Box::pin(self.holds.release_through(key, owner, self.release_on_all(key, owner)))
     }
 
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {

@@ -27,6 +27,7 @@ use tokio::sync::OwnedMutexGuard;
 use tokio::time::Instant;
 
 use crate::backend::{Grant, Release};
+use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -178,6 +179,33 @@ impl LocalHolds {
                 hold.count -= 1;
                 LocalRelease::StillHeld(hold.count)
             }
+        }
+    }
+
+    /// Gives back one hold, and sends the release to the server only when it
+    /// was the last (or the hold is not known here): the one release path
+    /// of every backend that counts re-entry with this table.
+    pub(crate) async fn release_through<F>(&self, key: &LockKey, owner: &Owner, on_server: F) -> Result<Release>
+    where
+        F: std::future::Future<Output = Result<Release>>,
+    {
+        match self.release(key, owner) {
+            LocalRelease::StillHeld(left) => Ok(Release::StillHeld(left)),
+            LocalRelease::Unknown => on_server.await,
+            LocalRelease::Last(turn) => {
+                let released = on_server.await;
+                self.released(key, owner, turn);
+                released
+            }
+        }
+    }
+
+    /// A re-entry answered from this table, if it can be: `None` when the
+    /// server must be asked.
+    pub(crate) fn reenter_now(&self, key: &LockKey, owner: &Owner, lease: Duration) -> Option<Result<Grant>> {
+        match self.reenter(key, owner, lease) {
+            Reentry::Local(grant) => Some(Ok(grant)),
+            Reentry::Server | Reentry::AfterRelease(_) => None,
         }
     }
 

@@ -88,7 +88,7 @@ pub use tls::RedisTls;
 pub use connection::RedisConnection;
 use connection::{connect_error, open_client, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget};
 pub(crate) use connection::{lost_connection, redis_error, Conn};
-use holds::{LocalHolds, LocalRelease, Reentry};
+use holds::{LocalHolds, Reentry};
 pub(crate) use restart::RestartGuard;
 use subscriber::Subscriber;
 
@@ -581,10 +581,7 @@ impl Backend for RedisBackend {
     }
 
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
-        match self.holds.reenter(&req.key, &req.owner, req.lease) {
-            Reentry::Local(grant) => Some(Ok(grant)),
-            Reentry::Server | Reentry::AfterRelease(_) => None,
-        }
+        self.holds.reenter_now(&req.key, &req.owner, req.lease)
     }
 
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
@@ -620,17 +617,7 @@ impl Backend for RedisBackend {
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(async move {
-            match self.holds.release(key, owner) {
-                LocalRelease::StillHeld(left) => Ok(Release::StillHeld(left)),
-                LocalRelease::Unknown => self.release_coalesced(key, owner).await,
-                LocalRelease::Last(turn) => {
-                    let released = self.release_coalesced(key, owner).await;
-                    self.holds.released(key, owner, turn);
-                    released
-                }
-            }
-        })
+        Box::pin(self.holds.release_through(key, owner, self.release_coalesced(key, owner)))
     }
 }
 
