@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
+use dlock_core::idempotency::{Begin, IdempotencyStore, RedisStore};
 use dlock_core::{AcquireOptions, Backend, Error, LockGuard, LockKey, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
@@ -290,13 +291,27 @@ async fn the_quarantine_under_an_acl_without_info_is_a_startup_error() {
     assert!(g.release().await.expect("release"));
 }
 
+/// Claims `key` once the store's quarantine refusals stop (at most 20 s).
+async fn claim_after_quarantine(store: &RedisStore, key: &str, lease: Duration) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match store.begin("s", key, "fp", lease).await {
+            Ok(Begin::New(_)) => return,
+            Err(e) if quarantined(&e) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 /// Idempotency records under the same rule: a Redis restarted without
 /// persistence has forgotten which keys already ran; with the quarantine
 /// on, `begin` refuses (503) until the server's uptime reaches it, instead
 /// of answering "new" and running a completed request again at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idempotency_claims_are_quarantined_after_a_restart() {
-    use dlock_core::idempotency::{Begin, IdempotencyStore, RedisStore, StoredResponse};
+    use dlock_core::idempotency::StoredResponse;
 
     let mut server = RedisServer::start();
     tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
@@ -313,16 +328,7 @@ async fn idempotency_claims_are_quarantined_after_a_restart() {
     tokio::time::sleep(Duration::from_millis(700)).await; // reconnected meanwhile
     let err = store.begin("s", "k", "fp", lease).await.expect_err("the record is gone: no claim yet");
     assert!(quarantined(&err), "{err}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match store.begin("s", "k", "fp", lease).await {
-            Ok(Begin::New(_)) => break,
-            Err(e) if quarantined(&e) && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            other => panic!("{other:?}"),
-        }
-    }
+    claim_after_quarantine(&store, "k", lease).await;
     assert!(restarted.elapsed() >= QUARANTINE - Duration::from_secs(1), "{:?}", restarted.elapsed());
 }
 
@@ -331,8 +337,6 @@ async fn idempotency_claims_are_quarantined_after_a_restart() {
 /// a grant is. The begin script itself checks the marker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idempotency_claims_are_quarantined_after_a_flush() {
-    use dlock_core::idempotency::{Begin, IdempotencyStore, RedisStore};
-
     let server = RedisServer::start();
     tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
     let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
@@ -349,15 +353,6 @@ async fn idempotency_claims_are_quarantined_after_a_flush() {
     let flushed = Instant::now();
     let err = store.begin("s", "first", "fp", lease).await.expect_err("the records are gone: no claim yet");
     assert!(quarantined(&err), "{err}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match store.begin("s", "first", "fp", lease).await {
-            Ok(Begin::New(_)) => break,
-            Err(e) if quarantined(&e) && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            other => panic!("{other:?}"),
-        }
-    }
+    claim_after_quarantine(&store, "first", lease).await;
     assert!(flushed.elapsed() >= QUARANTINE - Duration::from_millis(100), "{:?}", flushed.elapsed());
 }
