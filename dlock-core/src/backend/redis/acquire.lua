@@ -12,7 +12,8 @@
 -- KEYS[3], ARGV[4] = '1' (only with the restart quarantine): a data marker
 -- without TTL; when it is gone the server lost its data, and nothing is
 -- granted (the client quarantines it, see restart.rs).
--- Returns {1, fencing token, 1} when granted, {1, fencing token, 2} when the
+-- Returns the fencing token (decimal text, the cheapest reply) when granted,
+-- {1, fencing token, 2} when the
 -- owner held it already (a re-entry the client could not answer itself: no
 -- count is kept here, see holds.rs), {0, remaining ms of the holder} when
 -- held, {2} when the marker is gone.
@@ -28,18 +29,19 @@ end
 -- that a free lock costs one SET NX: a try that finds it held moves the mark
 -- for nothing, which only costs the contended path a write.
 local t = redis.call('TIME')
-local token = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local text = string.format('%d', token)
-local last = tonumber(redis.call('SET', KEYS[2], text, 'GET') or '0')
-if last >= token then
-  token = last + 1
-  text = string.format('%d', token)
+-- Seconds and zero-padded microseconds, as text: the common path converts
+-- no number to text or back. Both texts are decimal without leading zeros,
+-- so the longer is the larger, and equal lengths compare as strings.
+local text = t[1] .. string.sub('00000', #t[2]) .. t[2]
+local last = redis.call('SET', KEYS[2], text, 'GET')
+if last and (#last > #text or (#last == #text and last >= text)) then
+  text = string.format('%d', last + 1)
   redis.call('SET', KEYS[2], text)
 end
 local w = ARGV[3] == '1' and '1' or '0'
 local held = redis.call('SET', KEYS[1], text .. ':' .. w .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
 if not held then
-  return {1, token, 1}
+  return text
 end
 local fence, waited, owner = string.match(held, '^(%d+):([01]):(.*)$')
 if owner == ARGV[1] then
@@ -50,7 +52,7 @@ if owner == ARGV[1] then
   if w == '1' and waited == '0' then
     redis.call('SET', KEYS[1], fence .. ':1:' .. owner, 'KEEPTTL')
   end
-  return {1, tonumber(fence), 2}
+  return {1, fence, 2}
 end
 if w == '1' and waited == '0' then
   -- Asks the holder's release to announce itself; releases nobody waits for

@@ -6,30 +6,35 @@
 -- ARGV[3i - 1] owner, ARGV[3i] lease in ms, ARGV[3i + 1] awaited ('1'/'0')
 -- of lock i, as in acquire.lua.
 -- Returns {2} when the marker is gone (nothing granted), else per lock
--- {1, token, 1} granted, {1, token, 2} joined, {0, holder's ms, 0} held.
+-- {1, token, 1} granted, {1, token, 2} joined, {0, holder's ms, 0} held
+-- (tokens as decimal text).
 if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
   return {2}
 end
 local t = redis.call('TIME')
-local base = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local last = tonumber(redis.call('SET', KEYS[1], string.format('%d', base), 'GET') or '0')
-local fixed = last >= base
+-- As in acquire.lua: seconds and zero-padded microseconds, compared as text.
+local text = t[1] .. string.sub('00000', #t[2]) .. t[2]
+local last = redis.call('SET', KEYS[1], text, 'GET')
+local fixed = last and (#last > #text or (#last == #text and last >= text))
+local base = tonumber(fixed and last or text)
 if fixed then
-  base = last + 1
+  base = base + 1
 end
 local granted = 0
 local out = {}
+-- Entries in `out` so far.
+local n = 0
 for i = 3, #KEYS do
-  local j = (i - 2) * 3 - 1
+  local j = i * 3 - 7
   local owner, w = ARGV[j], ARGV[j + 2] == '1' and '1' or '0'
-  local token = base + granted
-  local text = string.format('%d', token)
-  local held = redis.call('SET', KEYS[i], text .. ':' .. w .. ':' .. owner, 'NX', 'PX', ARGV[j + 1], 'GET')
+  -- The clock's own text for the first grant, formatted only after it.
+  local token = (granted == 0 and not fixed) and text or string.format('%d', base + granted)
+  local held = redis.call('SET', KEYS[i], token .. ':' .. w .. ':' .. owner, 'NX', 'PX', ARGV[j + 1], 'GET')
   if not held then
     granted = granted + 1
-    out[#out + 1] = 1
-    out[#out + 1] = token
-    out[#out + 1] = 1
+    out[n + 1] = 1
+    out[n + 2] = token
+    out[n + 3] = 1
   else
     local fence, waited, holder = string.match(held, '^(%d+):([01]):(.*)$')
     if holder == owner then
@@ -39,20 +44,20 @@ for i = 3, #KEYS do
       if w == '1' and waited == '0' then
         redis.call('SET', KEYS[i], fence .. ':1:' .. holder, 'KEEPTTL')
       end
-      out[#out + 1] = 1
-      out[#out + 1] = tonumber(fence)
-      out[#out + 1] = 2
+      out[n + 1] = 1
+      out[n + 2] = fence
+      out[n + 3] = 2
     else
       if w == '1' and waited == '0' then
         redis.call('SET', KEYS[i], fence .. ':1:' .. holder, 'KEEPTTL')
       end
-      out[#out + 1] = 0
-      out[#out + 1] = redis.call('PTTL', KEYS[i])
-      out[#out + 1] = 0
+      out[n + 1] = 0
+      out[n + 2] = redis.call('PTTL', KEYS[i])
+      out[n + 3] = 0
     end
   end
+  n = n + 3
 end
--- The mark holds the last token handed out (base itself when none or one).
 if granted > 1 or fixed then
   redis.call('SET', KEYS[1], string.format('%d', base + math.max(granted, 1) - 1))
 end

@@ -462,7 +462,10 @@ impl RedisBackend {
             if let Some(guard) = &self.restart {
                 invocation.key(guard.marker.as_str()).arg("1");
             }
-            let reply: Vec<i64> = invocation.invoke_async(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
+            let reply: redis::Value =
+                invocation.invoke_async(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
+            let reply = acquire_reply(reply)
+                .map_err(|e| Error::backend("redis", format!("unexpected reply from the acquire script: {e}")))?;
             match (&self.restart, reply.as_slice()) {
                 (Some(guard), [2]) if !remarked => {
                     guard.marker_missing(&self.conn).await?;
@@ -505,7 +508,7 @@ impl RedisBackend {
         let Some((coalescer, calls)) = &self.coalesce else {
             return self.release_on_server(key, owner).await;
         };
-        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone(), channel: release_channel(key) };
+        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone() };
         let (reply, _) = coalescer.run(calls, op).await?;
         Ok(if reply == [0] { Release::Freed } else { Release::NotHeld })
     }
@@ -517,11 +520,20 @@ impl RedisBackend {
             .release
             .key(key.as_str())
             .arg(owner.as_str())
-            .arg(release_channel(key))
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| self.failed(e))?;
         Ok(if left == 0 { Release::Freed } else { Release::NotHeld })
+    }
+}
+
+/// The acquire script's reply as `[1, token, 1]` (granted), `[1, token, 2]`
+/// (joined), `[0, ms]` (held) or `[2]` (data marker gone). A grant comes
+/// back as the bare token, the cheapest reply for the script to build.
+pub(crate) fn acquire_reply(reply: redis::Value) -> std::result::Result<Vec<i64>, redis::ParsingError> {
+    match reply {
+        redis::Value::BulkString(_) => Ok(vec![1, redis::from_redis_value::<i64>(reply)?, 1]),
+        other => redis::from_redis_value(other),
     }
 }
 
@@ -658,7 +670,8 @@ pub fn prefix_fence_key(prefix: &str) -> String {
     high_water::prefix_mark(prefix)
 }
 
-/// The channel a release of `key` is announced on.
+/// The channel a release of `key` is announced on (the release scripts
+/// name it themselves: `KEYS[1] .. ':released'`).
 pub(crate) fn release_channel(key: &LockKey) -> String {
     format!("{key}:released")
 }

@@ -1,6 +1,6 @@
 -- Free the lock, only for its owner; announce the release when someone
 -- waits for it (an acquire that found the lock held set `w`).
--- KEYS[1] lock '<token>:<w>:<owner>'; ARGV[1] owner, ARGV[2] release channel.
+-- KEYS[1] lock '<token>:<w>:<owner>'; ARGV[1] owner.
 -- Returns 0 when freed, -1 when not held by this owner. Re-entries are
 -- counted by the client (holds.rs): this runs for its last hold only.
 -- The lock's fencing token needs no keeping: the high-water mark the
@@ -9,12 +9,15 @@ local lock = redis.call('GET', KEYS[1])
 if not lock then
   return -1
 end
-local waited, owner = string.match(lock, '^%d+:([01]):(.*)$')
-if owner ~= ARGV[1] then
+-- The token is digits only, so the first ':' ends it, `w` follows and the
+-- owner starts two bytes later: a plain find and a compare, no pattern.
+local colon = string.find(lock, ':', 1, true)
+if not colon or string.sub(lock, colon + 3) ~= ARGV[1] then
   return -1
 end
 redis.call('DEL', KEYS[1])
-if waited == '1' then
-  redis.call('PUBLISH', ARGV[2], '')
+if string.byte(lock, colon + 1) == 49 then
+  -- '1': the channel the waiters subscribed to (release_channel in mod.rs).
+  redis.call('PUBLISH', KEYS[1] .. ':released', '')
 end
 return 0
