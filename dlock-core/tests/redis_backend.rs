@@ -822,6 +822,40 @@ async fn concurrent_acquires_and_releases_share_script_calls() {
     }
 }
 
+/// Issue 17 (coalescing): up to 16 operations of a kind in flight go out
+/// alone, each in a call of its own: at that concurrency the server is the
+/// limit and a batch would only add the wait for the call ahead of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_few_concurrent_acquires_are_not_held_back_for_a_batch() {
+    let server = RedisServer::start();
+    let a = Arc::new(locker_for(&server.url(), 300).await);
+    let fixed = || AcquireOptions::new().with_lease(Duration::from_secs(30));
+    // Loads the scripts, so that no NOSCRIPT retry is counted below.
+    let warm = a.key("alone").part("warm").build().expect("key");
+    a.acquire(&warm, fixed()).await.expect("free").release().await.expect("release");
+    server.reset_stats();
+    const TASKS: u64 = 8;
+    let start = Arc::new(tokio::sync::Barrier::new(TASKS as usize));
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|i| {
+            let (a, start) = (a.clone(), start.clone());
+            tokio::spawn(async move {
+                let k = a.key("alone").part(i).build().expect("key");
+                start.wait().await;
+                let g = a.acquire(&k, fixed()).await.expect("free");
+                start.wait().await;
+                assert!(g.release().await.expect("release"), "held until released");
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let stats = server.command_stats();
+    assert_eq!(server.command_calls("evalsha"), 2 * TASKS, "a call per acquire and per release: {stats:?}");
+    assert_eq!(server.command_calls("time"), TASKS, "a TIME per acquire, none shared: {stats:?}");
+}
+
 /// Issue 17 (coalescing): the restart quarantine's data marker is checked
 /// by coalesced acquires too: after a flush, none of many concurrent
 /// acquires is granted.

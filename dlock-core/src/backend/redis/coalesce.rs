@@ -1,14 +1,22 @@
 //! Acquires and releases of many tasks gathered into one script call.
 //!
-//! On one server (or Sentinel master) the per-call cost of `EVALSHA` is a
-//! large part of a lock cycle's server work, and an acquire pays `TIME` and
-//! the high-water mark's `SET … GET` besides. When many tasks of a process
-//! take or give back locks at once, the operations that queue behind a call
-//! in flight go out together in the next one (up to [`MAX_BATCH`] keys): one
-//! `EVALSHA`, and for acquires one `TIME` and one mark update for all of
-//! them (`acquire_many.lua` hands out consecutive tokens). An operation
-//! that finds nothing in flight is sent at once, alone, with the one-key
-//! script: a lone caller waits for nothing.
+//! A client that sends every lock operation as a script call of its own
+//! pays the client side of a request (a redis-rs request, a reply to parse,
+//! a task to wake) once per lock; under many concurrent requests that client
+//! work, not the server, is what limits a process. So an operation is sent
+//! at once and alone, with the one-key script, while fewer than
+//! [`MAX_ALONE`] of its kind are in flight and no batch is being sent; past
+//! that, operations queue, and [`MAX_DRAINS`] tasks send what queued, each
+//! as one call of up to [`MAX_BATCH`] keys at a time, until the queue is
+//! empty (`acquire_many.lua` pays one `TIME` and one mark update for all of
+//! a call's acquires, and hands out consecutive tokens).
+//!
+//! The threshold is where batching starts to pay: measured on one 2-core
+//! machine with the server on its own core (`dlock-bench`), 16 tasks of a
+//! process went through fastest alone (the server is the limit there, and
+//! a batch saves it little: most of a lock's server work is per key), 256
+//! fastest in batches (their client work halves). A lone caller waits for
+//! nothing.
 //!
 //! Not for Redis Cluster (one call may only touch one slot) nor RedLock
 //! nodes (whose per-node timeout a queue would eat into).
@@ -20,7 +28,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::restart::RestartGuard;
-use super::{lease_ms, redis_error, Conn};
+use super::{acquire_reply, lease_ms, redis_error, Conn};
 use crate::backend::AcquireRequest;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -29,13 +37,20 @@ use crate::owner::Owner;
 /// Keys per script call: bounds how long one call keeps the server busy.
 const MAX_BATCH: usize = 128;
 
+/// Operations of one kind sent alone at once before they start to queue.
+const MAX_ALONE: usize = 16;
+
+/// Batch calls of one kind in flight at once: two keep the server busy
+/// while the client handles the other's answers.
+const MAX_DRAINS: usize = 2;
+
 /// A script's answer for one key, and when the call carrying it was sent.
 pub(crate) type Answer = Result<(Vec<i64>, Instant)>;
 
 /// One queued operation.
 pub(crate) enum Op {
     Acquire { req: AcquireRequest, awaited: bool },
-    Release { key: LockKey, owner: Owner, channel: String },
+    Release { key: LockKey, owner: Owner },
 }
 
 impl Op {
@@ -67,92 +82,84 @@ pub(crate) struct Coalescer {
 #[derive(Default)]
 struct Queue {
     waiting: Vec<(Op, oneshot::Sender<Answer>)>,
-    /// A call of this kind is in flight (or about to be).
-    sending: bool,
+    /// Operations of this kind sent alone and not answered yet.
+    alone: usize,
+    /// Tasks sending what waits, each one batch call at a time.
+    draining: usize,
 }
 
 fn lock(queue: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
-    // Every change under this lock is a push, a drain or a flag.
+    // Every change under this lock is a push, a drain, a count or a flag.
     queue.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Coalescer {
-    /// Runs `op` in the next script call of its kind and returns its reply:
-    /// at once and alone when no call of its kind is in flight.
+    /// Runs `op` in a script call of its kind and returns its reply: alone
+    /// and at once while fewer than [`MAX_ALONE`] of its kind are in flight
+    /// and no batch is being sent; else in a batch call.
     pub(crate) async fn run(&self, calls: &Calls, op: Op) -> Answer {
         let queue = if op.is_acquire() { &self.acquires } else { &self.releases };
-        let slot = {
+        let route = {
             let mut q = lock(queue);
-            if q.sending {
+            if q.draining == 0 && q.alone < MAX_ALONE {
+                q.alone += 1;
+                Route::Alone(op)
+            } else {
                 let (tx, rx) = oneshot::channel();
                 q.waiting.push((op, tx));
-                Slot::Queued(rx)
-            } else {
-                q.sending = true;
-                Slot::First(op)
+                let start_drain = q.draining < MAX_DRAINS;
+                if start_drain {
+                    q.draining += 1;
+                }
+                Route::Queued { answer: rx, start_drain }
             }
         };
-        let op = match slot {
-            Slot::First(op) => op,
-            Slot::Queued(answer) => {
-                return answer.await.map_err(|_| {
-                    Error::backend("redis", "the lock operation was dropped with its runtime before an answer")
-                })?
+        let (answer, start) = match route {
+            Route::Alone(op) => {
+                let _alone = Alone(queue.clone());
+                return send(calls, vec![op]).await.pop().unwrap_or_else(|| Err(Error::backend("redis", "no answer")));
             }
+            Route::Queued { answer, start_drain } => (answer, start_drain),
         };
-        // Ours is the call in flight; whoever queues behind it is sent by a
-        // task of its own afterwards (or at once if we are dropped), so that
-        // no caller depends on another caller being polled.
-        let turn = Turn { queue: queue.clone(), calls: calls.clone() };
-        let answer = send(calls, vec![op]).await.pop().unwrap_or_else(|| Err(Error::backend("redis", "no answer")));
-        drop(turn);
+        if start {
+            // On a task of its own, so that no caller depends on another
+            // caller being polled (or not dropped) for its answer.
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(drain(queue.clone(), calls.clone()))),
+                Err(_) => drain(queue.clone(), calls.clone()).await,
+            }
+        }
         answer
+            .await
+            .map_err(|_| Error::backend("redis", "the lock operation was dropped with its runtime before an answer"))?
     }
 }
 
-enum Slot {
-    /// Nothing of its kind in flight: the caller sends it.
-    First(Op),
-    /// Queued behind a call in flight.
-    Queued(oneshot::Receiver<Answer>),
+/// How an operation goes out.
+enum Route {
+    /// In a call of its own, sent by its caller.
+    Alone(Op),
+    /// In a batch call; `start_drain`: the caller starts a task that sends.
+    Queued { answer: oneshot::Receiver<Answer>, start_drain: bool },
 }
 
-/// The claim of the caller whose call is in flight: when it ends, what
-/// queued meanwhile goes out on a task of its own.
-struct Turn {
-    queue: Arc<Mutex<Queue>>,
-    calls: Calls,
-}
+/// An operation sent alone, counted until it is answered (or dropped).
+struct Alone(Arc<Mutex<Queue>>);
 
-impl Drop for Turn {
+impl Drop for Alone {
     fn drop(&mut self) {
-        let mut q = lock(&self.queue);
-        if q.waiting.is_empty() {
-            q.sending = false;
-            return;
-        }
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                drop(q);
-                runtime.spawn(drain(self.queue.clone(), self.calls.clone()));
-            }
-            Err(_) => {
-                // Dropping the senders answers every queued caller with an error.
-                q.waiting.clear();
-                q.sending = false;
-            }
-        }
+        lock(&self.0).alone -= 1;
     }
 }
 
-/// Sends what is queued, one call at a time, until the queue is empty.
+/// Sends what waits, one batch call at a time, until nothing does.
 async fn drain(queue: Arc<Mutex<Queue>>, calls: Calls) {
     loop {
         let batch: Vec<(Op, oneshot::Sender<Answer>)> = {
             let mut q = lock(&queue);
             if q.waiting.is_empty() {
-                // Under the lock, so an operation queued from now on is sent by its caller.
-                q.sending = false;
+                // Under the lock, so an operation queued from now on starts a new drain.
+                q.draining -= 1;
                 return;
             }
             let n = q.waiting.len().min(MAX_BATCH);
@@ -210,8 +217,8 @@ async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
                     }
                 }
             }
-            Op::Release { key, owner, channel } => {
-                invocation.key(key.as_str()).arg(owner.as_str()).arg(channel.as_str());
+            Op::Release { key, owner } => {
+                invocation.key(key.as_str()).arg(owner.as_str());
             }
         }
     }
@@ -227,9 +234,9 @@ async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
         }
     };
     let parsed: std::result::Result<Vec<Vec<i64>>, redis::ParsingError> = match (acquiring, single) {
-        (true, true) => redis::from_redis_value::<Vec<i64>>(reply.clone()).map(|r| vec![r]),
-        (false, true) => redis::from_redis_value::<i64>(reply.clone()).map(|r| vec![vec![r]]),
-        (true, false) => redis::from_redis_value::<Vec<i64>>(reply.clone()).map(|flat| {
+        (true, true) => acquire_reply(reply).map(|r| vec![r]),
+        (false, true) => redis::from_redis_value::<i64>(reply).map(|r| vec![vec![r]]),
+        (true, false) => redis::from_redis_value::<Vec<i64>>(reply).map(|flat| {
             if flat == [2] {
                 // The data marker is gone: the same answer for every acquire.
                 vec![vec![2]; n]
@@ -240,9 +247,7 @@ async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
                     .collect()
             }
         }),
-        (false, false) => {
-            redis::from_redis_value::<Vec<i64>>(reply.clone()).map(|r| r.into_iter().map(|x| vec![x]).collect())
-        }
+        (false, false) => redis::from_redis_value::<Vec<i64>>(reply).map(|r| r.into_iter().map(|x| vec![x]).collect()),
     };
     match parsed {
         Ok(answers) if answers.len() == n => answers.into_iter().map(|a| Ok((a, sent))).collect(),
