@@ -9,7 +9,7 @@ pub(crate) const BENCHES: &[&str] = &["uncontended", "memory", "handoff", "http"
 
 pub(crate) const USAGE: &str = "\
 usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--settle-us N]
-                   [--bench NAME[,NAME]] [--quick]
+                   [--bench NAME[,NAME]] [--quick] [--no-pin]
 
   --json           one JSON object per line instead of tables
   --redis-url URL  measure against this server instead of starting a redis-server
@@ -23,7 +23,9 @@ usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--
                    parked (default 1000)
   --bench NAMES    run only these benchmarks: uncontended, memory, handoff, http,
                    idempotency, backends
-  --quick          tiny sizes, for a CI smoke test";
+  --quick          tiny sizes, for a CI smoke test
+  --no-pin         leave the threads to the scheduler; by default the servers the
+                   benchmark starts run on the last CPU and the benchmark on the others";
 
 /// Parsed options.
 #[derive(Debug, Clone)]
@@ -38,6 +40,8 @@ pub(crate) struct Args {
     /// Locks of the `memory` burst (100,000; 2,000 with `--quick`).
     pub(crate) one_off_locks: usize,
     pub(crate) benches: Vec<&'static str>,
+    /// Do not pin the benchmark and its servers to CPUs (see `pin.rs`).
+    pub(crate) no_pin: bool,
 }
 
 impl Args {
@@ -46,6 +50,7 @@ impl Args {
     pub(crate) fn parse(argv: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
         let mut json = false;
         let mut quick = false;
+        let mut no_pin = false;
         let mut redis_url = None;
         let mut duration_ms = None;
         let mut rounds = None;
@@ -63,6 +68,7 @@ impl Args {
             match flag.as_str() {
                 "--json" => json = true,
                 "--quick" => quick = true,
+                "--no-pin" => no_pin = true,
                 "-h" | "--help" => return Ok(None),
                 "--redis-url" => redis_url = Some(value("--redis-url")?),
                 "--duration-ms" => duration_ms = Some(number(&value("--duration-ms")?, "--duration-ms")?),
@@ -103,6 +109,7 @@ impl Args {
             settle: Duration::from_micros(settle_us),
             one_off_locks: if quick { 2_000 } else { 100_000 },
             benches: benches.unwrap_or_else(|| BENCHES.to_vec()),
+            no_pin,
         }))
     }
 

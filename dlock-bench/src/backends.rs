@@ -19,9 +19,10 @@ use dlock_testing::RedisServer;
 
 use crate::args::Args;
 use crate::env::Env;
-use crate::error::Result;
+use crate::error::{BenchError, Result};
 use crate::locks::DlockLock;
 use crate::measure::{median, Timing};
+use crate::pin::Pinning;
 use crate::report::Row;
 use crate::series::Series;
 use crate::{handoff, uncontended};
@@ -46,8 +47,12 @@ struct Under {
     _zookeeper: Option<dlock_testing::ZooKeeperServer>,
 }
 
-async fn redlock(name: &'static str, n: usize, prefix: &str) -> Result<Under> {
+async fn redlock(name: &'static str, n: usize, prefix: &str, pinning: &Pinning) -> Result<Under> {
     let servers: Vec<RedisServer> = (0..n).map(|_| RedisServer::start()).collect();
+    for server in &servers {
+        // With the main server, off the benchmark's CPUs.
+        pinning.server(server.pid()).map_err(BenchError::Server)?;
+    }
     let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
     let backend = RedLockBackend::connect(&urls, prefix).await?;
     let locker =
@@ -85,7 +90,10 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     // A ZooKeeper cycle is a few fsync'd writes: even the quick mode needs a
     // window that holds some of them.
     let timing = Timing { warmup: args.warmup, duration: args.duration.max(std::time::Duration::from_millis(300)) };
-    let mut under = vec![redlock("redlock-3", 3, &env.prefix).await?, redlock("redlock-5", 5, &env.prefix).await?];
+    let mut under = vec![
+        redlock("redlock-3", 3, &env.prefix, &env.pinning).await?,
+        redlock("redlock-5", 5, &env.prefix, &env.pinning).await?,
+    ];
     under.extend(zookeeper(&env.prefix).await?);
 
     let mut base: Vec<Series> = CONCURRENCY.iter().map(|&c| Series::new("backends", "dlock", "redis", c)).collect();

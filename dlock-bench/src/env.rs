@@ -8,6 +8,7 @@ use redis::aio::MultiplexedConnection;
 
 use crate::error::Result;
 use crate::measure::CommandCounter;
+use crate::pin::Pinning;
 
 /// The server under test and the clients every benchmark shares.
 pub(crate) struct Env {
@@ -24,6 +25,8 @@ pub(crate) struct Env {
     /// server never meet.
     pub(crate) prefix: String,
     pub(crate) server_version: String,
+    /// Where the servers a benchmark starts itself must run.
+    pub(crate) pinning: Pinning,
 }
 
 impl std::fmt::Debug for Env {
@@ -33,7 +36,7 @@ impl std::fmt::Debug for Env {
 }
 
 impl Env {
-    pub(crate) async fn connect(url: &str) -> Result<Env> {
+    pub(crate) async fn connect(url: &str, pinning: Pinning) -> Result<Env> {
         let client = redis::Client::open(url)?;
         let conn = client.get_multiplexed_async_connection().await?;
         let counter = CommandCounter::new(client.get_multiplexed_async_connection().await?);
@@ -43,6 +46,6 @@ impl Env {
         let prefix = format!("dlock-bench-{}", std::process::id());
         let backend = RedisBackend::connect(url, &prefix).await?;
         let redis_locker = Locker::with_options(Arc::new(backend), LockerOptions::default().with_prefix(&prefix))?;
-        Ok(Env { url: url.to_owned(), client, conn, counter, redis_locker, prefix, server_version })
+        Ok(Env { url: url.to_owned(), client, conn, counter, redis_locker, prefix, server_version, pinning })
     }
 }

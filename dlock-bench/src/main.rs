@@ -35,6 +35,7 @@ mod locks;
 mod measure;
 mod memory;
 mod peer;
+mod pin;
 mod report;
 mod series;
 mod uncontended;
@@ -45,6 +46,7 @@ use args::{Args, USAGE};
 use dlock_testing::RedisServer;
 use env::Env;
 use error::{BenchError, Result};
+use pin::Pinning;
 
 fn main() -> ExitCode {
     let args = match Args::parse(std::env::args().skip(1)) {
@@ -82,17 +84,28 @@ fn run(args: &Args) -> Result<String> {
             (Some(server), url)
         }
     };
+    // Before the runtime starts its threads, which inherit it; a server of
+    // someone else's (--redis-url) is left where it is.
+    let pinning = match &_server {
+        Some(server) => {
+            let pinning = Pinning::apply(args.no_pin);
+            pinning.server(server.pid()).map_err(BenchError::Server)?;
+            pinning
+        }
+        None => Pinning::Off("--redis-url".into()),
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(|e| BenchError::Invariant(format!("cannot start the tokio runtime: {e}")))?;
     runtime.block_on(async {
-        let env = Env::connect(&url).await?;
+        let env = Env::connect(&url, pinning).await?;
         eprintln!(
-            "dlock-bench: redis {} at {}{}, windows of {:?} after {:?} warm-up, rounds {}/{} (uncontended/handoff), settle {:?}",
+            "dlock-bench: redis {} at {}{}, {}, windows of {:?} after {:?} warm-up, rounds {}/{} (uncontended/handoff), settle {:?}",
             env.server_version,
             env.url,
             if args.redis_url.is_none() { " (own server)" } else { "" },
+            env.pinning.describe(),
             args.duration,
             args.warmup,
             args.uncontended_rounds,
@@ -122,9 +135,11 @@ fn run(args: &Args) -> Result<String> {
             report::json_lines(&rows)
         } else {
             let header = format!(
-                "dlock-bench against redis {} ({}), medians over rounds; cmds/acq = client commands per acquisition, \
+                "dlock-bench against redis {} ({}; {}), medians over rounds; cmds/acq = client commands per acquisition, \
                  srv/acq = every server call incl. those inside Lua scripts",
-                env.server_version, env.url
+                env.server_version,
+                env.url,
+                env.pinning.describe()
             );
             let titles = [
                 ("uncontended", uncontended::TITLE),

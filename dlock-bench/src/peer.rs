@@ -346,7 +346,9 @@ mod tests {
     fn the_bench_fails_a_release_that_never_deletes() {
         let server = RedisServer::start();
         runtime().block_on(async {
-            let env = crate::env::Env::connect(&server.url()).await.expect("the bench's environment");
+            let env = crate::env::Env::connect(&server.url(), crate::pin::Pinning::Off("a test".into()))
+                .await
+                .expect("the bench's environment");
             let timing =
                 crate::measure::Timing { warmup: Duration::from_millis(10), duration: Duration::from_millis(50) };
             let sound = PeerLock::try_once(env.conn.clone(), "t:sound", 4).expect("lock");

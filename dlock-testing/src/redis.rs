@@ -91,6 +91,11 @@ impl RedisServer {
         self.port
     }
 
+    /// The process id of the running server (`None` after a kill).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// A plain synchronous connection for assertions.
     ///
     /// # Panics
