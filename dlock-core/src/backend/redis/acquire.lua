@@ -32,7 +32,11 @@ local t = redis.call('TIME')
 -- Seconds and zero-padded microseconds, as text: the common path converts
 -- no number to text or back. Both texts are decimal without leading zeros,
 -- so the longer is the larger, and equal lengths compare as strings.
-local text = t[1] .. string.sub('00000', #t[2]) .. t[2]
+local us = t[2]
+if #us < 6 then
+  us = string.sub('00000', #us) .. us
+end
+local text = t[1] .. us
 local last = redis.call('SET', KEYS[2], text, 'GET')
 if last and (#last > #text or (#last == #text and last >= text)) then
   text = string.format('%d', last + 1)

@@ -13,7 +13,11 @@ if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
 end
 local t = redis.call('TIME')
 -- As in acquire.lua: seconds and zero-padded microseconds, compared as text.
-local text = t[1] .. string.sub('00000', #t[2]) .. t[2]
+local us = t[2]
+if #us < 6 then
+  us = string.sub('00000', #us) .. us
+end
+local text = t[1] .. us
 local last = redis.call('SET', KEYS[1], text, 'GET')
 local fixed = last and (#last > #text or (#last == #text and last >= text))
 local base = tonumber(fixed and last or text)

@@ -5,7 +5,8 @@ local out = {}
 for i, key in ipairs(KEYS) do
   local lock = redis.call('GET', key)
   local colon = lock and string.find(lock, ':', 1, true)
-  if colon and string.sub(lock, colon + 3) == ARGV[i] then
+  local owner = ARGV[i]
+  if colon and #lock == colon + 2 + #owner and string.find(lock, owner, colon + 3, true) == colon + 3 then
     redis.call('DEL', key)
     if string.byte(lock, colon + 1) == 49 then
       redis.call('PUBLISH', key .. ':released', '')
