@@ -8,12 +8,13 @@
 //!   on the in-process backend (target: ≥ 0.9 of the route alone);
 //! * `layer/redis`: the same layer on the bench's Redis;
 //! * `raw-route/redis`: a hand-written route that does `SET NX PX` and a
-//!   compare-and-delete `EVALSHA` around the same handler (target: the layer
-//!   on Redis ≥ 0.9 of it);
+//!   compare-and-delete `EVALSHA` around the same handler (the layer's
+//!   `ratio` on Redis is to it; no target, as for the uncontended bench's
+//!   bare baseline);
 //! * `fenced-raw-route/redis`: the same with a fencing token (`SET NX PX` +
 //!   `INCR` in one script, as the uncontended bench's fenced floor), to show
 //!   how much of the gap fencing explains (target: the layer on Redis ≥ 0.9
-//!   of it too, since dlock's locks are fenced).
+//!   of it, since dlock's locks are fenced).
 //!
 //! The `http-in-process` rows call the first two routes without sockets,
 //! one request at a time through `Router::call` on one task: the layer's own
@@ -333,7 +334,10 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
             let ratio =
                 median(if i == 1 { ratio_memory.iter().copied() } else { ratio_redis.iter().copied() }).unwrap_or(0.0);
             row.ratio = Some(ratio);
-            row.targets.push(target("ratio", ratio, false, 0.9, ""));
+            if i == 1 {
+                // On Redis the bar is the fenced route below: dlock's locks are fenced.
+                row.targets.push(target("ratio", ratio, false, 0.9, ""));
+            }
         }
         if i == 2 {
             row.vs_floor = median(ratio_fenced.iter().copied());
