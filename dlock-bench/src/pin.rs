@@ -4,8 +4,8 @@
 //! Left to the scheduler on a small machine, the client's worker threads
 //! and `redis-server` take turns on the same cores, and which
 //! implementation gets the better turns changes from run to run (the fenced
-//! floor measured 60,000 and 76,000 cycles/s at c = 16 in two runs of the
-//! same build). A lock server has a CPU of its own in production; pinned,
+//! floor measured about 60,000 cycles/s at c = 16 alone and 76,000 in a full
+//! run of the same build). A lock server has a CPU of its own in production; pinned,
 //! the server's CPU is what limits a row at high concurrency, as it would
 //! there, and the client's work shows as what it costs. With one CPU, or
 //! without `taskset`, nothing is pinned and the header says so.
