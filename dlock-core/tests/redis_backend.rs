@@ -856,6 +856,45 @@ async fn a_few_concurrent_acquires_are_not_held_back_for_a_batch() {
     assert_eq!(server.command_calls("time"), TASKS, "a TIME per acquire, none shared: {stats:?}");
 }
 
+/// Issue 17 (handoff): a task that starts waiting for a key other tasks of
+/// its process already wait for subscribes first and tries once, so a
+/// contended acquisition costs one script call less; it still gets the lock
+/// when it comes free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_behind_others_tries_once_before_it_parks() {
+    let server = RedisServer::start();
+    let a = Arc::new(locker_for(&server.url(), 300).await);
+    let k = a.key("queue").part(1).build().expect("key");
+    let fixed = AcquireOptions::new().with_lease(Duration::from_secs(30));
+    let holder = a.acquire(&k, fixed.clone()).await.expect("free");
+    let waiting = fixed.with_wait(Duration::from_secs(10));
+    let first = tokio::spawn({
+        let (a, k, waiting) = (a.clone(), k.clone(), waiting.clone());
+        async move { a.acquire(&k, waiting).await.map(|g| g.fencing_token()) }
+    });
+    // The first waiter has tried, subscribed, tried again and parked.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.reset_stats();
+    let second = tokio::spawn({
+        let (a, k) = (a.clone(), k.clone());
+        async move {
+            let g = a.acquire(&k, waiting).await?;
+            let token = g.fencing_token();
+            g.release().await?;
+            Ok::<_, dlock_core::Error>(token)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stats = server.command_stats();
+    assert_eq!(server.command_calls("evalsha"), 1, "one try before parking behind the first waiter: {stats:?}");
+    assert_eq!(server.command_calls("subscribe"), 0, "the channel was subscribed already: {stats:?}");
+    let held = holder.fencing_token();
+    assert!(holder.release().await.expect("release"));
+    let first = first.await.expect("task").expect("the first waiter gets it");
+    let second = second.await.expect("task").expect("the second waiter gets it after the first");
+    assert!(held < first && first < second, "tokens in handoff order: {held} {first} {second}");
+}
+
 /// Issue 17 (coalescing): the restart quarantine's data marker is checked
 /// by coalesced acquires too: after a flush, none of many concurrent
 /// acquires is granted.

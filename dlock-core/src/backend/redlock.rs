@@ -500,7 +500,15 @@ impl Backend for RedLockBackend {
                 };
                 Some(guard)
             };
-            acquire_loop(req, cancel, move |awaited| self.try_once(req, awaited), move || self.register(&req.key)).await
+            let others_wait = self.nodes.first().is_some_and(|n| n.subscriber.waited_on(|| release_channel(&req.key)));
+            acquire_loop(
+                req,
+                cancel,
+                others_wait,
+                move |awaited| self.try_once(req, awaited),
+                move || self.register(&req.key),
+            )
+            .await
         })
     }
 

@@ -40,9 +40,15 @@ const TTL_SLACK: Duration = Duration::from_millis(1);
 /// waiter per release is enough) whenever the key may have come free, for as
 /// long as it lives. The try that follows a subscription covers a release
 /// that happened before it.
+///
+/// `others_wait`: other tasks of this process already wait for the key, so
+/// it is almost surely held and its subscription live. A caller willing to
+/// wait then subscribes first and makes one (awaited) try instead of two:
+/// under contention a plain first try is a round trip that only says "held".
 pub(crate) async fn acquire_loop<A, AF, S, SF, W>(
     req: &AcquireRequest,
     cancel: &CancellationToken,
+    others_wait: bool,
     mut attempt: A,
     subscribe: S,
 ) -> Result<Grant>
@@ -53,8 +59,11 @@ where
     SF: Future<Output = W>,
     W: AsRef<Notify>,
 {
-    if let Attempt::Acquired(grant) = attempt(false).await? {
-        return Ok(grant);
+    let subscribe_first = others_wait && req.deadline.is_some();
+    if !subscribe_first {
+        if let Attempt::Acquired(grant) = attempt(false).await? {
+            return Ok(grant);
+        }
     }
     let Some(deadline) = req.deadline else {
         return Err(contention(req, Instant::now()));

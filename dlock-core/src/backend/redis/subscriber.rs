@@ -18,7 +18,7 @@
 //! holder's TTL runs out.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -41,6 +41,16 @@ enum Command {
 #[derive(Debug, Clone)]
 pub(crate) struct Subscriber {
     commands: mpsc::UnboundedSender<Command>,
+    /// Registrations alive per channel, counted by the callers (the actor's
+    /// own table is its task's alone), for [`Subscriber::waited_on`].
+    waiting: Waiting,
+}
+
+type Waiting = Arc<Mutex<HashMap<String, usize>>>;
+
+fn count(waiting: &Waiting) -> MutexGuard<'_, HashMap<String, usize>> {
+    // Every change under this lock is one count.
+    waiting.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A waiter's registration: notified when the key may have come free.
@@ -49,6 +59,7 @@ pub(crate) struct Registration {
     notify: Arc<Notify>,
     channel: String,
     commands: mpsc::UnboundedSender<Command>,
+    waiting: Waiting,
 }
 
 impl AsRef<Notify> for Registration {
@@ -60,6 +71,15 @@ impl AsRef<Notify> for Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         let channel = std::mem::take(&mut self.channel);
+        {
+            let mut waiting = count(&self.waiting);
+            if let Some(n) = waiting.get_mut(&channel) {
+                *n -= 1;
+                if *n == 0 {
+                    waiting.remove(&channel);
+                }
+            }
+        }
         let _ = self.commands.send(Command::Unregister { channel });
     }
 }
@@ -99,7 +119,14 @@ impl Subscriber {
             confirmations: FuturesUnordered::new(),
         };
         tokio::spawn(actor.run());
-        Ok(Subscriber { commands: tx })
+        Ok(Subscriber { commands: tx, waiting: Waiting::default() })
+    }
+
+    /// Whether a task of this process waits on `channel` now (built only
+    /// when some task waits on any).
+    pub(crate) fn waited_on(&self, channel: impl FnOnce() -> String) -> bool {
+        let waiting = count(&self.waiting);
+        !waiting.is_empty() && waiting.contains_key(&channel())
     }
 
     /// Registers a waiter for `channel`, subscribing if it is the first.
@@ -116,10 +143,16 @@ impl Subscriber {
     /// Dropping the future after its first poll still unregisters.
     pub(crate) async fn register_shared(&self, channel: String, shared: Option<Arc<Notify>>) -> Registration {
         let (reply, answer) = oneshot::channel();
+        *count(&self.waiting).entry(channel.clone()).or_default() += 1;
         let _ = self.commands.send(Command::Register { channel: channel.clone(), shared, reply });
         // The actor counts this waiter from now on; if we are dropped before
         // the answer, the registration's `Drop` uncounts it.
-        let mut registration = Registration { notify: Arc::default(), channel, commands: self.commands.clone() };
+        let mut registration = Registration {
+            notify: Arc::default(),
+            channel,
+            commands: self.commands.clone(),
+            waiting: self.waiting.clone(),
+        };
         if let Ok(notify) = answer.await {
             registration.notify = notify;
         }
