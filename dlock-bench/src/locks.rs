@@ -168,6 +168,18 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
 end
 return 0";
 
+/// The fenced floor that also reads the server clock, as any lock whose
+/// tokens must outlive a lost counter (a restart without persistence, a
+/// failover to a lagging replica) has to: what dlock's tokens cost on top of
+/// the floor's. It reads `TIME` and throws it away; the floor's token is
+/// still the counter.
+pub(crate) const FENCED_CLOCK_SET_NX: &str = r"
+redis.call('TIME')
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+return 0";
+
 /// How a hand-written lock waits for a held key.
 enum Waiting {
     /// Never: the uncontended baseline only ever tries once.
@@ -277,6 +289,13 @@ impl RawLock {
         Ok(lock)
     }
 
+    /// The fenced floor with the server clock read ([`FENCED_CLOCK_SET_NX`]).
+    pub(crate) fn fenced_clock_try_once(conn: MultiplexedConnection, name: &str, slots: usize) -> Result<Self> {
+        let mut lock = Self::with(conn, name, slots, COMPARE_AND_DELETE, Waiting::TryOnce)?;
+        lock.fenced = Some(Script::new(FENCED_CLOCK_SET_NX));
+        Ok(lock)
+    }
+
     /// Retries `SET NX` every `interval` while the key is held.
     pub(crate) fn poller(conn: MultiplexedConnection, name: &str, interval: Duration) -> Result<Self> {
         Self::with(conn, name, 1, COMPARE_AND_DELETE, Waiting::Poll(interval, TimerThread::start()?))
@@ -369,7 +388,7 @@ impl BenchLock for RawLock {
 
     fn script_internal_commands(&self) -> &'static [&'static str] {
         if self.fenced.is_some() {
-            &["set", "incr", "get", "del"]
+            &["set", "incr", "get", "del", "time"]
         } else {
             &["get", "del", "publish"]
         }

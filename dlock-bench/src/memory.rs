@@ -109,6 +109,7 @@ where
         server_cpu_us: Some(delta.server_cpu_us as f64 / n),
         ratio: None,
         vs_floor: None,
+        vs_clock_floor: None,
         vs_peer: None,
         cpu_vs_floor: None,
         keys_left_per_lock: Some((keys_after as f64 - keys_before as f64) / n),

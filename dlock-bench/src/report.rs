@@ -49,6 +49,8 @@ pub(crate) struct Row {
     pub(crate) ratio: Option<f64>,
     /// dlock / the fenced floor (uncontended rows on Redis).
     pub(crate) vs_floor: Option<f64>,
+    /// dlock / the fenced floor with the server clock read (uncontended).
+    pub(crate) vs_clock_floor: Option<f64>,
     /// dlock / the Redisson-semantics peer, throughput (uncontended rows).
     pub(crate) vs_peer: Option<f64>,
     /// Redis CPU per cycle, dlock / the fenced floor (uncontended rows).
@@ -89,6 +91,9 @@ impl Row {
         }
         if let Some(r) = self.vs_floor {
             m.insert("ratio_vs_fenced_floor".into(), json!(round(r, 3)));
+        }
+        if let Some(r) = self.vs_clock_floor {
+            m.insert("ratio_vs_fenced_clock_floor".into(), json!(round(r, 3)));
         }
         if let Some(r) = self.vs_peer {
             m.insert("ratio_vs_redisson_peer".into(), json!(round(r, 3)));
@@ -154,6 +159,7 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
                 r.targets.iter().map(|t| format!("{} {}", t.goal, t.verdict())).collect::<Vec<_>>().join("; ");
             for (v, what) in [
                 (r.vs_floor, "of the fenced floor"),
+                (r.vs_clock_floor, "of the clock floor"),
                 (r.cpu_vs_floor, "of the floor's srv us"),
                 (r.vs_peer, "of the redisson-peer"),
             ] {
@@ -229,6 +235,7 @@ mod tests {
             server_cpu_us: Some(12.5),
             ratio: None,
             vs_floor: None,
+            vs_clock_floor: None,
             vs_peer: None,
             cpu_vs_floor: None,
             keys_left_per_lock: None,

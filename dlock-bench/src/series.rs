@@ -45,6 +45,7 @@ impl Series {
             server_cpu_us: median(self.samples.iter().filter_map(|s| s.server_cpu_us_per_op)),
             ratio: None,
             vs_floor: None,
+            vs_clock_floor: None,
             vs_peer: None,
             cpu_vs_floor: None,
             keys_left_per_lock: None,

@@ -10,13 +10,17 @@
 //!   one script of `SET NX PX` then `INCR` of a counter, and the same
 //!   compare-and-delete. Its `ratio` is floor/baseline: what fencing alone
 //!   costs; dlock's row reports dlock/floor beside its target ratio.
+//! * `clock-floor/redis`: the fenced floor that also reads the server
+//!   clock (`TIME`) in its script, as any lock whose tokens must survive a
+//!   lost counter has to; no target, it shows what dlock's restart-proof
+//!   tokens cost (dlock's row prints dlock / it as "of the clock floor").
 //! * `redisson-peer/redis`: Redisson's re-entrant hash lock ([`crate::peer`]):
 //!   an acquire script, a release script guarded by an unlock latch and the
 //!   client's `DEL` of that latch. Its `ratio` is peer/baseline.
 //! * `dlock/memory`: the engine over the in-process backend (no network), to
 //!   show the engine's own overhead.
 //!
-//! The four Redis implementations take turns, in several rounds, and each
+//! The five Redis implementations take turns, in several rounds, and each
 //! figure is the median over the rounds; every ratio is the median of the
 //! per-round ratios, so slow phases of a shared machine hit both sides alike.
 //! After each window the implementation's lock keys must all be gone (see
@@ -65,7 +69,7 @@ pub(crate) const TITLE: &str =
      srv/acq = server commands per cycle, srv us = Redis CPU per cycle; ratio = vs baseline)";
 
 /// The Redis implementations, in the order a round's turns rotate through.
-const IMPLS: [&str; 4] = ["dlock", "baseline", "fenced-floor", "redisson-peer"];
+const IMPLS: [&str; 5] = ["dlock", "baseline", "fenced-floor", "redisson-peer", "clock-floor"];
 
 /// Per-round ratios of one concurrency.
 #[derive(Default)]
@@ -74,6 +78,8 @@ struct Ratios {
     floor_vs_base: Vec<f64>,
     peer_vs_base: Vec<f64>,
     dlock_vs_floor: Vec<f64>,
+    dlock_vs_clock_floor: Vec<f64>,
+    clock_floor_vs_base: Vec<f64>,
     dlock_vs_peer: Vec<f64>,
     cpu_vs_floor: Vec<f64>,
 }
@@ -89,7 +95,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     let timing = Timing { warmup: args.warmup, duration: args.duration };
     // The in-process engine is fast and steady; a shorter window suffices.
     let memory_timing = Timing { warmup: args.warmup / 4, duration: args.duration / 4 };
-    let mut series: Vec<[Series; 4]> =
+    let mut series: Vec<[Series; 5]> =
         CONCURRENCY.iter().map(|&c| IMPLS.map(|imp| Series::new("uncontended", imp, "redis", c))).collect();
     let mut memory: Vec<Series> =
         CONCURRENCY.iter().map(|&c| Series::new("uncontended", "dlock", "memory", c)).collect();
@@ -98,7 +104,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     for round in 0..rounds {
         for (ci, &c) in CONCURRENCY.iter().enumerate() {
             let name = format!("u-r{round}-c{c}");
-            let mut got: [Option<Sample>; 4] = [None, None, None, None];
+            let mut got: [Option<Sample>; 5] = [None, None, None, None, None];
             // Rotate who goes first, so none always runs on a warmer server.
             for turn in 0..IMPLS.len() {
                 let i = (round + ci + turn) % IMPLS.len();
@@ -110,11 +116,15 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
                     }
                     1 => measure_redis(env, RawLock::try_once(env.conn.clone(), &keys, c)?, c, timing).await?,
                     2 => measure_redis(env, RawLock::fenced_try_once(env.conn.clone(), &keys, c)?, c, timing).await?,
-                    _ => measure_redis(env, PeerLock::try_once(env.conn.clone(), &keys, c)?, c, timing).await?,
+                    3 => measure_redis(env, PeerLock::try_once(env.conn.clone(), &keys, c)?, c, timing).await?,
+                    _ => {
+                        let lock = RawLock::fenced_clock_try_once(env.conn.clone(), &keys, c)?;
+                        measure_redis(env, lock, c, timing).await?
+                    }
                 };
                 got[i] = Some(sample);
             }
-            let [Some(d), Some(b), Some(f), Some(p)] = got else {
+            let [Some(d), Some(b), Some(f), Some(p), Some(t)] = got else {
                 return Err(BenchError::Invariant("a round skipped an implementation".into()));
             };
             let r = &mut ratios[ci];
@@ -123,10 +133,12 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
             push_ratio(&mut r.peer_vs_base, p.ops_per_sec, b.ops_per_sec);
             push_ratio(&mut r.dlock_vs_floor, d.ops_per_sec, f.ops_per_sec);
             push_ratio(&mut r.dlock_vs_peer, d.ops_per_sec, p.ops_per_sec);
+            push_ratio(&mut r.dlock_vs_clock_floor, d.ops_per_sec, t.ops_per_sec);
+            push_ratio(&mut r.clock_floor_vs_base, t.ops_per_sec, b.ops_per_sec);
             if let (Some(dc), Some(fc)) = (d.server_cpu_us_per_op, f.server_cpu_us_per_op) {
                 push_ratio(&mut r.cpu_vs_floor, dc, fc);
             }
-            for (s, sample) in series[ci].iter_mut().zip([d, b, f, p]) {
+            for (s, sample) in series[ci].iter_mut().zip([d, b, f, p, t]) {
                 s.samples.push(sample);
             }
             let mem_lock = DlockLock::new(Locker::new(MemoryBackend::new()), &name, c)?;
@@ -155,7 +167,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     for (ci, &c) in CONCURRENCY.iter().enumerate() {
         let r = &ratios[ci];
         let med = |v: &Vec<f64>| median(v.iter().copied());
-        let [d, b, f, p] = &series[ci];
+        let [d, b, f, p, t] = &series[ci];
         let mut d = d.row();
         let ratio = med(&r.dlock_vs_base).unwrap_or(0.0);
         d.ratio = Some(ratio);
@@ -163,6 +175,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
             d.targets.push(target("ratio (stretch)", ratio, false, STRETCH_TARGET, ""));
         }
         d.vs_floor = med(&r.dlock_vs_floor);
+        d.vs_clock_floor = med(&r.dlock_vs_clock_floor);
         d.targets.push(target("ops vs fenced-floor", d.vs_floor.unwrap_or(0.0), false, FLOOR_TARGET, ""));
         d.cpu_vs_floor = med(&r.cpu_vs_floor);
         d.vs_peer = med(&r.dlock_vs_peer);
@@ -179,6 +192,9 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         let mut p = p.row();
         p.ratio = med(&r.peer_vs_base);
         rows.push(p);
+        let mut t = t.row();
+        t.ratio = med(&r.clock_floor_vs_base);
+        rows.push(t);
         rows.push(memory[ci].row());
     }
     Ok(rows)

@@ -70,7 +70,7 @@ fn quick_json_run_prints_rows_for_both_benches() {
     // Every Redis implementation of the uncontended table, with its commands
     // per cycle and Redis CPU, and dlock's targets, each with a verdict.
     for c in [1u64, 16, 256] {
-        for imp in ["dlock", "baseline", "fenced-floor", "redisson-peer"] {
+        for imp in ["dlock", "baseline", "fenced-floor", "redisson-peer", "clock-floor"] {
             let row = rows
                 .iter()
                 .find(|r| {
@@ -79,6 +79,12 @@ fn quick_json_run_prints_rows_for_both_benches() {
                 .unwrap_or_else(|| panic!("no uncontended row for {imp}/redis at {c}; rows:\n{stdout}"));
             for key in ["server_cmds_per_acquisition", "server_cpu_us"] {
                 assert!(row[key].as_f64().is_some_and(|v| v > 0.0), "`{key}` missing or not positive: {row}");
+            }
+            if imp == "clock-floor" {
+                // The fenced floor's two calls; the clock is read inside its script.
+                let client = row["cmds_per_acquisition"].as_f64().unwrap_or(0.0);
+                let bound = if c == 1 { 1.5..2.5 } else { 1.0..3.0 };
+                assert!(bound.contains(&client), "the clock floor sends 2 commands per cycle: {row}");
             }
             if imp == "redisson-peer" {
                 // Two EVALSHAs and the latch's DEL per cycle (the window's
@@ -101,15 +107,17 @@ fn quick_json_run_prints_rows_for_both_benches() {
             .as_array()
             .map(|a| a.iter().filter_map(|t| t["goal"].as_str()).collect())
             .unwrap_or_default();
+        // The bare lock is a target only at c = 256 (the stretch).
         let expected = if c == 1 {
-            2
+            1
         } else if c == 16 {
-            4
+            3
         } else {
-            5
+            4
         };
         assert_eq!(goals.len(), expected, "dlock's targets at {c}: {goals:?}");
         assert!(goals.iter().any(|g| g.starts_with("ops vs fenced-floor >= 0.95")), "{goals:?}");
+        assert!(dlock["ratio_vs_fenced_clock_floor"].as_f64().is_some_and(|r| r > 0.0), "{dlock}");
         if c >= 16 {
             assert!(goals.iter().any(|g| g.starts_with("ops vs redisson-peer >= 1.3")), "{goals:?}");
             assert!(goals.iter().any(|g| g.starts_with("srv us vs fenced-floor <= 1.2")), "{goals:?}");
