@@ -44,6 +44,7 @@ const CONCURRENCY: usize = 8;
 /// Commands the idempotency scripts make inside Redis.
 const SCRIPT_INTERNAL: &[&str] = &[
     "hget",
+    "hmget",
     "hset",
     "hdel",
     "pexpire",

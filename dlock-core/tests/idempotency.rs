@@ -483,3 +483,34 @@ async fn a_flood_of_records_cannot_fill_the_lock_redis() {
     let guard = locker.try_acquire(&key).await.expect("a lock is still granted");
     assert!(guard.release().await.expect("release"));
 }
+
+/// A caller's counting set lives exactly as long as its last record: its
+/// first record gives it a TTL, a record that lives longer extends it, and
+/// one that lives shorter does not shorten it (issue 17: one `PEXPIREAT …
+/// GT` instead of reading the set's last member).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_counting_set_lives_as_long_as_its_last_record() {
+    let redis = dlock_testing::RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), "t").await.expect("connect");
+    let fp = fingerprint(&["POST", "/pay", "{}"]);
+    let set_ttl = || -> i64 {
+        let mut conn = redis.connection();
+        let sets: Vec<String> = redis::cmd("KEYS").arg("t:idem:kn:{*}").query(&mut conn).expect("KEYS");
+        assert_eq!(sets.len(), 1, "one caller, one set: {sets:?}");
+        redis::cmd("PTTL").arg(&sets[0]).query(&mut conn).expect("PTTL")
+    };
+    let Begin::New(first) = store.begin("alice", "k1", &fp, Duration::from_secs(30)).await.expect("begin") else {
+        panic!("first begin must claim")
+    };
+    let ttl = set_ttl();
+    assert!((25_000..=30_000).contains(&ttl), "a new set gets its first record's TTL: {ttl} ms");
+    let response = StoredResponse::new(201, Vec::new(), b"{}".to_vec());
+    assert!(store.complete(&first, &response, Duration::from_secs(60)).await.expect("complete"));
+    let ttl = set_ttl();
+    assert!((55_000..=60_000).contains(&ttl), "a longer-lived record extends it: {ttl} ms");
+    let Begin::New(_short) = store.begin("alice", "k2", &fp, Duration::from_secs(1)).await.expect("begin") else {
+        panic!("a second key claims")
+    };
+    let ttl = set_ttl();
+    assert!((55_000..=60_000).contains(&ttl), "a shorter-lived one does not shorten it: {ttl} ms");
+}
