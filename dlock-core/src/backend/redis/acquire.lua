@@ -28,17 +28,9 @@ end
 -- the last token in one call. It is computed before the lock is tried, so
 -- that a free lock costs one SET NX: a try that finds it held moves the mark
 -- for nothing, which only costs the contended path a write.
-local t = redis.call('TIME')
--- Seconds and zero-padded microseconds, as text: the common path converts
--- no number to text or back. Both texts are decimal without leading zeros,
--- so the longer is the larger, and equal lengths compare as strings.
-local us = t[2]
-if #us < 6 then
-  us = string.sub('00000', #us) .. us
-end
-local text = t[1] .. us
+local text = clock_text()
 local last = redis.call('SET', KEYS[2], text, 'GET')
-if last and (#last > #text or (#last == #text and last >= text)) then
+if last and at_least(last, text) then
   text = string.format('%d', last + 1)
   redis.call('SET', KEYS[2], text)
 end

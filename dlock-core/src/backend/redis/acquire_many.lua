@@ -11,15 +11,9 @@
 if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
   return {2}
 end
-local t = redis.call('TIME')
--- As in acquire.lua: seconds and zero-padded microseconds, compared as text.
-local us = t[2]
-if #us < 6 then
-  us = string.sub('00000', #us) .. us
-end
-local text = t[1] .. us
+local text = clock_text()
 local last = redis.call('SET', KEYS[1], text, 'GET')
-local fixed = last and (#last > #text or (#last == #text and last >= text))
+local fixed = last and at_least(last, text)
 local base = tonumber(fixed and last or text)
 if fixed then
   base = base + 1

@@ -92,6 +92,9 @@ use holds::{LocalHolds, Reentry};
 pub(crate) use restart::RestartGuard;
 use subscriber::Subscriber;
 
+/// The server clock as token text, prepended to the acquire scripts.
+const CLOCK: &str = include_str!("clock.lua");
+
 /// Timeouts of the Redis connections.
 ///
 /// ```
@@ -329,7 +332,7 @@ impl RedisBackend {
             script: Script::new(include_str!("renew.lua")),
             restart: restart.clone(),
         };
-        let acquire = Script::new(include_str!("acquire.lua"));
+        let acquire = Script::new(&format!("{CLOCK}{}", include_str!("acquire.lua")));
         let release = Script::new(include_str!("release.lua"));
         let coalesce = match &high_water {
             HighWater::Prefix(mark) => Some((
@@ -339,7 +342,7 @@ impl RedisBackend {
                     restart: restart.clone(),
                     mark: mark.clone(),
                     acquire: acquire.clone(),
-                    acquire_many: Script::new(include_str!("acquire_many.lua")),
+                    acquire_many: Script::new(&format!("{CLOCK}{}", include_str!("acquire_many.lua"))),
                     release: release.clone(),
                     release_many: Script::new(include_str!("release_many.lua")),
                 },
