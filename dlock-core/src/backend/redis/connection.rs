@@ -592,6 +592,39 @@ pub(crate) fn redis_error(e: redis::RedisError) -> Error {
     Error::Backend { backend: "redis", message, source: Some(Box::new(e)) }
 }
 
+/// Refuses a server older than Redis 7.0 at start-up: the lock scripts
+/// take a lock with `SET … NX … GET` and the idempotency scripts move TTLs
+/// with `PEXPIREAT … GT`, both new in 7.0, so on an older server every
+/// acquire would fail with a script error. A server that does not let us
+/// read `INFO server` is not refused (it may still be new enough).
+pub(super) async fn require_redis_7(conn: &Conn) -> Result<()> {
+    let reply: redis::RedisResult<String> = redis::cmd("INFO").arg("server").query_async(&mut conn.clone()).await;
+    match reply {
+        Ok(info) => check_version(&info),
+        Err(e) => {
+            tracing::debug!(error = %e, "could not read the Redis version (INFO not permitted?)");
+            Ok(())
+        }
+    }
+}
+
+/// [`require_redis_7`] on an `INFO server` answer.
+fn check_version(info: &str) -> Result<()> {
+    let Some(version) = info.lines().find_map(|l| l.strip_prefix("redis_version:")).map(str::trim) else {
+        return Ok(());
+    };
+    match version.split('.').next().and_then(|major| major.parse::<u32>().ok()) {
+        Some(major) if major < 7 => Err(Error::config(
+            "DLOCK_REDIS_URL",
+            format!(
+                "the Redis server is version {version}; dlock's lock and idempotency scripts need Redis 7.0 or \
+                 newer (`SET … NX … GET`, `PEXPIREAT … GT`)"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// `volatile-*` and `allkeys-*` policies may evict keys with a TTL — every
 /// lock is one — so a full Redis would silently free held locks.
 pub(super) async fn warn_on_evicting_policy(mut conn: RedisConnection) {
@@ -606,5 +639,24 @@ pub(super) async fn warn_on_evicting_policy(mut conn: RedisConnection) {
         }
         Ok(_) => {}
         Err(e) => tracing::debug!(error = %e, "could not read maxmemory-policy (CONFIG not permitted?)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_version;
+    use crate::error::Error;
+
+    #[test]
+    fn servers_older_than_redis_7_are_refused_by_name() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
+        let refused = check_version(&info("6.2.14")).expect_err("6.2 has no SET NX GET");
+        assert!(matches!(refused, Error::Config { .. }), "{refused:?}");
+        let text = refused.to_string();
+        assert!(text.contains("DLOCK_REDIS_URL") && text.contains("6.2.14") && text.contains("7.0"), "{text}");
+        for ok in ["7.0.15", "7.2.4", "8.0.1", "10.1.0"] {
+            assert!(check_version(&info(ok)).is_ok(), "{ok}");
+        }
+        assert!(check_version("# Server\r\nuptime_in_seconds:3\r\n").is_ok(), "no version, no refusal");
     }
 }

@@ -86,7 +86,9 @@ pub(crate) mod tls;
 pub use tls::RedisTls;
 
 pub use connection::RedisConnection;
-use connection::{connect_error, open_client, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget};
+use connection::{
+    connect_error, open_client, require_redis_7, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget,
+};
 pub(crate) use connection::{lost_connection, redis_error, Conn};
 use holds::{LocalHolds, Reentry};
 pub(crate) use restart::RestartGuard;
@@ -229,8 +231,9 @@ impl RedisBackend {
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] for a malformed URL or a missing ACL permission,
-    /// [`Error::Backend`] when the server cannot be reached in time.
+    /// [`Error::Config`] for a malformed URL, a missing ACL permission or a
+    /// server older than Redis 7.0, [`Error::Backend`] when the server cannot
+    /// be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: RedisOptions) -> Result<Self> {
         validate_prefix(prefix)?;
         tls::check_url_supported("DLOCK_REDIS_URL", url)?;
@@ -307,6 +310,7 @@ impl RedisBackend {
         prefix: &str,
         options: &RedisOptions,
     ) -> Result<Self> {
+        require_redis_7(&conn).await?;
         let probe = format!("{prefix}:{{dlock-probe}}:released");
         let subscriber = Subscriber::start(client, &probe).await?;
         let restart = if options.restart_quarantine.is_zero() {
