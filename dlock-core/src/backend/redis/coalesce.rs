@@ -152,14 +152,35 @@ impl Drop for Alone {
     }
 }
 
+/// A drain task, counted until it ends: when the queue is empty, or when
+/// it is dropped mid-call (its runtime shut down), so that a later
+/// operation starts another instead of waiting for it.
+struct Draining {
+    queue: Arc<Mutex<Queue>>,
+    /// Uncounted already, under the lock that found the queue empty.
+    ended: bool,
+}
+
+impl Drop for Draining {
+    fn drop(&mut self) {
+        if !self.ended {
+            lock(&self.queue).draining -= 1;
+        }
+    }
+}
+
 /// Sends what waits, one batch call at a time, until nothing does.
 async fn drain(queue: Arc<Mutex<Queue>>, calls: Calls) {
+    let mut draining = Draining { queue, ended: false };
     loop {
         let batch: Vec<(Op, oneshot::Sender<Answer>)> = {
-            let mut q = lock(&queue);
+            let mut q = lock(&draining.queue);
             if q.waiting.is_empty() {
-                // Under the lock, so an operation queued from now on starts a new drain.
+                // Under the lock that found it empty, so an operation queued
+                // from now on starts a new drain.
                 q.draining -= 1;
+                drop(q);
+                draining.ended = true;
                 return;
             }
             let n = q.waiting.len().min(MAX_BATCH);
