@@ -239,7 +239,7 @@ impl Backend for MemoryBackend {
             req,
             cancel,
             // A try here costs no round trip: always try before subscribing.
-            false,
+            || false,
             // Always ready, so it spends the task's cooperative budget like
             // tokio's own primitives: a loop that only locks and unlocks
             // in-process keys still lets the other tasks of its worker run.

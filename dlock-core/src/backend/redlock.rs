@@ -500,7 +500,9 @@ impl Backend for RedLockBackend {
                 };
                 Some(guard)
             };
-            let others_wait = self.nodes.first().is_some_and(|n| n.subscriber.waited_on(|| release_channel(&req.key)));
+            // Every node's subscriber counts the key's waiters alike.
+            let others_wait =
+                || self.nodes.first().is_some_and(|n| n.subscriber.waited_on(|| release_channel(&req.key)));
             acquire_loop(
                 req,
                 cancel,

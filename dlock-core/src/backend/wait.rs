@@ -41,25 +41,27 @@ const TTL_SLACK: Duration = Duration::from_millis(1);
 /// long as it lives. The try that follows a subscription covers a release
 /// that happened before it.
 ///
-/// `others_wait`: other tasks of this process already wait for the key, so
-/// it is almost surely held and its subscription live. A caller willing to
-/// wait then subscribes first and makes one (awaited) try instead of two:
-/// under contention a plain first try is a round trip that only says "held".
-pub(crate) async fn acquire_loop<A, AF, S, SF, W>(
+/// `others_wait`: whether other tasks of this process already wait for the
+/// key, so that it is almost surely held and its subscription live; asked
+/// only of a caller willing to wait. Such a caller then subscribes first and
+/// makes one (awaited) try instead of two: under contention a plain first
+/// try is a round trip that only says "held".
+pub(crate) async fn acquire_loop<O, A, AF, S, SF, W>(
     req: &AcquireRequest,
     cancel: &CancellationToken,
-    others_wait: bool,
+    others_wait: O,
     mut attempt: A,
     subscribe: S,
 ) -> Result<Grant>
 where
+    O: FnOnce() -> bool,
     A: FnMut(bool) -> AF,
     AF: Future<Output = Result<Attempt>>,
     S: FnOnce() -> SF,
     SF: Future<Output = W>,
     W: AsRef<Notify>,
 {
-    let subscribe_first = others_wait && req.deadline.is_some();
+    let subscribe_first = req.deadline.is_some() && others_wait();
     if !subscribe_first {
         if let Attempt::Acquired(grant) = attempt(false).await? {
             return Ok(grant);

@@ -592,7 +592,7 @@ impl Backend for RedisBackend {
             acquire_loop(
                 req,
                 cancel,
-                self.subscriber.waited_on(|| release_channel(&req.key)),
+                || self.subscriber.waited_on(|| release_channel(&req.key)),
                 move |awaited| self.try_once(req, awaited),
                 move || self.subscriber.register(release_channel(&req.key)),
             )

@@ -18,6 +18,7 @@
 //! holder's TTL runs out.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -41,16 +42,40 @@ enum Command {
 #[derive(Debug, Clone)]
 pub(crate) struct Subscriber {
     commands: mpsc::UnboundedSender<Command>,
-    /// Registrations alive per channel, counted by the callers (the actor's
-    /// own table is its task's alone), for [`Subscriber::waited_on`].
-    waiting: Waiting,
+    /// Registrations alive, counted by the callers (the actor's own table is
+    /// its task's alone), for [`Subscriber::waited_on`].
+    waiting: Arc<Waiting>,
 }
 
-type Waiting = Arc<Mutex<HashMap<String, usize>>>;
+/// Registrations alive: in all, and per channel.
+#[derive(Debug, Default)]
+struct Waiting {
+    /// Lets the common answer, "nobody waits", skip the lock.
+    total: AtomicUsize,
+    per_channel: Mutex<HashMap<String, usize>>,
+}
 
-fn count(waiting: &Waiting) -> MutexGuard<'_, HashMap<String, usize>> {
-    // Every change under this lock is one count.
-    waiting.lock().unwrap_or_else(|p| p.into_inner())
+impl Waiting {
+    fn channels(&self) -> MutexGuard<'_, HashMap<String, usize>> {
+        // Every change under this lock is one count.
+        self.per_channel.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add(&self, channel: &str) {
+        *self.channels().entry(channel.to_owned()).or_default() += 1;
+        self.total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn remove(&self, channel: &str) {
+        let mut channels = self.channels();
+        if let Some(n) = channels.get_mut(channel) {
+            *n -= 1;
+            if *n == 0 {
+                channels.remove(channel);
+            }
+            self.total.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// A waiter's registration: notified when the key may have come free.
@@ -59,7 +84,7 @@ pub(crate) struct Registration {
     notify: Arc<Notify>,
     channel: String,
     commands: mpsc::UnboundedSender<Command>,
-    waiting: Waiting,
+    waiting: Arc<Waiting>,
 }
 
 impl AsRef<Notify> for Registration {
@@ -71,15 +96,7 @@ impl AsRef<Notify> for Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         let channel = std::mem::take(&mut self.channel);
-        {
-            let mut waiting = count(&self.waiting);
-            if let Some(n) = waiting.get_mut(&channel) {
-                *n -= 1;
-                if *n == 0 {
-                    waiting.remove(&channel);
-                }
-            }
-        }
+        self.waiting.remove(&channel);
         let _ = self.commands.send(Command::Unregister { channel });
     }
 }
@@ -119,14 +136,13 @@ impl Subscriber {
             confirmations: FuturesUnordered::new(),
         };
         tokio::spawn(actor.run());
-        Ok(Subscriber { commands: tx, waiting: Waiting::default() })
+        Ok(Subscriber { commands: tx, waiting: Arc::default() })
     }
 
     /// Whether a task of this process waits on `channel` now (built only
     /// when some task waits on any).
     pub(crate) fn waited_on(&self, channel: impl FnOnce() -> String) -> bool {
-        let waiting = count(&self.waiting);
-        !waiting.is_empty() && waiting.contains_key(&channel())
+        self.waiting.total.load(Ordering::Relaxed) > 0 && self.waiting.channels().contains_key(&channel())
     }
 
     /// Registers a waiter for `channel`, subscribing if it is the first.
@@ -143,7 +159,7 @@ impl Subscriber {
     /// Dropping the future after its first poll still unregisters.
     pub(crate) async fn register_shared(&self, channel: String, shared: Option<Arc<Notify>>) -> Registration {
         let (reply, answer) = oneshot::channel();
-        *count(&self.waiting).entry(channel.clone()).or_default() += 1;
+        self.waiting.add(&channel);
         let _ = self.commands.send(Command::Register { channel: channel.clone(), shared, reply });
         // The actor counts this waiter from now on; if we are dropped before
         // the answer, the registration's `Drop` uncounts it.
