@@ -168,18 +168,6 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
 end
 return 0";
 
-/// The fenced floor that also reads the server clock, as any lock whose
-/// tokens must outlive a lost counter (a restart without persistence, a
-/// failover to a lagging replica) has to: what dlock's tokens cost on top of
-/// the floor's. It reads `TIME` and throws it away; the floor's token is
-/// still the counter.
-pub(crate) const FENCED_CLOCK_SET_NX: &str = r"
-redis.call('TIME')
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return redis.call('INCR', KEYS[2])
-end
-return 0";
-
 /// How a hand-written lock waits for a held key.
 enum Waiting {
     /// Never: the uncontended baseline only ever tries once.
@@ -289,10 +277,14 @@ impl RawLock {
         Ok(lock)
     }
 
-    /// The fenced floor with the server clock read ([`FENCED_CLOCK_SET_NX`]).
+    /// The fenced floor that also reads the server clock, as any lock whose
+    /// tokens must outlive a lost counter (a restart without persistence, a
+    /// failover to a lagging replica) has to: what dlock's tokens cost on
+    /// top of the floor's. The script reads `TIME` and throws it away; the
+    /// token is still the counter.
     pub(crate) fn fenced_clock_try_once(conn: MultiplexedConnection, name: &str, slots: usize) -> Result<Self> {
-        let mut lock = Self::with(conn, name, slots, COMPARE_AND_DELETE, Waiting::TryOnce)?;
-        lock.fenced = Some(Script::new(FENCED_CLOCK_SET_NX));
+        let mut lock = Self::fenced_try_once(conn, name, slots)?;
+        lock.fenced = Some(Script::new(&format!("redis.call('TIME'){FENCED_SET_NX}")));
         Ok(lock)
     }
 
