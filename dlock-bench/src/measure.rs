@@ -154,6 +154,17 @@ pub(crate) struct Sample {
     /// Server main-thread CPU µs per operation (INFO's, a few µs per
     /// window, included). `None` without a counter.
     pub(crate) server_cpu_us_per_op: Option<f64>,
+    /// This process's CPU µs per operation over the window, all its threads
+    /// and the kernel's work for them: the client side of a cycle (and the
+    /// benchmark's own bookkeeping, alike for every implementation). The
+    /// servers the benchmark starts are processes of their own, not in it.
+    pub(crate) client_cpu_us_per_op: Option<f64>,
+}
+
+/// CPU time of this process so far, in ns.
+pub(crate) fn process_cpu_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
 }
 
 /// The median; the mean of the two middle values for an even count.
@@ -197,7 +208,9 @@ where
             None => None,
         };
         let start = clock.now_ns();
+        let cpu_start = process_cpu_ns();
         tokio::time::sleep(timing.duration).await;
+        let cpu = process_cpu_ns().saturating_sub(cpu_start);
         let end = clock.now_ns();
         let delta = match (counter, before) {
             (Some(c), Some((before, sent_before))) => {
@@ -208,7 +221,7 @@ where
             }
             _ => None,
         };
-        Ok::<_, BenchError>((start, end, delta))
+        Ok::<_, BenchError>((start, end, cpu, delta))
     }
     .await;
     stop.store(true, Ordering::SeqCst);
@@ -232,7 +245,7 @@ where
             "benchmark tasks did not stop within {STOP_TIMEOUT:?} after the window closed (a lost wake-up?)"
         )));
     }
-    let (start, end, delta) = outcome?;
+    let (start, end, cpu, delta) = outcome?;
     if let Some(e) = task_error {
         return Err(e);
     }
@@ -248,6 +261,7 @@ where
         ops,
         cmds_per_op: delta.filter(|_| ops > 0).map(|d| (d.client as f64 / ops as f64, d.server as f64 / ops as f64)),
         server_cpu_us_per_op: delta.filter(|_| ops > 0).map(|d| d.server_cpu_us as f64 / ops as f64),
+        client_cpu_us_per_op: (ops > 0).then(|| cpu as f64 / 1000.0 / ops as f64),
     })
 }
 

@@ -21,7 +21,7 @@ use crate::args::Args;
 use crate::env::Env;
 use crate::error::{BenchError, Result};
 use crate::locks::{BenchLock, DlockLock, RawLock};
-use crate::measure::{command_delta, Clock};
+use crate::measure::{command_delta, process_cpu_ns, Clock};
 use crate::report::Row;
 use crate::series::target;
 
@@ -69,6 +69,7 @@ where
     let (keys_before, bytes_before) = footprint(&env.conn).await?;
     let stats_before = env.counter.snapshot().await?;
     let started = clock.now_ns();
+    let cpu_started = process_cpu_ns();
     let mut set = JoinSet::new();
     for _ in 0..TASKS {
         let (lock, next) = (lock.clone(), next.clone());
@@ -92,6 +93,7 @@ where
         latencies.append(&mut l);
     }
     let secs = (clock.now_ns() - started) as f64 / 1e9;
+    let cpu_us = process_cpu_ns().saturating_sub(cpu_started) as f64 / 1000.0;
     let delta = command_delta(&stats_before, &env.counter.snapshot().await?, internal);
     let (keys_after, bytes_after) = footprint(&env.conn).await?;
     let n = latencies.len() as f64;
@@ -107,6 +109,7 @@ where
         cmds_per_acquisition: Some(delta.client as f64 / n),
         server_cmds_per_acquisition: Some(delta.server as f64 / n),
         server_cpu_us: Some(delta.server_cpu_us as f64 / n),
+        client_cpu_us: Some(cpu_us / n),
         ratio: None,
         vs_floor: None,
         vs_clock_floor: None,

@@ -45,6 +45,8 @@ pub(crate) struct Row {
     pub(crate) server_cmds_per_acquisition: Option<f64>,
     /// Server main-thread CPU µs per operation.
     pub(crate) server_cpu_us: Option<f64>,
+    /// The benchmark process's CPU µs per operation (client side).
+    pub(crate) client_cpu_us: Option<f64>,
     /// dlock / baseline throughput, on rows that have a baseline.
     pub(crate) ratio: Option<f64>,
     /// dlock / the fenced floor (uncontended rows on Redis).
@@ -85,6 +87,9 @@ impl Row {
         }
         if let Some(c) = self.server_cpu_us {
             m.insert("server_cpu_us".into(), json!(round(c, 2)));
+        }
+        if let Some(c) = self.client_cpu_us {
+            m.insert("client_cpu_us".into(), json!(round(c, 2)));
         }
         if let Some(r) = self.ratio {
             m.insert("ratio".into(), json!(round(r, 3)));
@@ -150,8 +155,8 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
         let conc = if bench == "handoff" { "K" } else { "conc" };
         let _ = writeln!(
             out,
-            "{:<16} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6}  targets",
-            "impl", "backend", conc, "ops/s", "p50 us", "p99 us", "cmds/acq", "srv/acq", "srv us", "ratio"
+            "{:<16} {:<7} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>6}  targets",
+            "impl", "backend", conc, "ops/s", "p50 us", "p99 us", "cmds/acq", "srv/acq", "srv us", "cli us", "ratio"
         );
         for r in rows.iter().filter(|r| r.bench == bench) {
             let opt = |v: Option<f64>, d: usize| v.map_or("-".to_owned(), |v| format!("{v:.d$}"));
@@ -174,7 +179,7 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
             }
             let _ = writeln!(
                 out,
-                "{:<16} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>7} {:>6}  {}",
+                "{:<16} {:<7} {:>5} {:>10.0} {:>9.1} {:>9.1} {:>9} {:>9} {:>7} {:>7} {:>6}  {}",
                 r.imp,
                 r.backend,
                 r.concurrency,
@@ -184,6 +189,7 @@ pub(crate) fn tables(rows: &[Row], titles: &[(&str, &str)]) -> String {
                 opt(r.cmds_per_acquisition, 2),
                 opt(r.server_cmds_per_acquisition, 1),
                 opt(r.server_cpu_us, 1),
+                opt(r.client_cpu_us, 2),
                 opt(r.ratio, 3),
                 targets
             );
@@ -233,6 +239,7 @@ mod tests {
             cmds_per_acquisition: Some(4.0),
             server_cmds_per_acquisition: Some(20.5),
             server_cpu_us: Some(12.5),
+            client_cpu_us: Some(3.25),
             ratio: None,
             vs_floor: None,
             vs_clock_floor: None,

@@ -43,6 +43,7 @@ impl Series {
             cmds_per_acquisition: cmds(|c| c.0),
             server_cmds_per_acquisition: if in_process { None } else { cmds(|c| c.1) },
             server_cpu_us: median(self.samples.iter().filter_map(|s| s.server_cpu_us_per_op)),
+            client_cpu_us: median(self.samples.iter().filter_map(|s| s.client_cpu_us_per_op)),
             ratio: None,
             vs_floor: None,
             vs_clock_floor: None,

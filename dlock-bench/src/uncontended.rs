@@ -66,7 +66,8 @@ pub(crate) const PEER_TARGET: f64 = 1.3;
 
 pub(crate) const TITLE: &str =
     "uncontended acquire+release (each task its own key, fixed lease, wait 0; ops = cycles/s, latency = one cycle, \
-     srv/acq = server commands per cycle, srv us = Redis CPU per cycle; ratio = vs baseline)";
+     srv/acq = server commands per cycle, srv us = Redis CPU per cycle, cli us = this process's CPU per cycle; \
+     ratio = vs baseline)";
 
 /// The Redis implementations, in the order a round's turns rotate through.
 const IMPLS: [&str; 5] = ["dlock", "baseline", "fenced-floor", "redisson-peer", "clock-floor"];

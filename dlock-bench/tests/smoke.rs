@@ -77,7 +77,7 @@ fn quick_json_run_prints_rows_for_both_benches() {
                     r["bench"] == "uncontended" && r["impl"] == imp && r["backend"] == "redis" && r["concurrency"] == c
                 })
                 .unwrap_or_else(|| panic!("no uncontended row for {imp}/redis at {c}; rows:\n{stdout}"));
-            for key in ["server_cmds_per_acquisition", "server_cpu_us"] {
+            for key in ["server_cmds_per_acquisition", "server_cpu_us", "client_cpu_us"] {
                 assert!(row[key].as_f64().is_some_and(|v| v > 0.0), "`{key}` missing or not positive: {row}");
             }
             if imp == "clock-floor" {
