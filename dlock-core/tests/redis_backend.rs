@@ -763,6 +763,31 @@ async fn a_join_racing_the_last_release_is_not_a_hold() {
     assert!(inner.release().await.expect("release"), "still ours when released");
 }
 
+/// A release the caller gives up on while it is on its way (a timeout
+/// around `release()`, here while the server pauses writes) must neither
+/// leave later acquires of the same owner waiting for it for good, nor let
+/// them overtake it: the next acquire takes the key after the release
+/// landed, and the server has the hold the guard believes in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_given_up_on_its_way_lets_its_owner_acquire_again() {
+    let server = RedisServer::start();
+    let a = locker_for(&server.url(), 300).await;
+    let k = a.key("given-up-release").part(1).build().expect("key");
+    let me = dlock_core::Owner::random().expect("random");
+    let fixed = || AcquireOptions::new().with_owner(me.clone()).with_lease(Duration::from_secs(30));
+    let held = a.acquire(&k, fixed()).await.expect("free");
+    let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(400).arg("WRITE").query(&mut server.connection()).expect("PAUSE");
+    let gave_up = tokio::time::timeout(Duration::from_millis(50), held.release()).await;
+    assert!(gave_up.is_err(), "the release waits for the paused server");
+    let again = tokio::time::timeout(Duration::from_secs(5), a.acquire(&k, fixed().with_wait(Duration::from_secs(2))))
+        .await
+        .expect("the acquire does not wait for the given-up release for good")
+        .expect("the key is free once the release landed");
+    let value: Option<String> = redis::cmd("GET").arg(k.as_str()).query(&mut server.connection()).expect("GET");
+    assert!(value.is_some_and(|v| v.ends_with(me.as_str())), "the server has the hold the guard believes in");
+    assert!(again.release().await.expect("release"), "still ours when released");
+}
+
 /// Issue 17 (coalescing): acquires and releases of many tasks at once share
 /// script calls — one `TIME` and one high-water mark update per call, with
 /// consecutive tokens — and every grant still has a token of its own above

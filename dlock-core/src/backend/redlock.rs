@@ -41,6 +41,7 @@ use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, G
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
+use tokio::sync::futures::Notified;
 
 /// How long one node may take to answer one step.
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
@@ -62,7 +63,7 @@ pub struct RedLockBackend {
     node_timeout: Duration,
     /// Our own holds, counted here: a re-entry and a release that is not
     /// the last reach no node (see `redis/holds.rs`).
-    holds: LocalHolds,
+    holds: Arc<LocalHolds>,
     /// One wake-up per lock channel, shared by every node's subscriber and
     /// every local waiter of that lock: each node's subscriber keeps the
     /// first `Notify` it is given for a channel, so all waiters must bring
@@ -198,7 +199,7 @@ impl RedLockBackend {
         Ok(RedLockBackend {
             nodes,
             node_timeout,
-            holds: LocalHolds::default(),
+            holds: Arc::default(),
             wakeups: Mutex::default(),
             turns: Mutex::default(),
         })
@@ -283,7 +284,7 @@ impl RedLockBackend {
         loop {
             match self.try_quorum(req, awaited).await? {
                 Ok(attempt) => return Ok(attempt),
-                Err(turn) => drop(turn.lock().await),
+                Err(landed) => landed.await,
             }
         }
     }
@@ -292,7 +293,7 @@ impl RedLockBackend {
         &self,
         req: &AcquireRequest,
         awaited: bool,
-    ) -> Result<std::result::Result<Attempt, Arc<tokio::sync::Mutex<()>>>> {
+    ) -> Result<std::result::Result<Attempt, Notified<'_>>> {
         let started = Instant::now();
         let granted_in =
             |a: &[(usize, NodeAttempt)]| a.iter().filter(|(_, a)| matches!(a, NodeAttempt::Granted { .. })).count();
@@ -471,10 +472,10 @@ impl Backend for RedLockBackend {
                     Reentry::Local(grant) => return Ok(grant),
                     Reentry::Server => break,
                     // Our last release of the key is on its way to the nodes.
-                    Reentry::AfterRelease(turn) => tokio::select! {
+                    Reentry::AfterRelease(landed) => tokio::select! {
                         biased;
                         _ = cancel.cancelled() => return Err(Error::Cancelled),
-                        _ = turn.lock() => {}
+                        _ = landed => {}
                     },
                 }
             }
@@ -549,7 +550,12 @@ impl Backend for RedLockBackend {
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(self.holds.release_through(key, owner, self.release_on_all(key, owner)))
+        Box::pin(self.holds.release_through(key, owner, move |turn| async move {
+            // Each node's commands keep their order on its connection: the
+            // turn may end with this future.
+            let _turn = turn;
+            self.release_on_all(key, owner).await
+        }))
     }
 
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {

@@ -27,8 +27,9 @@ use redis::Script;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::holds::ReleaseTurn;
 use super::restart::RestartGuard;
-use super::{acquire_reply, lease_ms, redis_error, Conn};
+use super::{acquire_reply, lease_ms, redis_error, Conn, Reply};
 use crate::backend::AcquireRequest;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -45,12 +46,21 @@ const MAX_ALONE: usize = 16;
 const MAX_DRAINS: usize = 2;
 
 /// A script's answer for one key, and when the call carrying it was sent.
-pub(crate) type Answer = Result<(Vec<i64>, Instant)>;
+pub(crate) type Answer = Result<(Reply, Instant)>;
 
 /// One queued operation.
 pub(crate) enum Op {
-    Acquire { req: AcquireRequest, awaited: bool },
-    Release { key: LockKey, owner: Owner },
+    Acquire {
+        req: AcquireRequest,
+        awaited: bool,
+    },
+    Release {
+        key: LockKey,
+        owner: Owner,
+        /// Kept until the call carrying the release is answered, even when
+        /// its caller gave up (`holds.rs`).
+        _turn: Option<ReleaseTurn>,
+    },
 }
 
 impl Op {
@@ -117,7 +127,7 @@ impl Coalescer {
         let (answer, start) = match route {
             Route::Alone(op) => {
                 let _alone = Alone(queue.clone());
-                return send(calls, vec![op]).await.pop().unwrap_or_else(|| Err(Error::backend("redis", "no answer")));
+                return send_one(calls, &op).await;
             }
             Route::Queued { answer, start_drain } => (answer, start_drain),
         };
@@ -193,24 +203,72 @@ async fn drain(queue: Arc<Mutex<Queue>>, calls: Calls) {
     }
 }
 
+/// One script call for `op` alone, with the one-key script.
+async fn send_one(calls: &Calls, op: &Op) -> Answer {
+    let (reply, sent) = call(calls, std::slice::from_ref(op)).await?;
+    let reply = if op.is_acquire() {
+        acquire_reply(reply)
+    } else {
+        redis::from_redis_value::<i64>(reply).and_then(|r| Reply::new(&[r]))
+    };
+    Ok((reply.map_err(unexpected)?, sent))
+}
+
 /// One script call for `ops` (all of one kind): the one-key script for a
 /// single operation, the many-key one otherwise. One answer per operation.
 async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
     let n = ops.len();
+    if let [op] = ops.as_slice() {
+        return vec![send_one(calls, op).await];
+    }
     let failed = |e: Error| -> Vec<Answer> {
         let text = e.to_string();
         let mut first = Some(e);
         (0..n).map(|_| Err(first.take().unwrap_or_else(|| Error::backend("redis", text.clone())))).collect()
     };
+    let (reply, sent) = match call(calls, &ops).await {
+        Ok(answered) => answered,
+        Err(e) => return failed(e),
+    };
+    let parsed: std::result::Result<Vec<Reply>, redis::ParsingError> = if ops[0].is_acquire() {
+        redis::from_redis_value::<Vec<i64>>(reply).and_then(|flat| {
+            if flat == [2] {
+                // The data marker is gone: the same answer for every acquire.
+                Reply::new(&[2]).map(|gone| vec![gone; n])
+            } else {
+                // {0, ms, 0} when held: the one-key script's {0, ms}.
+                flat.chunks(3)
+                    .map(|c| Reply::new(if c.first() == Some(&0) { &c[..2.min(c.len())] } else { c }))
+                    .collect()
+            }
+        })
+    } else {
+        redis::from_redis_value::<Vec<i64>>(reply).and_then(|r| r.into_iter().map(|x| Reply::new(&[x])).collect())
+    };
+    match parsed {
+        Ok(answers) if answers.len() == n => answers.into_iter().map(|a| Ok((a, sent))).collect(),
+        Ok(answers) => {
+            failed(Error::backend("redis", format!("a lock script answered for {} keys of {n}", answers.len())))
+        }
+        Err(e) => failed(unexpected(e)),
+    }
+}
+
+fn unexpected(e: redis::ParsingError) -> Error {
+    Error::backend("redis", format!("unexpected reply from a lock script: {e}"))
+}
+
+/// Sends `ops` (one or more of one kind) in one script call: the one-key
+/// script for one operation, the many-key script otherwise. The raw reply
+/// and when the call was sent.
+async fn call(calls: &Calls, ops: &[Op]) -> Result<(redis::Value, Instant)> {
     let acquiring = ops.first().is_some_and(Op::is_acquire);
     if acquiring {
         if let Some(guard) = &calls.restart {
-            if let Err(e) = guard.check(&calls.conn).await {
-                return failed(e);
-            }
+            guard.check(&calls.conn).await?;
         }
     }
-    let single = n == 1;
+    let single = ops.len() == 1;
     let mut invocation = match (acquiring, single) {
         (true, true) => calls.acquire.prepare_invoke(),
         (true, false) => calls.acquire_many.prepare_invoke(),
@@ -224,7 +282,7 @@ async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
             None => invocation.key(calls.mark.as_str()).arg("0"),
         };
     }
-    for op in &ops {
+    for op in ops {
         match op {
             Op::Acquire { req, awaited } => {
                 invocation.key(req.key.as_str());
@@ -238,43 +296,17 @@ async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
                     }
                 }
             }
-            Op::Release { key, owner } => {
+            Op::Release { key, owner, .. } => {
                 invocation.key(key.as_str()).arg(owner.as_str());
             }
         }
     }
     let sent = Instant::now();
-    let reply: redis::RedisResult<redis::Value> = invocation.invoke_async(&mut calls.conn.clone()).await;
-    let reply = match reply {
-        Ok(reply) => reply,
-        Err(e) => {
-            return failed(match &calls.restart {
-                Some(guard) => guard.failed(e),
-                None => redis_error(e),
-            })
-        }
-    };
-    let parsed: std::result::Result<Vec<Vec<i64>>, redis::ParsingError> = match (acquiring, single) {
-        (true, true) => acquire_reply(reply).map(|r| vec![r]),
-        (false, true) => redis::from_redis_value::<i64>(reply).map(|r| vec![vec![r]]),
-        (true, false) => redis::from_redis_value::<Vec<i64>>(reply).map(|flat| {
-            if flat == [2] {
-                // The data marker is gone: the same answer for every acquire.
-                vec![vec![2]; n]
-            } else {
-                // {0, ms, 0} when held: the one-key script's {0, ms}.
-                flat.chunks(3)
-                    .map(|c| if c.first() == Some(&0) { c[..2.min(c.len())].to_vec() } else { c.to_vec() })
-                    .collect()
-            }
+    match invocation.invoke_async(&mut calls.conn.clone()).await {
+        Ok(reply) => Ok((reply, sent)),
+        Err(e) => Err(match &calls.restart {
+            Some(guard) => guard.failed(e),
+            None => redis_error(e),
         }),
-        (false, false) => redis::from_redis_value::<Vec<i64>>(reply).map(|r| r.into_iter().map(|x| vec![x]).collect()),
-    };
-    match parsed {
-        Ok(answers) if answers.len() == n => answers.into_iter().map(|a| Ok((a, sent))).collect(),
-        Ok(answers) => {
-            failed(Error::backend("redis", format!("a lock script answered for {} keys of {n}", answers.len())))
-        }
-        Err(e) => failed(Error::backend("redis", format!("unexpected reply from a lock script: {e}"))),
     }
 }

@@ -90,7 +90,7 @@ use connection::{
     connect_error, open_client, require_redis_7, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget,
 };
 pub(crate) use connection::{lost_connection, redis_error, Conn};
-use holds::{LocalHolds, Reentry};
+use holds::{LocalHolds, Reentry, ReleaseTurn};
 pub(crate) use restart::RestartGuard;
 use subscriber::Subscriber;
 
@@ -413,7 +413,7 @@ impl RedisBackend {
                 // Our last release of the key may delete this grant when it
                 // lands: wait for it (bounded by its response timeout), then
                 // try again.
-                Err(turn) => drop(turn.lock().await),
+                Err(landed) => landed.await,
             }
         }
     }
@@ -425,12 +425,12 @@ impl RedisBackend {
             match self.holds.reenter(&req.key, &req.owner, req.lease) {
                 Reentry::Local(grant) => return Ok(Some(grant)),
                 Reentry::Server => return Ok(None),
-                Reentry::AfterRelease(turn) => {
+                Reentry::AfterRelease(landed) => {
                     // Bounded by the release's response timeout.
                     tokio::select! {
                         biased;
                         _ = cancel.cancelled() => return Err(Error::Cancelled),
-                        _ = turn.lock() => {}
+                        _ = landed => {}
                     }
                 }
             }
@@ -481,7 +481,7 @@ impl RedisBackend {
                 _ => break (reply, sent),
             }
         };
-        node_attempt(&reply, sent, req.lease)
+        node_attempt(reply.as_slice(), sent, req.lease)
     }
 
     /// [`try_on_node`](Self::try_on_node) through the coalescer: in one
@@ -502,7 +502,7 @@ impl RedisBackend {
                     guard.marker_missing(&self.conn).await?;
                     remarked = true;
                 }
-                _ => return node_attempt(&reply, sent, req.lease),
+                _ => return node_attempt(reply.as_slice(), sent, req.lease),
             }
         }
     }
@@ -511,13 +511,16 @@ impl RedisBackend {
 impl RedisBackend {
     /// [`release_on_server`](Self::release_on_server) through the
     /// coalescer, where there is one.
-    async fn release_coalesced(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
+    async fn release_coalesced(&self, key: &LockKey, owner: &Owner, turn: Option<ReleaseTurn>) -> Result<Release> {
         let Some((coalescer, calls)) = &self.coalesce else {
+            // One call, on one connection: a later command of ours cannot
+            // overtake it, so the turn may end with this future.
+            let _turn = turn;
             return self.release_on_server(key, owner).await;
         };
-        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone() };
+        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone(), _turn: turn };
         let (reply, _) = coalescer.run(calls, op).await?;
-        Ok(if reply == [0] { Release::Freed } else { Release::NotHeld })
+        Ok(if reply.as_slice() == [0] { Release::Freed } else { Release::NotHeld })
     }
 
     /// Frees `key` on the server if `owner` holds it there (the last hold
@@ -534,13 +537,44 @@ impl RedisBackend {
     }
 }
 
+/// A lock script's answer for one key: at most three integers, kept
+/// inline, since every lock operation gets one.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reply {
+    values: [i64; 3],
+    len: usize,
+}
+
+impl Reply {
+    /// `values` as a reply; a parse error past three.
+    pub(crate) fn new(values: &[i64]) -> std::result::Result<Reply, redis::ParsingError> {
+        let mut reply = Reply { values: [0; 3], len: values.len() };
+        reply
+            .values
+            .get_mut(..values.len())
+            .ok_or_else(|| redis::ParsingError::from(format!("a lock script answered {values:?}")))?
+            .copy_from_slice(values);
+        Ok(reply)
+    }
+
+    pub(crate) fn as_slice(&self) -> &[i64] {
+        &self.values[..self.len]
+    }
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
 /// The acquire script's reply as `[1, token, 1]` (granted), `[1, token, 2]`
 /// (joined), `[0, ms]` (held) or `[2]` (data marker gone). A grant comes
 /// back as the bare token, the cheapest reply for the script to build.
-pub(crate) fn acquire_reply(reply: redis::Value) -> std::result::Result<Vec<i64>, redis::ParsingError> {
+pub(crate) fn acquire_reply(reply: redis::Value) -> std::result::Result<Reply, redis::ParsingError> {
     match reply {
-        redis::Value::BulkString(_) => Ok(vec![1, redis::from_redis_value::<i64>(reply)?, 1]),
-        other => redis::from_redis_value(other),
+        redis::Value::BulkString(_) => Reply::new(&[1, redis::from_redis_value::<i64>(reply)?, 1]),
+        other => Reply::new(&redis::from_redis_value::<Vec<i64>>(other)?),
     }
 }
 
@@ -637,7 +671,7 @@ impl Backend for RedisBackend {
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(self.holds.release_through(key, owner, self.release_coalesced(key, owner)))
+        Box::pin(self.holds.release_through(key, owner, |turn| self.release_coalesced(key, owner, turn)))
     }
 }
 
