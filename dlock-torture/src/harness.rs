@@ -302,11 +302,22 @@ impl Run {
     /// with `before_write`, only holds whose fenced write is still ahead of
     /// them (a pause there makes the resumed holder write with its old token).
     pub(crate) fn holders(&self, among: Option<&[u32]>, before_write: bool) -> Result<Vec<u32>, String> {
-        let mut open: HashMap<(u32, u32), bool> = HashMap::new();
+        self.holders_since(among, before_write, 0)
+    }
+
+    /// [`holders`](Self::holders) whose hold was granted at or after
+    /// `since` (the histories' monotonic clock, ns).
+    pub(crate) fn holders_since(
+        &self,
+        among: Option<&[u32]>,
+        before_write: bool,
+        since: u64,
+    ) -> Result<Vec<u32>, String> {
+        let mut open: HashMap<(u32, u32), u64> = HashMap::new();
         for e in self.events()? {
             match e.op.as_str() {
                 "acq_ok" => {
-                    open.insert((e.pid, e.task), true);
+                    open.insert((e.pid, e.task), e.t);
                 }
                 "w_invoke" | "write" if before_write && e.reg.as_deref() == Some("f") => {
                     open.remove(&(e.pid, e.task));
@@ -319,8 +330,9 @@ impl Run {
         }
         let live: Vec<u32> = self.children.iter().map(Child::id).collect();
         let mut pids: Vec<u32> = open
-            .keys()
-            .map(|(pid, _)| *pid)
+            .iter()
+            .filter(|(_, granted)| **granted >= since)
+            .map(|((pid, _), _)| *pid)
             .filter(|p| live.contains(p) && among.is_none_or(|a| a.contains(p)))
             .collect();
         pids.sort_unstable();

@@ -8,8 +8,9 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::history::Event;
-use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, note_signalled, resource_server, spawn_workers, Size};
+use crate::scenario::{
+    config, describe, find_fresh_holder, finish, note_signalled, resource_server, spawn_workers, Size,
+};
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let lock = RedisServer::start();
@@ -21,19 +22,23 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     cfg.lease_ms = 400;
     cfg.cs_max_ms = 20;
     cfg.keys = 2;
-    cfg.duration_ms = episodes * 1800 + 1500;
+    cfg.duration_ms = episodes * 2600 + 1500;
     let mut cut_cfg = cfg.clone();
-    // The victim holds long enough for the cut to land inside its section.
-    cut_cfg.cs_max_ms = cfg.lease_ms * 2;
+    // The victim's sections outlast a lease and the margin by far, and a
+    // cut lands just after a grant: every cut-off hold is still in its
+    // section when its lease ends, so every episode is judged (with cuts at
+    // random points of shorter sections, a short run could judge none).
+    cut_cfg.cs_min_ms = cfg.lease_ms * 2;
+    cut_cfg.cs_max_ms = cfg.lease_ms * 3;
     cut_cfg.urls = vec![format!("redis://127.0.0.1:{}", proxy.port())];
     let victim = run.spawn(cut_cfg).map_err(|e| e.to_string())?;
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs - 1)?;
-    let mut rng = Rng::new(seed);
     let mut done = 0;
     sleep(Duration::from_millis(300)).await;
     for _ in 0..episodes {
-        if find_holder(&run, Some(&[victim]), Duration::from_secs(1), &mut rng).await?.is_none() {
+        let fresh = find_fresh_holder(&run, &[victim], FRESH, Duration::from_secs(2)).await?;
+        if fresh.is_none() {
             continue;
         }
         run.log("partition", Some(victim));
@@ -58,6 +63,9 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     enforce_t8e(&mut r, &run.events()?, victim, Duration::from_millis(cfg.lease_ms));
     Ok(vec![r])
 }
+
+/// How recent a victim's grant must be for a cut to land on it.
+const FRESH: Duration = Duration::from_millis(50);
 
 /// Slack on top of the lease for T8e's bound: the signal's own scheduling
 /// on a loaded 2-core machine.

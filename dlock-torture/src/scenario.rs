@@ -46,6 +46,7 @@ pub(crate) fn config(backend: &str, urls: Vec<String>, resource: &RedisServer, s
         watchdog: true,
         wait_ms: 2000,
         cs_max_ms: 5,
+        cs_min_ms: 0,
         session_ms: 1000,
         quarantine_ms: 0,
         // Run::spawn sets the run's cap.
@@ -204,6 +205,28 @@ pub(crate) async fn find_holder(
     rng: &mut Rng,
 ) -> Result<Option<u32>, String> {
     find(run, among, false, within, rng).await
+}
+
+/// A worker among `among` whose hold was granted at most `age` ago,
+/// looked for until `within` passes.
+pub(crate) async fn find_fresh_holder(
+    run: &Run,
+    among: &[u32],
+    age: Duration,
+    within: Duration,
+) -> Result<Option<u32>, String> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let since = crate::history::mono_ns().saturating_sub(u64::try_from(age.as_nanos()).unwrap_or(u64::MAX));
+        let holders = tokio::task::block_in_place(|| run.holders_since(Some(among), false, since))?;
+        if let Some(pid) = holders.first() {
+            return Ok(Some(*pid));
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(None);
+        }
+        sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// [`find_holder`], among holds whose fenced write is still ahead.

@@ -40,8 +40,10 @@ pub(crate) struct WorkerConfig {
     pub(crate) lease_ms: u64,
     pub(crate) watchdog: bool,
     pub(crate) wait_ms: u64,
-    /// The critical section sleeps a random 0..cs_max_ms between read and write.
+    /// The critical section sleeps a random cs_min_ms..=cs_max_ms between read and write.
     pub(crate) cs_max_ms: u64,
+    #[serde(default)]
+    pub(crate) cs_min_ms: u64,
     /// ZooKeeper session timeout.
     pub(crate) session_ms: u64,
     /// Redis restart quarantine (`DLOCK_RESTART_QUARANTINE_MS`); 0: off.
@@ -255,7 +257,7 @@ async fn one_op(
     let token = hold.token();
     history.log(&Event { token: Some(token), owner: Some(owner.clone()), vu, left_us, ..ev("acq_ok", task, key) });
 
-    let cs_sleep = Duration::from_millis(rng.below(cfg.cs_max_ms + 1));
+    let cs_sleep = Duration::from_millis(cfg.cs_min_ms + rng.below(cfg.cs_max_ms.saturating_sub(cfg.cs_min_ms) + 1));
     let cs = critical_section(
         history,
         resource,
