@@ -763,6 +763,26 @@ async fn a_join_racing_the_last_release_is_not_a_hold() {
     assert!(inner.release().await.expect("release"), "still ours when released");
 }
 
+/// A server that forgot the lock scripts (`SCRIPT FLUSH`, as a restart
+/// does) answers `NOSCRIPT`: the call loads the script and is sent again,
+/// for the acquire and the release alike, and nothing fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_forgot_the_scripts_gets_them_again() {
+    let server = RedisServer::start();
+    let a = locker_for(&server.url(), 300).await;
+    let k = a.key("script-flush").part(1).build().expect("key");
+    let fixed = || AcquireOptions::new().with_lease(Duration::from_secs(30));
+    a.acquire(&k, fixed()).await.expect("free").release().await.expect("release");
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut server.connection()).expect("SCRIPT FLUSH");
+    server.reset_stats();
+    let held = a.acquire(&k, fixed()).await.expect("acquired after the flush");
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut server.connection()).expect("SCRIPT FLUSH");
+    assert!(held.release().await.expect("released after the flush"), "still ours");
+    let stats = server.command_stats();
+    assert_eq!(server.command_calls("script|load"), 2, "one load per forgotten script: {stats:?}");
+    assert_eq!(server.command_calls("evalsha"), 4, "each call sent again once: {stats:?}");
+}
+
 /// A release the caller gives up on while it is on its way (a timeout
 /// around `release()`, here while the server pauses writes) must neither
 /// leave later acquires of the same owner waiting for it for good, nor let

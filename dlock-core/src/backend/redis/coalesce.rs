@@ -27,9 +27,10 @@ use redis::Script;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::evalsha::ScriptCall;
 use super::holds::ReleaseTurn;
 use super::restart::RestartGuard;
-use super::{acquire_reply, lease_ms, redis_error, Conn, Reply};
+use super::{acquire_call, acquire_reply, lease_ms, redis_error, release_call, Conn, Reply};
 use crate::backend::AcquireRequest;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -262,51 +263,56 @@ fn unexpected(e: redis::ParsingError) -> Error {
 /// script for one operation, the many-key script otherwise. The raw reply
 /// and when the call was sent.
 async fn call(calls: &Calls, ops: &[Op]) -> Result<(redis::Value, Instant)> {
-    let acquiring = ops.first().is_some_and(Op::is_acquire);
-    if acquiring {
+    if ops.first().is_some_and(Op::is_acquire) {
         if let Some(guard) = &calls.restart {
             guard.check(&calls.conn).await?;
         }
     }
-    let single = ops.len() == 1;
-    let mut invocation = match (acquiring, single) {
-        (true, true) => calls.acquire.prepare_invoke(),
-        (true, false) => calls.acquire_many.prepare_invoke(),
-        (false, true) => calls.release.prepare_invoke(),
-        (false, false) => calls.release_many.prepare_invoke(),
+    let marker = calls.restart.as_ref().map(|guard| guard.marker.as_str());
+    let call = match ops {
+        [Op::Acquire { req, awaited }] => acquire_call(&calls.acquire, req, &calls.mark, marker, *awaited),
+        [Op::Release { key, owner, .. }] => release_call(&calls.release, key, owner),
+        _ => batch_call(calls, ops, marker),
     };
-    if acquiring && !single {
-        invocation.key(calls.mark.as_str());
-        match &calls.restart {
-            Some(guard) => invocation.key(guard.marker.as_str()).arg("1"),
-            None => invocation.key(calls.mark.as_str()).arg("0"),
-        };
-    }
-    for op in ops {
-        match op {
-            Op::Acquire { req, awaited } => {
-                invocation.key(req.key.as_str());
-                if single {
-                    invocation.key(calls.mark.as_str());
-                }
-                invocation.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if *awaited { "1" } else { "0" });
-                if single {
-                    if let Some(guard) = &calls.restart {
-                        invocation.key(guard.marker.as_str()).arg("1");
-                    }
-                }
-            }
-            Op::Release { key, owner, .. } => {
-                invocation.key(key.as_str()).arg(owner.as_str());
-            }
-        }
-    }
     let sent = Instant::now();
-    match invocation.invoke_async(&mut calls.conn.clone()).await {
+    match call.invoke(&mut calls.conn.clone()).await {
         Ok(reply) => Ok((reply, sent)),
         Err(e) => Err(match &calls.restart {
             Some(guard) => guard.failed(e),
             None => redis_error(e),
         }),
     }
+}
+
+/// The many-key script's call for a batch of one kind (`acquire_many.lua`,
+/// `release_many.lua`): every key before the first argument, as `EVALSHA`
+/// takes them.
+fn batch_call<'a>(calls: &'a Calls, ops: &[Op], marker: Option<&str>) -> ScriptCall<'a> {
+    let acquiring = ops.first().is_some_and(Op::is_acquire);
+    let mut keys: Vec<&str> = Vec::with_capacity(ops.len() + 2);
+    if acquiring {
+        // The mark, and the data marker (or the mark again, unused).
+        keys.push(&calls.mark);
+        keys.push(marker.unwrap_or(&calls.mark));
+    }
+    keys.extend(ops.iter().map(|op| match op {
+        Op::Acquire { req, .. } => req.key.as_str(),
+        Op::Release { key, .. } => key.as_str(),
+    }));
+    let script = if acquiring { &calls.acquire_many } else { &calls.release_many };
+    let mut call = ScriptCall::new(script, &keys, 3 * ops.len() + 1);
+    if acquiring {
+        call.arg(if marker.is_some() { "1" } else { "0" });
+    }
+    for op in ops {
+        match op {
+            Op::Acquire { req, awaited } => {
+                call.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if *awaited { "1" } else { "0" });
+            }
+            Op::Release { owner, .. } => {
+                call.arg(owner.as_str());
+            }
+        }
+    }
+    call
 }

@@ -76,6 +76,7 @@ use tls::{is_tls_url, CA_FILE_VAR};
 
 mod coalesce;
 mod connection;
+mod evalsha;
 mod high_water;
 pub(crate) mod holds;
 mod renew_batch;
@@ -90,6 +91,7 @@ use connection::{
     connect_error, open_client, require_redis_7, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget,
 };
 pub(crate) use connection::{lost_connection, redis_error, Conn};
+use evalsha::ScriptCall;
 use holds::{LocalHolds, Reentry, ReleaseTurn};
 pub(crate) use restart::RestartGuard;
 use subscriber::Subscriber;
@@ -460,17 +462,17 @@ impl RedisBackend {
                 guard.check(&self.conn).await?;
             }
             let sent = Instant::now();
-            let mut invocation = self.acquire.key(req.key.as_str());
-            match &self.high_water {
-                HighWater::Prefix(mark) => invocation.key(mark.as_str()),
-                HighWater::PerSlot => invocation.key(high_water::slot_mark(&req.key)),
+            let slot_mark;
+            let mark = match &self.high_water {
+                HighWater::Prefix(mark) => mark.as_str(),
+                HighWater::PerSlot => {
+                    slot_mark = high_water::slot_mark(&req.key);
+                    slot_mark.as_str()
+                }
             };
-            invocation.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if awaited { "1" } else { "0" });
-            if let Some(guard) = &self.restart {
-                invocation.key(guard.marker.as_str()).arg("1");
-            }
-            let reply: redis::Value =
-                invocation.invoke_async(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
+            let marker = self.restart.as_ref().map(|guard| guard.marker.as_str());
+            let call = acquire_call(&self.acquire, req, mark, marker, awaited);
+            let reply: redis::Value = call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
             let reply = acquire_reply(reply)
                 .map_err(|e| Error::backend("redis", format!("unexpected reply from the acquire script: {e}")))?;
             match (&self.restart, reply.as_slice()) {
@@ -526,15 +528,37 @@ impl RedisBackend {
     /// Frees `key` on the server if `owner` holds it there (the last hold
     /// of this process, or one it does not count: a RedLock node's).
     pub(crate) async fn release_on_server(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
-        let left: i64 = self
-            .release
-            .key(key.as_str())
-            .arg(owner.as_str())
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| self.failed(e))?;
+        let call = release_call(&self.release, key, owner);
+        let left: i64 = call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
         Ok(if left == 0 { Release::Freed } else { Release::NotHeld })
     }
+}
+
+/// The one-key acquire script's call (`acquire.lua`) for `req` with the
+/// high-water `mark`, and the restart quarantine's data `marker` if on.
+pub(crate) fn acquire_call<'a>(
+    script: &'a Script,
+    req: &AcquireRequest,
+    mark: &str,
+    marker: Option<&str>,
+    awaited: bool,
+) -> ScriptCall<'a> {
+    let mut call = match marker {
+        Some(marker) => ScriptCall::new(script, &[req.key.as_str(), mark, marker], 4),
+        None => ScriptCall::new(script, &[req.key.as_str(), mark], 3),
+    };
+    call.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if awaited { "1" } else { "0" });
+    if marker.is_some() {
+        call.arg("1");
+    }
+    call
+}
+
+/// The one-key release script's call (`release.lua`).
+pub(crate) fn release_call<'a>(script: &'a Script, key: &LockKey, owner: &Owner) -> ScriptCall<'a> {
+    let mut call = ScriptCall::new(script, &[key.as_str()], 1);
+    call.arg(owner.as_str());
+    call
 }
 
 /// A lock script's answer for one key: at most three integers, kept
