@@ -37,6 +37,7 @@ use super::{
     fingerprint, token_well_formed, Begin, Claim, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
     TOKEN_BYTES,
 };
+use crate::backend::redis::evalsha::ScriptCall;
 use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend, RedisOptions, RestartGuard};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
@@ -196,12 +197,14 @@ impl RedisStore {
         let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
         let tag = principal.map(|p| fingerprint(&[p]));
         let sets = self.counted("tn", tag.as_deref());
-        let mut call = self.issue_token.key(self.token_names(&token, principal).0);
+        let name = self.token_names(&token, principal).0;
+        let keys: Vec<&str> = std::iter::once(name.as_str()).chain(sets.iter().map(|s| s.key.as_str())).collect();
+        let mut call = ScriptCall::new(&self.issue_token, &keys, 2 + sets.len());
         call.arg(lease_ms(ttl)).arg(&token);
         for set in &sets {
-            call.key(&set.key).arg(set.max);
+            call.arg(set.max);
         }
-        let reply: Vec<i64> = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+        let reply: Vec<i64> = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
         match reply.as_slice() {
             [0] => Ok(token),
             [i, ms] => Err(Self::full(&sets, *i, *ms)),
@@ -220,18 +223,17 @@ impl RedisStore {
 
     /// Runs a rename script from `from` to `to`.
     async fn rename(&self, script: &Script, from: String, to: String) -> Result<i64> {
-        script.key(from).key(to).invoke_async(&mut self.conn.clone()).await.map_err(redis_error)
+        ScriptCall::new(script, &[&from, &to], 0).invoke(&mut self.conn.clone()).await.map_err(redis_error)
     }
 
     /// Deletes a token's `name` and takes it out of its counts, in one step.
     async fn spend(&self, name: String, token: &str, principal: Option<&str>) -> Result<bool> {
         let tag = principal.map(|p| fingerprint(&[p]));
-        let mut call = self.spend_token.key(name);
+        let sets = self.counted("tn", tag.as_deref());
+        let keys: Vec<&str> = std::iter::once(name.as_str()).chain(sets.iter().map(|s| s.key.as_str())).collect();
+        let mut call = ScriptCall::new(&self.spend_token, &keys, 1);
         call.arg(token);
-        for set in self.counted("tn", tag.as_deref()) {
-            call.key(set.key);
-        }
-        let removed: i64 = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+        let removed: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
         Ok(removed == 1)
     }
 
@@ -322,19 +324,18 @@ impl IdempotencyStore for RedisStore {
             let (record, member, sets) = self.record(scope, key);
             let mut remarked = false;
             let reply = loop {
-                let mut call = self.begin.key(&record);
                 // The script checks the data marker itself, as the lock's
                 // acquire does: no round trip of its own per claim.
-                match &self.restart {
-                    Some(guard) => call.key(guard.marker.as_str()),
-                    None => call.key(&record),
-                };
+                let marker = self.restart.as_ref().map_or(record.as_str(), |guard| guard.marker.as_str());
+                let keys: Vec<&str> =
+                    [record.as_str(), marker].into_iter().chain(sets.iter().map(|s| s.key.as_str())).collect();
+                let mut call = ScriptCall::new(&self.begin, &keys, 5 + sets.len());
                 call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(lease)).arg(&member);
                 call.arg(if self.restart.is_some() { "1" } else { "0" });
                 for set in &sets {
-                    call.key(&set.key).arg(set.max);
+                    call.arg(set.max);
                 }
-                let reply: redis::Value = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+                let reply: redis::Value = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
                 match (&self.restart, &reply) {
                     (Some(guard), redis::Value::Array(items))
                         if !remarked && matches!(items.as_slice(), [redis::Value::Int(5)]) =>
@@ -371,12 +372,10 @@ impl IdempotencyStore for RedisStore {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let (record, member, sets) = self.record(claim.scope(), claim.key());
-            let mut call = self.complete.key(record);
+            let keys: Vec<&str> = std::iter::once(record.as_str()).chain(sets.iter().map(|s| s.key.as_str())).collect();
+            let mut call = ScriptCall::new(&self.complete, &keys, 4);
             call.arg(claim.owner()).arg(response.encode()).arg(lease_ms(ttl)).arg(member);
-            for set in sets {
-                call.key(set.key);
-            }
-            let done: i64 = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+            let done: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
             Ok(done == 1)
         })
     }
@@ -384,12 +383,10 @@ impl IdempotencyStore for RedisStore {
     fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let (record, member, sets) = self.record(claim.scope(), claim.key());
-            let mut call = self.abandon.key(record);
+            let keys: Vec<&str> = std::iter::once(record.as_str()).chain(sets.iter().map(|s| s.key.as_str())).collect();
+            let mut call = ScriptCall::new(&self.abandon, &keys, 2);
             call.arg(claim.owner()).arg(member);
-            for set in sets {
-                call.key(set.key);
-            }
-            let done: i64 = call.invoke_async(&mut self.conn.clone()).await.map_err(redis_error)?;
+            let done: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
             Ok(done == 1)
         })
     }

@@ -1,10 +1,11 @@
-//! A lock script called by its SHA1, the command written once.
+//! A script called by its SHA1, the command written once: every script of
+//! the Redis backends and of the Redis idempotency store goes out this way.
 //!
 //! redis-rs's `ScriptInvocation` keeps every key and argument in a vector
 //! of its own and copies them all into the `EVALSHA` it sends: seven
 //! allocations for an acquire and four for a release that a lock cycle does
-//! not need, on a path every request takes. [`ScriptCall`] writes the
-//! command in place. A server that does not know the script (`NOSCRIPT`: it
+//! not need, on a path every request takes (and a stored response copied
+//! twice). [`ScriptCall`] writes the command in place. A server that does not know the script (`NOSCRIPT`: it
 //! restarted or was flushed) gets it loaded and the same command again, as
 //! `ScriptInvocation` does.
 

@@ -76,7 +76,7 @@ use tls::{is_tls_url, CA_FILE_VAR};
 
 mod coalesce;
 mod connection;
-mod evalsha;
+pub(crate) mod evalsha;
 mod high_water;
 pub(crate) mod holds;
 mod renew_batch;
@@ -672,15 +672,9 @@ impl Backend for RedisBackend {
                 // One script call touches one slot, and the locks renewed
                 // together may live in many: one call per lock.
                 let sent = Instant::now();
-                let extended: Vec<i64> = self
-                    .renew
-                    .script
-                    .key(key.as_str())
-                    .arg(owner.as_str())
-                    .arg(lease_ms(lease))
-                    .invoke_async(&mut self.conn.clone())
-                    .await
-                    .map_err(|e| self.failed(e))?;
+                let mut call = ScriptCall::new(&self.renew.script, &[key.as_str()], 2);
+                call.arg(owner.as_str()).arg(lease_ms(lease));
+                let extended: Vec<i64> = call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
                 (extended == [1], sent)
             } else {
                 self.renewals.renew(&self.renew, key, owner, lease_ms(lease)).await?

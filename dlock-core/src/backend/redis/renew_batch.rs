@@ -15,6 +15,7 @@ use redis::Script;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::evalsha::ScriptCall;
 use super::restart::RestartGuard;
 use super::{redis_error, Conn};
 use crate::error::{Error, Result};
@@ -117,12 +118,13 @@ async fn send_all(mut sending: Sending, sender: Sender) {
             let n = q.waiting.len().min(MAX_BATCH);
             q.waiting.drain(..n).collect()
         };
-        let mut invocation = sender.script.prepare_invoke();
+        let keys: Vec<&str> = batch.iter().map(|p| p.key.as_str()).collect();
+        let mut call = ScriptCall::new(&sender.script, &keys, 2 * batch.len());
         for p in &batch {
-            invocation.key(p.key.as_str()).arg(p.owner.as_str()).arg(p.lease_ms);
+            call.arg(p.owner.as_str()).arg(p.lease_ms);
         }
         let sent = Instant::now();
-        let reply: redis::RedisResult<Vec<i64>> = invocation.invoke_async(&mut sender.conn.clone()).await;
+        let reply: redis::RedisResult<Vec<i64>> = call.invoke(&mut sender.conn.clone()).await;
         match reply {
             Ok(extended) if extended.len() == batch.len() => {
                 for (p, e) in batch.into_iter().zip(extended) {
