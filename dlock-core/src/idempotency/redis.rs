@@ -92,6 +92,12 @@ struct Counted {
     per_scope: bool,
 }
 
+/// A script's keys: `first`, then the counting sets', in the order its
+/// `KEYS` expects them.
+fn keys_and_counts<'a>(first: &[&'a str], sets: &'a [Counted]) -> Vec<&'a str> {
+    first.iter().copied().chain(sets.iter().map(|s| s.key.as_str())).collect()
+}
+
 impl RedisStore {
     /// Connects to `url` (any URL the Redis lock backend takes: single,
     /// `redis+cluster://`, `redis+sentinel://`) with the backend's timeouts.
@@ -198,7 +204,7 @@ impl RedisStore {
         let tag = principal.map(|p| fingerprint(&[p]));
         let sets = self.counted("tn", tag.as_deref());
         let name = self.token_names(&token, principal).0;
-        let keys: Vec<&str> = std::iter::once(name.as_str()).chain(sets.iter().map(|s| s.key.as_str())).collect();
+        let keys = keys_and_counts(&[&name], &sets);
         let mut call = ScriptCall::new(&self.issue_token, &keys, 2 + sets.len());
         call.arg(lease_ms(ttl)).arg(&token);
         for set in &sets {
@@ -230,7 +236,7 @@ impl RedisStore {
     async fn spend(&self, name: String, token: &str, principal: Option<&str>) -> Result<bool> {
         let tag = principal.map(|p| fingerprint(&[p]));
         let sets = self.counted("tn", tag.as_deref());
-        let keys: Vec<&str> = std::iter::once(name.as_str()).chain(sets.iter().map(|s| s.key.as_str())).collect();
+        let keys = keys_and_counts(&[&name], &sets);
         let mut call = ScriptCall::new(&self.spend_token, &keys, 1);
         call.arg(token);
         let removed: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
@@ -327,8 +333,7 @@ impl IdempotencyStore for RedisStore {
                 // The script checks the data marker itself, as the lock's
                 // acquire does: no round trip of its own per claim.
                 let marker = self.restart.as_ref().map_or(record.as_str(), |guard| guard.marker.as_str());
-                let keys: Vec<&str> =
-                    [record.as_str(), marker].into_iter().chain(sets.iter().map(|s| s.key.as_str())).collect();
+                let keys = keys_and_counts(&[&record, marker], &sets);
                 let mut call = ScriptCall::new(&self.begin, &keys, 5 + sets.len());
                 call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(lease)).arg(&member);
                 call.arg(if self.restart.is_some() { "1" } else { "0" });
@@ -372,7 +377,7 @@ impl IdempotencyStore for RedisStore {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let (record, member, sets) = self.record(claim.scope(), claim.key());
-            let keys: Vec<&str> = std::iter::once(record.as_str()).chain(sets.iter().map(|s| s.key.as_str())).collect();
+            let keys = keys_and_counts(&[&record], &sets);
             let mut call = ScriptCall::new(&self.complete, &keys, 4);
             call.arg(claim.owner()).arg(response.encode()).arg(lease_ms(ttl)).arg(member);
             let done: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
@@ -383,7 +388,7 @@ impl IdempotencyStore for RedisStore {
     fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let (record, member, sets) = self.record(claim.scope(), claim.key());
-            let keys: Vec<&str> = std::iter::once(record.as_str()).chain(sets.iter().map(|s| s.key.as_str())).collect();
+            let keys = keys_and_counts(&[&record], &sets);
             let mut call = ScriptCall::new(&self.abandon, &keys, 2);
             call.arg(claim.owner()).arg(member);
             let done: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;

@@ -29,8 +29,8 @@ use tokio::time::Instant;
 
 use super::evalsha::ScriptCall;
 use super::holds::ReleaseTurn;
-use super::restart::RestartGuard;
-use super::{acquire_call, acquire_reply, lease_ms, redis_error, release_call, Conn, Reply};
+use super::restart::{command_failed, RestartGuard};
+use super::{acquire_call, acquire_reply, lease_ms, release_call, Conn, Reply};
 use crate::backend::AcquireRequest;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -275,13 +275,8 @@ async fn call(calls: &Calls, ops: &[Op]) -> Result<(redis::Value, Instant)> {
         _ => batch_call(calls, ops, marker),
     };
     let sent = Instant::now();
-    match call.invoke(&mut calls.conn.clone()).await {
-        Ok(reply) => Ok((reply, sent)),
-        Err(e) => Err(match &calls.restart {
-            Some(guard) => guard.failed(e),
-            None => redis_error(e),
-        }),
-    }
+    let reply = call.invoke(&mut calls.conn.clone()).await;
+    reply.map(|reply| (reply, sent)).map_err(|e| command_failed(calls.restart.as_deref(), e))
 }
 
 /// The many-key script's call for a batch of one kind (`acquire_many.lua`,

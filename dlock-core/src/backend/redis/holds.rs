@@ -93,19 +93,18 @@ pub(crate) enum LocalRelease {
 /// overtakes one still on its way.
 pub(crate) struct ReleaseTurn {
     holds: Arc<LocalHolds>,
-    key: LockKey,
-    owner: Owner,
+    /// The hold's entry in the table.
+    id: (LockKey, Owner),
 }
 
 impl Drop for ReleaseTurn {
     fn drop(&mut self) {
         let mut map = self.holds.map();
-        let id = (self.key.clone(), self.owner.clone());
         // While the release is on its way the count stays 0: acquires of
         // the key wait, and grants are refused (`granted`).
-        let Some(hold) = map.get(&id).filter(|h| h.releasing && h.count == 0) else { return };
+        let Some(hold) = map.get(&self.id).filter(|h| h.releasing && h.count == 0) else { return };
         let awaited = hold.awaited;
-        map.remove(&id);
+        map.remove(&self.id);
         drop(map);
         if awaited {
             self.holds.landed.notify_waiters();
@@ -214,7 +213,7 @@ impl LocalHolds {
             1 => {
                 hold.count = 0;
                 hold.releasing = true;
-                LocalRelease::Last(ReleaseTurn { holds: self.clone(), key: key.clone(), owner: owner.clone() })
+                LocalRelease::Last(ReleaseTurn { holds: self.clone(), id: (key.clone(), owner.clone()) })
             }
             _ => {
                 hold.count -= 1;

@@ -372,10 +372,7 @@ impl RedisBackend {
 
     /// A failed command; a broken connection may mean a restarted server.
     fn failed(&self, e: redis::RedisError) -> Error {
-        match &self.restart {
-            Some(guard) => guard.failed(e),
-            None => redis_error(e),
-        }
+        restart::command_failed(self.restart.as_deref(), e)
     }
 
     /// The command connection, shared with the idempotency store so that it

@@ -16,7 +16,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::evalsha::ScriptCall;
-use super::restart::RestartGuard;
+use super::restart::{command_failed, RestartGuard};
 use super::{redis_error, Conn};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -139,10 +139,7 @@ async fn send_all(mut sending: Sending, sender: Sender) {
             }
             Err(e) => {
                 // The restart guard learns of the failure once per call.
-                let mut first = Some(match &sender.restart {
-                    Some(guard) => guard.failed(e.clone()),
-                    None => redis_error(e.clone()),
-                });
+                let mut first = Some(command_failed(sender.restart.as_deref(), e.clone()));
                 for p in batch {
                     let err = first.take().unwrap_or_else(|| redis_error(e.clone()));
                     let _ = p.reply.send(Err(err));

@@ -293,6 +293,15 @@ fn parse_identity(info: &str) -> Option<(String, Duration)> {
     Some((run_id, Duration::from_secs(uptime.saturating_sub(1))))
 }
 
+/// A failed lock command as an error, told to the restart quarantine first
+/// when it is on.
+pub(crate) fn command_failed(guard: Option<&RestartGuard>, e: redis::RedisError) -> Error {
+    match guard {
+        Some(guard) => guard.failed(e),
+        None => redis_error(e),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
