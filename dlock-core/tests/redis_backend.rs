@@ -981,3 +981,41 @@ async fn coalesced_acquires_respect_the_restart_quarantine() {
     }
     assert!(granted.is_empty(), "{} acquires granted during the quarantine", granted.len());
 }
+
+/// An acquire whose answer timed out may still have run on the server: the
+/// engine sends an owner-checked release after it, so the key is free at
+/// once, instead of held by nobody for a whole lease (30 s in watchdog
+/// mode). The replies come late through a proxy: the script runs on time,
+/// its answer misses the response timeout (1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_whose_answer_timed_out_does_not_block_the_key_for_a_lease() {
+    let server = RedisServer::start();
+    let proxy = dlock_testing::FaultProxy::start(server.port());
+    let a = locker_for(&format!("redis://127.0.0.1:{}", proxy.port()), 30_000).await;
+    let b = locker_for(&server.url(), 30_000).await;
+    let k = a.key("timed-out-acquire").part(1).build().expect("key");
+    // Warm the scripts, so the late answer is the grant itself (a cold
+    // EVALSHA's NOSCRIPT answer would time out first and never run).
+    a.try_acquire(&k).await.expect("free").release().await.expect("release");
+    proxy.set_delay(Duration::from_millis(1_500));
+    let err = a.try_acquire(&k).await.expect_err("the answer times out");
+    assert!(err.is_unavailable(), "{err}");
+    proxy.set_delay(Duration::ZERO);
+    let value: Option<String> = redis::cmd("GET").arg(k.as_str()).query(&mut server.connection()).expect("GET");
+    assert!(value.is_some(), "the acquire ran on the server, only its answer was late");
+    let other = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match b.try_acquire(&k).await {
+                Ok(g) => return g,
+                Err(e) if e.is_contention() => tokio::time::sleep(Duration::from_millis(20)).await,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        let pttl: i64 = redis::cmd("PTTL").arg(k.as_str()).query(&mut server.connection()).expect("PTTL");
+        panic!("the key stayed held after the timed-out acquire (PTTL {pttl} ms)")
+    });
+    assert!(other.release().await.expect("release"));
+}

@@ -93,3 +93,54 @@ async fn the_retries_stop_with_the_lease() {
     assert_eq!(server.command_calls("evalsha"), before, "no release after the lease");
     assert!(held.release().await.expect("release"), "B still held it");
 }
+
+/// A release retried in the background keeps its owner's turn: an acquire
+/// of the same key and owner made meanwhile waits for the retry to end,
+/// instead of joining the hold on the server just before the retry deletes
+/// it (which let another owner in while the new guard was never told it
+/// lost the lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_release_does_not_free_a_later_hold_of_the_same_owner() {
+    let mut server = persistent();
+    let url = server.url();
+    let (a, b) = (locker(&url).await, locker(&url).await);
+    let owner = dlock_core::Owner::random().expect("owner");
+    let key = a.key("retry").part("same-owner").build().expect("key");
+    let mine = AcquireOptions::new().with_owner(owner).with_lease(LEASE);
+    let first = a.acquire(&key, mine.clone()).await.expect("take");
+    server.kill();
+    assert!(first.release().await.expect_err("the server is down").is_unavailable());
+    server.start_again();
+
+    // A's connection heals from the restart too: an acquire may meet it
+    // broken once.
+    let mut again = None;
+    for _ in 0..50 {
+        match a.acquire(&key, mine.clone().with_wait(Duration::from_secs(5))).await {
+            Ok(g) => {
+                again = Some(g);
+                break;
+            }
+            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let again = again.expect("the same owner again");
+    // The retry has landed by now, before or after this grant: another
+    // owner must still find the key held, for as long as the guard lives.
+    let until = Instant::now() + Duration::from_millis(1_500);
+    let mut refused = 0;
+    while Instant::now() < until {
+        match b.try_acquire(&key).await {
+            Err(e) if e.is_contention() => refused += 1,
+            // B's connection heals from the restart.
+            Err(e) if e.is_unavailable() => {}
+            Ok(_) => panic!("another owner was granted the key under a live guard (lost: {})", again.is_lost()),
+            Err(e) => panic!("{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused >= 10, "only {refused} answers from the server to judge by");
+    assert!(!again.is_lost());
+    assert!(again.release().await.expect("release"), "still ours");
+}

@@ -1,8 +1,8 @@
 //! The in-process backend: a map of leases behind a mutex.
 //!
 //! It follows the same rules as the Redis backend (leases expire, the owner
-//! is checked on renew and release, holds are counted, fencing tokens only
-//! grow, a release wakes one waiter) so that a single instance needs no server
+//! is checked on renew and release, fencing tokens only grow, a release
+//! wakes one waiter; re-entry is counted by the engine) so that a single instance needs no server
 //! and tests of the HTTP layers run without one. It coordinates only the
 //! tasks of one process.
 //!
@@ -64,7 +64,6 @@ struct Slot {
 #[derive(Debug)]
 struct Holder {
     owner: Owner,
-    holds: u32,
     fence: u64,
     /// `None`: held until released (granted `GrantLease::UntilReleased`);
     /// a re-entry or a renewal never gives such a hold a lease again.
@@ -111,9 +110,10 @@ impl MemoryBackend {
     /// One attempt. A fresh hold gets the request's lease, or with
     /// `until_released` none at all: what a watchdog-mode acquire answered
     /// on the spot gets, since nothing here can outlive the guard that would
-    /// renew it. A re-entry keeps the first hold's terms and gets a lease
-    /// for its own guard. `Err`: held by another owner, whose lease ends in
-    /// the time given (`None`: held until released).
+    /// renew it. A hold of the same owner (the engine asks again only once
+    /// its own hold lapsed) is joined: same token, its lease extended.
+    /// `Err`: held by another owner, whose lease ends in the time given
+    /// (`None`: held until released).
     fn take(&self, req: &AcquireRequest, until_released: bool) -> std::result::Result<Grant, Option<Duration>> {
         let now = Instant::now();
         let mut state = self.state();
@@ -122,7 +122,6 @@ impl MemoryBackend {
         let expires_at = now + req.lease;
         match slot.live_holder(now) {
             Some(h) if h.owner == req.owner => {
-                h.holds += 1;
                 if let Some(at) = h.expires_at.as_mut() {
                     *at = expires_at;
                 }
@@ -138,7 +137,7 @@ impl MemoryBackend {
                 } else {
                     (Some(expires_at), None, Grant::until(fence, expires_at))
                 };
-                slot.holder = Some(Holder { owner: req.owner.clone(), holds: 1, fence, expires_at, watcher });
+                slot.holder = Some(Holder { owner: req.owner.clone(), fence, expires_at, watcher });
                 Ok(grant)
             }
         }
@@ -294,10 +293,6 @@ impl MemoryBackend {
         };
         let slot = entry.get_mut();
         let release = match slot.live_holder(now) {
-            Some(h) if &h.owner == owner && h.holds > 1 => {
-                h.holds -= 1;
-                Release::StillHeld(h.holds)
-            }
             Some(h) if &h.owner == owner => {
                 slot.holder = None;
                 slot.wake_one();

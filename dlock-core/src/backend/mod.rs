@@ -22,7 +22,12 @@
 //! mark. The guard watches that one signal whatever the backend; there is no
 //! other path from a backend to a guard.
 //!
-//! A backend that can answer without I/O implements
+//! Re-entry is the engine's: it keeps one hold per key and owner however
+//! many guards share it, and calls [`Backend::acquire`] only for the first
+//! and [`Backend::release`] only for the last. A backend holds a key for an
+//! owner once, and never counts.
+//!
+//! A backend that can answer without I/O (the in-process table) implements
 //! [`Backend::try_acquire_now`] and [`Backend::release_now`]: the engine
 //! tries them first for every backend, which spares in-process locks a
 //! boxed future, a cancellation token and a clock read.
@@ -100,7 +105,7 @@
 //!
 //! * **Read-write locks**: a `LockMode::Shared` variant. Readers share a key,
 //!   a writer excludes them; a backend stores the mode with the hold (as it
-//!   already stores the owner and the re-entry count), so `renew` and
+//!   already stores the owner), so `renew` and
 //!   `release` by key and owner stay as they are. A backend that does not
 //!   know the mode refuses it (see above).
 //! * **Counted permits (semaphores)**: a `LockMode::Permits { take, limit }`
@@ -164,7 +169,10 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub struct AcquireRequest {
     /// The lock.
     pub key: LockKey,
-    /// Who asks; the same owner re-entering a lock it holds is counted.
+    /// Who asks. The engine counts re-entry: it sends one acquire per key
+    /// and owner at a time, and none while it holds the key for that owner,
+    /// except after its hold was lost (then a hold of the same owner that
+    /// the service still has is joined, same token).
     pub owner: Owner,
     /// How long the grant lives unless renewed (Redis TTL); ignored by
     /// session-based backends.
@@ -308,8 +316,6 @@ pub enum Renewal {
 pub enum Release {
     /// We held it and it is now free.
     Freed,
-    /// We held it re-entrantly; this many holds remain.
-    StillHeld(u32),
     /// We no longer held it (expired, or taken by someone else).
     NotHeld,
 }
@@ -362,7 +368,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Extends our lease on `key` to `lease` from now, if we still hold it.
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>>;
 
-    /// Gives back one hold on `key`, if `owner` still has it.
+    /// Frees `key` if `owner` holds it (the engine sends only the last
+    /// release of its holds).
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>>;
 
     /// One attempt answered on the spot, for a backend that needs no I/O for

@@ -33,7 +33,6 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::redis::holds::{LocalHolds, Reentry};
 use super::redis::subscriber::Registration;
 use super::redis::{release_channel, NodeAttempt, RedisBackend, RedisOptions};
 use super::wait::{acquire_loop, Attempt};
@@ -41,7 +40,6 @@ use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, G
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
-use tokio::sync::futures::Notified;
 
 /// How long one node may take to answer one step.
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
@@ -61,9 +59,6 @@ pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 pub struct RedLockBackend {
     nodes: Vec<Arc<RedisBackend>>,
     node_timeout: Duration,
-    /// Our own holds, counted here: a re-entry and a release that is not
-    /// the last reach no node (see `redis/holds.rs`).
-    holds: Arc<LocalHolds>,
     /// One wake-up per lock channel, shared by every node's subscriber and
     /// every local waiter of that lock: each node's subscriber keeps the
     /// first `Notify` it is given for a channel, so all waiters must bring
@@ -196,13 +191,7 @@ impl RedLockBackend {
         for (i, loaded) in join_all(nodes.iter().map(|n| n.load_scripts())).await.into_iter().enumerate() {
             loaded.map_err(on_node(i))?;
         }
-        Ok(RedLockBackend {
-            nodes,
-            node_timeout,
-            holds: Arc::default(),
-            wakeups: Mutex::default(),
-            turns: Mutex::default(),
-        })
+        Ok(RedLockBackend { nodes, node_timeout, wakeups: Mutex::default(), turns: Mutex::default() })
     }
 
     fn quorum(&self) -> usize {
@@ -277,23 +266,8 @@ impl RedLockBackend {
         Error::QuorumUnavailable { granted, nodes: self.nodes.len(), needed: self.quorum() }
     }
 
-    /// One try on the masters, counted in `holds`; a grant that raced our
-    /// own last release of the key is tried again once that release landed
-    /// (it may have deleted the grant on some nodes).
+    /// One try on the masters.
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
-        loop {
-            match self.try_quorum(req, awaited).await? {
-                Ok(attempt) => return Ok(attempt),
-                Err(landed) => landed.await,
-            }
-        }
-    }
-
-    async fn try_quorum(
-        &self,
-        req: &AcquireRequest,
-        awaited: bool,
-    ) -> Result<std::result::Result<Attempt, Notified<'_>>> {
         let started = Instant::now();
         let granted_in =
             |a: &[(usize, NodeAttempt)]| a.iter().filter(|(_, a)| matches!(a, NodeAttempt::Granted { .. })).count();
@@ -313,15 +287,14 @@ impl RedLockBackend {
                 |a, failed| self.settled(granted_in(a), a.len(), failed),
             )
             .await;
-        let (mut fence, mut any_reentry) = (0, false);
+        let mut fence = 0;
         let (mut granted, mut holder_ttl) = (0, None::<Duration>);
         let mut held_by_others = vec![false; self.nodes.len()];
         for (i, answer) in &answers {
             match answer {
-                NodeAttempt::Granted { grant, reentry } => {
+                NodeAttempt::Granted { grant } => {
                     granted += 1;
                     fence = fence.max(grant.fencing_token);
-                    any_reentry |= *reentry;
                 }
                 NodeAttempt::Held { retry_in } => {
                     held_by_others[*i] = true;
@@ -333,17 +306,7 @@ impl RedLockBackend {
         }
         let valid_until = started + validity;
         if granted >= self.quorum() && Instant::now() < valid_until {
-            // A re-entry keeps the token of the hold it joins, since
-            // different quorums may see different per-node maxima. It is a
-            // re-entry when we hold the key here and some node of the quorum
-            // says so: the outer acquire's commands to the nodes it did not
-            // wait for may land after ours, so those nodes can answer with a
-            // fresh grant. Only when every node grants afresh did our earlier
-            // hold lapse, and the grant takes a new token.
-            return Ok(self
-                .holds
-                .granted(&req.key, &req.owner, fence, valid_until, any_reentry)
-                .map(|token| Attempt::Acquired(Grant::until(token, valid_until))));
+            return Ok(Attempt::Acquired(Grant::until(fence, valid_until)));
         }
         // Undo on every node that granted, or did not answer (its command may
         // land late) — not where someone else holds the key: an undo there
@@ -377,7 +340,7 @@ impl RedLockBackend {
         } else {
             holder_ttl
         };
-        Ok(Ok(Attempt::Held { retry_in }))
+        Ok(Attempt::Held { retry_in })
     }
 
     /// The local queue of `key`.
@@ -467,39 +430,18 @@ impl Backend for RedLockBackend {
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
             let started = Instant::now();
-            loop {
-                match self.holds.reenter(&req.key, &req.owner, req.lease) {
-                    Reentry::Local(grant) => return Ok(grant),
-                    Reentry::Server => break,
-                    // Our last release of the key is on its way to the nodes.
-                    Reentry::AfterRelease(landed) => tokio::select! {
+            let turn = self.turn(&req.key);
+            let _turn = match turn.clone().try_lock_owned() {
+                Ok(guard) => guard,
+                Err(_) => {
+                    let Some(deadline) = req.deadline else { return Err(contention(req, started)) };
+                    tokio::select! {
                         biased;
                         _ = cancel.cancelled() => return Err(Error::Cancelled),
-                        _ = landed => {}
-                    },
-                }
-            }
-            // A hold of ours with too little lease left to join here.
-            let reentry = self.holds.holding(&req.key, &req.owner);
-            // A re-entry does not queue: the queue's head may be waiting for
-            // exactly this hold to end.
-            let _turn = if reentry {
-                None
-            } else {
-                let turn = self.turn(&req.key);
-                let guard = match turn.clone().try_lock_owned() {
-                    Ok(guard) => guard,
-                    Err(_) => {
-                        let Some(deadline) = req.deadline else { return Err(contention(req, started)) };
-                        tokio::select! {
-                            biased;
-                            _ = cancel.cancelled() => return Err(Error::Cancelled),
-                            guard = turn.lock_owned() => guard,
-                            _ = tokio::time::sleep_until(deadline) => return Err(contention(req, started)),
-                        }
+                        guard = turn.lock_owned() => guard,
+                        _ = tokio::time::sleep_until(deadline) => return Err(contention(req, started)),
                     }
-                };
-                Some(guard)
+                }
             };
             // Every node's subscriber counts the key's waiters alike.
             let others_wait =
@@ -533,11 +475,8 @@ impl Backend for RedLockBackend {
             let lost = answers.len() - held;
             let drift = lease / 100 + Duration::from_millis(2);
             if held >= self.quorum() {
-                let valid_until = sent + lease.saturating_sub(drift);
-                self.holds.renewed(key, owner, Some(valid_until));
-                Ok(Renewal::Held { valid_until })
+                Ok(Renewal::Held { valid_until: sent + lease.saturating_sub(drift) })
             } else if lost > self.nodes.len() - self.quorum() {
-                self.holds.renewed(key, owner, None);
                 Ok(Renewal::Lost)
             } else {
                 Err(self.unavailable(held))
@@ -545,21 +484,8 @@ impl Backend for RedLockBackend {
         })
     }
 
-    fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
-        self.holds.reenter_now(&req.key, &req.owner, req.lease)
-    }
-
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(self.holds.release_through(key, owner, move |turn| async move {
-            // Each node's commands keep their order on its connection: the
-            // turn may end with this future.
-            let _turn = turn;
-            self.release_on_all(key, owner).await
-        }))
-    }
-
-    fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
-        self.holds.release_inner(key, owner).map(Ok)
+        Box::pin(self.release_on_all(key, owner))
     }
 }
 

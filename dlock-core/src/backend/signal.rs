@@ -221,17 +221,24 @@ impl LostSignal {
     }
 
     /// A renewal succeeded: the lock is now ours until `valid_until`.
+    ///
+    /// A renewal that comes after the lock was reported lost, or after
+    /// `valid_until` passed, changes nothing: another client may have held
+    /// the key in between, and whoever saw [`is_lost`](Self::is_lost) once
+    /// must never see the lock come back. The first verdict stands.
     pub fn renewed(&self, valid_until: Instant) {
-        self.state().valid_until = valid_until;
+        {
+            let mut s = self.state();
+            if s.lost.is_some() {
+                return;
+            }
+            if Instant::now() >= s.valid_until {
+                s.lost = Some(s.expiry.reason(s.valid_until));
+            } else {
+                s.valid_until = valid_until;
+            }
+        }
         self.inner.changed.notify_waiters();
-    }
-
-    /// Whether anyone but the caller's copy still watches the lock: a
-    /// backend that keeps the signals of long-released guards can forget
-    /// those.
-    #[cfg_attr(not(feature = "zookeeper"), allow(dead_code))]
-    pub(crate) fn is_watched(&self) -> bool {
-        Arc::strong_count(&self.inner) > 1
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -275,5 +282,25 @@ mod tests {
         assert_eq!(reason, LostReason::LeaseExpired);
         assert_eq!(at, start + Duration::from_secs(3));
         assert_eq!(signal.valid_until(), start + Duration::from_secs(3));
+    }
+
+    /// A renewal answered after the lease already ran out cannot bring the
+    /// lock back: someone else may have been granted it meanwhile, and a
+    /// guard that saw `is_lost()` once may have stopped its work.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_renewal_does_not_resurrect_a_lost_lock() {
+        let start = Instant::now();
+        let signal = LostSignal::with_expiry(start + Duration::from_secs(1), Expiry::Renewed { renew_until: None });
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(signal.is_lost());
+        signal.renewed(Instant::now() + Duration::from_secs(30));
+        assert!(signal.is_lost(), "the first verdict stands");
+        assert_eq!(signal.reason(), Some(LostReason::RenewalFailed));
+        assert_eq!(signal.lost().await, LostReason::RenewalFailed);
+
+        let stolen = LostSignal::new(start + Duration::from_secs(60));
+        stolen.lose(LostReason::Stolen);
+        stolen.renewed(Instant::now() + Duration::from_secs(90));
+        assert_eq!(stolen.reason(), Some(LostReason::Stolen));
     }
 }

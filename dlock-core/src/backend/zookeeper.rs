@@ -33,8 +33,8 @@
 //!   swept up by a background task, since no one else would delete it while
 //!   our session, which survives reconnects, lives. A delete whose retry
 //!   finds nothing had gone through.
-//! * Re-entry is counted in process (as Curator does): an owner that holds a
-//!   key gets the same node and token again.
+//! * Re-entry is counted by the engine, in process (as Curator does): only
+//!   a first acquire creates a node, and only a last release deletes it.
 //! * Leases are honoured as on the other backends: a hold that is neither
 //!   renewed nor released by the end of its lease has its node deleted by
 //!   this process, so a fixed lease frees the lock even while the session
@@ -177,14 +177,13 @@ struct Hold {
     /// The session whose ephemeral node this is.
     client: zk::Client,
     fence: u64,
-    count: u32,
     /// The end of the lease; the hold's task deletes the node then unless
     /// it was moved by a renewal. Dropping the sender (release) ends the task.
     expires: watch::Sender<Instant>,
-    /// The lost signals of the guards of this hold (one per re-entry),
-    /// marked when the node is deleted behind our back or the session that
-    /// carries it may be over.
-    signals: Vec<LostSignal>,
+    /// The lost signal of the engine's hold, marked when the node is
+    /// deleted behind our back or the session that carries it may be over;
+    /// `None` once released (our own delete is not a loss) or told.
+    signal: Option<LostSignal>,
 }
 
 impl Hold {
@@ -199,19 +198,9 @@ impl Hold {
         });
     }
 
-    /// Marks every guard of this hold lost. Not `dlock.lost` per guard: one
-    /// event per hold says it.
-    fn lose(&mut self, reason: LostReason) {
-        for signal in self.signals.drain(..) {
-            signal.lose(reason);
-        }
-    }
-
-    /// Adds the signal of one more guard, forgetting those no guard or
-    /// watcher holds any longer (a re-entry released long ago).
-    fn watch(&mut self, signal: LostSignal) {
-        self.signals.retain(LostSignal::is_watched);
-        self.signals.push(signal);
+    /// Marks the hold lost; returns whether it was news.
+    fn lose(&mut self, reason: LostReason) -> bool {
+        self.signal.take().is_some_and(|signal| signal.lose(reason))
     }
 }
 
@@ -476,22 +465,15 @@ impl ZooKeeperBackend {
         }
     }
 
-    /// Files one more guard's signal with the hold `id`, moving the end of
-    /// its lease to `until`. A hold gone meanwhile (its session ended, or
-    /// our node was deleted behind our back) is lost already.
-    fn join(&self, id: &(LockKey, Owner), until: Instant, signal: LostSignal) {
+    /// Joins our hold `id` (the engine asks again only after its own hold
+    /// lapsed): moves the end of its lease to `until` and watches it with
+    /// `signal` from now on. `None` when the hold is gone or lost already.
+    fn join(&self, id: &(LockKey, Owner), until: Instant, signal: &LostSignal) -> Option<u64> {
         let mut holds = self.holds();
-        match holds.get_mut(id) {
-            Some(hold) => {
-                hold.extend(until);
-                hold.watch(signal);
-            }
-            None => {
-                drop(holds);
-                tracing::warn!(key = %id.0.log_id(), reason = %LostReason::Stolen, "dlock.lost");
-                signal.lose(LostReason::Stolen);
-            }
-        }
+        let hold = holds.get_mut(id).filter(|h| h.signal.as_ref().is_some_and(|s| !s.is_lost()))?;
+        hold.extend(until);
+        hold.signal = Some(signal.clone());
+        Some(hold.fence)
     }
 
     /// Creates our sequential node, creating the lock's container node on
@@ -892,10 +874,9 @@ async fn supervise(
 /// session watcher speaks for all of them.
 fn lose_session(holds: &mut HashMap<(LockKey, Owner), Hold>, id: zk::SessionId) {
     for ((key, _), hold) in holds.iter_mut().filter(|(_, h)| h.client.session_id() == id) {
-        if !hold.signals.is_empty() {
+        if hold.lose(LostReason::SessionExpired) {
             tracing::warn!(key = %key.log_id(), reason = %LostReason::SessionExpired, "dlock.lost");
         }
-        hold.lose(LostReason::SessionExpired);
     }
 }
 
@@ -989,10 +970,9 @@ async fn follow(
                 watching = false;
                 if gone {
                     if let Some(hold) = lock_holds(&holds).get_mut(&id).filter(|h| h.node == node) {
-                        if !hold.signals.is_empty() {
+                        if hold.lose(LostReason::Stolen) {
                             tracing::warn!(key = %id.0.log_id(), reason = %LostReason::Stolen, "dlock.lost");
                         }
-                        hold.lose(LostReason::Stolen);
                     }
                 }
             }
@@ -1123,15 +1103,10 @@ impl Backend for ZooKeeperBackend {
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
             let id = (req.key.clone(), req.owner.clone());
-            let joined = self.holds().get_mut(&id).map(|hold| {
-                hold.count += 1;
-                hold.fence
-            });
             let session = self.session_for(req, cancel).await?;
-            if let Some(fence) = joined {
-                let valid_until = Instant::now() + req.lease;
-                let signal = LostSignal::new(valid_until);
-                self.join(&id, valid_until, signal.clone());
+            let valid_until = Instant::now() + req.lease;
+            let signal = LostSignal::new(valid_until);
+            if let Some(fence) = self.join(&id, valid_until, &signal) {
                 lose_if_session_over(&session, &req.key, &signal);
                 return Ok(Grant::until(fence, valid_until).with_lost_signal(signal));
             }
@@ -1169,14 +1144,8 @@ impl Backend for ZooKeeperBackend {
             let valid_until = Instant::now() + req.lease;
             let signal = LostSignal::new(valid_until);
             let (expires, expiry) = watch::channel(valid_until);
-            let hold = Hold {
-                node: node.clone(),
-                client: client.clone(),
-                fence,
-                count: 1,
-                expires,
-                signals: vec![signal.clone()],
-            };
+            let hold =
+                Hold { node: node.clone(), client: client.clone(), fence, expires, signal: Some(signal.clone()) };
             self.holds().insert(id.clone(), hold);
             // After filing the hold: a session the supervisor gives up from
             // now on finds it there, and one given up before is seen here.
@@ -1209,14 +1178,10 @@ impl Backend for ZooKeeperBackend {
                 let mut holds = self.holds();
                 match holds.get_mut(&id) {
                     None => return Ok(Release::NotHeld),
-                    Some(hold) if hold.count > 1 => {
-                        hold.count -= 1;
-                        return Ok(Release::StillHeld(hold.count));
-                    }
                     Some(hold) => {
                         // Our own delete is not a loss: the hold's task must
-                        // not mark these guards when it sees the node go.
-                        hold.signals.clear();
+                        // not mark the guards when it sees the node go.
+                        hold.signal = None;
                         (hold.node.clone(), hold.client.clone())
                     }
                 }

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::watchdog::{Filed, NewHold};
+use super::holds::{HoldId, Joined, Leave, ReleaseTurn};
+use super::see_through::SeeThrough;
 use super::Engine;
-use crate::backend::signal::Expiry;
-use crate::backend::{AcquireRequest, Grant, GrantLease, LostReason, LostSignal, Release};
+use crate::backend::{AcquireRequest, LostReason, LostSignal, Release};
 use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -46,24 +46,20 @@ use crate::owner::Owner;
 #[must_use = "dropping the guard releases the lock at once"]
 pub struct LockGuard {
     engine: Arc<Engine>,
+    /// The engine's hold this guard shares (see `holds.rs`).
+    hold: HoldId,
     key: LockKey,
     owner: Owner,
     fencing_token: u64,
     watchdog: bool,
     state: LostSignal,
-    /// The hold filed with the engine's watchdog (watchdog mode).
-    renewals: Option<Filed>,
-    /// The lease runs out by itself (`GrantLease::Until`): a failed release
-    /// is retried until then. A lock held until released is not retried:
-    /// nothing bounds the retries, and its backend frees it with the session.
-    lease_ends: bool,
     released: bool,
 }
 
 impl std::fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LockGuard")
-            .field("key", &self.key)
+            .field("key", &self.key.log_id())
             .field("owner", &self.owner)
             .field("fencing_token", &self.fencing_token)
             .field("watchdog", &self.watchdog)
@@ -73,58 +69,17 @@ impl std::fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
-    /// The guard of a grant. A lease that runs until an instant is filed
-    /// with the watchdog when `renewed`; one held until released has nothing
-    /// to renew. The backend's own signal, when it gave one, is the guard's.
-    pub(crate) fn start(
-        engine: Arc<Engine>,
-        req: AcquireRequest,
-        grant: Grant,
-        renewed: bool,
-        max_hold: Option<Duration>,
-    ) -> Self {
-        let lease_ends = matches!(grant.lease, GrantLease::Until(_));
-        let (state, renewals) = match grant.lease {
-            GrantLease::Until(valid_until) => {
-                // The backend measured `valid_until` from before its request
-                // was sent: the grant is at least that old, and no clock
-                // read is needed.
-                let granted_at = valid_until.checked_sub(req.lease).unwrap_or_else(Instant::now);
-                let renew_until = if renewed { max_hold.map(|m| granted_at + m) } else { None };
-                let expiry = if renewed { Expiry::Renewed { renew_until } } else { Expiry::Lease };
-                let state = match grant.lost {
-                    Some(signal) => {
-                        signal.set_terms(valid_until, expiry);
-                        signal
-                    }
-                    None => LostSignal::with_expiry(valid_until, expiry),
-                };
-                let renewals = renewed.then(|| {
-                    engine.watchdog.file(NewHold {
-                        key: req.key.clone(),
-                        owner: req.owner.clone(),
-                        lease: req.lease,
-                        renew_until,
-                        valid_until,
-                        granted_at,
-                        state: state.clone(),
-                    })
-                });
-                (state, renewals)
-            }
-            // Its `valid_until` is as far ahead as the backend made it; it
-            // never passes, so how it would be explained does not matter.
-            GrantLease::UntilReleased => (grant.lost.unwrap_or_else(LostSignal::until_released), None),
-        };
+    /// The guard of one share of a hold. `watchdog`: the acquire asked for
+    /// watchdog mode (the engine renews the hold while such a guard lives).
+    pub(crate) fn new(engine: Arc<Engine>, req: AcquireRequest, joined: Joined, watchdog: bool) -> Self {
         LockGuard {
             engine,
+            hold: joined.id,
             key: req.key,
             owner: req.owner,
-            fencing_token: grant.fencing_token,
-            watchdog: renewed,
-            state,
-            renewals,
-            lease_ends,
+            fencing_token: joined.token,
+            watchdog,
+            state: joined.state,
             released: false,
         }
     }
@@ -212,45 +167,18 @@ impl LockGuard {
     /// held for the rest of a long lease.
     pub async fn release(mut self) -> Result<bool> {
         self.released = true;
-        self.stop();
-        let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
-        let backend = &self.engine.backend;
-        let result = match backend.release_now(&self.key, &self.owner) {
-            Some(result) => result,
-            None => backend.release(&self.key, &self.owner).await,
+        let turn = match self.engine.holds.leave(self.hold, self.watchdog) {
+            // Other guards of this process still hold it.
+            Leave::Others { lost } => return Ok(!lost),
+            Leave::Detached => return Ok(false),
+            Leave::Last(turn) => turn,
         };
-        match &result {
-            Ok(r) => {
-                let took_us = started.map(|s| s.elapsed().as_micros() as u64);
-                tracing::debug!(key = %self.key.log_id(), outcome = ?r, took_us, "dlock.release")
-            }
-            Err(e) => {
-                let retried = self.retry_release(e);
-                tracing::warn!(key = %self.key.log_id(), error = %e, retried, "dlock.release failed");
-            }
+        if let Some(result) = self.engine.backend.release_now(&self.key, &self.owner) {
+            trace_release(&self.key, &result, "dlock.release");
+            return result.map(|r| r == Release::Freed);
         }
-        result.map(|r| r != Release::NotHeld)
-    }
-
-    /// After a failed release: retries it in the background when the error
-    /// says the service could not be reached and the lease bounds the
-    /// retries. Returns whether it does.
-    fn retry_release(&self, e: &crate::Error) -> bool {
-        if !self.lease_ends || !e.is_unavailable() {
-            return false;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return false;
-        };
-        let until = self.state.valid_until();
-        runtime.spawn(retry_release(self.engine.clone(), self.key.clone(), self.owner.clone(), until));
-        true
-    }
-
-    fn stop(&mut self) {
-        if let Some(filed) = self.renewals.take() {
-            self.engine.watchdog.unfile(filed);
-        }
+        let release = release_last(self.engine.clone(), self.key.clone(), self.owner.clone(), turn);
+        SeeThrough::new(Box::pin(release), None).await
     }
 }
 
@@ -259,29 +187,42 @@ impl Drop for LockGuard {
         if self.released {
             return;
         }
-        self.stop();
+        let Leave::Last(turn) = self.engine.holds.leave(self.hold, self.watchdog) else { return };
         if let Some(result) = self.engine.backend.release_now(&self.key, &self.owner) {
-            trace_dropped_release(&self.key, &result);
+            trace_release(&self.key, &result, "dlock.release (guard dropped)");
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(key = %self.key.log_id(), "lock guard dropped outside a tokio runtime; the lease frees it");
             return;
         };
-        let engine = self.engine.clone();
-        let key = self.key.clone();
-        let owner = self.owner.clone();
-        let until = self.lease_ends.then(|| self.state.valid_until());
-        runtime.spawn(async move {
-            let result = engine.backend.release(&key, &owner).await;
-            trace_dropped_release(&key, &result);
-            if let (Err(e), Some(until)) = (&result, until) {
-                if e.is_unavailable() {
-                    retry_release(engine, key, owner, until).await;
-                }
-            }
-        });
+        runtime.spawn(release_last(self.engine.clone(), self.key.clone(), self.owner.clone(), turn));
     }
+}
+
+/// Sends the last release of a hold, keeping its turn until it lands. When
+/// the service cannot be reached and the lease bounds the retries, retries
+/// in the background with the turn, so that no acquire of the same owner
+/// joins the hold on the service only for the retry to delete it.
+pub(super) async fn release_last(engine: Arc<Engine>, key: LockKey, owner: Owner, turn: ReleaseTurn) -> Result<bool> {
+    let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
+    let result = engine.backend.release(&key, &owner).await;
+    if let Err(e) = &result {
+        let until = turn.valid_until.filter(|_| e.is_unavailable());
+        let retried = until.is_some();
+        tracing::warn!(key = %key.log_id(), error = %e, retried, "dlock.release failed");
+        if let Some(until) = until {
+            turn.retrying();
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(retry_release(engine, key, owner, until, turn))),
+                Err(_) => drop(turn),
+            }
+        }
+    } else {
+        let took_us = started.map(|s| s.elapsed().as_micros() as u64);
+        tracing::debug!(key = %key.log_id(), outcome = ?result, took_us, "dlock.release");
+    }
+    result.map(|r| r == Release::Freed)
 }
 
 /// The first pause before a failed release is tried again; doubled up to
@@ -295,7 +236,9 @@ const RELEASE_RETRY_MAX_DELAY: Duration = Duration::from_millis(500);
 /// an error that a retry will not cure), or the lease ends at `until`:
 /// after that the key is free by itself, and a retry could only find
 /// someone else's lock (which the backend refuses to release).
-async fn retry_release(engine: Arc<Engine>, key: LockKey, owner: Owner, until: Instant) {
+async fn retry_release(engine: Arc<Engine>, key: LockKey, owner: Owner, until: Instant, turn: ReleaseTurn) {
+    // Ends with this task: acquires of the key and owner wait until then.
+    let _turn = turn;
     let mut delay = RELEASE_RETRY_MIN_DELAY;
     let mut attempts = 0u32;
     loop {
@@ -326,11 +269,9 @@ async fn retry_release(engine: Arc<Engine>, key: LockKey, owner: Owner, until: I
     }
 }
 
-fn trace_dropped_release(key: &LockKey, result: &Result<Release>) {
+fn trace_release(key: &LockKey, result: &Result<Release>, event: &'static str) {
     match result {
-        Ok(r) => tracing::debug!(key = %key.log_id(), outcome = ?r, "dlock.release (guard dropped)"),
-        Err(e) => {
-            tracing::warn!(key = %key.log_id(), error = %e, "dlock.release after drop failed")
-        }
+        Ok(r) => tracing::debug!(key = %key.log_id(), outcome = ?r, event),
+        Err(e) => tracing::warn!(key = %key.log_id(), error = %e, event),
     }
 }

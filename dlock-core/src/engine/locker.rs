@@ -4,16 +4,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::guard::LockGuard;
+use super::guard::{release_last, LockGuard};
+use super::holds::{AcquireTurn, Enter, Renew};
+use super::see_through::SeeThrough;
 use super::Engine;
-use crate::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken};
+use crate::backend::{contention, AcquireRequest, Backend, CancellationToken, Grant, LostReason, Renewal};
 use crate::error::{Error, Result};
 use crate::key::{validate_prefix, KeyBuilder, LockKey};
 use crate::owner::Owner;
@@ -156,6 +154,12 @@ impl AcquireOptions {
 
     /// Acquire as `owner`, so that the same owner re-entering is counted
     /// instead of deadlocking.
+    ///
+    /// Re-entry is counted per process: only the first acquire and the last
+    /// release of a key by an owner reach the service. An owner shared by
+    /// several processes shares the lock, but not the count, and the first
+    /// of them to release its last hold frees the lock for all: give every
+    /// process an owner of its own.
     pub fn with_owner(mut self, owner: Owner) -> Self {
         self.owner = Some(owner);
         self
@@ -286,6 +290,7 @@ impl Locker {
             return Err(Error::invalid_argument("lease", "a lease must be longer than zero"));
         }
         let max_hold = opts.max_hold;
+        let renew = renewed.then_some(Renew { lease, max_hold });
         let mut req = AcquireRequest::new(key.clone(), owner, lease).with_until_released(renewed && max_hold.is_none());
         let span = tracing::debug_span!("dlock.acquire", key = %key.log_id(), backend = self.engine.backend.name(), wait_ms = wait.as_millis() as u64);
         // An answer on the spot never suspends, so spend the task's
@@ -294,31 +299,100 @@ impl Locker {
         // Before the attempt: a caller dropped while this yields must not
         // leave a grant behind.
         tokio::task::coop::consume_budget().await;
-        if let Some(result) = self.engine.backend.try_acquire_now(&req) {
+        let engine = &self.engine;
+        // The wait starts at the first thing waited for; an answer on the
+        // spot reads no clock for it.
+        let mut started = None;
+        let turn = loop {
+            let (enter, kick) = engine.holds.enter(&req, !wait.is_zero(), renew);
+            engine.kick(kick);
+            match enter {
+                Enter::Joined(joined) => return Ok(LockGuard::new(engine.clone(), req, joined, renewed)),
+                Enter::First(turn) => break turn,
+                Enter::Busy => return Err(contention(&req, Instant::now())),
+                // A release on its way is waited for even by a caller that
+                // tries once: it ends within the backend's own timeouts.
+                Enter::Wait(settled) if wait.is_zero() => settled.await,
+                Enter::Wait(settled) => {
+                    let started = *started.get_or_insert_with(Instant::now);
+                    tokio::select! {
+                        _ = settled => {}
+                        _ = tokio::time::sleep_until(started + wait) => {
+                            return Err(Error::Timeout { key: key.to_string(), waited: started.elapsed() });
+                        }
+                    }
+                }
+                Enter::Extend(id) => {
+                    let sent = Instant::now();
+                    match engine.backend.renew(key, &req.owner, lease).await? {
+                        Renewal::Held { valid_until } => {
+                            let (joined, kick) = engine.holds.extended(id, valid_until.min(sent + lease), renew);
+                            engine.kick(kick);
+                            if let Some(joined) = joined {
+                                return Ok(LockGuard::new(engine.clone(), req, joined, renewed));
+                            }
+                        }
+                        Renewal::Lost => engine.holds.lost(id, LostReason::Stolen),
+                    }
+                }
+            }
+        };
+        if let Some(result) = engine.backend.try_acquire_now(&req) {
             // Held, and the caller waits: the backend's `acquire` waits.
             let waits = !wait.is_zero() && matches!(&result, Err(e) if e.is_contention());
             if !waits {
                 let _entered = span.enter();
                 // Nothing waited, so no clock is read for it.
                 trace_attempt(result.as_ref().map(|grant| grant.fencing_token), None);
-                return result.map(|grant| LockGuard::start(self.engine.clone(), req, grant, renewed, max_hold));
+                return result.map(|grant| granted(engine, turn, grant, req, renew));
             }
         }
-        // The wait starts here: after an on-the-spot attempt it is measured
-        // from that attempt's answer, a few hundred nanoseconds late at most.
-        let started = Instant::now();
+        let started = started.unwrap_or_else(Instant::now);
         req.deadline = (!wait.is_zero()).then(|| started + wait);
         let cancel = CancellationToken::new();
-        let engine = self.engine.clone();
+        let engine = engine.clone();
         let in_flight = cancel.clone();
         let attempt = async move {
             let result = engine.backend.acquire(&req, &in_flight).await;
             trace_attempt(result.as_ref().map(|grant| grant.fencing_token), Some(started));
-            result.map(|grant| LockGuard::start(engine, req, grant, renewed, max_hold))
+            match result {
+                Ok(grant) => Ok(granted(&engine, turn, grant, req, renew)),
+                Err(e) => {
+                    if e.is_unavailable() {
+                        undo(&engine, turn, req);
+                    }
+                    Err(e)
+                }
+            }
         }
         .instrument(span);
-        InFlight { attempt: Some(Box::pin(attempt)), cancel }.await
+        SeeThrough::new(Box::pin(attempt), Some(cancel)).await
     }
+}
+
+/// An acquire that failed as unavailable may still have been granted (its
+/// answer timed out, or the connection dropped after it was sent): an
+/// owner-checked release goes after it in the background, retried until the
+/// lease ends, so that such a grant does not keep the key for a whole lease.
+/// Sent on the same connection after the acquire, it lands after it.
+fn undo(engine: &Arc<Engine>, turn: AcquireTurn, req: AcquireRequest) {
+    let Some(turn) = turn.undo(Instant::now() + req.lease) else { return };
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(release_last(engine.clone(), req.key, req.owner, turn));
+    }
+}
+
+/// The guard of a first acquire the backend granted.
+fn granted(
+    engine: &Arc<Engine>,
+    turn: AcquireTurn,
+    grant: Grant,
+    req: AcquireRequest,
+    renew: Option<Renew>,
+) -> LockGuard {
+    let (joined, kick) = engine.holds.granted(turn, grant, &req, renew);
+    engine.kick(kick);
+    LockGuard::new(engine.clone(), req, joined, renew.is_some())
 }
 
 /// One event for the outcome of an acquire attempt, in its span.
@@ -331,47 +405,5 @@ fn trace_attempt(outcome: std::result::Result<u64, &Error>, started: Option<Inst
         Err(Error::Cancelled) => tracing::debug!(waited_us = waited_us(), "caller gave up"),
         Err(e) if e.is_contention() => tracing::debug!(waited_us = waited_us(), "held by another owner"),
         Err(e) => tracing::warn!(waited_us = waited_us(), error = %e, "acquire failed"),
-    }
-}
-
-/// An acquire attempt, run inline on the caller's task.
-///
-/// A command already sent is not undone by dropping its future, so a caller
-/// that gives up mid-flight hands the attempt to a task that sees it through:
-/// the cancellation token ends any wait, and a grant that still arrives is
-/// dropped there, which releases it. Running inline until then spares the
-/// common path a task spawn and a cross-thread wake-up per acquire.
-struct InFlight {
-    attempt: Option<BoxFuture<'static, Result<LockGuard>>>,
-    cancel: CancellationToken,
-}
-
-impl Future for InFlight {
-    type Output = Result<LockGuard>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(attempt) = self.attempt.as_mut() else {
-            return Poll::Ready(Err(Error::Internal("acquire polled after it finished".into())));
-        };
-        let result = std::task::ready!(attempt.as_mut().poll(cx));
-        self.attempt = None;
-        Poll::Ready(result)
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let Some(attempt) = self.attempt.take() else {
-            return;
-        };
-        self.cancel.cancel();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move { drop(attempt.await) });
-            }
-            Err(_) => {
-                tracing::warn!("acquire abandoned outside a tokio runtime; a grant in flight is freed by its lease")
-            }
-        }
     }
 }

@@ -5,8 +5,12 @@
 //!   hands out a [`LockGuard`];
 //! * [`LockGuard`] (`guard.rs`) owns one held lock: its fencing token, its
 //!   [`LostSignal`](crate::LostSignal) and its release;
+//! * the holds (`holds.rs`) are every lock this process holds, once per key
+//!   and owner: re-entry is counted there, and only a first acquire and a
+//!   last release reach the backend;
 //! * the watchdog (`watchdog.rs`) renews every hold granted until an
-//!   instant in watchdog mode, one task per engine.
+//!   instant in watchdog mode, one task per engine, scheduling the same
+//!   holds.
 //!
 //! The engine depends on the seam (`backend/`), never the other way round:
 //! a backend knows nothing of guards or of the watchdog.
@@ -16,23 +20,25 @@ use std::sync::Arc;
 use crate::backend::Backend;
 
 mod guard;
+mod holds;
 mod locker;
+mod see_through;
 mod watchdog;
 
 pub use guard::LockGuard;
 pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
 
-use watchdog::Watchdog;
+use holds::Holds;
 
 /// What a [`Locker`] and its guards share.
 pub(crate) struct Engine {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) options: LockerOptions,
-    pub(crate) watchdog: Watchdog,
+    pub(crate) holds: Arc<Holds>,
 }
 
 impl Engine {
     fn new(backend: Arc<dyn Backend>, options: LockerOptions) -> Arc<Self> {
-        Arc::new(Engine { watchdog: Watchdog::new(backend.clone()), backend, options })
+        Arc::new(Engine { backend, options, holds: Arc::default() })
     }
 }

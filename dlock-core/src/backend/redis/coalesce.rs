@@ -28,7 +28,6 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::evalsha::ScriptCall;
-use super::holds::ReleaseTurn;
 use super::restart::{command_failed, RestartGuard};
 use super::{acquire_call, acquire_reply, lease_ms, release_call, Conn, Reply};
 use crate::backend::AcquireRequest;
@@ -51,17 +50,8 @@ pub(crate) type Answer = Result<(Reply, Instant)>;
 
 /// One queued operation.
 pub(crate) enum Op {
-    Acquire {
-        req: AcquireRequest,
-        awaited: bool,
-    },
-    Release {
-        key: LockKey,
-        owner: Owner,
-        /// Kept until the call carrying the release is answered, even when
-        /// its caller gave up (`holds.rs`).
-        _turn: Option<ReleaseTurn>,
-    },
+    Acquire { req: AcquireRequest, awaited: bool },
+    Release { key: LockKey, owner: Owner },
 }
 
 impl Op {

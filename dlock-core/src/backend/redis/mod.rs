@@ -7,10 +7,8 @@
 //!   uncontended cycle costs the server five commands in two script calls:
 //!   `TIME`, `SET mark GET`, `SET key NX PX GET` to take it, `GET`, `DEL`
 //!   to give it back.
-//! * Re-entry is counted in the client (`holds.rs`): the server keeps one
-//!   hold per key, and only the first acquire and the last release of a
-//!   process reach it. An owner shared across processes shares the hold
-//!   but not the count (the first last-release frees it).
+//! * Re-entry is counted by the engine: the server keeps one hold per key,
+//!   and only a process's first acquire and last release reach it.
 //! * Tokens are `max(high-water mark + 1, server time in µs)`; the mark is
 //!   one key per prefix, `prefix:fence` (one per hash slot in a cluster, see
 //!   `high_water.rs`), so tokens grow strictly per key, and keep growing
@@ -78,7 +76,6 @@ mod coalesce;
 mod connection;
 pub(crate) mod evalsha;
 mod high_water;
-pub(crate) mod holds;
 mod renew_batch;
 mod restart;
 pub(crate) mod subscriber;
@@ -92,7 +89,6 @@ use connection::{
 };
 pub(crate) use connection::{lost_connection, redis_error, Conn};
 use evalsha::ScriptCall;
-use holds::{LocalHolds, Reentry, ReleaseTurn};
 pub(crate) use restart::RestartGuard;
 use subscriber::Subscriber;
 
@@ -203,8 +199,6 @@ pub struct RedisBackend {
     renew: renew_batch::Sender,
     renewals: renew_batch::RenewBatch,
     release: Script,
-    /// The holds of this process, counted here (see `holds.rs`).
-    holds: Arc<LocalHolds>,
     /// Acquires and releases gathered into shared script calls, on a single
     /// server or Sentinel master (see `coalesce.rs`).
     coalesce: Option<(coalesce::Coalescer, coalesce::Calls)>,
@@ -365,7 +359,6 @@ impl RedisBackend {
             renew,
             renewals: renew_batch::RenewBatch::default(),
             release,
-            holds: Arc::default(),
             coalesce,
         })
     }
@@ -391,49 +384,16 @@ impl RedisBackend {
         &self.prefix
     }
 
-    /// One try on the server; a grant is counted in `holds` (or refused as
-    /// racing our own last release, see [`LocalHolds::granted`]).
+    /// One try on the server.
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
-        loop {
-            let attempt = match &self.coalesce {
-                Some((coalescer, calls)) => self.try_coalesced(coalescer, calls, req, awaited).await?,
-                None => self.try_on_node(req, awaited).await?,
-            };
-            let (mut grant, reentry) = match attempt {
-                NodeAttempt::Granted { grant, reentry } => (grant, reentry),
-                NodeAttempt::Held { retry_in } => return Ok(Attempt::Held { retry_in }),
-            };
-            let valid_until = grant.valid_until().unwrap_or_else(|| Instant::now() + req.lease);
-            match self.holds.granted(&req.key, &req.owner, grant.fencing_token, valid_until, reentry) {
-                Ok(token) => {
-                    grant.fencing_token = token;
-                    return Ok(Attempt::Acquired(grant));
-                }
-                // Our last release of the key may delete this grant when it
-                // lands: wait for it (bounded by its response timeout), then
-                // try again.
-                Err(landed) => landed.await,
-            }
-        }
-    }
-
-    /// Waits for our last release of `req`'s key to land, if one is on its
-    /// way, and joins a hold of this process when there is one.
-    async fn reenter(&self, req: &AcquireRequest, cancel: &CancellationToken) -> Result<Option<Grant>> {
-        loop {
-            match self.holds.reenter(&req.key, &req.owner, req.lease) {
-                Reentry::Local(grant) => return Ok(Some(grant)),
-                Reentry::Server => return Ok(None),
-                Reentry::AfterRelease(landed) => {
-                    // Bounded by the release's response timeout.
-                    tokio::select! {
-                        biased;
-                        _ = cancel.cancelled() => return Err(Error::Cancelled),
-                        _ = landed => {}
-                    }
-                }
-            }
-        }
+        let attempt = match &self.coalesce {
+            Some((coalescer, calls)) => self.try_coalesced(coalescer, calls, req, awaited).await?,
+            None => self.try_on_node(req, awaited).await?,
+        };
+        Ok(match attempt {
+            NodeAttempt::Granted { grant } => Attempt::Acquired(grant),
+            NodeAttempt::Held { retry_in } => Attempt::Held { retry_in },
+        })
     }
 
     /// Loads the lock scripts into the server's script cache. A script
@@ -510,20 +470,16 @@ impl RedisBackend {
 impl RedisBackend {
     /// [`release_on_server`](Self::release_on_server) through the
     /// coalescer, where there is one.
-    async fn release_coalesced(&self, key: &LockKey, owner: &Owner, turn: Option<ReleaseTurn>) -> Result<Release> {
+    async fn release_coalesced(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
         let Some((coalescer, calls)) = &self.coalesce else {
-            // One call, on one connection: a later command of ours cannot
-            // overtake it, so the turn may end with this future.
-            let _turn = turn;
             return self.release_on_server(key, owner).await;
         };
-        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone(), _turn: turn };
+        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone() };
         let (reply, _) = coalescer.run(calls, op).await?;
         Ok(if reply.as_slice() == [0] { Release::Freed } else { Release::NotHeld })
     }
 
-    /// Frees `key` on the server if `owner` holds it there (the last hold
-    /// of this process, or one it does not count: a RedLock node's).
+    /// Frees `key` on the server if `owner` holds it there.
     pub(crate) async fn release_on_server(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
         let call = release_call(&self.release, key, owner);
         let left: i64 = call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
@@ -602,10 +558,9 @@ pub(crate) fn acquire_reply(reply: redis::Value) -> std::result::Result<Reply, r
 /// An acquire script's reply for one lock, sent at `sent`.
 fn node_attempt(reply: &[i64], sent: Instant, lease: Duration) -> Result<NodeAttempt> {
     Ok(match reply {
-        [1, token, holds] => NodeAttempt::Granted {
-            grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + lease),
-            reentry: *holds > 1,
-        },
+        // The third value tells a fresh grant (1) from one that joined a
+        // hold of the same owner (2), which keeps its token: either is ours.
+        [1, token, _] => NodeAttempt::Granted { grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + lease) },
         // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
         [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
         [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
@@ -626,7 +581,7 @@ enum HighWater {
 /// One node's answer to an acquire.
 #[derive(Debug)]
 pub(crate) enum NodeAttempt {
-    Granted { grant: Grant, reentry: bool },
+    Granted { grant: Grant },
     Held { retry_in: Option<Duration> },
 }
 
@@ -640,27 +595,13 @@ impl Backend for RedisBackend {
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
-        Box::pin(async move {
-            if let Some(grant) = self.reenter(req, cancel).await? {
-                return Ok(grant);
-            }
-            acquire_loop(
-                req,
-                cancel,
-                || self.subscriber.waited_on(|| release_channel(&req.key)),
-                move |awaited| self.try_once(req, awaited),
-                move || self.subscriber.register(release_channel(&req.key)),
-            )
-            .await
-        })
-    }
-
-    fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
-        self.holds.reenter_now(&req.key, &req.owner, req.lease)
-    }
-
-    fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
-        self.holds.release_inner(key, owner).map(Ok)
+        Box::pin(acquire_loop(
+            req,
+            cancel,
+            || self.subscriber.waited_on(|| release_channel(&req.key)),
+            move |awaited| self.try_once(req, awaited),
+            move || self.subscriber.register(release_channel(&req.key)),
+        ))
     }
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
@@ -676,17 +617,15 @@ impl Backend for RedisBackend {
             } else {
                 self.renewals.renew(&self.renew, key, owner, lease_ms(lease)).await?
             };
-            let valid_until = extended.then_some(sent + lease);
-            self.holds.renewed(key, owner, valid_until);
-            Ok(match valid_until {
-                Some(valid_until) => Renewal::Held { valid_until },
-                None => Renewal::Lost,
+            Ok(match extended {
+                true => Renewal::Held { valid_until: sent + lease },
+                false => Renewal::Lost,
             })
         })
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(self.holds.release_through(key, owner, |turn| self.release_coalesced(key, owner, turn)))
+        Box::pin(self.release_coalesced(key, owner))
     }
 }
 

@@ -1,0 +1,585 @@
+//! The holds of one engine: every lock this process holds, once per key and
+//! owner, however many guards share it.
+//!
+//! A hold is where re-entry is counted, where the fencing token and the lost
+//! signal its guards share live, where the watchdog finds what to renew
+//! (`watchdog.rs` schedules these entries), and where the first acquire and
+//! the last release of a key and owner take their turn. Only that first
+//! acquire and that last release reach the backend: a backend never counts.
+//!
+//! A hold goes through three phases:
+//!
+//! * **acquiring**: the first acquire is on its way to the backend. Other
+//!   acquires of the same key and owner wait for its answer (one that does
+//!   not wait is told the key is busy): sent beside it, a second acquire
+//!   would reach the service as a second holder of one lock.
+//! * **held**: an acquire joins it without I/O while it has at least half of
+//!   the requested lease left, or once the backend renewed it; a hold found
+//!   lost is *detached* instead (below).
+//! * **releasing**: the last release is on its way, or is retried after the
+//!   service could not be reached. Acquires of the key and owner wait for it
+//!   to end: sent before it lands, they could join the hold on the service
+//!   just before the release deletes it.
+//!
+//! A detached hold is no longer the hold of its key and owner: the next
+//! acquire starts a new one, and when the old one's guards go they send
+//! nothing, since what the service holds for that owner now is the new hold.
+//!
+//! Re-entry is counted per process. An owner shared across processes shares
+//! the lock on the service, but each process counts its own holds, and the
+//! first last-release in any of them frees the lock for all.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::futures::Notified;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::watchdog::{Renewing, Schedule};
+use crate::backend::signal::Expiry;
+use crate::backend::{AcquireRequest, Grant, GrantLease, LostReason, LostSignal};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// Names one hold: a slot of the table plus the slot's generation, so that
+/// a stale id (a guard of a hold long gone, a late renewal answer) never
+/// reaches the hold filed in its slot after it.
+pub(super) type HoldId = u64;
+
+/// The holds of one engine, with the schedule of their renewals.
+#[derive(Default)]
+pub(crate) struct Holds {
+    table: Mutex<Table>,
+    /// Wakes the acquires that wait for a first acquire or a last release of
+    /// their key and owner to end. One for the table: such waits are rare,
+    /// and a phase change nobody waits for then costs no wake-up.
+    settled: Notify,
+    /// Wakes the watchdog's task.
+    pub(super) wake: Notify,
+}
+
+#[derive(Default)]
+pub(super) struct Table {
+    slots: Slots,
+    /// The current hold of each key and owner (not the detached ones).
+    /// Hashed with foldhash, seeded per process: every acquire and release
+    /// looks its key up here, and the random seed keeps keys that come from
+    /// requests from being chosen to collide.
+    current: HashMap<(LockKey, Owner), HoldId, foldhash::fast::RandomState>,
+    pub(super) schedule: Schedule,
+}
+
+/// One hold: one lock on the service, however many guards share it.
+pub(super) struct Hold {
+    pub(super) key: LockKey,
+    pub(super) owner: Owner,
+    phase: Phase,
+    /// The guards that hold it.
+    guards: u32,
+    token: u64,
+    /// Shared by every guard of the hold; `None` while acquiring.
+    pub(super) state: Option<LostSignal>,
+    /// The end of the lease as granted or renewed; `None`: held until
+    /// released (the backend's own terms, [`GrantLease::UntilReleased`]).
+    pub(super) valid_until: Option<Instant>,
+    detached: bool,
+    /// An acquire waits for this hold's phase to change.
+    awaited: bool,
+    /// Renewed by the watchdog while a watchdog-mode guard holds it.
+    pub(super) renewing: Option<Renewing>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Acquiring,
+    Held,
+    /// `retrying`: the first try could not reach the service, and a retry in
+    /// the background keeps the turn until it lands or the lease ends.
+    Releasing {
+        retrying: bool,
+    },
+}
+
+/// How the watchdog is to keep a guard's hold: renewed every `lease`/3, for
+/// at most `max_hold` after the grant.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Renew {
+    pub(super) lease: Duration,
+    pub(super) max_hold: Option<Duration>,
+}
+
+/// What the watchdog's task needs after a change of the schedule.
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kick {
+    Nothing,
+    /// No task serves the schedule: start one.
+    Start,
+    /// The task sleeps past something filed now: wake it.
+    Wake,
+}
+
+/// A guard's share of a hold.
+pub(crate) struct Joined {
+    pub(super) id: HoldId,
+    pub(super) token: u64,
+    pub(super) state: LostSignal,
+}
+
+/// What an acquire may do, looked up in the table.
+pub(super) enum Enter<'a> {
+    /// Joined a hold of this process.
+    Joined(Joined),
+    /// The first acquire of this key and owner: ask the backend. The turn
+    /// goes with the attempt; dropping it unanswered frees the turn.
+    First(AcquireTurn),
+    /// A hold with less than half the requested lease left: the backend is
+    /// to renew it before the acquire joins it.
+    Extend(HoldId),
+    /// The first acquire or the last release of this key and owner is on
+    /// its way: wait for it, then look again.
+    Wait(Notified<'a>),
+    /// The same, for a caller that does not wait.
+    Busy,
+}
+
+/// What a guard's release leaves to do.
+pub(super) enum Leave {
+    /// Other guards of this process still hold it; whether it is lost.
+    Others { lost: bool },
+    /// The last guard of the hold: release it on the service, keeping the
+    /// turn until the release lands or is given up.
+    Last(ReleaseTurn),
+    /// The hold was lost and replaced: nothing to send.
+    Detached,
+}
+
+/// The turn of a first acquire while it is on its way; dropped unanswered,
+/// it forgets the hold and wakes the acquires that wait.
+pub(super) struct AcquireTurn {
+    holds: Arc<Holds>,
+    id: Option<HoldId>,
+}
+
+/// The turn of a last release while it is on its way (or retried): dropped,
+/// it forgets the hold and wakes the acquires of the key that wait. It goes
+/// with the release until the service answered or the release was given
+/// up, also when the caller stopped waiting for it, so no acquire overtakes
+/// a release still on its way and none waits for one that never lands.
+pub(super) struct ReleaseTurn {
+    holds: Arc<Holds>,
+    id: HoldId,
+    /// The end of the lease, which bounds retries; `None`: held until
+    /// released, not retried.
+    pub(super) valid_until: Option<Instant>,
+}
+
+impl Holds {
+    pub(super) fn table(&self) -> MutexGuard<'_, Table> {
+        // Every change under this lock is a field or an entry: a panic
+        // elsewhere leaves it consistent.
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Looks an acquire up: joins a live hold, takes the first turn, or
+    /// says what to wait for. `waits`: the caller waits for a held key.
+    pub(super) fn enter(
+        self: &Arc<Self>,
+        req: &AcquireRequest,
+        waits: bool,
+        renew: Option<Renew>,
+    ) -> (Enter<'_>, Kick) {
+        let mut guard = self.table();
+        let table = &mut *guard;
+        let id = (req.key.clone(), req.owner.clone());
+        let Some(&current) = table.current.get(&id) else {
+            let hold = Hold {
+                key: id.0.clone(),
+                owner: id.1.clone(),
+                phase: Phase::Acquiring,
+                guards: 0,
+                token: 0,
+                state: None,
+                valid_until: None,
+                detached: false,
+                awaited: false,
+                renewing: None,
+            };
+            let new = table.slots.insert(hold);
+            table.current.insert(id, new);
+            return (Enter::First(AcquireTurn { holds: self.clone(), id: Some(new) }), Kick::Nothing);
+        };
+        let Some(hold) = table.slots.get_mut(current) else {
+            // Not reachable: an id in `current` always has its slot.
+            table.current.remove(&id);
+            return (Enter::Wait(self.settled.notified()), Kick::Nothing);
+        };
+        match hold.phase {
+            Phase::Acquiring | Phase::Releasing { retrying: true } if !waits => return (Enter::Busy, Kick::Nothing),
+            Phase::Acquiring | Phase::Releasing { .. } => {
+                hold.awaited = true;
+                return (Enter::Wait(self.settled.notified()), Kick::Nothing);
+            }
+            Phase::Held => {}
+        }
+        if hold.state.as_ref().is_some_and(LostSignal::is_lost) {
+            // Lost: its guards were told. The next hold is a new one, and
+            // theirs send nothing when they go.
+            hold.detached = true;
+            table.current.remove(&id);
+            drop(guard);
+            return self.enter(req, waits, renew);
+        }
+        if hold.valid_until.is_some_and(|at| at < Instant::now() + req.lease / 2) {
+            return (Enter::Extend(current), Kick::Nothing);
+        }
+        let kick = table.join(current, renew, Instant::now());
+        match table.joined(current) {
+            Some(joined) => (Enter::Joined(joined), kick),
+            None => (Enter::Wait(self.settled.notified()), kick),
+        }
+    }
+
+    /// The backend granted the first acquire of `turn`.
+    pub(super) fn granted(
+        &self,
+        mut turn: AcquireTurn,
+        grant: Grant,
+        req: &AcquireRequest,
+        renew: Option<Renew>,
+    ) -> (Joined, Kick) {
+        let id = turn.id.take();
+        let valid_until = grant.valid_until();
+        // The backend measured the lease from before its request was sent:
+        // the grant is at least that old, and no clock read is needed.
+        let granted_at = valid_until.and_then(|at| at.checked_sub(req.lease)).unwrap_or_else(Instant::now);
+        let renewed = renew.is_some() && valid_until.is_some();
+        let expiry = match renew {
+            Some(Renew { max_hold, .. }) if renewed => {
+                Expiry::Renewed { renew_until: max_hold.map(|m| granted_at + m) }
+            }
+            _ => Expiry::Lease,
+        };
+        let state = match (grant.lost, grant.lease) {
+            (Some(signal), GrantLease::Until(at)) => {
+                signal.set_terms(at, expiry);
+                signal
+            }
+            (Some(signal), GrantLease::UntilReleased) => signal,
+            (None, GrantLease::Until(at)) => LostSignal::with_expiry(at, expiry),
+            (None, GrantLease::UntilReleased) => LostSignal::until_released(),
+        };
+        let mut guard = self.table();
+        let table = &mut *guard;
+        let found = id.and_then(|id| Some((id, table.slots.get_mut(id)?)));
+        let Some((id, hold)) = found else {
+            // Not reachable: the turn keeps its hold in the table.
+            return (Joined { id: HoldId::MAX, token: grant.fencing_token, state }, Kick::Nothing);
+        };
+        hold.phase = Phase::Held;
+        hold.token = grant.fencing_token;
+        hold.valid_until = valid_until;
+        hold.state = Some(state.clone());
+        let awaited = std::mem::take(&mut hold.awaited);
+        let kick = table.join(id, renew.filter(|_| renewed), granted_at);
+        drop(guard);
+        if awaited {
+            self.settled.notify_waiters();
+        }
+        (Joined { id, token: grant.fencing_token, state }, kick)
+    }
+
+    /// The backend renewed hold `id` until `valid_until` for an acquire that
+    /// joins it; `None` when it is no longer the hold to join (look again).
+    pub(super) fn extended(&self, id: HoldId, valid_until: Instant, renew: Option<Renew>) -> (Option<Joined>, Kick) {
+        let mut table = self.table();
+        let Some(hold) = table.slots.get_mut(id).filter(|h| h.phase == Phase::Held && !h.detached) else {
+            return (None, Kick::Nothing);
+        };
+        if let Some(at) = hold.valid_until.as_mut() {
+            if valid_until > *at {
+                *at = valid_until;
+                if let Some(state) = &hold.state {
+                    state.renewed(valid_until);
+                }
+            }
+        }
+        let kick = table.join(id, renew, Instant::now());
+        (table.joined(id), kick)
+    }
+
+    /// The backend says hold `id` is gone: its guards lose it, and the next
+    /// acquire starts a new hold.
+    pub(super) fn lost(&self, id: HoldId, reason: LostReason) {
+        let mut table = self.table();
+        let table = &mut *table;
+        let Some(hold) = table.slots.get_mut(id) else { return };
+        if let Some(state) = &hold.state {
+            if state.lose(reason) {
+                tracing::warn!(key = %hold.key.log_id(), %reason, "dlock.lost");
+            }
+        }
+        hold.detached = true;
+        let current = (hold.key.clone(), hold.owner.clone());
+        if table.current.get(&current) == Some(&id) {
+            table.current.remove(&current);
+        }
+        table.stop_renewing(id);
+    }
+
+    /// One guard of hold `id` goes; `renewed`: it was in watchdog mode.
+    pub(super) fn leave(self: &Arc<Self>, id: HoldId, renewed: bool) -> Leave {
+        let mut table = self.table();
+        let table = &mut *table;
+        let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
+        hold.guards = hold.guards.saturating_sub(1);
+        if let (true, Some(renewing)) = (renewed, hold.renewing.as_mut()) {
+            renewing.guards = renewing.guards.saturating_sub(1);
+            if renewing.guards == 0 {
+                table.stop_renewing(id);
+            }
+        }
+        let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
+        if hold.guards > 0 {
+            return Leave::Others { lost: hold.state.as_ref().is_some_and(LostSignal::is_lost) };
+        }
+        table.stop_renewing(id);
+        let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
+        if hold.detached {
+            table.slots.remove(id);
+            return Leave::Detached;
+        }
+        hold.phase = Phase::Releasing { retrying: false };
+        Leave::Last(ReleaseTurn { holds: self.clone(), id, valid_until: hold.valid_until })
+    }
+
+    /// Forgets hold `id` if it is still in `phase`, and wakes its waiters.
+    fn end_turn(&self, id: HoldId, phase: fn(Phase) -> bool) {
+        let mut guard = self.table();
+        let table = &mut *guard;
+        let Some(hold) = table.slots.get(id).filter(|h| phase(h.phase)) else { return };
+        let awaited = hold.awaited;
+        let current = (hold.key.clone(), hold.owner.clone());
+        if table.current.get(&current) == Some(&id) {
+            table.current.remove(&current);
+        }
+        table.stop_renewing(id);
+        table.slots.remove(id);
+        drop(guard);
+        if awaited {
+            self.settled.notify_waiters();
+        }
+    }
+
+    /// How many holds the table keeps (test hook: none may outlive its guards).
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.table().slots.len
+    }
+}
+
+impl Table {
+    /// One more guard joins hold `id`, renewed by the watchdog when `renew`
+    /// says so and the hold has a lease.
+    fn join(&mut self, id: HoldId, renew: Option<Renew>, granted_at: Instant) -> Kick {
+        let Some(hold) = self.slots.get_mut(id) else { return Kick::Nothing };
+        hold.guards += 1;
+        match (renew, hold.valid_until) {
+            (Some(renew), Some(_)) => self.renew(id, renew, granted_at),
+            _ => Kick::Nothing,
+        }
+    }
+
+    fn joined(&self, id: HoldId) -> Option<Joined> {
+        let hold = self.slots.get(id)?;
+        Some(Joined { id, token: hold.token, state: hold.state.clone()? })
+    }
+
+    pub(super) fn get_mut(&mut self, id: HoldId) -> Option<&mut Hold> {
+        self.slots.get_mut(id)
+    }
+}
+
+impl AcquireTurn {
+    /// The first acquire failed in a way that leaves its outcome unknown
+    /// (its answer timed out, or the connection dropped after it was
+    /// sent): the service may have granted it. The turn becomes the turn of
+    /// an owner-checked release, which bounded by the lease ends at
+    /// `valid_until`, so that such a grant does not block the key for a
+    /// whole lease.
+    pub(super) fn undo(mut self, valid_until: Instant) -> Option<ReleaseTurn> {
+        let id = self.id.take()?;
+        let hold = self.holds.table().slots.get_mut(id).map(|hold| hold.phase = Phase::Releasing { retrying: true });
+        hold.map(|()| ReleaseTurn { holds: self.holds.clone(), id, valid_until: Some(valid_until) })
+    }
+}
+
+impl Drop for AcquireTurn {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.holds.end_turn(id, |phase| phase == Phase::Acquiring);
+        }
+    }
+}
+
+impl ReleaseTurn {
+    /// The release is retried in the background: until it ends, acquires
+    /// of the key and owner that do not wait are told it is busy.
+    pub(super) fn retrying(&self) {
+        if let Some(hold) = self.holds.table().slots.get_mut(self.id) {
+            hold.phase = Phase::Releasing { retrying: true };
+        }
+    }
+}
+
+impl Drop for ReleaseTurn {
+    fn drop(&mut self) {
+        self.holds.end_turn(self.id, |phase| matches!(phase, Phase::Releasing { .. }));
+    }
+}
+
+/// The table's storage: a slab, since a hold is filed and forgotten once
+/// per first acquire.
+#[derive(Default)]
+struct Slots {
+    slots: Vec<(u32, Option<Hold>)>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl Slots {
+    fn insert(&mut self, hold: Hold) -> HoldId {
+        self.len += 1;
+        let index = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push((0, None));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.0 = slot.0.wrapping_add(1);
+        slot.1 = Some(hold);
+        (u64::from(slot.0) << 32) | u64::from(index)
+    }
+
+    fn get(&self, id: HoldId) -> Option<&Hold> {
+        let (generation, index) = ((id >> 32) as u32, id as u32);
+        match self.slots.get(index as usize) {
+            Some((g, hold)) if *g == generation => hold.as_ref(),
+            _ => None,
+        }
+    }
+
+    fn get_mut(&mut self, id: HoldId) -> Option<&mut Hold> {
+        let (generation, index) = ((id >> 32) as u32, id as u32);
+        match self.slots.get_mut(index as usize) {
+            Some((g, hold)) if *g == generation => hold.as_mut(),
+            _ => None,
+        }
+    }
+
+    fn remove(&mut self, id: HoldId) -> Option<Hold> {
+        let (generation, index) = ((id >> 32) as u32, id as u32);
+        let hold = match self.slots.get_mut(index as usize) {
+            Some((g, hold)) if *g == generation => hold.take()?,
+            _ => return None,
+        };
+        self.free.push(index);
+        self.len -= 1;
+        Some(hold)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(lease: Duration) -> AcquireRequest {
+        let key = LockKey::builder("dlock", "holds").part(1).build().expect("key");
+        AcquireRequest::new(key, Owner::random().expect("owner"), lease)
+    }
+
+    fn first(holds: &Arc<Holds>, req: &AcquireRequest) -> AcquireTurn {
+        match holds.enter(req, false, None).0 {
+            Enter::First(turn) => turn,
+            _ => panic!("the first acquire goes to the backend"),
+        }
+    }
+
+    #[tokio::test]
+    async fn only_the_first_acquire_and_the_last_release_reach_the_backend() {
+        let holds = Arc::new(Holds::default());
+        let lease = Duration::from_secs(30);
+        let req = request(lease);
+        let turn = first(&holds, &req);
+        assert!(matches!(holds.enter(&req, false, None).0, Enter::Busy), "a first acquire is on its way");
+        let (outer, _) = holds.granted(turn, Grant::until(7, Instant::now() + lease), &req, None);
+        let Enter::Joined(inner) = holds.enter(&req, false, None).0 else { panic!("a re-entry joins") };
+        assert_eq!((outer.token, inner.token), (7, 7));
+        assert!(matches!(holds.leave(inner.id, false), Leave::Others { lost: false }));
+        let Leave::Last(turn) = holds.leave(outer.id, false) else { panic!("the last release") };
+        let Enter::Wait(landed) = holds.enter(&req, true, None).0 else { panic!("waits for the release") };
+        drop(turn);
+        tokio::time::timeout(Duration::from_secs(5), landed).await.expect("the landed release wakes the waiter");
+        assert!(matches!(holds.enter(&req, false, None).0, Enter::First(_)));
+        assert_eq!(holds.len(), 0, "nothing outlives its guards and turns");
+    }
+
+    #[tokio::test]
+    async fn a_retried_release_keeps_acquires_of_its_owner_out_until_it_ends() {
+        let holds = Arc::new(Holds::default());
+        let lease = Duration::from_secs(30);
+        let req = request(lease);
+        let (held, _) = holds.granted(first(&holds, &req), Grant::until(7, Instant::now() + lease), &req, None);
+        let Leave::Last(turn) = holds.leave(held.id, false) else { panic!("the last release") };
+        turn.retrying();
+        assert!(matches!(holds.enter(&req, false, None).0, Enter::Busy), "a retried release is in the way");
+        let Enter::Wait(landed) = holds.enter(&req, true, None).0 else { panic!("a waiting acquire waits") };
+        drop(turn);
+        tokio::time::timeout(Duration::from_secs(5), landed).await.expect("the retry's end wakes it");
+        assert!(matches!(holds.enter(&req, false, None).0, Enter::First(_)));
+    }
+
+    #[tokio::test]
+    async fn a_lost_hold_is_replaced_and_its_guards_send_nothing() {
+        let holds = Arc::new(Holds::default());
+        let lease = Duration::from_secs(30);
+        let req = request(lease);
+        let (old, _) = holds.granted(first(&holds, &req), Grant::until(7, Instant::now() + lease), &req, None);
+        holds.lost(old.id, LostReason::Stolen);
+        assert!(old.state.is_lost());
+        let (new, _) = holds.granted(first(&holds, &req), Grant::until(9, Instant::now() + lease), &req, None);
+        assert_eq!(new.token, 9);
+        assert!(matches!(holds.leave(old.id, false), Leave::Detached), "the old hold's release sends nothing");
+        assert!(matches!(holds.leave(new.id, false), Leave::Last(_)));
+    }
+
+    #[tokio::test]
+    async fn a_hold_short_of_lease_is_extended_before_it_is_joined() {
+        let holds = Arc::new(Holds::default());
+        let lease = Duration::from_secs(30);
+        let req = request(lease);
+        let short = Instant::now() + Duration::from_secs(10);
+        let (held, _) = holds.granted(first(&holds, &req), Grant::until(7, short), &req, None);
+        let Enter::Extend(id) = holds.enter(&req, false, None).0 else { panic!("less than half the lease left") };
+        assert_eq!(id, held.id);
+        let (joined, _) = holds.extended(id, Instant::now() + lease, None);
+        let joined = joined.expect("joins the extended hold");
+        assert_eq!(joined.token, 7);
+        assert!(held.state.valid_until() > short, "every guard of the hold sees the renewal");
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_first_acquire_frees_its_turn() {
+        let holds = Arc::new(Holds::default());
+        let req = request(Duration::from_secs(30));
+        let turn = first(&holds, &req);
+        let Enter::Wait(settled) = holds.enter(&req, true, None).0 else { panic!("waits for the first acquire") };
+        drop(turn);
+        tokio::time::timeout(Duration::from_secs(5), settled).await.expect("woken");
+        assert!(matches!(holds.enter(&req, false, None).0, Enter::First(_)));
+    }
+}
