@@ -253,9 +253,12 @@ async fn a_bad_url_or_a_dead_port_is_a_clean_error() {
     assert!(started.elapsed() < Duration::from_secs(5));
 }
 
-/// Every grant's fencing token is above the last, even after the counter
-/// key is lost (it is kept 7 days, and a server restart without
-/// persistence loses it): tokens include the server clock.
+/// Every grant's fencing token is above the last, even after the
+/// high-water mark is lost (a restart without persistence, an eviction, a
+/// DEL): tokens are taken from the server clock when there is no mark. The
+/// mark a single server uses is the prefix's (`prefix_fence_key`), not a
+/// Cluster slot's (`fence_key`, which a single server never writes): the
+/// DEL must remove a key, or the test proves nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_survives_a_lost_counter() {
     let server = RedisServer::start();
@@ -264,8 +267,9 @@ async fn fencing_survives_a_lost_counter() {
     let g = a.try_acquire(&k).await.expect("free");
     let first = g.fencing_token();
     g.release().await.expect("release");
-    let _: () =
-        redis::cmd("DEL").arg(dlock_core::backend::redis::fence_key(&k)).query(&mut server.connection()).expect("DEL");
+    let mark = dlock_core::backend::redis::prefix_fence_key("dlock");
+    let deleted: u64 = redis::cmd("DEL").arg(&mark).query(&mut server.connection()).expect("DEL");
+    assert_eq!(deleted, 1, "the mark {mark} was there, and is gone");
     let g = a.try_acquire(&k).await.expect("free");
     assert!(g.fencing_token() > first, "{} after {first}", g.fencing_token());
     g.release().await.expect("release");

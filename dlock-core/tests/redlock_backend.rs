@@ -315,9 +315,11 @@ async fn a_grant_reaches_every_live_node() {
 
 /// Issue 17: RedLock counts re-entries in the client too: re-entries and
 /// releases other than the last send nothing to any node, and an
-/// uncontended cycle costs each node the same 5 commands as a single Redis.
+/// uncontended cycle costs each node the same 5 commands as a single Redis,
+/// plus the fencing token's write-back (a GET and a SET of the mark in one
+/// more script call) on the nodes whose own token was below the quorum's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reentries_reach_no_node_and_a_cycle_costs_each_node_five_commands() {
+async fn reentries_reach_no_node_and_a_cycle_costs_each_node_five_commands_and_a_write_back() {
     let r = redlock().await;
     let a = locker_for(&r.urls(), 300).await;
     let me = dlock_core::Owner::random().expect("random");
@@ -333,14 +335,75 @@ async fn reentries_reach_no_node_and_a_cycle_costs_each_node_five_commands() {
         assert_eq!(inner.fencing_token(), outer.fencing_token());
         assert!(inner.release().await.expect("release inner"));
     }
+    let token = outer.fencing_token();
     // Release waits for every node, so each has run what it was sent.
     assert!(outer.release().await.expect("release outer"));
-    assert_eq!(calls("evalsha"), vec![2; 3], "the first acquire and the last release, nothing else");
-    for command in ["time", "get", "del"] {
+    let (evalsha, get, set) = (calls("evalsha"), calls("get"), calls("set"));
+    // 1 where the write-back ran: every node but the one(s) whose own token
+    // was the quorum's.
+    let raised: Vec<u64> = evalsha.iter().map(|c| c.checked_sub(2).expect("at least 2 calls")).collect();
+    assert!(raised.iter().all(|n| *n <= 1), "the first acquire, one write-back, the last release: {raised:?}");
+    assert!(raised.contains(&0), "the node that gave the token needs no write-back: {raised:?}");
+    for command in ["time", "del"] {
         assert_eq!(calls(command), vec![1; 3], "{command}");
     }
-    assert_eq!(calls("set"), vec![2; 3], "the high-water mark and the lock");
+    assert_eq!(get, raised.iter().map(|n| 1 + n).collect::<Vec<_>>(), "the release's, and the write-back's");
+    for (n, (set, raised)) in set.iter().zip(&raised).enumerate() {
+        // A node the quorum did not wait for may have answered above the
+        // token: its mark is not lowered.
+        assert!((2..=2 + raised).contains(set), "node {n}: the mark and the lock, and the write-back: {set}");
+    }
+    let mark = dlock_core::backend::redis::prefix_fence_key("dlock");
+    for (n, server) in r.servers.iter().enumerate() {
+        let at: u64 = redis::cmd("GET").arg(&mark).query(&mut server.connection()).expect("GET mark");
+        assert!(at >= token, "node {n}'s mark {at} is at least the granted token {token}");
+    }
     for command in ["hset", "hget", "hmget", "pexpire", "publish"] {
         assert_eq!(calls(command), vec![0; 3], "{command}");
     }
+}
+
+/// A2 of the 2026-11-27 review: RedLock tokens must grow for every later
+/// holder even when the nodes' clocks (or marks) are offset, with no data
+/// lost and no clock stepping back. Node B runs 10 s ahead (emulated by its
+/// high-water mark). Client 1's quorum is A and B (C is down for that
+/// acquire): its token comes from B. Client 1 releases. Client 2's quorum
+/// is A and C (B is down for that acquire). Taking the maximum over client
+/// 2's quorum alone gives A's or C's clock, 10 s below client 1's token; a
+/// register fenced on tokens would then refuse the current holder and take
+/// the earlier one's late writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_tokens_grow_when_one_node_clock_runs_ahead() {
+    let aof = ["--appendonly", "yes", "--appendfsync", "always"];
+    let mut servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start_with(&aof)).collect();
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let (b, c) = (1, 2);
+    let time: (u64, u64) = redis::cmd("TIME").query(&mut servers[b].connection()).expect("TIME");
+    let ahead = time.0 * 1_000_000 + time.1 + 10_000_000;
+    let mark = dlock_core::backend::redis::prefix_fence_key("dlock");
+    let _: () = redis::cmd("SET").arg(&mark).arg(ahead).query(&mut servers[b].connection()).expect("SET mark");
+    let (first, second) = (locker_for(&urls, 300).await, locker_for(&urls, 300).await);
+    let k = first.key("skewed").part(1).build().expect("key");
+    let lease = || AcquireOptions::new().with_lease(Duration::from_secs(30));
+
+    servers[c].kill();
+    let g1 = first.acquire(&k, lease()).await.expect("a quorum of A and B");
+    let t1 = g1.fencing_token();
+    assert!(t1 > ahead, "client 1's quorum includes B: token {t1}, B's mark {ahead}");
+    assert!(g1.release().await.expect("release"), "freed on A and B");
+    servers[c].start_again();
+
+    servers[b].kill();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let g2 = loop {
+        // C's connection comes back within its reconnect backoff.
+        match second.acquire(&k, lease()).await {
+            Ok(g) => break g,
+            Err(e) => assert!(Instant::now() < deadline, "no quorum of A and C: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let t2 = g2.fencing_token();
+    assert!(t2 > t1, "client 2 (quorum A and C) got token {t2} after client 1's {t1} (B's mark ran 10 s ahead)");
+    assert!(g2.release().await.expect("release"));
 }

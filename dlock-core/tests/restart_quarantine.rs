@@ -47,13 +47,12 @@ async fn acquire_eventually(locker: &Locker, key: &LockKey) -> (LockGuard, Vec<E
     }
 }
 
-/// The first use of a server that has been up longer than the quarantine
-/// (a first deploy): its data marker is not there yet, but nothing granted
-/// before a restart can still run, so the marker is set and the lock is
-/// granted at once.
+/// The first use of a server: its data marker is not there yet, which
+/// cannot be told from a flush, so the first grant comes after one
+/// quarantine (see `a_first_deploy_waits_one_quarantine_once`).
 async fn first_use(locker: &Locker) {
     let k = locker.key("first-use").part(1).build().expect("key");
-    let g = locker.acquire(&k, fixed()).await.expect("a server up longer than the quarantine grants at once");
+    let (g, _) = acquire_eventually(locker, &k).await;
     assert!(g.release().await.expect("release"));
 }
 
@@ -62,22 +61,31 @@ fn marker_present(server: &RedisServer) -> bool {
     n == 1
 }
 
-/// The misfire of issue 16: a service deployed for the first time against a
-/// Redis that has long been up (no marker yet) was refused for a whole
-/// quarantine and logged "Redis lost its data". Every fresh process is
-/// granted at once.
+/// A first deploy against a Redis that has long been up: its data marker
+/// is not there yet, and a missing marker is what a flush leaves, whose
+/// holders may still run. The first process waits one quarantine (once,
+/// logged as the marker missing; issue 16 had it refused as "lost its
+/// data" with no end in sight, the fix of which granted at once and so let
+/// a real flush through, A1); every process after it is granted at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_first_deploy_on_a_long_running_server_is_not_quarantined() {
+async fn a_first_deploy_waits_one_quarantine_once() {
     let server = RedisServer::start();
     tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
     assert!(!marker_present(&server));
-    for n in 0..2 {
+    let first = redis_locker(&server.url(), QUARANTINE).await;
+    let k = first.key("deploy").part(0).build().expect("key");
+    let started = Instant::now();
+    let (g, refusals) = acquire_eventually(&first, &k).await;
+    assert!(refusals.iter().any(quarantined), "the first use sits out a quarantine: {refusals:?}");
+    assert!(started.elapsed() >= QUARANTINE, "granted {:?} after the first try", started.elapsed());
+    assert!(g.release().await.expect("release"));
+    assert!(marker_present(&server), "the marker is set");
+    for n in 1..3 {
         // A new process each time: a backend with no history of the server.
         let locker = redis_locker(&server.url(), QUARANTINE).await;
         let k = locker.key("deploy").part(n).build().expect("key");
         let g = locker.try_acquire(&k).await.unwrap_or_else(|e| panic!("process {n}: granted at once: {e}"));
         assert!(g.release().await.expect("release"));
-        assert!(marker_present(&server), "the marker is set");
     }
 }
 
@@ -162,6 +170,101 @@ async fn a_restart_seen_only_as_a_reconnect_is_still_checked() {
     let k = a.key("reconnected").part(1).build().expect("key");
     let first = a.try_acquire(&k).await.expect_err("the restarted server is quarantined");
     assert!(quarantined(&first) && first.to_string().contains("has been up only"), "{first}");
+}
+
+/// A1 of the 2026-11-27 review: process A sees a flush and is quarantined;
+/// after the quarantine, process C is the one that sets the data marker
+/// again. A then grants (the marker is back), and must not keep any notion
+/// of "my quarantine is done": a second flush, while C holds k2, is
+/// quarantined for A like the first. (Before, A stayed "wait done" and
+/// answered the second flush by setting the marker and granting k2 at
+/// once, to a second holder.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_flush_is_quarantined_even_after_another_process_ended_the_first() {
+    let server = RedisServer::start();
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
+    let url = server.url();
+    let a = redis_locker(&url, QUARANTINE).await;
+    first_use(&a).await;
+    let c = redis_locker(&url, QUARANTINE).await;
+    let holder = redis_locker(&url, QUARANTINE).await;
+    let key = |n: u32| a.key("second-flush").part(n).build().expect("key");
+    let (k1, k2, k3) = (key(1), key(2), key(3));
+    let held1 = holder.acquire(&k1, fixed()).await.expect("the holder takes k1");
+    // A and C have both seen the marker.
+    assert!(a.try_acquire(&k1).await.expect_err("held").is_contention());
+    assert!(c.try_acquire(&k1).await.expect_err("held").is_contention());
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+    let first = a.try_acquire(&k1).await.expect_err("A sees the first flush");
+    assert!(quarantined(&first), "{first}");
+
+    // C, not A, ends the first quarantine (sets the marker again).
+    let (held2, _) = acquire_eventually(&c, &k2).await;
+    assert!(Instant::now() >= held1.valid_until(), "C granted while the holder's lease on k1 could still run");
+    assert!(marker_present(&server), "C set the marker again");
+    // A grants again: the marker is back.
+    let g3 = a.acquire(&k3, fixed()).await.expect("A grants once the marker is back");
+    assert!(g3.release().await.expect("release"));
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+    let flushed = Instant::now();
+    match a.try_acquire(&k2).await {
+        Ok(stolen) => panic!(
+            "A granted k2 (token {}) right after a flush it saw, while C still holds it (token {}, {:?} of its \
+             lease left)",
+            stolen.fencing_token(),
+            held2.fencing_token(),
+            held2.valid_until().saturating_duration_since(Instant::now())
+        ),
+        Err(e) => assert!(quarantined(&e), "{e}"),
+    }
+    let (granted, _) = acquire_eventually(&a, &k2).await;
+    assert!(Instant::now() >= held2.valid_until(), "A granted k2 while C's lease could still run");
+    assert!(flushed.elapsed() >= QUARANTINE, "granted {:?} after the second flush", flushed.elapsed());
+    drop((granted, held1, held2));
+}
+
+/// A1, wider: a process that never saw the data marker (a fresh one: a
+/// deploy, a scale-out) and whose first acquire after a `FLUSHALL` comes
+/// before any watching process's next one must not take the missing marker
+/// for a first use: it is quarantined, and so is every other process, which
+/// learns of the flush from the server. (Before, it set the marker and
+/// granted at once, and the watching processes never learnt of the flush.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_first_seen_by_a_fresh_process_is_quarantined_for_every_process() {
+    let server = RedisServer::start();
+    tokio::time::sleep(QUARANTINE + Duration::from_millis(1_100)).await;
+    let url = server.url();
+    let a = redis_locker(&url, QUARANTINE).await;
+    first_use(&a).await;
+    let holder = redis_locker(&url, QUARANTINE).await;
+    let k = a.key("fresh-after-flush").part(1).build().expect("key");
+    let held = holder.acquire(&k, fixed()).await.expect("the holder takes k");
+    assert!(a.try_acquire(&k).await.expect_err("held").is_contention(), "A watches the server");
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+    let flushed = Instant::now();
+    let fresh = redis_locker(&url, QUARANTINE).await;
+    match fresh.try_acquire(&k).await {
+        Ok(stolen) => panic!(
+            "a fresh process granted k (token {}) right after a flush, while its holder still runs (token {}, \
+             {:?} of its lease left)",
+            stolen.fencing_token(),
+            held.fencing_token(),
+            held.valid_until().saturating_duration_since(Instant::now())
+        ),
+        Err(e) => assert!(quarantined(&e), "{e}"),
+    }
+    let other = a.key("fresh-after-flush").part(2).build().expect("key");
+    match a.try_acquire(&other).await {
+        Ok(_) => panic!("the watching process did not learn of the flush: granted at once"),
+        Err(e) => assert!(quarantined(&e), "{e}"),
+    }
+    let (granted, _) = acquire_eventually(&fresh, &k).await;
+    assert!(Instant::now() >= held.valid_until(), "granted k while its holder's lease could still run");
+    assert!(flushed.elapsed() >= QUARANTINE, "granted {:?} after the flush", flushed.elapsed());
+    drop((granted, held));
 }
 
 /// The data marker: a flush that no connection error announced is caught
@@ -318,6 +421,7 @@ async fn idempotency_claims_are_quarantined_after_a_restart() {
     let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
     let store = RedisStore::connect_with(&server.url(), "dlock", options).await.expect("connect");
     let lease = Duration::from_secs(5);
+    claim_after_quarantine(&store, "first", lease).await; // the first use's quarantine
     let Ok(Begin::New(claim)) = store.begin("s", "k", "fp", lease).await else { panic!("a new key is claimed") };
     let response = StoredResponse::new(200, Vec::new(), b"done".to_vec());
     assert!(store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"));
@@ -342,10 +446,8 @@ async fn idempotency_claims_are_quarantined_after_a_flush() {
     let options = RedisOptions::default().with_restart_quarantine(QUARANTINE);
     let store = RedisStore::connect_with(&server.url(), "dlock", options).await.expect("connect");
     let lease = Duration::from_secs(5);
-    assert!(
-        matches!(store.begin("s", "first", "fp", lease).await, Ok(Begin::New(_))),
-        "a first use is not quarantined"
-    );
+    // The first use sits out one quarantine, as a lock's does.
+    claim_after_quarantine(&store, "first", lease).await;
     assert!(marker_present(&server), "the first claim set the data marker");
     assert!(matches!(store.begin("s", "seen", "fp", lease).await, Ok(Begin::New(_))), "the marker is seen");
 

@@ -13,11 +13,34 @@
 //! * a split vote (some grants, no quorum) retries after a random jitter so
 //!   competing clients do not collide forever; otherwise waiters sleep until
 //!   a release is announced on any node's pub/sub or the holders' TTL ends.
-//! * the fencing token is the maximum of the per-node tokens in the quorum.
-//!   Each node's token is `max(last + 1, node time in µs)`, so it keeps
-//!   growing while a majority keeps its data and the node clocks do not step
-//!   back; RedLock tokens are as strong as those assumptions (see Kleppmann's
-//!   critique), not stronger.
+//! * the fencing token: each node answers `max(mark + 1, node time in µs)`,
+//!   where the mark is the node's high-water mark of tokens
+//!   (`prefix:fence`, see `redis/high_water.rs`), and the grant's token is
+//!   the maximum over the quorum. That maximum alone does not grow: it may
+//!   come from a node whose clock (or mark) runs ahead and which is not in
+//!   the next quorum (it was down, or merely answered third), and the next
+//!   maximum is then lower. So the token is written back: every node
+//!   raises its mark to it (`mark = max(mark, token)`, one more round trip,
+//!   skipped when a quorum answered with the token itself), and the grant
+//!   counts only once a quorum of nodes holds a mark at least the token,
+//!   within the validity. Any later quorum shares a node with that one,
+//!   and that node answers above its mark.
+//!
+//!   **What tokens promise**: when a grant of a key has been returned
+//!   before another acquire of the key begins, the later grant's token is
+//!   strictly greater, whatever the offsets between the node clocks or
+//!   marks, as long as the masters keep their data: a majority (the one
+//!   that took the write-back) must not lose its marks, so run them with
+//!   `appendfsync always`. A node that lost its data (restart without
+//!   persistence, flush) answers from its clock alone: when it is the only
+//!   node a later quorum shares with the write-back's, the later token can
+//!   be lower when that node's clock lags the one the earlier token came
+//!   from by more than the time between the two grants. Then tokens are
+//!   only as good as the clocks (Kleppmann's critique). A re-entry (counted
+//!   by the engine, never sent here) keeps the token of the hold it joins.
+//!   An attempt whose write-back does not
+//!   reach a quorum within the validity is undone and tried again, as one
+//!   whose validity ran out.
 //! * renewal succeeds only with a quorum; when it cannot reach one before
 //!   the validity ends, the guard's lost signal fires.
 //!
@@ -25,7 +48,7 @@
 //! and one subscriber connection per node.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use futures_util::future::join_all;
@@ -33,8 +56,9 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::redis::evalsha::ScriptCall;
 use super::redis::subscriber::Registration;
-use super::redis::{release_channel, NodeAttempt, RedisBackend, RedisOptions};
+use super::redis::{prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions};
 use super::wait::{acquire_loop, Attempt};
 use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use crate::error::{Error, Result};
@@ -43,6 +67,22 @@ use crate::owner::Owner;
 
 /// How long one node may take to answer one step.
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// Raises a node's high-water mark (KEYS[1]) to a token a quorum granted
+/// (ARGV[1]), never lowers it. Tokens and marks are decimal text without
+/// leading zeros: the longer is the larger, and equal lengths compare as
+/// strings (as `at_least` in `redis/clock.lua`).
+static RAISE_MARK: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"
+local last = redis.call('GET', KEYS[1])
+if not last or #last < #ARGV[1] or (#last == #ARGV[1] and last < ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
+",
+    )
+});
 
 /// Locks over an odd number (≥ 3) of independent Redis masters.
 ///
@@ -191,6 +231,14 @@ impl RedLockBackend {
         for (i, loaded) in join_all(nodes.iter().map(|n| n.load_scripts())).await.into_iter().enumerate() {
             loaded.map_err(on_node(i))?;
         }
+        // The fencing token's write-back, every grant's second step.
+        let load_raise = |n: &Arc<RedisBackend>| {
+            let mut conn = n.command_conn();
+            async move { RAISE_MARK.prepare_invoke().load_async(&mut conn).await.map_err(redis_error) }
+        };
+        for (i, loaded) in join_all(nodes.iter().map(load_raise)).await.into_iter().enumerate() {
+            loaded.map_err(on_node(i))?;
+        }
         Ok(RedLockBackend { nodes, node_timeout, wakeups: Mutex::default(), turns: Mutex::default() })
     }
 
@@ -305,7 +353,11 @@ impl RedLockBackend {
             }
         }
         let valid_until = started + validity;
-        if granted >= self.quorum() && Instant::now() < valid_until {
+        if granted >= self.quorum()
+            && Instant::now() < valid_until
+            && self.fence_on_quorum(fence, &answers, valid_until).await
+            && Instant::now() < valid_until
+        {
             return Ok(Attempt::Acquired(Grant::until(fence, valid_until)));
         }
         // Undo on every node that granted, or did not answer (its command may
@@ -341,6 +393,51 @@ impl RedLockBackend {
             holder_ttl
         };
         Ok(Attempt::Held { retry_in })
+    }
+
+    /// Makes `fence`, the token a quorum just granted, the floor of every
+    /// later token: raises the high-water mark of every node to it, and is
+    /// true once a quorum of nodes holds a mark at least `fence` before
+    /// `valid_until`. A node that answered the grant with `fence` itself
+    /// holds it already (its script set its mark to its token); a later
+    /// quorum shares a node with this one, whose answer is above its mark.
+    /// The writes not waited for still land (see `on_all`).
+    async fn fence_on_quorum(&self, fence: u64, answers: &[(usize, NodeAttempt)], valid_until: Instant) -> bool {
+        let mut has_fence = vec![false; self.nodes.len()];
+        for (i, answer) in answers {
+            if let NodeAttempt::Granted { grant, .. } = answer {
+                has_fence[*i] = grant.fencing_token >= fence;
+            }
+        }
+        if has_fence.iter().filter(|h| **h).count() >= self.quorum() {
+            return true;
+        }
+        let (has_fence, token) = (&has_fence, fence.to_string());
+        let timeout = self.node_timeout.min(valid_until.saturating_duration_since(Instant::now()));
+        let acknowledged = self
+            .on_all(
+                timeout,
+                |i, node| {
+                    let (skip, token) = (has_fence[i], token.clone());
+                    async move {
+                        if skip {
+                            return Ok(());
+                        }
+                        let mark = prefix_fence_key(node.key_prefix());
+                        let mut call = ScriptCall::new(&RAISE_MARK, &[mark.as_str()], 1);
+                        call.arg(token.as_str());
+                        let _: i64 =
+                            call.invoke(&mut node.command_conn()).await.map_err(|e| match node.restart_guard() {
+                                Some(guard) => guard.failed(e),
+                                None => redis_error(e),
+                            })?;
+                        Ok(())
+                    }
+                },
+                |a, failed| self.settled(a.len(), a.len(), failed),
+            )
+            .await;
+        acknowledged.len() >= self.quorum()
     }
 
     /// The local queue of `key`.

@@ -150,11 +150,17 @@ impl RedisOptions {
     }
 
     /// After the server restarts or loses its data, grant nothing until it
-    /// has been up this long (set it to the longest lease any client uses);
-    /// zero (the default) turns the check off. See
-    /// `DLOCK_RESTART_QUARANTINE_MS` and [`RELIABILITY.md`]: without
-    /// persistence, a restarted Redis otherwise grants locks whose earlier
-    /// holders are still running.
+    /// has been up this long (set it to the longest lease any client uses,
+    /// in every client of the server); zero (the default) turns the check
+    /// off. See `DLOCK_RESTART_QUARANTINE_MS` and [`RELIABILITY.md`]:
+    /// without persistence, a restarted Redis otherwise grants locks whose
+    /// earlier holders are still running.
+    ///
+    /// Every missing data marker is taken for a possible flush, and a flush
+    /// is quarantined from when any client first saw it. So a Redis that
+    /// dlock has never used (a first deploy, even against a server up for
+    /// long) grants nothing during its first quarantine, once: it cannot be
+    /// told from a server flushed a moment ago.
     ///
     /// ```
     /// use std::time::Duration;

@@ -7,30 +7,68 @@
 //! in the critical section. The Redis documentation's remedy is to keep the
 //! restarted server unavailable for the longest lease. dlock enforces it in
 //! the client when `DLOCK_RESTART_QUARANTINE_MS` is set (to at least the
-//! longest lease any client uses). The rule: quarantine only what the
-//! server's own uptime leaves in doubt.
+//! longest lease any client uses; every client of the server should set
+//! it).
 //!
 //! * **run_id**: at the first contact, and whenever the connection was lost
 //!   or re-established since, the backend reads `INFO server`. A server
 //!   whose `run_id` is new to this client and whose uptime is below the
-//!   quarantine grants nothing until its uptime reaches it. A server up
-//!   longer than the quarantine cannot still hold a lease granted before
-//!   its restart, so it is not quarantined.
-//! * **data marker**: a key without TTL that the acquire script checks, so
-//!   a restart this client did not notice (it was idle) or a `FLUSHALL`
-//!   shows as a missing marker. When the server has been up less than the
-//!   quarantine, the rest of it is sat out before the marker is set again.
-//!   When it has been up longer, the marker is set and grants go on at once
-//!   (a new server, a first deploy: logged at info, "data marker set") —
-//!   except when this process saw the marker present on the same `run_id`:
-//!   then the data was flushed under our eyes, and the quarantine runs from
-//!   now (the latest the loss can have happened).
+//!   quarantine grants nothing until its uptime reaches it. This catches a
+//!   restart that kept the data marker (persistence on, but `everysec` may
+//!   still have lost the last writes). A server up longer than the
+//!   quarantine cannot still hold a lease granted before its restart, so it
+//!   is not quarantined for its restart.
+//! * **data marker**: a key without TTL, `prefix:{dlock-data-marker}`, that
+//!   every acquire script (and the idempotency store's claim script)
+//!   checks: nothing is granted while it is missing. A flush, a restart
+//!   without persistence, or a server dlock never used all look alike: the
+//!   marker is missing. **Every missing marker is treated as a possible
+//!   flush.** The first client that finds it missing records on the server,
+//!   in `prefix:{dlock-data-marker}:quarantine`, the server time at which
+//!   the loss was first seen; every client that finds the marker missing
+//!   refuses until its quarantine has passed since that instant, and the
+//!   first one to ask after that sets the marker again. Both the start and
+//!   the end are one script each (`QUARANTINE` below), so they are atomic
+//!   with the check of the marker: a flush in between removes the record as
+//!   well, and the next client to look starts a new quarantine.
 //!
-//! **The gap**: a flush that no client watching the server saw (every
-//! process that had seen the marker restarted, or none was running) looks
-//! like a first deploy on a server that has been up long, and is granted at
-//! once. Persistence (`appendonly yes`, `appendfsync always`) and an ACL
-//! that refuses `FLUSHALL`/`FLUSHDB` to the clients close it.
+//! So a brand-new Redis (or a first deploy of dlock against a Redis that
+//! has long been up) waits one quarantine, once, before its first grant: it
+//! cannot be told from one flushed a moment ago, whose earlier holders may
+//! still run. A server restarted without persistence waits about one
+//! quarantine too: the client that sees the new `run_id` starts the
+//! marker's quarantine at once, so it ends with the `run_id` one.
+//!
+//! **What is promised**, when every client of the server sets the
+//! quarantine to at least the longest lease any of them uses: after a loss
+//! of the data marker (a flush, a restart without persistence), nothing is
+//! granted before a full quarantine has passed since the loss was first
+//! seen by any client, whichever client saw it and whether or not the
+//! client that grants had seen the marker before. Why:
+//!
+//! 1. a grant needs the marker present when the script that grants runs;
+//! 2. after the loss, only the end script sets the marker, and only when
+//!    the record is there and its start at least a quarantine (the caller's)
+//!    back on the server clock; it deletes the record in the same step;
+//! 3. the loss removed any older record along with the marker, and a record
+//!    is written only by a script that finds the marker missing: the record
+//!    the end script reads was started after the loss, no earlier than the
+//!    first time a client saw it;
+//! 4. a lock lost was granted before the loss, so its lease (and its
+//!    holder's [`valid_until`](crate::LockGuard::valid_until), counted from
+//!    before its request) ends within the longest lease after the loss, at
+//!    or before the record's start plus any client's quarantine.
+//!
+//! A restart *with* persistence may keep a record (or lose the end script's
+//! last writes): that is the `run_id` check's, which keeps every client
+//! away from the end script until the server's uptime reaches the
+//! quarantine. Both are counted on the server's clock, as Redis counts
+//! leases (TTLs): a server clock that jumps forward shortens all three.
+//!
+//! **The gap**: a failover to a replica (Sentinel) is not seen: the replica
+//! was up long, and its marker was replicated. Persistence (`appendonly
+//! yes`, `appendfsync always`) and an ACL that refuses `FLUSHALL`/`FLUSHDB`
+//! to the clients avoid the losses altogether.
 //!
 //! The check reads `INFO server`, a `@dangerous` command: under an ACL with
 //! `-@dangerous` the user needs `+info`, which `connect` checks up front.
@@ -42,10 +80,44 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
+use redis::Script;
 use tokio::time::Instant;
 
+use super::evalsha::ScriptCall;
 use super::{lost_connection, redis_error, Conn};
 use crate::error::{Error, Result};
+
+/// Starts, reports or ends the quarantine of a missing data marker, in one
+/// step with the check of the marker.
+///
+/// KEYS[1] the data marker; KEYS[2] the quarantine's record: the server
+/// time in µs at which the marker was first found missing (no TTL).
+/// ARGV[1] the caller's quarantine in µs; ARGV[2] `1` to set the marker
+/// again when the quarantine is over, `0` only to start it.
+/// Returns `{1, 0}` when the marker is there, `{1, 1}` when this call set
+/// it again, `{0, µs left, 1 if this call started the quarantine}`
+/// otherwise.
+const QUARANTINE: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {1, 0}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local start = tonumber(redis.call('GET', KEYS[2]) or '')
+local started = 0
+if not start then
+  start = now
+  started = 1
+  redis.call('SET', KEYS[2], string.format('%d', now))
+end
+local left = start + tonumber(ARGV[1]) - now
+if left > 0 or ARGV[2] ~= '1' then
+  return {0, left, started}
+end
+redis.call('SET', KEYS[1], '1')
+redis.call('DEL', KEYS[2])
+return {1, 1}
+";
 
 /// The restart guard of one Redis server (one RedLock node).
 #[derive(Debug)]
@@ -53,6 +125,9 @@ pub(crate) struct RestartGuard {
     quarantine: Duration,
     /// The key the acquire script checks.
     pub(crate) marker: String,
+    /// Where the start of the quarantine of a missing marker is kept.
+    record: String,
+    script: Script,
     state: Mutex<State>,
 }
 
@@ -62,33 +137,34 @@ struct State {
     run_id: Option<String>,
     /// A connection error happened since the last check.
     suspect: bool,
-    /// No grants before this instant.
+    /// No grants before this instant: what this process knows of a
+    /// quarantine in force (the server's record decides; this only spares
+    /// it a round trip, and is never earlier than the record's end).
     until: Option<Instant>,
-    /// The marker was found missing and a full quarantine has been sat out
-    /// since: the marker may be set again.
-    marker_wait_done: bool,
-    /// This process saw the marker present on the server of `run_id`: a
-    /// marker missing there later was flushed under our eyes.
-    marker_seen: bool,
     /// The connection's generation at the last identity check: a new one
     /// means the connection was re-established, perhaps to a restarted
     /// server.
     generation: u64,
 }
 
+/// What the quarantine script found.
+#[derive(Debug, PartialEq, Eq)]
+enum Marker {
+    /// The marker is there; `set`: this call set it again.
+    Present { set: bool },
+    /// Missing, in quarantine for `left` more; `started`: by this call.
+    Quarantined { left: Duration, started: bool },
+}
+
 impl RestartGuard {
     pub(crate) fn new(quarantine: Duration, prefix: &str) -> Self {
+        let marker = format!("{prefix}:{{dlock-data-marker}}");
         RestartGuard {
             quarantine,
-            marker: format!("{prefix}:{{dlock-data-marker}}"),
-            state: Mutex::new(State {
-                run_id: None,
-                suspect: true,
-                until: None,
-                marker_wait_done: false,
-                marker_seen: false,
-                generation: 0,
-            }),
+            record: format!("{marker}:quarantine"),
+            marker,
+            script: Script::new(QUARANTINE),
+            state: Mutex::new(State { run_id: None, suspect: true, until: None, generation: 0 }),
         }
     }
 
@@ -114,112 +190,107 @@ impl RestartGuard {
         )
     }
 
+    /// No grants here for `left` more (never shortens a quarantine known).
+    fn refuse_for(&self, left: Duration) {
+        let until = Instant::now() + left;
+        let mut s = self.state();
+        s.until = Some(s.until.map_or(until, |u| u.max(until)));
+    }
+
     /// Before a grant: refuses while quarantined, and checks the server's
     /// identity when a restart is in doubt.
     pub(crate) async fn check(&self, conn: &Conn) -> Result<()> {
         let generation = conn.generation();
         {
             let mut s = self.state();
-            let now = Instant::now();
-            match s.until {
-                Some(until) if now < until => {
-                    return Err(self.refuse(until - now, "the Redis server restarted or lost data"))
-                }
-                Some(_) => s.until = None,
-                None => {}
+            if let Some(left) = Self::left(&s) {
+                return Err(self.refuse(left, "the Redis server restarted or lost data"));
             }
+            s.until = None;
             if s.generation != generation {
                 s.suspect = true;
             }
-            if !s.suspect && s.marker_seen {
+            if !s.suspect {
                 return Ok(());
             }
         }
-        if self.state().suspect {
-            let (run_id, uptime) = self.server_identity(conn).await?;
+        let (run_id, uptime) = self.server_identity(conn).await?;
+        let restarted = {
             let mut s = self.state();
             let restarted = s.run_id.as_deref() != Some(run_id.as_str());
-            if restarted {
-                s.marker_seen = false;
-            }
             s.run_id = Some(run_id);
             s.suspect = false;
             s.generation = generation;
-            if restarted && uptime < self.quarantine {
-                let left = self.quarantine - uptime;
-                s.until = Some(Instant::now() + left);
-                return Err(self.refuse(left, &format!("the Redis server has been up only {} s", uptime.as_secs())));
+            restarted
+        };
+        if restarted && uptime < self.quarantine {
+            let mut left = self.quarantine - uptime;
+            // Without persistence the marker went with the restart: its
+            // quarantine starts now, not after this one (which would make
+            // two in a row). It only starts here; `marker_missing` ends it.
+            if let Marker::Quarantined { left: missing, .. } = self.run_script(conn, false).await? {
+                left = left.max(missing);
             }
-        }
-        if !self.state().marker_seen {
-            // Once per server, until the marker is seen: every grant is
-            // then preceded by the marker having been seen here, so a flush
-            // later is recognised as one.
-            let present: i64 = redis::cmd("EXISTS")
-                .arg(&self.marker)
-                .query_async(&mut conn.clone())
-                .await
-                .map_err(|e| self.failed(e))?;
-            if present == 1 {
-                self.state().marker_seen = true;
-            }
+            self.refuse_for(left);
+            return Err(self.refuse(left, &format!("the Redis server has been up only {} s", uptime.as_secs())));
         }
         Ok(())
     }
 
     /// The acquire script found the data marker missing. Returns `Ok` when
-    /// the marker has been set again and the acquire may be retried.
+    /// the marker is there again (set now by this call, after a full
+    /// quarantine since the loss was first seen, or by another client) and
+    /// the acquire may be retried; otherwise refuses for what is left of
+    /// the quarantine, started now if nobody had.
     ///
     /// Many calls may find the marker gone at once (coalesced batches, tasks
-    /// on one connection), and their answers come in any order: whatever
-    /// one of them decided, a quarantine in force refuses the others, and
-    /// each judges a flush by what this process knew before asking.
+    /// on one connection, other processes): the server's record is the one
+    /// quarantine they all count from, and the script that ends it is the
+    /// only one that sets the marker.
     pub(crate) async fn marker_missing(&self, conn: &Conn) -> Result<()> {
-        let (wait_done, seen_before) = {
-            let s = self.state();
-            if let Some(left) = Self::left(&s) {
-                return Err(self.lost_data(left));
+        if let Some(left) = Self::left(&self.state()) {
+            return Err(self.lost_data(left));
+        }
+        // The connection may have been re-established since the acquire's
+        // own check, to a restarted server: its identity is checked first,
+        // so that a record kept by its persistence is not ended before its
+        // uptime reaches the quarantine.
+        self.check(conn).await?;
+        match self.run_script(conn, true).await? {
+            Marker::Present { set } => {
+                if set {
+                    tracing::info!(marker = %self.marker, "dlock: restart quarantine over; Redis grants locks again");
+                }
+                Ok(())
             }
-            (s.marker_wait_done, s.marker_seen)
-        };
-        if wait_done {
-            self.set_marker(conn).await?;
-            // Cleared only once the marker is set: a RedLock attempt may drop
-            // this future half-way, and must not have to wait again.
-            self.state().marker_wait_done = false;
-            tracing::info!(marker = %self.marker, "dlock: restart quarantine over; Redis grants locks again");
-            return Ok(());
-        }
-        let (run_id, uptime) = self.server_identity(conn).await?;
-        {
-            // Another answer may have started a quarantine while we asked.
-            let s = self.state();
-            if let Some(left) = Self::left(&s) {
-                return Err(self.lost_data(left));
+            Marker::Quarantined { left, started } => {
+                if started {
+                    tracing::warn!(
+                        marker = %self.marker,
+                        left_ms = left.as_millis() as u64,
+                        "dlock: the Redis data marker is missing (data lost, or a server new to dlock); quarantined"
+                    );
+                }
+                self.refuse_for(left);
+                Err(self.lost_data(left))
             }
         }
-        let flushed_under_our_eyes = seen_before && self.state().run_id.as_deref() == Some(run_id.as_str());
-        if uptime >= self.quarantine && !flushed_under_our_eyes {
-            // Up longer than any lease: nothing granted before a restart can
-            // still run. A new server, or a first deploy on it.
-            self.set_marker(conn).await?;
-            let mut s = self.state();
-            s.run_id = Some(run_id);
-            s.suspect = false;
-            tracing::info!(marker = %self.marker, uptime_s = uptime.as_secs(), "dlock: data marker set");
-            return Ok(());
+    }
+
+    /// The quarantine script (see [`QUARANTINE`]); `end`: set the marker
+    /// again when the quarantine is over.
+    async fn run_script(&self, conn: &Conn, end: bool) -> Result<Marker> {
+        let mut call = ScriptCall::new(&self.script, &[self.marker.as_str(), self.record.as_str()], 2);
+        call.arg(u64::try_from(self.quarantine.as_micros()).unwrap_or(u64::MAX)).arg(if end { "1" } else { "0" });
+        let reply: Vec<i64> = call.invoke(&mut conn.clone()).await.map_err(|e| self.failed(e))?;
+        match reply.as_slice() {
+            [1, set] => Ok(Marker::Present { set: *set == 1 }),
+            [0, left, started] => Ok(Marker::Quarantined {
+                left: Duration::from_micros(u64::try_from(*left).unwrap_or(0)),
+                started: *started == 1,
+            }),
+            other => Err(Error::backend("redis", format!("unexpected reply from the quarantine script: {other:?}"))),
         }
-        let mut s = self.state();
-        // Lost at restart: the quarantine counts from the start. Flushed
-        // under our eyes: from now, the latest the loss can have happened.
-        let left = if flushed_under_our_eyes { self.quarantine } else { self.quarantine - uptime };
-        s.run_id = Some(run_id);
-        s.suspect = false;
-        s.marker_seen = false;
-        s.until = Some(Instant::now() + left);
-        s.marker_wait_done = true;
-        tracing::warn!(marker = %self.marker, left_ms = left.as_millis() as u64, "dlock: Redis lost its data; quarantined");
-        Err(self.lost_data(left))
     }
 
     /// What is left of a quarantine in force.
@@ -228,19 +299,11 @@ impl RestartGuard {
     }
 
     fn lost_data(&self, left: Duration) -> Error {
-        self.refuse(left, "the Redis server lost its data (restart without persistence, or a flush)")
-    }
-
-    async fn set_marker(&self, conn: &Conn) -> Result<()> {
-        let _: () = redis::cmd("SET")
-            .arg(&self.marker)
-            .arg("1")
-            .arg("NX")
-            .query_async(&mut conn.clone())
-            .await
-            .map_err(|e| self.failed(e))?;
-        self.state().marker_seen = true;
-        Ok(())
+        self.refuse(
+            left,
+            "the Redis server lost its data (restart without persistence, or a flush), or is new to dlock: its data \
+             marker is missing",
+        )
     }
 
     /// At start-up: the quarantine reads `INFO server` before grants, a
@@ -306,27 +369,73 @@ pub(crate) fn command_failed(guard: Option<&RestartGuard>, e: redis::RedisError)
 mod tests {
     use super::*;
 
+    async fn connect(server: &dlock_testing::RedisServer) -> Conn {
+        let options = super::super::RedisOptions::default();
+        Conn::Single(super::super::RedisConnection::connect(&server.url(), &options).await.expect("connect"))
+    }
+
+    fn exists(server: &dlock_testing::RedisServer, key: &str) -> bool {
+        let n: u64 = redis::cmd("EXISTS").arg(key).query(&mut server.connection()).expect("EXISTS");
+        n == 1
+    }
+
     /// Answers that find the marker gone after a flush, all at once (as a
-    /// coalesced batch's do): whichever is judged first starts the
-    /// quarantine, and none of the others may end it by setting the marker
-    /// again. Before, the second one read the first one's `marker_seen =
-    /// false`, took the flush for a first use and granted.
+    /// coalesced batch's do): one of them starts the quarantine, and none
+    /// of the others may end it by setting the marker again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn answers_racing_after_a_flush_all_stay_quarantined() {
         let server = dlock_testing::RedisServer::start();
         // Up longer than the quarantine (uptime is counted a second short).
         tokio::time::sleep(Duration::from_millis(2_100)).await;
-        let options = super::super::RedisOptions::default();
-        let conn =
-            Conn::Single(super::super::RedisConnection::connect(&server.url(), &options).await.expect("connect"));
+        let conn = connect(&server).await;
         let guard = RestartGuard::new(Duration::from_millis(500), "race");
+        let _: () = redis::cmd("SET").arg(&guard.marker).arg("1").query(&mut server.connection()).expect("SET");
         guard.check(&conn).await.expect("first contact");
-        guard.marker_missing(&conn).await.expect("first use of a server up long enough: the marker is set");
-        guard.check(&conn).await.expect("the marker is seen");
         let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
         let answers = futures_util::future::join_all((0..8).map(|_| guard.marker_missing(&conn))).await;
         let granted = answers.iter().filter(|a| a.is_ok()).count();
-        assert_eq!(granted, 0, "a flush under our eyes quarantines every racing answer: {answers:?}");
+        assert_eq!(granted, 0, "a flush quarantines every racing answer: {answers:?}");
+        assert!(!exists(&server, &guard.marker), "nobody set the marker again");
+    }
+
+    /// A1: the quarantine lives on the server. Two processes (two guards)
+    /// find the marker missing; the second joins the first one's quarantine,
+    /// and whichever asks after it ended sets the marker again. The next
+    /// flush then starts a new, full quarantine for every process, the one
+    /// that did not end the first included.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_quarantine_is_kept_on_the_server_and_every_flush_gets_one() {
+        let server = dlock_testing::RedisServer::start();
+        tokio::time::sleep(Duration::from_millis(2_100)).await;
+        let conn = connect(&server).await;
+        let quarantine = Duration::from_millis(400);
+        let (a, c) = (RestartGuard::new(quarantine, "shared"), RestartGuard::new(quarantine, "shared"));
+        a.check(&conn).await.expect("up long enough");
+        c.check(&conn).await.expect("up long enough");
+
+        let started = Instant::now();
+        a.marker_missing(&conn).await.expect_err("a server without the marker is quarantined first");
+        assert!(exists(&server, &a.record), "the quarantine's start is on the server");
+        c.marker_missing(&conn).await.expect_err("the other process sees the same quarantine");
+        // Past the end as each process knows it (counted from its reply).
+        tokio::time::sleep_until(started + quarantine + Duration::from_millis(100)).await;
+        c.marker_missing(&conn).await.expect("over: the other process sets the marker again");
+        assert!(exists(&server, &c.marker) && !exists(&server, &c.record));
+        a.marker_missing(&conn).await.expect("the marker is there");
+
+        let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
+        let flushed = Instant::now();
+        a.marker_missing(&conn).await.expect_err("the next flush is quarantined for A too");
+        c.marker_missing(&conn).await.expect_err("and for C");
+        let mut granted = None;
+        while granted.is_none() {
+            if a.marker_missing(&conn).await.is_ok() {
+                granted = Some(flushed.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let granted = granted.unwrap_or_default();
+        assert!(granted >= quarantine, "ended {granted:?} after the flush");
     }
 
     #[test]
