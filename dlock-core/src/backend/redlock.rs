@@ -56,7 +56,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::redis::evalsha::ScriptCall;
+use super::redis::script::ScriptCall;
 use super::redis::subscriber::Registration;
 use super::redis::{prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions};
 use super::wait::{acquire_loop, Attempt};
@@ -233,7 +233,7 @@ impl RedLockBackend {
         }
         // The fencing token's write-back, every grant's second step.
         let load_raise = |n: &Arc<RedisBackend>| {
-            let mut conn = n.command_conn();
+            let mut conn = n.client().conn().clone();
             async move { RAISE_MARK.prepare_invoke().load_async(&mut conn).await.map_err(redis_error) }
         };
         for (i, loaded) in join_all(nodes.iter().map(load_raise)).await.into_iter().enumerate() {
@@ -426,11 +426,7 @@ impl RedLockBackend {
                         let mark = prefix_fence_key(node.key_prefix());
                         let mut call = ScriptCall::new(&RAISE_MARK, &[mark.as_str()], 1);
                         call.arg(token.as_str());
-                        let _: i64 =
-                            call.invoke(&mut node.command_conn()).await.map_err(|e| match node.restart_guard() {
-                                Some(guard) => guard.failed(e),
-                                None => redis_error(e),
-                            })?;
+                        let _: i64 = node.client().invoke(&call).await?;
                         Ok(())
                     }
                 },

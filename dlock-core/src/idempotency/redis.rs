@@ -37,8 +37,8 @@ use super::{
     fingerprint, token_well_formed, Begin, Claim, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
     TOKEN_BYTES,
 };
-use crate::backend::redis::evalsha::ScriptCall;
-use crate::backend::redis::{lease_ms, redis_error, Conn, RedisBackend, RedisOptions, RestartGuard};
+use crate::backend::redis::script::ScriptCall;
+use crate::backend::redis::{lease_ms, Client, RedisBackend, RedisOptions};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
@@ -58,11 +58,11 @@ const LEDGER: &str = include_str!("ledger.lua");
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: Conn,
-    prefix: String,
-    /// The backend's restart quarantine, when one is configured: no key is
+    /// The lock backend's client: its restart quarantine, when one is
+    /// configured, hears of every failed command here too, and no key is
     /// claimed from a server that may have lost its records.
-    restart: Option<std::sync::Arc<RestartGuard>>,
+    client: Client,
+    prefix: String,
     limits: IdempotencyLimits,
     /// Whether the total sets are counted: not on Redis Cluster.
     total: bool,
@@ -136,8 +136,8 @@ impl RedisStore {
     /// [`Config::build_services`](crate::Config::build_services) does this
     /// when locks and records live in the same Redis.
     pub fn from_backend(backend: &RedisBackend) -> Self {
-        let conn = backend.command_conn();
-        let total = !matches!(conn, Conn::Cluster(_));
+        let client = backend.client().clone();
+        let total = !client.is_cluster();
         if !total {
             tracing::warn!(
                 "dlock: idempotency records on Redis Cluster: DLOCK_IDEMPOTENCY_MAX_RECORDS is not enforced (one count \
@@ -146,9 +146,8 @@ impl RedisStore {
         }
         let counting = |script: &str| Script::new(&format!("{LEDGER}{script}"));
         RedisStore {
-            conn,
+            client,
             prefix: backend.key_prefix().to_owned(),
-            restart: backend.restart_guard(),
             limits: IdempotencyLimits::default(),
             total,
             begin: counting(include_str!("begin.lua")),
@@ -210,7 +209,7 @@ impl RedisStore {
         for set in &sets {
             call.arg(set.max);
         }
-        let reply: Vec<i64> = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
+        let reply: Vec<i64> = self.client.invoke(&call).await?;
         match reply.as_slice() {
             [0] => Ok(token),
             [i, ms] => Err(Self::full(&sets, *i, *ms)),
@@ -229,7 +228,7 @@ impl RedisStore {
 
     /// Runs a rename script from `from` to `to`.
     async fn rename(&self, script: &Script, from: String, to: String) -> Result<i64> {
-        ScriptCall::new(script, &[&from, &to], 0).invoke(&mut self.conn.clone()).await.map_err(redis_error)
+        self.client.invoke(&ScriptCall::new(script, &[&from, &to], 0)).await
     }
 
     /// Deletes a token's `name` and takes it out of its counts, in one step.
@@ -239,19 +238,14 @@ impl RedisStore {
         let keys = keys_and_counts(&[&name], &sets);
         let mut call = ScriptCall::new(&self.spend_token, &keys, 1);
         call.arg(token);
-        let removed: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
+        let removed: i64 = self.client.invoke(&call).await?;
         Ok(removed == 1)
     }
 
     /// The `maxmemory-policy` of the server the records live on; an error
     /// when it cannot be read (`CONFIG` refused by an ACL, say).
     pub(crate) async fn maxmemory_policy(&self) -> Result<String> {
-        let reply: Vec<String> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory-policy")
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(redis_error)?;
+        let reply: Vec<String> = self.client.query(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy")).await?;
         match reply.as_slice() {
             [_, policy] => Ok(policy.clone()),
             other => Err(Error::backend("redis", format!("CONFIG GET maxmemory-policy answered {other:?}"))),
@@ -323,34 +317,20 @@ impl IdempotencyStore for RedisStore {
         lease: Duration,
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
-            if let Some(guard) = &self.restart {
-                guard.check(&self.conn).await?;
-            }
             let claim = Claim::new(scope, key)?;
             let (record, member, sets) = self.record(scope, key);
-            let mut remarked = false;
-            let reply = loop {
-                // The script checks the data marker itself, as the lock's
-                // acquire does: no round trip of its own per claim.
-                let marker = self.restart.as_ref().map_or(record.as_str(), |guard| guard.marker.as_str());
-                let keys = keys_and_counts(&[&record, marker], &sets);
-                let mut call = ScriptCall::new(&self.begin, &keys, 5 + sets.len());
-                call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(lease)).arg(&member);
-                call.arg(if self.restart.is_some() { "1" } else { "0" });
-                for set in &sets {
-                    call.arg(set.max);
-                }
-                let reply: redis::Value = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
-                match (&self.restart, &reply) {
-                    (Some(guard), redis::Value::Array(items))
-                        if !remarked && matches!(items.as_slice(), [redis::Value::Int(5)]) =>
-                    {
-                        guard.marker_missing(&self.conn).await?;
-                        remarked = true;
-                    }
-                    _ => break reply,
-                }
-            };
+            // The script checks the data marker itself, as the lock's
+            // acquire does: no round trip of its own per claim.
+            let marker = self.client.marker();
+            let keys = keys_and_counts(&[&record, marker.unwrap_or(&record)], &sets);
+            let mut call = ScriptCall::new(&self.begin, &keys, 5 + sets.len());
+            call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(lease)).arg(&member);
+            call.arg(if marker.is_some() { "1" } else { "0" });
+            for set in &sets {
+                call.arg(set.max);
+            }
+            let marker_gone = |reply: &redis::Value| matches!(reply, redis::Value::Array(items) if matches!(items.as_slice(), [redis::Value::Int(5)]));
+            let reply: redis::Value = self.client.guarded(|| self.client.invoke(&call), marker_gone).await?;
             let unexpected =
                 |v: &redis::Value| Error::backend("redis", format!("unexpected reply from the begin script: {v:?}"));
             let redis::Value::Array(items) = &reply else { return Err(unexpected(&reply)) };
@@ -380,7 +360,7 @@ impl IdempotencyStore for RedisStore {
             let keys = keys_and_counts(&[&record], &sets);
             let mut call = ScriptCall::new(&self.complete, &keys, 4);
             call.arg(claim.owner()).arg(response.encode()).arg(lease_ms(ttl)).arg(member);
-            let done: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
+            let done: i64 = self.client.invoke(&call).await?;
             Ok(done == 1)
         })
     }
@@ -391,7 +371,7 @@ impl IdempotencyStore for RedisStore {
             let keys = keys_and_counts(&[&record], &sets);
             let mut call = ScriptCall::new(&self.abandon, &keys, 2);
             call.arg(claim.owner()).arg(member);
-            let done: i64 = call.invoke(&mut self.conn.clone()).await.map_err(redis_error)?;
+            let done: i64 = self.client.invoke(&call).await?;
             Ok(done == 1)
         })
     }

@@ -27,9 +27,8 @@ use redis::Script;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::evalsha::ScriptCall;
-use super::restart::{command_failed, RestartGuard};
-use super::{acquire_call, acquire_reply, lease_ms, release_call, Conn, Reply};
+use super::script::ScriptCall;
+use super::{acquire_call, acquire_reply, lease_ms, release_call, Client, Reply};
 use crate::backend::AcquireRequest;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -63,8 +62,7 @@ impl Op {
 /// What the calls need of the backend.
 #[derive(Clone)]
 pub(crate) struct Calls {
-    pub(crate) conn: Conn,
-    pub(crate) restart: Option<Arc<RestartGuard>>,
+    pub(crate) client: Client,
     /// The prefix's high-water mark.
     pub(crate) mark: String,
     pub(crate) acquire: Script,
@@ -198,11 +196,11 @@ async fn drain(queue: Arc<Mutex<Queue>>, calls: Calls) {
 async fn send_one(calls: &Calls, op: &Op) -> Answer {
     let (reply, sent) = call(calls, std::slice::from_ref(op)).await?;
     let reply = if op.is_acquire() {
-        acquire_reply(reply)
+        acquire_reply(reply)?
     } else {
-        redis::from_redis_value::<i64>(reply).and_then(|r| Reply::new(&[r]))
+        redis::from_redis_value::<i64>(reply).and_then(|r| Reply::new(&[r])).map_err(unexpected)?
     };
-    Ok((reply.map_err(unexpected)?, sent))
+    Ok((reply, sent))
 }
 
 /// One script call for `ops` (all of one kind): the one-key script for a
@@ -254,19 +252,17 @@ fn unexpected(e: redis::ParsingError) -> Error {
 /// and when the call was sent.
 async fn call(calls: &Calls, ops: &[Op]) -> Result<(redis::Value, Instant)> {
     if ops.first().is_some_and(Op::is_acquire) {
-        if let Some(guard) = &calls.restart {
-            guard.check(&calls.conn).await?;
-        }
+        // Checked when the acquire was queued too; a batch may have waited.
+        calls.client.check().await?;
     }
-    let marker = calls.restart.as_ref().map(|guard| guard.marker.as_str());
+    let marker = calls.client.marker();
     let call = match ops {
         [Op::Acquire { req, awaited }] => acquire_call(&calls.acquire, req, &calls.mark, marker, *awaited),
         [Op::Release { key, owner, .. }] => release_call(&calls.release, key, owner),
         _ => batch_call(calls, ops, marker),
     };
     let sent = Instant::now();
-    let reply = call.invoke(&mut calls.conn.clone()).await;
-    reply.map(|reply| (reply, sent)).map_err(|e| command_failed(calls.restart.as_deref(), e))
+    Ok((calls.client.invoke(&call).await?, sent))
 }
 
 /// The many-key script's call for a batch of one kind (`acquire_many.lua`,

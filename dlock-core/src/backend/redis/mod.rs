@@ -72,24 +72,26 @@ use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
 use tls::{is_tls_url, CA_FILE_VAR};
 
+mod client;
 mod coalesce;
 mod connection;
-pub(crate) mod evalsha;
 mod high_water;
 mod renew_batch;
 mod restart;
+pub(crate) mod script;
 pub(crate) mod subscriber;
 pub(crate) mod tls;
 
 pub use tls::RedisTls;
 
+pub(crate) use client::Client;
 pub use connection::RedisConnection;
 use connection::{
     connect_error, open_client, require_redis_7, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget,
 };
 pub(crate) use connection::{lost_connection, redis_error, Conn};
-use evalsha::ScriptCall;
 pub(crate) use restart::RestartGuard;
+use script::ScriptCall;
 use subscriber::Subscriber;
 
 /// The server clock as token text, prepended to the acquire scripts.
@@ -192,10 +194,10 @@ impl RedisOptions {
 /// ```
 #[derive(Clone)]
 pub struct RedisBackend {
-    conn: Conn,
+    /// Every command goes through it, the restart quarantine inside.
+    client: Client,
     /// The key namespace its channels are subscribed under.
     prefix: Arc<str>,
-    restart: Option<Arc<RestartGuard>>,
     /// Where the last fencing token is kept (see `high_water.rs`).
     high_water: HighWater,
     pub(crate) subscriber: Subscriber,
@@ -333,19 +335,15 @@ impl RedisBackend {
             Conn::Cluster(_) => HighWater::PerSlot,
             Conn::Single(_) | Conn::Sentinel(_) => HighWater::Prefix(high_water::prefix_mark(prefix)),
         };
-        let renew = renew_batch::Sender {
-            conn: conn.clone(),
-            script: Script::new(include_str!("renew.lua")),
-            restart: restart.clone(),
-        };
+        let client = Client::new(conn, restart);
+        let renew = renew_batch::Sender { client: client.clone(), script: Script::new(include_str!("renew.lua")) };
         let acquire = Script::new(&format!("{CLOCK}{}", include_str!("acquire.lua")));
         let release = Script::new(include_str!("release.lua"));
         let coalesce = match &high_water {
             HighWater::Prefix(mark) => Some((
                 coalesce::Coalescer::default(),
                 coalesce::Calls {
-                    conn: conn.clone(),
-                    restart: restart.clone(),
+                    client: client.clone(),
                     mark: mark.clone(),
                     acquire: acquire.clone(),
                     acquire_many: Script::new(&format!("{CLOCK}{}", include_str!("acquire_many.lua"))),
@@ -356,9 +354,8 @@ impl RedisBackend {
             HighWater::PerSlot => None,
         };
         Ok(RedisBackend {
-            conn,
+            client,
             prefix: prefix.into(),
-            restart,
             high_water,
             subscriber,
             acquire,
@@ -369,21 +366,11 @@ impl RedisBackend {
         })
     }
 
-    /// A failed command; a broken connection may mean a restarted server.
-    fn failed(&self, e: redis::RedisError) -> Error {
-        restart::command_failed(self.restart.as_deref(), e)
-    }
-
-    /// The command connection, shared with the idempotency store so that it
-    /// follows the same cluster routing and Sentinel failovers.
-    pub(crate) fn command_conn(&self) -> Conn {
-        self.conn.clone()
-    }
-
-    /// The restart guard, shared with the idempotency store so that records
-    /// are not claimed from a server whose data is in doubt.
-    pub(crate) fn restart_guard(&self) -> Option<Arc<RestartGuard>> {
-        self.restart.clone()
+    /// The client every command goes through, shared with the idempotency
+    /// store (same cluster routing, Sentinel failovers and quarantine) and
+    /// with RedLock (its write-back of tokens).
+    pub(crate) fn client(&self) -> &Client {
+        &self.client
     }
 
     pub(crate) fn key_prefix(&self) -> &str {
@@ -407,45 +394,31 @@ impl RedisBackend {
     /// answered NOSCRIPT, then SCRIPT LOAD and EVALSHA again), which on a
     /// slow RedLock node is enough to miss the node timeout.
     pub(crate) async fn load_scripts(&self) -> Result<()> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.client.conn().clone();
         for script in [&self.acquire, &self.renew.script, &self.release] {
             script.prepare_invoke().load_async(&mut conn).await.map_err(redis_error)?;
         }
         Ok(())
     }
 
-    /// One acquire script call, telling a re-entry from a fresh grant (RedLock
-    /// needs the difference to keep a re-entry's fencing token). `awaited`:
-    /// the caller waits for releases, so the lock's release must announce
-    /// itself (see `wait::acquire_loop`).
+    /// One acquire script call. `awaited`: the caller waits for releases,
+    /// so the lock's release must announce itself (see `wait::acquire_loop`).
     pub(crate) async fn try_on_node(&self, req: &AcquireRequest, awaited: bool) -> Result<NodeAttempt> {
-        let mut remarked = false;
-        let (reply, sent) = loop {
-            if let Some(guard) = &self.restart {
-                guard.check(&self.conn).await?;
-            }
-            let sent = Instant::now();
-            let slot_mark;
-            let mark = match &self.high_water {
-                HighWater::Prefix(mark) => mark.as_str(),
-                HighWater::PerSlot => {
-                    slot_mark = high_water::slot_mark(&req.key);
-                    slot_mark.as_str()
-                }
-            };
-            let marker = self.restart.as_ref().map(|guard| guard.marker.as_str());
-            let call = acquire_call(&self.acquire, req, mark, marker, awaited);
-            let reply: redis::Value = call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
-            let reply = acquire_reply(reply)
-                .map_err(|e| Error::backend("redis", format!("unexpected reply from the acquire script: {e}")))?;
-            match (&self.restart, reply.as_slice()) {
-                (Some(guard), [2]) if !remarked => {
-                    guard.marker_missing(&self.conn).await?;
-                    remarked = true;
-                }
-                _ => break (reply, sent),
+        let slot_mark;
+        let mark = match &self.high_water {
+            HighWater::Prefix(mark) => mark.as_str(),
+            HighWater::PerSlot => {
+                slot_mark = high_water::slot_mark(&req.key);
+                slot_mark.as_str()
             }
         };
+        let attempt = || async {
+            let sent = Instant::now();
+            let call = acquire_call(&self.acquire, req, mark, self.client.marker(), awaited);
+            let reply = acquire_reply(self.client.invoke(&call).await?)?;
+            Ok((reply, sent))
+        };
+        let (reply, sent) = self.client.guarded(attempt, marker_gone).await?;
         node_attempt(reply.as_slice(), sent, req.lease)
     }
 
@@ -458,19 +431,15 @@ impl RedisBackend {
         req: &AcquireRequest,
         awaited: bool,
     ) -> Result<NodeAttempt> {
-        let mut remarked = false;
-        loop {
-            let op = coalesce::Op::Acquire { req: req.clone(), awaited };
-            let (reply, sent) = coalescer.run(calls, op).await?;
-            match (&self.restart, reply.as_slice()) {
-                (Some(guard), [2]) if !remarked => {
-                    guard.marker_missing(&self.conn).await?;
-                    remarked = true;
-                }
-                _ => return node_attempt(reply.as_slice(), sent, req.lease),
-            }
-        }
+        let attempt = || coalescer.run(calls, coalesce::Op::Acquire { req: req.clone(), awaited });
+        let (reply, sent) = self.client.guarded(attempt, marker_gone).await?;
+        node_attempt(reply.as_slice(), sent, req.lease)
     }
+}
+
+/// The acquire scripts' answer when the data marker is gone.
+fn marker_gone((reply, _): &(Reply, Instant)) -> bool {
+    reply.as_slice() == [2]
 }
 
 impl RedisBackend {
@@ -487,8 +456,7 @@ impl RedisBackend {
 
     /// Frees `key` on the server if `owner` holds it there.
     pub(crate) async fn release_on_server(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
-        let call = release_call(&self.release, key, owner);
-        let left: i64 = call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
+        let left: i64 = self.client.invoke(&release_call(&self.release, key, owner)).await?;
         Ok(if left == 0 { Release::Freed } else { Release::NotHeld })
     }
 }
@@ -554,11 +522,14 @@ impl std::fmt::Debug for Reply {
 /// The acquire script's reply as `[1, token, 1]` (granted), `[1, token, 2]`
 /// (joined), `[0, ms]` (held) or `[2]` (data marker gone). A grant comes
 /// back as the bare token, the cheapest reply for the script to build.
-pub(crate) fn acquire_reply(reply: redis::Value) -> std::result::Result<Reply, redis::ParsingError> {
-    match reply {
-        redis::Value::BulkString(_) => Reply::new(&[1, redis::from_redis_value::<i64>(reply)?, 1]),
-        other => Reply::new(&redis::from_redis_value::<Vec<i64>>(other)?),
-    }
+pub(crate) fn acquire_reply(reply: redis::Value) -> Result<Reply> {
+    let parsed = match reply {
+        redis::Value::BulkString(_) => {
+            redis::from_redis_value::<i64>(reply).and_then(|token| Reply::new(&[1, token, 1]))
+        }
+        other => redis::from_redis_value::<Vec<i64>>(other).and_then(|reply| Reply::new(&reply)),
+    };
+    parsed.map_err(|e| Error::backend("redis", format!("unexpected reply from the acquire script: {e}")))
 }
 
 /// An acquire script's reply for one lock, sent at `sent`.
@@ -612,13 +583,13 @@ impl Backend for RedisBackend {
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
-            let (extended, sent) = if matches!(self.conn, Conn::Cluster(_)) {
+            let (extended, sent) = if self.client.is_cluster() {
                 // One script call touches one slot, and the locks renewed
                 // together may live in many: one call per lock.
                 let sent = Instant::now();
                 let mut call = ScriptCall::new(&self.renew.script, &[key.as_str()], 2);
                 call.arg(owner.as_str()).arg(lease_ms(lease));
-                let extended: Vec<i64> = call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))?;
+                let extended: Vec<i64> = self.client.invoke(&call).await?;
                 (extended == [1], sent)
             } else {
                 self.renewals.renew(&self.renew, key, owner, lease_ms(lease)).await?

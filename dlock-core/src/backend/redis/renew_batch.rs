@@ -15,9 +15,8 @@ use redis::Script;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::evalsha::ScriptCall;
-use super::restart::{command_failed, RestartGuard};
-use super::{redis_error, Conn};
+use super::script::ScriptCall;
+use super::Client;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -49,9 +48,8 @@ struct Pending {
 /// What the sending task needs of the backend.
 #[derive(Clone)]
 pub(crate) struct Sender {
-    pub(crate) conn: Conn,
+    pub(crate) client: Client,
     pub(crate) script: Script,
-    pub(crate) restart: Option<Arc<RestartGuard>>,
 }
 
 impl RenewBatch {
@@ -124,7 +122,7 @@ async fn send_all(mut sending: Sending, sender: Sender) {
             call.arg(p.owner.as_str()).arg(p.lease_ms);
         }
         let sent = Instant::now();
-        let reply: redis::RedisResult<Vec<i64>> = call.invoke(&mut sender.conn.clone()).await;
+        let reply: Result<Vec<i64>> = sender.client.invoke(&call).await;
         match reply {
             Ok(extended) if extended.len() == batch.len() => {
                 for (p, e) in batch.into_iter().zip(extended) {
@@ -138,10 +136,10 @@ async fn send_all(mut sending: Sending, sender: Sender) {
                 }
             }
             Err(e) => {
-                // The restart guard learns of the failure once per call.
-                let mut first = Some(command_failed(sender.restart.as_deref(), e.clone()));
+                let message = e.to_string();
+                let mut first = Some(e);
                 for p in batch {
-                    let err = first.take().unwrap_or_else(|| redis_error(e.clone()));
+                    let err = first.take().unwrap_or_else(|| Error::backend("redis", message.clone()));
                     let _ = p.reply.send(Err(err));
                 }
             }

@@ -83,7 +83,7 @@ use std::time::Duration;
 use redis::Script;
 use tokio::time::Instant;
 
-use super::evalsha::ScriptCall;
+use super::script::ScriptCall;
 use super::{lost_connection, redis_error, Conn};
 use crate::error::{Error, Result};
 
@@ -354,15 +354,6 @@ fn parse_identity(info: &str) -> Option<(String, Duration)> {
     let run_id = field("run_id")?.to_owned();
     let uptime = field("uptime_in_seconds")?.parse::<u64>().ok()?;
     Some((run_id, Duration::from_secs(uptime.saturating_sub(1))))
-}
-
-/// A failed lock command as an error, told to the restart quarantine first
-/// when it is on.
-pub(crate) fn command_failed(guard: Option<&RestartGuard>, e: redis::RedisError) -> Error {
-    match guard {
-        Some(guard) => guard.failed(e),
-        None => redis_error(e),
-    }
 }
 
 #[cfg(test)]

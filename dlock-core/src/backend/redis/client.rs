@@ -1,0 +1,100 @@
+//! [`Client`]: how every part of dlock talks to Redis — the lock backend,
+//! its batcher, the watchdog's renewals, RedLock's nodes and the
+//! idempotency store alike.
+//!
+//! It is the healing connection ([`Conn`]) with the restart quarantine
+//! inside it: every command that fails is reported to the quarantine by
+//! construction, so a new command path cannot forget to (the idempotency
+//! store's scripts once did). The quarantine's own retry, "the data marker
+//! is gone: decide, mark again, run once more", is written here once.
+
+use std::sync::Arc;
+
+use redis::FromRedisValue;
+
+use super::connection::{redis_error, Conn};
+use super::restart::RestartGuard;
+use super::script::ScriptCall;
+use crate::error::{Error, Result};
+
+/// A connection to one Redis deployment (a server, a Sentinel-watched
+/// master or a cluster), and its restart quarantine when one is on. Cheap
+/// to clone.
+#[derive(Clone)]
+pub(crate) struct Client {
+    conn: Conn,
+    restart: Option<Arc<RestartGuard>>,
+}
+
+impl Client {
+    pub(crate) fn new(conn: Conn, restart: Option<Arc<RestartGuard>>) -> Self {
+        Client { conn, restart }
+    }
+
+    /// The connection, for what is not a command of dlock's protocol (the
+    /// quarantine's own checks, start-up checks).
+    pub(crate) fn conn(&self) -> &Conn {
+        &self.conn
+    }
+
+    /// The data marker every guarded script checks, when the quarantine is on.
+    pub(crate) fn marker(&self) -> Option<&str> {
+        self.restart.as_deref().map(|guard| guard.marker.as_str())
+    }
+
+    /// A failed command as an error; a broken connection may mean a
+    /// restarted server, which the quarantine hears of first.
+    pub(crate) fn failed(&self, e: redis::RedisError) -> Error {
+        match &self.restart {
+            Some(guard) => guard.failed(e),
+            None => redis_error(e),
+        }
+    }
+
+    /// Sends a script call.
+    pub(crate) async fn invoke<T: FromRedisValue>(&self, call: &ScriptCall<'_>) -> Result<T> {
+        call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))
+    }
+
+    /// Sends a plain command.
+    pub(crate) async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
+        cmd.query_async(&mut self.conn.clone()).await.map_err(|e| self.failed(e))
+    }
+
+    /// Refuses while the quarantine holds this server's data in doubt.
+    pub(crate) async fn check(&self) -> Result<()> {
+        match &self.restart {
+            Some(guard) => guard.check(&self.conn).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `attempt`, a script that checks the data marker, until it finds
+    /// the marker: when it answers that the marker is gone (`gone`), the
+    /// quarantine decides (a refusal while the loss is younger than the
+    /// quarantine, or the marker set again) and the attempt runs once more.
+    /// Without the quarantine, the first answer stands.
+    pub(crate) async fn guarded<R, F, Fut>(&self, mut attempt: F, gone: fn(&R) -> bool) -> Result<R>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<R>>,
+    {
+        let mut remarked = false;
+        loop {
+            self.check().await?;
+            let answer = attempt().await?;
+            match &self.restart {
+                Some(guard) if !remarked && gone(&answer) => {
+                    guard.marker_missing(&self.conn).await?;
+                    remarked = true;
+                }
+                _ => return Ok(answer),
+            }
+        }
+    }
+
+    /// Whether this is a Redis Cluster connection.
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self.conn, Conn::Cluster(_))
+    }
+}
