@@ -80,6 +80,10 @@ impl Renewing {
     }
 }
 
+/// How early a renewal may go out with others that are due: a thirtieth
+/// of its lease, and no more than this.
+const RENEW_EARLY_MAX: Duration = Duration::from_millis(10);
+
 /// Holds pending that wake the task to sort them, so `pending` stays small
 /// however long the task sleeps.
 const DRAIN_PENDING_AT: usize = 1024;
@@ -248,8 +252,10 @@ async fn run(mut serving: Serving) {
         let deadline = {
             let mut table = engine.holds.table();
             table.drain_pending();
+            // Filed again after the loop, which would otherwise meet them again.
+            let mut looked_at = Vec::new();
             while let Some(&(at, id)) = table.schedule.due.first() {
-                if at > now {
+                if at > now + RENEW_EARLY_MAX {
                     break;
                 }
                 table.schedule.due.pop_first();
@@ -260,12 +266,18 @@ async fn run(mut serving: Serving) {
                     table.lease_ended(id);
                     continue;
                 }
-                // Due and still valid: the renewal is due (or a stale entry
-                // of a hold filed again, which `file` puts back in place).
-                if !renewing.in_flight && renewing.may_renew() && now >= renewing.next_renewal {
+                // Due, or nearly (a renewal goes out with those due now when
+                // it is due within a thirtieth of its lease: they share a
+                // script call), and still valid. Else a stale entry of a hold
+                // filed again, which `file` puts back in place.
+                let early = (renewing.lease / 30).min(RENEW_EARLY_MAX);
+                if !renewing.in_flight && renewing.may_renew() && now + early >= renewing.next_renewal {
                     renewing.in_flight = true;
                     to_send.push((id, hold.key.clone(), hold.owner.clone(), renewing.lease));
                 }
+                looked_at.push(id);
+            }
+            for id in looked_at {
                 table.file(id);
             }
             if table.schedule.filed == 0 && in_flight.is_empty() && to_send.is_empty() {

@@ -20,8 +20,8 @@
 //!   remaining TTL in the same call. Renewals queued while a renew call is
 //!   in flight go out together in the next call, many locks per script
 //!   (one per lock in a cluster, whose locks live in many slots); so do
-//!   acquires and releases on a single server or Sentinel master
-//!   (`coalesce.rs`).
+//!   acquires and releases on a single server or Sentinel master, past 16
+//!   in flight (`batch.rs`).
 //! * Release publishes on `prefix:{name:parts}:released` when `w` says
 //!   someone waits (uncontended releases skip it); waiters of this process
 //!   share one subscriber connection (see `subscriber.rs`).
@@ -72,11 +72,10 @@ use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
 use tls::{is_tls_url, CA_FILE_VAR};
 
+mod batch;
 mod client;
-mod coalesce;
 mod connection;
 mod high_water;
-mod renew_batch;
 mod restart;
 pub(crate) mod script;
 pub(crate) mod subscriber;
@@ -202,14 +201,11 @@ pub struct RedisBackend {
     high_water: HighWater,
     pub(crate) subscriber: Subscriber,
     acquire: Script,
-    /// The renew script, and what its calls go through (one call for the
-    /// renewals queued together; see `renew_batch.rs`).
-    renew: renew_batch::Sender,
-    renewals: renew_batch::RenewBatch,
+    renew: Script,
     release: Script,
-    /// Acquires and releases gathered into shared script calls, on a single
-    /// server or Sentinel master (see `coalesce.rs`).
-    coalesce: Option<(coalesce::Coalescer, coalesce::Calls)>,
+    /// Acquires, releases and renewals gathered into shared script calls,
+    /// on a single server or Sentinel master (see `batch.rs`).
+    batch: Option<(batch::Batcher, batch::Calls)>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -336,34 +332,25 @@ impl RedisBackend {
             Conn::Single(_) | Conn::Sentinel(_) => HighWater::Prefix(high_water::prefix_mark(prefix)),
         };
         let client = Client::new(conn, restart);
-        let renew = renew_batch::Sender { client: client.clone(), script: Script::new(include_str!("renew.lua")) };
+        let renew = Script::new(include_str!("renew.lua"));
         let acquire = Script::new(&format!("{CLOCK}{}", include_str!("acquire.lua")));
         let release = Script::new(include_str!("release.lua"));
-        let coalesce = match &high_water {
+        let batch = match &high_water {
             HighWater::Prefix(mark) => Some((
-                coalesce::Coalescer::default(),
-                coalesce::Calls {
+                batch::Batcher::default(),
+                batch::Calls {
                     client: client.clone(),
                     mark: mark.clone(),
                     acquire: acquire.clone(),
                     acquire_many: Script::new(&format!("{CLOCK}{}", include_str!("acquire_many.lua"))),
                     release: release.clone(),
                     release_many: Script::new(include_str!("release_many.lua")),
+                    renew: renew.clone(),
                 },
             )),
             HighWater::PerSlot => None,
         };
-        Ok(RedisBackend {
-            client,
-            prefix: prefix.into(),
-            high_water,
-            subscriber,
-            acquire,
-            renew,
-            renewals: renew_batch::RenewBatch::default(),
-            release,
-            coalesce,
-        })
+        Ok(RedisBackend { client, prefix: prefix.into(), high_water, subscriber, acquire, renew, release, batch })
     }
 
     /// The client every command goes through, shared with the idempotency
@@ -379,8 +366,8 @@ impl RedisBackend {
 
     /// One try on the server.
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
-        let attempt = match &self.coalesce {
-            Some((coalescer, calls)) => self.try_coalesced(coalescer, calls, req, awaited).await?,
+        let attempt = match &self.batch {
+            Some((batcher, calls)) => self.try_batched(batcher, calls, req, awaited).await?,
             None => self.try_on_node(req, awaited).await?,
         };
         Ok(match attempt {
@@ -395,7 +382,7 @@ impl RedisBackend {
     /// slow RedLock node is enough to miss the node timeout.
     pub(crate) async fn load_scripts(&self) -> Result<()> {
         let mut conn = self.client.conn().clone();
-        for script in [&self.acquire, &self.renew.script, &self.release] {
+        for script in [&self.acquire, &self.renew, &self.release] {
             script.prepare_invoke().load_async(&mut conn).await.map_err(redis_error)?;
         }
         Ok(())
@@ -422,16 +409,16 @@ impl RedisBackend {
         node_attempt(reply.as_slice(), sent, req.lease)
     }
 
-    /// [`try_on_node`](Self::try_on_node) through the coalescer: in one
+    /// [`try_on_node`](Self::try_on_node) through the batcher: in one
     /// script call with the acquires of other tasks queued at the same time.
-    async fn try_coalesced(
+    async fn try_batched(
         &self,
-        coalescer: &coalesce::Coalescer,
-        calls: &coalesce::Calls,
+        batcher: &batch::Batcher,
+        calls: &batch::Calls,
         req: &AcquireRequest,
         awaited: bool,
     ) -> Result<NodeAttempt> {
-        let attempt = || coalescer.run(calls, coalesce::Op::Acquire { req: req.clone(), awaited });
+        let attempt = || batcher.run(calls, batch::Op::Acquire { req: req.clone(), awaited });
         let (reply, sent) = self.client.guarded(attempt, marker_gone).await?;
         node_attempt(reply.as_slice(), sent, req.lease)
     }
@@ -444,13 +431,13 @@ fn marker_gone((reply, _): &(Reply, Instant)) -> bool {
 
 impl RedisBackend {
     /// [`release_on_server`](Self::release_on_server) through the
-    /// coalescer, where there is one.
-    async fn release_coalesced(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
-        let Some((coalescer, calls)) = &self.coalesce else {
+    /// batcher, where there is one.
+    async fn release_batched(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
+        let Some((batcher, calls)) = &self.batch else {
             return self.release_on_server(key, owner).await;
         };
-        let op = coalesce::Op::Release { key: key.clone(), owner: owner.clone() };
-        let (reply, _) = coalescer.run(calls, op).await?;
+        let op = batch::Op::Release { key: key.clone(), owner: owner.clone() };
+        let (reply, _) = batcher.run(calls, op).await?;
         Ok(if reply.as_slice() == [0] { Release::Freed } else { Release::NotHeld })
     }
 
@@ -583,16 +570,21 @@ impl Backend for RedisBackend {
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
-            let (extended, sent) = if self.client.is_cluster() {
-                // One script call touches one slot, and the locks renewed
-                // together may live in many: one call per lock.
-                let sent = Instant::now();
-                let mut call = ScriptCall::new(&self.renew.script, &[key.as_str()], 2);
-                call.arg(owner.as_str()).arg(lease_ms(lease));
-                let extended: Vec<i64> = self.client.invoke(&call).await?;
-                (extended == [1], sent)
-            } else {
-                self.renewals.renew(&self.renew, key, owner, lease_ms(lease)).await?
+            let (extended, sent) = match &self.batch {
+                Some((batcher, calls)) => {
+                    let op = batch::Op::Renew { key: key.clone(), owner: owner.clone(), lease_ms: lease_ms(lease) };
+                    let (reply, sent) = batcher.run(calls, op).await?;
+                    (reply.as_slice() == [1], sent)
+                }
+                None => {
+                    // A cluster: one script call touches one slot, and the
+                    // locks renewed together may live in many. One call per lock.
+                    let sent = Instant::now();
+                    let mut call = ScriptCall::new(&self.renew, &[key.as_str()], 2);
+                    call.arg(owner.as_str()).arg(lease_ms(lease));
+                    let extended: Vec<i64> = self.client.invoke(&call).await?;
+                    (extended == [1], sent)
+                }
             };
             Ok(match extended {
                 true => Renewal::Held { valid_until: sent + lease },
@@ -602,7 +594,7 @@ impl Backend for RedisBackend {
     }
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(self.release_coalesced(key, owner))
+        Box::pin(self.release_batched(key, owner))
     }
 }
 

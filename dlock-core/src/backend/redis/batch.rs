@@ -1,22 +1,30 @@
-//! Acquires and releases of many tasks gathered into one script call.
+//! Lock operations of many tasks gathered into shared script calls: the
+//! one batcher of the Redis backend, for acquires, releases and the
+//! watchdog's renewals, each kind in a queue of its own with its own
+//! [`Policy`].
 //!
 //! A client that sends every lock operation as a script call of its own
 //! pays the client side of a request (a redis-rs request, a reply to parse,
 //! a task to wake) once per lock; under many concurrent requests that client
 //! work, not the server, is what limits a process. So an operation is sent
-//! at once and alone, with the one-key script, while fewer than
-//! [`MAX_ALONE`] of its kind are in flight and no batch is being sent; past
-//! that, operations queue, and [`MAX_DRAINS`] tasks send what queued, each
-//! as one call of up to [`MAX_BATCH`] keys at a time, until the queue is
-//! empty (`acquire_many.lua` pays one `TIME` and one mark update for all of
-//! a call's acquires, and hands out consecutive tokens).
+//! at once and alone, with the one-key script, while fewer than its
+//! policy's `alone` of its kind are in flight and no batch is being sent;
+//! past that, operations queue, and up to the policy's `drains` tasks send
+//! what queued, each as one call of up to [`MAX_BATCH`] keys at a time,
+//! until the queue is empty (`acquire_many.lua` pays one `TIME` and one
+//! mark update for all of a call's acquires, and hands out consecutive
+//! tokens).
 //!
-//! The threshold is where batching starts to pay: measured on one 2-core
-//! machine with the server on its own core (`dlock-bench`), 16 tasks of a
-//! process went through fastest alone (the server is the limit there, and
-//! a batch saves it little: most of a lock's server work is per key), 256
-//! fastest in batches (their client work halves). A lone caller waits for
-//! nothing.
+//! * Acquires and releases go alone up to 16 in flight: measured on one
+//!   2-core machine with the server on its own core (`dlock-bench`), 16
+//!   tasks of a process went through fastest alone (the server is the limit
+//!   there, and a batch saves it little: most of a lock's server work is per
+//!   key), 256 fastest in batches (their client work halves). A lone caller
+//!   waits for nothing.
+//! * Renewals never go alone: the watchdog renews every due hold of a tick
+//!   at once, and one task sends them, many per call, one call at a time.
+//!   A renewal waits for no other caller to be polled, and a caller that
+//!   stops waiting strands no one queued behind it.
 //!
 //! Not for Redis Cluster (one call may only touch one slot) nor RedLock
 //! nodes (whose per-node timeout a queue would eat into).
@@ -37,12 +45,23 @@ use crate::owner::Owner;
 /// Keys per script call: bounds how long one call keeps the server busy.
 const MAX_BATCH: usize = 128;
 
-/// Operations of one kind sent alone at once before they start to queue.
-const MAX_ALONE: usize = 16;
+/// How one kind of operation goes out.
+#[derive(Debug, Clone, Copy)]
+struct Policy {
+    /// Operations sent alone at once, each in a call of its own, before
+    /// they start to queue.
+    alone: usize,
+    /// Batch calls in flight at once.
+    drains: usize,
+}
 
-/// Batch calls of one kind in flight at once: two keep the server busy
-/// while the client handles the other's answers.
-const MAX_DRAINS: usize = 2;
+impl Policy {
+    /// Two batch calls keep the server busy while the client handles the
+    /// other's answers.
+    const LOCKS: Policy = Policy { alone: 16, drains: 2 };
+    /// One call at a time, whatever queued behind it in the next.
+    const RENEWALS: Policy = Policy { alone: 0, drains: 1 };
+}
 
 /// A script's answer for one key, and when the call carrying it was sent.
 pub(crate) type Answer = Result<(Reply, Instant)>;
@@ -51,11 +70,40 @@ pub(crate) type Answer = Result<(Reply, Instant)>;
 pub(crate) enum Op {
     Acquire { req: AcquireRequest, awaited: bool },
     Release { key: LockKey, owner: Owner },
+    Renew { key: LockKey, owner: Owner, lease_ms: u64 },
+}
+
+/// The kinds of operation, each with a queue and a policy of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Acquire = 0,
+    Release = 1,
+    Renew = 2,
 }
 
 impl Op {
-    fn is_acquire(&self) -> bool {
-        matches!(self, Op::Acquire { .. })
+    fn kind(&self) -> Kind {
+        match self {
+            Op::Acquire { .. } => Kind::Acquire,
+            Op::Release { .. } => Kind::Release,
+            Op::Renew { .. } => Kind::Renew,
+        }
+    }
+
+    fn key(&self) -> &str {
+        match self {
+            Op::Acquire { req, .. } => req.key.as_str(),
+            Op::Release { key, .. } | Op::Renew { key, .. } => key.as_str(),
+        }
+    }
+}
+
+impl Kind {
+    fn policy(self) -> Policy {
+        match self {
+            Kind::Acquire | Kind::Release => Policy::LOCKS,
+            Kind::Renew => Policy::RENEWALS,
+        }
     }
 }
 
@@ -69,13 +117,14 @@ pub(crate) struct Calls {
     pub(crate) acquire_many: Script,
     pub(crate) release: Script,
     pub(crate) release_many: Script,
+    /// Renews one lock or many.
+    pub(crate) renew: Script,
 }
 
-/// The queues of acquires and of releases. Cheap to clone.
+/// The queues of acquires, releases and renewals. Cheap to clone.
 #[derive(Clone, Default)]
-pub(crate) struct Coalescer {
-    acquires: Arc<Mutex<Queue>>,
-    releases: Arc<Mutex<Queue>>,
+pub(crate) struct Batcher {
+    queues: [Arc<Mutex<Queue>>; 3],
 }
 
 #[derive(Default)]
@@ -92,21 +141,22 @@ fn lock(queue: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
     queue.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl Coalescer {
+impl Batcher {
     /// Runs `op` in a script call of its kind and returns its reply: alone
-    /// and at once while fewer than [`MAX_ALONE`] of its kind are in flight
-    /// and no batch is being sent; else in a batch call.
+    /// and at once while fewer than its policy's `alone` of its kind are in
+    /// flight and no batch is being sent; else in a batch call.
     pub(crate) async fn run(&self, calls: &Calls, op: Op) -> Answer {
-        let queue = if op.is_acquire() { &self.acquires } else { &self.releases };
+        let policy = op.kind().policy();
+        let queue = &self.queues[op.kind() as usize];
         let route = {
             let mut q = lock(queue);
-            if q.draining == 0 && q.alone < MAX_ALONE {
+            if q.draining == 0 && q.alone < policy.alone {
                 q.alone += 1;
                 Route::Alone(op)
             } else {
                 let (tx, rx) = oneshot::channel();
                 q.waiting.push((op, tx));
-                let start_drain = q.draining < MAX_DRAINS;
+                let start_drain = q.draining < policy.drains;
                 if start_drain {
                     q.draining += 1;
                 }
@@ -195,10 +245,10 @@ async fn drain(queue: Arc<Mutex<Queue>>, calls: Calls) {
 /// One script call for `op` alone, with the one-key script.
 async fn send_one(calls: &Calls, op: &Op) -> Answer {
     let (reply, sent) = call(calls, std::slice::from_ref(op)).await?;
-    let reply = if op.is_acquire() {
-        acquire_reply(reply)?
-    } else {
-        redis::from_redis_value::<i64>(reply).and_then(|r| Reply::new(&[r])).map_err(unexpected)?
+    let reply = match op.kind() {
+        Kind::Acquire => acquire_reply(reply)?,
+        Kind::Release => redis::from_redis_value::<i64>(reply).and_then(|r| Reply::new(&[r])).map_err(unexpected)?,
+        Kind::Renew => redis::from_redis_value::<Vec<i64>>(reply).and_then(|r| Reply::new(&r)).map_err(unexpected)?,
     };
     Ok((reply, sent))
 }
@@ -219,7 +269,7 @@ async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
         Ok(answered) => answered,
         Err(e) => return failed(e),
     };
-    let parsed: std::result::Result<Vec<Reply>, redis::ParsingError> = if ops[0].is_acquire() {
+    let parsed: std::result::Result<Vec<Reply>, redis::ParsingError> = if ops[0].kind() == Kind::Acquire {
         redis::from_redis_value::<Vec<i64>>(reply).and_then(|flat| {
             if flat == [2] {
                 // The data marker is gone: the same answer for every acquire.
@@ -251,7 +301,7 @@ fn unexpected(e: redis::ParsingError) -> Error {
 /// script for one operation, the many-key script otherwise. The raw reply
 /// and when the call was sent.
 async fn call(calls: &Calls, ops: &[Op]) -> Result<(redis::Value, Instant)> {
-    if ops.first().is_some_and(Op::is_acquire) {
+    if ops.first().is_some_and(|op| op.kind() == Kind::Acquire) {
         // Checked when the acquire was queued too; a batch may have waited.
         calls.client.check().await?;
     }
@@ -266,23 +316,24 @@ async fn call(calls: &Calls, ops: &[Op]) -> Result<(redis::Value, Instant)> {
 }
 
 /// The many-key script's call for a batch of one kind (`acquire_many.lua`,
-/// `release_many.lua`): every key before the first argument, as `EVALSHA`
-/// takes them.
+/// `release_many.lua`, `renew.lua`): every key before the first argument,
+/// as `EVALSHA` takes them.
 fn batch_call<'a>(calls: &'a Calls, ops: &[Op], marker: Option<&str>) -> ScriptCall<'a> {
-    let acquiring = ops.first().is_some_and(Op::is_acquire);
+    let kind = ops.first().map_or(Kind::Release, Op::kind);
     let mut keys: Vec<&str> = Vec::with_capacity(ops.len() + 2);
-    if acquiring {
+    if kind == Kind::Acquire {
         // The mark, and the data marker (or the mark again, unused).
         keys.push(&calls.mark);
         keys.push(marker.unwrap_or(&calls.mark));
     }
-    keys.extend(ops.iter().map(|op| match op {
-        Op::Acquire { req, .. } => req.key.as_str(),
-        Op::Release { key, .. } => key.as_str(),
-    }));
-    let script = if acquiring { &calls.acquire_many } else { &calls.release_many };
+    keys.extend(ops.iter().map(Op::key));
+    let script = match kind {
+        Kind::Acquire => &calls.acquire_many,
+        Kind::Release => &calls.release_many,
+        Kind::Renew => &calls.renew,
+    };
     let mut call = ScriptCall::new(script, &keys, 3 * ops.len() + 1);
-    if acquiring {
+    if kind == Kind::Acquire {
         call.arg(if marker.is_some() { "1" } else { "0" });
     }
     for op in ops {
@@ -292,6 +343,9 @@ fn batch_call<'a>(calls: &'a Calls, ops: &[Op], marker: Option<&str>) -> ScriptC
             }
             Op::Release { owner, .. } => {
                 call.arg(owner.as_str());
+            }
+            Op::Renew { owner, lease_ms, .. } => {
+                call.arg(owner.as_str()).arg(*lease_ms);
             }
         }
     }
