@@ -58,7 +58,9 @@ use tokio::time::Instant;
 
 use super::redis::script::ScriptCall;
 use super::redis::subscriber::Registration;
-use super::redis::{prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions};
+use super::redis::{
+    prefix_fence_key, raise_mark_script, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions,
+};
 use super::wait::{acquire_loop, Attempt};
 use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use crate::error::{Error, Result};
@@ -68,21 +70,9 @@ use crate::owner::Owner;
 /// How long one node may take to answer one step.
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 
-/// Raises a node's high-water mark (KEYS[1]) to a token a quorum granted
-/// (ARGV[1]), never lowers it. Tokens and marks are decimal text without
-/// leading zeros: the longer is the larger, and equal lengths compare as
-/// strings (as `at_least` in `redis/clock.lua`).
-static RAISE_MARK: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(
-        r"
-local last = redis.call('GET', KEYS[1])
-if not last or #last < #ARGV[1] or (#last == #ARGV[1] and last < ARGV[1]) then
-  redis.call('SET', KEYS[1], ARGV[1])
-end
-return 1
-",
-    )
-});
+/// RedLock's write-back: raises a node's high-water mark to a token a
+/// quorum granted, never lowers it (`redis/raise_mark.lua`).
+static RAISE_MARK: LazyLock<redis::Script> = LazyLock::new(raise_mark_script);
 
 /// Locks over an odd number (≥ 3) of independent Redis masters.
 ///

@@ -1,22 +1,18 @@
 -- Take the lock, or join our own owner's hold, or report how long the
--- holder has left.
--- KEYS[1] lock: a string '<token>:<w>:<owner>' whose TTL is the lease; `w`
--- is '1' when someone waits for its release, else '0'.
--- KEYS[2] high-water mark: the last fencing token granted. One key for all
--- locks of a single server, one per hash slot in a cluster (same slot as
--- KEYS[1]), without TTL: released locks leave nothing of their own behind.
--- ARGV[1] owner token, ARGV[2] lease in ms,
--- ARGV[3] '1' when the caller waits for release announcements: mark the lock
--- as awaited, held or granted (a winning waiter may have others parked behind
--- it in its process, which only its release will wake)
+-- holder has left (clock.lua and take.lua are prepended).
+-- KEYS[1] lock. KEYS[2] high-water mark: the last fencing token granted.
+-- One key for all locks of a single server, one per hash slot in a cluster
+-- (same slot as KEYS[1]), without TTL: released locks leave nothing of
+-- their own behind.
+-- ARGV[1] owner token, ARGV[2] lease in ms, ARGV[3] '1' when the caller
+-- waits for release announcements (see take.lua).
 -- KEYS[3], ARGV[4] = '1' (only with the restart quarantine): a data marker
 -- without TTL; when it is gone the server lost its data, and nothing is
 -- granted (the client quarantines it, see restart.rs).
 -- Returns the fencing token (decimal text, the cheapest reply) when granted,
--- {1, fencing token, 2} when the
--- owner held it already (a re-entry the client could not answer itself: no
--- count is kept here, see holds.rs), {0, remaining ms of the holder} when
--- held, {2} when the marker is gone.
+-- {1, fencing token, 2} when the owner held it already (a hold of the same
+-- owner the engine had given up as lost), {0, remaining ms of the holder}
+-- when held, {2} when the marker is gone.
 if ARGV[4] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then
   return {2}
 end
@@ -34,25 +30,10 @@ if last and at_least(last, text) then
   text = string.format('%d', last + 1)
   redis.call('SET', KEYS[2], text)
 end
-local w = ARGV[3] == '1' and '1' or '0'
-local held = redis.call('SET', KEYS[1], text .. ':' .. w .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
-if not held then
+local outcome, value = take(KEYS[1], text, ARGV[3] == '1' and '1' or '0', ARGV[1], ARGV[2])
+if outcome == 1 then
   return text
+elseif outcome == 2 then
+  return {1, value, 2}
 end
-local fence, waited, owner = string.match(held, '^(%d+):([01]):(.*)$')
-if owner == ARGV[1] then
-  -- Joins the hold: same token, the lease extended (never shortened).
-  if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  end
-  if w == '1' and waited == '0' then
-    redis.call('SET', KEYS[1], fence .. ':1:' .. owner, 'KEEPTTL')
-  end
-  return {1, fence, 2}
-end
-if w == '1' and waited == '0' then
-  -- Asks the holder's release to announce itself; releases nobody waits for
-  -- skip the PUBLISH.
-  redis.call('SET', KEYS[1], fence .. ':1:' .. owner, 'KEEPTTL')
-end
-return {0, redis.call('PTTL', KEYS[1])}
+return {0, value}

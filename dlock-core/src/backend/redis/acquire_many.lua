@@ -1,6 +1,6 @@
--- acquire.lua for many locks of one server in one call (see coalesce.rs):
+-- acquire.lua for many locks of one server in one call (see batch.rs):
 -- one `TIME` and one high-water mark update for all of them, consecutive
--- tokens for the locks granted.
+-- tokens for the locks granted (clock.lua and take.lua are prepended).
 -- KEYS[1] high-water mark, KEYS[2] the restart-quarantine data marker when
 -- ARGV[1] = '1' (else unused), KEYS[i + 2] lock i;
 -- ARGV[3i - 1] owner, ARGV[3i] lease in ms, ARGV[3i + 1] awaited ('1'/'0')
@@ -24,36 +24,21 @@ local out = {}
 local n = 0
 for i = 3, #KEYS do
   local j = i * 3 - 7
-  local owner, w = ARGV[j], ARGV[j + 2] == '1' and '1' or '0'
   -- The clock's own text for the first grant, formatted only after it.
   local token = (granted == 0 and not fixed) and text or string.format('%d', base + granted)
-  local held = redis.call('SET', KEYS[i], token .. ':' .. w .. ':' .. owner, 'NX', 'PX', ARGV[j + 1], 'GET')
-  if not held then
+  local outcome, value = take(KEYS[i], token, ARGV[j + 2] == '1' and '1' or '0', ARGV[j], ARGV[j + 1])
+  if outcome == 1 then
     granted = granted + 1
     out[n + 1] = 1
-    out[n + 2] = token
     out[n + 3] = 1
+  elseif outcome == 2 then
+    out[n + 1] = 1
+    out[n + 3] = 2
   else
-    local fence, waited, holder = string.match(held, '^(%d+):([01]):(.*)$')
-    if holder == owner then
-      if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[j + 1]) then
-        redis.call('PEXPIRE', KEYS[i], ARGV[j + 1])
-      end
-      if w == '1' and waited == '0' then
-        redis.call('SET', KEYS[i], fence .. ':1:' .. holder, 'KEEPTTL')
-      end
-      out[n + 1] = 1
-      out[n + 2] = fence
-      out[n + 3] = 2
-    else
-      if w == '1' and waited == '0' then
-        redis.call('SET', KEYS[i], fence .. ':1:' .. holder, 'KEEPTTL')
-      end
-      out[n + 1] = 0
-      out[n + 2] = redis.call('PTTL', KEYS[i])
-      out[n + 3] = 0
-    end
+    out[n + 1] = 0
+    out[n + 3] = 0
   end
+  out[n + 2] = value
   n = n + 3
 end
 if granted > 1 or fixed then

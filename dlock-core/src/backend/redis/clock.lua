@@ -1,4 +1,4 @@
--- Prepended to acquire.lua and acquire_many.lua (see mod.rs).
+-- Prepended to acquire.lua, acquire_many.lua and raise_mark.lua (see mod.rs).
 -- The server clock in microseconds as decimal text: seconds and zero-padded
 -- microseconds, so the common path converts no number to text or back.
 local function clock_text()

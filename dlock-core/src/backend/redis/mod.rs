@@ -93,8 +93,18 @@ pub(crate) use restart::RestartGuard;
 use script::ScriptCall;
 use subscriber::Subscriber;
 
-/// The server clock as token text, prepended to the acquire scripts.
+/// The server clock as token text, prepended to the scripts that make
+/// tokens.
 const CLOCK: &str = include_str!("clock.lua");
+/// What an acquire does to one lock, prepended to both acquire scripts.
+const TAKE: &str = include_str!("take.lua");
+/// What a release does to one lock, prepended to both release scripts.
+const FREE: &str = include_str!("free.lua");
+
+/// RedLock's write-back of a granted token to a node's high-water mark.
+pub(crate) fn raise_mark_script() -> Script {
+    Script::new(&format!("{CLOCK}{}", include_str!("raise_mark.lua")))
+}
 
 /// Timeouts of the Redis connections.
 ///
@@ -333,8 +343,8 @@ impl RedisBackend {
         };
         let client = Client::new(conn, restart);
         let renew = Script::new(include_str!("renew.lua"));
-        let acquire = Script::new(&format!("{CLOCK}{}", include_str!("acquire.lua")));
-        let release = Script::new(include_str!("release.lua"));
+        let acquire = Script::new(&format!("{CLOCK}{TAKE}{}", include_str!("acquire.lua")));
+        let release = Script::new(&format!("{FREE}{}", include_str!("release.lua")));
         let batch = match &high_water {
             HighWater::Prefix(mark) => Some((
                 batch::Batcher::default(),
@@ -342,9 +352,9 @@ impl RedisBackend {
                     client: client.clone(),
                     mark: mark.clone(),
                     acquire: acquire.clone(),
-                    acquire_many: Script::new(&format!("{CLOCK}{}", include_str!("acquire_many.lua"))),
+                    acquire_many: Script::new(&format!("{CLOCK}{TAKE}{}", include_str!("acquire_many.lua"))),
                     release: release.clone(),
-                    release_many: Script::new(include_str!("release_many.lua")),
+                    release_many: Script::new(&format!("{FREE}{}", include_str!("release_many.lua"))),
                     renew: renew.clone(),
                 },
             )),
