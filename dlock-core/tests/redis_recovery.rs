@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::backend::redis::{RedisBackend, RedisConnection, RedisOptions};
+use dlock_core::backend::redis::RedisBackend;
 use dlock_core::idempotency::{Begin, IdempotencyStore, RedisStore};
 use dlock_core::{Backend, Error, Locker, LockerOptions};
 use dlock_testing::RedisServer;
@@ -111,15 +111,4 @@ async fn requests_during_an_outage_fail_promptly() {
         "slowest refusal during the outage: {slowest:?}; first success {:?} after the server is back",
         back.elapsed()
     );
-}
-
-/// The connection the example service uses for its own data.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plain_connection_comes_back_by_itself() {
-    let mut server = RedisServer::start();
-    let conn = RedisConnection::connect(&server.url(), &RedisOptions::default()).await.expect("connect");
-    let () = redis::cmd("SET").arg("k").arg("v").query_async(&mut conn.clone()).await.expect("SET");
-
-    outage(&mut server).await;
-    let () = redis::cmd("SET").arg("k").arg("x").query_async(&mut conn.clone()).await.expect("first SET after");
 }

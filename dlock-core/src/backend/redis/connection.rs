@@ -54,17 +54,11 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(250);
 /// requests fail at once with an I/O error, never waiting for it.
 ///
 /// Clones share the connection; the task ends with the last clone. Commands
-/// go through [`redis::aio::ConnectionLike`], so any redis-rs command works:
-///
-/// ```no_run
-/// # async fn demo() -> dlock_core::Result<()> {
-/// use dlock_core::backend::redis::{RedisConnection, RedisOptions};
-/// let conn = RedisConnection::connect("redis://127.0.0.1:6379", &RedisOptions::default()).await?;
-/// let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut conn.clone()).await;
-/// # Ok(()) }
-/// ```
+/// go through [`redis::aio::ConnectionLike`], so any redis-rs command works.
+/// Crate-private: a lock library publishes no connection type; an
+/// application's own data can use redis-rs's `ConnectionManager`.
 #[derive(Clone)]
-pub struct RedisConnection {
+pub(crate) struct RedisConnection {
     shared: Arc<Shared>,
 }
 
@@ -113,7 +107,7 @@ impl RedisConnection {
     ///
     /// [`Error::Config`] for a malformed URL or refused credentials,
     /// [`Error::Backend`] when the server cannot be reached in time.
-    pub async fn connect(url: &str, options: &RedisOptions) -> Result<Self> {
+    pub(crate) async fn connect(url: &str, options: &RedisOptions) -> Result<Self> {
         let client = open_client(url, options)?;
         Self::connect_client(client, options.connect_timeout, options.response_timeout).await.map_err(|e| match e {
             ConnectFailure::Timeout => {
@@ -646,6 +640,21 @@ pub(super) async fn warn_on_evicting_policy(mut conn: RedisConnection) {
 mod tests {
     use super::check_version;
     use crate::error::Error;
+
+    /// Back by itself after an outage: the first command after the server
+    /// returns succeeds, found by the probe, not by a command that failed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_comes_back_by_itself() {
+        let mut server = dlock_testing::RedisServer::start();
+        let options = super::super::RedisOptions::default();
+        let conn = super::RedisConnection::connect(&server.url(), &options).await.expect("connect");
+        let () = redis::cmd("SET").arg("k").arg("v").query_async(&mut conn.clone()).await.expect("SET");
+        server.kill();
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        server.start_again();
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let () = redis::cmd("SET").arg("k").arg("x").query_async(&mut conn.clone()).await.expect("first SET after");
+    }
 
     #[test]
     fn servers_older_than_redis_7_are_refused_by_name() {

@@ -28,7 +28,7 @@
 //!
 //! All commands go through one multiplexed connection with connect and
 //! response timeouts, so a dead server gives an error, never a hang. A
-//! background task keeps it up ([`RedisConnection`]): it notices a server
+//! background task keeps it up (`connection.rs`): it notices a server
 //! that went away within 250 ms and reconnects with a backoff capped at
 //! 250 ms, so while the server is away requests fail at once, and the first
 //! request after it is back finds a live connection.
@@ -84,7 +84,7 @@ pub(crate) mod tls;
 pub use tls::RedisTls;
 
 pub(crate) use client::Client;
-pub use connection::RedisConnection;
+pub(crate) use connection::RedisConnection;
 use connection::{
     connect_error, open_client, require_redis_7, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget,
 };

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use dlock_core::backend::redis::{RedisConnection, RedisOptions};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::AsyncCommands;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
@@ -41,7 +41,7 @@ pub(crate) enum Store {
     /// In this process only.
     Memory(Arc<Mutex<MemoryStore>>),
     /// In a Redis that several instances share.
-    Redis(RedisConnection),
+    Redis(ConnectionManager),
 }
 
 impl fmt::Debug for Store {
@@ -75,13 +75,18 @@ impl Store {
         Store::Memory(Arc::default())
     }
 
-    /// A store in the Redis at `url`. Commands give up after a second so a
-    /// dead Redis answers errors at once, not hangs; the connection is
-    /// re-established in the background, so the first request after the
-    /// server is back already succeeds (dlock's own `RedisConnection`).
+    /// A store in the Redis at `url`, through redis-rs's own
+    /// `ConnectionManager`: commands give up after a second, so a dead
+    /// Redis answers errors at once, not hangs, and a broken connection is
+    /// re-established by the requests that follow.
     pub(crate) async fn redis(url: &str) -> Result<Self, StoreError> {
-        let conn =
-            RedisConnection::connect(url, &RedisOptions::default()).await.map_err(|e| StoreError(e.to_string()))?;
+        let client = redis::Client::open(url).map_err(|e| StoreError(e.to_string()))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(std::time::Duration::from_secs(1)))
+            .set_response_timeout(Some(std::time::Duration::from_secs(1)))
+            .set_number_of_retries(2)
+            .set_max_delay(std::time::Duration::from_millis(250));
+        let conn = ConnectionManager::new_with_config(client, config).await.map_err(|e| StoreError(e.to_string()))?;
         Ok(Store::Redis(conn))
     }
 
