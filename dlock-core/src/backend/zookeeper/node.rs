@@ -1,0 +1,178 @@
+//! Taking a place in a lock's line: creating our ephemeral sequential node
+//! (and finding it again when the reply to the create was lost), then
+//! waiting until it sorts first.
+//!
+//! A reply lost with the connection (ZOOKEEPER-1262) leaves the outcome of
+//! a create unknown. We then look for our node by its random prefix
+//! (Curator's protection mode); a node we can neither find nor delete is
+//! left to the background [`sweep`], since no one else would delete it
+//! while our session, which survives reconnects, lives.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use zookeeper_client as zk;
+
+use super::acl::{node_acls, not_allowed, secure_root};
+use super::delete::sweep;
+use super::error::{answered, zk_error};
+use super::path::{path_log_id, sequence_of, LOCK_NAME};
+use crate::backend::zookeeper_auth::ZooKeeperAuth;
+use crate::backend::{contention, AcquireRequest, CancellationToken};
+use crate::error::{Error, Result};
+
+/// Creates our sequential node, creating the lock's container node on
+/// the way. Returns the node's path and its creation zxid, the fencing
+/// token: ZooKeeper's transaction ids only grow, for every node of the
+/// ensemble, so it is strictly increasing per key even when the lock's
+/// container node is removed and re-created (a per-parent sequence number
+/// would restart at 0).
+///
+/// A create whose reply is lost may still have happened (ZOOKEEPER-1262):
+/// every failure that is not the server's own answer is followed by a
+/// look for our node, found by the random prefix only we use, before
+/// trying again. Giving up without that look would leave a node that
+/// sorts ahead of every later contender for as long as our session
+/// lives, and the session survives the reconnect.
+pub(super) async fn create_node(
+    client: &zk::Client,
+    dir: &str,
+    prefix: &str,
+    auth: Option<&ZooKeeperAuth>,
+) -> Result<(String, u64)> {
+    let name = format!("{dir}/{prefix}");
+    let acls = node_acls(auth);
+    let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(acls);
+    let container = zk::CreateMode::Container.with_acls(acls);
+    let mut last = None;
+    for _ in 0..8 {
+        match client.create(&name, &[], &ephemeral).await {
+            Ok((stat, sequence)) => {
+                return Ok((format!("{name}{sequence}"), u64::try_from(stat.czxid).unwrap_or(0)));
+            }
+            // The container is missing, or was just reaped: make it again.
+            Err(zk::Error::NoNode) => {
+                let made = match auth {
+                    // Without credentials, `mkdir` makes `/<prefix>` too
+                    // if it is missing, as a container.
+                    None => client.mkdir(dir, &container).await,
+                    Some(auth) => match client.create(dir, &[], &container).await {
+                        Ok(_) => Ok(()),
+                        // `/<prefix>` was deleted (only possible while
+                        // empty): make it again, and check it, since
+                        // whoever made it owns every lock node under it.
+                        Err(zk::Error::NoNode) => match dir.rsplit_once('/') {
+                            Some((root, _)) => {
+                                secure_root(client, root, auth).await?;
+                                Ok(())
+                            }
+                            None => Err(zk::Error::NoNode),
+                        },
+                        Err(e) => Err(e),
+                    },
+                };
+                match made {
+                    Ok(()) | Err(zk::Error::NodeExists) => continue,
+                    // Made or not, the next create tells.
+                    Err(e) if !answered(&e) => last = Some(e),
+                    Err(zk::Error::NoAuth) => return Err(not_allowed(dir, auth)),
+                    Err(e) => return Err(zk_error(e)),
+                }
+            }
+            Err(zk::Error::NoAuth) => return Err(not_allowed(dir, auth)),
+            Err(e) if !answered(&e) => {
+                tracing::debug!(error = %e, dir = %path_log_id(dir), "create's outcome unknown; looking for our node");
+                match find_node(client, dir, prefix).await {
+                    Ok(Some(found)) => return Ok(found),
+                    Ok(None) => last = Some(e),
+                    Err(lookup) => {
+                        tokio::spawn(sweep(client.clone(), dir.to_owned(), prefix.to_owned()));
+                        return Err(lookup);
+                    }
+                }
+            }
+            Err(e) => return Err(zk_error(e)),
+        }
+    }
+    Err(last
+        .map_or_else(|| Error::backend("zookeeper", format!("could not create a lock node under `{dir}`")), zk_error))
+}
+
+/// Our node under `dir`, by the prefix only we use, with its creation
+/// zxid; `None` when the server never made it.
+async fn find_node(client: &zk::Client, dir: &str, prefix: &str) -> Result<Option<(String, u64)>> {
+    let mut last = None;
+    for attempt in 0..6 {
+        if attempt > 0 {
+            // The client is reconnecting; a request sent now waits for it.
+            tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
+        }
+        let children = match client.list_children(dir).await {
+            Ok(children) => children,
+            // No lock node, so no node of ours in it.
+            Err(zk::Error::NoNode) => return Ok(None),
+            Err(e) if !answered(&e) => {
+                last = Some(e);
+                continue;
+            }
+            Err(e) => return Err(zk_error(e)),
+        };
+        let Some(child) = children.iter().find(|c| c.starts_with(prefix)) else { return Ok(None) };
+        let path = format!("{dir}/{child}");
+        match client.check_stat(&path).await {
+            Ok(Some(stat)) => return Ok(Some((path, u64::try_from(stat.czxid).unwrap_or(0)))),
+            // Ours, yet gone: only the session's end deletes it, and
+            // the next create will say so.
+            Ok(None) => return Ok(None),
+            Err(e) if !answered(&e) => last = Some(e),
+            Err(e) => return Err(zk_error(e)),
+        }
+    }
+    let e = last.map_or_else(|| Error::backend("zookeeper", "lookup failed"), zk_error);
+    tracing::warn!(
+        error = %e,
+        dir = %path_log_id(dir),
+        prefix,
+        "cannot tell whether a lost create made our node; it goes with the session"
+    );
+    Err(e)
+}
+
+/// Waits until `node` sorts first among the contenders of `dir`, watching
+/// only its immediate predecessor (no herd effect) and looking again when
+/// that one goes, so waiters are served in the order they arrived (FIFO).
+pub(super) async fn wait_turn(
+    client: &zk::Client,
+    req: &AcquireRequest,
+    dir: &str,
+    node: &str,
+    cancel: &CancellationToken,
+) -> Result<()> {
+    let started = Instant::now();
+    let ours = node.rsplit('/').next().unwrap_or_default();
+    loop {
+        let mut children = client.list_children(dir).await.map_err(zk_error)?;
+        children.retain(|c| c.contains(LOCK_NAME));
+        children.sort_by_key(|c| sequence_of(c));
+        let Some(position) = children.iter().position(|c| c == ours) else {
+            return Err(Error::backend("zookeeper", "our lock node vanished (session expired?)"));
+        };
+        if position == 0 {
+            return Ok(());
+        }
+        let Some(deadline) = req.deadline else {
+            return Err(contention(req, started));
+        };
+        let predecessor = format!("{dir}/{}", children[position - 1]);
+        let (stat, watcher) = client.check_and_watch_stat(&predecessor).await.map_err(zk_error)?;
+        if stat.is_none() {
+            continue;
+        }
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return Err(Error::Cancelled),
+            _ = watcher.changed() => {}
+            _ = tokio::time::sleep_until(deadline) => return Err(contention(req, started)),
+        }
+    }
+}
