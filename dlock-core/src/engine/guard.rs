@@ -17,8 +17,9 @@ use crate::owner::Owner;
 /// A held lock.
 ///
 /// * [`fencing_token`](Self::fencing_token) is greater than that of every
-///   earlier grant of the key: hand it to the storage you protect so it can
-///   refuse writes from a holder whose lease already ran out.
+///   earlier grant of the key (on the conditions it lists): hand it to the
+///   storage you protect so it can refuse writes from a holder whose lease
+///   already ran out.
 /// * [`lost`](Self::lost) resolves when the lock may no longer be ours.
 /// * [`release`](Self::release) gives it back and says whether we still held
 ///   it. Dropping an unreleased guard releases it in the background.
@@ -94,7 +95,16 @@ impl LockGuard {
         &self.owner
     }
 
-    /// Greater than the token of every earlier grant of this key.
+    /// The grant's fencing token: greater than the token of every grant of
+    /// this key returned before this acquire began (re-entries of one hold
+    /// share its token), while the backend keeps its high-water mark. On
+    /// one Redis or a Sentinel master, after the mark was lost (a restart
+    /// without persistence, a flush) tokens come from the server clock and
+    /// grow as long as it has not stepped back; after a failover to a
+    /// replica, as long as the new master's clock is not behind. On RedLock,
+    /// while a majority of masters keeps its data, whatever the offsets of
+    /// their clocks. In process and on ZooKeeper (the node's creation zxid),
+    /// always.
     pub fn fencing_token(&self) -> u64 {
         self.fencing_token
     }
