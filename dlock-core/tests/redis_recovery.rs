@@ -112,3 +112,28 @@ async fn requests_during_an_outage_fail_promptly() {
         back.elapsed()
     );
 }
+
+/// A Redis Cluster master restarts (keeping its cluster config, as a
+/// restarted node does): the first acquire on its slots after it is back
+/// succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_acquire_after_a_cluster_master_restarts_succeeds() {
+    let mut cluster = dlock_testing::RedisCluster::start(3);
+    let locker = locker(RedisBackend::connect(&cluster.url(), "dlock").await.expect("connect"));
+    let key = locker.key("recovery").part("cluster").build().expect("key");
+    locker.try_acquire(&key).await.expect("before the outage").release().await.expect("release");
+    let node = cluster.node_for(key.as_str());
+    outage(&mut cluster.nodes[node]).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !redis::cmd("CLUSTER")
+        .arg("INFO")
+        .query::<String>(&mut cluster.nodes[node].connection())
+        .unwrap_or_default()
+        .contains("cluster_state:ok")
+    {
+        assert!(Instant::now() < deadline, "the cluster did not heal");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let guard = locker.try_acquire(&key).await.expect("the first acquire after the master is back");
+    assert!(guard.release().await.expect("release"));
+}

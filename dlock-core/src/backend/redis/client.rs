@@ -51,9 +51,21 @@ impl Client {
         }
     }
 
-    /// Sends a script call.
+    /// Sends a script call. On a cluster, a call redirected (`MOVED`,
+    /// `ASK`) or refused while a master rejoins (`TRYAGAIN`, `CLUSTERDOWN`)
+    /// goes once more: after a master restarts, redis-rs's one retry is
+    /// spent reconnecting, and its slot map is refreshed by the redirect
+    /// itself. Every lock script is safe to run twice for one owner (an
+    /// acquire joins its own hold, release and renewal check the owner).
     pub(crate) async fn invoke<T: FromRedisValue>(&self, call: &ScriptCall<'_>) -> Result<T> {
-        call.invoke(&mut self.conn.clone()).await.map_err(|e| self.failed(e))
+        let mut conn = self.conn.clone();
+        match call.invoke(&mut conn).await {
+            Err(e) if self.is_cluster() && rerouted(&e) => {
+                tracing::debug!(error = %e, "dlock: Redis Cluster redirected a call after a topology change; sending it again");
+                call.invoke(&mut conn).await.map_err(|e| self.failed(e))
+            }
+            answered => answered.map_err(|e| self.failed(e)),
+        }
     }
 
     /// Sends a plain command.
@@ -97,4 +109,11 @@ impl Client {
     pub(crate) fn is_cluster(&self) -> bool {
         matches!(self.conn, Conn::Cluster(_))
     }
+}
+
+/// The cluster sent the call elsewhere, or asked for it later, while its
+/// topology changed.
+fn rerouted(e: &redis::RedisError) -> bool {
+    matches!(e.kind(), redis::ErrorKind::Server(kind) if matches!(kind,
+        redis::ServerErrorKind::Moved | redis::ServerErrorKind::Ask | redis::ServerErrorKind::TryAgain | redis::ServerErrorKind::ClusterDown))
 }
