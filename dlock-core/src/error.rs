@@ -115,6 +115,21 @@ impl Error {
         matches!(self, Error::Backend { .. } | Error::QuorumUnavailable { .. })
     }
 
+    /// The service may have carried out the request that failed: it was
+    /// sent, and its answer was lost (a response timeout, a connection that
+    /// dropped while it was in flight). A connection refused, or down
+    /// before the request was sent, did nothing. The engine undoes an
+    /// acquire that failed this way.
+    pub(crate) fn outcome_unknown(&self) -> bool {
+        match self {
+            #[cfg(feature = "redis")]
+            Error::Backend { source: Some(source), .. } => {
+                source.downcast_ref::<redis::RedisError>().is_some_and(crate::backend::redis::may_have_run)
+            }
+            _ => false,
+        }
+    }
+
     /// The program or its environment is misconfigured.
     pub fn is_misconfigured(&self) -> bool {
         matches!(self, Error::Config { .. } | Error::InvalidKey(_) | Error::InvalidArgument { .. })

@@ -1023,3 +1023,26 @@ async fn an_acquire_whose_answer_timed_out_does_not_block_the_key_for_a_lease() 
     });
     assert!(other.release().await.expect("release"));
 }
+
+/// An acquire refused before it was sent (the server is down) ran nothing,
+/// so nothing is undone: a dead server does not collect one background
+/// release per failed request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_refused_by_a_dead_server_leave_no_release_behind() {
+    let mut server = RedisServer::start();
+    let a = locker_for(&server.url(), 30_000).await;
+    let k = a.key("dead-server").part(1).build().expect("key");
+    a.try_acquire(&k).await.expect("free").release().await.expect("release");
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let before = metrics.num_alive_tasks();
+    for i in 0..50 {
+        let k = a.key("dead-server").part(i).build().expect("key");
+        let err = a.try_acquire(&k).await.expect_err("the server is down");
+        assert!(err.is_unavailable(), "{err}");
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let extra = metrics.num_alive_tasks().saturating_sub(before);
+    assert!(extra < 10, "{extra} tasks left behind by 50 refused acquires");
+}

@@ -404,11 +404,10 @@ impl Table {
 
 impl AcquireTurn {
     /// The first acquire failed in a way that leaves its outcome unknown
-    /// (its answer timed out, or the connection dropped after it was
-    /// sent): the service may have granted it. The turn becomes the turn of
-    /// an owner-checked release, which bounded by the lease ends at
-    /// `valid_until`, so that such a grant does not block the key for a
-    /// whole lease.
+    /// (its answer timed out, or the connection broke while it was in
+    /// flight): the service may have granted it. The turn becomes the turn
+    /// of an owner-checked release, which, bounded by the lease, ends at
+    /// `valid_until`.
     pub(super) fn undo(mut self, valid_until: Instant) -> Option<ReleaseTurn> {
         let id = self.id.take()?;
         let hold = self.holds.table().slots.get_mut(id).map(|hold| hold.phase = Phase::Releasing { retrying: true });

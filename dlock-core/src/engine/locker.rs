@@ -358,7 +358,7 @@ impl Locker {
             match result {
                 Ok(grant) => Ok(granted(&engine, turn, grant, req, renew)),
                 Err(e) => {
-                    if e.is_unavailable() {
+                    if e.outcome_unknown() {
                         undo(&engine, turn, req);
                     }
                     Err(e)
@@ -370,11 +370,14 @@ impl Locker {
     }
 }
 
-/// An acquire that failed as unavailable may still have been granted (its
-/// answer timed out, or the connection dropped after it was sent): an
-/// owner-checked release goes after it in the background, retried until the
-/// lease ends, so that such a grant does not keep the key for a whole lease.
-/// Sent on the same connection after the acquire, it lands after it.
+/// An acquire whose outcome is unknown (its answer timed out, or the
+/// connection broke while it was in flight) may still have been granted:
+/// an owner-checked release goes after it in the background, retried while
+/// the service cannot be reached until the lease ends, so that such a grant
+/// does not keep the key for a whole lease. Sent on the same connection
+/// after the acquire, it lands after it. An acquire refused before it was
+/// sent (a dead server) did nothing and is not undone. (A quorum that
+/// failed is undone by RedLock itself, node by node.)
 fn undo(engine: &Arc<Engine>, turn: AcquireTurn, req: AcquireRequest) {
     let Some(turn) = turn.undo(Instant::now() + req.lease) else { return };
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {

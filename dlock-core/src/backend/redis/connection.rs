@@ -570,6 +570,25 @@ pub(crate) fn lost_connection(e: &redis::RedisError) -> bool {
     e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout()
 }
 
+/// Whether a command that failed may still have run on the server: it was
+/// sent and its answer was lost (a response timeout, a connection that
+/// broke while it was in flight). Refused, or down before it was sent (the
+/// link is reconnecting), it ran nothing.
+pub(crate) fn may_have_run(e: &redis::RedisError) -> bool {
+    let io = std::error::Error::source(e).and_then(|source| source.downcast_ref::<std::io::Error>());
+    e.is_timeout()
+        || io.is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::TimedOut
+            )
+        })
+}
+
 pub(crate) fn redis_error(e: redis::RedisError) -> Error {
     let message = if e.code() == Some("OOM") || e.to_string().contains("OOM command not allowed") {
         format!(

@@ -88,7 +88,7 @@ pub(crate) use connection::RedisConnection;
 use connection::{
     connect_error, open_client, require_redis_7, sentinel_target, warn_on_evicting_policy, SentinelConn, SentinelTarget,
 };
-pub(crate) use connection::{lost_connection, redis_error, Conn};
+pub(crate) use connection::{lost_connection, may_have_run, redis_error, Conn};
 pub(crate) use restart::RestartGuard;
 use script::ScriptCall;
 use subscriber::Subscriber;
