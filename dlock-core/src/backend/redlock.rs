@@ -48,7 +48,7 @@
 //! and one subscriber connection per node.
 
 use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::join_all;
@@ -56,11 +56,9 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::redis::script::ScriptCall;
+use super::redis::script::{lock_scripts, ScriptCall};
 use super::redis::subscriber::Registration;
-use super::redis::{
-    prefix_fence_key, raise_mark_script, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions,
-};
+use super::redis::{prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions};
 use super::wait::{acquire_loop, Attempt};
 use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use crate::error::{Error, Result};
@@ -69,10 +67,6 @@ use crate::owner::Owner;
 
 /// How long one node may take to answer one step.
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
-
-/// RedLock's write-back: raises a node's high-water mark to a token a
-/// quorum granted, never lowers it (`redis/raise_mark.lua`).
-static RAISE_MARK: LazyLock<redis::Script> = LazyLock::new(raise_mark_script);
 
 /// Locks over an odd number (≥ 3) of independent Redis masters.
 ///
@@ -224,7 +218,7 @@ impl RedLockBackend {
         // The fencing token's write-back, every grant's second step.
         let load_raise = |n: &Arc<RedisBackend>| {
             let mut conn = n.client().conn().clone();
-            async move { RAISE_MARK.prepare_invoke().load_async(&mut conn).await.map_err(redis_error) }
+            async move { lock_scripts().raise_mark.prepare_invoke().load_async(&mut conn).await.map_err(redis_error) }
         };
         for (i, loaded) in join_all(nodes.iter().map(load_raise)).await.into_iter().enumerate() {
             loaded.map_err(on_node(i))?;
@@ -414,7 +408,7 @@ impl RedLockBackend {
                             return Ok(());
                         }
                         let mark = prefix_fence_key(node.key_prefix());
-                        let mut call = ScriptCall::new(&RAISE_MARK, &[mark.as_str()], 1);
+                        let mut call = ScriptCall::new(&lock_scripts().raise_mark, &[mark.as_str()], 1);
                         call.arg(token.as_str());
                         let _: i64 = node.client().invoke(&call).await?;
                         Ok(())

@@ -177,16 +177,16 @@ impl LockGuard {
     /// held for the rest of a long lease.
     pub async fn release(mut self) -> Result<bool> {
         self.released = true;
-        let turn = match self.engine.holds.leave(self.hold, self.watchdog) {
+        let turn = match self.engine.holds.leave(self.hold, self.watchdog, self.engine.backend.as_ref()) {
             // Other guards of this process still hold it.
             Leave::Others { lost } => return Ok(!lost),
             Leave::Detached => return Ok(false),
+            Leave::Released(result) => {
+                trace_release(&self.key, &result, "dlock.release");
+                return result.map(|r| r == Release::Freed);
+            }
             Leave::Last(turn) => turn,
         };
-        if let Some(result) = self.engine.backend.release_now(&self.key, &self.owner) {
-            trace_release(&self.key, &result, "dlock.release");
-            return result.map(|r| r == Release::Freed);
-        }
         let release = release_last(self.engine.clone(), self.key.clone(), self.owner.clone(), turn);
         SeeThrough::new(Box::pin(release), None).await
     }
@@ -197,11 +197,11 @@ impl Drop for LockGuard {
         if self.released {
             return;
         }
-        let Leave::Last(turn) = self.engine.holds.leave(self.hold, self.watchdog) else { return };
-        if let Some(result) = self.engine.backend.release_now(&self.key, &self.owner) {
-            trace_release(&self.key, &result, "dlock.release (guard dropped)");
-            return;
-        }
+        let turn = match self.engine.holds.leave(self.hold, self.watchdog, self.engine.backend.as_ref()) {
+            Leave::Last(turn) => turn,
+            Leave::Released(result) => return trace_release(&self.key, &result, "dlock.release (guard dropped)"),
+            Leave::Others { .. } | Leave::Detached => return,
+        };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(key = %self.key.log_id(), "lock guard dropped outside a tokio runtime; the lease frees it");
             return;

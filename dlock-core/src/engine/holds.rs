@@ -29,6 +29,7 @@
 //! the lock on the service, but each process counts its own holds, and the
 //! first last-release in any of them frees the lock for all.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -39,7 +40,8 @@ use tokio::time::Instant;
 
 use super::watchdog::{Renewing, Schedule};
 use crate::backend::signal::Expiry;
-use crate::backend::{AcquireRequest, Grant, GrantLease, LostReason, LostSignal};
+use crate::backend::{AcquireRequest, Backend, Grant, GrantLease, LostReason, LostSignal, Release};
+use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -69,6 +71,58 @@ pub(super) struct Table {
     /// requests from being chosen to collide.
     current: HashMap<(LockKey, Owner), HoldId, foldhash::fast::RandomState>,
     pub(super) schedule: Schedule,
+}
+
+impl Hold {
+    /// A hold whose first acquire is on its way.
+    fn acquiring(req: &AcquireRequest) -> Self {
+        Hold {
+            key: req.key.clone(),
+            owner: req.owner.clone(),
+            phase: Phase::Acquiring,
+            guards: 0,
+            token: 0,
+            state: None,
+            valid_until: None,
+            detached: false,
+            awaited: false,
+            renewing: None,
+        }
+    }
+
+    /// Makes this hold the backend's `grant`; returns when a grant with a
+    /// lease was granted (measured from before the request was sent), for
+    /// its renewals.
+    fn take(&mut self, grant: Grant, req: &AcquireRequest, renew: Option<Renew>) -> Option<Instant> {
+        let valid_until = grant.valid_until();
+        // The backend measured the lease from before its request was sent:
+        // the grant is at least that old, and no clock read is needed.
+        let granted_at = || valid_until.and_then(|at| at.checked_sub(req.lease)).unwrap_or_else(Instant::now);
+        let (state, granted_at) = match (grant.lost, grant.lease) {
+            (lost, GrantLease::Until(at)) => {
+                let granted_at = granted_at();
+                let expiry = match renew {
+                    Some(Renew { max_hold, .. }) => Expiry::Renewed { renew_until: max_hold.map(|m| granted_at + m) },
+                    None => Expiry::Lease,
+                };
+                let state = match lost {
+                    Some(signal) => {
+                        signal.set_terms(at, expiry);
+                        signal
+                    }
+                    None => LostSignal::with_expiry(at, expiry),
+                };
+                (state, Some(granted_at))
+            }
+            // Nothing renews a hold with no lease: no clock is read for it.
+            (lost, GrantLease::UntilReleased) => (lost.unwrap_or_else(LostSignal::until_released), None),
+        };
+        self.phase = Phase::Held;
+        self.token = grant.fencing_token;
+        self.valid_until = valid_until;
+        self.state = Some(state);
+        granted_at
+    }
 }
 
 /// One hold: one lock on the service, however many guards share it.
@@ -143,6 +197,9 @@ pub(super) enum Enter<'a> {
     Wait(Notified<'a>),
     /// The same, for a caller that does not wait.
     Busy,
+    /// The backend answered on the spot: held by another owner (or an
+    /// error), and the caller does not wait.
+    Refused(Error),
 }
 
 /// What a guard's release leaves to do.
@@ -154,6 +211,8 @@ pub(super) enum Leave {
     Last(ReleaseTurn),
     /// The hold was lost and replaced: nothing to send.
     Detached,
+    /// The last guard, released on the spot by the backend.
+    Released(Result<Release>),
 }
 
 /// The turn of a first acquire while it is on its way; dropped unanswered,
@@ -185,35 +244,44 @@ impl Holds {
 
     /// Looks an acquire up: joins a live hold, takes the first turn, or
     /// says what to wait for. `waits`: the caller waits for a held key.
+    ///
+    /// A first acquire is tried on the spot, under the table's lock, when
+    /// the backend can answer without I/O ([`Backend::try_acquire_now`]):
+    /// an in-process lock costs one look-up here, not two.
     pub(super) fn enter(
         self: &Arc<Self>,
         req: &AcquireRequest,
         waits: bool,
         renew: Option<Renew>,
+        backend: &dyn Backend,
     ) -> (Enter<'_>, Kick) {
         let mut guard = self.table();
         let table = &mut *guard;
-        let id = (req.key.clone(), req.owner.clone());
-        let Some(&current) = table.current.get(&id) else {
-            let hold = Hold {
-                key: id.0.clone(),
-                owner: id.1.clone(),
-                phase: Phase::Acquiring,
-                guards: 0,
-                token: 0,
-                state: None,
-                valid_until: None,
-                detached: false,
-                awaited: false,
-                renewing: None,
-            };
-            let new = table.slots.insert(hold);
-            table.current.insert(id, new);
-            return (Enter::First(AcquireTurn { holds: self.clone(), id: Some(new) }), Kick::Nothing);
+        let current = match table.current.entry((req.key.clone(), req.owner.clone())) {
+            Entry::Occupied(entry) => *entry.get(),
+            Entry::Vacant(vacant) => {
+                let mut hold = Hold::acquiring(req);
+                let granted_at = match backend.try_acquire_now(req) {
+                    Some(Ok(grant)) => Some(hold.take(grant, req, renew)),
+                    // Held, and the caller waits: the backend's `acquire` waits.
+                    Some(Err(e)) if !(waits && e.is_contention()) => return (Enter::Refused(e), Kick::Nothing),
+                    Some(Err(_)) | None => None,
+                };
+                let new = table.slots.insert(hold);
+                vacant.insert(new);
+                let Some(granted_at) = granted_at else {
+                    return (Enter::First(AcquireTurn { holds: self.clone(), id: Some(new) }), Kick::Nothing);
+                };
+                let kick = table.join(new, renew, granted_at);
+                return match table.joined(new) {
+                    Some(joined) => (Enter::Joined(joined), kick),
+                    None => (Enter::Wait(self.settled.notified()), kick),
+                };
+            }
         };
         let Some(hold) = table.slots.get_mut(current) else {
             // Not reachable: an id in `current` always has its slot.
-            table.current.remove(&id);
+            table.current.remove(&(req.key.clone(), req.owner.clone()));
             return (Enter::Wait(self.settled.notified()), Kick::Nothing);
         };
         match hold.phase {
@@ -228,14 +296,14 @@ impl Holds {
             // Lost: its guards were told. The next hold is a new one, and
             // theirs send nothing when they go.
             hold.detached = true;
-            table.current.remove(&id);
+            table.current.remove(&(req.key.clone(), req.owner.clone()));
             drop(guard);
-            return self.enter(req, waits, renew);
+            return self.enter(req, waits, renew, backend);
         }
         if hold.valid_until.is_some_and(|at| at < Instant::now() + req.lease / 2) {
             return (Enter::Extend(current), Kick::Nothing);
         }
-        let kick = table.join(current, renew, Instant::now());
+        let kick = table.join(current, renew, renew.map(|_| Instant::now()));
         match table.joined(current) {
             Some(joined) => (Enter::Joined(joined), kick),
             None => (Enter::Wait(self.settled.notified()), kick),
@@ -251,44 +319,27 @@ impl Holds {
         renew: Option<Renew>,
     ) -> (Joined, Kick) {
         let id = turn.id.take();
-        let valid_until = grant.valid_until();
-        // The backend measured the lease from before its request was sent:
-        // the grant is at least that old, and no clock read is needed.
-        let granted_at = valid_until.and_then(|at| at.checked_sub(req.lease)).unwrap_or_else(Instant::now);
-        let renewed = renew.is_some() && valid_until.is_some();
-        let expiry = match renew {
-            Some(Renew { max_hold, .. }) if renewed => {
-                Expiry::Renewed { renew_until: max_hold.map(|m| granted_at + m) }
-            }
-            _ => Expiry::Lease,
-        };
-        let state = match (grant.lost, grant.lease) {
-            (Some(signal), GrantLease::Until(at)) => {
-                signal.set_terms(at, expiry);
-                signal
-            }
-            (Some(signal), GrantLease::UntilReleased) => signal,
-            (None, GrantLease::Until(at)) => LostSignal::with_expiry(at, expiry),
-            (None, GrantLease::UntilReleased) => LostSignal::until_released(),
-        };
         let mut guard = self.table();
         let table = &mut *guard;
         let found = id.and_then(|id| Some((id, table.slots.get_mut(id)?)));
         let Some((id, hold)) = found else {
             // Not reachable: the turn keeps its hold in the table.
+            drop(guard);
+            let state = grant.lost.unwrap_or_else(LostSignal::until_released);
             return (Joined { id: HoldId::MAX, token: grant.fencing_token, state }, Kick::Nothing);
         };
-        hold.phase = Phase::Held;
-        hold.token = grant.fencing_token;
-        hold.valid_until = valid_until;
-        hold.state = Some(state.clone());
+        let granted_at = hold.take(grant, req, renew);
         let awaited = std::mem::take(&mut hold.awaited);
-        let kick = table.join(id, renew.filter(|_| renewed), granted_at);
+        let kick = table.join(id, renew, granted_at);
+        let joined = table.joined(id);
         drop(guard);
         if awaited {
             self.settled.notify_waiters();
         }
-        (Joined { id, token: grant.fencing_token, state }, kick)
+        match joined {
+            Some(joined) => (joined, kick),
+            None => (Joined { id, token: 0, state: LostSignal::until_released() }, kick),
+        }
     }
 
     /// The backend renewed hold `id` until `valid_until` for an acquire that
@@ -306,7 +357,7 @@ impl Holds {
                 }
             }
         }
-        let kick = table.join(id, renew, Instant::now());
+        let kick = table.join(id, renew, renew.map(|_| Instant::now()));
         (table.joined(id), kick)
     }
 
@@ -329,10 +380,12 @@ impl Holds {
         table.stop_renewing(id);
     }
 
-    /// One guard of hold `id` goes; `renewed`: it was in watchdog mode.
-    pub(super) fn leave(self: &Arc<Self>, id: HoldId, renewed: bool) -> Leave {
-        let mut table = self.table();
-        let table = &mut *table;
+    /// One guard of hold `id` goes; `renewed`: it was in watchdog mode. The
+    /// last one is released on the spot, under the table's lock, when the
+    /// backend can do that without I/O ([`Backend::release_now`]).
+    pub(super) fn leave(self: &Arc<Self>, id: HoldId, renewed: bool, backend: &dyn Backend) -> Leave {
+        let mut guard = self.table();
+        let table = &mut *guard;
         let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
         hold.guards = hold.guards.saturating_sub(1);
         if let (true, Some(renewing)) = (renewed, hold.renewing.as_mut()) {
@@ -351,6 +404,15 @@ impl Holds {
             table.slots.remove(id);
             return Leave::Detached;
         }
+        if let Some(released) = backend.release_now(&hold.key, &hold.owner) {
+            let awaited = hold.awaited;
+            table.forget(id);
+            drop(guard);
+            if awaited {
+                self.settled.notify_waiters();
+            }
+            return Leave::Released(released);
+        }
         hold.phase = Phase::Releasing { retrying: false };
         Leave::Last(ReleaseTurn { holds: self.clone(), id, valid_until: hold.valid_until })
     }
@@ -361,12 +423,7 @@ impl Holds {
         let table = &mut *guard;
         let Some(hold) = table.slots.get(id).filter(|h| phase(h.phase)) else { return };
         let awaited = hold.awaited;
-        let current = (hold.key.clone(), hold.owner.clone());
-        if table.current.get(&current) == Some(&id) {
-            table.current.remove(&current);
-        }
-        table.stop_renewing(id);
-        table.slots.remove(id);
+        table.forget(id);
         drop(guard);
         if awaited {
             self.settled.notify_waiters();
@@ -381,13 +438,24 @@ impl Holds {
 }
 
 impl Table {
+    /// Removes hold `id` from the table, and from `current` if it is there.
+    fn forget(&mut self, id: HoldId) {
+        self.stop_renewing(id);
+        // A hold not detached is its key and owner's current one.
+        if let Some(hold) = self.slots.remove(id).filter(|hold| !hold.detached) {
+            self.current.remove(&(hold.key, hold.owner));
+        }
+    }
+
     /// One more guard joins hold `id`, renewed by the watchdog when `renew`
     /// says so and the hold has a lease.
-    fn join(&mut self, id: HoldId, renew: Option<Renew>, granted_at: Instant) -> Kick {
+    /// `granted_at`: when the hold's lease was granted or renewed; `None`
+    /// for a hold with no lease.
+    fn join(&mut self, id: HoldId, renew: Option<Renew>, granted_at: Option<Instant>) -> Kick {
         let Some(hold) = self.slots.get_mut(id) else { return Kick::Nothing };
         hold.guards += 1;
-        match (renew, hold.valid_until) {
-            (Some(renew), Some(_)) => self.renew(id, renew, granted_at),
+        match (renew, hold.valid_until, granted_at) {
+            (Some(renew), Some(_), Some(granted_at)) => self.renew(id, renew, granted_at),
             _ => Kick::Nothing,
         }
     }
@@ -493,8 +561,29 @@ impl Slots {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+    use crate::backend::{BoxFuture, CancellationToken, Renewal};
+
+    /// A backend that answers nothing on the spot, as a remote one: the
+    /// table's own logic is what these tests see.
+    #[derive(Debug)]
+    pub(in crate::engine) struct Remote;
+
+    impl Backend for Remote {
+        fn name(&self) -> &'static str {
+            "remote"
+        }
+        fn acquire<'a>(&'a self, _: &'a AcquireRequest, _: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
+            Box::pin(async { Err(Error::backend("remote", "not in these tests")) })
+        }
+        fn renew<'a>(&'a self, _: &'a LockKey, _: &'a Owner, _: Duration) -> BoxFuture<'a, Result<Renewal>> {
+            Box::pin(async { Err(Error::backend("remote", "not in these tests")) })
+        }
+        fn release<'a>(&'a self, _: &'a LockKey, _: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+            Box::pin(async { Err(Error::backend("remote", "not in these tests")) })
+        }
+    }
 
     fn request(lease: Duration) -> AcquireRequest {
         let key = LockKey::builder("dlock", "holds").part(1).build().expect("key");
@@ -502,7 +591,7 @@ mod tests {
     }
 
     fn first(holds: &Arc<Holds>, req: &AcquireRequest) -> AcquireTurn {
-        match holds.enter(req, false, None).0 {
+        match holds.enter(req, false, None, &Remote).0 {
             Enter::First(turn) => turn,
             _ => panic!("the first acquire goes to the backend"),
         }
@@ -514,16 +603,16 @@ mod tests {
         let lease = Duration::from_secs(30);
         let req = request(lease);
         let turn = first(&holds, &req);
-        assert!(matches!(holds.enter(&req, false, None).0, Enter::Busy), "a first acquire is on its way");
+        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::Busy), "a first acquire is on its way");
         let (outer, _) = holds.granted(turn, Grant::until(7, Instant::now() + lease), &req, None);
-        let Enter::Joined(inner) = holds.enter(&req, false, None).0 else { panic!("a re-entry joins") };
+        let Enter::Joined(inner) = holds.enter(&req, false, None, &Remote).0 else { panic!("a re-entry joins") };
         assert_eq!((outer.token, inner.token), (7, 7));
-        assert!(matches!(holds.leave(inner.id, false), Leave::Others { lost: false }));
-        let Leave::Last(turn) = holds.leave(outer.id, false) else { panic!("the last release") };
-        let Enter::Wait(landed) = holds.enter(&req, true, None).0 else { panic!("waits for the release") };
+        assert!(matches!(holds.leave(inner.id, false, &Remote), Leave::Others { lost: false }));
+        let Leave::Last(turn) = holds.leave(outer.id, false, &Remote) else { panic!("the last release") };
+        let Enter::Wait(landed) = holds.enter(&req, true, None, &Remote).0 else { panic!("waits for the release") };
         drop(turn);
         tokio::time::timeout(Duration::from_secs(5), landed).await.expect("the landed release wakes the waiter");
-        assert!(matches!(holds.enter(&req, false, None).0, Enter::First(_)));
+        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::First(_)));
         assert_eq!(holds.len(), 0, "nothing outlives its guards and turns");
     }
 
@@ -533,13 +622,13 @@ mod tests {
         let lease = Duration::from_secs(30);
         let req = request(lease);
         let (held, _) = holds.granted(first(&holds, &req), Grant::until(7, Instant::now() + lease), &req, None);
-        let Leave::Last(turn) = holds.leave(held.id, false) else { panic!("the last release") };
+        let Leave::Last(turn) = holds.leave(held.id, false, &Remote) else { panic!("the last release") };
         turn.retrying();
-        assert!(matches!(holds.enter(&req, false, None).0, Enter::Busy), "a retried release is in the way");
-        let Enter::Wait(landed) = holds.enter(&req, true, None).0 else { panic!("a waiting acquire waits") };
+        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::Busy), "a retried release is in the way");
+        let Enter::Wait(landed) = holds.enter(&req, true, None, &Remote).0 else { panic!("a waiting acquire waits") };
         drop(turn);
         tokio::time::timeout(Duration::from_secs(5), landed).await.expect("the retry's end wakes it");
-        assert!(matches!(holds.enter(&req, false, None).0, Enter::First(_)));
+        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::First(_)));
     }
 
     #[tokio::test]
@@ -552,8 +641,8 @@ mod tests {
         assert!(old.state.is_lost());
         let (new, _) = holds.granted(first(&holds, &req), Grant::until(9, Instant::now() + lease), &req, None);
         assert_eq!(new.token, 9);
-        assert!(matches!(holds.leave(old.id, false), Leave::Detached), "the old hold's release sends nothing");
-        assert!(matches!(holds.leave(new.id, false), Leave::Last(_)));
+        assert!(matches!(holds.leave(old.id, false, &Remote), Leave::Detached), "the old hold's release sends nothing");
+        assert!(matches!(holds.leave(new.id, false, &Remote), Leave::Last(_)));
     }
 
     #[tokio::test]
@@ -563,7 +652,9 @@ mod tests {
         let req = request(lease);
         let short = Instant::now() + Duration::from_secs(10);
         let (held, _) = holds.granted(first(&holds, &req), Grant::until(7, short), &req, None);
-        let Enter::Extend(id) = holds.enter(&req, false, None).0 else { panic!("less than half the lease left") };
+        let Enter::Extend(id) = holds.enter(&req, false, None, &Remote).0 else {
+            panic!("less than half the lease left")
+        };
         assert_eq!(id, held.id);
         let (joined, _) = holds.extended(id, Instant::now() + lease, None);
         let joined = joined.expect("joins the extended hold");
@@ -576,9 +667,11 @@ mod tests {
         let holds = Arc::new(Holds::default());
         let req = request(Duration::from_secs(30));
         let turn = first(&holds, &req);
-        let Enter::Wait(settled) = holds.enter(&req, true, None).0 else { panic!("waits for the first acquire") };
+        let Enter::Wait(settled) = holds.enter(&req, true, None, &Remote).0 else {
+            panic!("waits for the first acquire")
+        };
         drop(turn);
         tokio::time::timeout(Duration::from_secs(5), settled).await.expect("woken");
-        assert!(matches!(holds.enter(&req, false, None).0, Enter::First(_)));
+        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::First(_)));
     }
 }

@@ -304,12 +304,18 @@ impl Locker {
         // spot reads no clock for it.
         let mut started = None;
         let turn = loop {
-            let (enter, kick) = engine.holds.enter(&req, !wait.is_zero(), renew);
+            let (enter, kick) = engine.holds.enter(&req, !wait.is_zero(), renew, engine.backend.as_ref());
             engine.kick(kick);
             match enter {
                 Enter::Joined(joined) => return Ok(LockGuard::new(engine.clone(), req, joined, renewed)),
                 Enter::First(turn) => break turn,
                 Enter::Busy => return Err(contention(&req, Instant::now())),
+                Enter::Refused(e) => {
+                    let _entered = span.enter();
+                    // Nothing waited, so no clock is read for it.
+                    trace_attempt(Err(&e), None);
+                    return Err(e);
+                }
                 // A release on its way is waited for even by a caller that
                 // tries once: it ends within the backend's own timeouts.
                 Enter::Wait(settled) if wait.is_zero() => settled.await,
@@ -337,16 +343,6 @@ impl Locker {
                 }
             }
         };
-        if let Some(result) = engine.backend.try_acquire_now(&req) {
-            // Held, and the caller waits: the backend's `acquire` waits.
-            let waits = !wait.is_zero() && matches!(&result, Err(e) if e.is_contention());
-            if !waits {
-                let _entered = span.enter();
-                // Nothing waited, so no clock is read for it.
-                trace_attempt(result.as_ref().map(|grant| grant.fencing_token), None);
-                return result.map(|grant| granted(engine, turn, grant, req, renew));
-            }
-        }
         let started = started.unwrap_or_else(Instant::now);
         req.deadline = (!wait.is_zero()).then(|| started + wait);
         let cancel = CancellationToken::new();

@@ -357,6 +357,7 @@ fn settle(engine: &Engine, (id, sent, result): RenewalResult) {
 mod tests {
     use super::*;
     use crate::backend::AcquireRequest;
+    use crate::engine::holds::tests::Remote;
     use crate::engine::holds::Enter;
     use crate::key::LockKey;
     use crate::owner::Owner;
@@ -373,7 +374,7 @@ mod tests {
         let hold = |i: u64| {
             let key = LockKey::builder("t", "k").part(i).build().expect("key");
             let req = AcquireRequest::new(key, Owner::random().expect("owner"), lease);
-            let Enter::First(turn) = engine.holds.enter(&req, false, None).0 else { panic!("first") };
+            let Enter::First(turn) = engine.holds.enter(&req, false, None, &Remote).0 else { panic!("first") };
             let (joined, kick) =
                 engine.holds.granted(turn, crate::backend::Grant::until(1, Instant::now() + lease), &req, renew);
             engine.kick(kick);
@@ -384,7 +385,7 @@ mod tests {
         let mut longest = 0;
         for i in 0..10 * DRAIN_PENDING_AT as u64 {
             let id = hold(i + 1);
-            assert!(matches!(engine.holds.leave(id, true), super::super::holds::Leave::Last(_)));
+            assert!(matches!(engine.holds.leave(id, true, &Remote), super::super::holds::Leave::Last(_)));
             if i % 64 == 0 {
                 tokio::task::yield_now().await;
             }

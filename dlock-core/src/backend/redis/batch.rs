@@ -31,12 +31,11 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use redis::Script;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::script::ScriptCall;
-use super::{acquire_call, acquire_reply, lease_ms, release_call, Client, Reply};
+use super::script::{acquire_call, acquire_reply, lock_scripts, release_call, Reply, ScriptCall};
+use super::{lease_ms, Client};
 use crate::backend::AcquireRequest;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -113,12 +112,6 @@ pub(crate) struct Calls {
     pub(crate) client: Client,
     /// The prefix's high-water mark.
     pub(crate) mark: String,
-    pub(crate) acquire: Script,
-    pub(crate) acquire_many: Script,
-    pub(crate) release: Script,
-    pub(crate) release_many: Script,
-    /// Renews one lock or many.
-    pub(crate) renew: Script,
 }
 
 /// The queues of acquires, releases and renewals. Cheap to clone.
@@ -307,8 +300,8 @@ async fn call(calls: &Calls, ops: &[Op]) -> Result<(redis::Value, Instant)> {
     }
     let marker = calls.client.marker();
     let call = match ops {
-        [Op::Acquire { req, awaited }] => acquire_call(&calls.acquire, req, &calls.mark, marker, *awaited),
-        [Op::Release { key, owner, .. }] => release_call(&calls.release, key, owner),
+        [Op::Acquire { req, awaited }] => acquire_call(&lock_scripts().acquire, req, &calls.mark, marker, *awaited),
+        [Op::Release { key, owner, .. }] => release_call(&lock_scripts().release, key, owner),
         _ => batch_call(calls, ops, marker),
     };
     let sent = Instant::now();
@@ -328,9 +321,9 @@ fn batch_call<'a>(calls: &'a Calls, ops: &[Op], marker: Option<&str>) -> ScriptC
     }
     keys.extend(ops.iter().map(Op::key));
     let script = match kind {
-        Kind::Acquire => &calls.acquire_many,
-        Kind::Release => &calls.release_many,
-        Kind::Renew => &calls.renew,
+        Kind::Acquire => &lock_scripts().acquire_many,
+        Kind::Release => &lock_scripts().release_many,
+        Kind::Renew => &lock_scripts().renew,
     };
     let mut call = ScriptCall::new(script, &keys, 3 * ops.len() + 1);
     if kind == Kind::Acquire {

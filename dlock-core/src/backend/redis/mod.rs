@@ -61,7 +61,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
-use redis::Script;
+
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -90,21 +90,8 @@ use connection::{
 };
 pub(crate) use connection::{lost_connection, may_have_run, redis_error, Conn};
 pub(crate) use restart::RestartGuard;
-use script::ScriptCall;
+use script::{acquire_call, acquire_reply, lock_scripts, release_call, Reply, ScriptCall};
 use subscriber::Subscriber;
-
-/// The server clock as token text, prepended to the scripts that make
-/// tokens.
-const CLOCK: &str = include_str!("clock.lua");
-/// What an acquire does to one lock, prepended to both acquire scripts.
-const TAKE: &str = include_str!("take.lua");
-/// What a release does to one lock, prepended to both release scripts.
-const FREE: &str = include_str!("free.lua");
-
-/// RedLock's write-back of a granted token to a node's high-water mark.
-pub(crate) fn raise_mark_script() -> Script {
-    Script::new(&format!("{CLOCK}{}", include_str!("raise_mark.lua")))
-}
 
 /// Timeouts of the Redis connections.
 ///
@@ -210,9 +197,6 @@ pub struct RedisBackend {
     /// Where the last fencing token is kept (see `high_water.rs`).
     high_water: HighWater,
     pub(crate) subscriber: Subscriber,
-    acquire: Script,
-    renew: Script,
-    release: Script,
     /// Acquires, releases and renewals gathered into shared script calls,
     /// on a single server or Sentinel master (see `batch.rs`).
     batch: Option<(batch::Batcher, batch::Calls)>,
@@ -342,25 +326,13 @@ impl RedisBackend {
             Conn::Single(_) | Conn::Sentinel(_) => HighWater::Prefix(high_water::prefix_mark(prefix)),
         };
         let client = Client::new(conn, restart);
-        let renew = Script::new(include_str!("renew.lua"));
-        let acquire = Script::new(&format!("{CLOCK}{TAKE}{}", include_str!("acquire.lua")));
-        let release = Script::new(&format!("{FREE}{}", include_str!("release.lua")));
         let batch = match &high_water {
-            HighWater::Prefix(mark) => Some((
-                batch::Batcher::default(),
-                batch::Calls {
-                    client: client.clone(),
-                    mark: mark.clone(),
-                    acquire: acquire.clone(),
-                    acquire_many: Script::new(&format!("{CLOCK}{TAKE}{}", include_str!("acquire_many.lua"))),
-                    release: release.clone(),
-                    release_many: Script::new(&format!("{FREE}{}", include_str!("release_many.lua"))),
-                    renew: renew.clone(),
-                },
-            )),
+            HighWater::Prefix(mark) => {
+                Some((batch::Batcher::default(), batch::Calls { client: client.clone(), mark: mark.clone() }))
+            }
             HighWater::PerSlot => None,
         };
-        Ok(RedisBackend { client, prefix: prefix.into(), high_water, subscriber, acquire, renew, release, batch })
+        Ok(RedisBackend { client, prefix: prefix.into(), high_water, subscriber, batch })
     }
 
     /// The client every command goes through, shared with the idempotency
@@ -392,7 +364,8 @@ impl RedisBackend {
     /// slow RedLock node is enough to miss the node timeout.
     pub(crate) async fn load_scripts(&self) -> Result<()> {
         let mut conn = self.client.conn().clone();
-        for script in [&self.acquire, &self.renew, &self.release] {
+        let scripts = lock_scripts();
+        for script in [&scripts.acquire, &scripts.renew, &scripts.release] {
             script.prepare_invoke().load_async(&mut conn).await.map_err(redis_error)?;
         }
         Ok(())
@@ -411,7 +384,7 @@ impl RedisBackend {
         };
         let attempt = || async {
             let sent = Instant::now();
-            let call = acquire_call(&self.acquire, req, mark, self.client.marker(), awaited);
+            let call = acquire_call(&lock_scripts().acquire, req, mark, self.client.marker(), awaited);
             let reply = acquire_reply(self.client.invoke(&call).await?)?;
             Ok((reply, sent))
         };
@@ -453,80 +426,9 @@ impl RedisBackend {
 
     /// Frees `key` on the server if `owner` holds it there.
     pub(crate) async fn release_on_server(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
-        let left: i64 = self.client.invoke(&release_call(&self.release, key, owner)).await?;
+        let left: i64 = self.client.invoke(&release_call(&lock_scripts().release, key, owner)).await?;
         Ok(if left == 0 { Release::Freed } else { Release::NotHeld })
     }
-}
-
-/// The one-key acquire script's call (`acquire.lua`) for `req` with the
-/// high-water `mark`, and the restart quarantine's data `marker` if on.
-pub(crate) fn acquire_call<'a>(
-    script: &'a Script,
-    req: &AcquireRequest,
-    mark: &str,
-    marker: Option<&str>,
-    awaited: bool,
-) -> ScriptCall<'a> {
-    let mut call = match marker {
-        Some(marker) => ScriptCall::new(script, &[req.key.as_str(), mark, marker], 4),
-        None => ScriptCall::new(script, &[req.key.as_str(), mark], 3),
-    };
-    call.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if awaited { "1" } else { "0" });
-    if marker.is_some() {
-        call.arg("1");
-    }
-    call
-}
-
-/// The one-key release script's call (`release.lua`).
-pub(crate) fn release_call<'a>(script: &'a Script, key: &LockKey, owner: &Owner) -> ScriptCall<'a> {
-    let mut call = ScriptCall::new(script, &[key.as_str()], 1);
-    call.arg(owner.as_str());
-    call
-}
-
-/// A lock script's answer for one key: at most three integers, kept
-/// inline, since every lock operation gets one.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Reply {
-    values: [i64; 3],
-    len: usize,
-}
-
-impl Reply {
-    /// `values` as a reply; a parse error past three.
-    pub(crate) fn new(values: &[i64]) -> std::result::Result<Reply, redis::ParsingError> {
-        let mut reply = Reply { values: [0; 3], len: values.len() };
-        reply
-            .values
-            .get_mut(..values.len())
-            .ok_or_else(|| redis::ParsingError::from(format!("a lock script answered {values:?}")))?
-            .copy_from_slice(values);
-        Ok(reply)
-    }
-
-    pub(crate) fn as_slice(&self) -> &[i64] {
-        &self.values[..self.len]
-    }
-}
-
-impl std::fmt::Debug for Reply {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.as_slice().fmt(f)
-    }
-}
-
-/// The acquire script's reply as `[1, token, 1]` (granted), `[1, token, 2]`
-/// (joined), `[0, ms]` (held) or `[2]` (data marker gone). A grant comes
-/// back as the bare token, the cheapest reply for the script to build.
-pub(crate) fn acquire_reply(reply: redis::Value) -> Result<Reply> {
-    let parsed = match reply {
-        redis::Value::BulkString(_) => {
-            redis::from_redis_value::<i64>(reply).and_then(|token| Reply::new(&[1, token, 1]))
-        }
-        other => redis::from_redis_value::<Vec<i64>>(other).and_then(|reply| Reply::new(&reply)),
-    };
-    parsed.map_err(|e| Error::backend("redis", format!("unexpected reply from the acquire script: {e}")))
 }
 
 /// An acquire script's reply for one lock, sent at `sent`.
@@ -590,7 +492,7 @@ impl Backend for RedisBackend {
                     // A cluster: one script call touches one slot, and the
                     // locks renewed together may live in many. One call per lock.
                     let sent = Instant::now();
-                    let mut call = ScriptCall::new(&self.renew, &[key.as_str()], 2);
+                    let mut call = ScriptCall::new(&lock_scripts().renew, &[key.as_str()], 2);
                     call.arg(owner.as_str()).arg(lease_ms(lease));
                     let extended: Vec<i64> = self.client.invoke(&call).await?;
                     (extended == [1], sent)

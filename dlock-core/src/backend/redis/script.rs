@@ -1,5 +1,12 @@
-//! A script called by its SHA1, the command written once: every script of
-//! the Redis backends and of the Redis idempotency store goes out this way.
+//! The lock scripts, their calls and their replies.
+//!
+//! Each lock script is built once from its body and the per-key code it
+//! shares with its many-key twin (`take.lua`, `free.lua`; `clock.lua` for
+//! the scripts that make tokens), as Lua cannot import.
+//!
+//! [`ScriptCall`] is a script called by its SHA1, the command written once:
+//! every script of the Redis backends and of the Redis idempotency store
+//! goes out this way.
 //!
 //! redis-rs's `ScriptInvocation` keeps every key and argument in a vector
 //! of its own and copies them all into the `EVALSHA` it sends: seven
@@ -9,7 +16,49 @@
 //! restarted or was flushed) gets it loaded and the same command again, as
 //! `ScriptInvocation` does.
 
+use std::sync::LazyLock;
+
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind, ToRedisArgs};
+
+use super::lease_ms;
+use crate::backend::AcquireRequest;
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// The server clock as token text, prepended to the scripts that make
+/// tokens.
+const CLOCK: &str = include_str!("clock.lua");
+/// What an acquire does to one lock, prepended to both acquire scripts.
+const TAKE: &str = include_str!("take.lua");
+/// What a release does to one lock, prepended to both release scripts.
+const FREE: &str = include_str!("free.lua");
+
+/// The lock scripts.
+pub(crate) struct LockScripts {
+    pub(crate) acquire: Script,
+    pub(crate) acquire_many: Script,
+    pub(crate) release: Script,
+    pub(crate) release_many: Script,
+    /// Renews one lock or many.
+    pub(crate) renew: Script,
+    /// RedLock's write-back of a granted token to a node's high-water mark.
+    pub(crate) raise_mark: Script,
+}
+
+static LOCK_SCRIPTS: LazyLock<LockScripts> = LazyLock::new(|| LockScripts {
+    acquire: Script::new(&format!("{CLOCK}{TAKE}{}", include_str!("acquire.lua"))),
+    acquire_many: Script::new(&format!("{CLOCK}{TAKE}{}", include_str!("acquire_many.lua"))),
+    release: Script::new(&format!("{FREE}{}", include_str!("release.lua"))),
+    release_many: Script::new(&format!("{FREE}{}", include_str!("release_many.lua"))),
+    renew: Script::new(include_str!("renew.lua")),
+    raise_mark: Script::new(&format!("{CLOCK}{}", include_str!("raise_mark.lua"))),
+});
+
+/// The lock scripts, built once per process.
+pub(crate) fn lock_scripts() -> &'static LockScripts {
+    &LOCK_SCRIPTS
+}
 
 /// One `EVALSHA` of a script: its keys, then its arguments.
 pub(crate) struct ScriptCall<'a> {
@@ -47,6 +96,77 @@ impl<'a> ScriptCall<'a> {
             answered => answered,
         }
     }
+}
+
+/// The one-key acquire script's call (`acquire.lua`) for `req` with the
+/// high-water `mark`, and the restart quarantine's data `marker` if on.
+pub(crate) fn acquire_call<'a>(
+    script: &'a Script,
+    req: &AcquireRequest,
+    mark: &str,
+    marker: Option<&str>,
+    awaited: bool,
+) -> ScriptCall<'a> {
+    let mut call = match marker {
+        Some(marker) => ScriptCall::new(script, &[req.key.as_str(), mark, marker], 4),
+        None => ScriptCall::new(script, &[req.key.as_str(), mark], 3),
+    };
+    call.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if awaited { "1" } else { "0" });
+    if marker.is_some() {
+        call.arg("1");
+    }
+    call
+}
+
+/// The one-key release script's call (`release.lua`).
+pub(crate) fn release_call<'a>(script: &'a Script, key: &LockKey, owner: &Owner) -> ScriptCall<'a> {
+    let mut call = ScriptCall::new(script, &[key.as_str()], 1);
+    call.arg(owner.as_str());
+    call
+}
+
+/// A lock script's answer for one key: at most three integers, kept
+/// inline, since every lock operation gets one.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reply {
+    values: [i64; 3],
+    len: usize,
+}
+
+impl Reply {
+    /// `values` as a reply; a parse error past three.
+    pub(crate) fn new(values: &[i64]) -> std::result::Result<Reply, redis::ParsingError> {
+        let mut reply = Reply { values: [0; 3], len: values.len() };
+        reply
+            .values
+            .get_mut(..values.len())
+            .ok_or_else(|| redis::ParsingError::from(format!("a lock script answered {values:?}")))?
+            .copy_from_slice(values);
+        Ok(reply)
+    }
+
+    pub(crate) fn as_slice(&self) -> &[i64] {
+        &self.values[..self.len]
+    }
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
+/// The acquire script's reply as `[1, token, 1]` (granted), `[1, token, 2]`
+/// (joined), `[0, ms]` (held) or `[2]` (data marker gone). A grant comes
+/// back as the bare token, the cheapest reply for the script to build.
+pub(crate) fn acquire_reply(reply: redis::Value) -> Result<Reply> {
+    let parsed = match reply {
+        redis::Value::BulkString(_) => {
+            redis::from_redis_value::<i64>(reply).and_then(|token| Reply::new(&[1, token, 1]))
+        }
+        other => redis::from_redis_value::<Vec<i64>>(other).and_then(|reply| Reply::new(&reply)),
+    };
+    parsed.map_err(|e| Error::backend("redis", format!("unexpected reply from the acquire script: {e}")))
 }
 
 #[cfg(test)]
