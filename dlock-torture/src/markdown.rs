@@ -141,6 +141,8 @@ pub(crate) fn block(stamp: &Stamp, rows: &[Report]) -> String {
     let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|");
     for r in rows {
         let overlaps = if r.overlaps_informational { format!("{} (i)", r.overlaps) } else { r.overlaps.to_string() };
+        let tokens =
+            if r.tokens_promised { r.token_regressions.to_string() } else { format!("{} (np)", r.token_regressions) };
         let v = verdict(r);
         let _ = writeln!(
             s,
@@ -154,7 +156,7 @@ pub(crate) fn block(stamp: &Stamp, rows: &[Report]) -> String {
             r.lost_updates,
             r.stale_writes_refused,
             r.stale_accepted,
-            r.token_regressions,
+            tokens,
             r.set_missing,
             r.unfenced_lost,
             r.p50_wait_ms,

@@ -191,7 +191,11 @@ pub(crate) async fn finish(
         ));
     }
     if !r.safety_ok() {
-        r.fail("safety violated under a fault the backend promises to survive");
+        if r.expected_safe {
+            r.fail("safety violated under a fault the backend promises to survive");
+        } else {
+            r.fail("C4: a token not above an earlier grant's, where tokens are promised under this fault");
+        }
     }
     Ok(findings)
 }

@@ -59,6 +59,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
             finish(&mut run, &mut r, &resource, 1, Duration::from_secs(15)).await?;
         } else {
             r.expected_safe = false;
+            r.tokens_promised = false;
             finish(&mut run, &mut r, &resource, 1, Duration::from_secs(15)).await?;
             // C6 on the broken lock's own keys (plain strings `broken:<k>`),
             // every worker gone: nothing may be left.
@@ -80,6 +81,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let (good, bad) = (ratio(good_wake, good_rel), ratio(bad_wake, bad_rel));
     let mut herd = Report::new("checker-self-test", "broken-zk-herd", seed);
     herd.expected_safe = false;
+    herd.tokens_promised = false;
     herd.processes = 1;
     herd.tasks = u32::try_from(waiters).unwrap_or(0);
     herd.keys = 1;

@@ -196,6 +196,7 @@ pub(crate) async fn run_unguarded(size: Size, seed: u64) -> Result<Report, Strin
 async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String> {
     let mut r = if unguarded {
         let mut r = Report::new("checker-self-test", "broken-no-idempotency", seed);
+        r.tokens_promised = false;
         r.fault_kind = "none (the route has no idempotency layer)".into();
         r
     } else {
