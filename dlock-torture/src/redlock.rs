@@ -94,7 +94,10 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
             r.fail("locks granted without a quorum");
         }
     } else {
-        r.note(format!("grants during minority outages: {during} (expected > 0: the quorum survives)"));
+        r.note(format!("grants during minority outages: {during} (must be > 0: the quorum survives)"));
+        if during == 0 {
+            r.fail("no grant during a minority outage: a quorum of 3 live masters must keep granting");
+        }
     }
     Ok(vec![r])
 }
