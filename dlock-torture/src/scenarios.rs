@@ -10,8 +10,8 @@ use std::pin::Pin;
 use crate::harness::Report;
 use crate::scenario::Size;
 use crate::{
-    badinput, baseline, kill_client, orphan_renewal, partition, pause, redlock, renewal, restart, self_test, slow,
-    storm, zk_expire,
+    badinput, baseline, kill_client, orphan_renewal, partition, pause, redlock, redlock_skew, renewal, restart,
+    self_test, slow, storm, zk_expire,
 };
 
 /// A running scenario: its report rows, or why it could not run.
@@ -44,6 +44,7 @@ pub(crate) const ALL: &[Scenario] = &[
     },
     Scenario { name: "redlock-restart", faults: true, start: |size, seed| Box::pin(redlock::restart(size, seed)) },
     Scenario { name: "redlock-slow", faults: true, start: |size, seed| Box::pin(one_row(slow::run(size, seed))) },
+    Scenario { name: "redlock-skew", faults: true, start: |size, seed| Box::pin(redlock_skew::run(size, seed)) },
     Scenario { name: "zk-expire", faults: true, start: |size, seed| Box::pin(zk_expire::run(size, seed)) },
     Scenario { name: "partition", faults: true, start: |size, seed| Box::pin(partition::run(size, seed)) },
     Scenario { name: "renewal-failure", faults: true, start: |size, seed| Box::pin(one_row(renewal::run(size, seed))) },

@@ -163,7 +163,7 @@ async fn probe_all(proxies: &[FaultProxy]) -> Vec<Option<Duration>> {
     futures_util::future::join_all(proxies.iter().map(|p| ping_rtt(p.port()))).await
 }
 
-async fn ping_rtt(port: u16) -> Option<Duration> {
+pub(crate) async fn ping_rtt(port: u16) -> Option<Duration> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let probe = async {
         let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
