@@ -52,6 +52,7 @@ pub(crate) fn config(backend: &str, urls: Vec<String>, resource: &RedisServer, s
         // Run::spawn sets the run's cap.
         set_cap: 0,
         node_timeout_ms: 0,
+        reuse_owner: false,
         seed,
     }
 }

@@ -1,11 +1,14 @@
 //! `checker-self-test`: deliberately broken locks, which the checker must
 //! catch, beside the real one under the same workload as a control.
 //!
-//! A variant that needs a workload of its own runs the workload of the
-//! scenario whose real row is its control (`redlock-skew`); the others
-//! share the plain-`DEL` workload below, with the real lock beside them.
-//! [`variants`] lists them all, once: `--list-broken` prints it, and
-//! `short_run` reads it from there.
+//! Two kinds: locks the harness wrote with one classic bug each
+//! ([`crate::broken`]), and dlock's own mechanisms broken by a test-only
+//! switch in dlock-core ([`crate::own_bugs`]). A variant that needs a
+//! workload of its own runs the workload of the scenario whose real row is
+//! its control (`flush-redis`, `release-retry`, `coalesced-burst`,
+//! `redlock-skew`); the others share the plain-`DEL` workload below, with
+//! the real lock beside them. [`variants`] lists them all, once:
+//! `--list-broken` prints it, and `short_run` reads it from there.
 
 use std::time::Duration;
 
@@ -21,14 +24,14 @@ const CONTROLS: [&str; 2] = ["broken-zk-herd", "broken-no-idempotency"];
 
 /// Every broken variant the self-test runs, in run order.
 pub(crate) fn variants() -> Vec<&'static str> {
-    Bug::ALL.into_iter().chain(CONTROLS).collect()
+    Bug::ALL.into_iter().chain(crate::own_bugs::ALL.iter().map(|b| b.name)).chain(CONTROLS).collect()
 }
 
 /// The scenario whose workload `variant` runs instead of the shared one.
 fn own_workload(variant: &str) -> Option<&'static str> {
     match variant {
         "broken-redlock-max-over-quorum" => Some("redlock-skew"),
-        _ => None,
+        _ => crate::own_bugs::find(variant).map(|b| b.control),
     }
 }
 
@@ -37,6 +40,9 @@ async fn run_as(scenario: &str, variant: &str, size: Size, seed: u64) -> Result<
     let name = "checker-self-test";
     match scenario {
         "redlock-skew" => crate::redlock_skew::row(name, variant, size, seed).await,
+        "flush-redis" => crate::flush::row(name, variant, size, seed).await,
+        "release-retry" => crate::release_retry::row(name, variant, size, seed).await,
+        "coalesced-burst" => crate::burst::row(name, variant, size, seed).await,
         other => Err(format!("no workload `{other}` for {variant}")),
     }
 }

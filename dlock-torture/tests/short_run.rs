@@ -1,7 +1,8 @@
 //! CI runs the whole torture harness in its short form and checks the JSON
 //! it prints: every scenario reported, nothing lost where the backend
 //! promises safety, no token regression where tokens are promised, every
-//! broken lock caught by the checker.
+//! broken lock and every broken mechanism of dlock's own caught by the
+//! checker.
 
 use std::collections::HashSet;
 use std::process::Command;
@@ -31,6 +32,11 @@ fn listed(flag: &str) -> Vec<String> {
 fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
     let scenarios = listed("--list");
     let broken = listed("--list-broken");
+    // dlock's own mechanisms broken by a dlock-core switch, not only locks
+    // the harness wrote.
+    for own in ["broken-quarantine-opens-early", "broken-retry-ignores-turn", "broken-batch-repeats-token"] {
+        assert!(broken.iter().any(|b| b == own), "{own} missing from --list-broken: {broken:?}");
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_dlock-torture"))
         .args(["--short", "--json", "--seed", "20261123"])
         .output()
