@@ -159,17 +159,19 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         cfg.keys = 3;
         cfg.quarantine_ms = u64::try_from(quarantine.as_millis()).unwrap_or(0);
         let pause = u64::try_from((delay + quarantine).as_millis()).unwrap_or(0);
-        cfg.duration_ms = restarts * (2000 + pause) + 1000;
+        // Load before each restart, and after it (past any quarantine).
+        let step = Duration::from_millis(size.pick(700, 1000));
+        cfg.duration_ms = restarts * (2 * u64::try_from(step.as_millis()).unwrap_or(0) + pause) + 1000;
         let procs = 3;
         spawn_workers(&mut run, &cfg, procs)?;
         for _ in 0..restarts {
-            sleep(Duration::from_millis(1000)).await;
+            sleep(step).await;
             run.log("restart", None);
             stop(&mut lock, clean);
             sleep(delay).await;
             tokio::task::block_in_place(|| lock.start_again());
             r.faults += 1;
-            sleep(Duration::from_millis(1000) + quarantine).await;
+            sleep(step + quarantine).await;
         }
         describe(&mut r, procs, &cfg);
         finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
