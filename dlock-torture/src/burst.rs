@@ -34,7 +34,7 @@ pub(crate) async fn row(scenario: &str, backend: &str, size: Size, seed: u64) ->
     cfg.tasks = 32;
     cfg.wait_ms = 0;
     (cfg.cs_min_ms, cfg.cs_max_ms) = (1, 3);
-    cfg.duration_ms = size.pick(1200, 10_000);
+    cfg.duration_ms = size.pick(1200, 3000);
     let procs = 2;
     let mut run = Run::new(&format!("{scenario}-{backend}")).map_err(|e| e.to_string())?;
     tokio::task::block_in_place(|| lock.reset_stats());
