@@ -22,7 +22,7 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, resource_server, spawn_workers, Size};
+use crate::scenario::{config, describe, find_holder, finish, resource_server, spawn_workers, workers_started, Size};
 
 /// The watchdog lease, and the quarantine: longer than the lease.
 const LEASE_MS: u64 = 500;
@@ -52,6 +52,7 @@ pub(crate) async fn row(scenario: &str, backend: &str, size: Size, seed: u64) ->
     let procs = 3;
     let mut run = Run::new(&format!("{scenario}-{backend}")).map_err(|e| e.to_string())?;
     spawn_workers(&mut run, &cfg, procs)?;
+    workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
     let mut rng = Rng::new(seed);
     let client = redis::Client::open(lock.url()).map_err(|e| e.to_string())?;
     let mut conn = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;

@@ -10,7 +10,9 @@ use tokio::time::sleep;
 use crate::harness::{Report, Run};
 use crate::history::mono_ns;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, finish, redlock_masters, resource_server, spawn_workers, Size};
+use crate::scenario::{
+    config, describe, finish, redlock_masters, resource_server, spawn_workers, workers_started, Size,
+};
 
 /// T5b: the most a RedLock acquire may take to answer "unavailable" while a
 /// majority is down: one attempt bounded by the node timeout (50 ms here)
@@ -31,6 +33,7 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
     cfg.duration_ms = rounds * (u64::try_from(outage.as_millis()).unwrap_or(0) + 1500) + 1000;
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
+    workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
     let mut rng = Rng::new(seed);
     let mut windows = Vec::new();
     let victims = if majority { 3 } else { 2 };
@@ -132,6 +135,7 @@ pub(crate) async fn restart(size: Size, seed: u64) -> Result<Vec<Report>, String
             u64::try_from((pace * u32::try_from(rounds).unwrap_or(1) + quarantine).as_millis()).unwrap_or(0) + 1500;
         let procs = 3;
         spawn_workers(&mut run, &cfg, procs)?;
+        workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
         let mut rng = Rng::new(seed);
         sleep(Duration::from_millis(700) + quarantine).await;
         for _ in 0..rounds {

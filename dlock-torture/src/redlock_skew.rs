@@ -25,7 +25,9 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::history::mono_ns;
-use crate::scenario::{config, describe, finish, redlock_masters, resource_server, spawn_workers, Size};
+use crate::scenario::{
+    config, describe, finish, redlock_masters, resource_server, spawn_workers, workers_started, Size,
+};
 use crate::slow::ping_rtt;
 
 /// How far ahead master 0's mark is kept.
@@ -68,6 +70,7 @@ pub(crate) async fn row(scenario: &str, backend: &str, size: Size, seed: u64) ->
     // Ahead before the first grant.
     let mut pushed = u64::from(push_ahead(&mut fast, &mark).await?);
     spawn_workers(&mut run, &cfg, procs)?;
+    workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
     let mut slowed = 0u64;
     for round in 0..rounds {
         if round > 0 {

@@ -22,7 +22,7 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::redlock::refuses;
-use crate::scenario::{config, describe, finish, resource_server, spawn_workers, Size};
+use crate::scenario::{config, describe, finish, resource_server, spawn_workers, workers_started, Size};
 
 /// How long each outage lasts: longer than a section, so the holder's
 /// release meets it, and well inside the lease, so the hold outlives it.
@@ -48,7 +48,8 @@ pub(crate) async fn row(scenario: &str, backend: &str, size: Size, seed: u64) ->
     let procs = 3;
     let mut run = Run::new(&format!("{scenario}-{backend}")).map_err(|e| e.to_string())?;
     spawn_workers(&mut run, &cfg, procs)?;
-    sleep(Duration::from_millis(500)).await;
+    workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
+    sleep(Duration::from_millis(300)).await;
     let mut done = 0u64;
     for _ in 0..outages {
         run.log("kill", None);

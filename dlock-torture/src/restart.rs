@@ -11,7 +11,7 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::resource::{Fenced, Resource};
-use crate::scenario::{config, describe, finish, resource_server, spawn_workers, Size};
+use crate::scenario::{config, describe, finish, resource_server, spawn_workers, workers_started, Size};
 
 /// What one restart probe saw.
 #[derive(Debug, Default, Clone, Copy)]
@@ -164,6 +164,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         cfg.duration_ms = restarts * (2 * u64::try_from(step.as_millis()).unwrap_or(0) + pause) + 1000;
         let procs = 3;
         spawn_workers(&mut run, &cfg, procs)?;
+        workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
         for _ in 0..restarts {
             sleep(step).await;
             run.log("restart", None);

@@ -81,6 +81,24 @@ pub(crate) fn spawn_workers(run: &mut Run, cfg: &WorkerConfig, procs: u32) -> Re
     Ok(())
 }
 
+/// Waits until `procs` worker processes have each logged an acquire, so
+/// are connected (at most `within`): a server fault injected while a worker
+/// still connects makes it fail to start, a lost worker, instead of testing
+/// the fault. Start-up takes longer on a loaded machine and in a debug
+/// build than any fixed pause allows for.
+pub(crate) async fn workers_started(run: &Run, procs: usize, within: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let events = tokio::task::block_in_place(|| run.events())?;
+        let started: std::collections::HashSet<u32> =
+            events.iter().filter(|e| e.op == "acq_invoke").map(|e| e.pid).collect();
+        if started.len() >= procs || tokio::time::Instant::now() >= deadline {
+            return Ok(());
+        }
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// For the scenarios whose fault outlives a lease: how many holds that
 /// fencing refused had been told they were lost by then.
 pub(crate) fn note_signalled(r: &mut Report) {

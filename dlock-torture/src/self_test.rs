@@ -71,7 +71,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         cfg.watchdog = false;
         cfg.wait_ms = 1000;
         cfg.duration_ms =
-            if variant == "broken-redlock-ignores-elapsed" { size.pick(4000, 15_000) } else { size.pick(1500, 10_000) };
+            if variant == "broken-redlock-ignores-elapsed" { size.pick(4000, 15_000) } else { size.pick(2000, 10_000) };
         (cfg.lease_ms, cfg.cs_max_ms) = match variant {
             "broken-get-then-set" => (200, 2),
             "broken-renew-no-owner-check" => (60, 120),

@@ -68,7 +68,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     cfg.tasks = 8;
     cfg.cs_max_ms = 20;
     cfg.wait_ms = LEASE_MS * 5;
-    cfg.duration_ms = size.pick(35_000, 150_000);
+    cfg.duration_ms = size.pick(32_000, 150_000);
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
     // The delays as the workers meet them, measured while they run.
