@@ -24,6 +24,8 @@
 //! ```
 
 pub mod backend;
+#[cfg(feature = "broken-variants")]
+pub mod broken_variants;
 mod config;
 mod engine;
 mod error;

@@ -38,6 +38,14 @@ pub(crate) enum Bug {
     /// is left on the server until its lease runs out. Only the residue
     /// check (C6) sees it.
     ReleaseForgets,
+    /// RedLock as dlock did it before the review of 2026-11-27 (A2): each
+    /// node grants `max(mark + 1, node time)` and moves its mark there, all
+    /// nodes are asked at once, and the token is the maximum over the first
+    /// quorum of grants, with no write-back. A node whose mark (or clock)
+    /// runs ahead and which is out of the next quorum (slow, or merely
+    /// third to answer) then leaves the next holder a lower token. Run by
+    /// `redlock-skew`'s workload; only the fencing check (C4) sees it.
+    RedlockMaxOverQuorum,
 }
 
 impl Bug {
@@ -50,12 +58,13 @@ impl Bug {
             "broken-token-regresses" => Bug::TokenRegresses,
             "broken-duplicate-token" => Bug::DuplicateToken,
             "broken-release-forgets" => Bug::ReleaseForgets,
+            "broken-redlock-max-over-quorum" => Bug::RedlockMaxOverQuorum,
             _ => return None,
         })
     }
 
     /// Every variant's backend name, as the scenario table prints it.
-    pub(crate) const ALL: [&'static str; 7] = [
+    pub(crate) const ALL: [&'static str; 8] = [
         "broken-plain-del",
         "broken-get-then-set",
         "broken-renew-no-owner-check",
@@ -63,6 +72,7 @@ impl Bug {
         "broken-token-regresses",
         "broken-duplicate-token",
         "broken-release-forgets",
+        "broken-redlock-max-over-quorum",
     ];
 }
 
@@ -73,6 +83,28 @@ const RELEASE_IF_OWNER: &str = r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 "#;
+
+/// The high-water mark [`Bug::RedlockMaxOverQuorum`] keeps on every node
+/// (as dlock's `prefix:fence`); `redlock-skew` pushes one node's ahead.
+pub(crate) const REDLOCK_MARK: &str = "broken:fence";
+
+/// One node's part of [`Bug::RedlockMaxOverQuorum`]: `SET NX`, and when
+/// granted the token `max(mark + 1, TIME in µs)`, stored as the mark.
+/// KEYS[1] the lock, KEYS[2] the mark; ARGV[1] owner, ARGV[2] lease ms.
+/// Returns the token as text, or nil when held.
+const NODE_GRANT: &str = r#"
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local mark = tonumber(redis.call('GET', KEYS[2]) or '0')
+local token = math.max(mark + 1, now)
+redis.call('SET', KEYS[2], string.format('%d', token))
+return string.format('%d', token)
+"#;
+
+/// How long [`Bug::RedlockMaxOverQuorum`] waits for the nodes, as dlock's
+/// RedLock with the harness's 50 ms node timeout.
+const NODE_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// A broken lock client over one Redis (or five, for the RedLock bug).
 #[derive(Clone)]
@@ -127,8 +159,13 @@ impl BrokenLock {
         let key = format!("broken:{key}");
         loop {
             let started_ns = mono_ns();
+            let mut quorum_token = None;
             let got = match self.bug {
                 Bug::RedlockIgnoresElapsed => self.redlock_try(&key, owner, rng.chance(0.5)).await?,
+                Bug::RedlockMaxOverQuorum => {
+                    quorum_token = self.max_over_quorum(&key, owner).await;
+                    quorum_token.is_some()
+                }
                 Bug::GetThenSet => {
                     let mut c = self.nodes[0].clone();
                     let holder: Option<String> = c.get(&key).await?;
@@ -166,8 +203,10 @@ impl BrokenLock {
                 }
             };
             if got {
-                let mut c = self.nodes[0].clone();
-                let counted: u64 = c.incr(format!("{key}:fence"), 1u64).await?;
+                let counted: u64 = match quorum_token {
+                    Some(token) => token,
+                    None => self.nodes[0].clone().incr(format!("{key}:fence"), 1u64).await?,
+                };
                 let token = match self.bug {
                     // The bugs: a fence counting down, and one that never moves.
                     Bug::TokenRegresses => TOKEN_CEILING.saturating_sub(counted),
@@ -185,7 +224,8 @@ impl BrokenLock {
                     | Bug::GetThenSet
                     | Bug::TokenRegresses
                     | Bug::DuplicateToken
-                    | Bug::ReleaseForgets => hold.valid_until_ns = Some(started_ns + lease_ns),
+                    | Bug::ReleaseForgets
+                    | Bug::RedlockMaxOverQuorum => hold.valid_until_ns = Some(started_ns + lease_ns),
                     Bug::RenewNoOwnerCheck => self.start_renewer(&mut hold, rng.next_u64()),
                 }
                 return Ok(Some(hold));
@@ -223,6 +263,44 @@ impl BrokenLock {
         }
         self.release_all(key, owner).await;
         Ok(false)
+    }
+
+    /// [`Bug::RedlockMaxOverQuorum`]'s try: every node at once, the token
+    /// the maximum over the first quorum of grants; `None` (and undone on
+    /// every node) without a quorum within the node timeout. Answers not
+    /// waited for still land: each node's call runs on a task of its own.
+    async fn max_over_quorum(&self, key: &str, owner: &str) -> Option<u64> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for node in &self.nodes {
+            let (mut c, tx) = (node.clone(), tx.clone());
+            let (key, owner, lease) = (key.to_owned(), owner.to_owned(), self.lease_ms());
+            tokio::spawn(async move {
+                let got: redis::RedisResult<Option<u64>> = Script::new(NODE_GRANT)
+                    .key(&key)
+                    .key(REDLOCK_MARK)
+                    .arg(&owner)
+                    .arg(lease)
+                    .invoke_async(&mut c)
+                    .await;
+                let _ = tx.send(got.ok().flatten());
+            });
+        }
+        drop(tx);
+        let quorum = self.nodes.len() / 2 + 1;
+        let deadline = Instant::now() + NODE_TIMEOUT;
+        let mut tokens = Vec::new();
+        while tokens.len() < quorum {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(Some(token))) => tokens.push(token),
+                Ok(Some(None)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        if tokens.len() >= quorum {
+            return tokens.into_iter().max();
+        }
+        self.release_all(key, owner).await;
+        None
     }
 
     async fn release_all(&self, key: &str, owner: &str) {

@@ -22,6 +22,12 @@ pub(crate) struct Report {
     pub(crate) backend: String,
     /// Whether the backend promises safety under this fault.
     pub(crate) expected_safe: bool,
+    /// Whether the backend promises growing fencing tokens under this
+    /// fault (C4 = 0), also where it does not promise mutual exclusion: a
+    /// restart without persistence loses the locks but not the token order
+    /// (tokens fall back to the server clock). Not promised only where
+    /// RedLock masters lose their data, and for the broken variants.
+    pub(crate) tokens_promised: bool,
     /// Overlaps are expected (pauses, expiry): the fencing must catch them.
     pub(crate) overlaps_informational: bool,
     pub(crate) seed: u64,
@@ -90,7 +96,14 @@ pub(crate) struct Report {
 
 impl Report {
     pub(crate) fn new(scenario: &str, backend: &str, seed: u64) -> Self {
-        Report { scenario: scenario.into(), backend: backend.into(), seed, pass: true, ..Report::default() }
+        Report {
+            scenario: scenario.into(),
+            backend: backend.into(),
+            seed,
+            pass: true,
+            tokens_promised: true,
+            ..Report::default()
+        }
     }
 
     /// Copies a history's findings in.
@@ -145,17 +158,20 @@ impl Report {
         }
     }
 
-    /// The harness's verdict: an expected-safe row must lose nothing on the
-    /// fenced counter or the fenced set, accept no stale write, and (unless overlaps are
-    /// expected under its fault) show no overlap.
+    /// The harness's verdict: a row where tokens are promised must hand out
+    /// no token regression (C4), whether or not it promises mutual
+    /// exclusion; an expected-safe row must also lose nothing on the fenced
+    /// counter or the fenced set, accept no stale write, and (unless
+    /// overlaps are expected under its fault) show no overlap.
     pub(crate) fn safety_ok(&self) -> bool {
+        let tokens_ok = !self.tokens_promised || self.token_regressions == 0;
         if !self.expected_safe {
-            return true;
+            return tokens_ok;
         }
-        self.lost_updates == 0
+        tokens_ok
+            && self.lost_updates == 0
             && self.set_missing == 0
             && self.stale_accepted == 0
-            && self.token_regressions == 0
             && (self.overlaps_informational || self.overlaps == 0)
     }
 
@@ -407,6 +423,24 @@ impl Drop for Run {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// C4 fails a row wherever tokens are promised, safe or not; only a row
+    /// that promises no token order (RedLock masters losing data, a broken
+    /// variant) passes with regressions.
+    #[test]
+    fn token_regressions_fail_every_row_that_promises_tokens() {
+        let mut unsafe_arm = Report::new("restart-redis", "no persistence", 0);
+        unsafe_arm.overlaps = 3;
+        assert!(unsafe_arm.safety_ok(), "overlaps are not promised away here");
+        unsafe_arm.token_regressions = 1;
+        assert!(!unsafe_arm.safety_ok(), "tokens are");
+        unsafe_arm.tokens_promised = false;
+        assert!(unsafe_arm.safety_ok());
+        let mut safe = Report::new("baseline", "redis", 0);
+        safe.expected_safe = true;
+        safe.token_regressions = 1;
+        assert!(!safe.safety_ok());
+    }
 
     /// A worker that exits with a failure is a lost worker, one that does
     /// not stop is a hang, and one that exits cleanly is neither.

@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --bin dlock-torture -- [--short] [--scenario NAME] [--json] [--seed N] [--markdown PATH]
 //! cargo run --release --bin dlock-torture -- --list   # the scenario names, one a line
+//! cargo run --release --bin dlock-torture -- --list-broken   # the self-test's broken variants
 //! ```
 //!
 //! Every scenario prints one table row (or one JSON object per line with
@@ -19,16 +20,21 @@
 mod badinput;
 mod baseline;
 mod broken;
+mod burst;
 mod checker;
+mod flush;
 mod harness;
 mod herd;
 mod history;
 mod kill_client;
 mod markdown;
 mod orphan_renewal;
+mod own_bugs;
 mod partition;
 mod pause;
 mod redlock;
+mod redlock_skew;
+mod release_retry;
 mod renewal;
 mod resource;
 mod restart;
@@ -48,13 +54,15 @@ use harness::Report;
 
 fn usage() -> String {
     format!(
-        "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N] [--markdown PATH|-] [--timelines DIR] | --list\nscenarios: {}",
+        "usage: dlock-torture [--short] [--scenario NAME]... [--json] [--seed N] [--markdown PATH|-] [--timelines DIR] | --list | --list-broken\nscenarios: {}",
         scenarios::names()
     )
 }
 
 struct Args {
     list: bool,
+    /// `--list-broken`: print the self-test's broken variants.
+    list_broken: bool,
     short: bool,
     json: bool,
     seed: u64,
@@ -64,11 +72,20 @@ struct Args {
 }
 
 fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
-    let mut args = Args { list: false, short: false, json: false, seed: 0, scenarios: Vec::new(), markdown: None };
+    let mut args = Args {
+        list: false,
+        list_broken: false,
+        short: false,
+        json: false,
+        seed: 0,
+        scenarios: Vec::new(),
+        markdown: None,
+    };
     let mut seeded = false;
     while let Some(a) = it.next() {
         match a.as_str() {
             "--list" => args.list = true,
+            "--list-broken" => args.list_broken = true,
             "--short" => args.short = true,
             "--json" => args.json = true,
             "--seed" => {
@@ -131,6 +148,12 @@ fn main() -> ExitCode {
     if args.list {
         for s in scenarios::ALL {
             println!("{}", s.name);
+        }
+        return ExitCode::SUCCESS;
+    }
+    if args.list_broken {
+        for v in self_test::variants() {
+            println!("{v}");
         }
         return ExitCode::SUCCESS;
     }

@@ -111,6 +111,20 @@ pub(crate) fn verdict(r: &Report) -> &'static str {
     }
 }
 
+/// `scenario n` for each scenario, in run order: how many rows (arms,
+/// backends, variants) it reported, so that no count has to be typed in
+/// the prose.
+fn rows_per_scenario(rows: &[Report]) -> String {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for r in rows {
+        match counts.iter_mut().find(|(name, _)| *name == r.scenario) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((&r.scenario, 1)),
+        }
+    }
+    counts.iter().map(|(name, n)| format!("{name} {n}")).collect::<Vec<_>>().join(", ")
+}
+
 /// Text for a table cell: a `|` would end the cell, a line break the row.
 fn cell(s: &str) -> String {
     s.replace('|', r"\|").replace('\n', " ")
@@ -132,6 +146,13 @@ pub(crate) fn block(stamp: &Stamp, rows: &[Report]) -> String {
     let _ = writeln!(s, "| cores | {} |", stamp.cores);
     let _ = writeln!(s, "| wall time | {:.0} s |", stamp.wall.as_secs_f64());
     let _ = writeln!(s, "| rows | {} ({failed} FAIL) |", rows.len());
+    let _ = writeln!(s, "| rows per scenario | {} |", cell(&rows_per_scenario(rows)));
+    let variants: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.scenario == "checker-self-test" && r.backend.starts_with("broken-"))
+        .map(|r| r.backend.as_str())
+        .collect();
+    let _ = writeln!(s, "| broken variants | {}: {} |", variants.len(), cell(&variants.join(", ")));
     let _ = writeln!(s);
     let _ = writeln!(
         s,
@@ -141,6 +162,8 @@ pub(crate) fn block(stamp: &Stamp, rows: &[Report]) -> String {
     let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|");
     for r in rows {
         let overlaps = if r.overlaps_informational { format!("{} (i)", r.overlaps) } else { r.overlaps.to_string() };
+        let tokens =
+            if r.tokens_promised { r.token_regressions.to_string() } else { format!("{} (np)", r.token_regressions) };
         let v = verdict(r);
         let _ = writeln!(
             s,
@@ -154,7 +177,7 @@ pub(crate) fn block(stamp: &Stamp, rows: &[Report]) -> String {
             r.lost_updates,
             r.stale_writes_refused,
             r.stale_accepted,
-            r.token_regressions,
+            tokens,
             r.set_missing,
             r.unfenced_lost,
             r.p50_wait_ms,
@@ -277,6 +300,8 @@ mod tests {
         let ok_row = b.lines().find(|l| l.starts_with("| pause |")).expect("pause row");
         assert!(ok_row.ends_with("| ok | [svg](docs/timelines/pause-redis.svg) |"), "{ok_row}");
         assert!(b.contains("| rows | 2 (1 FAIL) |"), "{b}");
+        assert!(b.contains("| rows per scenario | pause 1, partition 1 |"), "{b}");
+        assert!(b.contains("| broken variants | 0:  |"), "{b}");
         assert!(b.contains("**partition [redis]** (FAIL): FAIL: safety violated"), "{b}");
         assert!(b.contains("| command | `dlock-torture --short --markdown RELIABILITY.md` |"), "{b}");
     }

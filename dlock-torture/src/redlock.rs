@@ -10,7 +10,9 @@ use tokio::time::sleep;
 use crate::harness::{Report, Run};
 use crate::history::mono_ns;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, finish, redlock_masters, resource_server, spawn_workers, Size};
+use crate::scenario::{
+    config, describe, finish, redlock_masters, resource_server, spawn_workers, workers_started, Size,
+};
 
 /// T5b: the most a RedLock acquire may take to answer "unavailable" while a
 /// majority is down: one attempt bounded by the node timeout (50 ms here)
@@ -31,6 +33,7 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
     cfg.duration_ms = rounds * (u64::try_from(outage.as_millis()).unwrap_or(0) + 1500) + 1000;
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
+    workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
     let mut rng = Rng::new(seed);
     let mut windows = Vec::new();
     let victims = if majority { 3 } else { 2 };
@@ -94,7 +97,10 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
             r.fail("locks granted without a quorum");
         }
     } else {
-        r.note(format!("grants during minority outages: {during} (expected > 0: the quorum survives)"));
+        r.note(format!("grants during minority outages: {during} (must be > 0: the quorum survives)"));
+        if during == 0 {
+            r.fail("no grant during a minority outage: a quorum of 3 live masters must keep granting");
+        }
     }
     Ok(vec![r])
 }
@@ -102,9 +108,12 @@ pub(crate) async fn outage(size: Size, seed: u64, majority: bool) -> Result<Vec<
 /// T5c's random arm: RedLock masters *without* persistence; under load, 2
 /// of 5 random masters are killed and rejoin at once, empty. A rejoined
 /// master can hand a second quorum the key a holder still has on its
-/// others: reported, not promised. The same with every client quarantining
-/// restarted masters (`DLOCK_RESTART_QUARANTINE_MS` = 1.3 s > the 1 s
-/// lease): promised safe.
+/// others: not promised, and the arm is the negative control that shows it
+/// (with [`restart_probe`]: it fails when nothing overlapped). The same with
+/// every client quarantining restarted masters
+/// (`DLOCK_RESTART_QUARANTINE_MS` = 1.3 s > the 1 s lease): promised safe.
+/// Neither promises growing tokens: a master that lost its mark answers
+/// from its clock alone.
 pub(crate) async fn restart(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let mut rows = Vec::new();
     for quarantine in [Duration::ZERO, Duration::from_millis(1300)] {
@@ -126,6 +135,7 @@ pub(crate) async fn restart(size: Size, seed: u64) -> Result<Vec<Report>, String
             u64::try_from((pace * u32::try_from(rounds).unwrap_or(1) + quarantine).as_millis()).unwrap_or(0) + 1500;
         let procs = 3;
         spawn_workers(&mut run, &cfg, procs)?;
+        workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
         let mut rng = Rng::new(seed);
         sleep(Duration::from_millis(700) + quarantine).await;
         for _ in 0..rounds {
@@ -157,6 +167,7 @@ pub(crate) async fn restart(size: Size, seed: u64) -> Result<Vec<Report>, String
         };
         let mut r = Report::new("redlock-restart", label, seed);
         r.expected_safe = !quarantine.is_zero();
+        r.tokens_promised = false;
         r.faults = restarted;
         if restarted < rounds * 2 {
             r.note(format!("only {restarted} of {} restarts were seen (a new run id)", rounds * 2));
@@ -164,20 +175,92 @@ pub(crate) async fn restart(size: Size, seed: u64) -> Result<Vec<Report>, String
         r.fault_kind = "kill -9 + immediate restart of 2 of 5".into();
         describe(&mut r, procs, &cfg);
         finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
+        let probe = restart_probe(&mut nodes, quarantine).await?;
+        r.faults += 1;
+        r.overlaps += u64::from(probe);
+        r.note(format!(
+            "probe (A holds on a bare quorum, one of its masters rejoins empty, B asks at once): B granted while A \
+             still believed it held: {}",
+            if probe { "yes" } else { "no" }
+        ));
         if !r.safety_ok() && r.pass && r.expected_safe {
             r.fail("overlap although restarted masters were quarantined");
         }
         if quarantine.is_zero() && r.overlaps == 0 {
-            r.note("no second quorum formed this run (the unsafety needs a restart to hit a live hold's masters)");
+            r.fail("negative control: no second quorum formed, probe included (the documented unsafety was NOT reproduced)");
         }
         rows.push(r);
     }
     Ok(rows)
 }
 
+/// The deterministic RedLock restart probe: A acquires while another
+/// owner holds the key on masters 3 and 4, so it holds on exactly 0, 1 and
+/// 2 (a fixed 1 s lease); that owner lets go, and master 0 restarts empty
+/// (no persistence); B asks at once. Without a quarantine 0, 3 and 4 make
+/// B a quorum while A still believes it holds: returns whether that
+/// happened. With one, the restarted master refuses B until A's lease is
+/// over.
+async fn restart_probe(nodes: &mut [RedisServer], quarantine: Duration) -> Result<bool, String> {
+    use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
+    use dlock_core::{AcquireOptions, Locker, LockerOptions};
+    use std::sync::Arc;
+    let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
+    let connect = |urls: Vec<String>| async move {
+        let options = RedLockOptions::default()
+            .with_node_timeout(Duration::from_millis(50))
+            .with_redis(dlock_core::backend::redis::RedisOptions::default().with_restart_quarantine(quarantine));
+        let b = RedLockBackend::connect_with(&urls, "torture", options).await.map_err(|e| e.to_string())?;
+        Locker::with_options(Arc::new(b), LockerOptions::default().with_prefix("torture")).map_err(|e| e.to_string())
+    };
+    let (a, b) = (connect(urls.clone()).await?, connect(urls).await?);
+    let key = a.key("probe").part("redlock").build().map_err(|e| e.to_string())?;
+    let other = |c: &mut redis::Connection, del: bool| -> redis::RedisResult<()> {
+        if del {
+            redis::cmd("DEL").arg(key.as_str()).query(c)
+        } else {
+            redis::cmd("SET").arg(key.as_str()).arg("1:0:someone-else").arg("PX").arg(10_000).query(c)
+        }
+    };
+    for node in &nodes[3..] {
+        other(&mut node.connection(), false).map_err(|e| format!("hold masters 3-4: {e}"))?;
+    }
+    let lease = AcquireOptions::new().with_lease(Duration::from_millis(1000));
+    // A quarantine still running from the workload's last restarts first.
+    let deadline = tokio::time::Instant::now() + quarantine + Duration::from_secs(3);
+    let ga = loop {
+        match a.acquire(&key, lease.clone().with_wait(Duration::from_millis(200))).await {
+            Ok(g) => break g,
+            Err(_) if tokio::time::Instant::now() < deadline => sleep(Duration::from_millis(20)).await,
+            Err(e) => return Err(format!("A cannot acquire on masters 0-2: {e}")),
+        }
+    };
+    tokio::task::block_in_place(|| {
+        for node in &nodes[3..] {
+            other(&mut node.connection(), true).map_err(|e| format!("free masters 3-4: {e}"))?;
+        }
+        nodes[0].restart();
+        Ok::<_, String>(())
+    })?;
+    let deadline = tokio::time::Instant::now() + quarantine + Duration::from_secs(3);
+    let overlapped = loop {
+        match b.acquire(&key, lease.clone().with_wait(Duration::from_millis(100))).await {
+            Ok(gb) => {
+                let overlapped = !ga.is_lost();
+                let _ = gb.release().await;
+                break overlapped;
+            }
+            Err(_) if tokio::time::Instant::now() < deadline => sleep(Duration::from_millis(20)).await,
+            Err(_) => break false,
+        }
+    };
+    drop(ga);
+    Ok(overlapped)
+}
+
 /// Whether nothing accepts connections on the loopback `port` (a killed
 /// node's).
-fn refuses(port: u16) -> bool {
+pub(crate) fn refuses(port: u16) -> bool {
     std::net::TcpStream::connect_timeout(
         &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
         Duration::from_millis(500),

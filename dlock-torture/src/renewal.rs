@@ -88,7 +88,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
         .await
         .map_err(|e| e.to_string())?;
     let key = holder.key("renewal").part(0u32).build().map_err(|e| e.to_string())?;
-    let episodes = size.pick(20u64, 200);
+    let episodes = size.pick(12u64, 200);
     let mut rng = Rng::new(seed);
 
     let mut r = Report::new("renewal-failure", "redis (watchdog, lease 300 ms, renew every 100 ms)", seed);

@@ -11,12 +11,24 @@ use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
 use crate::resource::{Fenced, Resource};
-use crate::scenario::{config, describe, finish, resource_server, spawn_workers, Size};
+use crate::scenario::{config, describe, finish, resource_server, spawn_workers, workers_started, Size};
+
+/// What one restart probe saw.
+#[derive(Debug, Default, Clone, Copy)]
+struct Probe {
+    /// B was granted the key while A still believed it held it.
+    overlapped: bool,
+    /// A's fenced write after B's grant was refused.
+    refused: bool,
+    /// B was granted the key at all (not found held), and its token was
+    /// above A's: tokens must grow across the restart whenever B is granted.
+    granted: bool,
+    newer: bool,
+}
 
 /// The deterministic restart probe: A holds, the lock server restarts
-/// (after `delay`), B tries at once. Returns (B got it while A still
-/// believed it held, A's fenced write refused, token of B > token of A).
-/// With a `quarantine`, A first waits out the fresh server's own.
+/// (after `delay`), B tries at once. With a `quarantine`, A first waits out
+/// the fresh server's own.
 async fn restart_probe(
     lock: &mut RedisServer,
     resource: &Resource,
@@ -24,7 +36,7 @@ async fn restart_probe(
     delay: Duration,
     clean: bool,
     quarantine: Duration,
-) -> Result<(bool, bool, bool), String> {
+) -> Result<Probe, String> {
     let connect = |url: String| async move {
         let options = dlock_core::backend::redis::RedisOptions::default().with_restart_quarantine(quarantine);
         let b = RedisBackend::connect_with(&url, "torture", options).await.map_err(|e| e.to_string())?;
@@ -68,7 +80,7 @@ async fn restart_probe(
     };
     let Some(gb) = gb else {
         drop(ga);
-        return Ok((false, false, false));
+        return Ok(Probe::default());
     };
     let a_believes = !ga.is_lost();
     let tb = gb.fencing_token();
@@ -76,7 +88,16 @@ async fn restart_probe(
     let refused = resource.fenced_write(100 + key_no, ta, v + 1).await.map_err(|e| e.to_string())? == Fenced::Stale;
     drop(ga);
     let _ = gb.release().await;
-    Ok((a_believes, refused, tb > ta))
+    Ok(Probe { overlapped: a_believes, refused, granted: true, newer: tb > ta })
+}
+
+/// Tokens grow across a restart in every arm (from the mark, or from the
+/// server clock once the restart took the mark): B's token must be above
+/// A's in every probe where B was granted.
+fn judge_probes(r: &mut Report, granted: u64, newer: u64) {
+    if newer < granted {
+        r.fail(format!("C4 (probe): B's token was not above A's in {} of {granted} probe(s)", granted - newer));
+    }
 }
 
 /// Stops the lock server: `SHUTDOWN` when `clean`, else `kill -9`.
@@ -122,14 +143,14 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
             if clean { "SHUTDOWN" } else { "kill -9" },
             if delay.is_zero() { "" } else { " after 1.3 s" }
         ) + if quarantine.is_zero() { "" } else { " (clients quarantine 1.3 s)" };
-        let (mut probe_violations, mut refused, mut newer) = (0u64, 0u64, 0u64);
+        let (mut probe_violations, mut refused, mut granted, mut newer) = (0u64, 0u64, 0u64, 0u64);
         for i in 0..probes {
             let key_no = 10 * u32::try_from(arm).unwrap_or(0) + i;
-            let (violated, was_refused, b_newer) =
-                restart_probe(&mut lock, &resource, key_no, delay, clean, quarantine).await?;
-            probe_violations += u64::from(violated);
-            refused += u64::from(was_refused);
-            newer += u64::from(b_newer);
+            let probe = restart_probe(&mut lock, &resource, key_no, delay, clean, quarantine).await?;
+            probe_violations += u64::from(probe.overlapped);
+            refused += u64::from(probe.refused);
+            granted += u64::from(probe.granted);
+            newer += u64::from(probe.newer);
             r.faults += 1;
         }
         let mut run = Run::new("restart-redis").map_err(|e| e.to_string())?;
@@ -138,17 +159,20 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         cfg.keys = 3;
         cfg.quarantine_ms = u64::try_from(quarantine.as_millis()).unwrap_or(0);
         let pause = u64::try_from((delay + quarantine).as_millis()).unwrap_or(0);
-        cfg.duration_ms = restarts * (2000 + pause) + 1000;
+        // Load before each restart, and after it (past any quarantine).
+        let step = Duration::from_millis(size.pick(700, 1000));
+        cfg.duration_ms = restarts * (2 * u64::try_from(step.as_millis()).unwrap_or(0) + pause) + 1000;
         let procs = 3;
         spawn_workers(&mut run, &cfg, procs)?;
+        workers_started(&run, procs as usize, Duration::from_secs(5)).await?;
         for _ in 0..restarts {
-            sleep(Duration::from_millis(1000)).await;
+            sleep(step).await;
             run.log("restart", None);
             stop(&mut lock, clean);
             sleep(delay).await;
             tokio::task::block_in_place(|| lock.start_again());
             r.faults += 1;
-            sleep(Duration::from_millis(1000) + quarantine).await;
+            sleep(step + quarantine).await;
         }
         describe(&mut r, procs, &cfg);
         finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
@@ -156,10 +180,13 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         r.stale_writes_refused += refused;
         r.note(format!(
             "probe (A holds, server restarts, B asks at once): B granted while A still believed it held {probe_violations}/{probes}, \
-             A's stale write refused {refused}/{probes}, B's token > A's {newer}/{probes}"
+             A's stale write refused {refused}/{probes}, B granted {granted}/{probes}, B's token > A's {newer}/{granted}"
         ));
-        if args.is_empty() && delay.is_zero() && quarantine.is_zero() && probe_violations == 0 {
-            r.note("the documented violation was NOT reproduced this run");
+        judge_probes(&mut r, granted, newer);
+        // The negative control: no persistence and nothing to mitigate must
+        // show the violation the docs describe, or the arm proves nothing.
+        if args.is_empty() && delay.is_zero() && quarantine.is_zero() && r.overlaps == 0 {
+            r.fail("negative control: the documented violation was NOT reproduced (0 overlaps, probe included)");
         }
         if !r.safety_ok() && r.pass {
             r.fail("overlap after a restart the mitigation should make safe");
@@ -167,4 +194,19 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
         rows.push(r);
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_probe_whose_token_did_not_grow_fails_the_arm() {
+        let mut r = Report::new("restart-redis", "x", 0);
+        judge_probes(&mut r, 5, 5);
+        judge_probes(&mut r, 0, 0);
+        assert!(r.pass, "{}", r.notes);
+        judge_probes(&mut r, 5, 4);
+        assert!(!r.pass && r.notes.contains("1 of 5"), "{}", r.notes);
+    }
 }

@@ -10,8 +10,8 @@ use std::pin::Pin;
 use crate::harness::Report;
 use crate::scenario::Size;
 use crate::{
-    badinput, baseline, kill_client, orphan_renewal, partition, pause, redlock, renewal, restart, self_test, slow,
-    storm, zk_expire,
+    badinput, baseline, burst, flush, kill_client, orphan_renewal, partition, pause, redlock, redlock_skew,
+    release_retry, renewal, restart, self_test, slow, storm, zk_expire,
 };
 
 /// A running scenario: its report rows, or why it could not run.
@@ -29,9 +29,12 @@ pub(crate) struct Scenario {
 /// Every scenario, in run order.
 pub(crate) const ALL: &[Scenario] = &[
     Scenario { name: "baseline", faults: false, start: |size, seed| Box::pin(baseline::run(size, seed)) },
+    Scenario { name: "coalesced-burst", faults: false, start: |size, seed| Box::pin(burst::run(size, seed)) },
     Scenario { name: "pause", faults: true, start: |size, seed| Box::pin(pause::run(size, seed)) },
     Scenario { name: "kill-client", faults: true, start: |size, seed| Box::pin(kill_client::run(size, seed)) },
     Scenario { name: "restart-redis", faults: true, start: |size, seed| Box::pin(restart::run(size, seed)) },
+    Scenario { name: "flush-redis", faults: true, start: |size, seed| Box::pin(flush::run(size, seed)) },
+    Scenario { name: "release-retry", faults: true, start: |size, seed| Box::pin(release_retry::run(size, seed)) },
     Scenario {
         name: "redlock-minority",
         faults: true,
@@ -44,6 +47,7 @@ pub(crate) const ALL: &[Scenario] = &[
     },
     Scenario { name: "redlock-restart", faults: true, start: |size, seed| Box::pin(redlock::restart(size, seed)) },
     Scenario { name: "redlock-slow", faults: true, start: |size, seed| Box::pin(one_row(slow::run(size, seed))) },
+    Scenario { name: "redlock-skew", faults: true, start: |size, seed| Box::pin(redlock_skew::run(size, seed)) },
     Scenario { name: "zk-expire", faults: true, start: |size, seed| Box::pin(zk_expire::run(size, seed)) },
     Scenario { name: "partition", faults: true, start: |size, seed| Box::pin(partition::run(size, seed)) },
     Scenario { name: "renewal-failure", faults: true, start: |size, seed| Box::pin(one_row(renewal::run(size, seed))) },
@@ -129,9 +133,19 @@ mod tests {
     }
 
     #[test]
-    fn only_baseline_and_the_self_test_inject_no_fault() {
+    fn only_baseline_the_burst_and_the_self_test_inject_no_fault() {
         for s in ALL {
-            assert_eq!(s.faults, !matches!(s.name, "baseline" | "checker-self-test"), "{}", s.name);
+            assert_eq!(s.faults, !matches!(s.name, "baseline" | "coalesced-burst" | "checker-self-test"), "{}", s.name);
+        }
+    }
+
+    /// Every broken variant of dlock's own mechanisms runs the workload of
+    /// a scenario of the registry, whose real row is its control.
+    #[test]
+    fn every_own_bug_has_its_control_in_the_registry() {
+        for bug in crate::own_bugs::ALL {
+            assert!(find(bug.control).is_some(), "{} names no scenario `{}`", bug.name, bug.control);
+            assert!(crate::self_test::variants().contains(&bug.name), "{}", bug.name);
         }
     }
 }

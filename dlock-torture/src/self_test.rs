@@ -1,5 +1,14 @@
 //! `checker-self-test`: deliberately broken locks, which the checker must
 //! catch, beside the real one under the same workload as a control.
+//!
+//! Two kinds: locks the harness wrote with one classic bug each
+//! ([`crate::broken`]), and dlock's own mechanisms broken by a test-only
+//! switch in dlock-core ([`crate::own_bugs`]). A variant that needs a
+//! workload of its own runs the workload of the scenario whose real row is
+//! its control (`flush-redis`, `release-retry`, `coalesced-burst`,
+//! `redlock-skew`); the others share the plain-`DEL` workload below, with
+//! the real lock beside them. [`variants`] lists them all, once:
+//! `--list-broken` prints it, and `short_run` reads it from there.
 
 use std::time::Duration;
 
@@ -9,14 +18,44 @@ use crate::broken::Bug;
 use crate::harness::{Report, Run};
 use crate::scenario::{config, describe, finish, resource_server, spawn_workers, Size};
 
+/// The negative controls that are not broken locks: ZooKeeper's herd and
+/// the storm without its idempotency layer.
+const CONTROLS: [&str; 2] = ["broken-zk-herd", "broken-no-idempotency"];
+
+/// Every broken variant the self-test runs, in run order.
+pub(crate) fn variants() -> Vec<&'static str> {
+    Bug::ALL.into_iter().chain(crate::own_bugs::ALL.iter().map(|b| b.name)).chain(CONTROLS).collect()
+}
+
+/// The scenario whose workload `variant` runs instead of the shared one.
+fn own_workload(variant: &str) -> Option<&'static str> {
+    match variant {
+        "broken-redlock-max-over-quorum" => Some("redlock-skew"),
+        _ => crate::own_bugs::find(variant).map(|b| b.control),
+    }
+}
+
+/// `variant` under the workload of `scenario` (see [`own_workload`]).
+async fn run_as(scenario: &str, variant: &str, size: Size, seed: u64) -> Result<Report, String> {
+    let name = "checker-self-test";
+    match scenario {
+        "redlock-skew" => crate::redlock_skew::row(name, variant, size, seed).await,
+        "flush-redis" => crate::flush::row(name, variant, size, seed).await,
+        "release-retry" => crate::release_retry::row(name, variant, size, seed).await,
+        "coalesced-burst" => crate::burst::row(name, variant, size, seed).await,
+        other => Err(format!("no workload `{other}` for {variant}")),
+    }
+}
+
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let (res_server, resource) = resource_server().await?;
     let nodes: Vec<RedisServer> = (0..5).map(|_| RedisServer::start()).collect();
     let mut rows = Vec::new();
     // The correct lock first, under the workload that breaks the plain-DEL
     // variant: fixed 50 ms leases, sections up to 80 ms.
-    let variants: Vec<&str> = std::iter::once("redis").chain(Bug::ALL).collect();
-    for (i, variant) in variants.into_iter().enumerate() {
+    let shared: Vec<&str> =
+        std::iter::once("redis").chain(Bug::ALL.into_iter().filter(|v| own_workload(v).is_none())).collect();
+    for (i, variant) in shared.into_iter().enumerate() {
         // Every variant starts from empty servers, so what C6 finds is its own.
         for server in std::iter::once(&res_server).chain(&nodes) {
             flush(server).await?;
@@ -59,6 +98,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
             finish(&mut run, &mut r, &resource, 1, Duration::from_secs(15)).await?;
         } else {
             r.expected_safe = false;
+            r.tokens_promised = false;
             finish(&mut run, &mut r, &resource, 1, Duration::from_secs(15)).await?;
             // C6 on the broken lock's own keys (plain strings `broken:<k>`),
             // every worker gone: nothing may be left.
@@ -66,6 +106,13 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
             r.residual_keys = Some(left);
             judge(variant, &mut r);
         }
+        rows.push(r);
+    }
+    for variant in variants() {
+        let Some(scenario) = own_workload(variant) else { continue };
+        let mut r = run_as(scenario, variant, size, seed).await?;
+        r.note(format!("control: `{scenario}`'s row, the real dlock under this workload"));
+        judge(variant, &mut r);
         rows.push(r);
     }
     let zk = tokio::task::spawn_blocking(ZooKeeperServer::start)
@@ -80,6 +127,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let (good, bad) = (ratio(good_wake, good_rel), ratio(bad_wake, bad_rel));
     let mut herd = Report::new("checker-self-test", "broken-zk-herd", seed);
     herd.expected_safe = false;
+    herd.tokens_promised = false;
     herd.processes = 1;
     herd.tasks = u32::try_from(waiters).unwrap_or(0);
     herd.keys = 1;
@@ -129,7 +177,7 @@ fn must_fire(variant: &str, r: &Report) -> Vec<(&'static str, u64)> {
         // which the same C3 code checks.
         "broken-plain-del" | "broken-get-then-set" => vec![c1, ("C3 set-full (unfenced set)", r.unfenced_set_missing)],
         // Nothing overlaps: only the fencing check sees the falling tokens.
-        "broken-token-regresses" => vec![("C4 token order", r.token_regressions)],
+        "broken-token-regresses" | "broken-redlock-max-over-quorum" => vec![("C4 token order", r.token_regressions)],
         // Nothing overlaps (each waiter gets the key only when a lease
         // ends): only the residue check sees the keys left behind.
         "broken-release-forgets" => vec![("C6 residue", r.residual_keys.unwrap_or(0))],

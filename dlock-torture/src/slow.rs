@@ -68,7 +68,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
     cfg.tasks = 8;
     cfg.cs_max_ms = 20;
     cfg.wait_ms = LEASE_MS * 5;
-    cfg.duration_ms = size.pick(50_000, 150_000);
+    cfg.duration_ms = size.pick(32_000, 150_000);
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
     // The delays as the workers meet them, measured while they run.
@@ -163,7 +163,7 @@ async fn probe_all(proxies: &[FaultProxy]) -> Vec<Option<Duration>> {
     futures_util::future::join_all(proxies.iter().map(|p| ping_rtt(p.port()))).await
 }
 
-async fn ping_rtt(port: u16) -> Option<Duration> {
+pub(crate) async fn ping_rtt(port: u16) -> Option<Duration> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let probe = async {
         let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;

@@ -172,10 +172,15 @@ struct Tally {
     bodies: Vec<Option<String>>,
     /// 2xx answers whose body differed from their key's first.
     body_mismatch: Vec<String>,
-    /// Keys with a request that A left unanswered when it died: their first
-    /// run may have died with A after its side effect, before its answer
-    /// was stored, and run again on B (the documented crash window).
+    /// Keys with a request that A left unanswered when it died: sent to A
+    /// while it was alive and never answered. Their first run may have died
+    /// with A after its side effect, before its answer was stored, and run
+    /// again on B (the documented crash window). A request routed to A once
+    /// it was dead never reached it, and puts nothing in doubt.
     in_doubt: Vec<bool>,
+    /// Requests sent to A while it was alive and still unanswered when it
+    /// was killed: what the in-doubt keys are bounded by.
+    cut_by_kill: u64,
     /// 5xx answers from an instance that was alive.
     live_5xx: u64,
     sample: Option<String>,
@@ -196,6 +201,7 @@ pub(crate) async fn run_unguarded(size: Size, seed: u64) -> Result<Report, Strin
 async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String> {
     let mut r = if unguarded {
         let mut r = Report::new("checker-self-test", "broken-no-idempotency", seed);
+        r.tokens_promised = false;
         r.fault_kind = "none (the route has no idempotency layer)".into();
         r
     } else {
@@ -287,6 +293,8 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
             (if to_a { a_addr.clone() } else { b_addr.clone() }, tally.clone(), done.clone(), token_list.clone());
         let killed_at = killed_at.clone();
         handles.push(tokio::spawn(async move {
+            // Whether A was alive when this request set out to it.
+            let sent_to_live_a = to_a && killed_at.lock().map(|k| k.is_none()).unwrap_or(false);
             let reply = match job {
                 Job::Pay(i) => {
                     request(
@@ -314,8 +322,12 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
             let a_dead = killed_at.lock().map(|k| k.is_some()).unwrap_or(true);
             let Ok(mut t) = tally.lock() else { return };
             t.requests += 1;
-            let unanswered_by_dead_a = to_a && a_dead && reply.as_ref().map_or(true, |rep| rep.status >= 500);
-            if let (Job::Pay(i), true) = (job, unanswered_by_dead_a) {
+            // Unanswered because A died with it: sent while A lived, and the
+            // exchange broke after it connected (a refused connection sent
+            // nothing). An answer, 5xx included, is not a request in doubt.
+            let cut = sent_to_live_a && a_dead && reply.as_ref().is_err_and(|e| !e.starts_with("connect:"));
+            t.cut_by_kill += u64::from(cut);
+            if let (Job::Pay(i), true) = (job, cut) {
                 t.in_doubt[i as usize] = true;
             }
             if let (Job::Pay(i), Ok(rep)) = (job, &reply) {
@@ -433,6 +445,7 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
         .ok_or_else(|| format!("GET /products/9: {}", product.body))?;
 
     let t = tally.lock().map_err(|_| "poisoned")?;
+    let in_doubt = t.in_doubt.iter().filter(|&&d| d).count() as u64;
     // A key run twice is a double execution, unless A left a request of it
     // unanswered when it died: the first run may have made its side effect
     // and died before its answer was stored, and the key ran again on B after
@@ -462,8 +475,8 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
     r.overlaps = doubles;
     r.recovery_max_ms = Some(recovery.as_secs_f64() * 1000.0);
     r.note(format!(
-        "{keys} keys x {dups} + {tokens} tokens x {dups} in {storm_s:.1} s, A killed after {kill_after}/{total}: charges {} fresh 2xx, {} replayed, {} x 409 in progress, {} keys in doubt (A died with one of their requests), {crash_window} of them run again on B (crash window); tokens {tokens_spent}/{tokens} spent by one 201, {} x 409 duplicate, {sold} sold; {} killed-instance errors (expected), {} survivor errors, {} 5xx from a live instance, other {:?}; {retry_requests} retries on B, every key 2xx within {:.0} ms of the kill",
-        t.executed, t.replays, t.in_progress_409, t.in_doubt.iter().filter(|&&d| d).count(), t.duplicate_409, t.killed_errors, t.survivor_errors, t.live_5xx, t.other, recovery.as_secs_f64() * 1000.0
+        "{keys} keys x {dups} + {tokens} tokens x {dups} in {storm_s:.1} s, A killed after {kill_after}/{total}: charges {} fresh 2xx, {} replayed, {} x 409 in progress, {in_doubt} keys in doubt (A died with one of their requests: {} requests to A cut by the kill, of {inflight} in flight at most), {crash_window} of them run again on B (crash window); tokens {tokens_spent}/{tokens} spent by one 201, {} x 409 duplicate, {sold} sold; {} killed-instance errors (expected), {} survivor errors, {} 5xx from a live instance, other {:?}; {retry_requests} retries on B, every key 2xx within {:.0} ms of the kill",
+        t.executed, t.replays, t.in_progress_409, t.cut_by_kill, t.duplicate_409, t.killed_errors, t.survivor_errors, t.live_5xx, t.other, recovery.as_secs_f64() * 1000.0
     ));
     if let Some(s) = &t.sample {
         r.note(format!("first unexpected answer: {s}"));
@@ -513,6 +526,14 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
     }
     if t.executed == 0 || tokens_spent == 0 {
         r.fail("the storm executed nothing");
+    }
+    // A key is in doubt only for a request A had when it died: no more
+    // than were in flight. More would excuse double runs A never caused.
+    if in_doubt > inflight as u64 || t.cut_by_kill > inflight as u64 {
+        r.fail(format!(
+            "{in_doubt} keys in doubt ({} requests cut by the kill) with at most {inflight} requests in flight",
+            t.cut_by_kill
+        ));
     }
     Ok(r)
 }

@@ -161,7 +161,7 @@ fn overlaps(holds: &[Hold]) -> Vec<(u32, u64, u64)> {
 }
 
 /// The nemesis's faults as bands: stop → cont, partition → heal, slow →
-/// fast; kills and restarts as instants.
+/// fast; kills, restarts and flushes as instants.
 fn bands(events: &[Event], run_end: u64) -> Vec<Band> {
     let mut open: HashMap<(&'static str, Option<u32>), u64> = HashMap::new();
     let mut out = Vec::new();
@@ -179,6 +179,10 @@ fn bands(events: &[Event], run_end: u64) -> Vec<Band> {
             }
             "restart" => {
                 out.push(Band { what: "restart", from: e.t, to: e.t });
+                continue;
+            }
+            "flush" => {
+                out.push(Band { what: "flush", from: e.t, to: e.t });
                 continue;
             }
             _ => continue,
@@ -305,7 +309,7 @@ pub(crate) fn draw(title: &str, events: &[Event], run_end: u64) -> String {
     }
     for b in faults.iter().filter(|b| b.to >= t0 && b.from <= t1) {
         let (fill, w) = match b.what {
-            "kill" | "restart" => ("#444", 2.0_f64),
+            "kill" | "restart" | "flush" => ("#444", 2.0_f64),
             "cut" => ("#ff7f0e", 0.0),
             "slow" => ("#ffbb78", 0.0),
             _ => ("#999", 0.0),

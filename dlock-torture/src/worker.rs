@@ -9,7 +9,7 @@ use std::time::Duration;
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
 use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
-use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions, MemoryBackend};
+use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions, MemoryBackend, Owner};
 use serde::{Deserialize, Serialize};
 use tokio::time::{sleep, Instant};
 
@@ -56,6 +56,11 @@ pub(crate) struct WorkerConfig {
     /// RedLock's per-node timeout; 0: the default 50 ms.
     #[serde(default)]
     pub(crate) node_timeout_ms: u64,
+    /// Each task acquires under one owner of its own for all its sections
+    /// (`AcquireOptions::with_owner`), as an application reusing an owner
+    /// does; otherwise every acquire has a fresh owner.
+    #[serde(default)]
+    pub(crate) reuse_owner: bool,
     pub(crate) seed: u64,
 }
 
@@ -106,7 +111,16 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
         return Ok((Client::Dlock(locker), Some(table)));
     }
     let first = cfg.urls.first().ok_or("no lock server URL")?;
-    let backend: Arc<dyn Backend> = match cfg.backend.as_str() {
+    // A broken variant of dlock's own mechanisms: the real backend, with
+    // one of dlock-core's test-only switches on in this process.
+    let backend = match crate::own_bugs::find(&cfg.backend) {
+        Some(bug) => {
+            dlock_core::broken_variants::set(bug.switch, true);
+            bug.backend
+        }
+        None => cfg.backend.as_str(),
+    };
+    let backend: Arc<dyn Backend> = match backend {
         "redis" => Arc::new(
             RedisBackend::connect_with(
                 first,
@@ -164,9 +178,11 @@ async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
         tasks.push(tokio::spawn(async move {
             let mut rng = Rng::new(cfg.seed ^ (u64::from(std::process::id()) << 20) ^ u64::from(task));
             let mut seq = 0u64;
+            let owner = if cfg.reuse_owner { Owner::random().ok() } else { None };
             while Instant::now() < stop_at {
                 seq += 1;
-                one_op(&cfg, &history, &resource, &client, task, seq, &mut rng).await;
+                let op = Op { task, seq, owner: owner.as_ref() };
+                one_op(&cfg, &history, &resource, &client, op, &mut rng).await;
             }
         }));
     }
@@ -190,6 +206,14 @@ async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
     Ok(())
 }
 
+/// One operation of a task: its sequence number, and the owner it reuses
+/// (`reuse_owner`).
+struct Op<'a> {
+    task: u32,
+    seq: u64,
+    owner: Option<&'a Owner>,
+}
+
 fn ev(op: &str, task: u32, key: u32) -> Event {
     Event { task, key: Some(key), ..Event::now(op) }
 }
@@ -199,10 +223,10 @@ async fn one_op(
     history: &History,
     resource: &Resource,
     client: &Client,
-    task: u32,
-    seq: u64,
+    op: Op<'_>,
     rng: &mut Rng,
 ) {
+    let Op { task, seq, owner: reused } = op;
     let key = u32::try_from(rng.below(u64::from(cfg.keys))).unwrap_or(0);
     let owner = format!("{}-{task}-{seq}", std::process::id());
     // The op id the set registers take: unique in the run (pids differ).
@@ -220,6 +244,10 @@ async fn one_op(
                 }
             };
             let opts = AcquireOptions::new().with_wait(wait);
+            let opts = match reused {
+                Some(o) => opts.with_owner(o.clone()),
+                None => opts,
+            };
             let opts = if cfg.watchdog { opts } else { opts.with_lease(Duration::from_millis(cfg.lease_ms)) };
             match locker.acquire(&lock_key, opts).await {
                 Ok(g) => {

@@ -249,6 +249,8 @@ const RELEASE_RETRY_MAX_DELAY: Duration = Duration::from_millis(500);
 async fn retry_release(engine: Arc<Engine>, key: LockKey, owner: Owner, until: Instant, turn: ReleaseTurn) {
     // Ends with this task: acquires of the key and owner wait until then.
     let _turn = turn;
+    #[cfg(feature = "broken-variants")]
+    let _turn = crate::broken_variants::keep_turn(_turn);
     let mut delay = RELEASE_RETRY_MIN_DELAY;
     let mut attempts = 0u32;
     loop {

@@ -281,7 +281,10 @@ impl RestartGuard {
     /// again when the quarantine is over.
     async fn run_script(&self, conn: &Conn, end: bool) -> Result<Marker> {
         let mut call = ScriptCall::new(&self.script, &[self.marker.as_str(), self.record.as_str()], 2);
-        call.arg(u64::try_from(self.quarantine.as_micros()).unwrap_or(u64::MAX)).arg(if end { "1" } else { "0" });
+        let micros = u64::try_from(self.quarantine.as_micros()).unwrap_or(u64::MAX);
+        #[cfg(feature = "broken-variants")]
+        let micros = crate::broken_variants::quarantine_micros(micros);
+        call.arg(micros).arg(if end { "1" } else { "0" });
         let reply: Vec<i64> = call.invoke(&mut conn.clone()).await.map_err(|e| self.failed(e))?;
         match reply.as_slice() {
             [1, set] => Ok(Marker::Present { set: *set == 1 }),

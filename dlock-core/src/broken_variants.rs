@@ -1,0 +1,106 @@
+//! **Test only** (feature `broken-variants`): switches that break one of
+//! dlock's own mechanisms on purpose, so that `dlock-torture`'s checkers can
+//! be shown to catch each bug in the real code, not only in a lock the
+//! harness wrote itself. Every switch is off until a harness turns it on
+//! for its whole process with [`set`]; with all of them off, nothing
+//! behaves differently. Never enable the feature in an application.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// One deliberately broken mechanism.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Switch {
+    /// The restart quarantine of a missing data marker ends at once: the
+    /// first client to find the marker missing sets it again and grants
+    /// (`backend/redis/restart.rs`, the quarantine script told 0 µs).
+    QuarantineOpensEarly,
+    /// A release retried in the background gives its owner's turn up at
+    /// once, so an acquire of the same key and owner can join the hold on
+    /// the server just before the retry deletes it (`engine/guard.rs`).
+    RetryIgnoresTurn,
+    /// A coalesced batch answers an acquire that found its key held by an
+    /// earlier acquire of the same batch with that acquire's grant: a second
+    /// holder with the same token (`backend/redis/coalesce.rs`).
+    BatchRepeatsToken,
+}
+
+static ON: AtomicU32 = AtomicU32::new(0);
+
+fn bit(switch: Switch) -> u32 {
+    1 << switch as u32
+}
+
+/// Turns `switch` on or off for this whole process.
+pub fn set(switch: Switch, on: bool) {
+    if on {
+        ON.fetch_or(bit(switch), Ordering::SeqCst);
+    } else {
+        ON.fetch_and(!bit(switch), Ordering::SeqCst);
+    }
+}
+
+/// Whether `switch` is on.
+pub fn is_on(switch: Switch) -> bool {
+    ON.load(Ordering::Relaxed) & bit(switch) != 0
+}
+
+/// [`Switch::QuarantineOpensEarly`]: the quarantine the script is told, in µs.
+#[cfg(feature = "redis")]
+pub(crate) fn quarantine_micros(micros: u64) -> u64 {
+    if is_on(Switch::QuarantineOpensEarly) {
+        0
+    } else {
+        micros
+    }
+}
+
+/// [`Switch::RetryIgnoresTurn`]: the turn a release retry keeps (none).
+pub(crate) fn keep_turn<T>(turn: T) -> Option<T> {
+    (!is_on(Switch::RetryIgnoresTurn)).then_some(turn)
+}
+
+/// [`Switch::BatchRepeatsToken`]: `acquire_many.lua`'s reply (`{1, token,
+/// 1}` granted, `{1, token, 2}` joined, `{0, ms, 0}` held, per key of
+/// `keys` in order) with every "held" of a key granted earlier in the batch
+/// turned into a copy of that grant.
+#[cfg(feature = "redis")]
+pub(crate) fn batch_repeats_token<'a>(flat: Vec<i64>, keys: impl Iterator<Item = &'a str>) -> Vec<i64> {
+    if is_on(Switch::BatchRepeatsToken) {
+        repeat_tokens(flat, keys)
+    } else {
+        flat
+    }
+}
+
+#[cfg(feature = "redis")]
+fn repeat_tokens<'a>(mut flat: Vec<i64>, keys: impl Iterator<Item = &'a str>) -> Vec<i64> {
+    let mut granted: Vec<(&str, i64)> = Vec::new();
+    for (chunk, key) in flat.chunks_mut(3).zip(keys) {
+        match *chunk {
+            [1, token, 1] => granted.push((key, token)),
+            [0, ..] => {
+                if let Some(&(_, token)) = granted.iter().find(|(k, _)| *k == key) {
+                    chunk.copy_from_slice(&[1, token, 1]);
+                }
+            }
+            _ => {}
+        }
+    }
+    flat
+}
+
+#[cfg(all(test, feature = "redis"))]
+mod tests {
+    use super::*;
+
+    /// The broken batch: a second acquire of a key granted earlier in the
+    /// batch is answered with that grant; other answers stay as they were.
+    #[test]
+    fn a_repeated_key_gets_the_earlier_grant() {
+        let flat = vec![1, 7, 1, 0, 30, 0, 0, 30, 0, 1, 8, 2];
+        let broken = repeat_tokens(flat, ["a", "a", "b", "c"].into_iter());
+        assert_eq!(broken, vec![1, 7, 1, 1, 7, 1, 0, 30, 0, 1, 8, 2]);
+        assert_eq!(keep_turn(5), Some(5), "off unless a harness turns it on");
+    }
+}
