@@ -21,7 +21,7 @@ pub enum Switch {
     RetryIgnoresTurn,
     /// A coalesced batch answers an acquire that found its key held by an
     /// earlier acquire of the same batch with that acquire's grant: a second
-    /// holder with the same token (`backend/redis/coalesce.rs`).
+    /// holder with the same token (`backend/redis/batch.rs`).
     BatchRepeatsToken,
 }
 

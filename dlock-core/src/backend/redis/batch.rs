@@ -265,13 +265,7 @@ async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
     let parsed: std::result::Result<Vec<Reply>, redis::ParsingError> = if ops[0].kind() == Kind::Acquire {
         redis::from_redis_value::<Vec<i64>>(reply).and_then(|flat| {
             #[cfg(feature = "broken-variants")]
-            let flat = crate::broken_variants::batch_repeats_token(
-                flat,
-                ops.iter().map(|op| match op {
-                    Op::Acquire { req, .. } => req.key.as_str(),
-                    Op::Release { key, .. } => key.as_str(),
-                }),
-            );
+            let flat = crate::broken_variants::batch_repeats_token(flat, ops.iter().map(Op::key));
             if flat == [2] {
                 // The data marker is gone: the same answer for every acquire.
                 Reply::new(&[2]).map(|gone| vec![gone; n])
