@@ -1,6 +1,6 @@
 //! Where the acquire script keeps the last fencing token it granted.
 //!
-//! A lock hash carries its own token while it is held and is deleted on
+//! A lock string carries its own token while it is held and is deleted on
 //! release, so a key locked once leaves nothing behind. What keeps a key's
 //! next token above its last is a *high-water mark* shared by many keys: the
 //! acquire script grants `max(mark + 1, server time in µs)` and stores it.
