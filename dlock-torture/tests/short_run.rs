@@ -86,7 +86,11 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
             .find(|r| r["scenario"] == "checker-self-test" && r["backend"] == variant)
             .unwrap_or_else(|| panic!("self-test of {variant} missing"));
         assert_eq!(row["caught"], true, "the checker missed {variant}: {row}");
-        if !matches!(
+        if variant == "broken-retry-ignores-turn" {
+            // Its bug shows as an overlap or as a token handed out twice,
+            // whichever the run's timing gives (see `self_test::must_fire`).
+            assert!(n(row, "overlaps") + n(row, "token_regressions") > 0, "{row}");
+        } else if !matches!(
             variant,
             "broken-zk-herd" | "broken-token-regresses" | "broken-release-forgets" | "broken-redlock-max-over-quorum"
         ) {
