@@ -64,7 +64,8 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
 /// | 415 | `unsupported_media_type` | 2302 | the key needs JSON fields and the body's `Content-Type` is not JSON |
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
-/// | 409 | `idempotency_response_not_stored` | 2202 | the request with this `Idempotency-Key` ran, but its response was too large to keep (permanent) |
+/// | 409 | `idempotency_response_not_stored` | 2202 | the request with this `Idempotency-Key` ran, but its response could not be kept (too large, or its body failed) (permanent) |
+/// | 409 | `idempotency_outcome_unknown` | 2203 | the request with this `Idempotency-Key` (or one-time token) was claimed by an instance that neither answered nor gave it back before its lease ran out: whether it ran is unknown (permanent: check, then use a new key) |
 /// | 429 | `too_many_locks` | 2401 | the principal already holds the most locks a layer allows at once (transient: `Retry-After`) |
 /// | 429 | `idempotency_scope_full` | 2402 | the caller already has the most live idempotency records (or tokens) the store keeps per caller (transient: `Retry-After` until its oldest expires) |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
@@ -182,7 +183,13 @@ rejections! {
     /// large to keep for replay: the work was done, its answer is gone.
     /// Permanent: look the result up instead of retrying.
     idempotency_response_not_stored => (CONFLICT, "idempotency_response_not_stored", 2202,
-        "a request with this idempotency key was processed, but its response was too large to keep", None);
+        "a request with this idempotency key was processed, but its response could not be kept", None);
+    /// The request that claimed this `Idempotency-Key` neither answered nor
+    /// gave the key back before its lease ran out (its instance died, or its
+    /// store stalled): whether its work ran is unknown. Permanent, without
+    /// `Retry-After`: look the result up, then use a new key.
+    idempotency_outcome_unknown => (CONFLICT, "idempotency_outcome_unknown", 2203,
+        "a request with this idempotency key was started but never answered; whether it ran is unknown: check, then use a new key", None);
     /// The same `Idempotency-Key` was used with a different payload.
     idempotency_key_mismatch => (UNPROCESSABLE_ENTITY, "idempotency_key_mismatch", 2201,
         "this idempotency key was used with a different request", None);
@@ -483,6 +490,7 @@ mod tests {
             ("request_timeout", 408),
             ("idempotency_scope_missing", 400),
             ("idempotency_response_not_stored", 409),
+            ("idempotency_outcome_unknown", 409),
             ("payload_too_large", 413),
             ("unsupported_media_type", 415),
             ("idempotency_key_mismatch", 422),

@@ -13,7 +13,7 @@ use axum::Router;
 use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
 use dlock_axum::{lockable, JsonBody, LockLayer, LockerExt};
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
-use dlock_core::idempotency::{Begin, Claim, IdempotencyStore, MemoryStore, StoredResponse};
+use dlock_core::idempotency::{Begin, Claim, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse};
 use dlock_core::{Backend, LockKey, Locker, MemoryBackend, Owner, Result};
 use serde::Deserialize;
 use tower::ServiceExt;
@@ -148,8 +148,17 @@ impl IdempotencyStore for NoComplete {
     fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
         self.0.consume_token(token)
     }
-    fn begin<'a>(&'a self, scope: &'a str, key: &'a str, fp: &'a str, lease: Duration) -> BoxFuture<'a, Result<Begin>> {
-        self.0.begin(scope, key, fp, lease)
+    fn begin<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+        fp: &'a str,
+        terms: ClaimTerms,
+    ) -> BoxFuture<'a, Result<Begin>> {
+        self.0.begin(scope, key, fp, terms)
+    }
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> BoxFuture<'a, Result<bool>> {
+        self.0.renew(claim, lease)
     }
     fn complete<'a>(&'a self, _: &'a Claim, _: &'a StoredResponse, _: Duration) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async { Err(dlock_core::Error::backend("no-complete", "connection reset")) })

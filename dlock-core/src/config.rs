@@ -691,6 +691,7 @@ impl Config {
         store: &crate::idempotency::RedisStore,
         records_url: &str,
     ) -> Result<()> {
+        warn_without_persistence(store).await;
         let locks: &[String] = match &self.backend {
             BackendKind::Redis { url } => std::slice::from_ref(url),
             BackendKind::RedLock { urls } => urls,
@@ -745,6 +746,26 @@ impl Config {
             }
             (Beside::Apart, true) => Ok(()),
         }
+    }
+}
+
+/// Warns when the records' Redis keeps nothing over a restart (neither an
+/// append-only file nor RDB snapshots): it would come back empty, and every
+/// key completed before would run its route again.
+#[cfg(feature = "redis")]
+async fn warn_without_persistence(store: &crate::idempotency::RedisStore) {
+    match store.persists().await {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!(
+            "dlock: the Redis that holds idempotency records keeps no persistence (appendonly no, no save \
+             points): a restart forgets every completed key, and their retries run again. Turn on \
+             `appendonly yes` (with `appendfsync everysec` or `always`) for DLOCK_IDEMPOTENCY_REDIS_URL"
+        ),
+        Err(e) => tracing::warn!(
+            error = %e,
+            "dlock: cannot read whether the Redis that holds idempotency records persists them (CONFIG not \
+             permitted?): without `appendonly yes`, a restart forgets completed keys and their retries run again"
+        ),
     }
 }
 

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::idempotency::{
-    fingerprint, Begin, IdempotencyLimits, IdempotencyStore, MemoryStore, RedisStore, StoredResponse, TokenClaim,
+    fingerprint, Begin, ClaimTerms, IdempotencyLimits, IdempotencyStore, MemoryStore, RedisStore, StoredResponse,
+    TokenClaim,
 };
 use dlock_core::Error;
 
@@ -100,13 +101,15 @@ async fn keys(store: &Arc<dyn IdempotencyStore>) {
     let lease = Duration::from_secs(30);
     let fp = fingerprint(&["POST", "/pay", "{\"a\":1}"]);
     let other = fingerprint(&["POST", "/pay", "{\"a\":2}"]);
-    let Begin::New(claim) = store.begin("alice", "k1", &fp, lease).await.expect("begin") else {
+    let Begin::New(claim) = store.begin("alice", "k1", &fp, ClaimTerms::new(lease)).await.expect("begin") else {
         panic!("first begin must claim")
     };
-    assert_eq!(store.begin("alice", "k1", &fp, lease).await.expect("begin"), Begin::InProgress);
-    assert_eq!(store.begin("alice", "k1", &other, lease).await.expect("begin"), Begin::Mismatch);
+    assert_eq!(store.begin("alice", "k1", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::InProgress);
+    assert_eq!(store.begin("alice", "k1", &other, ClaimTerms::new(lease)).await.expect("begin"), Begin::Mismatch);
     // Another scope is another key.
-    let Begin::New(bob) = store.begin("bob", "k1", &fp, lease).await.expect("begin") else { panic!("scoped") };
+    let Begin::New(bob) = store.begin("bob", "k1", &fp, ClaimTerms::new(lease)).await.expect("begin") else {
+        panic!("scoped")
+    };
     let response = StoredResponse::new(
         201,
         vec![("content-type".into(), b"application/json".to_vec()), ("x-bin".into(), vec![0, 255, 10])],
@@ -114,55 +117,108 @@ async fn keys(store: &Arc<dyn IdempotencyStore>) {
     );
     assert!(store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"));
     assert!(!store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"), "only once");
-    assert_eq!(store.begin("alice", "k1", &fp, lease).await.expect("begin"), Begin::Completed(response.clone()));
-    assert_eq!(store.begin("alice", "k1", &other, lease).await.expect("begin"), Begin::Mismatch);
-    assert_eq!(store.begin("bob", "k1", &fp, lease).await.expect("begin"), Begin::InProgress);
+    assert_eq!(
+        store.begin("alice", "k1", &fp, ClaimTerms::new(lease)).await.expect("begin"),
+        Begin::Completed(response.clone())
+    );
+    assert_eq!(store.begin("alice", "k1", &other, ClaimTerms::new(lease)).await.expect("begin"), Begin::Mismatch);
+    assert_eq!(store.begin("bob", "k1", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::InProgress);
     // Abandon frees the key; a retry claims it again.
     assert!(store.abandon(&bob).await.expect("abandon"));
     assert!(!store.abandon(&bob).await.expect("abandon"), "already freed");
-    let Begin::New(again) = store.begin("bob", "k1", &other, lease).await.expect("begin") else {
+    let Begin::New(again) = store.begin("bob", "k1", &other, ClaimTerms::new(lease)).await.expect("begin") else {
         panic!("freed key can be claimed, even with another payload")
     };
     assert!(store.abandon(&again).await.expect("abandon"));
     // Scope/key boundaries cannot be shifted to reach another record.
-    assert!(matches!(store.begin("alic", "ek1", &fp, lease).await.expect("begin"), Begin::New(_)));
+    assert!(matches!(store.begin("alic", "ek1", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::New(_)));
 }
 
 async fn owner_checks(store: &Arc<dyn IdempotencyStore>) {
     let fp = fingerprint(&["x"]);
-    let Begin::New(first) = store.begin("s", "lease", &fp, Duration::from_millis(60)).await.expect("begin") else {
+    let Begin::New(first) =
+        store.begin("s", "lease", &fp, ClaimTerms::new(Duration::from_millis(60))).await.expect("begin")
+    else {
         panic!("claim")
     };
     tokio::time::sleep(Duration::from_millis(120)).await;
-    let Begin::New(second) = store.begin("s", "lease", &fp, Duration::from_secs(30)).await.expect("begin") else {
-        panic!("lease ran out, key is free")
+    assert!(!store.renew(&first, Duration::from_secs(30)).await.expect("renew"), "a lease that ran out is not renewed");
+    let taking_over = ClaimTerms::new(Duration::from_secs(30)).run_again_after_lease();
+    let Begin::New(second) = store.begin("s", "lease", &fp, taking_over).await.expect("begin") else {
+        panic!("lease ran out, and these terms take the key over")
     };
     let resp = StoredResponse::new(200, vec![], b"late".to_vec());
     assert!(!store.complete(&first, &resp, Duration::from_secs(30)).await.expect("complete"), "stale owner");
     assert!(!store.abandon(&first).await.expect("abandon"), "stale owner");
-    assert_eq!(store.begin("s", "lease", &fp, Duration::from_secs(30)).await.expect("begin"), Begin::InProgress);
+    assert!(!store.renew(&first, Duration::from_secs(30)).await.expect("renew"), "stale owner");
+    assert!(store.renew(&second, Duration::from_secs(30)).await.expect("renew"), "the live claim is renewed");
+    assert_eq!(
+        store.begin("s", "lease", &fp, ClaimTerms::new(Duration::from_secs(30))).await.expect("begin"),
+        Begin::InProgress
+    );
     assert!(store.complete(&second, &resp, Duration::from_secs(30)).await.expect("complete"));
 }
 
+/// Issue 24: a claim renewed while its route runs outlives its first lease;
+/// one whose instance died answers "outcome unknown" once its lease ends,
+/// for the record's TTL (or is taken afresh, when the terms say so); and
+/// its owner may still complete it late, as nobody took it over.
 async fn lease_expiry(store: &Arc<dyn IdempotencyStore>) {
-    // A crashed instance: claimed, never completed nor abandoned.
     let fp = fingerprint(&["crash"]);
-    assert!(matches!(store.begin("s", "crash", &fp, Duration::from_millis(80)).await.expect("begin"), Begin::New(_)));
-    assert_eq!(store.begin("s", "crash", &fp, Duration::from_secs(1)).await.expect("begin"), Begin::InProgress);
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    assert!(matches!(store.begin("s", "crash", &fp, Duration::from_secs(1)).await.expect("begin"), Begin::New(_)));
+    let lease = Duration::from_millis(150);
+    // Renewed: still in progress well after the first lease.
+    let Begin::New(alive) = store.begin("s", "alive", &fp, ClaimTerms::new(lease)).await.expect("begin") else {
+        panic!("claim")
+    };
+    for _ in 0..4 {
+        tokio::time::sleep(lease / 3).await;
+        assert!(store.renew(&alive, lease).await.expect("renew"));
+    }
+    assert_eq!(store.begin("s", "alive", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::InProgress);
+    // A crashed instance: claimed, never renewed, completed nor abandoned.
+    assert!(matches!(store.begin("s", "crash", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::New(_)));
+    assert_eq!(store.begin("s", "crash", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::InProgress);
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    assert_eq!(store.begin("s", "crash", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::OutcomeUnknown);
+    assert_eq!(store.begin("s", "crash", "other", ClaimTerms::new(lease)).await.expect("begin"), Begin::Mismatch);
+    assert_eq!(
+        store.begin("s", "crash", &fp, ClaimTerms::new(lease)).await.expect("begin"),
+        Begin::OutcomeUnknown,
+        "final"
+    );
+    assert!(matches!(
+        store.begin("s", "crash", &fp, ClaimTerms::new(lease).run_again_after_lease()).await.expect("begin"),
+        Begin::New(_)
+    ));
+    // A slow owner whose lease ran out, not taken over, still completes.
+    let Begin::New(slow) =
+        store.begin("s", "slow", &fp, ClaimTerms::new(Duration::from_millis(50))).await.expect("begin")
+    else {
+        panic!("claim")
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let resp = StoredResponse::new(201, vec![], b"late".to_vec());
+    assert!(store.complete(&slow, &resp, Duration::from_secs(30)).await.expect("complete"));
+    assert_eq!(store.begin("s", "slow", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::Completed(resp));
 }
 
 async fn response_expiry(store: &Arc<dyn IdempotencyStore>) {
     let fp = fingerprint(&["ttl"]);
-    let Begin::New(c) = store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin") else {
+    let Begin::New(c) = store.begin("s", "ttl", &fp, ClaimTerms::new(Duration::from_secs(5))).await.expect("begin")
+    else {
         panic!("claim")
     };
     let resp = StoredResponse::new(204, vec![], vec![]);
     assert!(store.complete(&c, &resp, Duration::from_millis(80)).await.expect("complete"));
-    assert_eq!(store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin"), Begin::Completed(resp));
+    assert_eq!(
+        store.begin("s", "ttl", &fp, ClaimTerms::new(Duration::from_secs(5))).await.expect("begin"),
+        Begin::Completed(resp)
+    );
     tokio::time::sleep(Duration::from_millis(150)).await;
-    assert!(matches!(store.begin("s", "ttl", &fp, Duration::from_secs(5)).await.expect("begin"), Begin::New(_)));
+    assert!(matches!(
+        store.begin("s", "ttl", &fp, ClaimTerms::new(Duration::from_secs(5))).await.expect("begin"),
+        Begin::New(_)
+    ));
 }
 
 async fn concurrent_tokens(store: Arc<dyn IdempotencyStore>) {
@@ -185,7 +241,9 @@ async fn concurrent_begin(store: Arc<dyn IdempotencyStore>) {
     let tasks: Vec<_> = (0..50)
         .map(|_| {
             let (store, fp) = (store.clone(), fp.clone());
-            tokio::spawn(async move { store.begin("s", "storm", &fp, Duration::from_secs(30)).await.expect("begin") })
+            tokio::spawn(async move {
+                store.begin("s", "storm", &fp, ClaimTerms::new(Duration::from_secs(30))).await.expect("begin")
+            })
         })
         .collect();
     let mut new = 0;
@@ -222,38 +280,41 @@ fn assert_full<T: std::fmt::Debug>(result: dlock_core::Result<T>, per_scope: boo
 /// (not on Redis Cluster).
 async fn record_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
     let (fp, lease, ttl) = (fingerprint(&["caps"]), Duration::from_secs(30), Duration::from_secs(60));
+    // An in-progress record lives for the terms' TTL: here, its lease.
+    let terms = ClaimTerms::new(lease).with_ttl(lease);
     let new = |b: Begin| match b {
         Begin::New(c) => c,
         other => panic!("expected a claim, got {other:?}"),
     };
-    let k1 = new(store.begin("alice", "k1", &fp, lease).await.expect("begin"));
-    let k2 = new(store.begin("alice", "k2", &fp, lease).await.expect("begin"));
-    assert_full(store.begin("alice", "k3", &fp, lease).await, true, lease);
+    let k1 = new(store.begin("alice", "k1", &fp, terms).await.expect("begin"));
+    let k2 = new(store.begin("alice", "k2", &fp, terms).await.expect("begin"));
+    assert_full(store.begin("alice", "k3", &fp, terms).await, true, lease);
     // At the cap, what exists is still answered: a retry is replayed.
     let resp = StoredResponse::new(201, vec![], b"paid".to_vec());
     assert!(store.complete(&k1, &resp, ttl).await.expect("complete"));
-    assert_eq!(store.begin("alice", "k1", &fp, lease).await.expect("replay"), Begin::Completed(resp));
-    assert_eq!(store.begin("alice", "k2", &fp, lease).await.expect("begin"), Begin::InProgress);
-    assert_eq!(store.begin("alice", "k2", "other", lease).await.expect("begin"), Begin::Mismatch);
+    assert_eq!(store.begin("alice", "k1", &fp, terms).await.expect("replay"), Begin::Completed(resp));
+    assert_eq!(store.begin("alice", "k2", &fp, terms).await.expect("begin"), Begin::InProgress);
+    assert_eq!(store.begin("alice", "k2", "other", terms).await.expect("begin"), Begin::Mismatch);
     // Completing kept the count at 2 (no double count), abandoning frees one.
-    assert_full(store.begin("alice", "k3", &fp, lease).await, true, ttl);
+    assert_full(store.begin("alice", "k3", &fp, terms).await, true, ttl);
     assert!(store.abandon(&k2).await.expect("abandon"));
     let short = Duration::from_millis(300);
-    let _k3 = new(store.begin("alice", "k3", &fp, short).await.expect("room after abandon"));
+    let _k3 =
+        new(store.begin("alice", "k3", &fp, ClaimTerms::new(short).with_ttl(short)).await.expect("room after abandon"));
     // Another caller has a cap of its own; the total is 3 (k1, k3, b1).
-    let _b1 = new(store.begin("bob", "b1", &fp, lease).await.expect("begin"));
+    let _b1 = new(store.begin("bob", "b1", &fp, terms).await.expect("begin"));
     if total {
-        assert_full(store.begin("carol", "c1", &fp, lease).await, false, Duration::from_secs(1));
+        assert_full(store.begin("carol", "c1", &fp, terms).await, false, Duration::from_secs(1));
     } else {
-        let c1 = new(store.begin("carol", "c1", &fp, lease).await.expect("no total cap here"));
+        let c1 = new(store.begin("carol", "c1", &fp, terms).await.expect("no total cap here"));
         assert!(store.abandon(&c1).await.expect("abandon"));
     }
     // A record that expires by its TTL stops counting.
     tokio::time::sleep(short + Duration::from_millis(200)).await;
-    let c1 = new(store.begin("carol", "c1", &fp, lease).await.expect("room after expiry"));
+    let c1 = new(store.begin("carol", "c1", &fp, terms).await.expect("room after expiry"));
     assert!(store.abandon(&c1).await.expect("abandon"));
-    let k4 = new(store.begin("alice", "k4", &fp, lease).await.expect("alice's room after expiry"));
-    assert_full(store.begin("alice", "k5", &fp, lease).await, true, ttl);
+    let k4 = new(store.begin("alice", "k4", &fp, terms).await.expect("alice's room after expiry"));
+    assert_full(store.begin("alice", "k5", &fp, terms).await, true, ttl);
     assert!(store.abandon(&k4).await.expect("abandon"));
 }
 
@@ -369,7 +430,7 @@ async fn dead_redis_is_an_error_not_a_hang() {
     let started = std::time::Instant::now();
     let err = store.consume_token(&"a".repeat(32)).await.expect_err("server is down");
     assert!(err.is_unavailable(), "{err}");
-    let err = store.begin("s", "k", "fp", Duration::from_secs(1)).await.expect_err("server is down");
+    let err = store.begin("s", "k", "fp", ClaimTerms::new(Duration::from_secs(1))).await.expect_err("server is down");
     assert!(err.is_unavailable(), "{err}");
     assert!(started.elapsed() < Duration::from_secs(10));
 }
@@ -394,8 +455,9 @@ async fn configured_caps_reach_the_store() {
     let shared = vars(true).build_services().await.expect("redis services").idempotency;
     for store in [in_process, shared] {
         let lease = Duration::from_secs(5);
-        assert!(matches!(store.begin("alice", "k1", "fp", lease).await.expect("begin"), Begin::New(_)));
-        assert_full(store.begin("alice", "k2", "fp", lease).await, true, lease);
+        let terms = ClaimTerms::new(lease).with_ttl(lease);
+        assert!(matches!(store.begin("alice", "k1", "fp", terms).await.expect("begin"), Begin::New(_)));
+        assert_full(store.begin("alice", "k2", "fp", terms).await, true, lease);
     }
 }
 
@@ -431,7 +493,9 @@ async fn records_never_share_an_evicting_lock_keyspace() {
     refused(config(url.clone(), None).idempotency_store().await.expect_err("own connection, same place"));
     // Another database of the same server.
     let services = config(url.clone(), Some(format!("{url}/1"))).build_services().await.expect("another database");
-    let Begin::New(_) = services.idempotency.begin("s", "k", "fp", Duration::from_secs(5)).await.expect("begin") else {
+    let Begin::New(_) =
+        services.idempotency.begin("s", "k", "fp", ClaimTerms::new(Duration::from_secs(5))).await.expect("begin")
+    else {
         panic!("a fresh key is claimed")
     };
     // `noeviction` beside the locks: allowed, the caps guard it.
@@ -469,7 +533,7 @@ async fn a_flood_of_records_cannot_fill_the_lock_redis() {
     let response = StoredResponse::new(201, vec![], vec![b'x'; 1024]);
     let (mut stored, mut full) = (0, 0);
     for i in 0..5000 {
-        match store.begin(&format!("caller-{i}"), "k", "fp", Duration::from_secs(60)).await {
+        match store.begin(&format!("caller-{i}"), "k", "fp", ClaimTerms::new(Duration::from_secs(60))).await {
             Ok(Begin::New(claim)) => {
                 assert!(store.complete(&claim, &response, Duration::from_secs(3600)).await.expect("complete"));
                 stored += 1;
@@ -499,7 +563,9 @@ async fn a_callers_counting_set_lives_as_long_as_its_last_record() {
         assert_eq!(sets.len(), 1, "one caller, one set: {sets:?}");
         redis::cmd("PTTL").arg(&sets[0]).query(&mut conn).expect("PTTL")
     };
-    let Begin::New(first) = store.begin("alice", "k1", &fp, Duration::from_secs(30)).await.expect("begin") else {
+    // An in-progress record lives for its terms' TTL.
+    let claim_for = |secs| ClaimTerms::new(Duration::from_secs(secs)).with_ttl(Duration::from_secs(secs));
+    let Begin::New(first) = store.begin("alice", "k1", &fp, claim_for(30)).await.expect("begin") else {
         panic!("first begin must claim")
     };
     let ttl = set_ttl();
@@ -508,9 +574,45 @@ async fn a_callers_counting_set_lives_as_long_as_its_last_record() {
     assert!(store.complete(&first, &response, Duration::from_secs(60)).await.expect("complete"));
     let ttl = set_ttl();
     assert!((55_000..=60_000).contains(&ttl), "a longer-lived record extends it: {ttl} ms");
-    let Begin::New(_short) = store.begin("alice", "k2", &fp, Duration::from_secs(1)).await.expect("begin") else {
+    let Begin::New(_short) = store.begin("alice", "k2", &fp, claim_for(1)).await.expect("begin") else {
         panic!("a second key claims")
     };
     let ttl = set_ttl();
     assert!((55_000..=60_000).contains(&ttl), "a shorter-lived one does not shorten it: {ttl} ms");
+}
+
+/// Issue 24: a claim whose answer timed out (Redis stalled past the
+/// response timeout: the request is told to retry) ran on the server all
+/// the same; the store gives it back in the background, owner-checked, so
+/// the retry claims the key at once instead of being told "in progress"
+/// for a lease. The replies come late through a proxy: the script runs on
+/// time, its answer misses the response timeout (1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_answer_timed_out_does_not_block_the_key() {
+    let server = dlock_testing::RedisServer::start();
+    let proxy = dlock_testing::FaultProxy::start(server.port());
+    let a = RedisStore::connect(&format!("redis://127.0.0.1:{}", proxy.port()), "stall").await.expect("connect");
+    let b = RedisStore::connect(&server.url(), "stall").await.expect("connect");
+    let (fp, terms) = (fingerprint(&["stalled"]), ClaimTerms::new(Duration::from_secs(30)));
+    // Warm the script, so the late answer is the claim itself.
+    let Begin::New(warm) = a.begin("s", "warm", &fp, terms).await.expect("begin") else { panic!("claim") };
+    assert!(a.abandon(&warm).await.expect("abandon"));
+    proxy.set_delay(Duration::from_millis(1_500));
+    let err = a.begin("s", "stalled", &fp, terms).await.expect_err("the answer times out");
+    assert!(err.is_unavailable(), "{err}");
+    proxy.set_delay(Duration::ZERO);
+    let records =
+        || -> Vec<String> { redis::cmd("KEYS").arg("stall:idem:k:*").query(&mut server.connection()).expect("KEYS") };
+    let claimed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match b.begin("s", "stalled", &fp, terms).await.expect("begin") {
+                Begin::New(claim) => return claim,
+                Begin::InProgress => tokio::time::sleep(Duration::from_millis(20)).await,
+                other => panic!("{other:?}"),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the key stayed claimed after the timed-out begin: {:?}", records()));
+    assert!(b.abandon(&claimed).await.expect("abandon"));
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
-use dlock_core::idempotency::{Begin, IdempotencyStore, RedisStore};
+use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, RedisStore};
 use dlock_core::{Backend, Error, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
@@ -57,13 +57,13 @@ async fn the_first_idempotency_begin_after_a_restart_succeeds() {
     let shared = RedisStore::from_backend(&backend);
     let stores = [&own, &shared];
     for (n, store) in stores.into_iter().enumerate() {
-        let begun = store.begin("s", &format!("before-{n}"), "fp", Duration::from_secs(5)).await;
+        let begun = store.begin("s", &format!("before-{n}"), "fp", ClaimTerms::new(Duration::from_secs(5))).await;
         assert!(matches!(begun, Ok(Begin::New(_))), "{begun:?}");
     }
 
     outage(&mut server).await;
     for (n, store) in stores.into_iter().enumerate() {
-        let begun = store.begin("s", &format!("after-{n}"), "fp", Duration::from_secs(5)).await;
+        let begun = store.begin("s", &format!("after-{n}"), "fp", ClaimTerms::new(Duration::from_secs(5))).await;
         assert!(matches!(begun, Ok(Begin::New(_))), "store {n}: the first begin after the restart: {begun:?}");
     }
 }
@@ -86,7 +86,10 @@ async fn requests_during_an_outage_fail_promptly() {
         assert_prompt_backend_error(locker.try_acquire(&key).await, started.elapsed());
         slowest = slowest.max(started.elapsed());
         let started = Instant::now();
-        assert_prompt_backend_error(store.begin("s", "during", "fp", Duration::from_secs(5)).await, started.elapsed());
+        assert_prompt_backend_error(
+            store.begin("s", "during", "fp", ClaimTerms::new(Duration::from_secs(5))).await,
+            started.elapsed(),
+        );
         slowest = slowest.max(started.elapsed());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

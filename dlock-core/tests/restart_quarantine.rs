@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
-use dlock_core::idempotency::{Begin, IdempotencyStore, RedisStore};
+use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, RedisStore};
 use dlock_core::{AcquireOptions, Backend, Error, LockGuard, LockKey, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
@@ -398,7 +398,7 @@ async fn the_quarantine_under_an_acl_without_info_is_a_startup_error() {
 async fn claim_after_quarantine(store: &RedisStore, key: &str, lease: Duration) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        match store.begin("s", key, "fp", lease).await {
+        match store.begin("s", key, "fp", ClaimTerms::new(lease)).await {
             Ok(Begin::New(_)) => return,
             Err(e) if quarantined(&e) && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(50)).await
@@ -422,15 +422,17 @@ async fn idempotency_claims_are_quarantined_after_a_restart() {
     let store = RedisStore::connect_with(&server.url(), "dlock", options).await.expect("connect");
     let lease = Duration::from_secs(5);
     claim_after_quarantine(&store, "first", lease).await; // the first use's quarantine
-    let Ok(Begin::New(claim)) = store.begin("s", "k", "fp", lease).await else { panic!("a new key is claimed") };
+    let Ok(Begin::New(claim)) = store.begin("s", "k", "fp", ClaimTerms::new(lease)).await else {
+        panic!("a new key is claimed")
+    };
     let response = StoredResponse::new(200, Vec::new(), b"done".to_vec());
     assert!(store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"));
-    assert!(matches!(store.begin("s", "k", "fp", lease).await, Ok(Begin::Completed(_))));
+    assert!(matches!(store.begin("s", "k", "fp", ClaimTerms::new(lease)).await, Ok(Begin::Completed(_))));
 
     server.restart();
     let restarted = Instant::now();
     tokio::time::sleep(Duration::from_millis(700)).await; // reconnected meanwhile
-    let err = store.begin("s", "k", "fp", lease).await.expect_err("the record is gone: no claim yet");
+    let err = store.begin("s", "k", "fp", ClaimTerms::new(lease)).await.expect_err("the record is gone: no claim yet");
     assert!(quarantined(&err), "{err}");
     claim_after_quarantine(&store, "k", lease).await;
     assert!(restarted.elapsed() >= QUARANTINE - Duration::from_secs(1), "{:?}", restarted.elapsed());
@@ -449,11 +451,15 @@ async fn idempotency_claims_are_quarantined_after_a_flush() {
     // The first use sits out one quarantine, as a lock's does.
     claim_after_quarantine(&store, "first", lease).await;
     assert!(marker_present(&server), "the first claim set the data marker");
-    assert!(matches!(store.begin("s", "seen", "fp", lease).await, Ok(Begin::New(_))), "the marker is seen");
+    assert!(
+        matches!(store.begin("s", "seen", "fp", ClaimTerms::new(lease)).await, Ok(Begin::New(_))),
+        "the marker is seen"
+    );
 
     let _: () = redis::cmd("FLUSHALL").query(&mut server.connection()).expect("FLUSHALL");
     let flushed = Instant::now();
-    let err = store.begin("s", "first", "fp", lease).await.expect_err("the records are gone: no claim yet");
+    let err =
+        store.begin("s", "first", "fp", ClaimTerms::new(lease)).await.expect_err("the records are gone: no claim yet");
     assert!(quarantined(&err), "{err}");
     claim_after_quarantine(&store, "first", lease).await;
     assert!(flushed.elapsed() >= QUARANTINE - Duration::from_millis(100), "{:?}", flushed.elapsed());

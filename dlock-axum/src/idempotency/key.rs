@@ -13,10 +13,11 @@ use axum::http::request::Parts;
 use axum::http::{header, HeaderName, HeaderValue, Method, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dlock_core::idempotency::{fingerprint, Begin, Claim, IdempotencyStore, StoredResponse};
+use dlock_core::idempotency::{fingerprint, Begin, Claim, ClaimTerms, IdempotencyStore, StoredResponse};
 use futures_util::StreamExt;
 use tower::{Layer, Service};
 
+use super::detached::{self, Settled};
 use super::{Idempotency, ResponseFuture, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
 use crate::install::Dlock;
 use crate::lock::body::{discard, read_body};
@@ -193,13 +194,21 @@ impl Scope {
 ///   is read up to `max_body_bytes`, `413 payload_too_large` beyond, by the
 ///   same reader and with the same answer as [`LockLayer`](crate::LockLayer)'s).
 /// * The first request claims `(scope, key)` atomically with an in-progress
-///   record whose lease (default 60 s, [`IdempotencyLayer::lease`]) bounds
-///   how long a crashed instance can block the key; it runs the route and
-///   stores status, the [`DEFAULT_STORED_HEADERS`] and the body for the TTL.
+///   record, runs the route and stores status, the [`DEFAULT_STORED_HEADERS`]
+///   and the body for the TTL. The claim's lease (default 10 s,
+///   [`IdempotencyLayer::lease`]) is renewed while the route runs, so it
+///   bounds how long a dead instance's claim blocks the key, not how long a
+///   route may take.
 /// * Same key, same fingerprint, finished → the stored response byte for
 ///   byte, plus `Idempotent-Replayed: true`.
-/// * Same key still running → `409 idempotency_request_in_progress`.
+/// * Same key still running → `409 idempotency_request_in_progress`
+///   (`Retry-After: 1`).
 /// * Same key, different fingerprint → `422 idempotency_key_mismatch`.
+/// * Same key, claimed by a request that neither answered nor gave it back
+///   before its lease ran out (its instance died) →
+///   `409 idempotency_outcome_unknown`, final (no `Retry-After`: check what
+///   happened, then use a new key); or the route runs again, for a route
+///   that chose [`IdempotencyLayer::run_again_after_lease`].
 ///
 /// **Methods.** Only `POST` and `PATCH` ([`DEFAULT_METHODS`],
 /// [`IdempotencyLayer::methods`]); every other request passes through
@@ -213,22 +222,24 @@ impl Scope {
 /// layer, a spent token). A response not stored frees the key, so the
 /// corrected retry runs. Set another rule with [`IdempotencyLayer::store_when`].
 ///
-/// **Failure policy.** A `5xx` answer or a panic of the route frees the key,
-/// so a retry runs again (the panic is then resumed, for an outer
-/// `CatchPanicLayer` to answer). So does a request dropped before the route
-/// answered (client gone). The one-time tokens of
-/// [`TokenLayer`](super::TokenLayer) follow the same rule. A response body
-/// above `max_response_bytes` (default 1 MiB) is sent to the client but not
-/// stored: the key stays completed, and a retry gets
-/// `409 idempotency_response_not_stored` (the work was done; its answer was
-/// not kept) instead of running the route again.
-/// If storing fails (store down after the route ran) the route's response is
-/// still returned and the key stays in progress until its lease ends. An
-/// instance that dies after the route's side effect and before its response
-/// is stored leaves the key in progress until the lease ends; then a retry
-/// runs the route again. For at-most-once across crashes, key the side
-/// effect itself on the `Idempotency-Key` (the `orders` example records its
-/// payment with `SET NX` on caller + key).
+/// **Failure policy.** Once claimed, the route runs on a task of its own:
+/// a client that hangs up (hyper then drops the request) cancels neither the
+/// route nor the storing of its answer, so its retry gets `409` in progress,
+/// then the stored answer; the route runs once. A `5xx` answer, the inner
+/// service's error or a panic of the route frees the key, so a retry runs
+/// again (the panic is then resumed, for an outer `CatchPanicLayer` to
+/// answer). The one-time tokens of [`TokenLayer`](super::TokenLayer) follow
+/// the same rule. A response body above `max_response_bytes` (default 1 MiB),
+/// or one that fails while it is read, is not stored: the key stays
+/// completed, and a retry gets `409 idempotency_response_not_stored` (the
+/// work was done; its answer was not kept) instead of running the route
+/// again. If storing fails (store down after the route ran) the route's
+/// response is still returned and the key answers
+/// `409 idempotency_outcome_unknown` once its lease ends. So does a key
+/// whose instance died while its route ran. For at-most-once across
+/// crashes *and* a known outcome, key the side effect itself on the
+/// `Idempotency-Key` (the `orders` example records its payment with
+/// `SET NX` on caller + key) and choose [`IdempotencyLayer::run_again_after_lease`].
 ///
 /// **Scope.** Keys belong to a caller ([`Scope`]). The default is
 /// [`Scope::header`]`("authorization")`: callers with different credentials
@@ -242,14 +253,13 @@ impl Scope {
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use std::sync::Arc;
 /// use axum::{body::Body, http::Request, routing::post, Router};
-/// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+/// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
 /// use dlock_core::idempotency::MemoryStore;
 /// use tower::ServiceExt;
 ///
 /// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
-/// let layer = IdempotencyLayer::new(idem).scope(|parts| {
-///     parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
-/// });
+/// // Keys belong to the caller named by `x-user`; a request without it is refused.
+/// let layer = IdempotencyLayer::new(idem).with_scope(Scope::header("x-user"));
 /// let app: Router = Router::new().route("/pay", post(|| async { (axum::http::StatusCode::CREATED, "paid") }).layer(layer));
 /// let pay = || Request::post("/pay").header("idempotency-key", "k1").header("x-user", "u1").body(Body::from("{}")).unwrap();
 /// assert_eq!(app.clone().oneshot(pay()).await.unwrap().status(), 201);
@@ -265,6 +275,8 @@ pub struct IdempotencyLayer {
     methods: Arc<[Method]>,
     store_when: StoreWhen,
     lease: Duration,
+    /// Whether a claim whose lease ran out is taken afresh.
+    run_again_after_lease: bool,
     /// `None`: the installed engine's (`DLOCK_MAX_BODY_BYTES`).
     max_body_bytes: Option<usize>,
     max_response_bytes: usize,
@@ -278,6 +290,7 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("scope", &self.scope)
             .field("methods", &self.methods)
             .field("lease", &self.lease)
+            .field("run_again_after_lease", &self.run_again_after_lease)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("max_response_bytes", &self.max_response_bytes)
             .finish_non_exhaustive()
@@ -292,7 +305,8 @@ impl IdempotencyLayer {
             scope: Scope(ScopeKind::Header(header::AUTHORIZATION)),
             methods: DEFAULT_METHODS.into(),
             store_when: Arc::new(stored_by_default),
-            lease: Duration::from_secs(60),
+            lease: Duration::from_secs(10),
+            run_again_after_lease: false,
             max_body_bytes: None,
             max_response_bytes: 1024 * 1024,
             stored_headers: DEFAULT_STORED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
@@ -352,10 +366,29 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long an in-progress claim blocks its key if its instance dies.
-    /// Choose it longer than the route ever takes.
+    /// The lease of a claim (default 10 s): renewed every third of it while
+    /// the route runs, so a route may take longer; it is how long a key
+    /// whose instance died answers `409 idempotency_request_in_progress`
+    /// before it answers `409 idempotency_outcome_unknown`.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
+        self
+    }
+
+    /// Once the lease of a claim whose instance died has run out, the next
+    /// request with the key runs the route again, instead of being told
+    /// `409 idempotency_outcome_unknown`. Only for a route whose work is
+    /// idempotent by itself (it is keyed on the `Idempotency-Key` in the
+    /// database, say): the dead instance may have done it.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let layer = IdempotencyLayer::new(idem).run_again_after_lease();
+    /// ```
+    pub fn run_again_after_lease(mut self) -> Self {
+        self.run_again_after_lease = true;
         self
     }
 
@@ -461,39 +494,6 @@ fn replay(stored: StoredResponse) -> Response {
     res
 }
 
-/// Frees the claim if the request ends without completing it: a dropped
-/// future (client gone) or a panic in the route.
-struct ClaimGuard {
-    store: Arc<dyn IdempotencyStore>,
-    claim: Option<Claim>,
-}
-
-impl ClaimGuard {
-    fn take(&mut self) -> Option<Claim> {
-        self.claim.take()
-    }
-}
-
-impl Drop for ClaimGuard {
-    fn drop(&mut self) {
-        let Some(claim) = self.claim.take() else { return };
-        let store = self.store.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(async move {
-                    if let Err(e) = store.abandon(&claim).await {
-                        tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: freeing an idempotency key failed; it frees itself when its lease ends");
-                    }
-                });
-            }
-            Err(_) => tracing::warn!(
-                key = crate::headers::log_id(claim.key()),
-                "dlock: no runtime to free an idempotency key; it frees itself when its lease ends"
-            ),
-        }
-    }
-}
-
 /// Polls the route's future and turns a panic into a value, so the key can
 /// be freed before the panic goes on.
 pub(super) struct CatchUnwind<F>(pub(super) Pin<Box<F>>);
@@ -514,7 +514,7 @@ impl<F: Future> Future for CatchUnwind<F> {
 impl<S> Service<Request<Body>> for Idempotent<S>
 where
     S: Service<Request<Body>> + Clone + Send + 'static,
-    S::Response: IntoResponse,
+    S::Response: IntoResponse + Send,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
 {
@@ -541,8 +541,9 @@ where
 async fn handle<S>(layer: IdempotencyLayer, mut inner: S, req: Request<Body>) -> Result<Response, S::Error>
 where
     S: Service<Request<Body>> + Send + 'static,
-    S::Response: IntoResponse,
+    S::Response: IntoResponse + Send,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
 {
     let (parts, body) = req.into_parts();
     let key = match idempotency_key(&parts) {
@@ -567,11 +568,17 @@ where
         return Ok(Rejection::idempotency_scope_missing().into_response());
     };
     let store = layer.idem.store.clone();
-    let claim = match store.begin(&scope, &key, &fp, layer.lease).await {
+    let ttl = layer.idem.ttl_in(&parts.extensions);
+    let mut terms = ClaimTerms::new(layer.lease).with_ttl(ttl);
+    if layer.run_again_after_lease {
+        terms = terms.run_again_after_lease();
+    }
+    let claim = match store.begin(&scope, &key, &fp, terms).await {
         Ok(Begin::New(claim)) => claim,
         Ok(Begin::InProgress) => return Ok(Rejection::idempotency_request_in_progress().into_response()),
         Ok(Begin::Mismatch) => return Ok(Rejection::idempotency_key_mismatch().into_response()),
         Ok(Begin::Completed(stored)) => return Ok(replay(stored)),
+        Ok(Begin::OutcomeUnknown) => return Ok(Rejection::idempotency_outcome_unknown().into_response()),
         // A store newer than this layer: running the route could run the
         // work twice, so refuse as for a store that cannot answer.
         Ok(other) => {
@@ -581,26 +588,43 @@ where
         }
         Err(e) => return Ok(store_error(&e)),
     };
-    let mut guard = ClaimGuard { store: store.clone(), claim: Some(claim) };
-    let ttl = layer.idem.ttl_in(&parts.extensions);
     let req = Request::from_parts(parts, Body::from(body));
-    let response = match CatchUnwind(Box::pin(inner.call(req))).await {
+    // From here on the route runs on its own task: a client that hangs up
+    // cancels neither the route nor the storing of its answer.
+    let route = inner.call(req);
+    detached::run_detached(settle(layer, store, claim, ttl, route)).await
+}
+
+/// Runs the claimed route (renewing the claim meanwhile) and settles the
+/// claim by its answer: stores it, or frees the key when the route did not
+/// run to a result.
+async fn settle<R, E>(
+    layer: IdempotencyLayer,
+    store: Arc<dyn IdempotencyStore>,
+    claim: Claim,
+    ttl: Duration,
+    route: impl Future<Output = Result<R, E>> + Send,
+) -> Settled<E>
+where
+    R: IntoResponse,
+{
+    let answered = detached::renewing(&*store, &claim, layer.lease, CatchUnwind(Box::pin(route))).await;
+    let response = match answered {
         Ok(Ok(res)) => res.into_response(),
         Ok(Err(e)) => {
-            drop(guard); // the route failed: free the key, as for a 5xx
-            return Err(e);
+            abandon(&*store, &claim).await; // the route failed: free the key, as for a 5xx
+            return Settled::Failed(e);
         }
         Err(panic) => {
-            drop(guard); // frees the key in the background
-            std::panic::resume_unwind(panic);
+            abandon(&*store, &claim).await;
+            return Settled::Panicked(panic);
         }
     };
-    let Some(claim) = guard.take() else { return Ok(response) };
     if response.status().is_server_error() || !(layer.store_when)(&response) {
         // Not a result of the route (a 5xx, a refusal before the work): free
         // the key so that the retry runs, and answer untouched.
         abandon(&*store, &claim).await;
-        return Ok(response);
+        return Settled::Answer(response);
     }
     let (mut res_parts, res_body) = response.into_parts();
     let headers: Vec<(String, Vec<u8>)> = layer
@@ -620,21 +644,23 @@ where
                 limit = layer.max_response_bytes,
                 "dlock: response too large to store for replay; retries get idempotency_response_not_stored"
             );
-            let stored = not_stored_record();
-            complete(&*store, &claim, &stored, ttl).await;
+            complete(&*store, &claim, &not_stored_record(), ttl).await;
             res_parts.headers.remove(header::CONTENT_LENGTH);
-            return Ok(Response::from_parts(res_parts, body));
+            return Settled::Answer(Response::from_parts(res_parts, body));
         }
         ResponseBody::Failed(e) => {
-            abandon(&*store, &claim).await;
-            tracing::warn!(error = %e, "dlock: reading the route's response failed");
-            return Ok(Rejection::body_unreadable().into_response());
+            // The route ran to a result (its status said so) and its body
+            // then failed: the work is done, so the key stays completed,
+            // with the refusal a retry gets instead of running it again.
+            tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: reading the route's response failed; retries get idempotency_response_not_stored");
+            complete(&*store, &claim, &not_stored_record(), ttl).await;
+            return Settled::Answer(Rejection::body_unreadable().into_response());
         }
     };
     let stored = StoredResponse::new(res_parts.status.as_u16(), headers, bytes.to_vec());
     complete(&*store, &claim, &stored, ttl).await;
     res_parts.headers.remove(header::CONTENT_LENGTH);
-    Ok(Response::from_parts(res_parts, Body::from(bytes)))
+    Settled::Answer(Response::from_parts(res_parts, Body::from(bytes)))
 }
 
 /// What a retry of a key whose response was too large to keep is answered:
@@ -653,7 +679,7 @@ async fn complete(store: &dyn IdempotencyStore, claim: &Claim, stored: &StoredRe
         Ok(true) => {}
         Ok(false) => tracing::warn!(
             key = crate::headers::log_id(claim.key()),
-            "dlock: the idempotency lease ran out before the route answered; response not stored"
+            "dlock: the idempotency claim was taken over before the route answered; response not stored"
         ),
         Err(e) => {
             tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: storing the idempotent response failed")
@@ -698,6 +724,6 @@ async fn read_response(body: Body, limit: usize) -> ResponseBody {
 
 async fn abandon(store: &dyn IdempotencyStore, claim: &Claim) {
     if let Err(e) = store.abandon(claim).await {
-        tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: freeing an idempotency key failed; it frees itself when its lease ends");
+        tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: freeing an idempotency key failed; retries are told the outcome is unknown once its lease ends");
     }
 }

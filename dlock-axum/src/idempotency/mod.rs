@@ -13,9 +13,10 @@
 //! **One rule for tokens and keys.** A request counts — its token spent, its
 //! `Idempotency-Key` completed and replayed — only when its route ran to a
 //! result ([`stored_by_default`]). A refusal before the work (axum's
-//! extractor rejections, dlock's own refusals), a `5xx`, a panic or a
-//! dropped request gives the token back and frees the key, so the corrected
-//! retry runs.
+//! extractor rejections, dlock's own refusals), a `5xx` or a panic gives the
+//! token back and frees the key, so the corrected retry runs. A client that
+//! hangs up does neither: once claimed, the route runs to its end on a task
+//! of its own, and its answer counts.
 //!
 //! **Key mode** (IETF "The Idempotency-Key HTTP Header Field", Stripe):
 //! [`IdempotencyLayer`] — see there for the rules, the scope default and the
@@ -59,6 +60,7 @@ use dlock_core::idempotency::IdempotencyStore;
 
 use crate::install::Dlock;
 
+mod detached;
 mod key;
 mod token;
 

@@ -1,5 +1,6 @@
 //! Token mode: issue and consume one-time tokens.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -12,6 +13,7 @@ use tower::{Layer, Service};
 
 use dlock_core::idempotency::{IdempotencyStore, TokenClaim};
 
+use super::detached::{self, Settled};
 use super::key::{stored_by_default, CatchUnwind, Scope};
 use super::{Idempotency, ResponseFuture, TOKEN_HEADER};
 use crate::lock::body::discard;
@@ -85,9 +87,12 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
 ///   `409 idempotency_token_unknown`;
 /// * **given back**, with the rest of its TTL, when the route did not run or
 ///   failed: a refusal before the work (axum's `415`/`400`/`422` extractor
-///   rejections, dlock's own refusals), a `5xx`, a panic, the inner
-///   service's error, or a request dropped before it answered. The
-///   corrected retry can use it.
+///   rejections, dlock's own refusals), a `5xx`, a panic or the inner
+///   service's error. The corrected retry can use it.
+///
+/// Once claimed, the route runs on a task of its own: a client that hangs
+/// up (hyper then drops the request) cancels neither the route nor the
+/// spending of its token, so a resubmit is refused, never run twice.
 ///
 /// An instance that dies while running a request leaves its token claimed:
 /// it then counts as spent (never run twice).
@@ -241,7 +246,7 @@ impl<S> RequireToken<S> {
 impl<S> Service<Request<Body>> for RequireToken<S>
 where
     S: Service<Request<Body>> + Clone + Send + 'static,
-    S::Response: IntoResponse,
+    S::Response: IntoResponse + Send,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
 {
@@ -294,31 +299,44 @@ where
                 }
             };
             let store = layer.idem.store.clone();
-            // Gives the token back if the route panics, errs or is dropped.
-            let mut guard = TokenGuard { store: store.clone(), token: Some((token, principal)) };
-            let response = match CatchUnwind(Box::pin(inner.call(req))).await {
-                Ok(Ok(res)) => res.into_response(),
-                Ok(Err(e)) => {
-                    drop(guard);
-                    return Err(e);
-                }
-                Err(panic) => {
-                    drop(guard);
-                    std::panic::resume_unwind(panic);
-                }
-            };
-            let Some((token, principal)) = guard.token.take() else { return Ok(response) };
-            if !response.status().is_server_error() && (layer.spend_when)(&response) {
-                if let Err(e) = store.spend_token(&token, principal.as_deref()).await {
-                    // Still claimed: it counts as spent until its TTL ends.
-                    tracing::warn!(error = %e, "dlock: spending an idempotency token failed; it stays claimed");
-                }
-            } else {
-                give_back(&*store, &token, principal.as_deref()).await;
-            }
-            Ok(response)
+            // From here on the route runs on its own task: a client that
+            // hangs up cancels neither the route nor the spending of its
+            // token, so a resubmit gets `409`, never a second run.
+            let route = inner.call(req);
+            detached::run_detached(settle(layer.spend_when, store, token, principal, route)).await
         })
     }
+}
+
+/// Runs the route of a claimed token and spends the token, or gives it back
+/// when the route did not run to a result.
+async fn settle<R: IntoResponse, E>(
+    spend_when: SpendWhen,
+    store: Arc<dyn IdempotencyStore>,
+    token: String,
+    principal: Option<String>,
+    route: impl Future<Output = Result<R, E>> + Send,
+) -> Settled<E> {
+    let response = match CatchUnwind(Box::pin(route)).await {
+        Ok(Ok(res)) => res.into_response(),
+        Ok(Err(e)) => {
+            give_back(&*store, &token, principal.as_deref()).await;
+            return Settled::Failed(e);
+        }
+        Err(panic) => {
+            give_back(&*store, &token, principal.as_deref()).await;
+            return Settled::Panicked(panic);
+        }
+    };
+    if !response.status().is_server_error() && spend_when(&response) {
+        if let Err(e) = store.spend_token(&token, principal.as_deref()).await {
+            // Still claimed: it counts as spent until its TTL ends.
+            tracing::warn!(error = %e, "dlock: spending an idempotency token failed; it stays claimed");
+        }
+    } else {
+        give_back(&*store, &token, principal.as_deref()).await;
+    }
+    Settled::Answer(response)
 }
 
 async fn give_back(store: &dyn IdempotencyStore, token: &str, principal: Option<&str>) {
@@ -326,26 +344,5 @@ async fn give_back(store: &dyn IdempotencyStore, token: &str, principal: Option<
         Ok(true) => {}
         Ok(false) => tracing::warn!("dlock: an idempotency token could not be given back (expired); it stays spent"),
         Err(e) => tracing::warn!(error = %e, "dlock: giving an idempotency token back failed; it stays spent"),
-    }
-}
-
-/// Gives a claimed token back if the request ends without deciding: a
-/// dropped future (client gone), a panic, an error of the route.
-struct TokenGuard {
-    store: Arc<dyn IdempotencyStore>,
-    /// The token and the caller it is bound to.
-    token: Option<(String, Option<String>)>,
-}
-
-impl Drop for TokenGuard {
-    fn drop(&mut self) {
-        let Some((token, principal)) = self.token.take() else { return };
-        let store = self.store.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(async move { give_back(&*store, &token, principal.as_deref()).await });
-            }
-            Err(_) => tracing::warn!("dlock: no runtime to give an idempotency token back; it stays spent"),
-        }
     }
 }

@@ -10,7 +10,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    token_well_formed, Begin, Claim, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim, TOKEN_BYTES,
+    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
+    TOKEN_BYTES,
 };
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
@@ -116,7 +117,11 @@ struct Record {
 
 #[derive(Debug)]
 enum State {
-    InProgress { owner: String },
+    /// Claimed by `owner` until `lease_until`, unless renewed.
+    InProgress {
+        owner: String,
+        lease_until: Instant,
+    },
     Completed(StoredResponse),
 }
 
@@ -133,10 +138,10 @@ impl MemoryStore {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
     /// use std::time::Duration;
-    /// use dlock_core::idempotency::{Begin, IdempotencyLimits, IdempotencyStore, MemoryStore};
+    /// use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyLimits, IdempotencyStore, MemoryStore};
     /// let store = MemoryStore::new().with_limits(IdempotencyLimits::default().with_max_per_scope(1));
-    /// assert!(matches!(store.begin("alice", "k1", "fp", Duration::from_secs(5)).await?, Begin::New(_)));
-    /// let full = store.begin("alice", "k2", "fp", Duration::from_secs(5)).await.unwrap_err();
+    /// assert!(matches!(store.begin("alice", "k1", "fp", ClaimTerms::new(Duration::from_secs(5))).await?, Begin::New(_)));
+    /// let full = store.begin("alice", "k2", "fp", ClaimTerms::new(Duration::from_secs(5))).await.unwrap_err();
     /// assert!(matches!(full, dlock_core::Error::IdempotencyFull { per_scope: true, .. }));
     /// # Ok(()) }
     /// ```
@@ -264,19 +269,26 @@ impl IdempotencyStore for MemoryStore {
         scope: &'a str,
         key: &'a str,
         fingerprint: &'a str,
-        lease: Duration,
+        terms: ClaimTerms,
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
             let now = Instant::now();
             let mut inner = self.lock(now)?;
             let id = (scope.to_owned(), key.to_owned());
-            if let Some(r) = inner.records.get(&id).filter(|r| r.expires > now) {
-                return Ok(if r.fingerprint != fingerprint {
-                    Begin::Mismatch
-                } else {
-                    match &r.state {
-                        State::InProgress { .. } => Begin::InProgress,
-                        State::Completed(resp) => Begin::Completed(resp.clone()),
+            if let Some(r) = inner.records.get_mut(&id).filter(|r| r.expires > now) {
+                if r.fingerprint != fingerprint {
+                    return Ok(Begin::Mismatch);
+                }
+                return Ok(match &mut r.state {
+                    State::Completed(resp) => Begin::Completed(resp.clone()),
+                    State::InProgress { lease_until, .. } if *lease_until > now => Begin::InProgress,
+                    State::InProgress { .. } if !terms.runs_again_after_lease() => Begin::OutcomeUnknown,
+                    // Taken over: the old owner can no longer complete it.
+                    State::InProgress { owner, lease_until } => {
+                        let claim = Claim::new(scope, key)?;
+                        owner.clone_from(&claim.owner);
+                        *lease_until = now + terms.lease();
+                        Begin::New(claim)
                     }
                 });
             }
@@ -284,11 +296,26 @@ impl IdempotencyStore for MemoryStore {
             // that exists was answered above, at the cap too.
             inner.record_ledger.room(&self.limits, Some(scope), now)?;
             let claim = Claim::new(scope, key)?;
-            let expires = now + lease;
+            let expires = now + terms.ttl();
             inner.record_ledger.add(expires, Some(scope), key);
-            let state = State::InProgress { owner: claim.owner.clone() };
+            let state = State::InProgress { owner: claim.owner.clone(), lease_until: now + terms.lease() };
             inner.records.insert(id, Record { fingerprint: fingerprint.to_owned(), expires, state });
             Ok(Begin::New(claim))
+        })
+    }
+
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock(now)?;
+            let id = (claim.scope.clone(), claim.key.clone());
+            Ok(match inner.records.get_mut(&id).map(|r| &mut r.state) {
+                Some(State::InProgress { owner, lease_until }) if *owner == claim.owner && *lease_until > now => {
+                    *lease_until = now + lease;
+                    true
+                }
+                _ => false,
+            })
         })
     }
 
@@ -304,7 +331,8 @@ impl IdempotencyStore for MemoryStore {
             let id = (claim.scope.clone(), claim.key.clone());
             let (old, new) = match inner.records.get_mut(&id) {
                 Some(r)
-                    if r.expires > now && matches!(&r.state, State::InProgress { owner } if *owner == claim.owner) =>
+                    if r.expires > now
+                        && matches!(&r.state, State::InProgress { owner, .. } if *owner == claim.owner) =>
                 {
                     let old = r.expires;
                     r.state = State::Completed(response.clone());
@@ -325,7 +353,7 @@ impl IdempotencyStore for MemoryStore {
             let mut inner = self.lock(now)?;
             let id = (claim.scope.clone(), claim.key.clone());
             let ours = inner.records.get(&id).is_some_and(|r| {
-                r.expires > now && matches!(&r.state, State::InProgress { owner } if *owner == claim.owner)
+                r.expires > now && matches!(&r.state, State::InProgress { owner, .. } if *owner == claim.owner)
             });
             if ours {
                 if let Some(r) = inner.records.remove(&id) {

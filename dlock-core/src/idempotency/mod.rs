@@ -11,12 +11,15 @@
 //!   [`return_token`](IdempotencyStore::return_token)s it.
 //! * **Keys** — [`IdempotencyStore::begin`] claims `(scope, key)` atomically
 //!   and answers [`Begin::New`] (run the handler), [`Begin::InProgress`],
-//!   [`Begin::Completed`] (the stored response) or [`Begin::Mismatch`] (same
-//!   key, other request). The in-progress record carries its own lease, so a
-//!   crashed instance cannot leave the key stuck; [`IdempotencyStore::complete`]
+//!   [`Begin::Completed`] (the stored response), [`Begin::Mismatch`] (same
+//!   key, other request) or [`Begin::OutcomeUnknown`]. The in-progress record
+//!   carries a lease that its request [`renew`](IdempotencyStore::renew)s
+//!   while the route runs, so a claim whose instance died is settled when
+//!   the lease ends ([`ClaimTerms`]): the key then answers "outcome unknown"
+//!   (or runs again, if the route chose that). [`IdempotencyStore::complete`]
 //!   stores the response for a TTL and [`IdempotencyStore::abandon`] frees the
-//!   key. Both check the [`Claim`]'s owner, so a request whose lease ran out
-//!   cannot overwrite the record of the request that claimed the key after it.
+//!   key. Both check the [`Claim`]'s owner, so a request whose claim was taken
+//!   over cannot overwrite the record of the request that took it.
 //!
 //! [`MemoryStore`] serves one process; [`RedisStore`] shares records between
 //! instances (single server, Cluster or Sentinel URLs, as the lock backend).
@@ -25,7 +28,7 @@
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
-//! use dlock_core::idempotency::{Begin, IdempotencyStore, MemoryStore, StoredResponse};
+//! use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse};
 //! use std::time::Duration;
 //!
 //! let store = MemoryStore::new();
@@ -34,9 +37,10 @@
 //! assert!(!store.consume_token(&token).await?); // spent
 //!
 //! let fp = dlock_core::idempotency::fingerprint(&["POST", "/pay", "{}"]);
-//! let Begin::New(claim) = store.begin("alice", "k1", &fp, Duration::from_secs(30)).await? else { unreachable!() };
+//! let terms = ClaimTerms::new(Duration::from_secs(10));
+//! let Begin::New(claim) = store.begin("alice", "k1", &fp, terms).await? else { unreachable!() };
 //! store.complete(&claim, &StoredResponse::new(201, vec![], b"ok".to_vec()), Duration::from_secs(60)).await?;
-//! assert!(matches!(store.begin("alice", "k1", &fp, Duration::from_secs(30)).await?, Begin::Completed(_)));
+//! assert!(matches!(store.begin("alice", "k1", &fp, terms).await?, Begin::Completed(_)));
 //! # Ok(()) }
 //! ```
 
@@ -197,17 +201,36 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     }
 
     /// Claims `key` within `scope` for a request whose `fingerprint` is given,
-    /// with an in-progress record that expires after `lease`. A key that
-    /// has a record is answered from it; a new one beyond the
-    /// [`IdempotencyLimits`] of `scope` or of the store is
-    /// [`Error::IdempotencyFull`] (nothing is stored).
+    /// with an in-progress record on the [`ClaimTerms`]: it lives for their
+    /// TTL, and its claim for their lease unless [`renew`](Self::renew)ed. A
+    /// key that has a record is answered from it (an in-progress one whose
+    /// lease ran out: [`Begin::OutcomeUnknown`], or claimed afresh when the
+    /// terms say [`run_again_after_lease`](ClaimTerms::run_again_after_lease));
+    /// a new one beyond the [`IdempotencyLimits`] of `scope` or of the store
+    /// is [`Error::IdempotencyFull`] (nothing is stored).
+    ///
+    /// A store whose answer was lost (a timeout, a broken connection) gives
+    /// a claim that may have been made back by itself, owner-checked, in the
+    /// background: the key is not blocked for a lease by a request that was
+    /// told to retry.
     fn begin<'a>(
         &'a self,
         scope: &'a str,
         key: &'a str,
         fingerprint: &'a str,
-        lease: Duration,
+        terms: ClaimTerms,
     ) -> BoxFuture<'a, Result<Begin>>;
+
+    /// Extends a claim's lease to `lease` from now, while its route runs.
+    /// `Ok(false)` when the claim is no longer ours or its lease has already
+    /// run out (a retry may have been told the outcome is unknown).
+    ///
+    /// The default (for stores that cannot) answers `Ok(false)`: such a
+    /// claim keeps the lease [`begin`](Self::begin) gave it.
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> BoxFuture<'a, Result<bool>> {
+        let _ = (claim, lease);
+        Box::pin(async { Ok(false) })
+    }
 
     /// Stores the response of a claimed key for `ttl`. `Ok(false)` when the
     /// claim is no longer ours (its lease ran out and another request took it).
@@ -269,6 +292,73 @@ pub enum Begin {
     Completed(StoredResponse),
     /// The key was used with a different fingerprint.
     Mismatch,
+    /// The request that claimed the key neither completed nor gave it back
+    /// before its lease ran out (its instance died, or its store stalled):
+    /// whether its work ran is unknown. Final for the record's TTL: the
+    /// client must check what happened and use a new key.
+    OutcomeUnknown,
+}
+
+/// How long a claim made by [`IdempotencyStore::begin`] lasts, and what a
+/// retry gets once it has run out without an answer.
+///
+/// * `lease` — how long the claim holds without a renewal: the layer renews
+///   it while the route runs, so this bounds how long a dead instance's
+///   claim answers "in progress", not how long a route may take.
+/// * `ttl` — how long the record lives (default 24 h, as a stored answer):
+///   a claim whose lease ran out answers [`Begin::OutcomeUnknown`] that long.
+/// * after the lease — [`Begin::OutcomeUnknown`] by default (exactly once
+///   over "at least once": the work may have run); or, for a route whose
+///   work is itself idempotent, [`run_again_after_lease`](Self::run_again_after_lease).
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::idempotency::ClaimTerms;
+/// let terms = ClaimTerms::new(Duration::from_secs(10)).with_ttl(Duration::from_secs(3600));
+/// assert_eq!((terms.lease(), terms.ttl(), terms.runs_again_after_lease()), (Duration::from_secs(10), Duration::from_secs(3600), false));
+/// assert!(terms.run_again_after_lease().runs_again_after_lease());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimTerms {
+    lease: Duration,
+    ttl: Duration,
+    run_again: bool,
+}
+
+impl ClaimTerms {
+    /// A claim that holds for `lease` unless renewed, in a record that lives
+    /// 24 hours.
+    pub fn new(lease: Duration) -> Self {
+        ClaimTerms { lease, ttl: Duration::from_secs(24 * 3600), run_again: false }
+    }
+
+    /// How long the record lives; never shorter than the lease.
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// A claim whose lease ran out is taken afresh by the next request,
+    /// which runs the route again.
+    pub fn run_again_after_lease(mut self) -> Self {
+        self.run_again = true;
+        self
+    }
+
+    /// The claim's lease.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// How long the record lives (at least the lease).
+    pub fn ttl(&self) -> Duration {
+        self.ttl.max(self.lease)
+    }
+
+    /// Whether a claim whose lease ran out is taken afresh.
+    pub fn runs_again_after_lease(&self) -> bool {
+        self.run_again
+    }
 }
 
 /// Proof of a [`Begin::New`]: which key, and the random owner that claimed it.
@@ -277,7 +367,8 @@ pub enum Begin {
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
 /// use dlock_core::idempotency::{Begin, IdempotencyStore, MemoryStore};
 /// let store = MemoryStore::new();
-/// let Begin::New(claim) = store.begin("s", "k", "fp", std::time::Duration::from_secs(5)).await? else { unreachable!() };
+/// let terms = dlock_core::idempotency::ClaimTerms::new(std::time::Duration::from_secs(5));
+/// let Begin::New(claim) = store.begin("s", "k", "fp", terms).await? else { unreachable!() };
 /// assert_eq!((claim.scope(), claim.key()), ("s", "k"));
 /// assert!(store.abandon(&claim).await?);
 /// # Ok(()) }

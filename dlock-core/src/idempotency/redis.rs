@@ -12,11 +12,11 @@
 //!   nothing, and the caller's count lives in the same slot.
 //! * A key record is a hash `prefix:idem:k:{<sha1(scope)>}:<sha1(scope, key)>`
 //!   with fields `s` (`p` in progress / `c` completed), `f` fingerprint, `o`
-//!   owner while in progress, `r` the encoded response. Its TTL is the lease
-//!   while in progress, then the response TTL. Begin, complete and abandon
-//!   are one Lua script each, touching only this key and its counts, so they
-//!   are atomic and run on the one node of a Redis Cluster that owns the
-//!   scope's slot.
+//!   owner and `l` lease end (ms of the server's clock) while in progress,
+//!   `r` the encoded response. Its TTL is the claim terms' TTL, then the
+//!   response TTL. Begin, renew, complete and abandon are one Lua script
+//!   each, touching only this key and its counts, so they are atomic and run
+//!   on the one node of a Redis Cluster that owns the scope's slot.
 //! * **Counts** ([`IdempotencyLimits`]): a sorted set per scope
 //!   (`prefix:idem:kn:{<sha1(scope)>}`, `prefix:idem:tn:{<sha1(principal)>}`)
 //!   and one in total (`prefix:idem:kn:all`, `prefix:idem:tn:all`) score each
@@ -34,8 +34,8 @@ use std::time::Duration;
 use redis::Script;
 
 use super::{
-    fingerprint, token_well_formed, Begin, Claim, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
-    TOKEN_BYTES,
+    fingerprint, token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse,
+    TokenClaim, TOKEN_BYTES,
 };
 use crate::backend::redis::script::ScriptCall;
 use crate::backend::redis::{lease_ms, Client, RedisBackend, RedisOptions};
@@ -67,6 +67,7 @@ pub struct RedisStore {
     /// Whether the total sets are counted: not on Redis Cluster.
     total: bool,
     begin: Script,
+    renew: Script,
     complete: Script,
     abandon: Script,
     issue_token: Script,
@@ -151,6 +152,7 @@ impl RedisStore {
             limits: IdempotencyLimits::default(),
             total,
             begin: counting(include_str!("begin.lua")),
+            renew: counting(include_str!("renew_claim.lua")),
             complete: counting(include_str!("complete.lua")),
             abandon: counting(include_str!("abandon.lua")),
             issue_token: counting(include_str!("issue_token.lua")),
@@ -252,6 +254,51 @@ impl RedisStore {
         }
     }
 
+    /// Abandons `claim` in the background, until the store answers or the
+    /// claim's `lease` ends (after which no retry is blocked by it anyway).
+    /// Owner-checked: a claim that never ran, or was taken over, is left
+    /// alone. On the same connection as the claim, so it runs after it.
+    fn give_back_later(&self, claim: Claim, lease: Duration) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let store = self.clone();
+        runtime.spawn(async move {
+            let deadline = tokio::time::Instant::now() + lease;
+            let mut pause = Duration::from_millis(50);
+            loop {
+                match store.abandon(&claim).await {
+                    Ok(freed) => {
+                        tracing::debug!(freed, "dlock: an idempotency claim whose answer was lost is given back");
+                        return;
+                    }
+                    Err(e) if tokio::time::Instant::now() + pause >= deadline => {
+                        tracing::warn!(error = %e, "dlock: giving back an idempotency claim whose answer was lost failed until its lease ended");
+                        return;
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                    }
+                }
+            }
+        });
+    }
+
+    /// Whether the server the records live on keeps them over a restart:
+    /// an append-only file, or RDB snapshots. An error when it cannot be
+    /// read (`CONFIG` refused by an ACL, say).
+    pub(crate) async fn persists(&self) -> Result<bool> {
+        let config = |name: &'static str| async move {
+            let reply: Vec<String> = self.client.query(redis::cmd("CONFIG").arg("GET").arg(name)).await?;
+            match reply.as_slice() {
+                [_, value] => Ok(value.clone()),
+                other => Err(Error::backend("redis", format!("CONFIG GET {name} answered {other:?}"))),
+            }
+        };
+        let aof = config("appendonly").await?;
+        let rdb = config("save").await?;
+        Ok(aof == "yes" || !rdb.trim().is_empty())
+    }
+
     /// The record's key, its member in the counts, and the counts.
     fn record(&self, scope: &str, key: &str) -> (String, String, Vec<Counted>) {
         let tag = fingerprint(&[scope]);
@@ -314,7 +361,7 @@ impl IdempotencyStore for RedisStore {
         scope: &'a str,
         key: &'a str,
         fingerprint: &'a str,
-        lease: Duration,
+        terms: ClaimTerms,
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
             let claim = Claim::new(scope, key)?;
@@ -323,14 +370,25 @@ impl IdempotencyStore for RedisStore {
             // acquire does: no round trip of its own per claim.
             let marker = self.client.marker();
             let keys = keys_and_counts(&[&record, marker.unwrap_or(&record)], &sets);
-            let mut call = ScriptCall::new(&self.begin, &keys, 5 + sets.len());
-            call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(lease)).arg(&member);
+            let mut call = ScriptCall::new(&self.begin, &keys, 7 + sets.len());
+            call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(terms.lease())).arg(&member);
             call.arg(if marker.is_some() { "1" } else { "0" });
+            call.arg(lease_ms(terms.ttl())).arg(if terms.runs_again_after_lease() { "1" } else { "0" });
             for set in &sets {
                 call.arg(set.max);
             }
             let marker_gone = |reply: &redis::Value| matches!(reply, redis::Value::Array(items) if matches!(items.as_slice(), [redis::Value::Int(5)]));
-            let reply: redis::Value = self.client.guarded(|| self.client.invoke(&call), marker_gone).await?;
+            let reply: redis::Value = match self.client.guarded(|| self.client.invoke(&call), marker_gone).await {
+                Ok(reply) => reply,
+                Err(e) => {
+                    if e.outcome_unknown() {
+                        // Redis may run the claim when it answers again:
+                        // the request is told to retry, so give it back.
+                        self.give_back_later(claim, terms.lease());
+                    }
+                    return Err(e);
+                }
+            };
             let unexpected =
                 |v: &redis::Value| Error::backend("redis", format!("unexpected reply from the begin script: {v:?}"));
             let redis::Value::Array(items) = &reply else { return Err(unexpected(&reply)) };
@@ -338,6 +396,7 @@ impl IdempotencyStore for RedisStore {
                 [redis::Value::Int(0)] => Begin::New(claim),
                 [redis::Value::Int(1)] => Begin::InProgress,
                 [redis::Value::Int(3)] => Begin::Mismatch,
+                [redis::Value::Int(6)] => Begin::OutcomeUnknown,
                 [redis::Value::Int(2), redis::Value::BulkString(bytes)] => {
                     Begin::Completed(StoredResponse::decode(bytes)?)
                 }
@@ -346,6 +405,16 @@ impl IdempotencyStore for RedisStore {
                 }
                 _ => return Err(unexpected(&reply)),
             })
+        })
+    }
+
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let (record, _, _) = self.record(claim.scope(), claim.key());
+            let mut call = ScriptCall::new(&self.renew, &[&record], 2);
+            call.arg(claim.owner()).arg(lease_ms(lease));
+            let renewed: i64 = self.client.invoke(&call).await?;
+            Ok(renewed == 1)
         })
     }
 

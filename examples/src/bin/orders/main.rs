@@ -14,7 +14,7 @@
 //! | `ORDERS_REDIS_URL` | keep products and orders in this Redis (plain `GET`/`SET`), shared by instances | in process |
 //! | `ORDERS_UNLOCKED` | `1`: no lock on the stock (shows the oversell) | off |
 //! | `ORDERS_CHARGES_UNGUARDED` | `1`: `POST /charges` without `IdempotencyLayer` (shows duplicates running twice; the torture harness's negative control) | off |
-//! | `ORDERS_PAYMENT_LEASE_MS` | how long a crashed instance's in-progress payment blocks its `Idempotency-Key` | `60000` |
+//! | `ORDERS_PAYMENT_LEASE_MS` | the lease of an in-progress payment (renewed while it runs): how long a crashed instance's payment blocks its `Idempotency-Key` before a retry runs it again | `10000` |
 //! | `DLOCK_*` | the lock backend, see dlock-core's `Config` | in process |
 //! | `RUST_LOG` | log filter | `info` |
 //!
@@ -117,7 +117,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 )
             }
         },
-        None => std::time::Duration::from_secs(60),
+        None => std::time::Duration::from_secs(10),
     };
     let flag = |var: &str| non_empty_env(var).is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
     let (unlocked, charges_unguarded) = (flag("ORDERS_UNLOCKED"), flag("ORDERS_CHARGES_UNGUARDED"));
