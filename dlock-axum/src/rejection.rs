@@ -50,6 +50,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 400 | `lock_key_field_missing` | 2001 | a field named in the lock key is not in the request |
 /// | 400 | `invalid_json` | 2002 | the body is not JSON, but the key needs a field of it |
 /// | 400 | `idempotency_token_missing` | 2003 | no one-time token was sent |
+/// | 400 | `idempotency_token_duplicated` | 2010 | the one-time token was sent more than once (two headers, two query parameters, or both) |
 /// | 400 | `idempotency_key_missing` | 2004 | no `Idempotency-Key` header was sent |
 /// | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
 /// | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
@@ -155,6 +156,11 @@ rejections! {
     invalid_json => (BAD_REQUEST, "invalid_json", 2002, "the request body is not valid JSON", None);
     /// No one-time token was sent.
     idempotency_token_missing => (BAD_REQUEST, "idempotency_token_missing", 2003, "the one-time submission token is missing", None);
+    /// The one-time token was sent more than once: two `Idempotency-Token`
+    /// headers, two query parameters, or a header and a query parameter.
+    /// Taking one of them would let a proxy and the app read different tokens.
+    idempotency_token_duplicated => (BAD_REQUEST, "idempotency_token_duplicated", 2010,
+        "the one-time submission token was sent more than once", None);
     /// No `Idempotency-Key` header was sent.
     idempotency_key_missing => (BAD_REQUEST, "idempotency_key_missing", 2004, "the Idempotency-Key header is missing", None);
     /// The `Idempotency-Key` header is malformed.
@@ -482,6 +488,7 @@ mod tests {
             ("lock_key_field_missing", 400),
             ("invalid_json", 400),
             ("idempotency_token_missing", 400),
+            ("idempotency_token_duplicated", 400),
             ("idempotency_key_missing", 400),
             ("idempotency_key_invalid", 400),
             ("lock_key_invalid", 400),

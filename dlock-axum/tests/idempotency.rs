@@ -681,3 +681,29 @@ async fn a_freed_key_gives_its_room_back() {
     let (s, _, b) = send(&app, pay(Some("k3"), "{}")).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::TOO_MANY_REQUESTS, "idempotency_scope_full"));
 }
+
+/// Issue 24: a token sent more than once — two headers, two `?token=`, or
+/// a header and a parameter, equal or not — is refused with a `400` in the
+/// error shape, before anything is claimed: taking the first would let a
+/// proxy and the route read different tokens. The token stays fresh.
+#[tokio::test]
+async fn a_token_sent_twice_is_refused() {
+    let idem = idem();
+    let app: Router = Router::new()
+        .route("/orders", post(|| async { "placed" }).layer(TokenLayer::new(idem.clone()).query_param("token")));
+    let token = idem.store().issue_token(Duration::from_secs(60)).await.expect("issue");
+    let other = idem.store().issue_token(Duration::from_secs(60)).await.expect("issue");
+    let twice = [
+        Request::post("/orders").header("idempotency-token", &token).header("idempotency-token", &other),
+        Request::post(format!("/orders?token={token}&token={other}")),
+        Request::post(format!("/orders?token={token}&token={token}")),
+        Request::post(format!("/orders?token={other}")).header("idempotency-token", &token),
+        Request::post(format!("/orders?token={token}")).header("idempotency-token", &token),
+    ];
+    for req in twice {
+        let (s, _, b) = send(&app, req.body(Body::empty()).expect("req")).await;
+        assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_token_duplicated"));
+    }
+    let once = Request::post("/orders").header("idempotency-token", &token).body(Body::empty()).expect("req");
+    assert_eq!(send(&app, once).await.0, StatusCode::OK, "the refused requests claimed nothing");
+}

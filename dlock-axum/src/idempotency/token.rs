@@ -77,7 +77,8 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
 /// Admits one request per one-time token.
 ///
 /// Reads the `Idempotency-Token` header, else the query parameter set with
-/// [`TokenLayer::query_param`]. The token is claimed atomically before the
+/// [`TokenLayer::query_param`]; a token sent more than once (two headers, two
+/// parameters, or one of each) is `400 idempotency_token_duplicated`. The token is claimed atomically before the
 /// route runs — of any number of concurrent submits exactly one runs, the
 /// others get `409 idempotency_request_in_progress` (transient) — and then:
 ///
@@ -231,15 +232,34 @@ impl RequireToken<()> {
 impl<S> RequireToken<S> {
     inner_service_accessors!();
 
-    fn token(&self, req: &Request<Body>) -> Option<String> {
-        if let Some(v) = req.headers().get(TOKEN_HEADER).and_then(|v| v.to_str().ok()) {
-            return Some(v.trim().to_owned()).filter(|t| !t.is_empty());
-        }
-        let name = self.layer.query_param.as_deref()?;
-        form_urlencoded::parse(req.uri().query()?.as_bytes())
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.trim().to_owned())
-            .filter(|t| !t.is_empty())
+    /// The request's token: `Ok(None)` when it sent none; the refusal when
+    /// it sent more than one (two headers, two query parameters, or both,
+    /// even if equal). A header that is not text is a token no store knows.
+    fn token(&self, req: &Request<Body>) -> Result<Option<String>, Rejection> {
+        let mut headers = req.headers().get_all(TOKEN_HEADER).iter();
+        let header = match (headers.next(), headers.next()) {
+            (None, _) => None,
+            (Some(v), None) => Some(String::from_utf8_lossy(v.as_bytes()).trim().to_owned()),
+            (Some(_), Some(_)) => return Err(Rejection::idempotency_token_duplicated()),
+        };
+        let mut query = match (self.layer.query_param.as_deref(), req.uri().query()) {
+            (Some(name), Some(query)) => {
+                form_urlencoded::parse(query.as_bytes()).filter(|(k, _)| k == name).map(|(_, v)| v).collect()
+            }
+            _ => Vec::new(),
+        };
+        let query = match (query.pop(), query.is_empty()) {
+            (None, _) => None,
+            (Some(v), true) => Some(v),
+            (Some(_), false) => return Err(Rejection::idempotency_token_duplicated()),
+        };
+        let token = match (header, query) {
+            (Some(_), Some(_)) => return Err(Rejection::idempotency_token_duplicated()),
+            (Some(h), None) => h,
+            (None, Some(q)) => q.trim().to_owned(),
+            (None, None) => return Ok(None),
+        };
+        Ok(Some(token).filter(|t| !t.is_empty()))
     }
 }
 
@@ -269,9 +289,10 @@ where
         let req = Request::from_parts(parts, body);
         ResponseFuture::new(async move {
             let claimed = match (token, principal) {
-                (None, _) => Err(Rejection::idempotency_token_missing().into_response()),
-                (Some(_), Some(None)) => Err(Rejection::idempotency_scope_missing().into_response()),
-                (Some(token), principal) => {
+                (Err(refused), _) => Err(refused.into_response()),
+                (Ok(None), _) => Err(Rejection::idempotency_token_missing().into_response()),
+                (Ok(Some(_)), Some(None)) => Err(Rejection::idempotency_scope_missing().into_response()),
+                (Ok(Some(token)), principal) => {
                     let principal = principal.flatten();
                     match layer.idem.store.claim_token(&token, principal.as_deref()).await {
                         Ok(TokenClaim::Claimed) => Ok((token, principal)),
