@@ -241,3 +241,52 @@ async fn a_slow_route_keeps_its_claim_and_a_dead_ones_outcome_is_unknown() {
     assert!(String::from_utf8_lossy(&body).contains("idempotency_outcome_unknown"), "{body:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the dead claim's route never ran here");
 }
+
+/// The same for one-time tokens: a slow route keeps its token's claim
+/// (renewed), and a token claimed by an instance that died answers
+/// `409 idempotency_outcome_unknown` once its lease ran out (counted as
+/// spent: it never runs), instead of "in progress" for the token's TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_route_keeps_its_token_and_a_dead_ones_outcome_is_unknown() {
+    use dlock_core::idempotency::TokenClaim;
+    let lease = Duration::from_millis(300);
+    let store: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let idem = Idempotency::new(store.clone());
+    let app: Router = Router::new().route(
+        "/submit",
+        post(move || {
+            let runs = counted.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(1_500)).await;
+                StatusCode::CREATED
+            }
+        })
+        .layer(TokenLayer::new(idem).lease(lease)),
+    );
+    let submit =
+        |token: &str| Request::post("/submit").header("idempotency-token", token).body(Body::empty()).expect("request");
+    let error = |res: axum::response::Response| async move {
+        let body = axum::body::to_bytes(res.into_body(), 1 << 16).await.expect("body");
+        String::from_utf8_lossy(&body).into_owned()
+    };
+    let token = store.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let first = tokio::spawn(app.clone().oneshot(submit(&token)));
+    for _ in 0..3 {
+        tokio::time::sleep(lease).await;
+        let again = app.clone().oneshot(submit(&token)).await.expect("resubmit");
+        assert!(error(again).await.contains("idempotency_request_in_progress"));
+    }
+    assert_eq!(first.await.expect("task").expect("first").status(), StatusCode::CREATED);
+    // A dead instance's claim.
+    let dead = store.issue_token(Duration::from_secs(60)).await.expect("issue");
+    assert!(matches!(store.claim_token(&dead, None, lease).await.expect("claim"), TokenClaim::Claimed(_)));
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let after = app.oneshot(submit(&dead)).await.expect("after");
+    assert_eq!(after.status(), StatusCode::CONFLICT);
+    assert!(after.headers().get("retry-after").is_none(), "final: no Retry-After");
+    assert!(error(after).await.contains("idempotency_outcome_unknown"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

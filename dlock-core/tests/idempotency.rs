@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::idempotency::{
-    fingerprint, Begin, ClaimTerms, IdempotencyLimits, IdempotencyStore, MemoryStore, RedisStore, StoredResponse,
-    TokenClaim,
+    fingerprint, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, MemoryStore, RedisStore,
+    StoredResponse, TokenClaim,
 };
 use dlock_core::Error;
 
@@ -18,49 +18,84 @@ async fn suite(store: Arc<dyn IdempotencyStore>) {
     response_expiry(&store).await;
     concurrent_tokens(store.clone()).await;
     claimed_tokens(&store).await;
+    token_leases(&store).await;
     bound_tokens(&store).await;
     concurrent_claims(store.clone()).await;
     concurrent_begin(store).await;
 }
 
+/// The lease of the token claims of these tests.
+const LEASE: Duration = Duration::from_secs(30);
+
+/// The claim of a `TokenClaim::Claimed`.
+fn claimed(answer: TokenClaim) -> Claim {
+    match answer {
+        TokenClaim::Claimed(claim) => claim,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
 /// Issue 15 item 5: a token claimed for a running request can be given back
 /// (the route did not run or failed) or spent; while claimed nobody else
-/// takes it, by claim or by consume.
+/// takes it, by claim or by consume; only the claim's owner settles it.
 async fn claimed_tokens(store: &Arc<dyn IdempotencyStore>) {
     let t = store.issue_token(Duration::from_secs(30)).await.expect("issue");
-    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::Claimed);
-    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::InUse);
+    let first = claimed(store.claim_token(&t, None, LEASE).await.expect("claim"));
+    assert_eq!(store.claim_token(&t, None, LEASE).await.expect("claim"), TokenClaim::InUse);
     assert!(!store.consume_token(&t).await.expect("consume"), "a claimed token is not consumed by another");
-    assert!(store.return_token(&t, None).await.expect("return"));
-    assert!(!store.return_token(&t, None).await.expect("return"), "given back once");
-    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::Claimed, "usable again");
-    assert!(store.spend_token(&t, None).await.expect("spend")); // DEL 1
-    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::Unknown);
-    assert!(!store.return_token(&t, None).await.expect("return"), "a spent token stays spent");
+    assert!(store.return_token(&first).await.expect("return"));
+    assert!(!store.return_token(&first).await.expect("return"), "given back once");
+    let second = claimed(store.claim_token(&t, None, LEASE).await.expect("claim"));
+    assert!(!store.return_token(&first).await.expect("return"), "a stale claim gives nothing back");
+    assert!(!store.spend_token(&first).await.expect("spend"), "a stale claim spends nothing");
+    assert!(store.spend_token(&second).await.expect("spend")); // DEL 1
+    assert_eq!(store.claim_token(&t, None, LEASE).await.expect("claim"), TokenClaim::Unknown);
+    assert!(!store.return_token(&second).await.expect("return"), "a spent token stays spent");
     assert!(!store.consume_token(&t).await.expect("consume"));
-    assert_eq!(store.claim_token("not-a-token", None).await.expect("claim"), TokenClaim::Unknown);
+    assert_eq!(store.claim_token("not-a-token", None, LEASE).await.expect("claim"), TokenClaim::Unknown);
     // The claim keeps the token's TTL: a claimed token still expires.
     let short = store.issue_token(Duration::from_millis(80)).await.expect("issue");
-    assert_eq!(store.claim_token(&short, None).await.expect("claim"), TokenClaim::Claimed);
+    let claim = claimed(store.claim_token(&short, None, LEASE).await.expect("claim"));
     tokio::time::sleep(Duration::from_millis(160)).await;
-    assert!(!store.return_token(&short, None).await.expect("return"), "expired while claimed");
-    assert_eq!(store.claim_token(&short, None).await.expect("claim"), TokenClaim::Unknown);
+    assert!(!store.return_token(&claim).await.expect("return"), "expired while claimed");
+    assert_eq!(store.claim_token(&short, None, LEASE).await.expect("claim"), TokenClaim::Unknown);
+}
+
+/// Issue 24: a token claim renewed while its route runs outlives its first
+/// lease; one whose instance died answers "outcome unknown" once its lease
+/// ends (it counts as spent: never run twice), and its owner may still
+/// settle it late.
+async fn token_leases(store: &Arc<dyn IdempotencyStore>) {
+    let lease = Duration::from_millis(150);
+    let t = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let alive = claimed(store.claim_token(&t, None, lease).await.expect("claim"));
+    for _ in 0..4 {
+        tokio::time::sleep(lease / 3).await;
+        assert!(store.renew(&alive, lease).await.expect("renew"));
+    }
+    assert_eq!(store.claim_token(&t, None, lease).await.expect("claim"), TokenClaim::InUse);
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    assert_eq!(store.claim_token(&t, None, lease).await.expect("claim"), TokenClaim::OutcomeUnknown);
+    assert!(!store.consume_token(&t).await.expect("consume"), "still claimed");
+    assert!(!store.renew(&alive, lease).await.expect("renew"), "a lease that ran out is not renewed");
+    assert!(store.spend_token(&alive).await.expect("spend"), "its owner settles it late");
+    assert_eq!(store.claim_token(&t, None, lease).await.expect("claim"), TokenClaim::Unknown);
 }
 
 /// Issue 15 item 3: a token bound to a caller is taken by that caller's
 /// claims only: not by another caller, not unbound, not by `consume_token`.
 async fn bound_tokens(store: &Arc<dyn IdempotencyStore>) {
     let t = store.issue_bound_token("alice", Duration::from_secs(30)).await.expect("issue");
-    assert_eq!(store.claim_token(&t, Some("bob")).await.expect("claim"), TokenClaim::Unknown);
-    assert_eq!(store.claim_token(&t, None).await.expect("claim"), TokenClaim::Unknown);
+    assert_eq!(store.claim_token(&t, Some("bob"), LEASE).await.expect("claim"), TokenClaim::Unknown);
+    assert_eq!(store.claim_token(&t, None, LEASE).await.expect("claim"), TokenClaim::Unknown);
     assert!(!store.consume_token(&t).await.expect("consume"), "an unbound consume does not take it"); // DEL 0
-    assert_eq!(store.claim_token(&t, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
-    assert!(!store.return_token(&t, Some("bob")).await.expect("return"));
-    assert!(!store.spend_token(&t, Some("bob")).await.expect("spend"), "bob cannot spend alice's claim"); // DEL 0
-    assert!(store.return_token(&t, Some("alice")).await.expect("return"));
-    assert_eq!(store.claim_token(&t, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
-    assert!(store.spend_token(&t, Some("alice")).await.expect("spend")); // DEL 1
-    assert_eq!(store.claim_token(&t, Some("alice")).await.expect("claim"), TokenClaim::Unknown);
+    let first = claimed(store.claim_token(&t, Some("alice"), LEASE).await.expect("claim"));
+    assert_eq!(first.principal(), Some("alice"));
+    assert!(store.return_token(&first).await.expect("return"));
+    let second = claimed(store.claim_token(&t, Some("alice"), LEASE).await.expect("claim"));
+    assert!(!store.spend_token(&first).await.expect("spend"), "a stale claim cannot spend the live one"); // DEL 0
+    assert!(store.spend_token(&second).await.expect("spend")); // DEL 1
+    assert_eq!(store.claim_token(&t, Some("alice"), LEASE).await.expect("claim"), TokenClaim::Unknown);
 }
 
 async fn concurrent_claims(store: Arc<dyn IdempotencyStore>) {
@@ -68,18 +103,18 @@ async fn concurrent_claims(store: Arc<dyn IdempotencyStore>) {
     let tasks: Vec<_> = (0..50)
         .map(|_| {
             let (store, token) = (store.clone(), token.clone());
-            tokio::spawn(async move { store.claim_token(&token, None).await.expect("claim") })
+            tokio::spawn(async move { store.claim_token(&token, None, LEASE).await.expect("claim") })
         })
         .collect();
-    let mut claimed = 0;
+    let mut claims = 0;
     for t in tasks {
         match t.await.expect("task") {
-            TokenClaim::Claimed => claimed += 1,
+            TokenClaim::Claimed(_) => claims += 1,
             TokenClaim::InUse => {}
-            TokenClaim::Unknown => panic!("a live token was unknown"),
+            other => panic!("a live token answered {other:?}"),
         }
     }
-    assert_eq!(claimed, 1, "exactly one claimant");
+    assert_eq!(claims, 1, "exactly one claimant");
 }
 
 async fn tokens(store: &Arc<dyn IdempotencyStore>) {
@@ -327,13 +362,13 @@ async fn token_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
     let _a2 = store.issue_bound_token("alice", short).await.expect("issue");
     assert_full(store.issue_bound_token("alice", ttl).await, true, short);
     // Claimed and given back: still live, still counted.
-    assert_eq!(store.claim_token(&a1, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
+    let claim = claimed(store.claim_token(&a1, Some("alice"), LEASE).await.expect("claim"));
     assert_full(store.issue_bound_token("alice", ttl).await, true, short);
-    assert!(store.return_token(&a1, Some("alice")).await.expect("return"));
+    assert!(store.return_token(&claim).await.expect("return"));
     assert_full(store.issue_bound_token("alice", ttl).await, true, short);
     // Spent: room for one more.
-    assert_eq!(store.claim_token(&a1, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
-    assert!(store.spend_token(&a1, Some("alice")).await.expect("spend"));
+    let claim = claimed(store.claim_token(&a1, Some("alice"), LEASE).await.expect("claim"));
+    assert!(store.spend_token(&claim).await.expect("spend"));
     let a3 = store.issue_bound_token("alice", ttl).await.expect("room after spend");
     // Total: a2, a3 and one unbound token make 3.
     let u1 = store.issue_token(ttl).await.expect("issue");
@@ -354,8 +389,8 @@ async fn token_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
     let a4 = store.issue_bound_token("alice", ttl).await.expect("room after expiry");
     assert_full(store.issue_bound_token("alice", ttl).await, true, ttl);
     for t in [a3, a4] {
-        assert_eq!(store.claim_token(&t, Some("alice")).await.expect("claim"), TokenClaim::Claimed);
-        assert!(store.spend_token(&t, Some("alice")).await.expect("spend"));
+        let claim = claimed(store.claim_token(&t, Some("alice"), LEASE).await.expect("claim"));
+        assert!(store.spend_token(&claim).await.expect("spend"));
     }
 }
 
@@ -406,13 +441,24 @@ async fn memory_store() {
 async fn redis_store() {
     let redis = dlock_testing::RedisServer::start();
     let store = RedisStore::connect(&redis.url(), "t").await.expect("connect");
+    let store: Arc<dyn IdempotencyStore> = Arc::new(store);
+    suite(store.clone()).await;
+    // Consuming is one DEL, never GET then DEL (two callers could both see
+    // the token): 3 live tokens and 2 spent ones, 5 DELs and no GET.
+    let live = [0; 3].map(|_| store.issue_token(Duration::from_secs(30)));
+    let mut tokens = Vec::new();
+    for t in live {
+        tokens.push(t.await.expect("issue"));
+    }
     redis.reset_stats();
-    suite(Arc::new(store)).await;
+    for t in &tokens {
+        assert!(store.consume_token(t).await.expect("consume"));
+    }
+    for t in &tokens[..2] {
+        assert!(!store.consume_token(t).await.expect("consume"));
+    }
     assert_eq!(redis.command_calls("get"), 0, "tokens are consumed with DEL, never GET");
-    // 5 well-formed consumes in `tokens`, 50 in the storm, the 2 DELs the
-    // abandon script makes when it frees a key, and in `claimed_tokens` 2
-    // consumes and 1 spend, in `bound_tokens` 1 consume and 2 spends.
-    assert_eq!(redis.command_calls("del"), 5 + 50 + 2 + 3 + 3, "one DEL per consume");
+    assert_eq!(redis.command_calls("del"), 5, "one DEL per consume");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -615,4 +661,36 @@ async fn a_claim_whose_answer_timed_out_does_not_block_the_key() {
     .await
     .unwrap_or_else(|_| panic!("the key stayed claimed after the timed-out begin: {:?}", records()));
     assert!(b.abandon(&claimed).await.expect("abandon"));
+}
+
+/// Issue 24: a token claim whose answer timed out ran on the server all the
+/// same; the store gives it back, owner-checked, so the resubmit can use the
+/// token instead of being told "in progress" (and then "outcome unknown").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_claim_whose_answer_timed_out_gives_the_token_back() {
+    let server = dlock_testing::RedisServer::start();
+    let proxy = dlock_testing::FaultProxy::start(server.port());
+    let a = RedisStore::connect(&format!("redis://127.0.0.1:{}", proxy.port()), "stall").await.expect("connect");
+    let b = RedisStore::connect(&server.url(), "stall").await.expect("connect");
+    // Warm the script, so the late answer is the claim itself.
+    let warm = a.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let claim = claimed(a.claim_token(&warm, None, LEASE).await.expect("claim"));
+    assert!(a.spend_token(&claim).await.expect("spend"));
+    let token = a.issue_token(Duration::from_secs(60)).await.expect("issue");
+    proxy.set_delay(Duration::from_millis(1_500));
+    let err = a.claim_token(&token, None, LEASE).await.expect_err("the answer times out");
+    assert!(err.is_unavailable(), "{err}");
+    proxy.set_delay(Duration::ZERO);
+    let claim = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match b.claim_token(&token, None, LEASE).await.expect("claim") {
+                TokenClaim::Claimed(claim) => return claim,
+                TokenClaim::InUse => tokio::time::sleep(Duration::from_millis(20)).await,
+                other => panic!("{other:?}"),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the token stayed claimed after the timed-out claim"));
+    assert!(b.spend_token(&claim).await.expect("spend"));
 }

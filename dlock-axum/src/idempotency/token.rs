@@ -11,7 +11,7 @@ use axum::http::{header, HeaderValue, Request};
 use axum::response::{IntoResponse, Response};
 use tower::{Layer, Service};
 
-use dlock_core::idempotency::{IdempotencyStore, TokenClaim};
+use dlock_core::idempotency::{Claim, IdempotencyStore, TokenClaim};
 
 use super::detached::{self, Settled};
 use super::key::{stored_by_default, CatchUnwind, Scope};
@@ -96,7 +96,9 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
 /// spending of its token, so a resubmit is refused, never run twice.
 ///
 /// An instance that dies while running a request leaves its token claimed:
-/// it then counts as spent (never run twice).
+/// once the claim's lease ([`TokenLayer::lease`], renewed while the route
+/// runs) has run out, a resubmit gets `409 idempotency_outcome_unknown`
+/// (final: it counts as spent, never run twice).
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -122,6 +124,8 @@ pub struct TokenLayer {
     spend_when: SpendWhen,
     /// The caller tokens are bound to; `None`: unbound tokens.
     scope: Option<Scope>,
+    /// The lease of a claim, renewed while the route runs.
+    lease: Duration,
 }
 
 impl std::fmt::Debug for TokenLayer {
@@ -131,6 +135,7 @@ impl std::fmt::Debug for TokenLayer {
             .field("query_param", &self.query_param)
             .field("duplicate", &self.duplicate)
             .field("scope", &self.scope)
+            .field("lease", &self.lease)
             .finish_non_exhaustive()
     }
 }
@@ -144,7 +149,25 @@ impl TokenLayer {
             duplicate: Rejection::idempotency_token_unknown(),
             spend_when: Arc::new(stored_by_default),
             scope: None,
+            lease: Duration::from_secs(10),
         }
+    }
+
+    /// The lease of a token's claim (default 10 s): renewed every third of
+    /// it while the route runs, so a route may take longer; it is how long
+    /// a token whose instance died answers `409 idempotency_request_in_progress`
+    /// before it answers `409 idempotency_outcome_unknown` (it then counts
+    /// as spent).
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use dlock_axum::idempotency::{Idempotency, TokenLayer};
+    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let layer = TokenLayer::new(idem).lease(Duration::from_secs(5));
+    /// ```
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
     }
 
     /// Also accept the token as the query parameter `name` (`?token=...`).
@@ -294,12 +317,20 @@ where
                 (Ok(Some(_)), Some(None)) => Err(Rejection::idempotency_scope_missing().into_response()),
                 (Ok(Some(token)), principal) => {
                     let principal = principal.flatten();
-                    match layer.idem.store.claim_token(&token, principal.as_deref()).await {
-                        Ok(TokenClaim::Claimed) => Ok((token, principal)),
+                    match layer.idem.store.claim_token(&token, principal.as_deref(), layer.lease).await {
+                        Ok(TokenClaim::Claimed(claim)) => Ok(claim),
                         Ok(TokenClaim::InUse) => Err(Rejection::idempotency_request_in_progress()
                             .with_message("a request with this token is still being processed")
                             .into_response()),
-                        Ok(TokenClaim::Unknown) => Err(layer.duplicate.clone().into_response()),
+                        Ok(TokenClaim::OutcomeUnknown) => Err(Rejection::idempotency_outcome_unknown()
+                            .with_message(
+                                "a request with this token was started but never answered; whether it ran is \
+                                 unknown: check, then fetch a new token",
+                            )
+                            .into_response()),
+                        // Unknown, and whatever a newer store answers:
+                        // never run on an answer this layer does not know.
+                        Ok(_) => Err(layer.duplicate.clone().into_response()),
                         Err(e) => {
                             tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
                             // `Retry-After` on a 503 comes with the rejection's response.
@@ -308,7 +339,7 @@ where
                     }
                 }
             };
-            let (token, principal) = match claimed {
+            let claim = match claimed {
                 Ok(claimed) => claimed,
                 Err(response) => {
                     // Refused before the route read the body: drain it
@@ -324,44 +355,49 @@ where
             // hangs up cancels neither the route nor the spending of its
             // token, so a resubmit gets `409`, never a second run.
             let route = inner.call(req);
-            detached::run_detached(settle(layer.spend_when, store, token, principal, route)).await
+            detached::run_detached(settle(layer.spend_when, store, claim, layer.lease, route)).await
         })
     }
 }
 
-/// Runs the route of a claimed token and spends the token, or gives it back
-/// when the route did not run to a result.
+/// Runs the route of a claimed token (renewing the claim meanwhile) and
+/// spends the token, or gives it back when the route did not run to a result.
 async fn settle<R: IntoResponse, E>(
     spend_when: SpendWhen,
     store: Arc<dyn IdempotencyStore>,
-    token: String,
-    principal: Option<String>,
+    claim: Claim,
+    lease: Duration,
     route: impl Future<Output = Result<R, E>> + Send,
 ) -> Settled<E> {
-    let response = match CatchUnwind(Box::pin(route)).await {
+    let response = match detached::renewing(&*store, &claim, lease, CatchUnwind(Box::pin(route))).await {
         Ok(Ok(res)) => res.into_response(),
         Ok(Err(e)) => {
-            give_back(&*store, &token, principal.as_deref()).await;
+            give_back(&*store, &claim).await;
             return Settled::Failed(e);
         }
         Err(panic) => {
-            give_back(&*store, &token, principal.as_deref()).await;
+            give_back(&*store, &claim).await;
             return Settled::Panicked(panic);
         }
     };
     if !response.status().is_server_error() && spend_when(&response) {
-        if let Err(e) = store.spend_token(&token, principal.as_deref()).await {
-            // Still claimed: it counts as spent until its TTL ends.
-            tracing::warn!(error = %e, "dlock: spending an idempotency token failed; it stays claimed");
+        match store.spend_token(&claim).await {
+            Ok(true) => {}
+            // Claimed, and its lease ran out: it answers "outcome unknown"
+            // until its TTL ends, which counts as spent.
+            Ok(false) => {
+                tracing::warn!("dlock: an idempotency token's claim ran out before it was spent; it stays claimed")
+            }
+            Err(e) => tracing::warn!(error = %e, "dlock: spending an idempotency token failed; it stays claimed"),
         }
     } else {
-        give_back(&*store, &token, principal.as_deref()).await;
+        give_back(&*store, &claim).await;
     }
     Settled::Answer(response)
 }
 
-async fn give_back(store: &dyn IdempotencyStore, token: &str, principal: Option<&str>) {
-    match store.return_token(token, principal).await {
+async fn give_back(store: &dyn IdempotencyStore, claim: &Claim) {
+    match store.return_token(claim).await {
         Ok(true) => {}
         Ok(false) => tracing::warn!("dlock: an idempotency token could not be given back (expired); it stays spent"),
         Err(e) => tracing::warn!(error = %e, "dlock: giving an idempotency token back failed; it stays spent"),

@@ -1,10 +1,20 @@
--- KEYS[1] the fresh token, KEYS[2] its claimed name (one slot: hash tags).
--- Replies 1 claimed (renamed, TTL kept), 2 already claimed, 0 unknown.
+-- KEYS[1] the fresh token, KEYS[2] its claimed name (one slot: hash tags);
+-- ARGV[1] owner, ARGV[2] lease ms. A claimed token's value is
+-- `<owner>:<lease end, ms of this server's clock>`; it keeps the TTL.
+-- Replies 1 claimed, 2 claimed by a request whose lease has not run out,
+-- 3 claimed by one whose lease ran out (its outcome is unknown), 0 unknown.
+local now = now_ms()
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('RENAME', KEYS[1], KEYS[2])
+  redis.call('SET', KEYS[2], ARGV[1] .. ':' .. (now + tonumber(ARGV[2])), 'KEEPTTL')
   return 1
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then
+local held = redis.call('GET', KEYS[2])
+if not held then
+  return 0
+end
+local ends = tonumber(string.match(held, ':(%d+)$'))
+if ends and ends > now then
   return 2
 end
-return 0
+return 3

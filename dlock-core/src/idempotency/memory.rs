@@ -102,8 +102,9 @@ impl Ledger {
 #[derive(Debug)]
 struct Token {
     expires: Instant,
-    /// Claimed by a running request ([`IdempotencyStore::claim_token`]).
-    claimed: bool,
+    /// Claimed by a running request ([`IdempotencyStore::claim_token`]):
+    /// its owner, and when its lease ends unless renewed.
+    claimed: Option<(String, Instant)>,
     /// The caller it is bound to ([`IdempotencyStore::issue_bound_token`]).
     principal: Option<String>,
 }
@@ -156,7 +157,7 @@ impl MemoryStore {
         let mut inner = self.lock(now)?;
         inner.token_ledger.room(&self.limits, principal, now)?;
         let expires = now + ttl;
-        inner.tokens.insert(token.clone(), Token { expires, claimed: false, principal: principal.map(str::to_owned) });
+        inner.tokens.insert(token.clone(), Token { expires, claimed: None, principal: principal.map(str::to_owned) });
         inner.token_ledger.add(expires, principal, &token);
         Ok(token)
     }
@@ -188,6 +189,13 @@ impl Inner {
     }
 }
 
+/// Whether `token` is held by `claim`: claimed by its owner, bound to its
+/// principal.
+fn holds(token: &Token, claim: &Claim) -> bool {
+    token.principal.as_deref() == claim.principal()
+        && token.claimed.as_ref().is_some_and(|(owner, _)| *owner == claim.owner)
+}
+
 impl IdempotencyStore for MemoryStore {
     fn name(&self) -> &'static str {
         "memory"
@@ -210,7 +218,10 @@ impl IdempotencyStore for MemoryStore {
             let mut inner = self.lock(now)?;
             // A claimed token belongs to the request running with it, a
             // bound one to its caller's claims.
-            let fresh = inner.tokens.get(token).is_some_and(|t| t.expires > now && !t.claimed && t.principal.is_none());
+            let fresh = inner
+                .tokens
+                .get(token)
+                .is_some_and(|t| t.expires > now && t.claimed.is_none() && t.principal.is_none());
             if fresh {
                 inner.drop_token(token);
             }
@@ -218,7 +229,12 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
-    fn claim_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<TokenClaim>> {
+    fn claim_token<'a>(
+        &'a self,
+        token: &'a str,
+        principal: Option<&'a str>,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<TokenClaim>> {
         Box::pin(async move {
             if !token_well_formed(token) {
                 return Ok(TokenClaim::Unknown);
@@ -227,36 +243,36 @@ impl IdempotencyStore for MemoryStore {
             let mut inner = self.lock(now)?;
             Ok(match inner.tokens.get_mut(token).filter(|t| t.expires > now && t.principal.as_deref() == principal) {
                 None => TokenClaim::Unknown,
-                Some(t) if t.claimed => TokenClaim::InUse,
+                Some(Token { claimed: Some((_, until)), .. }) if *until > now => TokenClaim::InUse,
+                Some(Token { claimed: Some(_), .. }) => TokenClaim::OutcomeUnknown,
                 Some(t) => {
-                    t.claimed = true;
-                    TokenClaim::Claimed
+                    let claim = Claim::token(token, principal)?;
+                    t.claimed = Some((claim.owner.clone(), now + lease));
+                    TokenClaim::Claimed(claim)
                 }
             })
         })
     }
 
-    fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+    fn spend_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
             let mut inner = self.lock(now)?;
-            let ours = |t: &Token| t.claimed && t.principal.as_deref() == principal;
-            let claimed = inner.tokens.get(token).is_some_and(|t| t.expires > now && ours(t));
-            if claimed {
-                inner.drop_token(token);
+            let ours = inner.tokens.get(claim.key()).is_some_and(|t| t.expires > now && holds(t, claim));
+            if ours {
+                inner.drop_token(claim.key());
             }
-            Ok(claimed)
+            Ok(ours)
         })
     }
 
-    fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+    fn return_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
             let mut inner = self.lock(now)?;
-            let ours = |t: &&mut Token| t.expires > now && t.claimed && t.principal.as_deref() == principal;
-            Ok(match inner.tokens.get_mut(token).filter(ours) {
+            Ok(match inner.tokens.get_mut(claim.key()).filter(|t| t.expires > now && holds(t, claim)) {
                 Some(t) => {
-                    t.claimed = false;
+                    t.claimed = None;
                     true
                 }
                 None => false,
@@ -308,6 +324,15 @@ impl IdempotencyStore for MemoryStore {
         Box::pin(async move {
             let now = Instant::now();
             let mut inner = self.lock(now)?;
+            if claim.is_token() {
+                return Ok(match inner.tokens.get_mut(claim.key()).filter(|t| holds(t, claim)) {
+                    Some(Token { claimed: Some((_, until)), .. }) if *until > now => {
+                        *until = now + lease;
+                        true
+                    }
+                    _ => false,
+                });
+            }
             let id = (claim.scope.clone(), claim.key.clone());
             Ok(match inner.records.get_mut(&id).map(|r| &mut r.state) {
                 Some(State::InProgress { owner, lease_until }) if *owner == claim.owner && *lease_until > now => {

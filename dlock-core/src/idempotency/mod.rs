@@ -162,41 +162,50 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     /// Claims a fresh `token` for a request about to run, atomically: of any
     /// number of concurrent callers exactly one gets [`TokenClaim::Claimed`],
     /// the others [`TokenClaim::InUse`] until it is spent or returned. The
-    /// token keeps its TTL. A claim whose instance dies is never returned:
-    /// the token then counts as spent. `principal` is the caller a token was
-    /// bound to ([`issue_bound_token`](Self::issue_bound_token)), `None` for
-    /// an unbound one; a token bound to another principal is
-    /// [`TokenClaim::Unknown`].
+    /// token keeps its TTL; the claim holds for `lease` unless
+    /// [`renew`](Self::renew)ed, and a claim whose lease ran out (its
+    /// instance died) is never returned: the token then answers
+    /// [`TokenClaim::OutcomeUnknown`] (it counts as spent). `principal` is
+    /// the caller a token was bound to ([`issue_bound_token`](Self::issue_bound_token)),
+    /// `None` for an unbound one; a token bound to another principal is
+    /// [`TokenClaim::Unknown`]. A claim whose answer was lost (a timeout) is
+    /// given back by the store itself, owner-checked, in the background.
     ///
     /// The default (for stores that cannot hold a claim) spends an unbound
     /// token with [`consume_token`](Self::consume_token).
-    fn claim_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<TokenClaim>> {
+    fn claim_token<'a>(
+        &'a self,
+        token: &'a str,
+        principal: Option<&'a str>,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<TokenClaim>> {
+        let _ = lease;
         Box::pin(async move {
-            if principal.is_some() {
+            if principal.is_some() || !self.consume_token(token).await? {
                 return Ok(TokenClaim::Unknown);
             }
-            Ok(if self.consume_token(token).await? { TokenClaim::Claimed } else { TokenClaim::Unknown })
+            Ok(TokenClaim::Claimed(Claim::token(token, None)?))
         })
     }
 
-    /// Spends a token this caller claimed (with the same `principal`).
-    /// `Ok(false)` when it was no longer claimed (it expired).
+    /// Spends a token this caller claimed. `Ok(false)` when it was no
+    /// longer its claim (it expired).
     ///
     /// The default does nothing: its [`claim_token`](Self::claim_token)
     /// spent the token already.
-    fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
-        let _ = (token, principal);
+    fn spend_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        let _ = claim;
         Box::pin(async { Ok(true) })
     }
 
-    /// Gives a token this caller claimed (with the same `principal`) back,
-    /// fresh, with the rest of its TTL, so that a retry can use it.
-    /// `Ok(false)` when it could not be (it expired; or this store cannot
-    /// return tokens).
+    /// Gives a token this caller claimed back, fresh, with the rest of its
+    /// TTL, so that a retry can use it. `Ok(false)` when it could not be (it
+    /// is no longer this claim's, it expired, or this store cannot return
+    /// tokens).
     ///
     /// The default cannot: the token stays spent.
-    fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
-        let _ = (token, principal);
+    fn return_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        let _ = claim;
         Box::pin(async { Ok(false) })
     }
 
@@ -221,9 +230,11 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
         terms: ClaimTerms,
     ) -> BoxFuture<'a, Result<Begin>>;
 
-    /// Extends a claim's lease to `lease` from now, while its route runs.
-    /// `Ok(false)` when the claim is no longer ours or its lease has already
-    /// run out (a retry may have been told the outcome is unknown).
+    /// Extends a claim's lease — of a key ([`begin`](Self::begin)) or of a
+    /// token ([`claim_token`](Self::claim_token)) — to `lease` from now,
+    /// while its route runs. `Ok(false)` when the claim is no longer ours or
+    /// its lease has already run out (a retry may have been told the outcome
+    /// is unknown).
     ///
     /// The default (for stores that cannot) answers `Ok(false)`: such a
     /// claim keeps the lease [`begin`](Self::begin) gave it.
@@ -250,28 +261,34 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// use std::time::Duration;
 /// use dlock_core::idempotency::{IdempotencyStore, MemoryStore, TokenClaim};
-/// let store = MemoryStore::new();
-/// let token = store.issue_token(std::time::Duration::from_secs(60)).await?;
-/// assert_eq!(store.claim_token(&token, None).await?, TokenClaim::Claimed);
-/// assert_eq!(store.claim_token(&token, None).await?, TokenClaim::InUse);
-/// assert!(store.return_token(&token, None).await?); // the route failed: usable again
-/// assert_eq!(store.claim_token(&token, None).await?, TokenClaim::Claimed);
-/// assert!(store.spend_token(&token, None).await?);
-/// assert_eq!(store.claim_token(&token, None).await?, TokenClaim::Unknown);
+/// let (store, lease) = (MemoryStore::new(), Duration::from_secs(10));
+/// let token = store.issue_token(Duration::from_secs(60)).await?;
+/// let TokenClaim::Claimed(claim) = store.claim_token(&token, None, lease).await? else { unreachable!() };
+/// assert_eq!(store.claim_token(&token, None, lease).await?, TokenClaim::InUse);
+/// assert!(store.return_token(&claim).await?); // the route failed: usable again
+/// let TokenClaim::Claimed(claim) = store.claim_token(&token, None, lease).await? else { unreachable!() };
+/// assert!(store.spend_token(&claim).await?);
+/// assert_eq!(store.claim_token(&token, None, lease).await?, TokenClaim::Unknown);
 ///
 /// // Bound to a caller: nobody else takes it.
-/// let mine = store.issue_bound_token("alice", std::time::Duration::from_secs(60)).await?;
-/// assert_eq!(store.claim_token(&mine, Some("bob")).await?, TokenClaim::Unknown);
-/// assert_eq!(store.claim_token(&mine, Some("alice")).await?, TokenClaim::Claimed);
+/// let mine = store.issue_bound_token("alice", Duration::from_secs(60)).await?;
+/// assert_eq!(store.claim_token(&mine, Some("bob"), lease).await?, TokenClaim::Unknown);
+/// assert!(matches!(store.claim_token(&mine, Some("alice"), lease).await?, TokenClaim::Claimed(_)));
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TokenClaim {
     /// The token was fresh and is now this caller's: run, then spend or return it.
-    Claimed,
+    Claimed(Claim),
     /// Another request holds the token and has not finished.
     InUse,
+    /// The request that claimed the token neither spent nor returned it
+    /// before its lease ran out (its instance died): whether its work ran is
+    /// unknown. The token counts as spent.
+    OutcomeUnknown,
     /// The token is unknown, expired or spent.
     Unknown,
 }
@@ -361,7 +378,8 @@ impl ClaimTerms {
     }
 }
 
-/// Proof of a [`Begin::New`]: which key, and the random owner that claimed it.
+/// Proof of a [`Begin::New`] or a [`TokenClaim::Claimed`]: which key (or
+/// token), and the random owner that claimed it.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -378,21 +396,48 @@ pub struct Claim {
     scope: String,
     key: String,
     owner: String,
+    of: Of,
+}
+
+/// What a [`Claim`] holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Of {
+    /// An idempotency key's record.
+    Key,
+    /// A one-time token, bound to its scope as principal or not.
+    Token { bound: bool },
 }
 
 impl Claim {
     fn new(scope: &str, key: &str) -> Result<Self> {
-        Ok(Claim { scope: scope.to_owned(), key: key.to_owned(), owner: crate::owner::random_hex::<TOKEN_BYTES>()? })
+        let owner = crate::owner::random_hex::<TOKEN_BYTES>()?;
+        Ok(Claim { scope: scope.to_owned(), key: key.to_owned(), owner, of: Of::Key })
     }
 
-    /// The scope the key was claimed in.
+    fn token(token: &str, principal: Option<&str>) -> Result<Self> {
+        let owner = crate::owner::random_hex::<TOKEN_BYTES>()?;
+        let of = Of::Token { bound: principal.is_some() };
+        Ok(Claim { scope: principal.unwrap_or_default().to_owned(), key: token.to_owned(), owner, of })
+    }
+
+    /// The scope the key was claimed in (a token's principal, or empty).
     pub fn scope(&self) -> &str {
         &self.scope
     }
 
-    /// The idempotency key.
+    /// The idempotency key, or the one-time token.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// For a token's claim, the caller it was bound to.
+    pub fn principal(&self) -> Option<&str> {
+        matches!(self.of, Of::Token { bound: true }).then_some(self.scope.as_str())
+    }
+
+    /// Whether this is the claim of a one-time token (else of a key).
+    pub fn is_token(&self) -> bool {
+        matches!(self.of, Of::Token { .. })
     }
 
     /// The random id of the claiming request.

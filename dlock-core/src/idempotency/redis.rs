@@ -3,9 +3,11 @@
 //! * A fresh token is the key `prefix:idem:t:{<token>}` (value `1`, TTL);
 //!   consuming it is one `DEL`, and only the caller whose `DEL` counted 1
 //!   proceeds. A token claimed by a running request is renamed to
-//!   `prefix:idem:tu:{<token>}` (its TTL goes with it), so no `DEL` of the
-//!   fresh name can take it meanwhile; returning renames it back, spending
-//!   is one `DEL` of the claimed name. The braces keep both names in one
+//!   `prefix:idem:tu:{<token>}` (its TTL goes with it) with the value
+//!   `<owner>:<lease end>`, so no `DEL` of the fresh name can take it
+//!   meanwhile; its owner renews the lease, returns it (renamed back) or
+//!   spends it (one `DEL` of the claimed name), and a claim whose lease ran
+//!   out answers "outcome unknown". The braces keep both names in one
 //!   Redis Cluster slot, for the scripts that rename. A token bound to a
 //!   caller is `prefix:idem:t:{<sha1>}:<token>` (and `tu:`), in the slot of
 //!   the caller's hash: a claim naming another caller, or none, finds
@@ -73,6 +75,7 @@ pub struct RedisStore {
     issue_token: Script,
     spend_token: Script,
     claim_token: Script,
+    renew_token: Script,
     return_token: Script,
 }
 
@@ -157,7 +160,8 @@ impl RedisStore {
             abandon: counting(include_str!("abandon.lua")),
             issue_token: counting(include_str!("issue_token.lua")),
             spend_token: counting(include_str!("spend_token.lua")),
-            claim_token: Script::new(include_str!("claim_token.lua")),
+            claim_token: counting(include_str!("claim_token.lua")),
+            renew_token: counting(include_str!("renew_token.lua")),
             return_token: Script::new(include_str!("return_token.lua")),
         }
     }
@@ -228,18 +232,14 @@ impl RedisStore {
         (format!("{}:idem:t:{tag}", self.prefix), format!("{}:idem:tu:{tag}", self.prefix))
     }
 
-    /// Runs a rename script from `from` to `to`.
-    async fn rename(&self, script: &Script, from: String, to: String) -> Result<i64> {
-        self.client.invoke(&ScriptCall::new(script, &[&from, &to], 0)).await
-    }
-
-    /// Deletes a token's `name` and takes it out of its counts, in one step.
-    async fn spend(&self, name: String, token: &str, principal: Option<&str>) -> Result<bool> {
+    /// Deletes a token's `name` (the claimed one: only if `owner` holds it)
+    /// and takes it out of its counts, in one step.
+    async fn spend(&self, name: String, token: &str, principal: Option<&str>, owner: Option<&str>) -> Result<bool> {
         let tag = principal.map(|p| fingerprint(&[p]));
         let sets = self.counted("tn", tag.as_deref());
         let keys = keys_and_counts(&[&name], &sets);
-        let mut call = ScriptCall::new(&self.spend_token, &keys, 1);
-        call.arg(token);
+        let mut call = ScriptCall::new(&self.spend_token, &keys, 2);
+        call.arg(token).arg(owner.unwrap_or_default());
         let removed: i64 = self.client.invoke(&call).await?;
         Ok(removed == 1)
     }
@@ -254,8 +254,8 @@ impl RedisStore {
         }
     }
 
-    /// Abandons `claim` in the background, until the store answers or the
-    /// claim's `lease` ends (after which no retry is blocked by it anyway).
+    /// Gives `claim` back in the background (abandons a key's, returns a
+    /// token's), until the store answers or the claim's `lease` ends.
     /// Owner-checked: a claim that never ran, or was taken over, is left
     /// alone. On the same connection as the claim, so it runs after it.
     fn give_back_later(&self, claim: Claim, lease: Duration) {
@@ -265,7 +265,9 @@ impl RedisStore {
             let deadline = tokio::time::Instant::now() + lease;
             let mut pause = Duration::from_millis(50);
             loop {
-                match store.abandon(&claim).await {
+                let given_back =
+                    if claim.is_token() { store.return_token(&claim).await } else { store.abandon(&claim).await };
+                match given_back {
                     Ok(freed) => {
                         tracing::debug!(freed, "dlock: an idempotency claim whose answer was lost is given back");
                         return;
@@ -325,34 +327,60 @@ impl IdempotencyStore for RedisStore {
             if !token_well_formed(token) {
                 return Ok(false);
             }
-            self.spend(self.token_names(token, None).0, token, None).await
+            self.spend(self.token_names(token, None).0, token, None, None).await
         })
     }
 
-    fn claim_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<TokenClaim>> {
+    fn claim_token<'a>(
+        &'a self,
+        token: &'a str,
+        principal: Option<&'a str>,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<TokenClaim>> {
         Box::pin(async move {
             if !token_well_formed(token) {
                 return Ok(TokenClaim::Unknown);
             }
+            let claim = Claim::token(token, principal)?;
             let (fresh, claimed) = self.token_names(token, principal);
-            Ok(match self.rename(&self.claim_token, fresh, claimed).await? {
-                1 => TokenClaim::Claimed,
+            let mut call = ScriptCall::new(&self.claim_token, &[&fresh, &claimed], 2);
+            call.arg(claim.owner()).arg(lease_ms(lease));
+            let reply: i64 = match self.client.invoke(&call).await {
+                Ok(reply) => reply,
+                Err(e) => {
+                    if e.outcome_unknown() {
+                        self.give_back_later(claim, lease);
+                    }
+                    return Err(e);
+                }
+            };
+            Ok(match reply {
+                1 => TokenClaim::Claimed(claim),
                 2 => TokenClaim::InUse,
+                3 => TokenClaim::OutcomeUnknown,
                 _ => TokenClaim::Unknown,
             })
         })
     }
 
-    fn spend_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+    fn spend_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            Ok(token_well_formed(token) && self.spend(self.token_names(token, principal).1, token, principal).await?)
+            let (token, principal) = (claim.key(), claim.principal());
+            let claimed = self.token_names(token, principal).1;
+            Ok(token_well_formed(token) && self.spend(claimed, token, principal, Some(claim.owner())).await?)
         })
     }
 
-    fn return_token<'a>(&'a self, token: &'a str, principal: Option<&'a str>) -> BoxFuture<'a, Result<bool>> {
+    fn return_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let (fresh, claimed) = self.token_names(token, principal);
-            Ok(token_well_formed(token) && self.rename(&self.return_token, claimed, fresh).await? == 1)
+            if !token_well_formed(claim.key()) {
+                return Ok(false);
+            }
+            let (fresh, claimed) = self.token_names(claim.key(), claim.principal());
+            let mut call = ScriptCall::new(&self.return_token, &[&claimed, &fresh], 1);
+            call.arg(claim.owner());
+            let returned: i64 = self.client.invoke(&call).await?;
+            Ok(returned == 1)
         })
     }
 
@@ -410,8 +438,12 @@ impl IdempotencyStore for RedisStore {
 
     fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let (record, _, _) = self.record(claim.scope(), claim.key());
-            let mut call = ScriptCall::new(&self.renew, &[&record], 2);
+            let (script, name) = if claim.is_token() {
+                (&self.renew_token, self.token_names(claim.key(), claim.principal()).1)
+            } else {
+                (&self.renew, self.record(claim.scope(), claim.key()).0)
+            };
+            let mut call = ScriptCall::new(script, &[&name], 2);
             call.arg(claim.owner()).arg(lease_ms(lease));
             let renewed: i64 = self.client.invoke(&call).await?;
             Ok(renewed == 1)

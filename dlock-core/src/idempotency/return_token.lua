@@ -1,7 +1,10 @@
--- KEYS[1] the claimed token, KEYS[2] its fresh name (one slot: hash tags).
--- Replies 1 when given back (renamed, TTL kept), 0 when no longer claimed.
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('RENAME', KEYS[1], KEYS[2])
-  return 1
+-- KEYS[1] the claimed token, KEYS[2] its fresh name (one slot: hash tags);
+-- ARGV[1] owner. Replies 1 when given back (renamed, TTL kept), 0 when it
+-- is not this owner's claim.
+local held = redis.call('GET', KEYS[1])
+if not held or string.match(held, '^([^:]*):') ~= ARGV[1] then
+  return 0
 end
-return 0
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('SET', KEYS[2], 1, 'KEEPTTL')
+return 1

@@ -331,12 +331,12 @@ async fn create_order(
     // The token is claimed, and spent only if the order ran to a result (an
     // order, or `409 sold_out`); a 5xx (store down) gives it back for the
     // retry: the rule `TokenLayer` follows.
-    payments::claim_token(&app.idem, &token).await?;
+    let claim = payments::claim_token(&app.idem, &token).await?;
     let response = place_order(&app, owner, id, quantity).await.into_response();
     // Decided before the await: a `Response` is not `Sync`, so a reference
     // to it would make this handler's future not `Send`.
     let ran_to_result = stored_by_default(&response);
-    payments::settle_token(&app.idem, &token, ran_to_result).await;
+    payments::settle_token(&app.idem, &claim, ran_to_result).await;
     Ok(response)
 }
 

@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
 use dlock_axum::Rejection;
-use dlock_core::idempotency::{fingerprint, RedisStore, TokenClaim};
+use dlock_core::idempotency::{fingerprint, Claim, RedisStore, TokenClaim};
 use dlock_core::{BackendKind, Config, Locker};
 use serde::Deserialize;
 use serde_json::json;
@@ -49,23 +49,32 @@ pub(crate) async fn services(
     }
 }
 
+/// How long an order's token claim holds: orders take milliseconds.
+const ORDER_LEASE: Duration = Duration::from_secs(30);
+
 /// Claims a one-time order token from `GET /idempotency/token` for exactly
 /// one request, whichever instance it reaches; refuses the others
 /// (`409 idempotency_request_in_progress` while it runs,
-/// `409 idempotency_token_unknown` once spent or when never issued).
-pub(crate) async fn claim_token(idem: &Idempotency, token: &str) -> Result<(), Rejection> {
-    let claim = idem.store().claim_token(token, None).await.map_err(|e| {
+/// `409 idempotency_token_unknown` once spent or when never issued,
+/// `409 idempotency_outcome_unknown` when the instance that claimed it died
+/// before it answered). An order takes well under `ORDER_LEASE`, so the
+/// claim is not renewed; a client that hangs up mid-order leaves the token
+/// claimed (spent: never run twice).
+pub(crate) async fn claim_token(idem: &Idempotency, token: &str) -> Result<Claim, Rejection> {
+    let claim = idem.store().claim_token(token, None, ORDER_LEASE).await.map_err(|e| {
         tracing::warn!(error = %e, "idempotency store unavailable");
         Rejection::from_lock_error(&e)
     })?;
     match claim {
-        TokenClaim::Claimed => Ok(()),
+        TokenClaim::Claimed(claim) => Ok(claim),
         TokenClaim::InUse => {
             Err(Rejection::idempotency_request_in_progress()
                 .with_message("an order with this token is still being placed"))
         }
+        TokenClaim::OutcomeUnknown => Err(Rejection::idempotency_outcome_unknown()
+            .with_message("an order with this token was started but never answered: check your orders")),
         // Permanent, unlike a held lock: the client needs a new token.
-        TokenClaim::Unknown => Err(Rejection::idempotency_token_unknown()),
+        _ => Err(Rejection::idempotency_token_unknown()),
     }
 }
 
@@ -73,12 +82,9 @@ pub(crate) async fn claim_token(idem: &Idempotency, token: &str) -> Result<(), R
 /// [`stored_by_default`](dlock_axum::idempotency::stored_by_default), the
 /// rule of `TokenLayer` and `IdempotencyLayer`), else gives it back. A store
 /// failure here leaves the token claimed: spent, never run twice.
-pub(crate) async fn settle_token(idem: &Idempotency, token: &str, ran_to_result: bool) {
-    let settled = if ran_to_result {
-        idem.store().spend_token(token, None).await
-    } else {
-        idem.store().return_token(token, None).await
-    };
+pub(crate) async fn settle_token(idem: &Idempotency, claim: &Claim, ran_to_result: bool) {
+    let settled =
+        if ran_to_result { idem.store().spend_token(claim).await } else { idem.store().return_token(claim).await };
     if let Err(e) = settled {
         tracing::warn!(error = %e, "settling an order token failed; it stays spent");
     }
