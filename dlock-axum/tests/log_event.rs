@@ -160,7 +160,7 @@ impl IdempotencyStore for NoComplete {
     fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> BoxFuture<'a, Result<bool>> {
         self.0.renew(claim, lease)
     }
-    fn complete<'a>(&'a self, _: &'a Claim, _: &'a StoredResponse, _: Duration) -> BoxFuture<'a, Result<bool>> {
+    fn complete<'a>(&'a self, _: &'a Claim, _: &'a StoredResponse) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async { Err(dlock_core::Error::backend("no-complete", "connection reset")) })
     }
     fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {

@@ -94,7 +94,10 @@ impl BackendKind {
 /// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
 /// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]); not the lock keyspace of a Redis whose `maxmemory-policy` evicts | the lock backend's Redis, else in process |
 /// | `DLOCK_IDEMPOTENCY_MAX_PER_SCOPE` | most live idempotency records (and, apart, bound tokens) of one caller; beyond, `429` (see [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits)) | `10000` |
-/// | `DLOCK_IDEMPOTENCY_MAX_RECORDS` | most live idempotency records (and, apart, tokens) in all; beyond, `503` | `1000000` |
+/// | `DLOCK_IDEMPOTENCY_MAX_RECORDS` | most live idempotency records (and, apart, bound tokens) in all; beyond, `503` | `1000000` |
+/// | `DLOCK_IDEMPOTENCY_MAX_BYTES_PER_SCOPE` | most bytes of stored answers of one caller; an answer beyond is delivered and not stored | `67108864` (64 MiB) |
+/// | `DLOCK_IDEMPOTENCY_MAX_BYTES` | most bytes of stored answers in all | `1073741824` (1 GiB) |
+/// | `DLOCK_IDEMPOTENCY_MAX_UNBOUND_TOKENS` | most live one-time tokens issued to no caller in particular (their own pool); beyond, `503` | `100000` |
 /// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock` or `zookeeper` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
@@ -373,6 +376,15 @@ impl Config {
         }
         if let Some(n) = positive(&get, "DLOCK_IDEMPOTENCY_MAX_RECORDS")? {
             idempotency_limits = idempotency_limits.with_max_records(n);
+        }
+        if let Some(n) = positive(&get, "DLOCK_IDEMPOTENCY_MAX_BYTES_PER_SCOPE")? {
+            idempotency_limits = idempotency_limits.with_max_bytes_per_scope(n);
+        }
+        if let Some(n) = positive(&get, "DLOCK_IDEMPOTENCY_MAX_BYTES")? {
+            idempotency_limits = idempotency_limits.with_max_bytes(n);
+        }
+        if let Some(n) = positive(&get, "DLOCK_IDEMPOTENCY_MAX_UNBOUND_TOKENS")? {
+            idempotency_limits = idempotency_limits.with_max_unbound_tokens(n);
         }
         if idempotency_limits.max_per_scope() > idempotency_limits.max_records() {
             tracing::warn!(
@@ -984,10 +996,24 @@ mod tests {
     fn idempotency_caps_are_read_and_checked() {
         use crate::idempotency::IdempotencyLimits;
         assert_eq!(cfg(&[]).expect("default").idempotency_limits, IdempotencyLimits::default());
-        let c =
-            cfg(&[("DLOCK_IDEMPOTENCY_MAX_PER_SCOPE", "50"), ("DLOCK_IDEMPOTENCY_MAX_RECORDS", "5000")]).expect("caps");
-        assert_eq!((c.idempotency_limits.max_per_scope(), c.idempotency_limits.max_records()), (50, 5000));
-        for var in ["DLOCK_IDEMPOTENCY_MAX_PER_SCOPE", "DLOCK_IDEMPOTENCY_MAX_RECORDS"] {
+        let c = cfg(&[
+            ("DLOCK_IDEMPOTENCY_MAX_PER_SCOPE", "50"),
+            ("DLOCK_IDEMPOTENCY_MAX_RECORDS", "5000"),
+            ("DLOCK_IDEMPOTENCY_MAX_BYTES_PER_SCOPE", "1024"),
+            ("DLOCK_IDEMPOTENCY_MAX_BYTES", "4096"),
+            ("DLOCK_IDEMPOTENCY_MAX_UNBOUND_TOKENS", "7"),
+        ])
+        .expect("caps");
+        let l = c.idempotency_limits;
+        assert_eq!((l.max_per_scope(), l.max_records()), (50, 5000));
+        assert_eq!((l.max_bytes_per_scope(), l.max_bytes(), l.max_unbound_tokens()), (1024, 4096, 7));
+        for var in [
+            "DLOCK_IDEMPOTENCY_MAX_PER_SCOPE",
+            "DLOCK_IDEMPOTENCY_MAX_RECORDS",
+            "DLOCK_IDEMPOTENCY_MAX_BYTES_PER_SCOPE",
+            "DLOCK_IDEMPOTENCY_MAX_BYTES",
+            "DLOCK_IDEMPOTENCY_MAX_UNBOUND_TOKENS",
+        ] {
             for bad in ["0", "-1", "many", "1e6"] {
                 let e = cfg(&[(var, bad)]).expect_err(bad);
                 assert!(e.to_string().contains(var), "{bad}: {e}");

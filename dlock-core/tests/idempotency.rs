@@ -150,8 +150,8 @@ async fn keys(store: &Arc<dyn IdempotencyStore>) {
         vec![("content-type".into(), b"application/json".to_vec()), ("x-bin".into(), vec![0, 255, 10])],
         b"{\"payment_id\":\"p1\"}\0\xff".to_vec(),
     );
-    assert!(store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"));
-    assert!(!store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"), "only once");
+    assert!(store.complete(&claim, &response).await.expect("complete"));
+    assert!(!store.complete(&claim, &response).await.expect("complete"), "only once");
     assert_eq!(
         store.begin("alice", "k1", &fp, ClaimTerms::new(lease)).await.expect("begin"),
         Begin::Completed(response.clone())
@@ -183,7 +183,7 @@ async fn owner_checks(store: &Arc<dyn IdempotencyStore>) {
         panic!("lease ran out, and these terms take the key over")
     };
     let resp = StoredResponse::new(200, vec![], b"late".to_vec());
-    assert!(!store.complete(&first, &resp, Duration::from_secs(30)).await.expect("complete"), "stale owner");
+    assert!(!store.complete(&first, &resp).await.expect("complete"), "stale owner");
     assert!(!store.abandon(&first).await.expect("abandon"), "stale owner");
     assert!(!store.renew(&first, Duration::from_secs(30)).await.expect("renew"), "stale owner");
     assert!(store.renew(&second, Duration::from_secs(30)).await.expect("renew"), "the live claim is renewed");
@@ -191,7 +191,7 @@ async fn owner_checks(store: &Arc<dyn IdempotencyStore>) {
         store.begin("s", "lease", &fp, ClaimTerms::new(Duration::from_secs(30))).await.expect("begin"),
         Begin::InProgress
     );
-    assert!(store.complete(&second, &resp, Duration::from_secs(30)).await.expect("complete"));
+    assert!(store.complete(&second, &resp).await.expect("complete"));
 }
 
 /// Issue 24: a claim renewed while its route runs outlives its first lease;
@@ -233,18 +233,17 @@ async fn lease_expiry(store: &Arc<dyn IdempotencyStore>) {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let resp = StoredResponse::new(201, vec![], b"late".to_vec());
-    assert!(store.complete(&slow, &resp, Duration::from_secs(30)).await.expect("complete"));
+    assert!(store.complete(&slow, &resp).await.expect("complete"));
     assert_eq!(store.begin("s", "slow", &fp, ClaimTerms::new(lease)).await.expect("begin"), Begin::Completed(resp));
 }
 
 async fn response_expiry(store: &Arc<dyn IdempotencyStore>) {
     let fp = fingerprint(&["ttl"]);
-    let Begin::New(c) = store.begin("s", "ttl", &fp, ClaimTerms::new(Duration::from_secs(5))).await.expect("begin")
-    else {
-        panic!("claim")
-    };
+    // A record lives its terms' TTL from its claim, answered or not.
+    let terms = ClaimTerms::new(Duration::from_millis(50)).with_ttl(Duration::from_millis(80));
+    let Begin::New(c) = store.begin("s", "ttl", &fp, terms).await.expect("begin") else { panic!("claim") };
     let resp = StoredResponse::new(204, vec![], vec![]);
-    assert!(store.complete(&c, &resp, Duration::from_millis(80)).await.expect("complete"));
+    assert!(store.complete(&c, &resp).await.expect("complete"));
     assert_eq!(
         store.begin("s", "ttl", &fp, ClaimTerms::new(Duration::from_secs(5))).await.expect("begin"),
         Begin::Completed(resp)
@@ -294,7 +293,14 @@ async fn concurrent_begin(store: Arc<dyn IdempotencyStore>) {
 
 /// The caps of these tests: 2 live records per caller, 3 in all.
 fn small() -> IdempotencyLimits {
-    IdempotencyLimits::default().with_max_per_scope(2).with_max_records(3)
+    IdempotencyLimits::default().with_max_per_scope(2).with_max_records(3).with_max_unbound_tokens(2)
+}
+
+/// `d`, and the width of a bucket of the Redis store's pools (a 64th of
+/// it, ledger.lua), by which a full pool's `Retry-After` may pass the
+/// oldest entry's expiry.
+fn bucketed(d: Duration) -> Duration {
+    d + d / 32
 }
 
 /// Whether `result` is the refusal of a full store, of the caller's cap
@@ -323,10 +329,10 @@ async fn record_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
     };
     let k1 = new(store.begin("alice", "k1", &fp, terms).await.expect("begin"));
     let k2 = new(store.begin("alice", "k2", &fp, terms).await.expect("begin"));
-    assert_full(store.begin("alice", "k3", &fp, terms).await, true, lease);
+    assert_full(store.begin("alice", "k3", &fp, terms).await, true, bucketed(lease));
     // At the cap, what exists is still answered: a retry is replayed.
     let resp = StoredResponse::new(201, vec![], b"paid".to_vec());
-    assert!(store.complete(&k1, &resp, ttl).await.expect("complete"));
+    assert!(store.complete(&k1, &resp).await.expect("complete"));
     assert_eq!(store.begin("alice", "k1", &fp, terms).await.expect("replay"), Begin::Completed(resp));
     assert_eq!(store.begin("alice", "k2", &fp, terms).await.expect("begin"), Begin::InProgress);
     assert_eq!(store.begin("alice", "k2", "other", terms).await.expect("begin"), Begin::Mismatch);
@@ -354,49 +360,102 @@ async fn record_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
 }
 
 /// Issue 16: tokens are capped the same way: bound ones per caller and in
-/// total, unbound ones in total; consume and spend free room, a claim or a
-/// return does not, expiry does.
+/// total; consume and spend free room, a claim or a return does not,
+/// expiry does. Issue 24: unbound tokens (issued to nobody in particular)
+/// come from a pool of their own, on a Cluster too, and filling it leaves
+/// identified callers' tokens and records alone.
 async fn token_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
     let (ttl, short) = (Duration::from_secs(30), Duration::from_millis(300));
     let a1 = store.issue_bound_token("alice", ttl).await.expect("issue");
     let _a2 = store.issue_bound_token("alice", short).await.expect("issue");
-    assert_full(store.issue_bound_token("alice", ttl).await, true, short);
+    assert_full(store.issue_bound_token("alice", ttl).await, true, bucketed(short));
     // Claimed and given back: still live, still counted.
     let claim = claimed(store.claim_token(&a1, Some("alice"), LEASE).await.expect("claim"));
-    assert_full(store.issue_bound_token("alice", ttl).await, true, short);
+    assert_full(store.issue_bound_token("alice", ttl).await, true, bucketed(short));
     assert!(store.return_token(&claim).await.expect("return"));
-    assert_full(store.issue_bound_token("alice", ttl).await, true, short);
+    assert_full(store.issue_bound_token("alice", ttl).await, true, bucketed(short));
     // Spent: room for one more.
     let claim = claimed(store.claim_token(&a1, Some("alice"), LEASE).await.expect("claim"));
     assert!(store.spend_token(&claim).await.expect("spend"));
     let a3 = store.issue_bound_token("alice", ttl).await.expect("room after spend");
-    // Total: a2, a3 and one unbound token make 3.
-    let u1 = store.issue_token(ttl).await.expect("issue");
+    // Bound total: a2, a3 and b1 make 3.
+    let b1 = store.issue_bound_token("bob", ttl).await.expect("issue");
     if total {
-        assert_full(store.issue_token(ttl).await, false, short);
-        assert!(store.consume_token(&u1).await.expect("consume"));
-        let u2 = store.issue_token(ttl).await.expect("room after consume");
-        assert_full(store.issue_bound_token("bob", ttl).await, false, short);
-        assert!(store.consume_token(&u2).await.expect("consume"));
-    } else {
-        for _ in 0..3 {
-            store.issue_token(ttl).await.expect("no total cap here");
-        }
-        assert!(store.consume_token(&u1).await.expect("consume"));
+        assert_full(store.issue_bound_token("carol", ttl).await, false, bucketed(short));
     }
+    // Unbound: a pool of 2, apart; full, it refuses unbound tokens only.
+    let u1 = store.issue_token(ttl).await.expect("issue");
+    let _u2 = store.issue_token(ttl).await.expect("issue");
+    assert_full(store.issue_token(ttl).await, false, bucketed(ttl));
+    assert!(
+        matches!(store.begin("dave", "d1", "fp", ClaimTerms::new(ttl)).await, Ok(Begin::New(_))),
+        "records unaffected"
+    );
+    assert!(store.consume_token(&u1).await.expect("consume"));
+    let _u3 = store.issue_token(ttl).await.expect("room after consume");
+    let claim = claimed(store.claim_token(&b1, Some("bob"), LEASE).await.expect("claim"));
+    assert!(store.spend_token(&claim).await.expect("spend"));
     // a2 expires: alice has room again.
     tokio::time::sleep(short + Duration::from_millis(200)).await;
     let a4 = store.issue_bound_token("alice", ttl).await.expect("room after expiry");
-    assert_full(store.issue_bound_token("alice", ttl).await, true, ttl);
+    assert_full(store.issue_bound_token("alice", ttl).await, true, bucketed(ttl));
     for t in [a3, a4] {
         let claim = claimed(store.claim_token(&t, Some("alice"), LEASE).await.expect("claim"));
         assert!(store.spend_token(&claim).await.expect("spend"));
     }
 }
 
+/// Issue 24: the bytes of stored answers are capped per caller and in
+/// total: an answer that does not fit is refused (nothing stored, the claim
+/// stays, so the layer can keep a small refusal instead); abandoning or
+/// expiring gives the bytes back.
+async fn byte_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
+    let terms = ClaimTerms::new(Duration::from_secs(30));
+    let new = |b: Begin| match b {
+        Begin::New(c) => c,
+        other => panic!("expected a claim, got {other:?}"),
+    };
+    let kib = |n: usize| StoredResponse::new(200, vec![], vec![b'x'; n * 1024]);
+    let e1 = new(store.begin("erin", "e1", "fp", terms).await.expect("begin"));
+    assert!(store.complete(&e1, &kib(6)).await.expect("complete"));
+    let e2 = new(store.begin("erin", "e2", "fp", terms).await.expect("begin"));
+    assert_full(store.complete(&e2, &kib(6)).await, true, bucketed(Duration::from_secs(24 * 3600)));
+    assert_eq!(store.begin("erin", "e2", "fp", terms).await.expect("begin"), Begin::InProgress, "the claim stays");
+    assert!(store.complete(&e2, &kib(1)).await.expect("a small answer fits"));
+    if total {
+        let f1 = new(store.begin("frank", "f1", "fp", terms).await.expect("begin"));
+        assert_full(store.complete(&f1, &kib(9)).await, false, bucketed(Duration::from_secs(24 * 3600)));
+        assert!(store.abandon(&f1).await.expect("abandon"));
+    }
+}
+
 async fn caps(store: Arc<dyn IdempotencyStore>, total: bool) {
     record_caps(&store, total).await;
     token_caps(&store, total).await;
+}
+
+/// The byte caps of these tests: 10 KiB per caller, 16 KiB in all.
+fn small_bytes() -> IdempotencyLimits {
+    IdempotencyLimits::default().with_max_bytes_per_scope(10 * 1024).with_max_bytes(16 * 1024)
+}
+
+#[tokio::test]
+async fn memory_store_byte_caps() {
+    byte_caps(&(Arc::new(MemoryStore::new().with_limits(small_bytes())) as Arc<dyn IdempotencyStore>), true).await;
+}
+
+#[tokio::test]
+async fn redis_store_byte_caps() {
+    let redis = dlock_testing::RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), "bytes").await.expect("connect").with_limits(small_bytes());
+    byte_caps(&(Arc::new(store) as Arc<dyn IdempotencyStore>), true).await;
+}
+
+#[tokio::test]
+async fn redis_cluster_store_byte_caps() {
+    let cluster = dlock_testing::RedisCluster::start(3);
+    let store = RedisStore::connect(&cluster.url(), "bytes").await.expect("connect").with_limits(small_bytes());
+    byte_caps(&(Arc::new(store) as Arc<dyn IdempotencyStore>), false).await;
 }
 
 #[tokio::test]
@@ -409,20 +468,23 @@ async fn redis_store_caps() {
     let redis = dlock_testing::RedisServer::start();
     let store = RedisStore::connect(&redis.url(), "caps").await.expect("connect").with_limits(small());
     caps(Arc::new(store), true).await;
-    // The counts hold exactly what lives: k1 (completed) and b1 (running);
-    // every token was spent, consumed or expired.
+    // The pools count exactly what lives: k1 (completed), b1 (running) and
+    // d1 (running); no bound token, and u2 and u3 unbound.
     let mut conn = redis.connection();
     let mut count = |pattern: &str| -> usize {
         let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut conn).expect("keys");
         keys.len()
     };
-    let (records, tokens) = (count("caps:idem:k:*"), count("caps:idem:t*:*") - count("caps:idem:tn:*"));
-    let zcard = |key: &str| -> usize {
+    let (records, unbound) = (count("caps:idem:k:*"), count("caps:idem:t:{anon}:*"));
+    let bound = count("caps:idem:t:*") + count("caps:idem:tu:*") - unbound;
+    let counted = |key: &str| -> String {
         let mut conn = redis.connection();
-        redis::cmd("ZCARD").arg(key).query(&mut conn).expect("zcard")
+        let total: Option<String> = redis::cmd("HGET").arg(key).arg("t").query(&mut conn).expect("HGET");
+        total.unwrap_or_default()
     };
-    assert_eq!((records, zcard("caps:idem:kn:all")), (2, 2), "records live and counted");
-    assert_eq!((tokens, zcard("caps:idem:tn:all")), (0, 0), "tokens live and counted");
+    assert_eq!((records, counted("caps:idem:kn:all").split(':').next()), (3, Some("3")), "records live and counted");
+    assert_eq!((bound, counted("caps:idem:tn:all").split(':').next()), (0, Some("0")), "bound tokens live and counted");
+    assert_eq!((unbound, counted("caps:idem:tn:{anon}").split(':').next()), (2, Some("2")), "unbound tokens");
 }
 
 #[tokio::test]
@@ -443,8 +505,9 @@ async fn redis_store() {
     let store = RedisStore::connect(&redis.url(), "t").await.expect("connect");
     let store: Arc<dyn IdempotencyStore> = Arc::new(store);
     suite(store.clone()).await;
-    // Consuming is one DEL, never GET then DEL (two callers could both see
-    // the token): 3 live tokens and 2 spent ones, 5 DELs and no GET.
+    // Consuming is one script call whose DEL decides, never a GET then a
+    // DEL from the client (two callers could both see the token): 3 live
+    // tokens and 2 spent ones, 5 calls and 3 DELs that counted, 5 in all.
     let live = [0; 3].map(|_| store.issue_token(Duration::from_secs(30)));
     let mut tokens = Vec::new();
     for t in live {
@@ -457,8 +520,8 @@ async fn redis_store() {
     for t in &tokens[..2] {
         assert!(!store.consume_token(t).await.expect("consume"));
     }
-    assert_eq!(redis.command_calls("get"), 0, "tokens are consumed with DEL, never GET");
-    assert_eq!(redis.command_calls("del"), 5, "one DEL per consume");
+    assert_eq!(redis.command_calls("evalsha"), 5, "one script call per consume");
+    assert_eq!(redis.command_calls("del"), 3, "one DEL per live token; a spent one is not found");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -503,7 +566,7 @@ async fn configured_caps_reach_the_store() {
         let lease = Duration::from_secs(5);
         let terms = ClaimTerms::new(lease).with_ttl(lease);
         assert!(matches!(store.begin("alice", "k1", "fp", terms).await.expect("begin"), Begin::New(_)));
-        assert_full(store.begin("alice", "k2", "fp", terms).await, true, lease);
+        assert_full(store.begin("alice", "k2", "fp", terms).await, true, bucketed(lease));
     }
 }
 
@@ -581,7 +644,7 @@ async fn a_flood_of_records_cannot_fill_the_lock_redis() {
     for i in 0..5000 {
         match store.begin(&format!("caller-{i}"), "k", "fp", ClaimTerms::new(Duration::from_secs(60))).await {
             Ok(Begin::New(claim)) => {
-                assert!(store.complete(&claim, &response, Duration::from_secs(3600)).await.expect("complete"));
+                assert!(store.complete(&claim, &response).await.expect("complete"));
                 stored += 1;
             }
             Err(Error::IdempotencyFull { per_scope: false, .. }) => full += 1,
@@ -606,25 +669,29 @@ async fn a_callers_counting_set_lives_as_long_as_its_last_record() {
     let set_ttl = || -> i64 {
         let mut conn = redis.connection();
         let sets: Vec<String> = redis::cmd("KEYS").arg("t:idem:kn:{*}").query(&mut conn).expect("KEYS");
-        assert_eq!(sets.len(), 1, "one caller, one set: {sets:?}");
+        assert_eq!(sets.len(), 1, "one caller, one pool: {sets:?}");
         redis::cmd("PTTL").arg(&sets[0]).query(&mut conn).expect("PTTL")
     };
-    // An in-progress record lives for its terms' TTL.
-    let claim_for = |secs| ClaimTerms::new(Duration::from_secs(secs)).with_ttl(Duration::from_secs(secs));
+    // A record lives its terms' TTL; its pool until the record's bucket
+    // ends, at most a 64th of that later.
+    let claim_for = |secs| ClaimTerms::new(Duration::from_secs(1)).with_ttl(Duration::from_secs(secs));
     let Begin::New(first) = store.begin("alice", "k1", &fp, claim_for(30)).await.expect("begin") else {
         panic!("first begin must claim")
     };
     let ttl = set_ttl();
-    assert!((25_000..=30_000).contains(&ttl), "a new set gets its first record's TTL: {ttl} ms");
+    assert!((29_000..=31_000).contains(&ttl), "a new pool gets its first record's TTL: {ttl} ms");
     let response = StoredResponse::new(201, Vec::new(), b"{}".to_vec());
-    assert!(store.complete(&first, &response, Duration::from_secs(60)).await.expect("complete"));
-    let ttl = set_ttl();
-    assert!((55_000..=60_000).contains(&ttl), "a longer-lived record extends it: {ttl} ms");
-    let Begin::New(_short) = store.begin("alice", "k2", &fp, claim_for(1)).await.expect("begin") else {
+    assert!(store.complete(&first, &response).await.expect("complete"));
+    let Begin::New(_long) = store.begin("alice", "k2", &fp, claim_for(60)).await.expect("begin") else {
         panic!("a second key claims")
     };
     let ttl = set_ttl();
-    assert!((55_000..=60_000).contains(&ttl), "a shorter-lived one does not shorten it: {ttl} ms");
+    assert!((59_000..=61_000).contains(&ttl), "a longer-lived record extends it: {ttl} ms");
+    let Begin::New(_short) = store.begin("alice", "k3", &fp, claim_for(1)).await.expect("begin") else {
+        panic!("a third key claims")
+    };
+    let ttl = set_ttl();
+    assert!((59_000..=61_000).contains(&ttl), "a shorter-lived one does not shorten it: {ttl} ms");
 }
 
 /// Issue 24: a claim whose answer timed out (Redis stalled past the
@@ -693,4 +760,26 @@ async fn a_token_claim_whose_answer_timed_out_gives_the_token_back() {
     .await
     .unwrap_or_else(|_| panic!("the token stayed claimed after the timed-out claim"));
     assert!(b.spend_token(&claim).await.expect("spend"));
+}
+
+/// Issue 24 (the review's probe C3): unbound tokens are capped on Redis
+/// Cluster too. They were counted only in the total, which a Cluster cannot
+/// count, so 50 of 50 were issued with every cap at 10; they now live in
+/// one slot with their own pool.
+#[tokio::test]
+async fn unbound_tokens_are_capped_on_a_redis_cluster() {
+    let cluster = dlock_testing::RedisCluster::start(3);
+    let limits = IdempotencyLimits::default().with_max_per_scope(10).with_max_records(10).with_max_unbound_tokens(10);
+    let store = RedisStore::connect(&cluster.url(), "anon").await.expect("connect").with_limits(limits);
+    let mut issued = 0;
+    for _ in 0..50 {
+        match store.issue_token(Duration::from_secs(60)).await {
+            Ok(_) => issued += 1,
+            Err(Error::IdempotencyFull { per_scope: false, .. }) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(issued, 10, "the unbound pool holds");
+    // Identified callers are not affected by the anonymous pool being full.
+    store.issue_bound_token("alice", Duration::from_secs(60)).await.expect("a bound token");
 }

@@ -426,7 +426,7 @@ async fn idempotency_claims_are_quarantined_after_a_restart() {
         panic!("a new key is claimed")
     };
     let response = StoredResponse::new(200, Vec::new(), b"done".to_vec());
-    assert!(store.complete(&claim, &response, Duration::from_secs(60)).await.expect("complete"));
+    assert!(store.complete(&claim, &response).await.expect("complete"));
     assert!(matches!(store.begin("s", "k", "fp", ClaimTerms::new(lease)).await, Ok(Begin::Completed(_))));
 
     server.restart();

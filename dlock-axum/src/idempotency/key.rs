@@ -592,7 +592,7 @@ where
     // From here on the route runs on its own task: a client that hangs up
     // cancels neither the route nor the storing of its answer.
     let route = inner.call(req);
-    detached::run_detached(settle(layer, store, claim, ttl, route)).await
+    detached::run_detached(settle(layer, store, claim, route)).await
 }
 
 /// Runs the claimed route (renewing the claim meanwhile) and settles the
@@ -602,7 +602,6 @@ async fn settle<R, E>(
     layer: IdempotencyLayer,
     store: Arc<dyn IdempotencyStore>,
     claim: Claim,
-    ttl: Duration,
     route: impl Future<Output = Result<R, E>> + Send,
 ) -> Settled<E>
 where
@@ -644,7 +643,7 @@ where
                 limit = layer.max_response_bytes,
                 "dlock: response too large to store for replay; retries get idempotency_response_not_stored"
             );
-            complete(&*store, &claim, &not_stored_record(), ttl).await;
+            complete(&*store, &claim, &not_stored_record()).await;
             res_parts.headers.remove(header::CONTENT_LENGTH);
             return Settled::Answer(Response::from_parts(res_parts, body));
         }
@@ -653,12 +652,12 @@ where
             // then failed: the work is done, so the key stays completed,
             // with the refusal a retry gets instead of running it again.
             tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: reading the route's response failed; retries get idempotency_response_not_stored");
-            complete(&*store, &claim, &not_stored_record(), ttl).await;
+            complete(&*store, &claim, &not_stored_record()).await;
             return Settled::Answer(Rejection::body_unreadable().into_response());
         }
     };
     let stored = StoredResponse::new(res_parts.status.as_u16(), headers, bytes.to_vec());
-    complete(&*store, &claim, &stored, ttl).await;
+    complete(&*store, &claim, &stored).await;
     res_parts.headers.remove(header::CONTENT_LENGTH);
     Settled::Answer(Response::from_parts(res_parts, Body::from(bytes)))
 }
@@ -674,8 +673,16 @@ fn not_stored_record() -> StoredResponse {
     )
 }
 
-async fn complete(store: &dyn IdempotencyStore, claim: &Claim, stored: &StoredResponse, ttl: Duration) {
-    match store.complete(claim, stored, ttl).await {
+/// Stores `stored` as the answer of `claim`. An answer over the store's
+/// byte budget is not kept: the key is completed with the refusal a retry
+/// gets instead (`409 idempotency_response_not_stored`), never freed.
+async fn complete(store: &dyn IdempotencyStore, claim: &Claim, stored: &StoredResponse) {
+    let mut result = store.complete(claim, stored).await;
+    if let Err(e @ dlock_core::Error::IdempotencyFull { .. }) = &result {
+        tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: the answer is over the idempotency store's byte budget; retries get idempotency_response_not_stored");
+        result = store.complete(claim, &not_stored_record()).await;
+    }
+    match result {
         Ok(true) => {}
         Ok(false) => tracing::warn!(
             key = crate::headers::log_id(claim.key()),

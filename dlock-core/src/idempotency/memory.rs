@@ -1,7 +1,8 @@
 //! The in-process store: one mutex-protected map. Every live record and
-//! token is also in a [`Ledger`] ordered by expiry, so what expired is
-//! dropped from the front at each call (never a scan of the whole map) and
-//! the caps count exactly what lives.
+//! token is also in a [`Ledger`] ordered by expiry (records, bound tokens,
+//! and unbound tokens in a pool of their own), so what expired is dropped
+//! from the front at each call (never a scan of the whole map) and the caps
+//! count exactly what lives, and the bytes of the stored answers.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
@@ -36,34 +37,59 @@ pub struct MemoryStore {
 struct Inner {
     tokens: HashMap<String, Token>,
     records: HashMap<(String, String), Record>,
-    /// Live tokens by expiry (scope: the bound principal).
+    /// Live bound tokens by expiry (scope: the bound principal).
     token_ledger: Ledger,
-    /// Live records by expiry.
+    /// Live unbound tokens by expiry: their own pool.
+    unbound_ledger: Ledger,
+    /// Live records by expiry, and the bytes of their answers.
     record_ledger: Ledger,
 }
 
-/// What lives, by expiry: in all, and per scope. An entry is `(scope, id)`.
+/// What lives, by expiry: in all, and per scope, with each entry's bytes.
+/// An entry is `(scope, id)`.
 #[derive(Debug, Default)]
 struct Ledger {
-    all: BTreeSet<(Instant, Option<String>, String)>,
+    all: BTreeSet<(Instant, Option<String>, String, u64)>,
     scopes: HashMap<String, BTreeSet<(Instant, String)>>,
+    bytes: u64,
+    scope_bytes: HashMap<String, u64>,
+}
+
+/// The caps a [`Ledger`] is held to: per scope and in all, entries and bytes.
+#[derive(Debug, Clone, Copy)]
+struct Caps {
+    per_scope: u64,
+    all: u64,
+    bytes_per_scope: u64,
+    bytes: u64,
 }
 
 impl Ledger {
-    fn add(&mut self, expires: Instant, scope: Option<&str>, id: &str) {
-        self.all.insert((expires, scope.map(str::to_owned), id.to_owned()));
+    fn add(&mut self, expires: Instant, scope: Option<&str>, id: &str, bytes: u64) {
+        self.all.insert((expires, scope.map(str::to_owned), id.to_owned(), bytes));
+        self.bytes += bytes;
         if let Some(scope) = scope {
             self.scopes.entry(scope.to_owned()).or_default().insert((expires, id.to_owned()));
+            *self.scope_bytes.entry(scope.to_owned()).or_default() += bytes;
         }
     }
 
-    fn remove(&mut self, expires: Instant, scope: Option<&str>, id: &str) {
-        self.all.remove(&(expires, scope.map(str::to_owned), id.to_owned()));
+    fn remove(&mut self, expires: Instant, scope: Option<&str>, id: &str, bytes: u64) {
+        if !self.all.remove(&(expires, scope.map(str::to_owned), id.to_owned(), bytes)) {
+            return;
+        }
+        self.bytes -= bytes;
         if let Some(scope) = scope {
             if let Some(set) = self.scopes.get_mut(scope) {
                 set.remove(&(expires, id.to_owned()));
                 if set.is_empty() {
                     self.scopes.remove(scope);
+                }
+            }
+            if let Some(b) = self.scope_bytes.get_mut(scope) {
+                *b -= bytes;
+                if *b == 0 {
+                    self.scope_bytes.remove(scope);
                 }
             }
         }
@@ -72,27 +98,28 @@ impl Ledger {
     /// Takes out what expired by `now`, oldest first.
     fn expired(&mut self, now: Instant) -> Vec<(Option<String>, String)> {
         let mut gone = Vec::new();
-        while self.all.first().is_some_and(|(expires, _, _)| *expires <= now) {
-            let Some((expires, scope, id)) = self.all.pop_first() else { break };
-            self.remove(expires, scope.as_deref(), &id);
+        while let Some((expires, scope, id, bytes)) = self.all.first().filter(|e| e.0 <= now).cloned() {
+            self.remove(expires, scope.as_deref(), &id, bytes);
             gone.push((scope, id));
         }
         gone
     }
 
-    /// Whether one more entry of `scope` fits; else the refusal, with the
-    /// time until the oldest counted entry expires.
-    fn room(&self, limits: &IdempotencyLimits, scope: Option<&str>, now: Instant) -> Result<()> {
+    /// Whether `n` more entries of `bytes` more bytes of `scope` fit; else
+    /// the refusal, with the time until the oldest counted entry expires.
+    fn room(&self, caps: Caps, scope: Option<&str>, n: u64, bytes: u64, now: Instant) -> Result<()> {
         let full = |per_scope: bool, oldest: Option<Instant>| Error::IdempotencyFull {
             per_scope,
             retry_after: oldest.map_or(Duration::ZERO, |t| t.saturating_duration_since(now)),
         };
-        if let Some(set) = scope.and_then(|s| self.scopes.get(s)) {
-            if set.len() as u64 >= limits.max_per_scope() {
-                return Err(full(true, set.first().map(|e| e.0)));
+        if let Some(scope) = scope {
+            let set = self.scopes.get(scope);
+            let (count, used) = (set.map_or(0, |s| s.len() as u64), self.scope_bytes.get(scope).copied().unwrap_or(0));
+            if count + n > caps.per_scope || used + bytes > caps.bytes_per_scope {
+                return Err(full(true, set.and_then(|s| s.first()).map(|e| e.0)));
             }
         }
-        if self.all.len() as u64 >= limits.max_records() {
+        if self.all.len() as u64 + n > caps.all || self.bytes + bytes > caps.bytes {
             return Err(full(false, self.all.first().map(|e| e.0)));
         }
         Ok(())
@@ -113,6 +140,8 @@ struct Token {
 struct Record {
     fingerprint: String,
     expires: Instant,
+    /// The bytes of its answer, as the ledger counts them.
+    bytes: u64,
     state: State,
 }
 
@@ -155,11 +184,37 @@ impl MemoryStore {
         let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
         let now = Instant::now();
         let mut inner = self.lock(now)?;
-        inner.token_ledger.room(&self.limits, principal, now)?;
+        let (caps, ledger) = self.token_pool(&mut inner, principal.is_some());
+        ledger.room(caps, principal, 1, 0, now)?;
         let expires = now + ttl;
+        ledger.add(expires, principal, &token, 0);
         inner.tokens.insert(token.clone(), Token { expires, claimed: None, principal: principal.map(str::to_owned) });
-        inner.token_ledger.add(expires, principal, &token);
         Ok(token)
+    }
+
+    /// The caps and the ledger of bound tokens, or (`bound` false) unbound ones.
+    fn token_pool<'a>(&self, inner: &'a mut Inner, bound: bool) -> (Caps, &'a mut Ledger) {
+        let l = &self.limits;
+        if bound {
+            let caps =
+                Caps { per_scope: l.max_per_scope(), all: l.max_records(), bytes_per_scope: u64::MAX, bytes: u64::MAX };
+            (caps, &mut inner.token_ledger)
+        } else {
+            let caps =
+                Caps { per_scope: u64::MAX, all: l.max_unbound_tokens(), bytes_per_scope: u64::MAX, bytes: u64::MAX };
+            (caps, &mut inner.unbound_ledger)
+        }
+    }
+
+    /// The caps of records.
+    fn record_caps(&self) -> Caps {
+        let l = &self.limits;
+        Caps {
+            per_scope: l.max_per_scope(),
+            all: l.max_records(),
+            bytes_per_scope: l.max_bytes_per_scope(),
+            bytes: l.max_bytes(),
+        }
     }
 
     /// The store, with what expired by `now` dropped.
@@ -173,7 +228,7 @@ impl MemoryStore {
 
 impl Inner {
     fn purge(&mut self, now: Instant) {
-        for (_, token) in self.token_ledger.expired(now) {
+        for (_, token) in self.token_ledger.expired(now).into_iter().chain(self.unbound_ledger.expired(now)) {
             self.tokens.remove(&token);
         }
         for (scope, key) in self.record_ledger.expired(now) {
@@ -184,7 +239,8 @@ impl Inner {
     /// Removes a token that is no longer live (consumed or spent).
     fn drop_token(&mut self, token: &str) {
         if let Some(t) = self.tokens.remove(token) {
-            self.token_ledger.remove(t.expires, t.principal.as_deref(), token);
+            let ledger = if t.principal.is_some() { &mut self.token_ledger } else { &mut self.unbound_ledger };
+            ledger.remove(t.expires, t.principal.as_deref(), token, 0);
         }
     }
 }
@@ -310,12 +366,12 @@ impl IdempotencyStore for MemoryStore {
             }
             // Only a new record counts against the caps: a retry of one
             // that exists was answered above, at the cap too.
-            inner.record_ledger.room(&self.limits, Some(scope), now)?;
+            inner.record_ledger.room(self.record_caps(), Some(scope), 1, 0, now)?;
             let claim = Claim::new(scope, key)?;
             let expires = now + terms.ttl();
-            inner.record_ledger.add(expires, Some(scope), key);
+            inner.record_ledger.add(expires, Some(scope), key, 0);
             let state = State::InProgress { owner: claim.owner.clone(), lease_until: now + terms.lease() };
-            inner.records.insert(id, Record { fingerprint: fingerprint.to_owned(), expires, state });
+            inner.records.insert(id, Record { fingerprint: fingerprint.to_owned(), expires, bytes: 0, state });
             Ok(Begin::New(claim))
         })
     }
@@ -344,30 +400,23 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
-    fn complete<'a>(
-        &'a self,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool>> {
+    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let now = Instant::now();
             let mut inner = self.lock(now)?;
             let id = (claim.scope.clone(), claim.key.clone());
-            let (old, new) = match inner.records.get_mut(&id) {
-                Some(r)
-                    if r.expires > now
-                        && matches!(&r.state, State::InProgress { owner, .. } if *owner == claim.owner) =>
-                {
-                    let old = r.expires;
-                    r.state = State::Completed(response.clone());
-                    r.expires = now + ttl;
-                    (old, r.expires)
-                }
+            let expires = match inner.records.get(&id) {
+                Some(r) if matches!(&r.state, State::InProgress { owner, .. } if *owner == claim.owner) => r.expires,
                 _ => return Ok(false),
             };
-            inner.record_ledger.remove(old, Some(&claim.scope), &claim.key);
-            inner.record_ledger.add(new, Some(&claim.scope), &claim.key);
+            let bytes = response.encode().len() as u64;
+            inner.record_ledger.room(self.record_caps(), Some(&claim.scope), 0, bytes, now)?;
+            if let Some(r) = inner.records.get_mut(&id) {
+                r.state = State::Completed(response.clone());
+                r.bytes = bytes;
+            }
+            inner.record_ledger.remove(expires, Some(&claim.scope), &claim.key, 0);
+            inner.record_ledger.add(expires, Some(&claim.scope), &claim.key, bytes);
             Ok(true)
         })
     }
@@ -382,7 +431,7 @@ impl IdempotencyStore for MemoryStore {
             });
             if ours {
                 if let Some(r) = inner.records.remove(&id) {
-                    inner.record_ledger.remove(r.expires, Some(&claim.scope), &claim.key);
+                    inner.record_ledger.remove(r.expires, Some(&claim.scope), &claim.key, r.bytes);
                 }
             }
             Ok(ours)

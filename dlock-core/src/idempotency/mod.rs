@@ -39,7 +39,7 @@
 //! let fp = dlock_core::idempotency::fingerprint(&["POST", "/pay", "{}"]);
 //! let terms = ClaimTerms::new(Duration::from_secs(10));
 //! let Begin::New(claim) = store.begin("alice", "k1", &fp, terms).await? else { unreachable!() };
-//! store.complete(&claim, &StoredResponse::new(201, vec![], b"ok".to_vec()), Duration::from_secs(60)).await?;
+//! store.complete(&claim, &StoredResponse::new(201, vec![], b"ok".to_vec())).await?;
 //! assert!(matches!(store.begin("alice", "k1", &fp, terms).await?, Begin::Completed(_)));
 //! # Ok(()) }
 //! ```
@@ -61,44 +61,75 @@ pub use memory::MemoryStore;
 /// Random bytes in a token: 128 bits, shown as 32 hex characters.
 pub const TOKEN_BYTES: usize = 16;
 
-/// How many live records and tokens a store keeps, per caller and in total.
+/// How much a store keeps: live records and tokens, and the bytes of the
+/// stored answers, per caller and in total.
 ///
 /// Without a bound, any client that can send an `Idempotency-Key` (or fetch
 /// a token) makes a record that lives for the TTL (24 hours by default):
 /// enough of them fill the Redis the records live in, and a full Redis
 /// refuses every lock (`noeviction`) or evicts held ones (`volatile-*`). So
-/// a store counts what lives, and refuses a new record or token beyond
-/// [`max_per_scope`](Self::max_per_scope) for one caller (the scope of a
-/// key; the principal of a bound token) or [`max_records`](Self::max_records)
-/// in all ([`Error::IdempotencyFull`]: `429` or `503` over HTTP, with
-/// `Retry-After`). Records and tokens are counted apart, each against
-/// both caps. A record that is already there is still answered at the cap
-/// (a retry is replayed), and an expired, abandoned, consumed or spent one
-/// stops counting at once.
+/// a store counts what lives:
 ///
-/// The defaults (`DLOCK_IDEMPOTENCY_MAX_PER_SCOPE`,
-/// `DLOCK_IDEMPOTENCY_MAX_RECORDS`) suit a payment API: 10 000 live records
-/// per caller is one write every 9 seconds all day long for one credential
-/// (raise it for a busy server-to-server key, or shorten the TTL), and a
-/// million in all at a few hundred bytes each (a JSON answer and its
-/// headers) is a few hundred MB of Redis — size `maxmemory` for it, or lower
-/// the cap. Unbound tokens have no caller, so only the total bounds them.
+/// * **records** of one caller (the scope of a key) up to
+///   [`max_per_scope`](Self::max_per_scope), and in all up to
+///   [`max_records`](Self::max_records): a new key beyond either is refused
+///   ([`Error::IdempotencyFull`]: `429` or `503` over HTTP, with
+///   `Retry-After`);
+/// * the **bytes** of their stored answers, per caller up to
+///   [`max_bytes_per_scope`](Self::max_bytes_per_scope) and in all up to
+///   [`max_bytes`](Self::max_bytes): an answer that does not fit is refused
+///   by [`IdempotencyStore::complete`] (the HTTP layer then delivers it and
+///   keeps a "not stored" record instead);
+/// * **tokens bound to a caller**, per caller and in total, apart from the
+///   records, with the same two counts;
+/// * **unbound tokens** (issued to callers nobody identified) in a pool of
+///   their own, [`max_unbound_tokens`](Self::max_unbound_tokens): a flood
+///   of anonymous token requests fills that pool only, never the records
+///   or the tokens of identified callers. On Redis Cluster this pool lives
+///   in one slot, so it is enforced there too.
+///
+/// A record or token that is already there is still answered at the cap (a
+/// retry is replayed), and an abandoned, consumed or spent one stops
+/// counting at once; one that expires stops counting within a 64th of its
+/// TTL on Redis (the counts are never below what lives), at once in memory.
+///
+/// The defaults (`DLOCK_IDEMPOTENCY_MAX_PER_SCOPE`, `…_MAX_RECORDS`,
+/// `…_MAX_BYTES_PER_SCOPE`, `…_MAX_BYTES`, `…_MAX_UNBOUND_TOKENS`): 10 000
+/// records and 64 MiB of answers per caller, a million records and 1 GiB
+/// in all, 100 000 unbound tokens. Size Redis's `maxmemory` above the bytes
+/// total plus about 200 bytes per record, or lower the caps. On Redis
+/// Cluster the totals of records and bound tokens cannot be counted (one
+/// count cannot span every slot): the per-caller caps and the unbound pool
+/// hold there.
 ///
 /// ```
 /// use dlock_core::idempotency::{IdempotencyLimits, MemoryStore};
-/// let limits = IdempotencyLimits::default().with_max_per_scope(100).with_max_records(10_000);
-/// assert_eq!((limits.max_per_scope(), limits.max_records()), (100, 10_000));
+/// let limits = IdempotencyLimits::default()
+///     .with_max_per_scope(100)
+///     .with_max_records(10_000)
+///     .with_max_bytes_per_scope(1 << 20)
+///     .with_max_unbound_tokens(1_000);
+/// assert_eq!((limits.max_per_scope(), limits.max_records(), limits.max_bytes_per_scope()), (100, 10_000, 1 << 20));
 /// let store = MemoryStore::new().with_limits(limits);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IdempotencyLimits {
     max_per_scope: u64,
     max_records: u64,
+    max_bytes_per_scope: u64,
+    max_bytes: u64,
+    max_unbound_tokens: u64,
 }
 
 impl Default for IdempotencyLimits {
     fn default() -> Self {
-        IdempotencyLimits { max_per_scope: 10_000, max_records: 1_000_000 }
+        IdempotencyLimits {
+            max_per_scope: 10_000,
+            max_records: 1_000_000,
+            max_bytes_per_scope: 64 << 20,
+            max_bytes: 1 << 30,
+            max_unbound_tokens: 100_000,
+        }
     }
 }
 
@@ -109,9 +140,27 @@ impl IdempotencyLimits {
         self
     }
 
-    /// Most live records (and, apart, tokens) in the whole store; at least 1.
+    /// Most live records (and, apart, bound tokens) in the whole store; at least 1.
     pub fn with_max_records(mut self, n: u64) -> Self {
         self.max_records = n.max(1);
+        self
+    }
+
+    /// Most bytes of stored answers of one caller.
+    pub fn with_max_bytes_per_scope(mut self, n: u64) -> Self {
+        self.max_bytes_per_scope = n;
+        self
+    }
+
+    /// Most bytes of stored answers in the whole store.
+    pub fn with_max_bytes(mut self, n: u64) -> Self {
+        self.max_bytes = n;
+        self
+    }
+
+    /// Most live tokens issued to no caller in particular; at least 1.
+    pub fn with_max_unbound_tokens(mut self, n: u64) -> Self {
+        self.max_unbound_tokens = n.max(1);
         self
     }
 
@@ -123,6 +172,21 @@ impl IdempotencyLimits {
     /// Most live records in all.
     pub fn max_records(&self) -> u64 {
         self.max_records
+    }
+
+    /// Most bytes of stored answers of one caller.
+    pub fn max_bytes_per_scope(&self) -> u64 {
+        self.max_bytes_per_scope
+    }
+
+    /// Most bytes of stored answers in all.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// Most live unbound tokens.
+    pub fn max_unbound_tokens(&self) -> u64 {
+        self.max_unbound_tokens
     }
 }
 
@@ -243,14 +307,13 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
         Box::pin(async { Ok(false) })
     }
 
-    /// Stores the response of a claimed key for `ttl`. `Ok(false)` when the
-    /// claim is no longer ours (its lease ran out and another request took it).
-    fn complete<'a>(
-        &'a self,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool>>;
+    /// Stores the response of a claimed key; the record keeps the TTL its
+    /// [`ClaimTerms`] gave it (it lives that long from its claim).
+    /// `Ok(false)` when the claim is no longer ours (its lease ran out and
+    /// another request took it over); [`Error::IdempotencyFull`] when the
+    /// answer's bytes do not fit the [`IdempotencyLimits`] (nothing is
+    /// stored and the claim stays: store a smaller answer, or abandon it).
+    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse) -> BoxFuture<'a, Result<bool>>;
 
     /// Frees a claimed key so that a retry runs again. `Ok(false)` when the
     /// claim is no longer ours.

@@ -1,32 +1,33 @@
 //! The Redis store.
 //!
-//! * A fresh token is the key `prefix:idem:t:{<token>}` (value `1`, TTL);
-//!   consuming it is one `DEL`, and only the caller whose `DEL` counted 1
+//! * A fresh token is the key `prefix:idem:t:{<token>}`, its value the
+//!   bucket its pools count it in (ledger.lua), with its TTL; consuming it
+//!   is one `DEL` in a script, and only the caller whose `DEL` counted 1
 //!   proceeds. A token claimed by a running request is renamed to
 //!   `prefix:idem:tu:{<token>}` (its TTL goes with it) with the value
-//!   `<owner>:<lease end>`, so no `DEL` of the fresh name can take it
-//!   meanwhile; its owner renews the lease, returns it (renamed back) or
+//!   `<owner>:<lease end>:<bucket>`, so no `DEL` of the fresh name can take
+//!   it meanwhile; its owner renews the lease, returns it (renamed back) or
 //!   spends it (one `DEL` of the claimed name), and a claim whose lease ran
-//!   out answers "outcome unknown". The braces keep both names in one
-//!   Redis Cluster slot, for the scripts that rename. A token bound to a
-//!   caller is `prefix:idem:t:{<sha1>}:<token>` (and `tu:`), in the slot of
-//!   the caller's hash: a claim naming another caller, or none, finds
-//!   nothing, and the caller's count lives in the same slot.
-//! * A key record is a hash `prefix:idem:k:{<sha1(scope)>}:<sha1(scope, key)>`
-//!   with fields `s` (`p` in progress / `c` completed), `f` fingerprint, `o`
-//!   owner and `l` lease end (ms of the server's clock) while in progress,
-//!   `r` the encoded response. Its TTL is the claim terms' TTL, then the
-//!   response TTL. Begin, renew, complete and abandon are one Lua script
-//!   each, touching only this key and its counts, so they are atomic and run
-//!   on the one node of a Redis Cluster that owns the scope's slot.
-//! * **Counts** ([`IdempotencyLimits`]): a sorted set per scope
-//!   (`prefix:idem:kn:{<sha1(scope)>}`, `prefix:idem:tn:{<sha1(principal)>}`)
-//!   and one in total (`prefix:idem:kn:all`, `prefix:idem:tn:all`) score each
-//!   live record or token by its expiry; the scripts that add one first drop
-//!   what expired (`ZREMRANGEBYSCORE`) and refuse at the cap, and those that
-//!   remove one (abandon, consume, spend) take it out. On Redis Cluster the
-//!   total set cannot be reached from a script on another slot, so only the
-//!   per-scope cap holds there (a warning says so at start-up).
+//!   out answers "outcome unknown". The braces keep both names in one Redis
+//!   Cluster slot. A token bound to a caller is `prefix:idem:t:{<sha1>}:<token>`
+//!   (and `tu:`), in the slot of the caller's hash, with the caller's pool;
+//!   an unbound one is `prefix:idem:t:{anon}:<token>`, in the slot of the
+//!   unbound tokens' pool, so that pool is enforced on a Cluster too.
+//! * A key record is one string `prefix:idem:k:{<sha1(scope)>}:<sha1(scope, key)>`:
+//!   state, fingerprint, owner and lease end while in progress, the bucket
+//!   and bytes its pools count, and the encoded response once completed
+//!   (record.lua). It lives the claim terms' TTL from its claim. Begin,
+//!   renew, complete and abandon are one Lua script each, touching only this
+//!   key and its pools, so they are atomic and run on the one node of a
+//!   Redis Cluster that owns the scope's slot.
+//! * **Pools** ([`IdempotencyLimits`], ledger.lua): a hash per caller
+//!   (`prefix:idem:kn:{<sha1(scope)>}`, `prefix:idem:tn:{<sha1(principal)>}`),
+//!   one in total (`prefix:idem:kn:all`, `prefix:idem:tn:all`) and one for
+//!   unbound tokens (`prefix:idem:tn:{anon}`) count live entries and their
+//!   bytes by when they expire, two commands to read and two to change
+//!   whatever they hold. On Redis Cluster the totals cannot be reached from a
+//!   script on another slot, so only the per-caller pools and the unbound
+//!   one hold there (a warning says so at start-up).
 //!
 //! Scope and key are hashed into the Redis key so that any bytes a client
 //! sends give a short, fixed-shape key that no other `(scope, key)` can reach.
@@ -44,8 +45,10 @@ use crate::backend::redis::{lease_ms, Client, RedisBackend, RedisOptions};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
-/// The helpers the counting scripts share, prepended to each.
+/// The pools' helpers, prepended to every script (ledger.lua).
 const LEDGER: &str = include_str!("ledger.lua");
+/// The key record's format, prepended to the scripts that read it.
+const RECORD: &str = include_str!("record.lua");
 
 /// Idempotency records in Redis, shared by every instance on that Redis,
 /// bounded by [`IdempotencyLimits`].
@@ -66,7 +69,7 @@ pub struct RedisStore {
     client: Client,
     prefix: String,
     limits: IdempotencyLimits,
-    /// Whether the total sets are counted: not on Redis Cluster.
+    /// Whether the total pools are counted: not on Redis Cluster.
     total: bool,
     begin: Script,
     renew: Script,
@@ -89,17 +92,26 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// A set that counts an entry, its cap, and whether it is the caller's.
-struct Counted {
+/// A pool that counts an entry (ledger.lua), its caps, and whether it is
+/// one caller's.
+struct Pool {
     key: String,
     max: u64,
+    max_bytes: u64,
     per_scope: bool,
 }
 
-/// A script's keys: `first`, then the counting sets', in the order its
-/// `KEYS` expects them.
-fn keys_and_counts<'a>(first: &[&'a str], sets: &'a [Counted]) -> Vec<&'a str> {
-    first.iter().copied().chain(sets.iter().map(|s| s.key.as_str())).collect()
+/// A script's keys: `first`, then the pools', in the order its `KEYS`
+/// expects them.
+fn keys_and_pools<'a>(first: &[&'a str], pools: &'a [Pool]) -> Vec<&'a str> {
+    first.iter().copied().chain(pools.iter().map(|p| p.key.as_str())).collect()
+}
+
+/// The pools' caps, as the scripts take them: count, bytes, for each.
+fn caps(call: &mut ScriptCall<'_>, pools: &[Pool]) {
+    for pool in pools {
+        call.arg(pool.max).arg(pool.max_bytes);
+    }
 }
 
 impl RedisStore {
@@ -144,20 +156,22 @@ impl RedisStore {
         let total = !client.is_cluster();
         if !total {
             tracing::warn!(
-                "dlock: idempotency records on Redis Cluster: DLOCK_IDEMPOTENCY_MAX_RECORDS is not enforced (one count \
-                 cannot span every slot); the per-caller cap is, and maxmemory with `noeviction` bounds the rest"
+                "dlock: idempotency records on Redis Cluster: DLOCK_IDEMPOTENCY_MAX_RECORDS and DLOCK_IDEMPOTENCY_MAX_BYTES \
+                 are not enforced (one count cannot span every slot); the per-caller caps and the unbound tokens' pool \
+                 are, and maxmemory with `noeviction` bounds the rest"
             );
         }
         let counting = |script: &str| Script::new(&format!("{LEDGER}{script}"));
+        let on_records = |script: &str| Script::new(&format!("{LEDGER}{RECORD}{script}"));
         RedisStore {
             client,
             prefix: backend.key_prefix().to_owned(),
             limits: IdempotencyLimits::default(),
             total,
-            begin: counting(include_str!("begin.lua")),
-            renew: counting(include_str!("renew_claim.lua")),
-            complete: counting(include_str!("complete.lua")),
-            abandon: counting(include_str!("abandon.lua")),
+            begin: on_records(include_str!("begin.lua")),
+            renew: on_records(include_str!("renew_claim.lua")),
+            complete: on_records(include_str!("complete.lua")),
+            abandon: on_records(include_str!("abandon.lua")),
             issue_token: counting(include_str!("issue_token.lua")),
             spend_token: counting(include_str!("spend_token.lua")),
             claim_token: counting(include_str!("claim_token.lua")),
@@ -182,24 +196,46 @@ impl RedisStore {
         self
     }
 
-    /// The sets that count an entry of kind `kind` (`kn` records, `tn`
-    /// tokens) of the caller hashed to `tag` (none: an unbound token).
-    fn counted(&self, kind: &str, tag: Option<&str>) -> Vec<Counted> {
-        let mut sets = Vec::with_capacity(2);
-        if let Some(tag) = tag {
-            let key = format!("{}:idem:{kind}:{{{tag}}}", self.prefix);
-            sets.push(Counted { key, max: self.limits.max_per_scope(), per_scope: true });
-        }
+    /// The pools that count a record of the caller hashed to `tag`.
+    fn record_pools(&self, tag: &str) -> Vec<Pool> {
+        let l = &self.limits;
+        let mut pools = vec![Pool {
+            key: format!("{}:idem:kn:{{{tag}}}", self.prefix),
+            max: l.max_per_scope(),
+            max_bytes: l.max_bytes_per_scope(),
+            per_scope: true,
+        }];
         if self.total {
-            let key = format!("{}:idem:{kind}:all", self.prefix);
-            sets.push(Counted { key, max: self.limits.max_records(), per_scope: false });
+            let key = format!("{}:idem:kn:all", self.prefix);
+            pools.push(Pool { key, max: l.max_records(), max_bytes: l.max_bytes(), per_scope: false });
         }
-        sets
+        pools
     }
 
-    /// The refusal for the `i`-th (1-based) of `sets` being full.
-    fn full(sets: &[Counted], i: i64, ms: i64) -> Error {
-        let per_scope = usize::try_from(i - 1).ok().and_then(|i| sets.get(i)).is_some_and(|c| c.per_scope);
+    /// The pools that count a token bound to the caller hashed to `tag`, or
+    /// (none) an unbound one.
+    fn token_pools(&self, tag: Option<&str>) -> Vec<Pool> {
+        let l = &self.limits;
+        let Some(tag) = tag else {
+            let key = format!("{}:idem:tn:{{anon}}", self.prefix);
+            return vec![Pool { key, max: l.max_unbound_tokens(), max_bytes: u64::MAX >> 11, per_scope: false }];
+        };
+        let mut pools = vec![Pool {
+            key: format!("{}:idem:tn:{{{tag}}}", self.prefix),
+            max: l.max_per_scope(),
+            max_bytes: l.max_bytes_per_scope(),
+            per_scope: true,
+        }];
+        if self.total {
+            let key = format!("{}:idem:tn:all", self.prefix);
+            pools.push(Pool { key, max: l.max_records(), max_bytes: l.max_bytes(), per_scope: false });
+        }
+        pools
+    }
+
+    /// The refusal for the `i`-th (1-based) of `pools` being full.
+    fn full(pools: &[Pool], i: i64, ms: i64) -> Error {
+        let per_scope = usize::try_from(i - 1).ok().and_then(|i| pools.get(i)).is_some_and(|p| p.per_scope);
         Error::IdempotencyFull { per_scope, retry_after: Duration::from_millis(u64::try_from(ms).unwrap_or(1)) }
     }
 
@@ -207,18 +243,16 @@ impl RedisStore {
     async fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
         let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
         let tag = principal.map(|p| fingerprint(&[p]));
-        let sets = self.counted("tn", tag.as_deref());
+        let pools = self.token_pools(tag.as_deref());
         let name = self.token_names(&token, principal).0;
-        let keys = keys_and_counts(&[&name], &sets);
-        let mut call = ScriptCall::new(&self.issue_token, &keys, 2 + sets.len());
-        call.arg(lease_ms(ttl)).arg(&token);
-        for set in &sets {
-            call.arg(set.max);
-        }
+        let keys = keys_and_pools(&[&name], &pools);
+        let mut call = ScriptCall::new(&self.issue_token, &keys, 1 + 2 * pools.len());
+        call.arg(lease_ms(ttl));
+        caps(&mut call, &pools);
         let reply: Vec<i64> = self.client.invoke(&call).await?;
         match reply.as_slice() {
             [0] => Ok(token),
-            [i, ms] => Err(Self::full(&sets, *i, *ms)),
+            [i, ms] => Err(Self::full(&pools, *i, *ms)),
             other => Err(Error::backend("redis", format!("unexpected reply from the issue script: {other:?}"))),
         }
     }
@@ -227,19 +261,19 @@ impl RedisStore {
     fn token_names(&self, token: &str, principal: Option<&str>) -> (String, String) {
         let tag = match principal {
             Some(p) => format!("{{{}}}:{token}", fingerprint(&[p])),
-            None => format!("{{{token}}}"),
+            None => format!("{{anon}}:{token}"),
         };
         (format!("{}:idem:t:{tag}", self.prefix), format!("{}:idem:tu:{tag}", self.prefix))
     }
 
     /// Deletes a token's `name` (the claimed one: only if `owner` holds it)
-    /// and takes it out of its counts, in one step.
-    async fn spend(&self, name: String, token: &str, principal: Option<&str>, owner: Option<&str>) -> Result<bool> {
+    /// and takes it out of its pools, in one step.
+    async fn spend(&self, name: String, principal: Option<&str>, owner: Option<&str>) -> Result<bool> {
         let tag = principal.map(|p| fingerprint(&[p]));
-        let sets = self.counted("tn", tag.as_deref());
-        let keys = keys_and_counts(&[&name], &sets);
-        let mut call = ScriptCall::new(&self.spend_token, &keys, 2);
-        call.arg(token).arg(owner.unwrap_or_default());
+        let pools = self.token_pools(tag.as_deref());
+        let keys = keys_and_pools(&[&name], &pools);
+        let mut call = ScriptCall::new(&self.spend_token, &keys, 1);
+        call.arg(owner.unwrap_or_default());
         let removed: i64 = self.client.invoke(&call).await?;
         Ok(removed == 1)
     }
@@ -301,11 +335,11 @@ impl RedisStore {
         Ok(aof == "yes" || !rdb.trim().is_empty())
     }
 
-    /// The record's key, its member in the counts, and the counts.
-    fn record(&self, scope: &str, key: &str) -> (String, String, Vec<Counted>) {
+    /// The record's key and its pools.
+    fn record(&self, scope: &str, key: &str) -> (String, Vec<Pool>) {
         let tag = fingerprint(&[scope]);
-        let member = fingerprint(&[scope, key]);
-        (format!("{}:idem:k:{{{tag}}}:{member}", self.prefix), member, self.counted("kn", Some(&tag)))
+        let id = fingerprint(&[scope, key]);
+        (format!("{}:idem:k:{{{tag}}}:{id}", self.prefix), self.record_pools(&tag))
     }
 }
 
@@ -327,7 +361,7 @@ impl IdempotencyStore for RedisStore {
             if !token_well_formed(token) {
                 return Ok(false);
             }
-            self.spend(self.token_names(token, None).0, token, None, None).await
+            self.spend(self.token_names(token, None).0, None, None).await
         })
     }
 
@@ -367,7 +401,7 @@ impl IdempotencyStore for RedisStore {
         Box::pin(async move {
             let (token, principal) = (claim.key(), claim.principal());
             let claimed = self.token_names(token, principal).1;
-            Ok(token_well_formed(token) && self.spend(claimed, token, principal, Some(claim.owner())).await?)
+            Ok(token_well_formed(token) && self.spend(claimed, principal, Some(claim.owner())).await?)
         })
     }
 
@@ -393,18 +427,19 @@ impl IdempotencyStore for RedisStore {
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
             let claim = Claim::new(scope, key)?;
-            let (record, member, sets) = self.record(scope, key);
+            let (record, pools) = self.record(scope, key);
+            // The record's fields are separated by `|`: a fingerprint is
+            // stored as its own hash, whatever bytes it holds.
+            let fingerprint = super::fingerprint(&[fingerprint]);
             // The script checks the data marker itself, as the lock's
             // acquire does: no round trip of its own per claim.
             let marker = self.client.marker();
-            let keys = keys_and_counts(&[&record, marker.unwrap_or(&record)], &sets);
-            let mut call = ScriptCall::new(&self.begin, &keys, 7 + sets.len());
-            call.arg(fingerprint).arg(claim.owner()).arg(lease_ms(terms.lease())).arg(&member);
+            let keys = keys_and_pools(&[&record, marker.unwrap_or(&record)], &pools);
+            let mut call = ScriptCall::new(&self.begin, &keys, 6 + 2 * pools.len());
+            call.arg(&fingerprint).arg(claim.owner()).arg(lease_ms(terms.lease()));
             call.arg(if marker.is_some() { "1" } else { "0" });
             call.arg(lease_ms(terms.ttl())).arg(if terms.runs_again_after_lease() { "1" } else { "0" });
-            for set in &sets {
-                call.arg(set.max);
-            }
+            caps(&mut call, &pools);
             let marker_gone = |reply: &redis::Value| matches!(reply, redis::Value::Array(items) if matches!(items.as_slice(), [redis::Value::Int(5)]));
             let reply: redis::Value = match self.client.guarded(|| self.client.invoke(&call), marker_gone).await {
                 Ok(reply) => reply,
@@ -429,7 +464,7 @@ impl IdempotencyStore for RedisStore {
                     Begin::Completed(StoredResponse::decode(bytes)?)
                 }
                 [redis::Value::Int(4), redis::Value::Int(i), redis::Value::Int(ms)] => {
-                    return Err(Self::full(&sets, *i, *ms))
+                    return Err(Self::full(&pools, *i, *ms))
                 }
                 _ => return Err(unexpected(&reply)),
             })
@@ -450,28 +485,29 @@ impl IdempotencyStore for RedisStore {
         })
     }
 
-    fn complete<'a>(
-        &'a self,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool>> {
+    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let (record, member, sets) = self.record(claim.scope(), claim.key());
-            let keys = keys_and_counts(&[&record], &sets);
-            let mut call = ScriptCall::new(&self.complete, &keys, 4);
-            call.arg(claim.owner()).arg(response.encode()).arg(lease_ms(ttl)).arg(member);
-            let done: i64 = self.client.invoke(&call).await?;
-            Ok(done == 1)
+            let (record, pools) = self.record(claim.scope(), claim.key());
+            let keys = keys_and_pools(&[&record], &pools);
+            let mut call = ScriptCall::new(&self.complete, &keys, 2 + 2 * pools.len());
+            call.arg(claim.owner()).arg(response.encode());
+            caps(&mut call, &pools);
+            let reply: Vec<i64> = self.client.invoke(&call).await?;
+            match reply.as_slice() {
+                [1] => Ok(true),
+                [0] => Ok(false),
+                [4, i, ms] => Err(Self::full(&pools, *i, *ms)),
+                other => Err(Error::backend("redis", format!("unexpected reply from the complete script: {other:?}"))),
+            }
         })
     }
 
     fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let (record, member, sets) = self.record(claim.scope(), claim.key());
-            let keys = keys_and_counts(&[&record], &sets);
-            let mut call = ScriptCall::new(&self.abandon, &keys, 2);
-            call.arg(claim.owner()).arg(member);
+            let (record, pools) = self.record(claim.scope(), claim.key());
+            let keys = keys_and_pools(&[&record], &pools);
+            let mut call = ScriptCall::new(&self.abandon, &keys, 1);
+            call.arg(claim.owner());
             let done: i64 = self.client.invoke(&call).await?;
             Ok(done == 1)
         })

@@ -1,9 +1,13 @@
--- KEYS[1] record; ARGV[1] owner, ARGV[2] lease ms. Moves the lease end of
--- our own claim whose lease has not run out; replies 1, else 0.
-local record = redis.call('HMGET', KEYS[1], 's', 'o', 'l')
-local now = now_ms()
-if record[1] ~= 'p' or record[2] ~= ARGV[1] or tonumber(record[3]) <= now then
+-- KEYS[1] record (record.lua); ARGV[1] owner, ARGV[2] lease ms. Moves the
+-- lease end of our own claim whose lease has not run out; replies 1, else 0.
+local v = redis.call('GET', KEYS[1])
+if not v then
   return 0
 end
-redis.call('HSET', KEYS[1], 'l', now + tonumber(ARGV[2]))
+local r = parse(v)
+local now = now_ms()
+if r.st ~= 'p' or r.owner ~= ARGV[1] or r.lease <= now then
+  return 0
+end
+redis.call('SET', KEYS[1], encode('p', r.fp, r.owner, now + tonumber(ARGV[2]), r.bucket, r.bytes, ''), 'KEEPTTL')
 return 1

@@ -5,10 +5,10 @@ local held = redis.call('GET', KEYS[1])
 if not held then
   return 0
 end
-local owner, ends = string.match(held, '^([^:]*):(%d+)$')
+local owner, ends, field = string.match(held, '^([^:]*):(%d+):(%d+)$')
 local now = now_ms()
 if owner ~= ARGV[1] or tonumber(ends) <= now then
   return 0
 end
-redis.call('SET', KEYS[1], owner .. ':' .. (now + tonumber(ARGV[2])), 'KEEPTTL')
+redis.call('SET', KEYS[1], owner .. ':' .. (now + tonumber(ARGV[2])) .. ':' .. field, 'KEEPTTL')
 return 1
