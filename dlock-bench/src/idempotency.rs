@@ -5,7 +5,13 @@
 //! * `first-request` — every request a new key: claim + store, two scripts
 //!   on Redis (or the memory store);
 //! * `replay` — every request the same, finished key: one script on Redis,
-//!   the stored response replayed.
+//!   the stored response replayed;
+//! * `hand-claim` / `hand-replay` (Redis) — the same route behind a
+//!   hand-written middleware with none of the layer's guarantees: a claim
+//!   is `SET key NX PX`, then `SET` of the answer (2 commands); a replay one
+//!   `GET`. They are the floors the layer's rows are held to (issue 24:
+//!   first request ≥ 0.7 × `hand-claim` with at most 8 server commands,
+//!   replay ≥ 0.9 × `hand-replay`), printed PASS or MISS.
 //!
 //! `ratio` is the row's requests/s over `no-layer`'s, measured in the same round.
 //! On Redis the rows also carry the store's commands per request from
@@ -29,7 +35,7 @@ use crate::env::Env;
 use crate::error::{BenchError, Result};
 use crate::measure::{median, run_window, CommandCounter, Counting, Sample, Timing};
 use crate::report::Row;
-use crate::series::Series;
+use crate::series::{target, Series};
 
 pub(crate) const TITLE: &str = "idempotency key mode on a fast handler, in-process router (ops = requests/s; on Redis \
      cmds/acq = client commands per request, srv/acq = server commands per request incl. the scripts' calls: \
@@ -42,24 +48,73 @@ static WINDOWS: AtomicU64 = AtomicU64::new(0);
 const CONCURRENCY: usize = 8;
 
 /// Commands the idempotency scripts make inside Redis.
-const SCRIPT_INTERNAL: &[&str] = &[
-    "hget",
-    "hmget",
-    "hset",
-    "hdel",
-    "pexpire",
-    "pexpireat",
-    "del",
-    "exists",
-    "set",
-    "time",
-    "rename",
-    "zadd",
-    "zcard",
-    "zrange",
-    "zrem",
-    "zremrangebyscore",
-];
+const SCRIPT_INTERNAL: &[&str] =
+    &["get", "hgetall", "hmget", "hset", "hdel", "pexpireat", "del", "exists", "set", "time"];
+
+/// The issue-24 targets: the layer's first request and replay against the
+/// hand-written ones, and its server commands per first request.
+const FIRST_VS_HAND: f64 = 0.7;
+const REPLAY_VS_HAND: f64 = 0.9;
+const FIRST_SERVER_CMDS: f64 = 8.0;
+
+/// A hand-written idempotency middleware on one multiplexed connection:
+/// `claim` — `SET key "" NX PX`, the route, `SET key answer PX` (a key
+/// already set is answered 409: the bench never repeats one); else
+/// `replay` — `GET key`, the stored body answered (the route only on a
+/// miss, to make the key once).
+async fn hand_written(
+    axum::extract::State((conn, replay)): axum::extract::State<(redis::aio::MultiplexedConnection, bool)>,
+    req: Request<Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let mut conn = conn;
+    let Some(key) = req.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map(|k| format!("hand:{k}"))
+    else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    if replay {
+        let stored: Option<Vec<u8>> = match redis::cmd("GET").arg(&key).query_async(&mut conn).await {
+            Ok(v) => v,
+            Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        };
+        if let Some(body) = stored {
+            return (StatusCode::CREATED, [(REPLAYED_HEADER, "true")], body).into_response();
+        }
+    } else {
+        let claimed: Option<String> = match redis::cmd("SET")
+            .arg(&key)
+            .arg("")
+            .arg("NX")
+            .arg("PX")
+            .arg(86_400_000)
+            .query_async(&mut conn)
+            .await
+        {
+            Ok(v) => v,
+            Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        };
+        if claimed.is_none() {
+            return StatusCode::CONFLICT.into_response();
+        }
+    }
+    let response = next.run(req).await;
+    let (parts, body) = response.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 1 << 20).await else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let stored: redis::RedisResult<()> =
+        redis::cmd("SET").arg(&key).arg(bytes.as_ref()).arg("PX").arg(86_400_000).query_async(&mut conn).await;
+    if stored.is_err() {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    axum::response::Response::from_parts(parts, Body::from(bytes))
+}
+
+/// The route behind [`hand_written`].
+fn hand_app(conn: redis::aio::MultiplexedConnection, replay: bool) -> Router {
+    app(None).layer(axum::middleware::from_fn_with_state((conn, replay), hand_written))
+}
 
 fn app(layer: Option<IdempotencyLayer>) -> Router {
     let route = post(|| async {
@@ -80,7 +135,13 @@ enum Keys {
     Same,
 }
 
-async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&CommandCounter>) -> Result<Sample> {
+async fn measure(
+    router: Router,
+    keys: Keys,
+    timing: Timing,
+    counter: Option<&CommandCounter>,
+    script_internal: &'static [&'static str],
+) -> Result<Sample> {
     let seq = Arc::new(AtomicU64::new(0));
     // Keys of their own per window: a later round reusing an earlier
     // round's keys would measure replays in the first-request rows.
@@ -99,7 +160,7 @@ async fn measure(router: Router, keys: Keys, timing: Timing, counter: Option<&Co
             return Err(BenchError::Invariant(format!("the first request answered {}", first.status())));
         }
     }
-    let counting = counter.map(|counter| Counting { counter, script_internal: SCRIPT_INTERNAL, client_sent: None });
+    let counting = counter.map(|counter| Counting { counter, script_internal, client_sent: None });
     run_window(CONCURRENCY, timing, counting, |_, clock, stop| {
         let (mut router, seq, run) = (router.clone(), seq.clone(), run.clone());
         async move {
@@ -164,6 +225,18 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
 
     let mut base = Series::new("idempotency", "no-layer", "memory", CONCURRENCY);
     let mut cases = [
+        (
+            Series::new("idempotency", "hand-claim", "redis", CONCURRENCY),
+            hand_app(env.conn.clone(), false),
+            Keys::Fresh,
+            Vec::new(),
+        ),
+        (
+            Series::new("idempotency", "hand-replay", "redis", CONCURRENCY),
+            hand_app(env.conn.clone(), true),
+            Keys::Same,
+            Vec::new(),
+        ),
         (Series::new("idempotency", "first-request", "redis", CONCURRENCY), redis_app.clone(), Keys::Fresh, Vec::new()),
         (Series::new("idempotency", "replay", "redis", CONCURRENCY), redis_app, Keys::Same, Vec::new()),
         (
@@ -176,10 +249,12 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     ];
     let rounds = args.uncontended_rounds;
     for round in 0..rounds {
-        let b = measure(plain.clone(), Keys::None, timing, None).await?;
+        let b = measure(plain.clone(), Keys::None, timing, None, &[]).await?;
         for (series, router, keys, ratios) in cases.iter_mut() {
             let counter = (series.backend == "redis").then_some(&env.counter);
-            let s = measure(router.clone(), *keys, timing, counter).await?;
+            // The hand-written rows send their GET and SET themselves.
+            let internal = if series.imp.starts_with("hand-") { &[][..] } else { SCRIPT_INTERNAL };
+            let s = measure(router.clone(), *keys, timing, counter, internal).await?;
             if b.ops_per_sec > 0.0 {
                 ratios.push(s.ops_per_sec / b.ops_per_sec);
             }
@@ -207,6 +282,33 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         let mut row = series.row();
         row.ratio = median(ratios.iter().copied());
         rows.push(row);
+    }
+    // The layer's rows against the hand-written ones, round by round.
+    let vs = |imp: &str, hand: &str| -> Option<f64> {
+        let find = |name: &str| cases.iter().find(|(s, ..)| s.imp == name && s.backend == "redis").map(|c| &c.0);
+        let (layer, hand) = (find(imp)?, find(hand)?);
+        median(
+            layer
+                .samples
+                .iter()
+                .zip(&hand.samples)
+                .filter(|(_, h)| h.ops_per_sec > 0.0)
+                .map(|(l, h)| l.ops_per_sec / h.ops_per_sec),
+        )
+    };
+    let (first_vs, replay_vs) = (vs("first-request", "hand-claim"), vs("replay", "hand-replay"));
+    for row in rows.iter_mut().filter(|r| r.backend == "redis") {
+        match row.imp.as_str() {
+            "first-request" => {
+                row.targets.push(target("ops vs hand-claim", first_vs.unwrap_or(0.0), false, FIRST_VS_HAND, ""));
+                let cmds = row.server_cmds_per_acquisition.unwrap_or(f64::MAX);
+                row.targets.push(target("srv cmds/request", cmds, true, FIRST_SERVER_CMDS, ""));
+            }
+            "replay" => {
+                row.targets.push(target("ops vs hand-replay", replay_vs.unwrap_or(0.0), false, REPLAY_VS_HAND, ""))
+            }
+            _ => {}
+        }
     }
     Ok(rows)
 }

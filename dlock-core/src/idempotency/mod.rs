@@ -460,6 +460,9 @@ pub struct Claim {
     key: String,
     owner: String,
     of: Of,
+    /// What the store that made the claim needs to settle it (the Redis
+    /// store: the stored fingerprint and the record's pool bucket).
+    memo: String,
 }
 
 /// What a [`Claim`] holds.
@@ -474,13 +477,19 @@ enum Of {
 impl Claim {
     fn new(scope: &str, key: &str) -> Result<Self> {
         let owner = crate::owner::random_hex::<TOKEN_BYTES>()?;
-        Ok(Claim { scope: scope.to_owned(), key: key.to_owned(), owner, of: Of::Key })
+        Ok(Claim { scope: scope.to_owned(), key: key.to_owned(), owner, of: Of::Key, memo: String::new() })
     }
 
     fn token(token: &str, principal: Option<&str>) -> Result<Self> {
         let owner = crate::owner::random_hex::<TOKEN_BYTES>()?;
         let of = Of::Token { bound: principal.is_some() };
-        Ok(Claim { scope: principal.unwrap_or_default().to_owned(), key: token.to_owned(), owner, of })
+        Ok(Claim { scope: principal.unwrap_or_default().to_owned(), key: token.to_owned(), owner, of, memo: String::new() })
+    }
+
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    fn with_memo(mut self, memo: String) -> Self {
+        self.memo = memo;
+        self
     }
 
     /// The scope the key was claimed in (a token's principal, or empty).

@@ -456,7 +456,16 @@ impl IdempotencyStore for RedisStore {
                 |v: &redis::Value| Error::backend("redis", format!("unexpected reply from the begin script: {v:?}"));
             let redis::Value::Array(items) = &reply else { return Err(unexpected(&reply)) };
             Ok(match items.as_slice() {
-                [redis::Value::Int(0)] => Begin::New(claim),
+                // The fingerprint as stored and the record's bucket: what
+                // `complete` writes back in one command.
+                [redis::Value::Int(0), bucket] => {
+                    let bucket = match bucket {
+                        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                        redis::Value::Int(n) => n.to_string(),
+                        _ => return Err(unexpected(&reply)),
+                    };
+                    Begin::New(claim.with_memo(format!("{fingerprint}|{bucket}")))
+                }
                 [redis::Value::Int(1)] => Begin::InProgress,
                 [redis::Value::Int(3)] => Begin::Mismatch,
                 [redis::Value::Int(6)] => Begin::OutcomeUnknown,
@@ -489,8 +498,14 @@ impl IdempotencyStore for RedisStore {
         Box::pin(async move {
             let (record, pools) = self.record(claim.scope(), claim.key());
             let keys = keys_and_pools(&[&record], &pools);
-            let mut call = ScriptCall::new(&self.complete, &keys, 2 + 2 * pools.len());
-            call.arg(claim.owner()).arg(response.encode());
+            let Some((fingerprint, bucket)) = claim.memo.split_once('|') else {
+                return Err(Error::backend("redis", "this claim was not made by a Redis store"));
+            };
+            let answer = response.encode();
+            let mut completed = format!("c|{fingerprint}||0|{bucket}|{}|", answer.len()).into_bytes();
+            completed.extend_from_slice(&answer);
+            let mut call = ScriptCall::new(&self.complete, &keys, 3 + 2 * pools.len());
+            call.arg(claim.owner()).arg(completed).arg(answer.len());
             caps(&mut call, &pools);
             let reply: Vec<i64> = self.client.invoke(&call).await?;
             match reply.as_slice() {
