@@ -47,7 +47,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 ///
 /// | status | `error` | `code` | when |
 /// |---|---|---|---|
-/// | 400 | `lock_key_field_missing` | 2001 | a field named in the lock key is not in the request |
+/// | 400 | `lock_key_field_missing` | 2001 | a field named in the lock key is not in the request (or is an empty header) |
 /// | 400 | `invalid_json` | 2002 | the body is not JSON, but the key needs a field of it |
 /// | 400 | `idempotency_token_missing` | 2003 | no one-time token was sent |
 /// | 400 | `idempotency_token_duplicated` | 2010 | the one-time token was sent more than once (two headers, two query parameters, or both) |

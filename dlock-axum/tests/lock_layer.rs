@@ -283,6 +283,24 @@ async fn key_parts_come_from_json_query_path_and_header_in_order() {
     assert!(v["message"].as_str().unwrap_or_default().contains("x-user-id"), "{v}");
 }
 
+/// An empty (or blank) header is no value: taken as the key part `""`, it
+/// would put every request without a real value under one lock.
+#[tokio::test]
+async fn an_empty_header_is_refused_as_a_missing_one() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = echo_app(&locker(), LockLayer::new("report").header("x-tenant-id"), calls.clone());
+    let req =
+        |value: &'static str| Request::post("/r").header("x-tenant-id", value).body(Body::empty()).expect("request");
+    for value in ["", " ", " \t "] {
+        let res = app.clone().oneshot(req(value)).await.expect("infallible");
+        let v = assert_rejection(res, 400, "lock_key_field_missing").await;
+        assert_eq!(v["code"], 2001, "{v}");
+        assert!(v["message"].as_str().unwrap_or_default().contains("x-tenant-id"), "{value:?}: {v}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "no blank value reached the route");
+    assert_eq!(app.oneshot(req("t1")).await.expect("infallible").status(), StatusCode::OK);
+}
+
 #[tokio::test]
 async fn a_key_that_is_too_long_is_400_lock_key_invalid() {
     let app = echo_app(&locker(), LockLayer::new("stock").json("product_id"), Arc::new(AtomicUsize::new(0)));

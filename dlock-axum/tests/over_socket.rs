@@ -24,6 +24,9 @@ mod small_buffers;
 use small_buffers::{connect, serve};
 
 const TWO_MIB: usize = 2 * 1024 * 1024;
+/// Far over the 64 KiB limit, and over the 8 MiB that refused bodies were
+/// once drained up to.
+const OVER_EIGHT_MIB: usize = 8 * 1024 * 1024 + 64 * 1024;
 
 #[derive(Deserialize)]
 struct Req {
@@ -105,6 +108,30 @@ async fn a_large_body_sent_in_one_go_gets_its_413() {
                 let res = send_then_read(&mut s, &next, small).unwrap_or_else(|e| panic!("{path} {how} next: {e}"));
                 assert_eq!(res.status, 200, "{path} {how}: {}", String::from_utf8_lossy(&res.body));
             }
+        }
+    })
+    .await
+    .expect("client");
+}
+
+/// However large the body, a client that writes all of it before reading
+/// reads its `413`: a refused body is drained for a bounded time, not up to
+/// a bounded number of bytes (as nginx's lingering close).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_far_over_the_limit_sent_in_one_go_gets_its_413() {
+    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    tokio::task::spawn_blocking(move || {
+        let body = big_json(OVER_EIGHT_MIB);
+        for path in ["/layer", "/macro", "/idem"] {
+            let mut s = connect(addr);
+            let first = head(path, &format!("content-length: {}\r\n", body.len()));
+            let res = send_then_read(&mut s, &first, &body).unwrap_or_else(|e| panic!("{path}: {e}"));
+            let v: Value = serde_json::from_slice(&res.body).expect("a JSON body");
+            assert_eq!(
+                (res.status, v["error"].as_str(), v["code"].as_u64()),
+                (413, Some("payload_too_large"), Some(2301)),
+                "{path}: {v}"
+            );
         }
     })
     .await

@@ -32,13 +32,17 @@ mod http {
     }
 
     pub(crate) async fn request(addr: &str, method: &str, path: &str, body: Option<&Value>) -> Result<Reply, String> {
+        request_raw(addr, method, path, &body.map(Value::to_string).unwrap_or_default()).await
+    }
+
+    /// `request` with the body as given, JSON or not.
+    pub(crate) async fn request_raw(addr: &str, method: &str, path: &str, body: &str) -> Result<Reply, String> {
         tokio::time::timeout(Duration::from_secs(30), send(addr, method, path, body))
             .await
             .map_err(|_| format!("{method} {path}: no answer within 30 s"))?
     }
 
-    async fn send(addr: &str, method: &str, path: &str, body: Option<&Value>) -> Result<Reply, String> {
-        let body = body.map(Value::to_string).unwrap_or_default();
+    async fn send(addr: &str, method: &str, path: &str, body: &str) -> Result<Reply, String> {
         let head = format!(
             "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
              content-length: {}\r\nconnection: close\r\n\r\n",
@@ -90,7 +94,7 @@ mod http {
     }
 }
 
-use http::request;
+use http::{request, request_raw};
 
 /// One running `orders` process, killed on drop.
 struct Orders {
@@ -337,6 +341,37 @@ async fn orders_spend_their_token_once() {
     assert_eq!(product.json, json!({"id": 5, "stock": 1, "sold": 1}));
     let unknown = request(addr, "GET", "/products/404", None).await.expect("GET");
     assert_eq!((unknown.status, unknown.json["error"].as_str()), (404, Some("product_not_found")));
+}
+
+/// axum's own extractors refuse in the service's shape too: RFC 9457
+/// Problem Details with `error` and `code`, not axum's `text/plain`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_answered_as_problem_details() {
+    let orders = Orders::start(&[]).await;
+    let addr = orders.addr.as_str();
+    let order = json!({"product": {"id": 5}, "quantity": 1}).to_string();
+    let cases = [
+        // `Query`: a field sent twice (serde refuses the duplicate).
+        ("POST", "/orders?token=a&token=b", order.as_str(), "invalid_query", "duplicate field `token`"),
+        // `Path`: not UTF-8 once percent-decoded.
+        ("GET", "/products/%FF", "", "invalid_path", "UTF-8"),
+        // `JsonBody`: not JSON.
+        ("PUT", "/products/5", r#"{"stock": "#, "invalid_json", "not valid JSON"),
+    ];
+    for (method, path, body, error, detail) in cases {
+        let r = request_raw(addr, method, path, body).await.unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        assert_eq!(r.header("content-type"), Some("application/problem+json"), "{method} {path}: {}", r.json);
+        assert_eq!(
+            (r.status, r.json["status"].as_u64(), r.json["type"].as_str(), r.json["title"].as_str()),
+            (400, Some(400), Some("about:blank"), Some("Bad Request")),
+            "{method} {path}: {}",
+            r.json
+        );
+        assert_eq!(r.json["error"].as_str(), Some(error), "{method} {path}: {}", r.json);
+        assert!(r.json["code"].is_u64(), "{method} {path}: {}", r.json);
+        let text = r.json["detail"].as_str().unwrap_or_default();
+        assert!(text.contains(detail), "{method} {path}: detail {text:?} should name {detail:?}");
+    }
 }
 
 #[cfg(unix)]

@@ -13,12 +13,15 @@
 //! `Expect: 100-continue`) is still writing when a `413` is ready. Closing
 //! the connection then makes the server's TCP stack reset it, and the client
 //! gets a broken pipe instead of the answer. So, as nginx's lingering close
-//! does, what is left of a refused body is read and thrown away first —
-//! at most [`DRAIN_MAX_BYTES`] for at most [`DRAIN_MAX_TIME`], so refusing
-//! costs bandwidth the client pays for too, never memory; past either bound
-//! the connection is closed (hyper closes one whose body was not read to the
-//! end). A client that asked `Expect: 100-continue` is answered at once: it
-//! has sent nothing, and reading would invite it to send.
+//! does, what is left of a refused body is read and thrown away first,
+//! however large it is, for a bounded time: at most [`DRAIN_MAX_TIME`] in
+//! all, and no longer than [`DRAIN_IDLE_TIME`] without a byte arriving (a
+//! client that stopped sending is answered then). Each chunk is dropped as
+//! it arrives, so refusing costs bandwidth the client pays for too, never
+//! memory. Past either bound the connection is closed (hyper closes one
+//! whose body was not read to the end). A client that asked
+//! `Expect: 100-continue` is answered at once: it has sent nothing, and
+//! reading would invite it to send.
 
 use std::time::Duration;
 
@@ -30,10 +33,12 @@ use tokio::time::Instant;
 
 use crate::rejection::Rejection;
 
-/// The most bytes of a refused body read and thrown away before answering.
-pub(crate) const DRAIN_MAX_BYTES: u64 = 8 * 1024 * 1024;
-/// The longest a refused body is read and thrown away before answering.
-pub(crate) const DRAIN_MAX_TIME: Duration = Duration::from_secs(5);
+/// The longest a refused body is read and thrown away before answering
+/// (nginx's `lingering_time`).
+pub(crate) const DRAIN_MAX_TIME: Duration = Duration::from_secs(30);
+/// The longest a drain waits for the next bytes of a refused body: a client
+/// that stopped sending is answered then (nginx's `lingering_timeout`).
+pub(crate) const DRAIN_IDLE_TIME: Duration = Duration::from_secs(5);
 /// How long a body may take to arrive unless the installed
 /// [`Dlock`](crate::Dlock) says otherwise.
 pub(crate) const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -116,37 +121,32 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
 }
 
-/// Reads and throws away what is left of a body the answer refuses, within
-/// [`DRAIN_MAX_BYTES`] and [`DRAIN_MAX_TIME`], so the client can read the
-/// answer (see the module docs). `started`: some of it was read already.
+/// Reads and throws away what is left of a body the answer refuses, for at
+/// most [`DRAIN_MAX_TIME`] and [`DRAIN_IDLE_TIME`] without a byte, so the
+/// client can read the answer (see the module docs). `started`: some of it
+/// was read already.
 ///
 /// Skipped when it cannot help: the client waits for `100 Continue` and has
-/// sent nothing (unless reading began, which sent that `100`), or declares
-/// more than the bound up front.
+/// sent nothing (unless reading began, which sent that `100`).
 pub(crate) async fn discard(headers: &HeaderMap, body: Body, started: bool) {
     let expects_continue =
         headers.get(header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    if (expects_continue && !started) || declared_length(headers).is_some_and(|n| n > DRAIN_MAX_BYTES) {
+    if expects_continue && !started {
         return;
     }
-    drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
+    drain(body, DRAIN_MAX_TIME, DRAIN_IDLE_TIME).await;
 }
 
-/// Reads `body` to its end unless that takes more than `max_bytes` or
-/// `max_time`; whether it reached the end.
-async fn drain(mut body: Body, max_bytes: u64, max_time: Duration) -> bool {
+/// Reads `body` to its end, dropping each chunk, unless that takes more
+/// than `max_time` in all or `idle` between two chunks; whether it reached
+/// the end. However many bytes arrive, none is kept.
+async fn drain(mut body: Body, max_time: Duration, idle: Duration) -> bool {
     let deadline = Instant::now() + max_time;
-    let mut left = max_bytes;
     loop {
-        match tokio::time::timeout_at(deadline, body.frame()).await {
+        let next = deadline.min(Instant::now() + idle);
+        match tokio::time::timeout_at(next, body.frame()).await {
             Ok(None) => return true,
-            Ok(Some(Ok(frame))) => {
-                let n = frame.data_ref().map_or(0, |d| d.len() as u64);
-                match left.checked_sub(n) {
-                    Some(rest) => left = rest,
-                    None => return false,
-                }
-            }
+            Ok(Some(Ok(_chunk))) => {}
             // A broken body or the time is up: hyper closes the connection.
             Ok(Some(Err(_))) | Err(_) => return false,
         }
@@ -229,19 +229,26 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_drain_stops_at_its_bounds() {
+    async fn a_drain_is_bounded_in_time_not_bytes() {
+        use futures_util::StreamExt;
         use std::convert::Infallible;
-        let chunks = |n: usize| {
-            Body::from_stream(futures_util::stream::iter(
-                (0..n).map(|_| Ok::<_, Infallible>(Bytes::from_static(&[b'x'; 1024]))),
-            ))
-        };
-        assert!(drain(chunks(4), 4096, Duration::from_secs(5)).await, "read to the end within the bounds");
-        assert!(!drain(chunks(5), 4096, Duration::from_secs(5)).await, "stops past the byte bound");
-        // A sender that stops: the time bound ends the drain.
+        let (long, short) = (Duration::from_secs(30), Duration::from_millis(50));
+        // 64 MiB, far more than any body limit: read to the end, chunk by chunk.
+        let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+        let big = Body::from_stream(futures_util::stream::repeat(Ok::<_, Infallible>(chunk.clone())).take(1024));
+        assert!(drain(big, long, long).await, "read to the end, however many bytes");
+        // A sender that stops: the idle bound ends the drain.
         let stalled = Body::from_stream(futures_util::stream::pending::<Result<Bytes, Infallible>>());
         let started = std::time::Instant::now();
-        assert!(!drain(stalled, 4096, Duration::from_millis(50)).await, "stops at the time bound");
+        assert!(!drain(stalled, long, short).await, "stops when nothing arrives");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        // A sender that never stops: the total bound ends the drain.
+        let endless = futures_util::stream::repeat(Ok::<_, Infallible>(chunk)).then(|c| async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            c
+        });
+        let started = std::time::Instant::now();
+        assert!(!drain(Body::from_stream(endless), short, long).await, "stops at the time bound");
         assert!(started.elapsed() < Duration::from_secs(5));
     }
 

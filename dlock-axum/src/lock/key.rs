@@ -100,6 +100,13 @@ pub(crate) async fn build_key(
                 let value = crate::headers::sole(&parts.headers, name)
                     .map_err(|_| duplicated(source))?
                     .ok_or_else(|| missing(source))?;
+                // An empty or blank value is no value: as the key part `""`
+                // it would put every request without one under one lock.
+                if value.as_bytes().iter().all(u8::is_ascii_whitespace) {
+                    return Err(Refusal::invalid(
+                        Rejection::field_missing().with_message(format!("{source} is empty")),
+                    ));
+                }
                 let text = value.to_str().map_err(|_| {
                     Refusal::invalid(
                         Rejection::lock_key_invalid().with_message(format!("{source} is not visible ASCII")),

@@ -120,8 +120,11 @@ impl LockLayer {
         self.with(|s| s.parts.push(KeySource::Path(name)))
     }
 
-    /// Adds a request header. A request that sends it more than once is
-    /// refused with `400 lock_key_field_duplicated`, as for [`query`](Self::query).
+    /// Adds a request header. A request without it, or with an empty or
+    /// blank value, is refused with `400 lock_key_field_missing` (as
+    /// [`Scope::header`](crate::idempotency::Scope::header) refuses it); one
+    /// that sends it more than once with `400 lock_key_field_duplicated`, as
+    /// for [`query`](Self::query).
     ///
     /// # Panics
     ///

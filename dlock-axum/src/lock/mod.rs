@@ -57,10 +57,11 @@
 //!
 //! Refusals are responses (see [`Rejection`](crate::Rejection)); the route's
 //! own error type passes through unchanged. Before answering a refusal, the
-//! layer reads and throws away what is left of the request body (at most
-//! 8 MiB for at most 5 s; not when the client waits for `100 Continue`), so
-//! that a client still sending it reads the answer rather than a reset
-//! connection, as nginx's lingering close does.
+//! layer reads and throws away what is left of the request body, however
+//! large, for a bounded time (at most 30 s, and 5 s without a byte; not when
+//! the client waits for `100 Continue`), so that a client still sending it
+//! reads the answer rather than a reset connection, as nginx's lingering
+//! close does.
 
 pub(crate) mod acquire;
 pub(crate) mod body;

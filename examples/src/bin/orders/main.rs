@@ -49,12 +49,15 @@
 //! "error": "...", "code": n}`, through `RenderRejections`. JSON bodies
 //! are read with `dlock_axum::JsonBody`, by the rules of `LockLayer`: a
 //! declared `Content-Type` that is not JSON is `415`, a bad body `400`.
+//! Query strings and path parameters are read with axum's `Query` and
+//! `Path` made to refuse in the same shape (`extract.rs`): `400
+//! invalid_query` (a field sent twice), `400 invalid_path`.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -69,10 +72,12 @@ use dlock_core::{Config, Locker, Owner};
 use serde_json::{json, Value};
 use tracing_subscriber::EnvFilter;
 
+mod extract;
 mod model;
 mod payments;
 mod store;
 
+use extract::{Path, Query};
 use model::{CreateOrder, ProductId, ProductRef, ReduceStock, SetStock, TokenParam};
 use store::{Stock, Store, StoreError};
 
