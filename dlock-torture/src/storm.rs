@@ -114,6 +114,8 @@ impl Orders {
             .env("DLOCK_BACKEND", "redis")
             .env("DLOCK_REDIS_URL", redis_url)
             .env("ORDERS_REDIS_URL", redis_url)
+            // The token rate per address is not what this storm measures.
+            .env("ORDERS_TOKEN_RATE", "100000")
             .env("ORDERS_PAYMENT_LEASE_MS", LEASE.as_millis().to_string())
             .env_remove("ORDERS_UNLOCKED")
             .env("ORDERS_CHARGES_UNGUARDED", if charges_unguarded { "1" } else { "0" })

@@ -391,3 +391,23 @@ async fn sigterm_stops_the_service_cleanly() {
     };
     assert!(status.success(), "orders exited with {status} after SIGTERM");
 }
+
+/// Issue 24: the token endpoint is rated per client address, so one client
+/// cannot drain the store's pool of unbound tokens for everyone: beyond its
+/// burst it gets `429 token_rate_limited` as Problem Details, with
+/// `Retry-After`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_endpoint_is_rated_per_address() {
+    let orders = Orders::start(&[("ORDERS_TOKEN_RATE", "1")]).await;
+    let addr = orders.addr.as_str();
+    let mut statuses = Vec::new();
+    for _ in 0..12 {
+        statuses.push(request(addr, "GET", "/idempotency/token", None).await.expect("token").status);
+    }
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 10, "a burst of 10: {statuses:?}");
+    let refused = request(addr, "GET", "/idempotency/token", None).await.expect("token");
+    assert_eq!(refused.status, 429, "{}", refused.json);
+    assert_eq!(refused.header("content-type"), Some("application/problem+json"));
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.json["error"], "token_rate_limited");
+}

@@ -15,6 +15,7 @@
 //! | `ORDERS_UNLOCKED` | `1`: no lock on the stock (shows the oversell) | off |
 //! | `ORDERS_CHARGES_UNGUARDED` | `1`: `POST /charges` without `IdempotencyLayer` (shows duplicates running twice; the torture harness's negative control) | off |
 //! | `ORDERS_PAYMENT_LEASE_MS` | the lease of an in-progress payment (renewed while it runs): how long a crashed instance's payment blocks its `Idempotency-Key` before a retry runs it again | `10000` |
+//! | `ORDERS_TOKEN_RATE` | `GET /idempotency/token` per second per client address (bursts of ten times that); beyond, `429 token_rate_limited` | `20` |
 //! | `DLOCK_*` | the lock backend, see dlock-core's `Config` | in process |
 //! | `RUST_LOG` | log filter | `info` |
 //!
@@ -75,6 +76,7 @@ use tracing_subscriber::EnvFilter;
 mod extract;
 mod model;
 mod payments;
+mod rate;
 mod store;
 
 use extract::{Path, Query};
@@ -96,6 +98,8 @@ struct App {
     unlocked: bool,
     /// `ORDERS_CHARGES_UNGUARDED=1`: `POST /charges` without its idempotency layer.
     charges_unguarded: bool,
+    /// `ORDERS_TOKEN_RATE`: tokens per second per client address.
+    token_rate: rate::TokenRate,
 }
 
 #[tokio::main]
@@ -131,8 +135,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .parse()
         .map_err(|e| format!("ORDERS_ADDR: {e}"))?;
 
+    let token_rate = match non_empty_env("ORDERS_TOKEN_RATE") {
+        Some(v) => match v.parse::<u32>() {
+            Ok(n) if n > 0 => n,
+            _ => return Err(format!("ORDERS_TOKEN_RATE: expected a positive number per second, got `{v}`").into()),
+        },
+        None => 20,
+    };
+    let token_rate = rate::TokenRate::new(token_rate, token_rate.saturating_mul(10));
     let store_kind = store.kind();
-    let app = App { locker: locker.clone(), store, idem, unlocked, charges_unguarded, payment_lease };
+    let app = App { locker: locker.clone(), store, idem, unlocked, charges_unguarded, payment_lease, token_rate };
     let router = router(app, dlock);
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(
@@ -148,7 +160,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if charges_unguarded {
         tracing::warn!("ORDERS_CHARGES_UNGUARDED is set: duplicate charges run twice");
     }
-    axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await?;
+    // The token endpoint's rate is per client address.
+    let service = router.into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, service).with_graceful_shutdown(shutdown_signal()).await?;
     tracing::info!("orders stopped");
     Ok(())
 }
@@ -169,7 +183,13 @@ fn router(app: App, dlock: Dlock) -> Router {
         .route("/products/{id}", get(get_product).put(put_product))
         .route("/stock/reduce", reduce)
         .route("/orders", post(create_order))
-        .merge(payments::routes(&app.idem, app.payment_lease, app.charges_unguarded, app.store.clone()))
+        .merge(payments::routes(
+            &app.idem,
+            app.payment_lease,
+            app.charges_unguarded,
+            app.store.clone(),
+            app.token_rate.clone(),
+        ))
         // Every refusal, dlock's and this service's own `Rejection`s, as
         // RFC 9457 Problem Details (`error` and `code` kept as members).
         .layer(RenderRejections::problem_details())

@@ -99,6 +99,7 @@ pub(crate) fn routes<S: Clone + Send + Sync + 'static>(
     lease: Duration,
     charges_unguarded: bool,
     store: Store,
+    token_rate: crate::rate::TokenRate,
 ) -> Router<S> {
     // `/payments` keys its side effect on the caller and the Idempotency-Key
     // itself (`SET NX`), so a key whose instance died is safe to run again
@@ -109,7 +110,10 @@ pub(crate) fn routes<S: Clone + Send + Sync + 'static>(
     let charges = post(create_charge);
     let charges = if charges_unguarded { charges } else { charges.layer(layer.clone()) };
     Router::new()
-        .route("/idempotency/token", get(idem.token_handler()))
+        .route(
+            "/idempotency/token",
+            get(idem.token_handler()).layer(axum::middleware::from_fn_with_state(token_rate, crate::rate::limit)),
+        )
         .route("/payments", post(create_payment).layer(layer))
         .route("/charges", charges)
         .with_state(store)
