@@ -290,3 +290,51 @@ async fn a_slow_route_keeps_its_token_and_a_dead_ones_outcome_is_unknown() {
     assert!(error(after).await.contains("idempotency_outcome_unknown"));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+#[derive(serde::Deserialize)]
+struct Pay {
+    order: u64,
+}
+
+/// Counts the runs of [`locked_payment`].
+static LOCKED_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// A `#[lockable]` route: its lock is taken inside the layer's claim, so it
+/// runs on the claim's own task too and is released when the route ends,
+/// not when the client hangs up.
+#[dlock_axum::lockable(key = "pay", fields = ["order"], wait_ms = 0)]
+async fn locked_payment(axum::extract::Query(Pay { order }): axum::extract::Query<Pay>) -> impl IntoResponse {
+    let _ = order;
+    LOCKED_RUNS.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(WORK).await;
+    (StatusCode::CREATED, "paid")
+}
+
+/// Issue 24: a client that hangs up after the side effect of a
+/// `#[lockable]` route behind `IdempotencyLayer` gets, on retry, `409` in
+/// progress and then the stored answer; the route ran once, and its lock
+/// is free once it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lockable_route_behind_the_layer_runs_once_through_a_hang_up() {
+    use dlock_axum::LockerExt;
+    let locker = dlock_core::Locker::new(dlock_core::MemoryBackend::new());
+    let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+    let app = Router::new()
+        .route("/pay", post(locked_payment).layer(IdempotencyLayer::new(idem).with_scope(Scope::header("x-user"))))
+        .with_locker(dlock_axum::Dlock::new(locker.clone()));
+    let addr = serve(app).await;
+    let pay = request("/pay?order=7", "idempotency-key: locked-1");
+    let answers = tokio::task::spawn_blocking(move || {
+        send_and_hang_up(addr, &pay, Duration::from_millis(100));
+        retry_until_settled(addr, &pay)
+    })
+    .await
+    .expect("client");
+    let last = answers.last().expect("an answer");
+    assert_eq!(status(last), "201", "{answers:?}");
+    assert!(last.contains("idempotent-replayed: true"), "{answers:?}");
+    assert_eq!(LOCKED_RUNS.load(Ordering::SeqCst), 1);
+    let key = locker.key("pay").part(7).build().expect("key");
+    let guard = locker.try_acquire(&key).await.expect("the route's lock is free once it ended");
+    assert!(guard.release().await.expect("release"));
+}
