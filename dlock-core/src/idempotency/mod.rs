@@ -483,7 +483,13 @@ impl Claim {
     fn token(token: &str, principal: Option<&str>) -> Result<Self> {
         let owner = crate::owner::random_hex::<TOKEN_BYTES>()?;
         let of = Of::Token { bound: principal.is_some() };
-        Ok(Claim { scope: principal.unwrap_or_default().to_owned(), key: token.to_owned(), owner, of, memo: String::new() })
+        Ok(Claim {
+            scope: principal.unwrap_or_default().to_owned(),
+            key: token.to_owned(),
+            owner,
+            of,
+            memo: String::new(),
+        })
     }
 
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
