@@ -475,16 +475,16 @@ async fn redis_store_caps() {
         let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut conn).expect("keys");
         keys.len()
     };
-    let (records, unbound) = (count("caps:idem:k:*"), count("caps:idem:t:{anon}:*"));
+    let (records, unbound) = (count("caps:idem:r:*"), count("caps:idem:t:{anon}:*"));
     let bound = count("caps:idem:t:*") + count("caps:idem:tu:*") - unbound;
     let counted = |key: &str| -> String {
         let mut conn = redis.connection();
         let total: Option<String> = redis::cmd("HGET").arg(key).arg("t").query(&mut conn).expect("HGET");
         total.unwrap_or_default()
     };
-    assert_eq!((records, counted("caps:idem:kn:all").split(':').next()), (3, Some("3")), "records live and counted");
-    assert_eq!((bound, counted("caps:idem:tn:all").split(':').next()), (0, Some("0")), "bound tokens live and counted");
-    assert_eq!((unbound, counted("caps:idem:tn:{anon}").split(':').next()), (2, Some("2")), "unbound tokens");
+    assert_eq!((records, counted("caps:idem:rp:all").split(':').next()), (3, Some("3")), "records live and counted");
+    assert_eq!((bound, counted("caps:idem:tp:all").split(':').next()), (0, Some("0")), "bound tokens live and counted");
+    assert_eq!((unbound, counted("caps:idem:tp:{anon}").split(':').next()), (2, Some("2")), "unbound tokens");
 }
 
 #[tokio::test]
@@ -668,7 +668,7 @@ async fn a_callers_counting_set_lives_as_long_as_its_last_record() {
     let fp = fingerprint(&["POST", "/pay", "{}"]);
     let set_ttl = || -> i64 {
         let mut conn = redis.connection();
-        let sets: Vec<String> = redis::cmd("KEYS").arg("t:idem:kn:{*}").query(&mut conn).expect("KEYS");
+        let sets: Vec<String> = redis::cmd("KEYS").arg("t:idem:rp:{*}").query(&mut conn).expect("KEYS");
         assert_eq!(sets.len(), 1, "one caller, one pool: {sets:?}");
         redis::cmd("PTTL").arg(&sets[0]).query(&mut conn).expect("PTTL")
     };
@@ -715,7 +715,7 @@ async fn a_claim_whose_answer_timed_out_does_not_block_the_key() {
     assert!(err.is_unavailable(), "{err}");
     proxy.set_delay(Duration::ZERO);
     let records =
-        || -> Vec<String> { redis::cmd("KEYS").arg("stall:idem:k:*").query(&mut server.connection()).expect("KEYS") };
+        || -> Vec<String> { redis::cmd("KEYS").arg("stall:idem:r:*").query(&mut server.connection()).expect("KEYS") };
     let claimed = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             match b.begin("s", "stalled", &fp, terms).await.expect("begin") {
@@ -782,48 +782,4 @@ async fn unbound_tokens_are_capped_on_a_redis_cluster() {
     assert_eq!(issued, 10, "the unbound pool holds");
     // Identified callers are not affected by the anonymous pool being full.
     store.issue_bound_token("alice", Duration::from_secs(60)).await.expect("a bound token");
-}
-
-/// Issue 24: start-up warns when the Redis that holds idempotency records
-/// keeps nothing over a restart (no AOF, no RDB save points): it would come
-/// back empty and run every completed key again. With `appendonly yes` it
-/// does not warn.
-#[tokio::test]
-async fn records_on_a_redis_without_persistence_are_warned_about() {
-    use std::sync::Mutex;
-
-    #[derive(Clone, Default)]
-    struct Capture(Arc<Mutex<Vec<u8>>>);
-    impl std::io::Write for Capture {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().expect("capture").extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    async fn logs_of_start(url: String) -> String {
-        let capture = Capture::default();
-        let writer = capture.clone();
-        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
-        let config = dlock_core::Config::from_lookup(|var| match var {
-            "DLOCK_BACKEND" => Some("redis".into()),
-            "DLOCK_REDIS_URL" => Some(url.clone()),
-            _ => None,
-        })
-        .expect("config");
-        config.build_services().await.expect("services");
-        let bytes = capture.0.lock().expect("capture").clone();
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
-
-    let forgetful = dlock_testing::RedisServer::start(); // --save '' --appendonly no
-    let logs = logs_of_start(forgetful.url()).await;
-    assert!(logs.contains("keeps no persistence"), "{logs}");
-    let durable = dlock_testing::RedisServer::start_with(&["--appendonly", "yes"]);
-    let logs = logs_of_start(durable.url()).await;
-    assert!(!logs.contains("keeps no persistence"), "{logs}");
 }

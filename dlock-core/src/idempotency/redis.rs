@@ -13,7 +13,7 @@
 //!   (and `tu:`), in the slot of the caller's hash, with the caller's pool;
 //!   an unbound one is `prefix:idem:t:{anon}:<token>`, in the slot of the
 //!   unbound tokens' pool, so that pool is enforced on a Cluster too.
-//! * A key record is one string `prefix:idem:k:{<sha1(scope)>}:<sha1(scope, key)>`:
+//! * A key record is one string `prefix:idem:r:{<sha1(scope)>}:<sha1(scope, key)>`:
 //!   state, fingerprint, owner and lease end while in progress, the bucket
 //!   and bytes its pools count, and the encoded response once completed
 //!   (record.lua). It lives the claim terms' TTL from its claim. Begin,
@@ -21,9 +21,9 @@
 //!   key and its pools, so they are atomic and run on the one node of a
 //!   Redis Cluster that owns the scope's slot.
 //! * **Pools** ([`IdempotencyLimits`], ledger.lua): a hash per caller
-//!   (`prefix:idem:kn:{<sha1(scope)>}`, `prefix:idem:tn:{<sha1(principal)>}`),
-//!   one in total (`prefix:idem:kn:all`, `prefix:idem:tn:all`) and one for
-//!   unbound tokens (`prefix:idem:tn:{anon}`) count live entries and their
+//!   (`prefix:idem:rp:{<sha1(scope)>}`, `prefix:idem:tp:{<sha1(principal)>}`),
+//!   one in total (`prefix:idem:rp:all`, `prefix:idem:tp:all`) and one for
+//!   unbound tokens (`prefix:idem:tp:{anon}`) count live entries and their
 //!   bytes by when they expire, two commands to read and two to change
 //!   whatever they hold. On Redis Cluster the totals cannot be reached from a
 //!   script on another slot, so only the per-caller pools and the unbound
@@ -31,6 +31,11 @@
 //!
 //! Scope and key are hashed into the Redis key so that any bytes a client
 //! sends give a short, fixed-shape key that no other `(scope, key)` can reach.
+//!
+//! The records (`r:`) and pools (`rp:`, `tp:`) have names of their own, apart
+//! from the hashes and sorted sets of earlier versions (`k:`, `kn:`, `tn:`):
+//! a store of this version never meets one of another type, which would be
+//! an error (`WRONGTYPE`) on every request for it; the old keys expire.
 
 use std::time::Duration;
 
@@ -200,13 +205,13 @@ impl RedisStore {
     fn record_pools(&self, tag: &str) -> Vec<Pool> {
         let l = &self.limits;
         let mut pools = vec![Pool {
-            key: format!("{}:idem:kn:{{{tag}}}", self.prefix),
+            key: format!("{}:idem:rp:{{{tag}}}", self.prefix),
             max: l.max_per_scope(),
             max_bytes: l.max_bytes_per_scope(),
             per_scope: true,
         }];
         if self.total {
-            let key = format!("{}:idem:kn:all", self.prefix);
+            let key = format!("{}:idem:rp:all", self.prefix);
             pools.push(Pool { key, max: l.max_records(), max_bytes: l.max_bytes(), per_scope: false });
         }
         pools
@@ -217,17 +222,17 @@ impl RedisStore {
     fn token_pools(&self, tag: Option<&str>) -> Vec<Pool> {
         let l = &self.limits;
         let Some(tag) = tag else {
-            let key = format!("{}:idem:tn:{{anon}}", self.prefix);
+            let key = format!("{}:idem:tp:{{anon}}", self.prefix);
             return vec![Pool { key, max: l.max_unbound_tokens(), max_bytes: u64::MAX >> 11, per_scope: false }];
         };
         let mut pools = vec![Pool {
-            key: format!("{}:idem:tn:{{{tag}}}", self.prefix),
+            key: format!("{}:idem:tp:{{{tag}}}", self.prefix),
             max: l.max_per_scope(),
             max_bytes: l.max_bytes_per_scope(),
             per_scope: true,
         }];
         if self.total {
-            let key = format!("{}:idem:tn:all", self.prefix);
+            let key = format!("{}:idem:tp:all", self.prefix);
             pools.push(Pool { key, max: l.max_records(), max_bytes: l.max_bytes(), per_scope: false });
         }
         pools
@@ -339,7 +344,7 @@ impl RedisStore {
     fn record(&self, scope: &str, key: &str) -> (String, Vec<Pool>) {
         let tag = fingerprint(&[scope]);
         let id = fingerprint(&[scope, key]);
-        (format!("{}:idem:k:{{{tag}}}:{id}", self.prefix), self.record_pools(&tag))
+        (format!("{}:idem:r:{{{tag}}}:{id}", self.prefix), self.record_pools(&tag))
     }
 }
 
