@@ -123,6 +123,23 @@ impl Hold {
         self.state = Some(state);
         granted_at
     }
+
+    /// The backend renewed this hold until `valid_until`, answering a
+    /// renewal for `lease` sent at `sent` (the watchdog's, or that of an
+    /// acquire joining a hold short of lease). Its end moves forward, never
+    /// back, and never past `sent + lease`: the backend measures from its
+    /// own send, and the hold keeps only what our clock can vouch for.
+    pub(super) fn renewed(&mut self, sent: Instant, lease: Duration, valid_until: Instant) {
+        let valid_until = valid_until.min(sent + lease);
+        if let Some(at) = self.valid_until.as_mut() {
+            if valid_until > *at {
+                *at = valid_until;
+                if let Some(state) = &self.state {
+                    state.renewed(valid_until);
+                }
+            }
+        }
+    }
 }
 
 /// One hold: one lock on the service, however many guards share it.
@@ -257,8 +274,7 @@ impl Holds {
     ) -> (Enter<'_>, Kick) {
         let mut guard = self.table();
         let table = &mut *guard;
-        let current = match table.current.entry((req.key.clone(), req.owner.clone())) {
-            Entry::Occupied(entry) => *entry.get(),
+        let (id, kick) = match table.current.entry((req.key.clone(), req.owner.clone())) {
             Entry::Vacant(vacant) => {
                 let mut hold = Hold::acquiring(req);
                 let granted_at = match backend.try_acquire_now(req) {
@@ -272,39 +288,40 @@ impl Holds {
                 let Some(granted_at) = granted_at else {
                     return (Enter::First(AcquireTurn { holds: self.clone(), id: Some(new) }), Kick::Nothing);
                 };
-                let kick = table.join(new, renew, granted_at);
-                return match table.joined(new) {
-                    Some(joined) => (Enter::Joined(joined), kick),
-                    None => (Enter::Wait(self.settled.notified()), kick),
+                (new, table.join(new, renew, granted_at))
+            }
+            Entry::Occupied(entry) => {
+                let current = *entry.get();
+                let Some(hold) = table.slots.get_mut(current) else {
+                    // Not reachable: an id in `current` always has its slot.
+                    entry.remove();
+                    return (Enter::Wait(self.settled.notified()), Kick::Nothing);
                 };
+                match hold.phase {
+                    Phase::Acquiring | Phase::Releasing { retrying: true } if !waits => {
+                        return (Enter::Busy, Kick::Nothing)
+                    }
+                    Phase::Acquiring | Phase::Releasing { .. } => {
+                        hold.awaited = true;
+                        return (Enter::Wait(self.settled.notified()), Kick::Nothing);
+                    }
+                    Phase::Held => {}
+                }
+                if hold.state.as_ref().is_some_and(LostSignal::is_lost) {
+                    // Lost: its guards were told. The next hold is a new one, and
+                    // theirs send nothing when they go.
+                    hold.detached = true;
+                    entry.remove();
+                    drop(guard);
+                    return self.enter(req, waits, renew, backend);
+                }
+                if hold.valid_until.is_some_and(|at| at < Instant::now() + req.lease / 2) {
+                    return (Enter::Extend(current), Kick::Nothing);
+                }
+                (current, table.join(current, renew, renew.map(|_| Instant::now())))
             }
         };
-        let Some(hold) = table.slots.get_mut(current) else {
-            // Not reachable: an id in `current` always has its slot.
-            table.current.remove(&(req.key.clone(), req.owner.clone()));
-            return (Enter::Wait(self.settled.notified()), Kick::Nothing);
-        };
-        match hold.phase {
-            Phase::Acquiring | Phase::Releasing { retrying: true } if !waits => return (Enter::Busy, Kick::Nothing),
-            Phase::Acquiring | Phase::Releasing { .. } => {
-                hold.awaited = true;
-                return (Enter::Wait(self.settled.notified()), Kick::Nothing);
-            }
-            Phase::Held => {}
-        }
-        if hold.state.as_ref().is_some_and(LostSignal::is_lost) {
-            // Lost: its guards were told. The next hold is a new one, and
-            // theirs send nothing when they go.
-            hold.detached = true;
-            table.current.remove(&(req.key.clone(), req.owner.clone()));
-            drop(guard);
-            return self.enter(req, waits, renew, backend);
-        }
-        if hold.valid_until.is_some_and(|at| at < Instant::now() + req.lease / 2) {
-            return (Enter::Extend(current), Kick::Nothing);
-        }
-        let kick = table.join(current, renew, renew.map(|_| Instant::now()));
-        match table.joined(current) {
+        match table.joined(id) {
             Some(joined) => (Enter::Joined(joined), kick),
             None => (Enter::Wait(self.settled.notified()), kick),
         }
@@ -342,21 +359,22 @@ impl Holds {
         }
     }
 
-    /// The backend renewed hold `id` until `valid_until` for an acquire that
-    /// joins it; `None` when it is no longer the hold to join (look again).
-    pub(super) fn extended(&self, id: HoldId, valid_until: Instant, renew: Option<Renew>) -> (Option<Joined>, Kick) {
+    /// The backend renewed hold `id` until `valid_until` (for `lease`, asked
+    /// at `sent`) for an acquire that joins it; `None` when it is no longer
+    /// the hold to join (look again).
+    pub(super) fn extended(
+        &self,
+        id: HoldId,
+        sent: Instant,
+        lease: Duration,
+        valid_until: Instant,
+        renew: Option<Renew>,
+    ) -> (Option<Joined>, Kick) {
         let mut table = self.table();
         let Some(hold) = table.slots.get_mut(id).filter(|h| h.phase == Phase::Held && !h.detached) else {
             return (None, Kick::Nothing);
         };
-        if let Some(at) = hold.valid_until.as_mut() {
-            if valid_until > *at {
-                *at = valid_until;
-                if let Some(state) = &hold.state {
-                    state.renewed(valid_until);
-                }
-            }
-        }
+        hold.renewed(sent, lease, valid_until);
         let kick = table.join(id, renew, renew.map(|_| Instant::now()));
         (table.joined(id), kick)
     }
@@ -388,18 +406,18 @@ impl Holds {
         let table = &mut *guard;
         let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
         hold.guards = hold.guards.saturating_sub(1);
+        // The last guard, or the last watchdog-mode one: nothing renews it now.
+        let mut stop_renewing = hold.guards == 0;
         if let (true, Some(renewing)) = (renewed, hold.renewing.as_mut()) {
             renewing.guards = renewing.guards.saturating_sub(1);
-            if renewing.guards == 0 {
-                table.stop_renewing(id);
-            }
+            stop_renewing |= renewing.guards == 0;
         }
-        let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
+        if stop_renewing {
+            table.schedule.stop_renewing(id, hold);
+        }
         if hold.guards > 0 {
             return Leave::Others { lost: hold.state.as_ref().is_some_and(LostSignal::is_lost) };
         }
-        table.stop_renewing(id);
-        let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
         if hold.detached {
             table.slots.remove(id);
             return Leave::Detached;
@@ -440,9 +458,10 @@ impl Holds {
 impl Table {
     /// Removes hold `id` from the table, and from `current` if it is there.
     fn forget(&mut self, id: HoldId) {
-        self.stop_renewing(id);
+        let Some(mut hold) = self.slots.remove(id) else { return };
+        self.schedule.stop_renewing(id, &mut hold);
         // A hold not detached is its key and owner's current one.
-        if let Some(hold) = self.slots.remove(id).filter(|hold| !hold.detached) {
+        if !hold.detached {
             self.current.remove(&(hold.key, hold.owner));
         }
     }
@@ -467,6 +486,14 @@ impl Table {
 
     pub(super) fn get_mut(&mut self, id: HoldId) -> Option<&mut Hold> {
         self.slots.get_mut(id)
+    }
+
+    /// Stops renewing hold `id`. A renewal already sent completes, and its
+    /// answer is ignored.
+    pub(super) fn stop_renewing(&mut self, id: HoldId) {
+        if let Some(hold) = self.slots.get_mut(id) {
+            self.schedule.stop_renewing(id, hold);
+        }
     }
 }
 
@@ -656,7 +683,8 @@ pub(super) mod tests {
             panic!("less than half the lease left")
         };
         assert_eq!(id, held.id);
-        let (joined, _) = holds.extended(id, Instant::now() + lease, None);
+        let now = Instant::now();
+        let (joined, _) = holds.extended(id, now, lease, now + lease, None);
         let joined = joined.expect("joins the extended hold");
         assert_eq!(joined.token, 7);
         assert!(held.state.valid_until() > short, "every guard of the hold sees the renewal");
