@@ -29,11 +29,11 @@
 //! the lock on the service, but each process counts its own holds, and the
 //! first last-release in any of them frees the lock for all.
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use hashbrown::hash_table::{Entry, HashTable};
 use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -65,20 +65,26 @@ pub(crate) struct Holds {
 #[derive(Default)]
 pub(super) struct Table {
     slots: Slots,
-    /// The current hold of each key and owner (not the detached ones).
-    /// Hashed with foldhash, seeded per process: every acquire and release
-    /// looks its key up here, and the random seed keeps keys that come from
-    /// requests from being chosen to collide.
-    current: HashMap<(LockKey, Owner), HoldId, foldhash::fast::RandomState>,
+    /// The current hold of each key and owner (not the detached ones),
+    /// filed under the hash of its key and owner and compared with the
+    /// hold's own: no copy of either is kept here, an acquire looks its
+    /// pair up by reference, and a hold leaves by its id and the hash it
+    /// keeps, without hashing its key again.
+    current: HashTable<HoldId>,
+    /// Hashes `current`'s pairs: foldhash, seeded per process. Every
+    /// acquire and release looks its key up there, and the random seed
+    /// keeps keys that come from requests from being chosen to collide.
+    hasher: foldhash::fast::RandomState,
     pub(super) schedule: Schedule,
 }
 
 impl Hold {
     /// A hold whose first acquire is on its way.
-    fn acquiring(req: &AcquireRequest) -> Self {
+    fn acquiring(req: &AcquireRequest, hash: u64) -> Self {
         Hold {
             key: req.key.clone(),
             owner: req.owner.clone(),
+            hash,
             phase: Phase::Acquiring,
             guards: 0,
             token: 0,
@@ -146,6 +152,8 @@ impl Hold {
 pub(super) struct Hold {
     pub(super) key: LockKey,
     pub(super) owner: Owner,
+    /// The hash of `key` and `owner`, which `current` files it under.
+    hash: u64,
     phase: Phase,
     /// The guards that hold it.
     guards: u32,
@@ -274,20 +282,29 @@ impl Holds {
     ) -> (Enter<'_>, Kick) {
         let mut guard = self.table();
         let table = &mut *guard;
-        let (id, kick) = match table.current.entry((req.key.clone(), req.owner.clone())) {
+        let hash = table.hasher.hash_one((&req.key, &req.owner));
+        let slots = &table.slots;
+        let found = table.current.entry(
+            hash,
+            |&id| slots.get(id).is_some_and(|h| h.key == req.key && h.owner == req.owner),
+            |&id| slots.get(id).map_or(0, |h| h.hash),
+        );
+        let (id, kick) = match found {
             Entry::Vacant(vacant) => {
-                let mut hold = Hold::acquiring(req);
-                let granted_at = match backend.try_acquire_now(req) {
-                    Some(Ok(grant)) => Some(hold.take(grant, req, renew)),
+                let grant = match backend.try_acquire_now(req) {
+                    Some(Ok(grant)) => Some(grant),
                     // Held, and the caller waits: the backend's `acquire` waits.
                     Some(Err(e)) if !(waits && e.is_contention()) => return (Enter::Refused(e), Kick::Nothing),
                     Some(Err(_)) | None => None,
                 };
-                let new = table.slots.insert(hold);
+                // Filed first, then granted where it lies: a hold is large,
+                // and one made aside would be copied in.
+                let (new, hold) = table.slots.insert(Hold::acquiring(req, hash));
                 vacant.insert(new);
-                let Some(granted_at) = granted_at else {
+                let Some(grant) = grant else {
                     return (Enter::First(AcquireTurn { holds: self.clone(), id: Some(new) }), Kick::Nothing);
                 };
+                let granted_at = hold.take(grant, req, renew);
                 (new, table.join(new, renew, granted_at))
             }
             Entry::Occupied(entry) => {
@@ -391,9 +408,8 @@ impl Holds {
             }
         }
         hold.detached = true;
-        let current = (hold.key.clone(), hold.owner.clone());
-        if table.current.get(&current) == Some(&id) {
-            table.current.remove(&current);
+        if let Ok(current) = table.current.find_entry(hold.hash, |&c| c == id) {
+            current.remove();
         }
         table.stop_renewing(id);
     }
@@ -458,12 +474,15 @@ impl Holds {
 impl Table {
     /// Removes hold `id` from the table, and from `current` if it is there.
     fn forget(&mut self, id: HoldId) {
-        let Some(mut hold) = self.slots.remove(id) else { return };
-        self.schedule.stop_renewing(id, &mut hold);
+        let Some(hold) = self.slots.get_mut(id) else { return };
+        self.schedule.stop_renewing(id, hold);
         // A hold not detached is its key and owner's current one.
         if !hold.detached {
-            self.current.remove(&(hold.key, hold.owner));
+            if let Ok(current) = self.current.find_entry(hold.hash, |&c| c == id) {
+                current.remove();
+            }
         }
+        self.slots.remove(id);
     }
 
     /// One more guard joins hold `id`, renewed by the watchdog when `renew`
@@ -544,7 +563,7 @@ struct Slots {
 }
 
 impl Slots {
-    fn insert(&mut self, hold: Hold) -> HoldId {
+    fn insert(&mut self, hold: Hold) -> (HoldId, &mut Hold) {
         self.len += 1;
         let index = match self.free.pop() {
             Some(i) => i,
@@ -555,8 +574,8 @@ impl Slots {
         };
         let slot = &mut self.slots[index as usize];
         slot.0 = slot.0.wrapping_add(1);
-        slot.1 = Some(hold);
-        (u64::from(slot.0) << 32) | u64::from(index)
+        let id = (u64::from(slot.0) << 32) | u64::from(index);
+        (id, slot.1.insert(hold))
     }
 
     fn get(&self, id: HoldId) -> Option<&Hold> {
@@ -575,15 +594,16 @@ impl Slots {
         }
     }
 
-    fn remove(&mut self, id: HoldId) -> Option<Hold> {
+    /// Drops hold `id` where it lies: a hold is large, and moving it out
+    /// to drop it cost a copy per release.
+    fn remove(&mut self, id: HoldId) {
         let (generation, index) = ((id >> 32) as u32, id as u32);
-        let hold = match self.slots.get_mut(index as usize) {
-            Some((g, hold)) if *g == generation => hold.take()?,
-            _ => return None,
-        };
+        match self.slots.get_mut(index as usize) {
+            Some((g, hold @ Some(_))) if *g == generation => *hold = None,
+            _ => return,
+        }
         self.free.push(index);
         self.len -= 1;
-        Some(hold)
     }
 }
 
