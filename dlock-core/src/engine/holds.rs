@@ -299,7 +299,7 @@ impl Holds {
                 };
                 // Filed first, then granted where it lies: a hold is large,
                 // and one made aside would be copied in.
-                let (new, hold) = table.slots.insert(Hold::acquiring(req, hash));
+                let (new, hold) = table.slots.insert_with(|| Hold::acquiring(req, hash));
                 vacant.insert(new);
                 let Some(grant) = grant else {
                     return (Enter::First(AcquireTurn { holds: self.clone(), id: Some(new) }), Kick::Nothing);
@@ -563,7 +563,10 @@ struct Slots {
 }
 
 impl Slots {
-    fn insert(&mut self, hold: Hold) -> (HoldId, &mut Hold) {
+    /// Files the hold `make` makes, made in its slot where the compiler
+    /// allows (a hold is large).
+    #[inline]
+    fn insert_with(&mut self, make: impl FnOnce() -> Hold) -> (HoldId, &mut Hold) {
         self.len += 1;
         let index = match self.free.pop() {
             Some(i) => i,
@@ -575,7 +578,7 @@ impl Slots {
         let slot = &mut self.slots[index as usize];
         slot.0 = slot.0.wrapping_add(1);
         let id = (u64::from(slot.0) << 32) | u64::from(index);
-        (id, slot.1.insert(hold))
+        (id, slot.1.insert(make()))
     }
 
     fn get(&self, id: HoldId) -> Option<&Hold> {
