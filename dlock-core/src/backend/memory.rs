@@ -48,7 +48,10 @@ pub struct MemoryBackend {
 
 #[derive(Debug, Default)]
 struct State {
-    slots: HashMap<LockKey, Slot>,
+    /// Hashed with foldhash, seeded per process, as the engine's hold
+    /// table: every acquire and release hashes its key here, and SipHash
+    /// cost more than the rest of the look-up.
+    slots: HashMap<LockKey, Slot, foldhash::fast::RandomState>,
     /// One counter for all keys: strictly increasing per key, trivially.
     last_fence: u64,
 }

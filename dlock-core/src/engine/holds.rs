@@ -29,11 +29,11 @@
 //! the lock on the service, but each process counts its own holds, and the
 //! first last-release in any of them frees the lock for all.
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use hashbrown::hash_table::{Entry, HashTable};
 use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -65,20 +65,26 @@ pub(crate) struct Holds {
 #[derive(Default)]
 pub(super) struct Table {
     slots: Slots,
-    /// The current hold of each key and owner (not the detached ones).
-    /// Hashed with foldhash, seeded per process: every acquire and release
-    /// looks its key up here, and the random seed keeps keys that come from
-    /// requests from being chosen to collide.
-    current: HashMap<(LockKey, Owner), HoldId, foldhash::fast::RandomState>,
+    /// The current hold of each key and owner (not the detached ones),
+    /// filed under the hash of its key and owner and compared with the
+    /// hold's own: no copy of either is kept here, an acquire looks its
+    /// pair up by reference, and a hold leaves by its id and the hash it
+    /// keeps, without hashing its key again.
+    current: HashTable<HoldId>,
+    /// Hashes `current`'s pairs: foldhash, seeded per process. Every
+    /// acquire and release looks its key up there, and the random seed
+    /// keeps keys that come from requests from being chosen to collide.
+    hasher: foldhash::fast::RandomState,
     pub(super) schedule: Schedule,
 }
 
 impl Hold {
     /// A hold whose first acquire is on its way.
-    fn acquiring(req: &AcquireRequest) -> Self {
+    fn acquiring(req: &AcquireRequest, hash: u64) -> Self {
         Hold {
             key: req.key.clone(),
             owner: req.owner.clone(),
+            hash,
             phase: Phase::Acquiring,
             guards: 0,
             token: 0,
@@ -123,12 +129,31 @@ impl Hold {
         self.state = Some(state);
         granted_at
     }
+
+    /// The backend renewed this hold until `valid_until`, answering a
+    /// renewal for `lease` sent at `sent` (the watchdog's, or that of an
+    /// acquire joining a hold short of lease). Its end moves forward, never
+    /// back, and never past `sent + lease`: the backend measures from its
+    /// own send, and the hold keeps only what our clock can vouch for.
+    pub(super) fn renewed(&mut self, sent: Instant, lease: Duration, valid_until: Instant) {
+        let valid_until = valid_until.min(sent + lease);
+        if let Some(at) = self.valid_until.as_mut() {
+            if valid_until > *at {
+                *at = valid_until;
+                if let Some(state) = &self.state {
+                    state.renewed(valid_until);
+                }
+            }
+        }
+    }
 }
 
 /// One hold: one lock on the service, however many guards share it.
 pub(super) struct Hold {
     pub(super) key: LockKey,
     pub(super) owner: Owner,
+    /// The hash of `key` and `owner`, which `current` files it under.
+    hash: u64,
     phase: Phase,
     /// The guards that hold it.
     guards: u32,
@@ -257,54 +282,63 @@ impl Holds {
     ) -> (Enter<'_>, Kick) {
         let mut guard = self.table();
         let table = &mut *guard;
-        let current = match table.current.entry((req.key.clone(), req.owner.clone())) {
-            Entry::Occupied(entry) => *entry.get(),
+        let hash = table.hasher.hash_one((&req.key, &req.owner));
+        let slots = &table.slots;
+        let found = table.current.entry(
+            hash,
+            |&id| slots.get(id).is_some_and(|h| h.key == req.key && h.owner == req.owner),
+            |&id| slots.get(id).map_or(0, |h| h.hash),
+        );
+        let (id, kick) = match found {
             Entry::Vacant(vacant) => {
-                let mut hold = Hold::acquiring(req);
-                let granted_at = match backend.try_acquire_now(req) {
-                    Some(Ok(grant)) => Some(hold.take(grant, req, renew)),
+                let grant = match backend.try_acquire_now(req) {
+                    Some(Ok(grant)) => Some(grant),
                     // Held, and the caller waits: the backend's `acquire` waits.
                     Some(Err(e)) if !(waits && e.is_contention()) => return (Enter::Refused(e), Kick::Nothing),
                     Some(Err(_)) | None => None,
                 };
-                let new = table.slots.insert(hold);
+                // Filed first, then granted where it lies: a hold is large,
+                // and one made aside would be copied in.
+                let (new, hold) = table.slots.insert_with(|| Hold::acquiring(req, hash));
                 vacant.insert(new);
-                let Some(granted_at) = granted_at else {
+                let Some(grant) = grant else {
                     return (Enter::First(AcquireTurn { holds: self.clone(), id: Some(new) }), Kick::Nothing);
                 };
-                let kick = table.join(new, renew, granted_at);
-                return match table.joined(new) {
-                    Some(joined) => (Enter::Joined(joined), kick),
-                    None => (Enter::Wait(self.settled.notified()), kick),
+                let granted_at = hold.take(grant, req, renew);
+                (new, table.join(new, renew, granted_at))
+            }
+            Entry::Occupied(entry) => {
+                let current = *entry.get();
+                let Some(hold) = table.slots.get_mut(current) else {
+                    // Not reachable: an id in `current` always has its slot.
+                    entry.remove();
+                    return (Enter::Wait(self.settled.notified()), Kick::Nothing);
                 };
+                match hold.phase {
+                    Phase::Acquiring | Phase::Releasing { retrying: true } if !waits => {
+                        return (Enter::Busy, Kick::Nothing)
+                    }
+                    Phase::Acquiring | Phase::Releasing { .. } => {
+                        hold.awaited = true;
+                        return (Enter::Wait(self.settled.notified()), Kick::Nothing);
+                    }
+                    Phase::Held => {}
+                }
+                if hold.state.as_ref().is_some_and(LostSignal::is_lost) {
+                    // Lost: its guards were told. The next hold is a new one, and
+                    // theirs send nothing when they go.
+                    hold.detached = true;
+                    entry.remove();
+                    drop(guard);
+                    return self.enter(req, waits, renew, backend);
+                }
+                if hold.valid_until.is_some_and(|at| at < Instant::now() + req.lease / 2) {
+                    return (Enter::Extend(current), Kick::Nothing);
+                }
+                (current, table.join(current, renew, renew.map(|_| Instant::now())))
             }
         };
-        let Some(hold) = table.slots.get_mut(current) else {
-            // Not reachable: an id in `current` always has its slot.
-            table.current.remove(&(req.key.clone(), req.owner.clone()));
-            return (Enter::Wait(self.settled.notified()), Kick::Nothing);
-        };
-        match hold.phase {
-            Phase::Acquiring | Phase::Releasing { retrying: true } if !waits => return (Enter::Busy, Kick::Nothing),
-            Phase::Acquiring | Phase::Releasing { .. } => {
-                hold.awaited = true;
-                return (Enter::Wait(self.settled.notified()), Kick::Nothing);
-            }
-            Phase::Held => {}
-        }
-        if hold.state.as_ref().is_some_and(LostSignal::is_lost) {
-            // Lost: its guards were told. The next hold is a new one, and
-            // theirs send nothing when they go.
-            hold.detached = true;
-            table.current.remove(&(req.key.clone(), req.owner.clone()));
-            drop(guard);
-            return self.enter(req, waits, renew, backend);
-        }
-        if hold.valid_until.is_some_and(|at| at < Instant::now() + req.lease / 2) {
-            return (Enter::Extend(current), Kick::Nothing);
-        }
-        let kick = table.join(current, renew, renew.map(|_| Instant::now()));
-        match table.joined(current) {
+        match table.joined(id) {
             Some(joined) => (Enter::Joined(joined), kick),
             None => (Enter::Wait(self.settled.notified()), kick),
         }
@@ -342,21 +376,22 @@ impl Holds {
         }
     }
 
-    /// The backend renewed hold `id` until `valid_until` for an acquire that
-    /// joins it; `None` when it is no longer the hold to join (look again).
-    pub(super) fn extended(&self, id: HoldId, valid_until: Instant, renew: Option<Renew>) -> (Option<Joined>, Kick) {
+    /// The backend renewed hold `id` until `valid_until` (for `lease`, asked
+    /// at `sent`) for an acquire that joins it; `None` when it is no longer
+    /// the hold to join (look again).
+    pub(super) fn extended(
+        &self,
+        id: HoldId,
+        sent: Instant,
+        lease: Duration,
+        valid_until: Instant,
+        renew: Option<Renew>,
+    ) -> (Option<Joined>, Kick) {
         let mut table = self.table();
         let Some(hold) = table.slots.get_mut(id).filter(|h| h.phase == Phase::Held && !h.detached) else {
             return (None, Kick::Nothing);
         };
-        if let Some(at) = hold.valid_until.as_mut() {
-            if valid_until > *at {
-                *at = valid_until;
-                if let Some(state) = &hold.state {
-                    state.renewed(valid_until);
-                }
-            }
-        }
+        hold.renewed(sent, lease, valid_until);
         let kick = table.join(id, renew, renew.map(|_| Instant::now()));
         (table.joined(id), kick)
     }
@@ -373,9 +408,8 @@ impl Holds {
             }
         }
         hold.detached = true;
-        let current = (hold.key.clone(), hold.owner.clone());
-        if table.current.get(&current) == Some(&id) {
-            table.current.remove(&current);
+        if let Ok(current) = table.current.find_entry(hold.hash, |&c| c == id) {
+            current.remove();
         }
         table.stop_renewing(id);
     }
@@ -388,18 +422,18 @@ impl Holds {
         let table = &mut *guard;
         let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
         hold.guards = hold.guards.saturating_sub(1);
+        // The last guard, or the last watchdog-mode one: nothing renews it now.
+        let mut stop_renewing = hold.guards == 0;
         if let (true, Some(renewing)) = (renewed, hold.renewing.as_mut()) {
             renewing.guards = renewing.guards.saturating_sub(1);
-            if renewing.guards == 0 {
-                table.stop_renewing(id);
-            }
+            stop_renewing |= renewing.guards == 0;
         }
-        let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
+        if stop_renewing {
+            table.schedule.stop_renewing(id, hold);
+        }
         if hold.guards > 0 {
             return Leave::Others { lost: hold.state.as_ref().is_some_and(LostSignal::is_lost) };
         }
-        table.stop_renewing(id);
-        let Some(hold) = table.slots.get_mut(id) else { return Leave::Detached };
         if hold.detached {
             table.slots.remove(id);
             return Leave::Detached;
@@ -440,11 +474,15 @@ impl Holds {
 impl Table {
     /// Removes hold `id` from the table, and from `current` if it is there.
     fn forget(&mut self, id: HoldId) {
-        self.stop_renewing(id);
+        let Some(hold) = self.slots.get_mut(id) else { return };
+        self.schedule.stop_renewing(id, hold);
         // A hold not detached is its key and owner's current one.
-        if let Some(hold) = self.slots.remove(id).filter(|hold| !hold.detached) {
-            self.current.remove(&(hold.key, hold.owner));
+        if !hold.detached {
+            if let Ok(current) = self.current.find_entry(hold.hash, |&c| c == id) {
+                current.remove();
+            }
         }
+        self.slots.remove(id);
     }
 
     /// One more guard joins hold `id`, renewed by the watchdog when `renew`
@@ -467,6 +505,14 @@ impl Table {
 
     pub(super) fn get_mut(&mut self, id: HoldId) -> Option<&mut Hold> {
         self.slots.get_mut(id)
+    }
+
+    /// Stops renewing hold `id`. A renewal already sent completes, and its
+    /// answer is ignored.
+    pub(super) fn stop_renewing(&mut self, id: HoldId) {
+        if let Some(hold) = self.slots.get_mut(id) {
+            self.schedule.stop_renewing(id, hold);
+        }
     }
 }
 
@@ -517,7 +563,10 @@ struct Slots {
 }
 
 impl Slots {
-    fn insert(&mut self, hold: Hold) -> HoldId {
+    /// Files the hold `make` makes, made in its slot where the compiler
+    /// allows (a hold is large).
+    #[inline]
+    fn insert_with(&mut self, make: impl FnOnce() -> Hold) -> (HoldId, &mut Hold) {
         self.len += 1;
         let index = match self.free.pop() {
             Some(i) => i,
@@ -528,8 +577,8 @@ impl Slots {
         };
         let slot = &mut self.slots[index as usize];
         slot.0 = slot.0.wrapping_add(1);
-        slot.1 = Some(hold);
-        (u64::from(slot.0) << 32) | u64::from(index)
+        let id = (u64::from(slot.0) << 32) | u64::from(index);
+        (id, slot.1.insert(make()))
     }
 
     fn get(&self, id: HoldId) -> Option<&Hold> {
@@ -548,15 +597,16 @@ impl Slots {
         }
     }
 
-    fn remove(&mut self, id: HoldId) -> Option<Hold> {
+    /// Drops hold `id` where it lies: a hold is large, and moving it out
+    /// to drop it cost a copy per release.
+    fn remove(&mut self, id: HoldId) {
         let (generation, index) = ((id >> 32) as u32, id as u32);
-        let hold = match self.slots.get_mut(index as usize) {
-            Some((g, hold)) if *g == generation => hold.take()?,
-            _ => return None,
-        };
+        match self.slots.get_mut(index as usize) {
+            Some((g, hold @ Some(_))) if *g == generation => *hold = None,
+            _ => return,
+        }
         self.free.push(index);
         self.len -= 1;
-        Some(hold)
     }
 }
 
@@ -656,7 +706,8 @@ pub(super) mod tests {
             panic!("less than half the lease left")
         };
         assert_eq!(id, held.id);
-        let (joined, _) = holds.extended(id, Instant::now() + lease, None);
+        let now = Instant::now();
+        let (joined, _) = holds.extended(id, now, lease, now + lease, None);
         let joined = joined.expect("joins the extended hold");
         assert_eq!(joined.token, 7);
         assert!(held.state.valid_until() > short, "every guard of the hold sees the renewal");

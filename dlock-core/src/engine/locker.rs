@@ -332,7 +332,7 @@ impl Locker {
                     let sent = Instant::now();
                     match engine.backend.renew(key, &req.owner, lease).await? {
                         Renewal::Held { valid_until } => {
-                            let (joined, kick) = engine.holds.extended(id, valid_until.min(sent + lease), renew);
+                            let (joined, kick) = engine.holds.extended(id, sent, lease, valid_until, renew);
                             engine.kick(kick);
                             if let Some(joined) = joined {
                                 return Ok(LockGuard::new(engine.clone(), req, joined, renewed));

@@ -25,7 +25,7 @@ use std::time::Duration;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::time::{sleep_until, Instant};
 
-use super::holds::{HoldId, Kick, Renew, Table};
+use super::holds::{Hold, HoldId, Kick, Renew, Table};
 use super::Engine;
 use crate::backend::signal::{renewed_lease_expired, Expiry};
 use crate::backend::{LostReason, Renewal};
@@ -47,6 +47,25 @@ pub(crate) struct Schedule {
     running: bool,
     /// When the task wakes if nothing earlier is filed.
     sleeping_until: Option<Instant>,
+}
+
+impl Schedule {
+    /// Stops renewing `hold`, filed as `id` (the caller has it in hand,
+    /// see [`Table::stop_renewing`]). A renewal already sent completes, and
+    /// its answer is ignored.
+    pub(super) fn stop_renewing(&mut self, id: HoldId, hold: &mut Hold) {
+        let Some(renewing) = hold.renewing.take() else { return };
+        if let (Some(state), Some(valid_until)) = (&hold.state, hold.valid_until) {
+            // Its guards that remain have fixed leases: what passes now is one.
+            if !state.is_lost() {
+                state.set_terms(valid_until, Expiry::Lease);
+            }
+        }
+        self.filed -= 1;
+        if renewing.in_due {
+            self.due.remove(&(renewing.filed_at, id));
+        }
+    }
 }
 
 /// How one hold is renewed.
@@ -137,23 +156,6 @@ impl Table {
         }
     }
 
-    /// Stops renewing hold `id`. A renewal already sent completes, and its
-    /// answer is ignored.
-    pub(super) fn stop_renewing(&mut self, id: HoldId) {
-        let Some(hold) = self.get_mut(id) else { return };
-        let Some(renewing) = hold.renewing.take() else { return };
-        if let (Some(state), Some(valid_until)) = (&hold.state, hold.valid_until) {
-            // Its guards that remain have fixed leases: what passes now is one.
-            if !state.is_lost() {
-                state.set_terms(valid_until, Expiry::Lease);
-            }
-        }
-        self.schedule.filed -= 1;
-        if renewing.in_due {
-            self.schedule.due.remove(&(renewing.filed_at, id));
-        }
-    }
-
     /// Files hold `id` under the instant it next needs attention, moving it
     /// from where it was filed before.
     fn file(&mut self, id: HoldId) {
@@ -195,7 +197,7 @@ impl Table {
     }
 }
 
-fn lose(hold: &super::holds::Hold, reason: LostReason) {
+fn lose(hold: &Hold, reason: LostReason) {
     if hold.state.as_ref().is_some_and(|s| s.lose(reason)) {
         tracing::warn!(key = %hold.key.log_id(), %reason, "dlock.lost");
     }
@@ -319,24 +321,17 @@ fn settle(engine: &Engine, (id, sent, result): RenewalResult) {
     match result {
         Ok(Renewal::Held { valid_until }) => {
             tracing::trace!(key = %hold.key.log_id(), took_us = sent.elapsed().as_micros() as u64, "dlock.renew");
-            // The backend measures from its own send; never extend past what
-            // our clock can vouch for.
-            let valid_until = valid_until.min(sent + renewing.lease);
             renewing.next_renewal = sent + renewing.lease / 3;
-            let current = hold.valid_until.unwrap_or(valid_until);
-            if Instant::now() >= current {
+            let lease = renewing.lease;
+            // A renewed hold always has a lease (`Table::renew` files no other).
+            if hold.valid_until.is_some_and(|current| Instant::now() >= current) {
                 // Too late: the lease ran out before the answer came, and
                 // another holder may have been granted meanwhile. The first
                 // verdict stands.
                 table.lease_ended(id);
                 return;
             }
-            if valid_until > current {
-                hold.valid_until = Some(valid_until);
-                if let Some(state) = &hold.state {
-                    state.renewed(valid_until);
-                }
-            }
+            hold.renewed(sent, lease, valid_until);
         }
         Ok(Renewal::Lost) => {
             lose(hold, LostReason::Stolen);

@@ -418,36 +418,6 @@ impl redis::aio::ConnectionLike for SentinelConn {
     }
 }
 
-/// Where `redis+sentinel://[user:password@]host:port,host:port/master-name`
-/// points; the credentials are the master's.
-pub(super) struct SentinelTarget {
-    pub(super) sentinels: Vec<String>,
-    pub(super) master: String,
-    pub(super) auth: Option<(Option<String>, String)>,
-}
-
-pub(super) fn sentinel_target(url: &str) -> Option<Result<SentinelTarget>> {
-    let rest = url.strip_prefix("redis+sentinel://")?;
-    let (auth, rest) = match rest.rsplit_once('@') {
-        Some((auth, rest)) => {
-            let (user, password) = match auth.split_once(':') {
-                Some((u, p)) => ((!u.is_empty()).then(|| u.to_owned()), p.to_owned()),
-                None => (None, auth.to_owned()),
-            };
-            (Some((user, password)), rest)
-        }
-        None => (None, rest),
-    };
-    let Some((hosts, master)) = rest.split_once('/').filter(|(_, m)| !m.is_empty()) else {
-        return Some(Err(Error::config(
-            "DLOCK_REDIS_URL",
-            "a Sentinel URL names the master: redis+sentinel://host:port,host:port/master-name",
-        )));
-    };
-    let sentinels = hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(|h| format!("redis://{h}")).collect();
-    Some(Ok(SentinelTarget { sentinels, master: master.to_owned(), auth }))
-}
-
 impl Conn {
     /// Changes whenever the connection to the server is re-established (a
     /// server behind it may have restarted meanwhile); constant for a
