@@ -123,13 +123,21 @@ async fn every_guard_of_a_lost_session_learns_it() {
     keep_logs();
     let server = ZooKeeperServer::start();
     let proxy = FaultProxy::start(server.port());
-    let backend = ZooKeeperBackend::connect_with(
-        &format!("127.0.0.1:{}", proxy.port()),
-        "dlock",
-        ZooKeeperOptions::default().with_session_timeout(Duration::from_millis(1_000)),
-    )
-    .await
-    .expect("connect through the proxy");
+    // A session of 1 s gives its first connect about that long: on a loaded
+    // machine a JVM that just started may not answer in time (a CI run saw
+    // three refused session requests), so connecting is retried a while.
+    let started = std::time::Instant::now();
+    let backend = loop {
+        let options = ZooKeeperOptions::default().with_session_timeout(Duration::from_millis(1_000));
+        match ZooKeeperBackend::connect_with(&format!("127.0.0.1:{}", proxy.port()), "dlock", options).await {
+            Ok(backend) => break backend,
+            Err(e) if started.elapsed() < Duration::from_secs(20) => {
+                eprintln!("connect through the proxy: {e}; again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("connect through the proxy: {e}"),
+        }
+    };
     let holder = locker(backend);
     let owner = dlock_core::Owner::random().expect("owner");
     let fixed = || AcquireOptions::new().with_lease(Duration::from_secs(60)).with_owner(owner.clone());
