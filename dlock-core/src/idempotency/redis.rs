@@ -201,41 +201,35 @@ impl RedisStore {
         self
     }
 
-    /// The pools that count a record of the caller hashed to `tag`.
-    fn record_pools(&self, tag: &str) -> Vec<Pool> {
+    /// The pools that count an entry of kind `kind` (`rp` records, `tp`
+    /// bound tokens) of the caller hashed to `tag`: the caller's, and the
+    /// total where one can be counted (not on Redis Cluster).
+    fn caller_pools(&self, kind: &str, tag: &str) -> Vec<Pool> {
         let l = &self.limits;
         let mut pools = vec![Pool {
-            key: format!("{}:idem:rp:{{{tag}}}", self.prefix),
+            key: format!("{}:idem:{kind}:{{{tag}}}", self.prefix),
             max: l.max_per_scope(),
             max_bytes: l.max_bytes_per_scope(),
             per_scope: true,
         }];
         if self.total {
-            let key = format!("{}:idem:rp:all", self.prefix);
+            let key = format!("{}:idem:{kind}:all", self.prefix);
             pools.push(Pool { key, max: l.max_records(), max_bytes: l.max_bytes(), per_scope: false });
         }
         pools
     }
 
     /// The pools that count a token bound to the caller hashed to `tag`, or
-    /// (none) an unbound one.
+    /// (none) an unbound one: the unbound tokens' pool of their own.
     fn token_pools(&self, tag: Option<&str>) -> Vec<Pool> {
-        let l = &self.limits;
-        let Some(tag) = tag else {
-            let key = format!("{}:idem:tp:{{anon}}", self.prefix);
-            return vec![Pool { key, max: l.max_unbound_tokens(), max_bytes: u64::MAX >> 11, per_scope: false }];
-        };
-        let mut pools = vec![Pool {
-            key: format!("{}:idem:tp:{{{tag}}}", self.prefix),
-            max: l.max_per_scope(),
-            max_bytes: l.max_bytes_per_scope(),
-            per_scope: true,
-        }];
-        if self.total {
-            let key = format!("{}:idem:tp:all", self.prefix);
-            pools.push(Pool { key, max: l.max_records(), max_bytes: l.max_bytes(), per_scope: false });
+        match tag {
+            Some(tag) => self.caller_pools("tp", tag),
+            None => {
+                let key = format!("{}:idem:tp:{{anon}}", self.prefix);
+                let max = self.limits.max_unbound_tokens();
+                vec![Pool { key, max, max_bytes: u64::MAX >> 11, per_scope: false }]
+            }
         }
-        pools
     }
 
     /// The refusal for the `i`-th (1-based) of `pools` being full.
@@ -344,7 +338,7 @@ impl RedisStore {
     fn record(&self, scope: &str, key: &str) -> (String, Vec<Pool>) {
         let tag = fingerprint(&[scope]);
         let id = fingerprint(&[scope, key]);
-        (format!("{}:idem:r:{{{tag}}}:{id}", self.prefix), self.record_pools(&tag))
+        (format!("{}:idem:r:{{{tag}}}:{id}", self.prefix), self.caller_pools("rp", &tag))
     }
 }
 
