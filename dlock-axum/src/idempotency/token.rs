@@ -259,12 +259,9 @@ impl<S> RequireToken<S> {
     /// it sent more than one (two headers, two query parameters, or both,
     /// even if equal). A header that is not text is a token no store knows.
     fn token(&self, req: &Request<Body>) -> Result<Option<String>, Rejection> {
-        let mut headers = req.headers().get_all(TOKEN_HEADER).iter();
-        let header = match (headers.next(), headers.next()) {
-            (None, _) => None,
-            (Some(v), None) => Some(String::from_utf8_lossy(v.as_bytes()).trim().to_owned()),
-            (Some(_), Some(_)) => return Err(Rejection::idempotency_token_duplicated()),
-        };
+        let header = crate::headers::sole(req.headers(), TOKEN_HEADER)
+            .map_err(|_| Rejection::idempotency_token_duplicated())?
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).trim().to_owned());
         let mut query = match (self.layer.query_param.as_deref(), req.uri().query()) {
             (Some(name), Some(query)) => {
                 form_urlencoded::parse(query.as_bytes()).filter(|(k, _)| k == name).map(|(_, v)| v).collect()
