@@ -15,5 +15,6 @@ cargo test --workspace --all-features --no-fail-fast "$@"
 # What a build without TLS promises (a `rediss://` URL is a start-up error
 # naming the `tls` feature, not a plain-text connection) is tested under
 # `#[cfg(not(feature = "tls"))]`, which --all-features never compiles: one
-# narrow pass without the feature runs those tests.
-cargo test -p dlock-core --no-fail-fast --lib --test redis_backend -- tls
+# narrow pass without the feature runs those tests, and the one that pins a
+# backend whose feature is off (ZooKeeper here) as the first error reported.
+cargo test -p dlock-core --no-fail-fast --lib --test redis_backend -- tls without_its_feature

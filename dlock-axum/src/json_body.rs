@@ -3,8 +3,8 @@
 use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
 
-use crate::install::Dlock;
-use crate::lock::body::{discard, read_body, require_json_content_type};
+use crate::install::installed;
+use crate::lock::body::{discard, read_body, require_json_content_type, BodyLimits};
 use crate::rejection::Rejection;
 
 /// A JSON request body, read and refused exactly as [`LockLayer`](crate::LockLayer)
@@ -14,7 +14,7 @@ use crate::rejection::Rejection;
 /// |---|---|
 /// | `Content-Type` present and not JSON | `415 unsupported_media_type` |
 /// | longer than the installed engine's `max_body_bytes` (`DLOCK_MAX_BODY_BYTES`) | `413 payload_too_large` |
-/// | still arriving after the engine's [`body_read_timeout`](crate::Dlock::body_read_timeout) | `408 request_timeout` |
+/// | still arriving after the engine's [`body_read_timeout`](crate::DlockRuntime::body_read_timeout) | `408 request_timeout` |
 /// | not JSON, or JSON of the wrong shape | `400 invalid_json` |
 /// | a field of `T` missing | `400 lock_key_field_missing` |
 /// | cannot be read | `400 request_body_unreadable` |
@@ -61,7 +61,8 @@ where
             discard(&parts.headers, body, false).await;
             return Err(rejection);
         }
-        let bytes = read_body(&parts.headers, body, Dlock::body_limits_in(&parts.extensions, None)).await?;
+        let limits = BodyLimits::of(installed(&parts.extensions), None);
+        let bytes = read_body(&parts.headers, body, limits).await?;
         parse(&bytes).map(JsonBody)
     }
 }

@@ -12,9 +12,11 @@
 //!   `{"error": "<machine code>", "code": <number>, "message": "<text>"}`;
 //!   [`RenderRejections`] renders all of them, from every layer and the
 //!   macro, in the application's own shape or as RFC 9457 Problem Details.
-//! * [`LockerExt::with_locker`] and [`from_env`] install the engine built from
-//!   the `DLOCK_*` environment variables, with the settings the layers take
-//!   from them ([`Dlock`]), in one line, after the routes.
+//! * [`from_env`] connects what the `DLOCK_*` environment variables name, a
+//!   [`DlockRuntime`]: the lock engine, the idempotency store and their
+//!   settings; [`LockerExt::with_locker`] installs it in every request, in
+//!   one line, after the routes, where every layer finds it. [`ready`] is
+//!   its readiness probe.
 //!
 //! Features: `tls` (`rediss://`) and `zookeeper` (`DLOCK_BACKEND=zookeeper`)
 //! forward dlock-core's features of those names.
@@ -56,9 +58,10 @@ mod request;
 pub mod __private;
 
 pub use dlock_core;
+pub use dlock_core::DlockRuntime;
 #[doc = include_str!("lockable.md")]
 pub use dlock_macros::lockable;
-pub use install::{from_env, locker_from_extensions, Dlock, LockerExt};
+pub use install::{from_env, installed, ready, LockerExt};
 pub use json_body::JsonBody;
 pub use lock::LockLayer;
 pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};

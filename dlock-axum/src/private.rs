@@ -34,7 +34,7 @@ where
     type Rejection = Infallible;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        let Some(locker) = crate::install::locker_from_extensions(&parts.extensions).cloned() else {
+        let Some(locker) = crate::install::installed(&parts.extensions).map(|dlock| dlock.locker().clone()) else {
             return Ok(LockContext { engine: Err(Refusal::no_engine()) });
         };
         let engine = match RequestOwner::get_or_insert(&mut parts.extensions) {

@@ -10,9 +10,9 @@ use axum::http::{Request, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
+use dlock_axum::idempotency::{IdempotencyLayer, Scope};
 use dlock_axum::{LockLayer, LockerExt};
-use dlock_core::idempotency::MemoryStore;
+use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -69,9 +69,11 @@ async fn a_key_parameter_or_header_sent_twice_is_400() {
 #[tokio::test]
 async fn an_idempotency_key_sent_twice_is_400() {
     let calls = Arc::new(AtomicUsize::new(0));
-    let idem = Idempotency::new(Arc::new(MemoryStore::new()));
-    let app: Router = Router::new()
-        .route("/pay", post(counting(&calls)).layer(IdempotencyLayer::new(idem).with_scope(Scope::shared())));
+    let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
+    let app: Router = Router::new().route(
+        "/pay",
+        post(counting(&calls)).layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+    );
     let pay = |keys: &[&str]| {
         let mut b = Request::post("/pay");
         for k in keys {

@@ -18,7 +18,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope, TokenLayer};
+use dlock_axum::idempotency::{IdempotencyLayer, Scope, TokenLayer};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore, RedisStore};
 use tower::ServiceExt;
 
@@ -35,8 +35,12 @@ enum Effect {
 
 /// `/pay` behind `IdempotencyLayer` (scoped by `x-user`) and `/submit`
 /// behind `TokenLayer`; both count their side effects in `runs`.
-fn app(store: Arc<dyn IdempotencyStore>, effect: Effect, runs: Arc<AtomicUsize>) -> (Router, Idempotency) {
-    let idem = Idempotency::new(store);
+fn app(
+    store: Arc<dyn IdempotencyStore>,
+    effect: Effect,
+    runs: Arc<AtomicUsize>,
+) -> (Router, Arc<dyn IdempotencyStore>) {
+    let idem: Arc<dyn IdempotencyStore> = store;
     let route = move || {
         let runs = runs.clone();
         async move {
@@ -54,9 +58,10 @@ fn app(store: Arc<dyn IdempotencyStore>, effect: Effect, runs: Arc<AtomicUsize>)
     let app = Router::new()
         .route(
             "/pay",
-            post(route.clone()).layer(IdempotencyLayer::new(idem.clone()).with_scope(Scope::header("x-user"))),
+            post(route.clone())
+                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::header("x-user"))),
         )
-        .route("/submit", post(route).layer(TokenLayer::new(idem.clone())));
+        .route("/submit", post(route).layer(TokenLayer::new().with_store(idem.clone())));
     (app, idem)
 }
 
@@ -125,7 +130,7 @@ async fn hang_ups_never_run_twice(store: Arc<dyn IdempotencyStore>) {
         let runs = Arc::new(AtomicUsize::new(0));
         let (app, idem) = app(store.clone(), effect, runs.clone());
         let addr = serve(app).await;
-        let token = idem.store().issue_token(Duration::from_secs(60)).await.expect("issue");
+        let token = idem.issue_token(Duration::from_secs(60)).await.expect("issue");
         let key = format!("idempotency-key: hang-up-{n}-{}", std::process::id());
         let (pay, submit) = (request("/pay", &key), request("/submit", &format!("idempotency-token: {token}")));
         let (pay_answers, submit_answers) = tokio::task::spawn_blocking(move || {
@@ -167,7 +172,7 @@ async fn hang_ups_never_run_a_route_twice_on_the_redis_store() {
 async fn a_body_that_fails_after_the_side_effect_does_not_free_the_key() {
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = runs.clone();
-    let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+    let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let app: Router = Router::new().route(
         "/pay",
         post(move || {
@@ -179,7 +184,7 @@ async fn a_body_that_fails_after_the_side_effect_does_not_free_the_key() {
                 (StatusCode::CREATED, Body::from_stream(futures_util::stream::iter(chunks))).into_response()
             }
         })
-        .layer(IdempotencyLayer::new(idem).with_scope(Scope::shared())),
+        .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
     );
     let pay =
         || Request::post("/pay").header("idempotency-key", "broken-body").body(Body::from("{}")).expect("request");
@@ -203,7 +208,7 @@ async fn a_slow_route_keeps_its_claim_and_a_dead_ones_outcome_is_unknown() {
     let store: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = runs.clone();
-    let idem = Idempotency::new(store.clone());
+    let idem: Arc<dyn IdempotencyStore> = store.clone();
     let app: Router = Router::new().route(
         "/pay",
         post(move || {
@@ -214,7 +219,7 @@ async fn a_slow_route_keeps_its_claim_and_a_dead_ones_outcome_is_unknown() {
                 StatusCode::CREATED
             }
         })
-        .layer(IdempotencyLayer::new(idem).with_scope(Scope::shared()).lease(lease)),
+        .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared()).lease(lease)),
     );
     let pay = |key: &str| Request::post("/pay").header("idempotency-key", key).body(Body::from("{}")).expect("request");
     let first = tokio::spawn(app.clone().oneshot(pay("slow")));
@@ -253,7 +258,7 @@ async fn a_slow_route_keeps_its_token_and_a_dead_ones_outcome_is_unknown() {
     let store: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = runs.clone();
-    let idem = Idempotency::new(store.clone());
+    let idem: Arc<dyn IdempotencyStore> = store.clone();
     let app: Router = Router::new().route(
         "/submit",
         post(move || {
@@ -264,7 +269,7 @@ async fn a_slow_route_keeps_its_token_and_a_dead_ones_outcome_is_unknown() {
                 StatusCode::CREATED
             }
         })
-        .layer(TokenLayer::new(idem).lease(lease)),
+        .layer(TokenLayer::new().with_store(idem.clone()).lease(lease)),
     );
     let submit =
         |token: &str| Request::post("/submit").header("idempotency-token", token).body(Body::empty()).expect("request");
@@ -318,10 +323,14 @@ async fn locked_payment(axum::extract::Query(Pay { order }): axum::extract::Quer
 async fn a_lockable_route_behind_the_layer_runs_once_through_a_hang_up() {
     use dlock_axum::LockerExt;
     let locker = dlock_core::Locker::new(dlock_core::MemoryBackend::new());
-    let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+    let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let app = Router::new()
-        .route("/pay", post(locked_payment).layer(IdempotencyLayer::new(idem).with_scope(Scope::header("x-user"))))
-        .with_locker(dlock_axum::Dlock::new(locker.clone()));
+        .route(
+            "/pay",
+            post(locked_payment)
+                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::header("x-user"))),
+        )
+        .with_locker(dlock_axum::DlockRuntime::new(locker.clone()));
     let addr = serve(app).await;
     let pay = request("/pay?order=7", "idempotency-key: locked-1");
     let answers = tokio::task::spawn_blocking(move || {

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope, TokenLayer};
-use dlock_axum::{Dlock, LockerExt};
-use dlock_core::idempotency::MemoryStore;
+use dlock_axum::idempotency::{IdempotencyLayer, Scope, TokenLayer};
+use dlock_axum::{DlockRuntime, LockerExt};
+use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
 use serde_json::Value;
 
@@ -26,20 +26,25 @@ const TWO_MIB: usize = 2 * 1024 * 1024;
 
 /// `/idem` behind `IdempotencyLayer`, `/token` and `/bound` behind
 /// `TokenLayer` (unbound, and bound to the `x-user` header).
-fn app(dlock: Dlock) -> Router {
-    let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+fn app(dlock: DlockRuntime) -> Router {
+    let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     Router::new()
         .route(
             "/idem",
-            post(|| async { "done" }).layer(IdempotencyLayer::new(idem.clone()).with_scope(Scope::shared())),
+            post(|| async { "done" })
+                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
         )
-        .route("/token", post(|| async { "done" }).layer(TokenLayer::new(idem.clone())))
-        .route("/bound", post(|| async { "done" }).layer(TokenLayer::new(idem).with_scope(Scope::header("x-user"))))
+        .route("/token", post(|| async { "done" }).layer(TokenLayer::new().with_store(idem.clone())))
+        .route(
+            "/bound",
+            post(|| async { "done" })
+                .layer(TokenLayer::new().with_store(idem.clone()).with_scope(Scope::header("x-user"))),
+        )
         .with_locker(dlock)
 }
 
-fn engine() -> Dlock {
-    Dlock::new(Locker::new(MemoryBackend::new()))
+fn engine() -> DlockRuntime {
+    DlockRuntime::new(Locker::new(MemoryBackend::new()))
 }
 
 /// One HTTP/1.1 answer: status and the body's `error` (or the body).

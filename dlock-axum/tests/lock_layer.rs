@@ -381,6 +381,30 @@ impl Backend for Down {
     fn release<'a>(&'a self, _: &'a LockKey, _: &'a Owner) -> BoxFuture<'a, dlock_core::Result<Release>> {
         Box::pin(async { Err(dlock_core::Error::backend("down", "connection refused")) })
     }
+    fn ready(&self) -> BoxFuture<'_, dlock_core::Result<()>> {
+        Box::pin(async { Err(dlock_core::Error::backend("down", "connection refused")) })
+    }
+}
+
+/// The readiness probe says which part is down and why: `503` with the
+/// backend's error, `200` for the same route over a live backend.
+#[tokio::test]
+async fn the_readiness_probe_names_what_is_down() {
+    let probe =
+        |locker: Locker| Router::new().route("/ready", axum::routing::get(dlock_axum::ready)).with_locker(locker);
+    let ask = || Request::get("/ready").body(Body::empty()).expect("request");
+    let res = probe(Locker::new(Down)).oneshot(ask()).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let bytes = res.into_body().collect().await.expect("body").to_bytes();
+    let body: Value = serde_json::from_slice(&bytes).expect("json");
+    assert_eq!(body["ready"], false, "{body}");
+    assert_eq!(body["checks"][0]["part"], "locks", "{body}");
+    assert_eq!(body["checks"][0]["backend"], "down", "{body}");
+    assert!(body["checks"][0]["problem"].as_str().is_some_and(|p| p.contains("connection refused")), "{body}");
+    assert_eq!(body["checks"][1]["part"], "idempotency", "{body}");
+    assert_eq!(body["checks"][1]["ok"], true, "{body}");
+    let res = probe(locker()).oneshot(ask()).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
 }
 
 #[tokio::test]

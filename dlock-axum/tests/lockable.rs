@@ -9,7 +9,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dlock_axum::{lockable, Dlock, LockOutcome, LockerExt, RequestOwner};
+use dlock_axum::{lockable, DlockRuntime, LockOutcome, LockerExt, RequestOwner};
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::{AcquireOptions, Locker, MemoryBackend};
 use http_body_util::BodyExt;
@@ -43,7 +43,11 @@ async fn create_order(Query(TokenParam { token }): Query<TokenParam>, Json(order
 /// Takes the same key again inside the body, as the request's owner.
 #[lockable(key = "nested", fields = ["id"])]
 #[axum::debug_handler]
-async fn nested(Path(id): Path<u64>, dlock: Dlock, RequestOwner(owner): RequestOwner) -> Result<String, StatusCode> {
+async fn nested(
+    Path(id): Path<u64>,
+    axum::Extension(dlock): axum::Extension<DlockRuntime>,
+    RequestOwner(owner): RequestOwner,
+) -> Result<String, StatusCode> {
     let locker = dlock.locker();
     let key = locker.key("nested").part(id).build().map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
     let inner =

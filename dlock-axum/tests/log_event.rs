@@ -10,7 +10,7 @@ use axum::body::Body;
 use axum::http::Request;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
+use dlock_axum::idempotency::{IdempotencyLayer, Scope};
 use dlock_axum::{lockable, JsonBody, LockLayer, LockerExt};
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use dlock_core::idempotency::{Begin, Claim, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse};
@@ -123,6 +123,9 @@ impl Backend for NoRelease {
     fn name(&self) -> &'static str {
         "no-release"
     }
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        self.0.ready()
+    }
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         self.0.acquire(req, cancel)
     }
@@ -141,6 +144,9 @@ struct NoComplete(MemoryStore);
 impl IdempotencyStore for NoComplete {
     fn name(&self) -> &'static str {
         "no-complete"
+    }
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        self.0.ready()
     }
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
         self.0.issue_token(ttl)
@@ -176,10 +182,14 @@ async fn no_request_secret_is_logged_at_any_level() {
     let (captured, _default) = capture();
 
     let locker = Locker::new(NoRelease(MemoryBackend::new()));
-    let idem = Idempotency::new(Arc::new(NoComplete(MemoryStore::new())));
+    let idem: Arc<dyn IdempotencyStore> = Arc::new(NoComplete(MemoryStore::new()));
     let app = Router::new()
         .route("/layer", post(|| async { "ok" }).layer(LockLayer::new("t").query("token")))
-        .route("/pay", post(|| async { "paid" }).layer(IdempotencyLayer::new(idem).with_scope(Scope::shared())))
+        .route(
+            "/pay",
+            post(|| async { "paid" })
+                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+        )
         .with_locker(locker.clone());
 
     let req = Request::post("/layer?token=tok-s3cr3t").body(Body::empty()).expect("request");

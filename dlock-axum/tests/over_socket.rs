@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
-use dlock_axum::{lockable, Dlock, JsonBody, LockLayer, LockerExt};
-use dlock_core::idempotency::MemoryStore;
+use dlock_axum::idempotency::{IdempotencyLayer, Scope};
+use dlock_axum::{lockable, DlockRuntime, JsonBody, LockLayer, LockerExt};
+use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
 use dlock_testing::{read_http_answer, HttpAnswer};
 use serde::Deserialize;
@@ -40,12 +40,16 @@ async fn by_macro(JsonBody(req): JsonBody<Req>) -> String {
 
 /// The three readers of a body: `LockLayer`, `#[lockable]` with `JsonBody`,
 /// `IdempotencyLayer`; bodies limited to 64 KiB (the default).
-fn app(dlock: Dlock) -> Router {
-    let idem = Idempotency::new(Arc::new(MemoryStore::new()));
+fn app(dlock: DlockRuntime) -> Router {
+    let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     Router::new()
         .route("/layer", post(|body: String| async move { body }).layer(LockLayer::new("t").json("id")))
         .route("/macro", post(by_macro))
-        .route("/idem", post(|| async { "done" }).layer(IdempotencyLayer::new(idem).with_scope(Scope::shared())))
+        .route(
+            "/idem",
+            post(|| async { "done" })
+                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+        )
         .with_locker(dlock)
 }
 
@@ -80,7 +84,7 @@ fn big_json(len: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_body_sent_in_one_go_gets_its_413() {
-    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    let addr = serve(app(DlockRuntime::new(Locker::new(MemoryBackend::new())))).await;
     tokio::task::spawn_blocking(move || {
         let body = big_json(TWO_MIB);
         for path in ["/layer", "/macro", "/idem"] {
@@ -119,7 +123,7 @@ async fn a_large_body_sent_in_one_go_gets_its_413() {
 /// a bounded number of bytes (as nginx's lingering close).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_far_over_the_limit_sent_in_one_go_gets_its_413() {
-    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    let addr = serve(app(DlockRuntime::new(Locker::new(MemoryBackend::new())))).await;
     tokio::task::spawn_blocking(move || {
         let body = big_json(OVER_EIGHT_MIB);
         for path in ["/layer", "/macro", "/idem"] {
@@ -140,7 +144,7 @@ async fn a_body_far_over_the_limit_sent_in_one_go_gets_its_413() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_waiting_for_100_continue_is_answered_at_once() {
-    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    let addr = serve(app(DlockRuntime::new(Locker::new(MemoryBackend::new())))).await;
     tokio::task::spawn_blocking(move || {
         for path in ["/layer", "/macro", "/idem"] {
             let mut s = connect(addr);
@@ -157,7 +161,7 @@ async fn a_client_waiting_for_100_continue_is_answered_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stops_arriving_is_408() {
     let timeout = Duration::from_millis(300);
-    let dlock = Dlock::new(Locker::new(MemoryBackend::new())).with_body_read_timeout(timeout);
+    let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new())).with_body_read_timeout(timeout);
     let addr = serve(app(dlock)).await;
     tokio::task::spawn_blocking(move || {
         for path in ["/layer", "/macro"] {
@@ -178,7 +182,7 @@ async fn a_body_that_stops_arriving_is_408() {
 /// is answered after the body is drained, like a `413`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_body_refused_before_reading_gets_its_answer() {
-    let addr = serve(app(Dlock::new(Locker::new(MemoryBackend::new())))).await;
+    let addr = serve(app(DlockRuntime::new(Locker::new(MemoryBackend::new())))).await;
     tokio::task::spawn_blocking(move || {
         let body = vec![b'x'; TWO_MIB];
         for path in ["/layer", "/macro"] {

@@ -1,15 +1,13 @@
 //! Configuration from `DLOCK_*` environment variables.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::memory::MemoryBackend;
+use crate::backend::redact;
 #[cfg(feature = "redis")]
 use crate::backend::redis::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
 pub use crate::backend::zookeeper_auth::ZooKeeperAuth;
 use crate::backend::zookeeper_auth::AUTH_VAR;
-use crate::backend::{redact, Backend};
-use crate::engine::{Locker, LockerOptions, DEFAULT_LEASE};
+use crate::engine::{LockerOptions, DEFAULT_LEASE};
 use crate::error::{Error, Result};
 use crate::key::validate_prefix;
 
@@ -91,8 +89,9 @@ impl BackendKind {
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
 /// | `DLOCK_IDEMPOTENCY_TTL_SECS` | life of tokens and stored responses | `86400` |
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
+/// | `DLOCK_BODY_READ_TIMEOUT_MS` | longest a request body may take to arrive (then `408`) | `30000` |
 /// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
-/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::idempotency_store`]); not the lock keyspace of a Redis whose `maxmemory-policy` evicts | the lock backend's Redis, else in process |
+/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::build`]); not the lock keyspace of a Redis whose `maxmemory-policy` evicts | the lock backend's Redis, else in process |
 /// | `DLOCK_IDEMPOTENCY_MAX_PER_SCOPE` | most live idempotency records (and, apart, bound tokens) of one caller; beyond, `429` (see [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits)) | `10000` |
 /// | `DLOCK_IDEMPOTENCY_MAX_RECORDS` | most live idempotency records (and, apart, bound tokens) in all; beyond, `503` | `1000000` |
 /// | `DLOCK_IDEMPOTENCY_MAX_BYTES_PER_SCOPE` | most bytes of stored answers of one caller; an answer beyond is delivered and not stored | `67108864` (64 MiB) |
@@ -106,6 +105,11 @@ impl BackendKind {
 /// `DLOCK_ZOOKEEPER*`) set while `DLOCK_BACKEND` is not is an error naming
 /// it, not a silent fallback to in-process locks; one of another backend
 /// than `DLOCK_BACKEND` names is ignored with a warning.
+///
+/// A `DLOCK_*` variable that is none of these is a warning naming the
+/// closest known one ([`Config::from_env`]): `DLOCK_REDIS_URI` would
+/// otherwise leave the default `127.0.0.1:6379` in place without a word. A
+/// backend whose cargo feature is off is the first error reported.
 ///
 /// An empty variable counts as unset. The TLS files apply to every
 /// `rediss://` URL (lock backend, RedLock masters, idempotency store); they
@@ -155,6 +159,8 @@ pub struct Config {
     pub idempotency_ttl: Duration,
     /// Most body bytes read to derive a key.
     pub max_body_bytes: usize,
+    /// Longest a request body may take to arrive, first read to last byte.
+    pub body_read_timeout: Duration,
     /// Where idempotency records live when it is not the lock backend's
     /// Redis (`DLOCK_IDEMPOTENCY_REDIS_URL`).
     pub idempotency_redis_url: Option<String>,
@@ -169,7 +175,7 @@ pub struct Config {
     /// Whether idempotency records may stay in each process with the
     /// `redlock` and `zookeeper` backends when `idempotency_redis_url` is
     /// unset (`DLOCK_IDEMPOTENCY_LOCAL=1`). Off, that is a start-up error
-    /// (see [`Config::idempotency_store`]): a duplicate sent to two
+    /// (see [`Config::build`]): a duplicate sent to two
     /// instances would run on both.
     pub allow_local_idempotency: bool,
     /// Caps on live idempotency records and tokens, per caller and in all
@@ -186,7 +192,8 @@ impl Default for Config {
             lease: DEFAULT_LEASE,
             wait: Duration::ZERO,
             idempotency_ttl: Duration::from_secs(86_400),
-            max_body_bytes: 64 * 1024,
+            max_body_bytes: crate::runtime::DEFAULT_MAX_BODY_BYTES,
+            body_read_timeout: crate::runtime::DEFAULT_BODY_READ_TIMEOUT,
             idempotency_redis_url: None,
             #[cfg(feature = "redis")]
             redis_tls: None,
@@ -206,6 +213,7 @@ impl std::fmt::Debug for Config {
             .field("wait", &self.wait)
             .field("idempotency_ttl", &self.idempotency_ttl)
             .field("max_body_bytes", &self.max_body_bytes)
+            .field("body_read_timeout", &self.body_read_timeout)
             .field("idempotency_redis_url", &self.idempotency_redis_url.as_deref().map(redact));
         #[cfg(feature = "redis")]
         d.field("redis_tls", &self.redis_tls);
@@ -243,6 +251,15 @@ impl Config {
     ///
     /// [`Error::Config`] naming the variable when a value is malformed.
     pub fn from_env() -> Result<Self> {
+        for name in std::env::vars_os().filter_map(|(name, _)| name.into_string().ok()) {
+            if let Some(closest) = unknown_variable(&name) {
+                tracing::warn!(
+                    variable = %name,
+                    "{name} is not a dlock variable and is ignored{}",
+                    closest.map(|known| format!(": did you mean {known}?")).unwrap_or_default()
+                );
+            }
+        }
         Self::from_lookup(|var| std::env::var(var).ok())
     }
 
@@ -255,6 +272,16 @@ impl Config {
         let get = |var: &str| lookup(var).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
         let defaults = Config::default();
         let chosen = get("DLOCK_BACKEND");
+        if let Some(feature) = chosen.as_deref().and_then(missing_feature) {
+            return Err(Error::config(
+                "DLOCK_BACKEND",
+                format!(
+                    "`{}` needs dlock-core's `{feature}` cargo feature, which this build was made without \
+                     (dlock-axum forwards it: `features = [\"{feature}\"]`)",
+                    chosen.as_deref().unwrap_or_default()
+                ),
+            ));
+        }
         match chosen.as_deref() {
             None => {
                 if let Some(&(var, backend)) = BACKEND_VARS.iter().find(|(var, _)| get(var).is_some()) {
@@ -333,6 +360,10 @@ impl Config {
             }
             None => defaults.max_body_bytes,
         };
+        let body_read_timeout = millis(&get, "DLOCK_BODY_READ_TIMEOUT_MS")?.unwrap_or(defaults.body_read_timeout);
+        if body_read_timeout.is_zero() {
+            return Err(Error::config("DLOCK_BODY_READ_TIMEOUT_MS", "must be at least 1 (milliseconds)"));
+        }
         let idempotency_redis_url = get("DLOCK_IDEMPOTENCY_REDIS_URL");
         if let Some(url) = &idempotency_redis_url {
             const SCHEMES: [&str; 5] =
@@ -400,6 +431,7 @@ impl Config {
             wait,
             idempotency_ttl,
             max_body_bytes,
+            body_read_timeout,
             idempotency_redis_url,
             #[cfg(feature = "redis")]
             redis_tls,
@@ -423,362 +455,6 @@ impl Config {
     pub fn locker_options(&self) -> LockerOptions {
         LockerOptions::default().with_prefix(self.prefix.clone()).with_wait(self.wait).with_watchdog_lease(self.lease)
     }
-
-    /// Connects to the backend and builds the engine.
-    ///
-    /// For Redis this checks the server at start-up: it must answer, the ACL
-    /// user must be allowed to subscribe to the lock channels, and a
-    /// `maxmemory-policy` that may evict keys with a TTL is logged as a warning.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Config`] for an invalid URL or missing permissions,
-    /// [`Error::Backend`] when the server cannot be reached.
-    pub async fn build(&self) -> Result<Locker> {
-        tracing::info!(backend = %self.backend_summary(), prefix = %self.prefix, "dlock: lock backend");
-        self.build_locker().await
-    }
-
-    /// The backend and where it is, for the start-up log line: URLs with
-    /// their passwords hidden, the ZooKeeper user without its password.
-    fn backend_summary(&self) -> String {
-        match &self.backend {
-            BackendKind::Memory => "memory (this process only)".into(),
-            BackendKind::Redis { url } => format!("redis {}", redact(url)),
-            BackendKind::RedLock { urls } => {
-                let urls: Vec<String> = urls.iter().map(|u| redact(u)).collect();
-                format!("redlock {}", urls.join(","))
-            }
-            BackendKind::ZooKeeper { connect, auth, .. } => match auth {
-                Some(auth) => format!("zookeeper {connect} (digest auth as `{}`)", auth.user()),
-                None => format!("zookeeper {connect} (no auth: lock nodes open to every client)"),
-            },
-        }
-    }
-
-    async fn build_locker(&self) -> Result<Locker> {
-        let backend: Arc<dyn Backend> = match &self.backend {
-            BackendKind::Memory => Arc::new(MemoryBackend::new()),
-            #[cfg(feature = "redis")]
-            BackendKind::Redis { url } => Arc::new(
-                crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?,
-            ),
-            #[cfg(feature = "redis")]
-            BackendKind::RedLock { urls } => Arc::new(
-                crate::backend::redlock::RedLockBackend::connect_with(
-                    urls,
-                    &self.prefix,
-                    crate::backend::redlock::RedLockOptions::default().with_redis(self.redis_options()),
-                )
-                .await?,
-            ),
-            #[cfg(not(feature = "redis"))]
-            BackendKind::Redis { .. } | BackendKind::RedLock { .. } => {
-                return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `redis` feature"))
-            }
-            #[cfg(feature = "zookeeper")]
-            BackendKind::ZooKeeper { connect, session_timeout, auth } => {
-                let mut options =
-                    crate::backend::zookeeper::ZooKeeperOptions::default().with_session_timeout(*session_timeout);
-                if let Some(auth) = auth {
-                    options = options.with_auth(auth.clone());
-                }
-                Arc::new(
-                    crate::backend::zookeeper::ZooKeeperBackend::connect_with(connect, &self.prefix, options).await?,
-                )
-            }
-            #[cfg(not(feature = "zookeeper"))]
-            BackendKind::ZooKeeper { .. } => {
-                return Err(Error::config("DLOCK_BACKEND", "dlock-core was built without the `zookeeper` feature"))
-            }
-        };
-        Locker::with_options(backend, self.locker_options())
-    }
-}
-
-/// What one [`Config`] builds: the lock engine and the idempotency store,
-/// over shared connections where they use the same service.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
-/// let services = dlock_core::Config::default().build_services().await?;
-/// assert_eq!(services.locker.backend_name(), "memory");
-/// assert_eq!(services.idempotency.name(), "memory");
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct Services {
-    /// The lock engine.
-    pub locker: Locker,
-    /// Where idempotency tokens and stored responses live.
-    pub idempotency: Arc<dyn crate::idempotency::IdempotencyStore>,
-}
-
-impl Config {
-    /// Builds the lock engine and the idempotency store of this
-    /// configuration. When both live in the same Redis (the `redis` backend
-    /// with `DLOCK_IDEMPOTENCY_REDIS_URL` unset or equal to
-    /// `DLOCK_REDIS_URL`) the store shares the lock backend's connection
-    /// instead of opening its own; otherwise this is [`build`](Self::build)
-    /// and [`idempotency_store`](Self::idempotency_store).
-    ///
-    /// Records in the lock keyspace (no `DLOCK_IDEMPOTENCY_REDIS_URL`, or
-    /// one naming the same server and database) of a Redis whose
-    /// `maxmemory-policy` evicts keys are refused: a flood of records would
-    /// make it evict held locks. Point `DLOCK_IDEMPOTENCY_REDIS_URL` at
-    /// another instance or database (`redis://host:6379/1`), or use
-    /// `noeviction`.
-    ///
-    /// # Errors
-    ///
-    /// As [`build`](Self::build) and [`idempotency_store`](Self::idempotency_store);
-    /// [`Error::Config`] naming `DLOCK_IDEMPOTENCY_REDIS_URL` for records in
-    /// an evicting lock keyspace.
-    pub async fn build_services(&self) -> Result<Services> {
-        let idempotency = match (&self.idempotency_redis_url, &self.backend) {
-            (Some(url), _) => format!("redis {}", redact(url)),
-            (None, BackendKind::Redis { .. }) => "the lock backend's redis".into(),
-            (None, _) => "memory (this process only)".into(),
-        };
-        tracing::info!(
-            backend = %self.backend_summary(),
-            prefix = %self.prefix,
-            idempotency = %idempotency,
-            "dlock: lock backend and idempotency store"
-        );
-        #[cfg(feature = "redis")]
-        if let BackendKind::Redis { url } = &self.backend {
-            if self.idempotency_redis_url.as_ref().is_none_or(|own| own == url) {
-                let backend = Arc::new(
-                    crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options()).await?,
-                );
-                let store = crate::idempotency::RedisStore::from_backend(&backend).with_limits(self.idempotency_limits);
-                self.check_records_beside_locks(&store, url).await?;
-                let idempotency = Arc::new(store);
-                let locker = Locker::with_options(backend, self.locker_options())?;
-                return Ok(Services { locker, idempotency });
-            }
-        }
-        // The store first: its configuration error needs no connection.
-        let idempotency = self.idempotency_store().await?;
-        Ok(Services { locker: self.build_locker().await?, idempotency })
-    }
-
-    /// Connects the idempotency store that goes with this configuration
-    /// on a connection of its own (see [`build_services`](Self::build_services)
-    /// to share the lock backend's).
-    ///
-    /// | lock backend | records live in |
-    /// |---|---|
-    /// | `memory` | this process ([`MemoryStore`](crate::idempotency::MemoryStore)), unless `DLOCK_IDEMPOTENCY_REDIS_URL` is set |
-    /// | `redis` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same Redis as the locks |
-    /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset → an error, unless `DLOCK_IDEMPOTENCY_LOCAL=1` ([`allow_local_idempotency`](Self::allow_local_idempotency)) keeps them in this process, with a warning |
-    ///
-    /// Records in each process are refused by default with several
-    /// instances in mind: a duplicate request sent to two of them would run
-    /// on both, and nothing would say so. The `memory` backend is one
-    /// process by design, so its records stay there.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
-    /// let store = dlock_core::Config::default().idempotency_store().await?;
-    /// assert_eq!(store.name(), "memory");
-    /// # Ok(()) }
-    /// ```
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// let mut cfg = dlock_core::Config::from_lookup(|var| match var {
-    ///     "DLOCK_BACKEND" => Some("zookeeper".into()),
-    ///     _ => None,
-    /// }).unwrap();
-    /// let err = cfg.idempotency_store().await.unwrap_err();
-    /// assert!(err.to_string().contains("DLOCK_IDEMPOTENCY_REDIS_URL"));
-    /// cfg.allow_local_idempotency = true;
-    /// assert_eq!(cfg.idempotency_store().await.unwrap().name(), "memory");
-    /// # }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Config`] naming `DLOCK_IDEMPOTENCY_REDIS_URL` for `redlock`
-    /// or `zookeeper` without it (and without `DLOCK_IDEMPOTENCY_LOCAL=1`),
-    /// or for records in the lock keyspace of a Redis whose
-    /// `maxmemory-policy` evicts keys (see [`build_services`](Self::build_services));
-    /// as [`RedisStore::connect`](crate::idempotency::RedisStore::connect).
-    pub async fn idempotency_store(&self) -> Result<Arc<dyn crate::idempotency::IdempotencyStore>> {
-        let url = match (&self.idempotency_redis_url, &self.backend) {
-            (Some(url), _) => Some(url.as_str()),
-            (None, BackendKind::Redis { url }) => Some(url.as_str()),
-            (None, BackendKind::Memory) => None,
-            (None, other) if !self.allow_local_idempotency => {
-                return Err(Error::config(
-                    "DLOCK_IDEMPOTENCY_REDIS_URL",
-                    format!(
-                        "must be set with DLOCK_BACKEND={}: without it each instance keeps its own idempotency \
-                         records, and a duplicate sent to two instances runs on both (set \
-                         DLOCK_IDEMPOTENCY_LOCAL=1 to accept that)",
-                        other.name()
-                    ),
-                ));
-            }
-            (None, other) => {
-                tracing::warn!(
-                    backend = other.name(),
-                    "DLOCK_IDEMPOTENCY_REDIS_URL is not set: idempotency records stay in this process and are not shared between instances"
-                );
-                None
-            }
-        };
-        match url {
-            None => Ok(Arc::new(crate::idempotency::MemoryStore::new().with_limits(self.idempotency_limits))),
-            #[cfg(feature = "redis")]
-            Some(url) => {
-                let store = crate::idempotency::RedisStore::connect_with(url, &self.prefix, self.redis_options())
-                    .await?
-                    .with_limits(self.idempotency_limits);
-                self.check_records_beside_locks(&store, url).await?;
-                Ok(Arc::new(store))
-            }
-            #[cfg(not(feature = "redis"))]
-            Some(_) => {
-                Err(Error::config("DLOCK_IDEMPOTENCY_REDIS_URL", "dlock-core was built without the `redis` feature"))
-            }
-        }
-    }
-}
-
-/// Where idempotency records live, seen from the locks.
-#[cfg(feature = "redis")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Beside {
-    /// The same server and database as (some of) the locks.
-    Keyspace,
-    /// The same server, another database: apart keys, shared memory.
-    Instance,
-    /// Elsewhere.
-    Apart,
-}
-
-/// Whether `records` (a Redis URL) is where a lock URL is: the same string,
-/// or the same host, port and database once parsed (`localhost` is
-/// `127.0.0.1`). Cluster and Sentinel URLs count as one place only when
-/// written the same.
-#[cfg(feature = "redis")]
-fn beside(records: &str, lock: &str) -> Beside {
-    use redis::IntoConnectionInfo;
-    if records == lock {
-        return Beside::Keyspace;
-    }
-    let place = |url: &str| {
-        let info = url.into_connection_info().ok()?;
-        let (host, port) = match info.addr() {
-            redis::ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
-            redis::ConnectionAddr::TcpTls { host, port, .. } => (host.clone(), *port),
-            _ => return None,
-        };
-        let host = match host.to_ascii_lowercase().as_str() {
-            "localhost" | "::1" | "[::1]" => "127.0.0.1".to_owned(),
-            other => other.to_owned(),
-        };
-        Some((host, port, info.redis_settings().db()))
-    };
-    match (place(records), place(lock)) {
-        (Some(r), Some(l)) if r == l => Beside::Keyspace,
-        (Some(r), Some(l)) if (&r.0, r.1) == (&l.0, l.1) => Beside::Instance,
-        _ => Beside::Apart,
-    }
-}
-
-#[cfg(feature = "redis")]
-impl Config {
-    /// Refuses idempotency records in the lock keyspace of a Redis whose
-    /// `maxmemory-policy` evicts keys: a flood of records would then evict
-    /// held locks. `noeviction` is allowed (the caps keep the records from
-    /// filling it); a policy that cannot be read (`CONFIG` refused by an
-    /// ACL) is a warning, and the caps are what is left.
-    async fn check_records_beside_locks(
-        &self,
-        store: &crate::idempotency::RedisStore,
-        records_url: &str,
-    ) -> Result<()> {
-        warn_without_persistence(store).await;
-        let locks: &[String] = match &self.backend {
-            BackendKind::Redis { url } => std::slice::from_ref(url),
-            BackendKind::RedLock { urls } => urls,
-            BackendKind::Memory | BackendKind::ZooKeeper { .. } => &[],
-        };
-        let place = locks.iter().map(|lock| beside(records_url, lock)).min_by_key(|b| *b as u8);
-        let place = match place {
-            None | Some(Beside::Apart) => return Ok(()),
-            Some(place) => place,
-        };
-        let policy = match store.maxmemory_policy().await {
-            Ok(policy) => policy,
-            Err(e) => {
-                tracing::warn!(
-                    error = %e,
-                    "dlock: cannot read the maxmemory-policy of the Redis that holds both locks and idempotency \
-                     records (CONFIG not permitted?): if it evicts keys, a flood of records can evict held locks. \
-                     Only DLOCK_IDEMPOTENCY_MAX_RECORDS bounds them; set DLOCK_IDEMPOTENCY_REDIS_URL to another \
-                     Redis instance to be sure"
-                );
-                return Ok(());
-            }
-        };
-        let evicts = policy.starts_with("volatile-") || policy.starts_with("allkeys-");
-        match (place, evicts) {
-            (Beside::Keyspace, true) => Err(Error::config(
-                "DLOCK_IDEMPOTENCY_REDIS_URL",
-                format!(
-                    "idempotency records would live in the lock keyspace of a Redis whose maxmemory-policy is \
-                     `{policy}`: when it fills up, it evicts keys with a TTL, held locks among them. Set \
-                     DLOCK_IDEMPOTENCY_REDIS_URL to a separate instance (best: it has its own memory) or a \
-                     separate database (e.g. redis://host:6379/1), or set maxmemory-policy noeviction on this one"
-                ),
-            )),
-            (Beside::Instance, true) => {
-                tracing::warn!(
-                    policy = %policy,
-                    "dlock: idempotency records are in another database of the lock Redis, whose maxmemory-policy \
-                     evicts keys: the databases share its memory, so records can still cause locks to be evicted. \
-                     Prefer a separate instance for DLOCK_IDEMPOTENCY_REDIS_URL, or maxmemory-policy noeviction"
-                );
-                Ok(())
-            }
-            (_, false) => {
-                tracing::info!(
-                    policy = %policy,
-                    max_records = self.idempotency_limits.max_records(),
-                    "dlock: idempotency records share the lock Redis; DLOCK_IDEMPOTENCY_MAX_RECORDS keeps them \
-                     from filling it"
-                );
-                Ok(())
-            }
-            (Beside::Apart, true) => Ok(()),
-        }
-    }
-}
-
-/// Warns when the records' Redis keeps nothing over a restart (neither an
-/// append-only file nor RDB snapshots): it would come back empty, and every
-/// key completed before would run its route again.
-#[cfg(feature = "redis")]
-async fn warn_without_persistence(store: &crate::idempotency::RedisStore) {
-    match store.persists().await {
-        Ok(true) => {}
-        Ok(false) => tracing::warn!(
-            "dlock: the Redis that holds idempotency records keeps no persistence (appendonly no, no save \
-             points): a restart forgets every completed key, and their retries run again. Turn on \
-             `appendonly yes` (with `appendfsync everysec` or `always`) for DLOCK_IDEMPOTENCY_REDIS_URL"
-        ),
-        Err(e) => tracing::warn!(
-            error = %e,
-            "dlock: cannot read whether the Redis that holds idempotency records persists them (CONFIG not \
-             permitted?): without `appendonly yes`, a restart forgets completed keys and their retries run again"
-        ),
-    }
 }
 
 /// The TLS files, loaded and parsed now so that a bad one stops start-up.
@@ -799,6 +475,72 @@ fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> 
         (None, None) => tls,
     };
     Ok(Some(tls))
+}
+
+/// Every variable [`Config::from_lookup`] reads.
+const KNOWN: [&str; 23] = [
+    "DLOCK_BACKEND",
+    "DLOCK_REDIS_URL",
+    "DLOCK_REDLOCK_URLS",
+    "DLOCK_ZOOKEEPER",
+    "DLOCK_ZOOKEEPER_SESSION_MS",
+    "DLOCK_ZOOKEEPER_AUTH",
+    "DLOCK_PREFIX",
+    "DLOCK_LEASE_MS",
+    "DLOCK_WAIT_MS",
+    "DLOCK_IDEMPOTENCY_TTL_SECS",
+    "DLOCK_MAX_BODY_BYTES",
+    "DLOCK_BODY_READ_TIMEOUT_MS",
+    "DLOCK_RESTART_QUARANTINE_MS",
+    "DLOCK_IDEMPOTENCY_REDIS_URL",
+    "DLOCK_IDEMPOTENCY_MAX_PER_SCOPE",
+    "DLOCK_IDEMPOTENCY_MAX_RECORDS",
+    "DLOCK_IDEMPOTENCY_MAX_BYTES_PER_SCOPE",
+    "DLOCK_IDEMPOTENCY_MAX_BYTES",
+    "DLOCK_IDEMPOTENCY_MAX_UNBOUND_TOKENS",
+    "DLOCK_IDEMPOTENCY_LOCAL",
+    "DLOCK_REDIS_CA_FILE",
+    "DLOCK_REDIS_CLIENT_CERT_FILE",
+    "DLOCK_REDIS_CLIENT_KEY_FILE",
+];
+
+/// `Some` for a `DLOCK_*` name this configuration does not read, with the
+/// known name closest to it when one is close enough to be a typo (three
+/// edits, or a third of its letters): `DLOCK_REDIS_URI` → `DLOCK_REDIS_URL`,
+/// `DLOCK_WAIT` → `DLOCK_WAIT_MS`.
+/// dlock's own test tools (`DLOCK_TORTURE_*`) are not judged.
+fn unknown_variable(name: &str) -> Option<Option<&'static str>> {
+    if !name.starts_with("DLOCK_") || KNOWN.contains(&name) || name.starts_with("DLOCK_TORTURE_") {
+        return None;
+    }
+    let (distance, closest) = KNOWN.iter().map(|known| (edit_distance(name, known), *known)).min()?;
+    let close = distance <= 3 || distance * 3 <= closest.len() - "DLOCK_".len();
+    Some(close.then_some(closest))
+}
+
+/// Levenshtein distance over bytes (the names are ASCII).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b = b.as_bytes();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.bytes().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (diagonal + usize::from(ca != *cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            diagonal = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
+/// The cargo feature a backend needs when this build lacks it.
+fn missing_feature(backend: &str) -> Option<&'static str> {
+    match backend {
+        "redis" | "redlock" if !cfg!(feature = "redis") => Some("redis"),
+        "zookeeper" if !cfg!(feature = "zookeeper") => Some("zookeeper"),
+        _ => None,
+    }
 }
 
 fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {
@@ -979,17 +721,59 @@ mod tests {
         }
     }
 
-    #[cfg(feature = "redis")]
     #[test]
-    fn records_beside_locks_are_told_by_host_port_and_database() {
-        let at = |records: &str, lock: &str| beside(records, lock);
-        assert_eq!(at("redis://h:6379", "redis://h:6379"), Beside::Keyspace);
-        assert_eq!(at("redis://localhost/0", "redis://127.0.0.1:6379"), Beside::Keyspace);
-        assert_eq!(at("redis://u:pw@h:6379/0", "redis://h"), Beside::Keyspace);
-        assert_eq!(at("redis://h:6379/1", "redis://h:6379"), Beside::Instance);
-        assert_eq!(at("redis://h:6380", "redis://h:6379"), Beside::Apart);
-        assert_eq!(at("redis://other:6379", "redis://h:6379"), Beside::Apart);
-        assert_eq!(at("redis+cluster://a:1,b:2", "redis+cluster://a:1"), Beside::Apart);
+    fn an_unknown_variable_names_the_closest_known_one() {
+        assert_eq!(unknown_variable("DLOCK_REDIS_URI"), Some(Some("DLOCK_REDIS_URL")));
+        assert_eq!(unknown_variable("DLOCK_WAIT"), Some(Some("DLOCK_WAIT_MS")));
+        assert_eq!(unknown_variable("DLOCK_LEASE"), Some(Some("DLOCK_LEASE_MS")));
+        assert_eq!(unknown_variable("DLOCK_COMPLETELY_ELSE"), Some(None));
+        assert_eq!(unknown_variable("DLOCK_REDIS_URL"), None);
+        assert_eq!(unknown_variable("DLOCK_TORTURE_KEEP"), None);
+        assert_eq!(unknown_variable("REDIS_URL"), None, "not ours to judge");
+        for known in KNOWN {
+            assert_eq!(unknown_variable(known), None, "{known}");
+        }
+    }
+
+    /// Every variable read is in `KNOWN`: one missing there would be
+    /// warned about as unknown while it works.
+    #[test]
+    fn every_variable_read_is_known() {
+        let read = std::cell::RefCell::new(Vec::new());
+        for backend in ["memory", "redis", "redlock", "zookeeper"] {
+            let _ = Config::from_lookup(|var| {
+                read.borrow_mut().push(var.to_owned());
+                match var {
+                    "DLOCK_BACKEND" => Some(backend.into()),
+                    "DLOCK_REDLOCK_URLS" => Some("redis://a,redis://b,redis://c".into()),
+                    _ => None,
+                }
+            });
+        }
+        let read = read.into_inner();
+        assert!(read.len() >= KNOWN.len(), "{read:?}");
+        for var in read {
+            assert!(KNOWN.contains(&var.as_str()), "{var} is read but not in KNOWN");
+        }
+    }
+
+    #[test]
+    fn the_body_read_timeout_is_read() {
+        assert_eq!(cfg(&[]).expect("default").body_read_timeout, Duration::from_secs(30));
+        let c = cfg(&[("DLOCK_BODY_READ_TIMEOUT_MS", "1500")]).expect("valid");
+        assert_eq!(c.body_read_timeout, Duration::from_millis(1500));
+        let e = cfg(&[("DLOCK_BODY_READ_TIMEOUT_MS", "0")]).expect_err("zero");
+        assert!(e.to_string().contains("DLOCK_BODY_READ_TIMEOUT_MS"), "{e}");
+    }
+
+    /// Without the feature, the backend is the first thing said, before
+    /// what its records would need.
+    #[cfg(not(feature = "zookeeper"))]
+    #[test]
+    fn a_backend_without_its_feature_is_the_first_error() {
+        let e = cfg(&[("DLOCK_BACKEND", "zookeeper")]).expect_err("feature off");
+        assert!(matches!(e, Error::Config { var: "DLOCK_BACKEND", .. }), "{e}");
+        assert!(e.to_string().contains("`zookeeper` cargo feature"), "{e}");
     }
 
     #[test]
@@ -1030,31 +814,5 @@ mod tests {
         }
         let err = cfg(&[("DLOCK_IDEMPOTENCY_LOCAL", "on please")]).expect_err("not a flag");
         assert!(err.is_misconfigured() && err.to_string().contains("DLOCK_IDEMPOTENCY_LOCAL"), "{err}");
-    }
-
-    /// With RedLock or ZooKeeper and no shared store, each instance would
-    /// keep its own records and a duplicate sent to two would run twice.
-    #[tokio::test]
-    async fn records_in_each_process_need_to_be_allowed() {
-        let redlock = [("DLOCK_BACKEND", "redlock"), ("DLOCK_REDLOCK_URLS", "redis://a,redis://b,redis://c")];
-        let zookeeper = [("DLOCK_BACKEND", "zookeeper"), ("DLOCK_ZOOKEEPER", "10.0.0.1:2181")];
-        for vars in [&redlock[..], &zookeeper[..]] {
-            let c = cfg(vars).expect("valid");
-            let err = c.idempotency_store().await.map(|s| s.name()).expect_err("refused");
-            assert!(err.is_misconfigured(), "{err}");
-            let text = err.to_string();
-            assert!(text.contains("DLOCK_IDEMPOTENCY_REDIS_URL") && text.contains("DLOCK_IDEMPOTENCY_LOCAL"), "{text}");
-            // build_services refuses before connecting to anything (the
-            // addresses here answer nobody).
-            let err = c.build_services().await.map(|s| s.locker.backend_name()).expect_err("refused");
-            assert!(err.to_string().contains("DLOCK_IDEMPOTENCY_REDIS_URL"), "{err}");
-
-            let mut allowed = vars.to_vec();
-            allowed.push(("DLOCK_IDEMPOTENCY_LOCAL", "1"));
-            let store = cfg(&allowed).expect("valid").idempotency_store().await.expect("allowed");
-            assert_eq!(store.name(), "memory");
-        }
-        // The in-process backend is one process by design.
-        assert_eq!(cfg(&[]).expect("valid").idempotency_store().await.expect("memory").name(), "memory");
     }
 }

@@ -8,14 +8,17 @@
 //! * Watchdog mode renews the lease every lease/3 while the guard lives.
 //! * The same [`Owner`] re-entering a lock it holds is counted.
 //! * [`LockKey`]s escape every part, so user input cannot make two keys equal.
-//! * [`Config::from_env`] reads the `DLOCK_*` variables.
+//! * [`Config::from_env`] reads the `DLOCK_*` variables; [`Config::build`]
+//!   connects what they name, a [`DlockRuntime`]: the engine, the
+//!   idempotency store and their settings.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
 //! use dlock_core::{AcquireOptions, Config};
 //! use std::time::Duration;
 //!
-//! let locker = Config::from_env()?.build().await?; // in process unless DLOCK_BACKEND says otherwise
+//! let dlock = Config::from_env()?.build().await?; // in process unless DLOCK_BACKEND says otherwise
+//! let locker = dlock.locker();
 //! let key = locker.key("order.create").part(42).part("token-1").build()?;
 //! let guard = locker.acquire(&key, AcquireOptions::new().with_lease(Duration::from_secs(5))).await?;
 //! assert!(guard.fencing_token() > 0);
@@ -27,19 +30,22 @@ pub mod backend;
 #[cfg(feature = "broken-variants")]
 pub mod broken_variants;
 mod config;
+mod connect;
 mod engine;
 mod error;
 pub mod idempotency;
 mod key;
 mod owner;
+mod runtime;
 
 pub use backend::memory::MemoryBackend;
 pub use backend::{Backend, LostReason, LostSignal};
-pub use config::{BackendKind, Config, Services, ZooKeeperAuth};
+pub use config::{BackendKind, Config, ZooKeeperAuth};
 pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE};
 pub use error::{Error, Result};
 pub use key::{escape_into, KeyBuilder, KeyLogId, KeyPart, LockKey, MAX_KEY_LEN};
 pub use owner::Owner;
+pub use runtime::{DlockRuntime, Readiness, ReadinessCheck, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_BODY_BYTES};
 
 #[cfg(feature = "redis")]
 pub use backend::redis::RedisTls;

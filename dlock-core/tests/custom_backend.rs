@@ -55,6 +55,10 @@ impl Backend for Table {
         "table"
     }
 
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, _: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move { self.attempt(req) })
     }

@@ -545,7 +545,7 @@ async fn dead_redis_is_an_error_not_a_hang() {
 }
 
 /// The caps of the configuration reach the stores it builds: in process,
-/// and in the lock backend's Redis through `build_services`.
+/// and in the lock backend's Redis, both through `Config::build`.
 #[tokio::test]
 async fn configured_caps_reach_the_store() {
     let redis = dlock_testing::RedisServer::start();
@@ -560,8 +560,8 @@ async fn configured_caps_reach_the_store() {
         })
         .expect("config")
     };
-    let in_process = vars(false).idempotency_store().await.expect("memory store");
-    let shared = vars(true).build_services().await.expect("redis services").idempotency;
+    let in_process = vars(false).build().await.expect("memory").idempotency_store().expect("memory store").clone();
+    let shared = vars(true).build().await.expect("redis").idempotency_store().expect("redis store").clone();
     for store in [in_process, shared] {
         let lease = Duration::from_secs(5);
         let terms = ClaimTerms::new(lease).with_ttl(lease);
@@ -596,20 +596,19 @@ async fn records_never_share_an_evicting_lock_keyspace() {
     };
     // By default, and named explicitly (as `localhost`): the lock keyspace.
     let url = evicting.url();
-    refused(config(url.clone(), None).build_services().await.expect_err("shared by default"));
+    refused(config(url.clone(), None).build().await.expect_err("shared by default"));
     let same = url.replace("127.0.0.1", "localhost") + "/0";
-    refused(config(url.clone(), Some(same.clone())).build_services().await.expect_err("same place"));
-    refused(config(url.clone(), None).idempotency_store().await.expect_err("own connection, same place"));
+    refused(config(url.clone(), Some(same.clone())).build().await.expect_err("own connection, same place"));
     // Another database of the same server.
-    let services = config(url.clone(), Some(format!("{url}/1"))).build_services().await.expect("another database");
-    let Begin::New(_) =
-        services.idempotency.begin("s", "k", "fp", ClaimTerms::new(Duration::from_secs(5))).await.expect("begin")
+    let dlock = config(url.clone(), Some(format!("{url}/1"))).build().await.expect("another database");
+    let store = dlock.idempotency_store().expect("records");
+    let Begin::New(_) = store.begin("s", "k", "fp", ClaimTerms::new(Duration::from_secs(5))).await.expect("begin")
     else {
         panic!("a fresh key is claimed")
     };
     // `noeviction` beside the locks: allowed, the caps guard it.
     let noeviction = dlock_testing::RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
-    config(noeviction.url(), None).build_services().await.expect("noeviction is allowed");
+    config(noeviction.url(), None).build().await.expect("noeviction is allowed");
     // A user the ACL does not let read CONFIG: allowed, with a warning.
     let mut admin = evicting.connection();
     let () = redis::cmd("ACL")
@@ -617,7 +616,7 @@ async fn records_never_share_an_evicting_lock_keyspace() {
         .query(&mut admin)
         .expect("acl");
     let app = url.replace("redis://", "redis://app:pw@");
-    config(app.clone(), None).build_services().await.expect("policy unknown: the caps are what is left");
+    config(app.clone(), None).build().await.expect("policy unknown: the caps are what is left");
 }
 
 /// Issue 16, the threat itself: a flood of new keys from many callers into
@@ -635,10 +634,10 @@ async fn a_flood_of_records_cannot_fill_the_lock_redis() {
         _ => None,
     })
     .expect("config")
-    .build_services()
+    .build()
     .await
     .expect("noeviction beside the locks is allowed");
-    let (store, locker) = (services.idempotency, services.locker);
+    let (store, locker) = (services.idempotency_store().expect("records").clone(), services.locker().clone());
     let response = StoredResponse::new(201, vec![], vec![b'x'; 1024]);
     let (mut stored, mut full) = (0, 0);
     for i in 0..5000 {

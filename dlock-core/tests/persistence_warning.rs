@@ -36,7 +36,7 @@ async fn records_on_a_redis_without_persistence_are_warned_about() {
             _ => None,
         })
         .expect("config");
-        config.build_services().await.expect("services");
+        config.build().await.expect("runtime");
         let bytes = capture.0.lock().expect("capture").clone();
         String::from_utf8_lossy(&bytes).into_owned()
     }

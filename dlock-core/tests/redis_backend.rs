@@ -631,24 +631,28 @@ async fn one_config_builds_locks_and_idempotency_over_shared_connections() {
     })
     .expect("config");
     let before = connected_clients(&server);
-    let services = config.build_services().await.expect("services");
-    let with_services = connected_clients(&server);
-    let engine_alone = config.build().await.expect("engine");
+    let dlock = config.build().await.expect("runtime");
+    let with_runtime = connected_clients(&server);
+    let engine_alone = RedisBackend::connect(&url, "shop").await.expect("engine");
     let with_engine = connected_clients(&server);
-    let store_alone = config.idempotency_store().await.expect("store");
-    let with_store = connected_clients(&server);
-    assert!(with_store > with_engine, "a store of its own opens connections of its own");
-    assert_eq!(with_services - before, with_engine - with_services, "the store opened no connection of its own");
-    drop((engine_alone, store_alone));
-    assert_eq!(services.idempotency.name(), "redis");
-    assert_eq!(services.locker.options().prefix(), "shop");
+    assert_eq!(with_runtime - before, with_engine - with_runtime, "the store opened no connection of its own");
+    // The negative control: records in another database of the same server
+    // are a store of its own, with connections of its own.
+    let mut apart = config.clone();
+    apart.idempotency_redis_url = Some(format!("{url}/1"));
+    let apart = apart.build().await.expect("records apart");
+    assert!(connected_clients(&server) - with_engine > with_runtime - before, "a store apart connects on its own");
+    drop((engine_alone, apart));
+    let store = dlock.idempotency_store().expect("records");
+    assert_eq!(store.name(), "redis");
+    assert_eq!(dlock.locker().options().prefix(), "shop");
 
-    let key = services.locker.key("order").part(1).build().expect("key");
-    let guard = services.locker.try_acquire(&key).await.expect("free");
-    let token = services.idempotency.issue_token(Duration::from_secs(60)).await.expect("token");
+    let key = dlock.locker().key("order").part(1).build().expect("key");
+    let guard = dlock.locker().try_acquire(&key).await.expect("free");
+    let token = store.issue_token(Duration::from_secs(60)).await.expect("token");
     let keys: Vec<String> = redis::cmd("KEYS").arg("shop:idem:t:*").query(&mut server.connection()).expect("KEYS");
     assert_eq!(keys.len(), 1, "the token lives under the one prefix: {keys:?}");
-    assert!(services.idempotency.consume_token(&token).await.expect("consume"));
+    assert!(store.consume_token(&token).await.expect("consume"));
     assert!(guard.release().await.expect("release"));
 }
 
@@ -1045,4 +1049,34 @@ async fn acquires_refused_by_a_dead_server_leave_no_release_behind() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let extra = metrics.num_alive_tasks().saturating_sub(before);
     assert!(extra < 10, "{extra} tasks left behind by 50 refused acquires");
+}
+
+/// Which Redis could not be reached, and where: the lock Redis and the
+/// records' Redis are told apart by their variable, the address is named
+/// and the password is not.
+#[tokio::test]
+async fn a_redis_that_cannot_be_reached_is_named_by_its_variable_and_address() {
+    let server = RedisServer::start();
+    let dead = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("addr").port()
+    }; // closed again: nobody listens there now
+    let dead_url = format!("redis://app:s3cret@127.0.0.1:{dead}");
+    let build = |lock: String, records: Option<String>| async move {
+        let config = dlock_core::Config::from_lookup(|var| match var {
+            "DLOCK_BACKEND" => Some("redis".into()),
+            "DLOCK_REDIS_URL" => Some(lock.clone()),
+            "DLOCK_IDEMPOTENCY_REDIS_URL" => records.clone(),
+            _ => None,
+        })
+        .expect("config");
+        config.build().await.map(|_| ()).expect_err("one Redis is down").to_string()
+    };
+    let records_down = build(server.url(), Some(dead_url.clone())).await;
+    assert!(records_down.contains(&format!("DLOCK_IDEMPOTENCY_REDIS_URL (redis://***@127.0.0.1:{dead})")), "{records_down}");
+    let locks_down = build(dead_url, None).await;
+    assert!(locks_down.contains(&format!("DLOCK_REDIS_URL (redis://***@127.0.0.1:{dead})")), "{locks_down}");
+    for text in [records_down, locks_down] {
+        assert!(!text.contains("s3cret"), "{text}");
+    }
 }

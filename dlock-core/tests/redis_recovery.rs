@@ -51,7 +51,7 @@ async fn the_first_acquire_after_a_restart_succeeds() {
 async fn the_first_idempotency_begin_after_a_restart_succeeds() {
     let mut server = RedisServer::start();
     // Its own connection, and one shared with a lock backend
-    // (`Config::build_services` does the latter).
+    // (`Config::build` does the latter).
     let own = RedisStore::connect(&server.url(), "dlock").await.expect("connect");
     let backend = RedisBackend::connect(&server.url(), "dlock").await.expect("connect");
     let shared = RedisStore::from_backend(&backend);

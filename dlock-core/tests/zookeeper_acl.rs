@@ -29,7 +29,12 @@ async fn locker_from_env(server: &ZooKeeperServer, auth: Option<&str>) -> Locker
         _ => None,
     })
     .expect("valid configuration");
-    tokio::time::timeout(Duration::from_secs(10), config.build()).await.expect("no hang").expect("connect")
+    tokio::time::timeout(Duration::from_secs(10), config.build())
+        .await
+        .expect("no hang")
+        .expect("connect")
+        .locker()
+        .clone()
 }
 
 /// A plain ZooKeeper client, with digest credentials or none: the intruder,

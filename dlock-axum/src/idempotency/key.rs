@@ -18,9 +18,8 @@ use futures_util::StreamExt;
 use tower::{Layer, Service};
 
 use super::detached::{self, Settled};
-use super::{Idempotency, ResponseFuture, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
-use crate::install::Dlock;
-use crate::lock::body::{discard, read_body};
+use super::{Records, ResponseFuture, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
+use crate::lock::body::{discard, read_body, BodyLimits};
 use crate::Rejection;
 
 /// Response headers stored and replayed unless [`IdempotencyLayer::store_headers`]
@@ -251,16 +250,16 @@ impl Scope {
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// use std::sync::Arc;
 /// use axum::{body::Body, http::Request, routing::post, Router};
-/// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
-/// use dlock_core::idempotency::MemoryStore;
+/// use dlock_axum::{idempotency::{IdempotencyLayer, Scope}, LockerExt};
+/// use dlock_core::{Locker, MemoryBackend};
 /// use tower::ServiceExt;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 /// // Keys belong to the caller named by `x-user`; a request without it is refused.
-/// let layer = IdempotencyLayer::new(idem).with_scope(Scope::header("x-user"));
-/// let app: Router = Router::new().route("/pay", post(|| async { (axum::http::StatusCode::CREATED, "paid") }).layer(layer));
+/// let layer = IdempotencyLayer::new().with_scope(Scope::header("x-user"));
+/// let app: Router = Router::new()
+///     .route("/pay", post(|| async { (axum::http::StatusCode::CREATED, "paid") }).layer(layer))
+///     .with_locker(Locker::new(MemoryBackend::new())); // records in this process
 /// let pay = || Request::post("/pay").header("idempotency-key", "k1").header("x-user", "u1").body(Body::from("{}")).unwrap();
 /// assert_eq!(app.clone().oneshot(pay()).await.unwrap().status(), 201);
 /// let again = app.oneshot(pay()).await.unwrap();
@@ -270,7 +269,7 @@ impl Scope {
 /// ```
 #[derive(Clone)]
 pub struct IdempotencyLayer {
-    idem: Idempotency,
+    records: Records,
     scope: Scope,
     methods: Arc<[Method]>,
     store_when: StoreWhen,
@@ -286,7 +285,7 @@ pub struct IdempotencyLayer {
 impl std::fmt::Debug for IdempotencyLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyLayer")
-            .field("store", &self.idem.store.name())
+            .field("records", &self.records)
             .field("scope", &self.scope)
             .field("methods", &self.methods)
             .field("lease", &self.lease)
@@ -297,11 +296,19 @@ impl std::fmt::Debug for IdempotencyLayer {
     }
 }
 
+impl Default for IdempotencyLayer {
+    fn default() -> Self {
+        IdempotencyLayer::new()
+    }
+}
+
 impl IdempotencyLayer {
-    /// Key mode on `idem`'s store, with the defaults documented above.
-    pub fn new(idem: Idempotency) -> Self {
+    /// Key mode, with the defaults documented above, on the idempotency
+    /// store of the installed [`DlockRuntime`](dlock_core::DlockRuntime)
+    /// (see [`with_store`](Self::with_store) for one of its own).
+    pub fn new() -> Self {
         IdempotencyLayer {
-            idem,
+            records: Records::default(),
             scope: Scope(ScopeKind::Header(header::AUTHORIZATION)),
             methods: DEFAULT_METHODS.into(),
             store_when: Arc::new(stored_by_default),
@@ -311,6 +318,30 @@ impl IdempotencyLayer {
             max_response_bytes: 1024 * 1024,
             stored_headers: DEFAULT_STORED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
         }
+    }
+
+    /// Records in `store` rather than the installed runtime's.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlock_axum::idempotency::IdempotencyLayer;
+    /// let layer = IdempotencyLayer::new().with_store(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// ```
+    pub fn with_store(mut self, store: Arc<dyn IdempotencyStore>) -> Self {
+        self.records = self.records.with_store(store);
+        self
+    }
+
+    /// How long a completed key is replayed (and a claim kept), rather
+    /// than the installed runtime's `DLOCK_IDEMPOTENCY_TTL_SECS`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let layer = dlock_axum::idempotency::IdempotencyLayer::new().ttl(Duration::from_secs(3600));
+    /// ```
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.records = self.records.with_ttl(ttl);
+        self
     }
 
     /// The caller a request belongs to, as a closure that always finds one
@@ -325,10 +356,8 @@ impl IdempotencyLayer {
     /// The caller a request belongs to (default: the `Authorization` header).
     ///
     /// ```
-    /// use std::sync::Arc;
-    /// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
-    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
-    /// let layer = IdempotencyLayer::new(idem).with_scope(Scope::cookie("session"));
+    /// use dlock_axum::idempotency::{IdempotencyLayer, Scope};
+    /// let layer = IdempotencyLayer::new().with_scope(Scope::cookie("session"));
     /// ```
     pub fn with_scope(mut self, scope: Scope) -> Self {
         self.scope = scope;
@@ -339,11 +368,9 @@ impl IdempotencyLayer {
     /// `PATCH`); requests of other methods pass through untouched.
     ///
     /// ```
-    /// use std::sync::Arc;
     /// use axum::http::Method;
-    /// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
-    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
-    /// let layer = IdempotencyLayer::new(idem).methods([Method::POST, Method::PATCH, Method::DELETE]);
+    /// use dlock_axum::idempotency::IdempotencyLayer;
+    /// let layer = IdempotencyLayer::new().methods([Method::POST, Method::PATCH, Method::DELETE]);
     /// ```
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = methods.into_iter().collect();
@@ -355,11 +382,9 @@ impl IdempotencyLayer {
     /// it frees the key. A response not stored frees the key too.
     ///
     /// ```
-    /// use std::sync::Arc;
-    /// use dlock_axum::idempotency::{stored_by_default, Idempotency, IdempotencyLayer};
-    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// use dlock_axum::idempotency::{stored_by_default, IdempotencyLayer};
     /// // Also replay the route's own 422s (its validation runs after the work started).
-    /// let layer = IdempotencyLayer::new(idem).store_when(|res| res.status() == 422 || stored_by_default(res));
+    /// let layer = IdempotencyLayer::new().store_when(|res| res.status() == 422 || stored_by_default(res));
     /// ```
     pub fn store_when(mut self, f: impl Fn(&Response) -> bool + Send + Sync + 'static) -> Self {
         self.store_when = Arc::new(f);
@@ -382,10 +407,8 @@ impl IdempotencyLayer {
     /// database, say): the dead instance may have done it.
     ///
     /// ```
-    /// use std::sync::Arc;
-    /// use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
-    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
-    /// let layer = IdempotencyLayer::new(idem).run_again_after_lease();
+    /// use dlock_axum::idempotency::IdempotencyLayer;
+    /// let layer = IdempotencyLayer::new().run_again_after_lease();
     /// ```
     pub fn run_again_after_lease(mut self) -> Self {
         self.run_again_after_lease = true;
@@ -393,7 +416,7 @@ impl IdempotencyLayer {
     }
 
     /// Most request body bytes read for the fingerprint. Default: the
-    /// installed engine's ([`Dlock::max_body_bytes`], from
+    /// installed runtime's ([`DlockRuntime::max_body_bytes`](dlock_core::DlockRuntime::max_body_bytes), from
     /// `DLOCK_MAX_BODY_BYTES` through [`Config`](dlock_core::Config); 64 KiB).
     pub fn max_body_bytes(mut self, n: usize) -> Self {
         self.max_body_bytes = Some(n);
@@ -428,13 +451,10 @@ impl<S> Layer<S> for IdempotencyLayer {
 /// error passes through unchanged (and frees the key, like a `5xx`).
 ///
 /// ```
-/// use std::sync::Arc;
 /// use axum::{routing::post, Router};
-/// use dlock_axum::idempotency::{Idempotency, Idempotent};
-/// use dlock_core::idempotency::MemoryStore;
+/// use dlock_axum::idempotency::Idempotent;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
-/// let app: Router = Router::new().route("/pay", post(|| async { "paid" }).layer(Idempotent::layer(idem)));
+/// let app: Router = Router::new().route("/pay", post(|| async { "paid" }).layer(Idempotent::layer()));
 /// ```
 #[derive(Debug, Clone)]
 pub struct Idempotent<S> {
@@ -443,9 +463,9 @@ pub struct Idempotent<S> {
 }
 
 impl Idempotent<()> {
-    /// The layer of this service: [`IdempotencyLayer::new`]`(idem)`.
-    pub fn layer(idem: Idempotency) -> IdempotencyLayer {
-        IdempotencyLayer::new(idem)
+    /// The layer of this service: [`IdempotencyLayer::new`]`()`.
+    pub fn layer() -> IdempotencyLayer {
+        IdempotencyLayer::new()
     }
 }
 
@@ -555,9 +575,16 @@ where
             return Ok(r.into_response());
         }
     };
-    // The installed engine's bounds: its body limit unless the layer has
+    let (store, ttl) = match layer.records.in_request(&parts.extensions) {
+        Ok(found) => found,
+        Err(refused) => {
+            discard(&parts.headers, body, false).await;
+            return Ok(refused.into_response());
+        }
+    };
+    // The installed runtime's bounds: its body limit unless the layer has
     // its own, and its body-read timeout.
-    let limits = Dlock::body_limits_in(&parts.extensions, layer.max_body_bytes);
+    let limits = BodyLimits::of(crate::install::installed(&parts.extensions), layer.max_body_bytes);
     let body = match read_body(&parts.headers, body, limits).await {
         Ok(body) => body,
         Err(rejection) => return Ok(rejection.into_response()),
@@ -567,8 +594,6 @@ where
     let Some(scope) = layer.scope.of(&parts) else {
         return Ok(Rejection::idempotency_scope_missing().into_response());
     };
-    let store = layer.idem.store.clone();
-    let ttl = layer.idem.ttl_in(&parts.extensions);
     let mut terms = ClaimTerms::new(layer.lease).with_ttl(ttl);
     if layer.run_again_after_lease {
         terms = terms.run_again_after_lease();

@@ -1,7 +1,7 @@
 //! Request idempotency over HTTP: one-time tokens and `Idempotency-Key`.
 //!
 //! **Token mode** (a form that must be submitted once): the client fetches a
-//! token from [`Idempotency::token_handler`] (`{"token": "...",
+//! token from [`token_handler`] (`{"token": "...",
 //! "expires_in_secs": n}`) and sends it with the submit, in the header
 //! `Idempotency-Token` or a query parameter ([`TokenLayer::query_param`]).
 //! [`TokenLayer`] claims it atomically before the route runs: missing →
@@ -18,6 +18,11 @@
 //! hangs up does neither: once claimed, the route runs to its end on a task
 //! of its own, and its answer counts.
 //!
+//! Both find their store in the installed
+//! [`DlockRuntime`](dlock_core::DlockRuntime) (`DLOCK_IDEMPOTENCY_REDIS_URL`,
+//! else the lock Redis, else this process), as `LockLayer` finds the engine;
+//! `with_store` gives a layer its own.
+//!
 //! **Key mode** (IETF "The Idempotency-Key HTTP Header Field", Stripe):
 //! [`IdempotencyLayer`] — see there for the rules, the scope default and the
 //! failure policy.
@@ -33,17 +38,17 @@
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! use std::sync::Arc;
 //! use axum::{body::Body, http::Request, routing::{get, post}, Router};
-//! use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, TokenLayer};
-//! use dlock_core::idempotency::MemoryStore;
+//! use dlock_axum::idempotency::{token_handler, IdempotencyLayer, TokenLayer};
+//! use dlock_axum::LockerExt;
+//! use dlock_core::{Locker, MemoryBackend};
 //! use tower::ServiceExt;
 //!
-//! let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 //! let app: Router = Router::new()
-//!     .route("/idempotency/token", get(idem.token_handler()))
-//!     .route("/orders", post(|| async { "placed" }).layer(TokenLayer::new(idem.clone()).query_param("token")))
-//!     .route("/payments", post(|| async { "paid" }).layer(IdempotencyLayer::new(idem.clone())));
+//!     .route("/idempotency/token", get(token_handler()))
+//!     .route("/orders", post(|| async { "placed" }).layer(TokenLayer::new().query_param("token")))
+//!     .route("/payments", post(|| async { "paid" }).layer(IdempotencyLayer::new()))
+//!     .with_locker(Locker::new(MemoryBackend::new())); // records in this process
 //!
 //! let res = app.clone().oneshot(Request::post("/orders").body(Body::empty()).unwrap()).await.unwrap();
 //! assert_eq!(res.status(), 400); // idempotency_token_missing
@@ -57,8 +62,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::idempotency::IdempotencyStore;
-
-use crate::install::Dlock;
 
 mod detached;
 mod key;
@@ -104,138 +107,130 @@ pub const TOKEN_HEADER: &str = "idempotency-token";
 /// Longest accepted `Idempotency-Key`.
 pub const MAX_KEY_LEN: usize = 255;
 
-/// A store and the TTL of its tokens and stored responses, shared by the
-/// token endpoint and the layers.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
-/// let cfg = dlock_core::Config::from_env()?;
-/// let idem = dlock_axum::idempotency::Idempotency::from_config(&cfg).await?;
-/// assert_eq!(idem.ttl(), cfg.idempotency_ttl);
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone)]
-pub struct Idempotency {
-    store: Arc<dyn IdempotencyStore>,
-    /// `None`: the installed engine's ([`Dlock::idempotency_ttl`]), else 24 hours.
+/// Where a layer or token endpoint takes its records: its own store and TTL
+/// when given ([`IdempotencyLayer::with_store`], [`TokenLayer::with_store`]),
+/// else the installed [`DlockRuntime`](dlock_core::DlockRuntime)'s.
+#[derive(Clone, Default)]
+pub(crate) struct Records {
+    store: Option<Arc<dyn IdempotencyStore>>,
     ttl: Option<Duration>,
 }
 
-impl Idempotency {
-    /// Records in `store`, living as long as the installed engine's
-    /// configuration says ([`Dlock::idempotency_ttl`],
-    /// `DLOCK_IDEMPOTENCY_TTL_SECS`; 24 hours without one).
-    pub fn new(store: Arc<dyn IdempotencyStore>) -> Self {
-        Idempotency { store, ttl: None }
+impl std::fmt::Debug for Records {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let store = self.store.as_ref().map_or("installed", |store| store.name());
+        f.debug_struct("Records").field("store", &store).field("ttl", &self.ttl).finish()
+    }
+}
+
+impl Records {
+    fn with_store(mut self, store: Arc<dyn IdempotencyStore>) -> Self {
+        self.store = Some(store);
+        self
     }
 
-    /// The store [`Config::idempotency_store`](dlock_core::Config::idempotency_store)
-    /// picks, with the configured TTL. It opens connections of its own; to
-    /// share the lock backend's, build both with
-    /// [`Config::build_services`](dlock_core::Config::build_services) and
-    /// take [`Idempotency::new`] of its store (the README shows it).
-    ///
-    /// # Errors
-    ///
-    /// When the store cannot be connected.
-    pub async fn from_config(cfg: &dlock_core::Config) -> dlock_core::Result<Self> {
-        Ok(Idempotency { store: cfg.idempotency_store().await?, ttl: Some(cfg.idempotency_ttl) })
-    }
-
-    /// Changes how long tokens and stored responses live.
-    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+    fn with_ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
         self
     }
 
-    /// How long tokens and stored responses live when no engine says
-    /// otherwise: the TTL given here, else 24 hours.
-    pub fn ttl(&self) -> Duration {
-        self.ttl.unwrap_or_else(|| dlock_core::Config::default().idempotency_ttl)
-    }
-
-    /// The TTL for a request: the one given here, else the installed
-    /// engine's, else 24 hours.
-    pub(crate) fn ttl_in(&self, extensions: &axum::http::Extensions) -> Duration {
-        match (self.ttl, extensions.get::<Dlock>()) {
+    /// The store and TTL for one request: the ones given here, else the
+    /// installed runtime's. A runtime whose configuration keeps no records
+    /// (RedLock or ZooKeeper locks without `DLOCK_IDEMPOTENCY_REDIS_URL`)
+    /// refuses with `500 lock_misconfigured`, its log naming the variable.
+    pub(crate) fn in_request(
+        &self,
+        extensions: &axum::http::Extensions,
+    ) -> Result<(Arc<dyn IdempotencyStore>, Duration), Rejection> {
+        let installed = crate::install::installed(extensions);
+        let ttl = match (self.ttl, installed) {
             (Some(ttl), _) => ttl,
             (None, Some(dlock)) => dlock.idempotency_ttl(),
-            (None, None) => self.ttl(),
-        }
+            (None, None) => dlock_core::Config::default().idempotency_ttl,
+        };
+        let store = match (&self.store, installed) {
+            (Some(store), _) => store.clone(),
+            (None, Some(dlock)) => dlock.idempotency_store().cloned().map_err(|e| {
+                tracing::error!(error = %e, "dlock: an idempotency route, and no idempotency records configured");
+                Rejection::misconfigured().with_message("no idempotency records configured for this route")
+            })?,
+            (None, None) => return Err(crate::install::no_engine()),
+        };
+        Ok((store, ttl))
     }
+}
 
-    /// The store.
-    pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
-        &self.store
+/// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`,
+/// or `503 lock_backend_unavailable`; records in the installed runtime.
+/// Mount it where clients ask for tokens, for `GET` only (see below).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use axum::{body::Body, http::Request, routing::get, Router};
+/// use dlock_axum::{idempotency::token_handler, LockerExt};
+/// use dlock_core::{Locker, MemoryBackend};
+/// use tower::ServiceExt;
+/// let app: Router = Router::new()
+///     .route("/idempotency/token", get(token_handler()))
+///     .with_locker(Locker::new(MemoryBackend::new()));
+/// let res = app.oneshot(Request::get("/idempotency/token").body(Body::empty()).unwrap()).await.unwrap();
+/// assert_eq!(res.status(), 200);
+/// # }
+/// ```
+pub fn token_handler() -> impl Fn(
+    axum::http::request::Parts,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
+       + Clone
+       + Send
+       + Sync
+       + 'static {
+    move |parts: axum::http::request::Parts| {
+        let records = Records::default().in_request(&parts.extensions);
+        Box::pin(async move {
+            match records {
+                Ok((store, ttl)) => token::issue(&store, &parts.method, None, ttl).await,
+                Err(refused) => axum::response::IntoResponse::into_response(refused),
+            }
+        })
     }
+}
 
-    /// A handler that issues a token bound to the request's caller, as
-    /// `scope` names it: only a [`TokenLayer::with_scope`] of the same scope,
-    /// on a request of the same caller, accepts it. A request whose scope is
-    /// missing is `400 idempotency_scope_missing`.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// use axum::{body::Body, http::Request, routing::get, Router};
-    /// use dlock_axum::idempotency::{Idempotency, Scope};
-    /// use tower::ServiceExt;
-    /// let idem = Idempotency::new(std::sync::Arc::new(dlock_core::idempotency::MemoryStore::new()));
-    /// let app: Router = Router::new().route("/token", get(idem.bound_token_handler(Scope::header("x-user"))));
-    /// let res = app.oneshot(Request::get("/token").header("x-user", "alice").body(Body::empty()).unwrap()).await.unwrap();
-    /// assert_eq!(res.status(), 200);
-    /// # }
-    /// ```
-    pub fn bound_token_handler(
-        &self,
-        scope: Scope,
-    ) -> impl Fn(
-        axum::http::request::Parts,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
-           + Clone
-           + Send
-           + Sync
-           + 'static {
-        let idem = self.clone();
-        move |parts: axum::http::request::Parts| {
-            let idem = idem.clone();
-            let ttl = idem.ttl_in(&parts.extensions);
-            let principal = scope.of(&parts);
-            Box::pin(async move {
-                match principal {
-                    Some(principal) => token::issue(&idem, Some(&principal), ttl).await,
-                    None => axum::response::IntoResponse::into_response(Rejection::idempotency_scope_missing()),
-                }
-            })
-        }
-    }
-
-    /// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`,
-    /// or `503 lock_backend_unavailable`. Mount it where clients ask for tokens.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// use axum::{body::Body, http::Request, routing::get, Router};
-    /// use tower::ServiceExt;
-    /// let idem = dlock_axum::idempotency::Idempotency::new(std::sync::Arc::new(dlock_core::idempotency::MemoryStore::new()));
-    /// let app: Router = Router::new().route("/idempotency/token", get(idem.token_handler()));
-    /// let res = app.oneshot(Request::get("/idempotency/token").body(Body::empty()).unwrap()).await.unwrap();
-    /// assert_eq!(res.status(), 200);
-    /// # }
-    /// ```
-    pub fn token_handler(
-        &self,
-    ) -> impl Fn(
-        axum::http::Extensions,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
-           + Clone
-           + Send
-           + Sync
-           + 'static {
-        let idem = self.clone();
-        move |extensions: axum::http::Extensions| {
-            let idem = idem.clone();
-            let ttl = idem.ttl_in(&extensions);
-            Box::pin(async move { token::issue(&idem, None, ttl).await })
-        }
+/// A handler that issues a token bound to the request's caller, as `scope`
+/// names it: only a [`TokenLayer::with_scope`] of the same scope, on a
+/// request of the same caller, accepts it. A request whose scope is missing
+/// is `400 idempotency_scope_missing`.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use axum::{body::Body, http::Request, routing::get, Router};
+/// use dlock_axum::{idempotency::{bound_token_handler, Scope}, LockerExt};
+/// use dlock_core::{Locker, MemoryBackend};
+/// use tower::ServiceExt;
+/// let app: Router = Router::new()
+///     .route("/token", get(bound_token_handler(Scope::header("x-user"))))
+///     .with_locker(Locker::new(MemoryBackend::new()));
+/// let res = app.oneshot(Request::get("/token").header("x-user", "alice").body(Body::empty()).unwrap()).await.unwrap();
+/// assert_eq!(res.status(), 200);
+/// # }
+/// ```
+pub fn bound_token_handler(
+    scope: Scope,
+) -> impl Fn(
+    axum::http::request::Parts,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
+       + Clone
+       + Send
+       + Sync
+       + 'static {
+    move |parts: axum::http::request::Parts| {
+        let records = Records::default().in_request(&parts.extensions);
+        let principal = scope.of(&parts);
+        Box::pin(async move {
+            match (records, principal) {
+                (Err(refused), _) => axum::response::IntoResponse::into_response(refused),
+                (Ok((store, ttl)), Some(principal)) => token::issue(&store, &parts.method, Some(&principal), ttl).await,
+                (Ok(_), None) => axum::response::IntoResponse::into_response(Rejection::idempotency_scope_missing()),
+            }
+        })
     }
 }

@@ -15,7 +15,7 @@ use dlock_core::idempotency::{Claim, IdempotencyStore, TokenClaim};
 
 use super::detached::{self, Settled};
 use super::key::{stored_by_default, CatchUnwind, Scope};
-use super::{Idempotency, ResponseFuture, TOKEN_HEADER};
+use super::{Records, ResponseFuture, TOKEN_HEADER};
 use crate::lock::body::discard;
 use crate::Rejection;
 
@@ -49,10 +49,24 @@ impl TokenResponse {
     }
 }
 
-pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Duration) -> Response {
+/// Issues a token from `store`. `HEAD` (which axum routes to a `GET`
+/// handler) gets the headers of an answer and no token: a probe or a
+/// link checker must not fill the store.
+pub(super) async fn issue(
+    store: &Arc<dyn IdempotencyStore>,
+    method: &axum::http::Method,
+    principal: Option<&str>,
+    ttl: Duration,
+) -> Response {
+    if method == axum::http::Method::HEAD {
+        let mut res = Response::new(Body::empty());
+        res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        return res;
+    }
     let issued = match principal {
-        Some(principal) => idem.store.issue_bound_token(principal, ttl).await,
-        None => idem.store.issue_token(ttl).await,
+        Some(principal) => store.issue_bound_token(principal, ttl).await,
+        None => store.issue_token(ttl).await,
     };
     match issued {
         Ok(token) => {
@@ -104,13 +118,15 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use std::sync::Arc;
 /// use axum::{body::Body, http::Request, routing::post, Router};
-/// use dlock_axum::idempotency::{Idempotency, TokenLayer};
-/// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
+/// use dlock_axum::{idempotency::TokenLayer, DlockRuntime, LockerExt};
+/// use dlock_core::{Locker, MemoryBackend};
 /// use tower::ServiceExt;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
-/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem.clone())));
-/// let token = idem.store().issue_token(idem.ttl()).await.unwrap();
+/// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new()));
+/// let app: Router = Router::new()
+///     .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new()))
+///     .with_locker(dlock.clone());
+/// let token = dlock.idempotency_store().unwrap().issue_token(dlock.idempotency_ttl()).await.unwrap();
 /// let submit = || Request::post("/submit").header("idempotency-token", &token).body(Body::empty()).unwrap();
 /// assert_eq!(app.clone().oneshot(submit()).await.unwrap().status(), 200);
 /// assert_eq!(app.oneshot(submit()).await.unwrap().status(), 409);
@@ -118,7 +134,7 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
 /// ```
 #[derive(Clone)]
 pub struct TokenLayer {
-    idem: Idempotency,
+    records: Records,
     query_param: Option<String>,
     duplicate: Rejection,
     spend_when: SpendWhen,
@@ -131,7 +147,7 @@ pub struct TokenLayer {
 impl std::fmt::Debug for TokenLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TokenLayer")
-            .field("store", &self.idem.store.name())
+            .field("records", &self.records)
             .field("query_param", &self.query_param)
             .field("duplicate", &self.duplicate)
             .field("scope", &self.scope)
@@ -140,17 +156,36 @@ impl std::fmt::Debug for TokenLayer {
     }
 }
 
+impl Default for TokenLayer {
+    fn default() -> Self {
+        TokenLayer::new()
+    }
+}
+
 impl TokenLayer {
-    /// Tokens from the `Idempotency-Token` header.
-    pub fn new(idem: Idempotency) -> Self {
+    /// Tokens from the `Idempotency-Token` header, in the store of the
+    /// installed [`DlockRuntime`](dlock_core::DlockRuntime).
+    pub fn new() -> Self {
         TokenLayer {
-            idem,
+            records: Records::default(),
             query_param: None,
             duplicate: Rejection::idempotency_token_unknown(),
             spend_when: Arc::new(stored_by_default),
             scope: None,
             lease: Duration::from_secs(10),
         }
+    }
+
+    /// Tokens in `store` rather than the installed runtime's.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlock_axum::idempotency::TokenLayer;
+    /// let layer = TokenLayer::new().with_store(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// ```
+    pub fn with_store(mut self, store: Arc<dyn IdempotencyStore>) -> Self {
+        self.records = self.records.with_store(store);
+        self
     }
 
     /// The lease of a token's claim (default 10 s): renewed every third of
@@ -161,9 +196,8 @@ impl TokenLayer {
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
-    /// use dlock_axum::idempotency::{Idempotency, TokenLayer};
-    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
-    /// let layer = TokenLayer::new(idem).lease(Duration::from_secs(5));
+    /// use dlock_axum::idempotency::TokenLayer;
+    /// let layer = TokenLayer::new().lease(Duration::from_secs(5));
     /// ```
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
@@ -183,19 +217,17 @@ impl TokenLayer {
     }
 
     /// Accepts only tokens bound to the request's caller: issued by
-    /// [`Idempotency::bound_token_handler`] with the same `scope`. A request
+    /// [`bound_token_handler`](super::bound_token_handler) with the same `scope`. A request
     /// whose scope is missing is `400 idempotency_scope_missing`; a token
     /// bound to another caller (or to none) is `409 idempotency_token_unknown`,
     /// so a leaked token is of no use to anyone else.
     ///
     /// ```
-    /// use std::sync::Arc;
     /// use axum::{routing::{get, post}, Router};
-    /// use dlock_axum::idempotency::{Idempotency, Scope, TokenLayer};
-    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// use dlock_axum::idempotency::{bound_token_handler, Scope, TokenLayer};
     /// let app: Router = Router::new()
-    ///     .route("/token", get(idem.bound_token_handler(Scope::cookie("session"))))
-    ///     .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem).with_scope(Scope::cookie("session"))));
+    ///     .route("/token", get(bound_token_handler(Scope::cookie("session"))))
+    ///     .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new().with_scope(Scope::cookie("session"))));
     /// ```
     pub fn with_scope(mut self, scope: Scope) -> Self {
         self.scope = Some(scope);
@@ -207,11 +239,9 @@ impl TokenLayer {
     /// back. A `5xx` always gives it back.
     ///
     /// ```
-    /// use std::sync::Arc;
-    /// use dlock_axum::idempotency::{stored_by_default, Idempotency, TokenLayer};
-    /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// use dlock_axum::idempotency::{stored_by_default, TokenLayer};
     /// // A 422 of this route comes after its side effect: spend the token then too.
-    /// let layer = TokenLayer::new(idem).spend_when(|res| res.status() == 422 || stored_by_default(res));
+    /// let layer = TokenLayer::new().spend_when(|res| res.status() == 422 || stored_by_default(res));
     /// ```
     pub fn spend_when(mut self, f: impl Fn(&Response) -> bool + Send + Sync + 'static) -> Self {
         self.spend_when = Arc::new(f);
@@ -231,13 +261,10 @@ impl<S> Layer<S> for TokenLayer {
 /// then calls the inner service, whose error passes through unchanged.
 ///
 /// ```
-/// use std::sync::Arc;
 /// use axum::{routing::post, Router};
-/// use dlock_axum::idempotency::{Idempotency, RequireToken};
-/// use dlock_core::idempotency::MemoryStore;
+/// use dlock_axum::idempotency::RequireToken;
 ///
-/// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
-/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(RequireToken::layer(idem)));
+/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(RequireToken::layer()));
 /// ```
 #[derive(Debug, Clone)]
 pub struct RequireToken<S> {
@@ -246,9 +273,9 @@ pub struct RequireToken<S> {
 }
 
 impl RequireToken<()> {
-    /// The layer of this service: [`TokenLayer::new`]`(idem)`.
-    pub fn layer(idem: Idempotency) -> TokenLayer {
-        TokenLayer::new(idem)
+    /// The layer of this service: [`TokenLayer::new`]`()`.
+    pub fn layer() -> TokenLayer {
+        TokenLayer::new()
     }
 }
 
@@ -306,16 +333,18 @@ where
         // moves into the route.
         let (parts, body) = req.into_parts();
         let principal = layer.scope.as_ref().map(|scope| scope.of(&parts));
+        let records = layer.records.in_request(&parts.extensions);
         let req = Request::from_parts(parts, body);
         ResponseFuture::new(async move {
-            let claimed = match (token, principal) {
-                (Err(refused), _) => Err(refused.into_response()),
-                (Ok(None), _) => Err(Rejection::idempotency_token_missing().into_response()),
-                (Ok(Some(_)), Some(None)) => Err(Rejection::idempotency_scope_missing().into_response()),
-                (Ok(Some(token)), principal) => {
+            let claimed = match (token, principal, &records) {
+                (Err(refused), _, _) => Err(refused.into_response()),
+                (Ok(None), _, _) => Err(Rejection::idempotency_token_missing().into_response()),
+                (Ok(Some(_)), Some(None), _) => Err(Rejection::idempotency_scope_missing().into_response()),
+                (Ok(Some(_)), _, Err(refused)) => Err(refused.clone().into_response()),
+                (Ok(Some(token)), principal, Ok((store, _))) => {
                     let principal = principal.flatten();
-                    match layer.idem.store.claim_token(&token, principal.as_deref(), layer.lease).await {
-                        Ok(TokenClaim::Claimed(claim)) => Ok(claim),
+                    match store.claim_token(&token, principal.as_deref(), layer.lease).await {
+                        Ok(TokenClaim::Claimed(claim)) => Ok((claim, store.clone())),
                         Ok(TokenClaim::InUse) => Err(Rejection::idempotency_request_in_progress()
                             .with_message("a request with this token is still being processed")
                             .into_response()),
@@ -336,7 +365,7 @@ where
                     }
                 }
             };
-            let claim = match claimed {
+            let (claim, store) = match claimed {
                 Ok(claimed) => claimed,
                 Err(response) => {
                     // Refused before the route read the body: drain it
@@ -347,7 +376,6 @@ where
                     return Ok(response);
                 }
             };
-            let store = layer.idem.store.clone();
             // From here on the route runs on its own task: a client that
             // hangs up cancels neither the route nor the spending of its
             // token, so a resubmit gets `409`, never a second run.

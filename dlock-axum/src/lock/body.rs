@@ -28,6 +28,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{header, HeaderMap};
 use bytes::{Bytes, BytesMut};
+use dlock_core::{DlockRuntime, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_BODY_BYTES};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
 
@@ -39,15 +40,23 @@ pub(crate) const DRAIN_MAX_TIME: Duration = Duration::from_secs(30);
 /// The longest a drain waits for the next bytes of a refused body: a client
 /// that stopped sending is answered then (nginx's `lingering_timeout`).
 pub(crate) const DRAIN_IDLE_TIME: Duration = Duration::from_secs(5);
-/// How long a body may take to arrive unless the installed
-/// [`Dlock`](crate::Dlock) says otherwise.
-pub(crate) const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// The bounds of one body read: bytes and time.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BodyLimits {
     pub(crate) max_bytes: usize,
     pub(crate) timeout: Duration,
+}
+
+impl BodyLimits {
+    /// The bounds of the runtime `installed` in the request, the layer's
+    /// own byte limit first; the defaults without a runtime.
+    pub(crate) fn of(installed: Option<&DlockRuntime>, layer_max_bytes: Option<usize>) -> Self {
+        let (max_bytes, timeout) = match installed {
+            Some(dlock) => (dlock.max_body_bytes(), dlock.body_read_timeout()),
+            None => (DEFAULT_MAX_BODY_BYTES, DEFAULT_BODY_READ_TIMEOUT),
+        };
+        BodyLimits { max_bytes: layer_max_bytes.unwrap_or(max_bytes), timeout }
+    }
 }
 
 impl From<usize> for BodyLimits {

@@ -171,7 +171,7 @@ impl LockLayer {
 
     /// The most body bytes read to find JSON fields. A larger body is
     /// refused with `413`. Default: the installed engine's
-    /// ([`Dlock::max_body_bytes`](crate::Dlock::max_body_bytes), from
+    /// ([`Dlock::max_body_bytes`](crate::DlockRuntime::max_body_bytes), from
     /// `DLOCK_MAX_BODY_BYTES` through [`Config`](dlock_core::Config); 64 KiB).
     pub fn max_body_bytes(self, limit: usize) -> Self {
         self.with(|s| s.max_body_bytes = Some(limit))

@@ -28,13 +28,13 @@
 //! 1. finds the engine: the one given to [`LockLayer::with_locker`], else the
 //!    one installed in the request extensions
 //!    ([`LockerExt::with_locker`](crate::LockerExt::with_locker), a
-//!    [`Dlock`](crate::Dlock));
+//!    [`DlockRuntime`](crate::DlockRuntime));
 //! 2. when the key names JSON fields, refuses a `Content-Type` that is not
 //!    JSON (`415 unsupported_media_type`), reads at most `max_body_bytes` of
 //!    the body (the layer's own, else the installed engine's
 //!    `DLOCK_MAX_BODY_BYTES`; `413 payload_too_large` past it, also when
 //!    `Content-Length` says so up front) within the engine's
-//!    [`body_read_timeout`](crate::Dlock::body_read_timeout) (`408
+//!    [`body_read_timeout`](crate::DlockRuntime::body_read_timeout) (`408
 //!    request_timeout` past it), parses it once (`400 invalid_json`),
 //!    and later hands the very same bytes to the route;
 //! 3. builds the key from the declared parts in order

@@ -13,11 +13,11 @@ use dlock_core::Locker;
 use tower::Service;
 
 use super::acquire::{acquire_for_request, Held, Refusal};
-use super::body::{discard, read_body, require_json_content_type};
+use super::body::{discard, read_body, require_json_content_type, BodyLimits};
 use super::key::build_key;
 use super::quota::Permit;
 use super::spec::Spec;
-use crate::install::{locker_from_extensions, Dlock};
+use crate::install::installed;
 use crate::rejection::Rejection;
 use crate::request::{HeldLock, RequestOwner};
 
@@ -142,12 +142,12 @@ struct Admitted {
 /// as it came, or as the bytes read when the key needed them.
 async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Result<Admitted, Refusal> {
     // One look into the extensions for the engine and its body limits.
-    let installed = parts.extensions.get::<Dlock>();
-    let limits = Dlock::body_limits_of(installed, &parts.extensions, spec.max_body_bytes);
+    let installed = installed(&parts.extensions);
+    let limits = BodyLimits::of(installed, spec.max_body_bytes);
     let locker: Locker = match (&spec.locker, installed) {
         (Some(l), _) => l.clone(),
         (None, Some(dlock)) => dlock.locker().clone(),
-        (None, None) => locker_from_extensions(&parts.extensions).cloned().ok_or_else(Refusal::no_engine)?,
+        (None, None) => return Err(Refusal::no_engine()),
     };
     let json = if spec.needs_json() {
         require_json_content_type(&parts.headers).map_err(Refusal::invalid)?;

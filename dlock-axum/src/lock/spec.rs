@@ -50,7 +50,7 @@ pub(crate) struct Spec {
     /// What of the JSON body the key needs.
     pub(crate) json_want: Want,
     /// The layer's own body limit; `None`: the installed engine's
-    /// (`DLOCK_MAX_BODY_BYTES` through [`Dlock`](crate::Dlock)).
+    /// (`DLOCK_MAX_BODY_BYTES` through [`DlockRuntime`](crate::DlockRuntime)).
     pub(crate) max_body_bytes: Option<usize>,
     pub(crate) locker: Option<Locker>,
     pub(crate) quota: Option<Arc<Quota>>,

@@ -236,6 +236,11 @@ impl Backend for MemoryBackend {
         "memory"
     }
 
+    /// Nothing to reach: in process, always ready.
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(acquire_loop(
             req,

@@ -87,6 +87,9 @@
 //!     fn release<'a>(&'a self, _: &'a LockKey, _: &'a Owner) -> BoxFuture<'a, Result<Release>> {
 //!         Box::pin(async { Ok(Release::Freed) })
 //!     }
+//!     fn ready(&self) -> BoxFuture<'_, Result<()>> {
+//!         Box::pin(async { Ok(()) })
+//!     }
 //! }
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -371,6 +374,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Frees `key` if `owner` holds it (the engine sends only the last
     /// release of its holds).
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>>;
+
+    /// Whether a grant could be asked for now, for a readiness probe: one
+    /// cheap round trip to the service, no lock taken. An error says why
+    /// not (unreachable, no quorum, a restart quarantine with the time it
+    /// has left). Required, so that a backend never reports ready by default.
+    fn ready(&self) -> BoxFuture<'_, Result<()>>;
 
     /// One attempt answered on the spot, for a backend that needs no I/O for
     /// it (the in-process table): what [`acquire`](Backend::acquire) with no

@@ -499,6 +499,18 @@ impl Backend for RedLockBackend {
         "redlock"
     }
 
+    /// A majority of the masters ready, each within the node timeout.
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let asked = self.nodes.iter().map(|node| tokio::time::timeout(self.node_timeout, node.ready()));
+            let granted = join_all(asked).await.into_iter().filter(|answer| matches!(answer, Ok(Ok(())))).count();
+            match granted >= self.quorum() {
+                true => Ok(()),
+                false => Err(Error::QuorumUnavailable { granted, nodes: self.nodes.len(), needed: self.quorum() }),
+            }
+        })
+    }
+
     fn prefix(&self) -> Option<&str> {
         // Every master was connected for the same prefix.
         self.nodes.first().map(|node| node.key_prefix())

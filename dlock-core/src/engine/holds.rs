@@ -633,6 +633,9 @@ pub(super) mod tests {
         fn release<'a>(&'a self, _: &'a LockKey, _: &'a Owner) -> BoxFuture<'a, Result<Release>> {
             Box::pin(async { Err(Error::backend("remote", "not in these tests")) })
         }
+        fn ready(&self) -> BoxFuture<'_, Result<()>> {
+            Box::pin(async { Err(Error::backend("remote", "not in these tests")) })
+        }
     }
 
     fn request(lease: Duration) -> AcquireRequest {

@@ -240,6 +240,16 @@ impl Locker {
         self.engine.backend.name()
     }
 
+    /// Whether the backend would answer a grant now: one cheap round trip,
+    /// no lock taken (see [`Backend::ready`]). For a readiness probe.
+    ///
+    /// # Errors
+    ///
+    /// Why not, as the backend reports it.
+    pub async fn ready(&self) -> Result<()> {
+        self.engine.backend.ready().await
+    }
+
     /// The engine's defaults.
     pub fn options(&self) -> &LockerOptions {
         &self.engine.options

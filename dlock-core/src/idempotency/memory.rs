@@ -257,6 +257,10 @@ impl IdempotencyStore for MemoryStore {
         "memory"
     }
 
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
         Box::pin(async move { self.issue(None, ttl) })
     }

@@ -204,6 +204,10 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     /// `memory` or `redis`, for logs.
     fn name(&self) -> &'static str;
 
+    /// Whether the store answers now, for a readiness probe: one cheap
+    /// round trip, nothing written. An error says why not.
+    fn ready(&self) -> BoxFuture<'_, Result<()>>;
+
     /// Issues a fresh token that can be consumed once within `ttl`;
     /// [`Error::IdempotencyFull`] when the store holds as many tokens as its
     /// [`IdempotencyLimits`] allow.

@@ -347,6 +347,10 @@ impl IdempotencyStore for RedisStore {
         "redis"
     }
 
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.client.ready())
+    }
+
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
         Box::pin(async move { self.issue(None, ttl).await })
     }

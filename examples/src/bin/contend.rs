@@ -19,7 +19,7 @@ const ROUNDS: u64 = 50;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
-    let locker = Config::from_env()?.build().await?;
+    let locker = Config::from_env()?.build().await?.locker().clone();
     println!("backend: {}", locker.backend_name());
 
     let started = Instant::now();

@@ -105,6 +105,15 @@ impl Client {
         }
     }
 
+    /// Answers now and grants: a `PING` answered (on a cluster, by a
+    /// node), and no restart quarantine in force (its refusal says how
+    /// long it has left).
+    pub(crate) async fn ready(&self) -> Result<()> {
+        self.check().await?;
+        let _: String = self.query(&redis::cmd("PING")).await?;
+        Ok(())
+    }
+
     /// Whether this is a Redis Cluster connection.
     pub(crate) fn is_cluster(&self) -> bool {
         matches!(self.conn, Conn::Cluster(_))

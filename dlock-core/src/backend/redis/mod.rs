@@ -293,6 +293,10 @@ impl Backend for RedisBackend {
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
         Box::pin(self.release_batched(key, owner))
     }
+
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.client.ready())
+    }
 }
 
 /// The high-water mark of fencing tokens that a Redis Cluster keeps for

@@ -321,6 +321,26 @@ impl Backend for ZooKeeperBackend {
         "zookeeper"
     }
 
+    /// The session is connected and the ensemble answers a read of the
+    /// locks' node within the response timeout.
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            match *self.state.borrow() {
+                ConnectionState::Connected => {}
+                ConnectionState::Suspended => {
+                    return Err(Error::backend("zookeeper", "disconnected; the session may still be alive"))
+                }
+                ConnectionState::Lost => return Err(Error::backend("zookeeper", "the session is lost")),
+            }
+            let client = self.current().client;
+            match tokio::time::timeout(self.response_timeout, client.check_stat("/")).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(Error::backend("zookeeper", format!("the ensemble did not answer a read: {e}"))),
+                Err(_) => Err(self.no_answer()),
+            }
+        })
+    }
+
     fn prefix(&self) -> Option<&str> {
         Some(&self.prefix)
     }

@@ -67,7 +67,7 @@ use axum::{Json, Router};
 use dlock_axum::idempotency::stored_by_default;
 use dlock_axum::lock::Policy;
 use dlock_axum::{
-    lockable, Dlock, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RenderRejections, RequestOwner,
+    lockable, DlockRuntime, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RenderRejections, RequestOwner,
 };
 use dlock_core::{Config, Locker, Owner};
 use serde_json::{json, Value};
@@ -91,7 +91,7 @@ struct App {
     locker: Locker,
     store: Store,
     /// One-time order tokens and `Idempotency-Key` records.
-    idem: dlock_axum::idempotency::Idempotency,
+    idem: std::sync::Arc<dyn dlock_core::idempotency::IdempotencyStore>,
     /// `ORDERS_PAYMENT_LEASE_MS`: the in-progress lease of `POST /payments`.
     payment_lease: std::time::Duration,
     /// `ORDERS_UNLOCKED=1`: sell without the stock lock.
@@ -111,8 +111,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // DLOCK_* read once; the layers take their settings from what is installed.
     let config = Config::from_env()?;
     let orders_redis_url = non_empty_env("ORDERS_REDIS_URL");
-    let (locker, idem) = payments::services(&config, orders_redis_url.as_deref()).await?;
-    let dlock = Dlock::from_config(locker.clone(), &config);
+    let dlock = payments::services(&config, orders_redis_url.as_deref()).await?;
+    let (locker, idem) = (dlock.locker().clone(), dlock.idempotency_store()?.clone());
     let store = match &orders_redis_url {
         Some(url) => Store::redis(url).await?,
         None => Store::memory(),
@@ -171,7 +171,7 @@ fn non_empty_env(var: &str) -> Option<String> {
     std::env::var(var).ok().map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
 }
 
-fn router(app: App, dlock: Dlock) -> Router {
+fn router(app: App, dlock: DlockRuntime) -> Router {
     let reduce = post(reduce_stock);
     let reduce = if app.unlocked {
         reduce
@@ -180,16 +180,12 @@ fn router(app: App, dlock: Dlock) -> Router {
     };
     Router::new()
         .route("/health", get(health))
+        // Every server dlock uses answers now (no lock taken): 200 or 503.
+        .route("/ready", get(dlock_axum::ready))
         .route("/products/{id}", get(get_product).put(put_product))
         .route("/stock/reduce", reduce)
         .route("/orders", post(create_order))
-        .merge(payments::routes(
-            &app.idem,
-            app.payment_lease,
-            app.charges_unguarded,
-            app.store.clone(),
-            app.token_rate.clone(),
-        ))
+        .merge(payments::routes(app.payment_lease, app.charges_unguarded, app.store.clone(), app.token_rate.clone()))
         // Every refusal, dlock's and this service's own `Rejection`s, as
         // RFC 9457 Problem Details (`error` and `code` kept as members).
         .layer(RenderRejections::problem_details())

@@ -14,10 +14,12 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer};
+use dlock_axum::idempotency::{token_handler, IdempotencyLayer};
+use dlock_axum::DlockRuntime;
 use dlock_axum::Rejection;
+use dlock_core::idempotency::IdempotencyStore;
 use dlock_core::idempotency::{fingerprint, Claim, RedisStore, TokenClaim};
-use dlock_core::{BackendKind, Config, Locker};
+use dlock_core::{BackendKind, Config};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -27,25 +29,18 @@ use super::store::Store;
 const PAYMENT_WORK: Duration = Duration::from_millis(200);
 
 /// The lock engine and the idempotency records of this service (see the
-/// module docs). When the configuration puts the records in the lock
-/// backend's Redis, both share its connection (`Config::build_services`).
-/// The records' TTL is not set here: it comes with the installed
-/// [`Dlock`](dlock_axum::Dlock) (`DLOCK_IDEMPOTENCY_TTL_SECS`).
-pub(crate) async fn services(
-    config: &Config,
-    orders_redis_url: Option<&str>,
-) -> dlock_core::Result<(Locker, Idempotency)> {
+/// module docs), with `DLOCK_*`'s settings: `Config::build`, whose records
+/// share the lock backend's Redis connection when they live there; without
+/// a records Redis in the configuration, `ORDERS_REDIS_URL` holds them.
+pub(crate) async fn services(config: &Config, orders_redis_url: Option<&str>) -> dlock_core::Result<DlockRuntime> {
     let shared_by_config =
         config.idempotency_redis_url.is_some() || matches!(config.backend, BackendKind::Redis { .. });
     match orders_redis_url {
         Some(url) if !shared_by_config => {
             let store = RedisStore::connect_with(url, &config.prefix, config.redis_options()).await?;
-            Ok((config.build().await?, Idempotency::new(Arc::new(store))))
+            Ok(config.build().await?.with_idempotency_store(Arc::new(store)))
         }
-        _ => {
-            let services = config.build_services().await?;
-            Ok((services.locker, Idempotency::new(services.idempotency)))
-        }
+        _ => config.build().await,
     }
 }
 
@@ -60,8 +55,8 @@ const ORDER_LEASE: Duration = Duration::from_secs(30);
 /// before it answered). An order takes well under `ORDER_LEASE`, so the
 /// claim is not renewed; a client that hangs up mid-order leaves the token
 /// claimed (spent: never run twice).
-pub(crate) async fn claim_token(idem: &Idempotency, token: &str) -> Result<Claim, Rejection> {
-    let claim = idem.store().claim_token(token, None, ORDER_LEASE).await.map_err(|e| {
+pub(crate) async fn claim_token(idem: &Arc<dyn IdempotencyStore>, token: &str) -> Result<Claim, Rejection> {
+    let claim = idem.claim_token(token, None, ORDER_LEASE).await.map_err(|e| {
         tracing::warn!(error = %e, "idempotency store unavailable");
         Rejection::from_lock_error(&e)
     })?;
@@ -82,9 +77,8 @@ pub(crate) async fn claim_token(idem: &Idempotency, token: &str) -> Result<Claim
 /// [`stored_by_default`](dlock_axum::idempotency::stored_by_default), the
 /// rule of `TokenLayer` and `IdempotencyLayer`), else gives it back. A store
 /// failure here leaves the token claimed: spent, never run twice.
-pub(crate) async fn settle_token(idem: &Idempotency, claim: &Claim, ran_to_result: bool) {
-    let settled =
-        if ran_to_result { idem.store().spend_token(claim).await } else { idem.store().return_token(claim).await };
+pub(crate) async fn settle_token(idem: &Arc<dyn IdempotencyStore>, claim: &Claim, ran_to_result: bool) {
+    let settled = if ran_to_result { idem.spend_token(claim).await } else { idem.return_token(claim).await };
     if let Err(e) = settled {
         tracing::warn!(error = %e, "settling an order token failed; it stays spent");
     }
@@ -95,7 +89,6 @@ pub(crate) async fn settle_token(idem: &Idempotency, claim: &Claim, ran_to_resul
 /// dies; `charges_unguarded`: `/charges` without its layer, the negative
 /// control of the torture harness).
 pub(crate) fn routes<S: Clone + Send + Sync + 'static>(
-    idem: &Idempotency,
     lease: Duration,
     charges_unguarded: bool,
     store: Store,
@@ -106,13 +99,13 @@ pub(crate) fn routes<S: Clone + Send + Sync + 'static>(
     // once its lease ends, rather than answered `idempotency_outcome_unknown`.
     // `/charges` counts its executions for the torture harness, which
     // measures exactly that crash window: it runs again too.
-    let layer = IdempotencyLayer::new(idem.clone()).lease(lease).run_again_after_lease();
+    let layer = IdempotencyLayer::new().lease(lease).run_again_after_lease();
     let charges = post(create_charge);
     let charges = if charges_unguarded { charges } else { charges.layer(layer.clone()) };
     Router::new()
         .route(
             "/idempotency/token",
-            get(idem.token_handler()).layer(axum::middleware::from_fn_with_state(token_rate, crate::rate::limit)),
+            get(token_handler()).layer(axum::middleware::from_fn_with_state(token_rate, crate::rate::limit)),
         )
         .route("/payments", post(create_payment).layer(layer))
         .route("/charges", charges)

@@ -1,0 +1,289 @@
+//! [`DlockRuntime`]: what a configuration connects, in one value.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::idempotency::{IdempotencyStore, MemoryStore};
+use crate::Locker;
+
+/// dlock, connected: the lock engine, the idempotency store and the
+/// settings the HTTP face takes from the same configuration.
+///
+/// [`Config::build`](crate::Config::build) makes one from `DLOCK_*`
+/// (sharing one Redis connection between locks and records where they live
+/// in the same Redis); dlock-axum's `with_locker` installs it in every
+/// request, where the layers, `#[lockable]` and handlers find it. A bare
+/// [`Locker`] converts into one with records in this process and the
+/// default settings, for tests and single-process tools.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+/// let dlock = dlock_core::Config::default().build().await?;
+/// assert_eq!(dlock.locker().backend_name(), "memory");
+/// assert_eq!(dlock.idempotency_store()?.name(), "memory");
+/// assert_eq!(dlock.max_body_bytes(), 64 * 1024);
+/// assert!(dlock.readiness().await.is_ready());
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct DlockRuntime {
+    locker: Locker,
+    idempotency: Records,
+    max_body_bytes: usize,
+    body_read_timeout: Duration,
+    idempotency_ttl: Duration,
+}
+
+/// Where idempotency records live, or why the configuration keeps none.
+#[derive(Clone)]
+enum Records {
+    Store(Arc<dyn IdempotencyStore>),
+    /// Refused by the configuration (`var`, `reason`): a request that needs
+    /// records gets this error, and the readiness probe says so.
+    Refused {
+        var: &'static str,
+        reason: String,
+    },
+}
+
+impl std::fmt::Debug for DlockRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let records = match &self.idempotency {
+            Records::Store(store) => store.name(),
+            Records::Refused { var, .. } => var,
+        };
+        f.debug_struct("DlockRuntime")
+            .field("locks", &self.locker.backend_name())
+            .field("idempotency", &records)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("body_read_timeout", &self.body_read_timeout)
+            .field("idempotency_ttl", &self.idempotency_ttl)
+            .finish()
+    }
+}
+
+/// How long a request body may take to arrive unless configured otherwise
+/// (`DLOCK_BODY_READ_TIMEOUT_MS`).
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The most request body bytes read to derive a key or a fingerprint unless
+/// configured otherwise (`DLOCK_MAX_BODY_BYTES`).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 64 * 1024;
+
+impl DlockRuntime {
+    /// `locker`, with idempotency records in this process and the settings
+    /// of [`Config::default`](crate::Config::default).
+    ///
+    /// ```
+    /// use dlock_core::{DlockRuntime, Locker, MemoryBackend};
+    /// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new()));
+    /// assert_eq!(dlock.idempotency_store().unwrap().name(), "memory");
+    /// ```
+    pub fn new(locker: Locker) -> Self {
+        let defaults = crate::Config::default();
+        DlockRuntime {
+            locker,
+            idempotency: Records::Store(Arc::new(MemoryStore::new().with_limits(defaults.idempotency_limits))),
+            max_body_bytes: defaults.max_body_bytes,
+            body_read_timeout: defaults.body_read_timeout,
+            idempotency_ttl: defaults.idempotency_ttl,
+        }
+    }
+
+    /// The runtime a configuration connected (see [`Config::build`](crate::Config::build)).
+    pub(crate) fn from_parts(
+        locker: Locker,
+        idempotency: std::result::Result<Arc<dyn IdempotencyStore>, Error>,
+        config: &crate::Config,
+    ) -> Self {
+        let idempotency = match idempotency {
+            Ok(store) => Records::Store(store),
+            Err(Error::Config { var, reason }) => Records::Refused { var, reason },
+            Err(other) => Records::Refused { var: "DLOCK_IDEMPOTENCY_REDIS_URL", reason: other.to_string() },
+        };
+        DlockRuntime {
+            locker,
+            idempotency,
+            max_body_bytes: config.max_body_bytes,
+            body_read_timeout: config.body_read_timeout,
+            idempotency_ttl: config.idempotency_ttl,
+        }
+    }
+
+    /// Replaces where idempotency records and tokens live.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlock_core::{idempotency::MemoryStore, DlockRuntime, Locker, MemoryBackend};
+    /// let store = Arc::new(MemoryStore::new());
+    /// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new())).with_idempotency_store(store);
+    /// assert!(dlock.idempotency_store().is_ok());
+    /// ```
+    pub fn with_idempotency_store(mut self, store: Arc<dyn IdempotencyStore>) -> Self {
+        self.idempotency = Records::Store(store);
+        self
+    }
+
+    /// Replaces the most body bytes read to derive a key or a fingerprint
+    /// (`DLOCK_MAX_BODY_BYTES`).
+    ///
+    /// ```
+    /// use dlock_core::{DlockRuntime, Locker, MemoryBackend};
+    /// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new())).with_max_body_bytes(1024);
+    /// assert_eq!(dlock.max_body_bytes(), 1024);
+    /// ```
+    pub fn with_max_body_bytes(mut self, limit: usize) -> Self {
+        self.max_body_bytes = limit;
+        self
+    }
+
+    /// Replaces how long a request body may take to arrive, from the first
+    /// read to the last byte (`DLOCK_BODY_READ_TIMEOUT_MS`, default 30 s):
+    /// a client that sends slowly or stops cannot hold a task for ever.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dlock_core::{DlockRuntime, Locker, MemoryBackend};
+    /// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new())).with_body_read_timeout(Duration::from_secs(5));
+    /// assert_eq!(dlock.body_read_timeout(), Duration::from_secs(5));
+    /// ```
+    pub fn with_body_read_timeout(mut self, timeout: Duration) -> Self {
+        self.body_read_timeout = timeout;
+        self
+    }
+
+    /// Replaces how long idempotency tokens and stored responses live
+    /// (`DLOCK_IDEMPOTENCY_TTL_SECS`).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dlock_core::{DlockRuntime, Locker, MemoryBackend};
+    /// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new())).with_idempotency_ttl(Duration::from_secs(60));
+    /// assert_eq!(dlock.idempotency_ttl(), Duration::from_secs(60));
+    /// ```
+    pub fn with_idempotency_ttl(mut self, ttl: Duration) -> Self {
+        self.idempotency_ttl = ttl;
+        self
+    }
+
+    /// The lock engine.
+    pub fn locker(&self) -> &Locker {
+        &self.locker
+    }
+
+    /// Where idempotency records and tokens live.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the variable when the configuration keeps
+    /// no records: `redlock` or `zookeeper` locks without
+    /// `DLOCK_IDEMPOTENCY_REDIS_URL` (and without `DLOCK_IDEMPOTENCY_LOCAL=1`),
+    /// where records in each process would let a duplicate sent to two
+    /// instances run on both.
+    pub fn idempotency_store(&self) -> Result<&Arc<dyn IdempotencyStore>> {
+        match &self.idempotency {
+            Records::Store(store) => Ok(store),
+            Records::Refused { var, reason } => Err(Error::config(var, reason.clone())),
+        }
+    }
+
+    /// The most request body bytes read unless a layer says otherwise.
+    pub fn max_body_bytes(&self) -> usize {
+        self.max_body_bytes
+    }
+
+    /// How long a request body may take to arrive.
+    pub fn body_read_timeout(&self) -> Duration {
+        self.body_read_timeout
+    }
+
+    /// How long idempotency tokens and stored responses live unless a layer
+    /// says otherwise.
+    pub fn idempotency_ttl(&self) -> Duration {
+        self.idempotency_ttl
+    }
+
+    /// Asks every server this runtime uses whether it answers now: the lock
+    /// backend (for Redis: reachable and not in its restart quarantine;
+    /// RedLock: a majority of masters; ZooKeeper: a live session) and the
+    /// idempotency store, when there is one. Cheap enough for a readiness probe: one round trip
+    /// per server, no lock taken.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use dlock_core::{DlockRuntime, Locker, MemoryBackend};
+    /// let readiness = DlockRuntime::new(Locker::new(MemoryBackend::new())).readiness().await;
+    /// assert!(readiness.is_ready());
+    /// assert_eq!(readiness.checks()[0].part(), "locks");
+    /// # }
+    /// ```
+    pub async fn readiness(&self) -> Readiness {
+        let mut checks = vec![ReadinessCheck::of("locks", self.locker.backend_name(), self.locker.ready().await)];
+        // A configuration without records is a service that only locks:
+        // ready, and told at start-up (and per request) what records need.
+        if let Records::Store(store) = &self.idempotency {
+            checks.push(ReadinessCheck::of("idempotency", store.name(), store.ready().await));
+        }
+        Readiness { checks }
+    }
+}
+
+impl From<Locker> for DlockRuntime {
+    fn from(locker: Locker) -> Self {
+        DlockRuntime::new(locker)
+    }
+}
+
+/// What [`DlockRuntime::readiness`] found: one [`ReadinessCheck`] per part.
+#[derive(Debug, Clone)]
+pub struct Readiness {
+    checks: Vec<ReadinessCheck>,
+}
+
+impl Readiness {
+    /// Every part answered.
+    pub fn is_ready(&self) -> bool {
+        self.checks.iter().all(ReadinessCheck::is_ok)
+    }
+
+    /// The parts, locks first.
+    pub fn checks(&self) -> &[ReadinessCheck] {
+        &self.checks
+    }
+}
+
+/// One part of a [`Readiness`]: `locks` or `idempotency`, its backend, and
+/// the error when it did not answer.
+#[derive(Debug, Clone)]
+pub struct ReadinessCheck {
+    part: &'static str,
+    backend: &'static str,
+    problem: Option<String>,
+}
+
+impl ReadinessCheck {
+    fn of(part: &'static str, backend: &'static str, answer: Result<()>) -> Self {
+        ReadinessCheck { part, backend, problem: answer.err().map(|e| e.to_string()) }
+    }
+
+    /// `locks` or `idempotency`.
+    pub fn part(&self) -> &'static str {
+        self.part
+    }
+
+    /// `memory`, `redis`, `redlock` or `zookeeper`.
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// It answered.
+    pub fn is_ok(&self) -> bool {
+        self.problem.is_none()
+    }
+
+    /// What is wrong, for people (a quarantine says how long it has left).
+    pub fn problem(&self) -> Option<&str> {
+        self.problem.as_deref()
+    }
+}
