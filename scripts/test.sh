@@ -17,4 +17,4 @@ cargo test --workspace --all-features --no-fail-fast "$@"
 # `#[cfg(not(feature = "tls"))]`, which --all-features never compiles: one
 # narrow pass without the feature runs those tests, and the one that pins a
 # backend whose feature is off (ZooKeeper here) as the first error reported.
-cargo test -p dlock-core --no-fail-fast --lib --test redis_backend -- tls without_its_feature
+cargo test -p dlock-core --no-fail-fast --features test-support --lib --test redis_backend -- tls without_its_feature

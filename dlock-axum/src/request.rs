@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::http::request::Parts;
 use axum::http::Extensions;
-use dlock_core::{LockGuard, LostReason, LostSignal, Owner};
+use dlock_core::backend::LostSignal;
+use dlock_core::{LockGuard, LostReason, Owner};
 
 use crate::rejection::Rejection;
 

@@ -12,9 +12,10 @@ use axum::routing::post;
 use axum::Router;
 use dlock_axum::idempotency::{IdempotencyLayer, Scope};
 use dlock_axum::{lockable, JsonBody, LockLayer, LockerExt};
+use dlock_core::backend::Backend;
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use dlock_core::idempotency::{Begin, Claim, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse};
-use dlock_core::{Backend, LockKey, Locker, MemoryBackend, Owner, Result};
+use dlock_core::{LockKey, Locker, MemoryBackend, Owner, Result};
 use serde::Deserialize;
 use tower::ServiceExt;
 

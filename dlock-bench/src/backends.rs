@@ -14,7 +14,8 @@
 use std::sync::Arc;
 
 use dlock_core::backend::redlock::RedLockBackend;
-use dlock_core::{Backend, Locker, LockerOptions};
+use dlock_core::backend::Backend;
+use dlock_core::{Locker, LockerOptions};
 use dlock_testing::RedisServer;
 
 use crate::args::Args;

@@ -37,9 +37,11 @@ pub mod idempotency;
 mod key;
 mod owner;
 mod runtime;
+#[cfg(feature = "test-support")]
+pub mod test_support;
 
+pub use backend::lost::LostReason;
 pub use backend::memory::MemoryBackend;
-pub use backend::{Backend, LostReason, LostSignal};
 pub use config::{BackendKind, Config, ZooKeeperAuth};
 pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE};
 pub use error::{Error, Result};
@@ -48,4 +50,4 @@ pub use owner::Owner;
 pub use runtime::{DlockRuntime, Readiness, ReadinessCheck, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_BODY_BYTES};
 
 #[cfg(feature = "redis")]
-pub use backend::redis::RedisTls;
+pub use backend::redis::tls::RedisTls;

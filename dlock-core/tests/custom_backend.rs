@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dlock_core::backend::LostSignal;
 use dlock_core::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
-use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions, LostReason, LostSignal, Owner, Result};
+use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions, LostReason, Owner, Result};
 use tokio::time::Instant;
 
 /// Grants each free key to one owner. A request that would keep the lock

@@ -5,7 +5,8 @@ mod suite;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{Backend, LockKey, Locker, LockerOptions, MemoryBackend};
+use dlock_core::backend::Backend;
+use dlock_core::{LockKey, Locker, LockerOptions, MemoryBackend};
 
 struct Memory {
     backend: Arc<MemoryBackend>,

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
-use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions, LostReason};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, LockKey, Locker, LockerOptions, LostReason};
 use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::Instant;
 
@@ -267,7 +268,7 @@ async fn fencing_survives_a_lost_counter() {
     let g = a.try_acquire(&k).await.expect("free");
     let first = g.fencing_token();
     g.release().await.expect("release");
-    let mark = dlock_core::backend::redis::prefix_fence_key("dlock");
+    let mark = dlock_core::test_support::prefix_fence_key("dlock");
     let deleted: u64 = redis::cmd("DEL").arg(&mark).query(&mut server.connection()).expect("DEL");
     assert_eq!(deleted, 1, "the mark {mark} was there, and is gone");
     let g = a.try_acquire(&k).await.expect("free");
@@ -287,7 +288,7 @@ async fn redis_cluster_spreads_locks_and_survives_a_dead_master() {
     let mut per_node = [0usize; 3];
     for k in &keys {
         per_node[cluster.node_for(k.as_str())] += 1;
-        assert_eq!(cluster.node_for(k.as_str()), cluster.node_for(&dlock_core::backend::redis::fence_key(k)));
+        assert_eq!(cluster.node_for(k.as_str()), cluster.node_for(&dlock_core::test_support::fence_key(k)));
         let g = a.try_acquire(k).await.expect("free");
         assert!(b.try_acquire(k).await.expect_err("held").is_contention());
         let f = g.fencing_token();
@@ -828,7 +829,7 @@ async fn concurrent_acquires_and_releases_share_script_calls() {
     let warm = a.key("coalesce").part("warm").build().expect("key");
     let fixed = || AcquireOptions::new().with_lease(Duration::from_secs(30));
     a.acquire(&warm, fixed()).await.expect("free").release().await.expect("release");
-    let mark_key = dlock_core::backend::redis::prefix_fence_key("dlock");
+    let mark_key = dlock_core::test_support::prefix_fence_key("dlock");
     let mark = |server: &RedisServer| -> u64 {
         let v: String = redis::cmd("GET").arg(&mark_key).query(&mut server.connection()).expect("GET");
         v.parse().expect("a number")
@@ -1073,7 +1074,10 @@ async fn a_redis_that_cannot_be_reached_is_named_by_its_variable_and_address() {
         config.build().await.map(|_| ()).expect_err("one Redis is down").to_string()
     };
     let records_down = build(server.url(), Some(dead_url.clone())).await;
-    assert!(records_down.contains(&format!("DLOCK_IDEMPOTENCY_REDIS_URL (redis://***@127.0.0.1:{dead})")), "{records_down}");
+    assert!(
+        records_down.contains(&format!("DLOCK_IDEMPOTENCY_REDIS_URL (redis://***@127.0.0.1:{dead})")),
+        "{records_down}"
+    );
     let locks_down = build(dead_url, None).await;
     assert!(locks_down.contains(&format!("DLOCK_REDIS_URL (redis://***@127.0.0.1:{dead})")), "{locks_down}");
     for text in [records_down, locks_down] {

@@ -5,8 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::backend::redis::{prefix_fence_key, RedisBackend};
-use dlock_core::{AcquireOptions, Backend, Locker, LockerOptions};
+use dlock_core::backend::redis::RedisBackend;
+use dlock_core::backend::Backend;
+use dlock_core::test_support::prefix_fence_key;
+use dlock_core::{AcquireOptions, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 
 async fn locker_for(url: &str) -> Locker {

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
+use dlock_core::backend::Backend;
 use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, RedisStore};
-use dlock_core::{Backend, Error, Locker, LockerOptions};
+use dlock_core::{Error, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
 

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
-use dlock_core::{AcquireOptions, Backend, Locker, LockerOptions};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
-use dlock_core::{AcquireOptions, Backend, Error, LockKey, Locker, LockerOptions};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
 
@@ -353,7 +354,7 @@ async fn reentries_reach_no_node_and_a_cycle_costs_each_node_five_commands_and_a
         // token: its mark is not lowered.
         assert!((2..=2 + raised).contains(set), "node {n}: the mark and the lock, and the write-back: {set}");
     }
-    let mark = dlock_core::backend::redis::prefix_fence_key("dlock");
+    let mark = dlock_core::test_support::prefix_fence_key("dlock");
     for (n, server) in r.servers.iter().enumerate() {
         let at: u64 = redis::cmd("GET").arg(&mark).query(&mut server.connection()).expect("GET mark");
         assert!(at >= token, "node {n}'s mark {at} is at least the granted token {token}");
@@ -380,7 +381,7 @@ async fn redlock_tokens_grow_when_one_node_clock_runs_ahead() {
     let (b, c) = (1, 2);
     let time: (u64, u64) = redis::cmd("TIME").query(&mut servers[b].connection()).expect("TIME");
     let ahead = time.0 * 1_000_000 + time.1 + 10_000_000;
-    let mark = dlock_core::backend::redis::prefix_fence_key("dlock");
+    let mark = dlock_core::test_support::prefix_fence_key("dlock");
     let _: () = redis::cmd("SET").arg(&mark).arg(ahead).query(&mut servers[b].connection()).expect("SET mark");
     let (first, second) = (locker_for(&urls, 300).await, locker_for(&urls, 300).await);
     let k = first.key("skewed").part(1).build().expect("key");

@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions, DEFAULT_NODE_TIMEOUT};
-use dlock_core::{AcquireOptions, Backend, Error, LockKey, Locker, LockerOptions};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions};
 use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::Instant;
 

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
-use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, LockKey, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
 

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
+use dlock_core::backend::Backend;
 use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, RedisStore};
-use dlock_core::{AcquireOptions, Backend, Error, LockGuard, LockKey, Locker, LockerOptions};
+use dlock_core::{AcquireOptions, Error, LockGuard, LockKey, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
 

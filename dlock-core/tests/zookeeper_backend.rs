@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend, ZooKeeperOptions};
-use dlock_core::{AcquireOptions, Backend, LockKey, Locker, LockerOptions, LostReason};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, LockKey, Locker, LockerOptions, LostReason};
 use dlock_testing::{FaultProxy, ZooKeeperEnsemble, ZooKeeperServer};
 use tokio::time::Instant;
 use zookeeper_client as zk;
@@ -78,7 +79,7 @@ impl suite::Harness for ZooKeeper {
 
     async fn delete_behind_back(&self, key: &LockKey) {
         let probe = backend(&self.server, SESSION).await;
-        let dir = probe.lock_path(key);
+        let dir = dlock_core::test_support::zookeeper_lock_path(&probe, key);
         let client = raw(&self.server).await;
         let children = client.list_children(&dir).await.expect("the lock exists");
         assert!(!children.is_empty(), "the key was held");
@@ -95,10 +96,10 @@ impl suite::Harness for ZooKeeper {
     /// it has queued to watch its predecessor.
     async fn parked(&self, key: &LockKey) -> usize {
         let probe = backend(&self.server, SESSION).await;
-        match raw(&self.server).await.list_children(&probe.lock_path(key)).await {
+        match raw(&self.server).await.list_children(&dlock_core::test_support::zookeeper_lock_path(&probe, key)).await {
             Ok(children) => children.len().saturating_sub(1),
             Err(zk::Error::NoNode) => 0,
-            Err(e) => panic!("list {}: {e}", probe.lock_path(key)),
+            Err(e) => panic!("list {}: {e}", dlock_core::test_support::zookeeper_lock_path(&probe, key)),
         }
     }
 

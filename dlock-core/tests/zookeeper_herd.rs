@@ -20,7 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
-use dlock_core::{AcquireOptions, Backend, Locker, LockerOptions};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, Locker, LockerOptions};
 use dlock_testing::{watches_fired, ZooKeeperProxy, ZooKeeperServer, GET_CHILDREN, GET_CHILDREN2};
 use tokio::time::Instant;
 use zookeeper_client as zk;
@@ -124,14 +125,14 @@ async fn dlock_run(server: &ZooKeeperServer, proxy: &ZooKeeperProxy, waiters: us
     }
     let gate_locker = lockers.pop().expect("one locker for the gate");
     let key = gate_locker.key("herd").part(1).build().expect("key");
-    let dir = ZooKeeperBackend::connect_with(
+    let probe = ZooKeeperBackend::connect_with(
         &server.connect_string(),
         "dlock",
         ZooKeeperOptions::default().with_session_timeout(Duration::from_secs(10)),
     )
     .await
-    .expect("probe")
-    .lock_path(&key);
+    .expect("probe");
+    let dir = dlock_core::test_support::zookeeper_lock_path(&probe, &key);
     let admin = zk::Client::connect(&server.connect_string()).await.expect("admin session");
 
     let gate = gate_locker.try_acquire(&key).await.expect("the key is free");

@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
-use dlock_core::{AcquireOptions, Backend, Locker, LockerOptions};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, Locker, LockerOptions};
 use dlock_testing::{Hangup, ZooKeeperProxy, ZooKeeperServer, CREATE_CONTAINER, CREATE_OP_CODES, DELETE};
 use tokio::time::Instant;
 use zookeeper_client as zk;
@@ -71,7 +72,7 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
         .expect("connect through the proxy");
         backends.push(Arc::new(backend));
     }
-    let sessions: Vec<_> = backends.iter().map(|b| b.session_info().id().0).collect();
+    let sessions: Vec<_> = backends.iter().map(|b| dlock_core::test_support::zookeeper_session(b).id().0).collect();
     let lockers: Vec<Locker> = backends
         .iter()
         .map(|b| {
@@ -80,7 +81,7 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
         })
         .collect();
     let key = lockers[0].key("t8d").part("register").build().expect("key");
-    let dir = backends[0].lock_path(&key);
+    let dir = dlock_core::test_support::zookeeper_lock_path(&backends[0], &key);
     let record = Arc::new(Record::default());
     let started = Instant::now();
 
@@ -174,7 +175,7 @@ async fn lost_create_replies_leave_no_orphans_and_no_deadlock() {
         reconnects >= dropped,
         "each lost reply closes the connection: {reconnects} reconnects for {dropped} drops"
     );
-    let after: Vec<_> = backends.iter().map(|b| b.session_info().id().0).collect();
+    let after: Vec<_> = backends.iter().map(|b| dlock_core::test_support::zookeeper_session(b).id().0).collect();
     assert_eq!(after, sessions, "the clients resumed their sessions; none expired");
     assert_eq!(record.overlaps.load(Ordering::SeqCst), 0, "two holders at once");
     assert_eq!(counter, acquisitions, "lost updates on the register (C1)");
@@ -202,7 +203,7 @@ async fn a_node_that_cannot_be_found_again_is_swept_up() {
         .await
         .expect("connect through the proxy"),
     );
-    let session = unlucky.session_info().id().0;
+    let session = dlock_core::test_support::zookeeper_session(&unlucky).id().0;
     let other = ZooKeeperBackend::connect_with(
         &server.connect_string(),
         "dlock",
@@ -215,7 +216,7 @@ async fn a_node_that_cannot_be_found_again_is_swept_up() {
         Locker::with_options(Arc::new(other) as Arc<dyn Backend>, LockerOptions::default()).expect("locker"),
     );
     let key = other.key("t8d").part("sweep").build().expect("key");
-    let dir = unlucky.lock_path(&key);
+    let dir = dlock_core::test_support::zookeeper_lock_path(&unlucky, &key);
 
     // The lock's node exists, so the create makes our node at once.
     let first = other.acquire(&key, AcquireOptions::new()).await.expect("free");
@@ -245,5 +246,9 @@ async fn a_node_that_cannot_be_found_again_is_swept_up() {
         Err(e) => panic!("list {dir}: {e}"),
     };
     assert!(left.is_empty(), "nodes left: {left:?}");
-    assert_eq!(unlucky.session_info().id().0, session, "the session survived, so only the sweep removed the node");
+    assert_eq!(
+        dlock_core::test_support::zookeeper_session(&unlucky).id().0,
+        session,
+        "the session survived, so only the sweep removed the node"
+    );
 }

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::zookeeper::{ConnectionState, ZooKeeperBackend, ZooKeeperOptions};
-use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, LockGuard, Locker, LockerOptions};
 use dlock_testing::ZooKeeperEnsemble;
 use tokio::sync::{watch, Mutex};
 use tokio::time::Instant;

@@ -5,7 +5,7 @@
 //! Five masters (AOF always: no data is lost), each reached through a
 //! [`FaultProxy`] of the harness. Before every round the harness raises
 //! master 0's mark (`prefix:fence`, see
-//! `dlock_core::backend::redis::prefix_fence_key`) to its server time plus
+//! `dlock_core::test_support::prefix_fence_key`) to its server time plus
 //! [`AHEAD`], as a clock that far ahead would; every other round its
 //! replies are held back past the node timeout, so it drops out of the
 //! quorums of that round (and, in the others, out of any quorum it merely
@@ -50,7 +50,7 @@ pub(crate) async fn row(scenario: &str, backend: &str, size: Size, seed: u64) ->
         nodes.iter().map(|n| FaultProxy::try_start(n.port())).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
     // dlock's mark under the workers' prefix, or the broken lock's own.
     let mark = if backend == "redlock" {
-        dlock_core::backend::redis::prefix_fence_key("torture")
+        dlock_core::test_support::prefix_fence_key("torture")
     } else {
         crate::broken::REDLOCK_MARK.to_owned()
     };

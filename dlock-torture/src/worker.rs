@@ -9,7 +9,8 @@ use std::time::Duration;
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
 use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
-use dlock_core::{AcquireOptions, Backend, LockGuard, Locker, LockerOptions, MemoryBackend, Owner};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, LockGuard, Locker, LockerOptions, MemoryBackend, Owner};
 use serde::{Deserialize, Serialize};
 use tokio::time::{sleep, Instant};
 

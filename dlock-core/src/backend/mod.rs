@@ -144,7 +144,11 @@ pub(crate) mod wait;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
 pub(crate) mod zookeeper_auth;
+// Exported at the crate root only (`dlock_core::LostReason`): callers
+// match on it as much as backends report it.
+pub(crate) mod lost;
 
+pub(crate) use lost::LostReason;
 pub use signal::LostSignal;
 
 /// A boxed, `Send` future: what the object-safe [`Backend`] methods return.
@@ -229,6 +233,7 @@ pub enum LockMode {
 
 /// How long a [`Grant`] is ours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum GrantLease {
     /// Until this instant, measured on this machine from before the request
     /// was sent. The engine's watchdog renews it in watchdog mode; the
@@ -244,7 +249,7 @@ pub enum GrantLease {
 ///
 /// ```
 /// use dlock_core::backend::{Grant, GrantLease};
-/// use dlock_core::LostSignal;
+/// use dlock_core::backend::LostSignal;
 /// use tokio::time::{Duration, Instant};
 ///
 /// let valid_until = Instant::now() + Duration::from_secs(30);
@@ -321,35 +326,6 @@ pub enum Release {
     Freed,
     /// We no longer held it (expired, or taken by someone else).
     NotHeld,
-}
-
-/// Why a lock was lost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum LostReason {
-    /// A renewal found the key gone or owned by someone else.
-    Stolen,
-    /// Renewals failed until the lease ran out.
-    RenewalFailed,
-    /// A fixed lease ran out before release.
-    LeaseExpired,
-    /// The session that carried the lock expired (ZooKeeper).
-    SessionExpired,
-    /// The watchdog stopped renewing at the acquire's `max_hold` and the
-    /// lease ran out.
-    MaxHoldExceeded,
-}
-
-impl std::fmt::Display for LostReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            LostReason::Stolen => "the key is gone or owned by someone else",
-            LostReason::RenewalFailed => "renewals failed until the lease ran out",
-            LostReason::LeaseExpired => "the lease ran out before release",
-            LostReason::SessionExpired => "the session holding the lock expired",
-            LostReason::MaxHoldExceeded => "held longer than its max_hold; the watchdog stopped renewing",
-        })
-    }
 }
 
 /// A coordination service that can grant, renew and release leases.

@@ -44,7 +44,8 @@ use super::LostReason;
 /// finds the lock gone:
 ///
 /// ```
-/// use dlock_core::{LostReason, LostSignal};
+/// use dlock_core::LostReason;
+/// use dlock_core::backend::LostSignal;
 /// use tokio::time::{Duration, Instant};
 ///
 /// let signal = LostSignal::new(Instant::now() + Duration::from_secs(30));

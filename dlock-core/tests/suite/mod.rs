@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{AcquireOptions, Backend, Error, LockKey, Locker, LostReason, Owner};
+use dlock_core::backend::Backend;
+use dlock_core::{AcquireOptions, Error, LockKey, Locker, LostReason, Owner};
 use tokio::time::Instant;
 
 /// What the suite needs from a backend under test.

@@ -79,7 +79,7 @@ pub(crate) mod subscriber;
 pub(crate) mod tls;
 
 pub use connect::RedisOptions;
-pub use tls::RedisTls;
+pub(crate) use tls::RedisTls;
 
 pub(crate) use client::Client;
 pub(crate) use connection::RedisConnection;
@@ -303,20 +303,17 @@ impl Backend for RedisBackend {
 /// the slot of `key` (same slot as `key`); a single server keeps one for
 /// the whole prefix instead, [`prefix_fence_key`].
 ///
-/// Hidden: it names how locks are stored in Redis, which may change between
-/// releases; public only so that the tests can damage and inspect the
-/// counter from outside.
-#[doc(hidden)]
-pub fn fence_key(key: &LockKey) -> String {
+/// It names how locks are stored in Redis, which may change between
+/// releases: public only in [`test_support`](crate::test_support).
+pub(crate) fn fence_key(key: &LockKey) -> String {
     high_water::slot_mark(key)
 }
 
 /// The high-water mark of fencing tokens that a single server (a Sentinel
 /// master, a RedLock node) keeps for every lock under `prefix`.
 ///
-/// Hidden for the same reason as [`fence_key`].
-#[doc(hidden)]
-pub fn prefix_fence_key(prefix: &str) -> String {
+/// Crate-private for the same reason as [`fence_key`].
+pub(crate) fn prefix_fence_key(prefix: &str) -> String {
     high_water::prefix_mark(prefix)
 }
 

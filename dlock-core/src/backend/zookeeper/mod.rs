@@ -39,7 +39,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
-pub use super::zookeeper_auth::ZooKeeperAuth;
+pub(crate) use super::zookeeper_auth::ZooKeeperAuth;
 use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostSignal, Release, Renewal};
 use crate::error::{Error, Result};
 use crate::key::{validate_prefix, LockKey};
@@ -296,18 +296,16 @@ impl ZooKeeperBackend {
 
     /// The session's id and password, for tests that expire it from a twin
     /// connection (the way a network partition longer than the session
-    /// timeout would). Hidden: it hands out a `zookeeper_client` type, whose
-    /// version is not ours to promise.
-    #[doc(hidden)]
-    pub fn session_info(&self) -> zk::SessionInfo {
+    /// timeout would). Public only in [`test_support`](crate::test_support):
+    /// it hands out a `zookeeper_client` type, whose version is not ours to promise.
+    pub(crate) fn session_info(&self) -> zk::SessionInfo {
         self.current().client.session().clone()
     }
 
-    /// The container node of `key`. Hidden: it names how locks are stored
-    /// in ZooKeeper, which may change between releases; public only so that
-    /// the tests can inspect and damage the nodes from outside.
-    #[doc(hidden)]
-    pub fn lock_path(&self, key: &LockKey) -> String {
+    /// The container node of `key`. Public only in
+    /// [`test_support`](crate::test_support): it names how locks are stored
+    /// in ZooKeeper, which may change between releases.
+    pub(crate) fn lock_path(&self, key: &LockKey) -> String {
         path::lock_path(&self.prefix, key)
     }
 
