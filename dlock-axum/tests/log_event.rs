@@ -14,7 +14,7 @@ use dlock_axum::idempotency::{IdempotencyLayer, Scope};
 use dlock_axum::{lockable, JsonBody, LockLayer, LockerExt};
 use dlock_core::backend::Backend;
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
-use dlock_core::idempotency::{Begin, Claim, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse};
+use dlock_core::idempotency::{Begin, Claim, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse, TokenClaim};
 use dlock_core::{LockKey, Locker, MemoryBackend, Owner, Result};
 use serde::Deserialize;
 use tower::ServiceExt;
@@ -152,8 +152,22 @@ impl IdempotencyStore for NoComplete {
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
         self.0.issue_token(ttl)
     }
-    fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
-        self.0.consume_token(token)
+    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        self.0.issue_bound_token(principal, ttl)
+    }
+    fn claim_token<'a>(
+        &'a self,
+        token: &'a str,
+        principal: Option<&'a str>,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<TokenClaim>> {
+        self.0.claim_token(token, principal, lease)
+    }
+    fn spend_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        self.0.spend_token(claim)
+    }
+    fn return_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        self.0.return_token(claim)
     }
     fn begin<'a>(
         &'a self,

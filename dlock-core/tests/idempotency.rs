@@ -1,6 +1,9 @@
 //! One behavioural suite for the idempotency stores, run against the memory
 //! store and a real redis-server (and a Redis Cluster).
 
+mod tokens;
+use tokens::Consume;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,7 +45,7 @@ async fn claimed_tokens(store: &Arc<dyn IdempotencyStore>) {
     let t = store.issue_token(Duration::from_secs(30)).await.expect("issue");
     let first = claimed(store.claim_token(&t, None, LEASE).await.expect("claim"));
     assert_eq!(store.claim_token(&t, None, LEASE).await.expect("claim"), TokenClaim::InUse);
-    assert!(!store.consume_token(&t).await.expect("consume"), "a claimed token is not consumed by another");
+    assert!(!store.consume(&t).await.expect("consume"), "a claimed token is not consumed by another");
     assert!(store.return_token(&first).await.expect("return"));
     assert!(!store.return_token(&first).await.expect("return"), "given back once");
     let second = claimed(store.claim_token(&t, None, LEASE).await.expect("claim"));
@@ -51,7 +54,7 @@ async fn claimed_tokens(store: &Arc<dyn IdempotencyStore>) {
     assert!(store.spend_token(&second).await.expect("spend")); // DEL 1
     assert_eq!(store.claim_token(&t, None, LEASE).await.expect("claim"), TokenClaim::Unknown);
     assert!(!store.return_token(&second).await.expect("return"), "a spent token stays spent");
-    assert!(!store.consume_token(&t).await.expect("consume"));
+    assert!(!store.consume(&t).await.expect("consume"));
     assert_eq!(store.claim_token("not-a-token", None, LEASE).await.expect("claim"), TokenClaim::Unknown);
     // The claim keeps the token's TTL: a claimed token still expires.
     let short = store.issue_token(Duration::from_millis(80)).await.expect("issue");
@@ -76,7 +79,7 @@ async fn token_leases(store: &Arc<dyn IdempotencyStore>) {
     assert_eq!(store.claim_token(&t, None, lease).await.expect("claim"), TokenClaim::InUse);
     tokio::time::sleep(lease + Duration::from_millis(100)).await;
     assert_eq!(store.claim_token(&t, None, lease).await.expect("claim"), TokenClaim::OutcomeUnknown);
-    assert!(!store.consume_token(&t).await.expect("consume"), "still claimed");
+    assert!(!store.consume(&t).await.expect("consume"), "still claimed");
     assert!(!store.renew(&alive, lease).await.expect("renew"), "a lease that ran out is not renewed");
     assert!(store.spend_token(&alive).await.expect("spend"), "its owner settles it late");
     assert_eq!(store.claim_token(&t, None, lease).await.expect("claim"), TokenClaim::Unknown);
@@ -88,7 +91,7 @@ async fn bound_tokens(store: &Arc<dyn IdempotencyStore>) {
     let t = store.issue_bound_token("alice", Duration::from_secs(30)).await.expect("issue");
     assert_eq!(store.claim_token(&t, Some("bob"), LEASE).await.expect("claim"), TokenClaim::Unknown);
     assert_eq!(store.claim_token(&t, None, LEASE).await.expect("claim"), TokenClaim::Unknown);
-    assert!(!store.consume_token(&t).await.expect("consume"), "an unbound consume does not take it"); // DEL 0
+    assert!(!store.consume(&t).await.expect("consume"), "an unbound consume does not take it"); // DEL 0
     let first = claimed(store.claim_token(&t, Some("alice"), LEASE).await.expect("claim"));
     assert_eq!(first.principal(), Some("alice"));
     assert!(store.return_token(&first).await.expect("return"));
@@ -122,14 +125,14 @@ async fn tokens(store: &Arc<dyn IdempotencyStore>) {
     let b = store.issue_token(Duration::from_secs(30)).await.expect("issue");
     assert_ne!(a, b);
     assert_eq!(a.len(), 32, "128 bits as hex");
-    assert!(store.consume_token(&a).await.expect("consume"));
-    assert!(!store.consume_token(&a).await.expect("consume"), "used twice");
-    assert!(!store.consume_token("not-a-token").await.expect("consume"));
-    assert!(!store.consume_token(&"0".repeat(32)).await.expect("consume"), "never issued");
+    assert!(store.consume(&a).await.expect("consume"));
+    assert!(!store.consume(&a).await.expect("consume"), "used twice");
+    assert!(!store.consume("not-a-token").await.expect("consume"));
+    assert!(!store.consume(&"0".repeat(32)).await.expect("consume"), "never issued");
     let short = store.issue_token(Duration::from_millis(50)).await.expect("issue");
     tokio::time::sleep(Duration::from_millis(120)).await;
-    assert!(!store.consume_token(&short).await.expect("consume"), "expired");
-    assert!(store.consume_token(&b).await.expect("consume"));
+    assert!(!store.consume(&short).await.expect("consume"), "expired");
+    assert!(store.consume(&b).await.expect("consume"));
 }
 
 async fn keys(store: &Arc<dyn IdempotencyStore>) {
@@ -260,7 +263,7 @@ async fn concurrent_tokens(store: Arc<dyn IdempotencyStore>) {
     let tasks: Vec<_> = (0..50)
         .map(|_| {
             let (store, token) = (store.clone(), token.clone());
-            tokio::spawn(async move { store.consume_token(&token).await.expect("consume") })
+            tokio::spawn(async move { store.consume(&token).await.expect("consume") })
         })
         .collect();
     let mut won = 0;
@@ -391,7 +394,7 @@ async fn token_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
         matches!(store.begin("dave", "d1", "fp", ClaimTerms::new(ttl)).await, Ok(Begin::New(_))),
         "records unaffected"
     );
-    assert!(store.consume_token(&u1).await.expect("consume"));
+    assert!(store.consume(&u1).await.expect("consume"));
     let _u3 = store.issue_token(ttl).await.expect("room after consume");
     let claim = claimed(store.claim_token(&b1, Some("bob"), LEASE).await.expect("claim"));
     assert!(store.spend_token(&claim).await.expect("spend"));
@@ -505,23 +508,23 @@ async fn redis_store() {
     let store = RedisStore::connect(&redis.url(), "t").await.expect("connect");
     let store: Arc<dyn IdempotencyStore> = Arc::new(store);
     suite(store.clone()).await;
-    // Consuming is one script call whose DEL decides, never a GET then a
-    // DEL from the client (two callers could both see the token): 3 live
-    // tokens and 2 spent ones, 5 calls and 3 DELs that counted, 5 in all.
+    // Claiming is one script call that decides, never a GET then a write
+    // from the client (two callers could both see the token fresh): 3 fresh
+    // tokens claimed and 2 of them asked again (in use), 5 calls in all.
     let live = [0; 3].map(|_| store.issue_token(Duration::from_secs(30)));
     let mut tokens = Vec::new();
     for t in live {
         tokens.push(t.await.expect("issue"));
     }
     redis.reset_stats();
+    let lease = Duration::from_secs(10);
     for t in &tokens {
-        assert!(store.consume_token(t).await.expect("consume"));
+        assert!(matches!(store.claim_token(t, None, lease).await.expect("claim"), TokenClaim::Claimed(_)));
     }
     for t in &tokens[..2] {
-        assert!(!store.consume_token(t).await.expect("consume"));
+        assert!(matches!(store.claim_token(t, None, lease).await.expect("claim"), TokenClaim::InUse));
     }
-    assert_eq!(redis.command_calls("evalsha"), 5, "one script call per consume");
-    assert_eq!(redis.command_calls("del"), 3, "one DEL per live token; a spent one is not found");
+    assert_eq!(redis.command_calls("evalsha"), 5, "one script call per claim");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -537,7 +540,7 @@ async fn dead_redis_is_an_error_not_a_hang() {
     let store = RedisStore::connect(&redis.url(), "t").await.expect("connect");
     redis.kill();
     let started = std::time::Instant::now();
-    let err = store.consume_token(&"a".repeat(32)).await.expect_err("server is down");
+    let err = store.consume(&"a".repeat(32)).await.expect_err("server is down");
     assert!(err.is_unavailable(), "{err}");
     let err = store.begin("s", "k", "fp", ClaimTerms::new(Duration::from_secs(1))).await.expect_err("server is down");
     assert!(err.is_unavailable(), "{err}");

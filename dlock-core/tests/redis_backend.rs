@@ -3,6 +3,9 @@
 
 mod suite;
 
+mod tokens;
+use tokens::Consume;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -653,7 +656,7 @@ async fn one_config_builds_locks_and_idempotency_over_shared_connections() {
     let token = store.issue_token(Duration::from_secs(60)).await.expect("token");
     let keys: Vec<String> = redis::cmd("KEYS").arg("shop:idem:t:*").query(&mut server.connection()).expect("KEYS");
     assert_eq!(keys.len(), 1, "the token lives under the one prefix: {keys:?}");
-    assert!(store.consume_token(&token).await.expect("consume"));
+    assert!(store.consume(&token).await.expect("consume"));
     assert!(guard.release().await.expect("release"));
 }
 

@@ -3,6 +3,9 @@
 //! and every connection is configured the way a service is, through
 //! `Config::from_lookup` and the `DLOCK_*` variables.
 
+mod tokens;
+use tokens::Consume;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -210,8 +213,8 @@ async fn redlock_and_the_idempotency_store_work_over_tls() {
     let store = runtime.idempotency_store().expect("idempotency store over TLS");
     assert_eq!(store.name(), "redis");
     let token = store.issue_token(Duration::from_secs(60)).await.expect("issue");
-    assert!(store.consume_token(&token).await.expect("consume"), "first use");
-    assert!(!store.consume_token(&token).await.expect("consume"), "second use refused");
+    assert!(store.consume(&token).await.expect("consume"), "first use");
+    assert!(!store.consume(&token).await.expect("consume"), "second use refused");
 }
 
 /// The TLS files are read when the configuration is: a missing or

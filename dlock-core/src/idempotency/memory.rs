@@ -21,10 +21,13 @@ use crate::error::{Error, Result};
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
-/// use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
+/// use std::time::Duration;
+/// use dlock_core::idempotency::{IdempotencyStore, MemoryStore, TokenClaim};
 /// let store = MemoryStore::new();
-/// let t = store.issue_token(std::time::Duration::from_secs(1)).await?;
-/// assert!(store.consume_token(&t).await?);
+/// let t = store.issue_token(Duration::from_secs(1)).await?;
+/// let TokenClaim::Claimed(claim) = store.claim_token(&t, None, Duration::from_secs(1)).await? else { panic!("fresh") };
+/// assert!(store.spend_token(&claim).await?);
+/// assert!(!matches!(store.claim_token(&t, None, Duration::from_secs(1)).await?, TokenClaim::Claimed(_)), "spent");
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Default)]
@@ -267,26 +270,6 @@ impl IdempotencyStore for MemoryStore {
 
     fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
         Box::pin(async move { self.issue(Some(principal), ttl) })
-    }
-
-    fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            if !token_well_formed(token) {
-                return Ok(false);
-            }
-            let now = Instant::now();
-            let mut inner = self.lock(now)?;
-            // A claimed token belongs to the request running with it, a
-            // bound one to its caller's claims.
-            let fresh = inner
-                .tokens
-                .get(token)
-                .is_some_and(|t| t.expires > now && t.claimed.is_none() && t.principal.is_none());
-            if fresh {
-                inner.drop_token(token);
-            }
-            Ok(fresh)
-        })
     }
 
     fn claim_token<'a>(

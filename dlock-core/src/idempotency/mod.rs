@@ -24,17 +24,18 @@
 //! [`MemoryStore`] serves one process; [`RedisStore`] shares records between
 //! instances (single server, Cluster or Sentinel URLs, as the lock backend).
 //! Both bound what lives, per caller and in total ([`IdempotencyLimits`]).
-//! [`Config::idempotency_store`](crate::Config::idempotency_store) picks one.
+//! [`Config::build`](crate::Config::build) picks one.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
-//! use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse};
+//! use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse, TokenClaim};
 //! use std::time::Duration;
 //!
 //! let store = MemoryStore::new();
 //! let token = store.issue_token(Duration::from_secs(60)).await?;
-//! assert!(store.consume_token(&token).await?);
-//! assert!(!store.consume_token(&token).await?); // spent
+//! let TokenClaim::Claimed(claim) = store.claim_token(&token, None, Duration::from_secs(10)).await? else { unreachable!() };
+//! assert!(matches!(store.claim_token(&token, None, Duration::from_secs(10)).await?, TokenClaim::InUse));
+//! assert!(store.spend_token(&claim).await?); // the request ran to a result: spent
 //!
 //! let fp = dlock_core::idempotency::fingerprint(&["POST", "/pay", "{}"]);
 //! let terms = ClaimTerms::new(Duration::from_secs(10));
@@ -213,19 +214,9 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     /// [`IdempotencyLimits`] allow.
     fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>>;
 
-    /// Consumes `token`: `true` for exactly one caller while the token lives;
-    /// `false` when it is unknown, expired or already used.
-    fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>>;
-
     /// Issues a fresh token bound to `principal` (a caller: a hashed
-    /// credential, a user id): only a claim naming the same principal takes
-    /// it, and [`consume_token`](Self::consume_token) never does.
-    ///
-    /// The default (for stores that cannot bind) is an error.
-    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        let _ = (principal, ttl);
-        Box::pin(async move { Err(Error::backend(self.name(), "this store cannot bind tokens to a caller")) })
-    }
+    /// credential, a user id): only a claim naming the same principal takes it.
+    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>>;
 
     /// Claims a fresh `token` for a request about to run, atomically: of any
     /// number of concurrent callers exactly one gets [`TokenClaim::Claimed`],
@@ -238,44 +229,21 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     /// `None` for an unbound one; a token bound to another principal is
     /// [`TokenClaim::Unknown`]. A claim whose answer was lost (a timeout) is
     /// given back by the store itself, owner-checked, in the background.
-    ///
-    /// The default (for stores that cannot hold a claim) spends an unbound
-    /// token with [`consume_token`](Self::consume_token).
     fn claim_token<'a>(
         &'a self,
         token: &'a str,
         principal: Option<&'a str>,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<TokenClaim>> {
-        let _ = lease;
-        Box::pin(async move {
-            if principal.is_some() || !self.consume_token(token).await? {
-                return Ok(TokenClaim::Unknown);
-            }
-            Ok(TokenClaim::Claimed(Claim::token(token, None)?))
-        })
-    }
+    ) -> BoxFuture<'a, Result<TokenClaim>>;
 
     /// Spends a token this caller claimed. `Ok(false)` when it was no
     /// longer its claim (it expired).
-    ///
-    /// The default does nothing: its [`claim_token`](Self::claim_token)
-    /// spent the token already.
-    fn spend_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
-        let _ = claim;
-        Box::pin(async { Ok(true) })
-    }
+    fn spend_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>>;
 
     /// Gives a token this caller claimed back, fresh, with the rest of its
     /// TTL, so that a retry can use it. `Ok(false)` when it could not be (it
-    /// is no longer this claim's, it expired, or this store cannot return
-    /// tokens).
-    ///
-    /// The default cannot: the token stays spent.
-    fn return_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
-        let _ = claim;
-        Box::pin(async { Ok(false) })
-    }
+    /// is no longer this claim's, or it expired).
+    fn return_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>>;
 
     /// Claims `key` within `scope` for a request whose `fingerprint` is given,
     /// with an in-progress record on the [`ClaimTerms`]: it lives for their

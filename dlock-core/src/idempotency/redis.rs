@@ -63,7 +63,11 @@ const RECORD: &str = include_str!("record.lua");
 /// use dlock_core::idempotency::{IdempotencyStore, RedisStore};
 /// let store = RedisStore::connect("redis://127.0.0.1:6400/1", "dlock").await?;
 /// let token = store.issue_token(std::time::Duration::from_secs(60)).await?;
-/// assert!(store.consume_token(&token).await?);
+/// let claim = match store.claim_token(&token, None, std::time::Duration::from_secs(10)).await? {
+///     dlock_core::idempotency::TokenClaim::Claimed(claim) => claim,
+///     other => panic!("a fresh token is claimed: {other:?}"),
+/// };
+/// assert!(store.spend_token(&claim).await?);
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -267,12 +271,12 @@ impl RedisStore {
 
     /// Deletes a token's `name` (the claimed one: only if `owner` holds it)
     /// and takes it out of its pools, in one step.
-    async fn spend(&self, name: String, principal: Option<&str>, owner: Option<&str>) -> Result<bool> {
+    async fn spend(&self, name: String, principal: Option<&str>, owner: &str) -> Result<bool> {
         let tag = principal.map(|p| fingerprint(&[p]));
         let pools = self.token_pools(tag.as_deref());
         let keys = keys_and_pools(&[&name], &pools);
         let mut call = ScriptCall::new(&self.spend_token, &keys, 1);
-        call.arg(owner.unwrap_or_default());
+        call.arg(owner);
         let removed: i64 = self.client.invoke(&call).await?;
         Ok(removed == 1)
     }
@@ -359,15 +363,6 @@ impl IdempotencyStore for RedisStore {
         Box::pin(async move { self.issue(Some(principal), ttl).await })
     }
 
-    fn consume_token<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            if !token_well_formed(token) {
-                return Ok(false);
-            }
-            self.spend(self.token_names(token, None).0, None, None).await
-        })
-    }
-
     fn claim_token<'a>(
         &'a self,
         token: &'a str,
@@ -404,7 +399,7 @@ impl IdempotencyStore for RedisStore {
         Box::pin(async move {
             let (token, principal) = (claim.key(), claim.principal());
             let claimed = self.token_names(token, principal).1;
-            Ok(token_well_formed(token) && self.spend(claimed, principal, Some(claim.owner())).await?)
+            Ok(token_well_formed(token) && self.spend(claimed, principal, claim.owner()).await?)
         })
     }
 

@@ -1,17 +1,13 @@
--- KEYS[1] the token's name (fresh to consume, claimed to spend), KEYS[2..]
--- the pools that count it; ARGV[1] the claim's owner ('' to consume a
--- fresh token). One DEL: only the caller whose DEL counted 1 proceeds.
+-- KEYS[1] the claimed token's name, KEYS[2..] the pools that count it;
+-- ARGV[1] the claim's owner. One DEL: only the caller whose DEL counted 1
+-- proceeds.
 local v = redis.call('GET', KEYS[1])
 if not v then
   return 0
 end
-local field = v
-if ARGV[1] ~= '' then
-  local owner
-  owner, field = string.match(v, '^([^:]*):%d+:(%d+)$')
-  if owner ~= ARGV[1] then
-    return 0
-  end
+local owner, field = string.match(v, '^([^:]*):%d+:(%d+)$')
+if owner ~= ARGV[1] then
+  return 0
 end
 if redis.call('DEL', KEYS[1]) == 1 then
   uncount(2, field, 1, 0)

@@ -102,7 +102,8 @@ impl std::fmt::Debug for ZooKeeperBackend {
 ///
 /// ```
 /// use std::time::Duration;
-/// use dlock_core::backend::zookeeper::{ZooKeeperAuth, ZooKeeperOptions};
+/// use dlock_core::backend::zookeeper::ZooKeeperOptions;
+/// use dlock_core::ZooKeeperAuth;
 /// let opts = ZooKeeperOptions::default()
 ///     .with_session_timeout(Duration::from_secs(6))
 ///     .with_response_timeout(Duration::from_secs(2))
@@ -168,7 +169,8 @@ impl ZooKeeperOptions {
     /// restrictive ACL too.
     ///
     /// ```
-    /// use dlock_core::backend::zookeeper::{ZooKeeperAuth, ZooKeeperOptions};
+    /// use dlock_core::backend::zookeeper::ZooKeeperOptions;
+    /// use dlock_core::ZooKeeperAuth;
     /// let auth: ZooKeeperAuth = "orders:s3cret".parse().unwrap();
     /// let opts = ZooKeeperOptions::default().with_auth(auth);
     /// assert!(opts.auth().is_some());
