@@ -42,7 +42,7 @@
 //! let idem = Idempotency::new(Arc::new(MemoryStore::new()));
 //! let app: Router = Router::new()
 //!     .route("/idempotency/token", get(idem.token_handler()))
-//!     .route("/orders", post(|| async { "placed" }).layer(TokenLayer::new(idem.clone()).query_param("token")))
+//!     .route("/orders", post(|| async { "placed" }).route_layer(TokenLayer::new(idem.clone()).query_param("token")))
 //!     .route("/payments", post(|| async { "paid" }).layer(IdempotencyLayer::new(idem.clone())));
 //!
 //! let res = app.clone().oneshot(Request::post("/orders").body(Body::empty()).unwrap()).await.unwrap();
@@ -202,7 +202,7 @@ impl Idempotency {
             let principal = scope.of(&parts);
             Box::pin(async move {
                 match principal {
-                    Some(principal) => token::issue(&idem, Some(&principal), ttl).await,
+                    Some(principal) => token::issue(&idem, &parts.method, Some(&principal), ttl).await,
                     None => axum::response::IntoResponse::into_response(Rejection::idempotency_scope_missing()),
                 }
             })
@@ -211,6 +211,7 @@ impl Idempotency {
 
     /// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`,
     /// or `503 lock_backend_unavailable`. Mount it where clients ask for tokens.
+    /// A `HEAD` gets the headers, and no token is issued for it.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -225,17 +226,17 @@ impl Idempotency {
     pub fn token_handler(
         &self,
     ) -> impl Fn(
-        axum::http::Extensions,
+        axum::http::request::Parts,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
            + Clone
            + Send
            + Sync
            + 'static {
         let idem = self.clone();
-        move |extensions: axum::http::Extensions| {
+        move |parts: axum::http::request::Parts| {
             let idem = idem.clone();
-            let ttl = idem.ttl_in(&extensions);
-            Box::pin(async move { token::issue(&idem, None, ttl).await })
+            let ttl = idem.ttl_in(&parts.extensions);
+            Box::pin(async move { token::issue(&idem, &parts.method, None, ttl).await })
         }
     }
 }

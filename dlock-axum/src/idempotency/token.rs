@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::macros::take_ready;
 use axum::body::Body;
-use axum::http::{header, HeaderValue, Request};
+use axum::http::{header, HeaderValue, Method, Request};
 use axum::response::{IntoResponse, Response};
 use tower::{Layer, Service};
 
@@ -49,7 +49,14 @@ impl TokenResponse {
     }
 }
 
-pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Duration) -> Response {
+/// The token endpoint's answer: a new token, or for `HEAD` (which axum
+/// routes to a `GET` handler) the same headers without one: a `HEAD` is a
+/// look at the endpoint, and a token stored for it would fill the store with
+/// tokens nobody received.
+pub(super) async fn issue(idem: &Idempotency, method: &Method, principal: Option<&str>, ttl: Duration) -> Response {
+    if method == Method::HEAD {
+        return token_response(Body::empty());
+    }
     let issued = match principal {
         Some(principal) => idem.store.issue_bound_token(principal, ttl).await,
         None => idem.store.issue_token(ttl).await,
@@ -57,11 +64,7 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
     match issued {
         Ok(token) => {
             let body = TokenResponse { token, expires_in_secs: ttl.as_secs() }.to_json();
-            let mut res = Response::new(Body::from(body));
-            res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            // A token must never be served from a cache to a second client.
-            res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-            res
+            token_response(Body::from(body))
         }
         Err(e @ dlock_core::Error::IdempotencyFull { .. }) => {
             tracing::debug!(error = %e, "dlock: no idempotency token issued: the store is full");
@@ -72,6 +75,15 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
             Rejection::from_lock_error(&e).into_response()
         }
     }
+}
+
+/// `200` with the token endpoint's headers and `body`.
+fn token_response(body: Body) -> Response {
+    let mut res = Response::new(body);
+    res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    // A token must never be served from a cache to a second client.
+    res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    res
 }
 
 /// Admits one request per one-time token.
@@ -109,7 +121,7 @@ pub(super) async fn issue(idem: &Idempotency, principal: Option<&str>, ttl: Dura
 /// use tower::ServiceExt;
 ///
 /// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
-/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem.clone())));
+/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new(idem.clone())));
 /// let token = idem.store().issue_token(idem.ttl()).await.unwrap();
 /// let submit = || Request::post("/submit").header("idempotency-token", &token).body(Body::empty()).unwrap();
 /// assert_eq!(app.clone().oneshot(submit()).await.unwrap().status(), 200);
@@ -195,7 +207,7 @@ impl TokenLayer {
     /// let idem = Idempotency::new(Arc::new(dlock_core::idempotency::MemoryStore::new()));
     /// let app: Router = Router::new()
     ///     .route("/token", get(idem.bound_token_handler(Scope::cookie("session"))))
-    ///     .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new(idem).with_scope(Scope::cookie("session"))));
+    ///     .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new(idem).with_scope(Scope::cookie("session"))));
     /// ```
     pub fn with_scope(mut self, scope: Scope) -> Self {
         self.scope = Some(scope);
@@ -237,7 +249,7 @@ impl<S> Layer<S> for TokenLayer {
 /// use dlock_core::idempotency::MemoryStore;
 ///
 /// let idem = Idempotency::new(Arc::new(MemoryStore::new()));
-/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(RequireToken::layer(idem)));
+/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).route_layer(RequireToken::layer(idem)));
 /// ```
 #[derive(Debug, Clone)]
 pub struct RequireToken<S> {

@@ -83,7 +83,7 @@ pub(crate) async fn build_key(
                             )
                             .with_cause(format!(
                                 "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
-                                 or the router (`post(handler).layer(..)`, `Router::layer`), not around the router"
+                                 or the router (`post(handler).route_layer(..)`, `Router::route_layer`), not around the router"
                             )),
                         }
                     })?);
