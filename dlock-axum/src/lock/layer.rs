@@ -101,8 +101,10 @@ impl LockLayer {
         })
     }
 
-    /// Adds a query-string parameter (percent-decoded). A request that sends
-    /// it more than once is refused with `400 lock_key_field_duplicated`: the
+    /// Adds a query-string parameter (percent-decoded). A request without
+    /// it, or with an empty or blank value (`?name=`), is refused with
+    /// `400 lock_key_field_missing`, as for [`header`](Self::header); one that
+    /// sends it more than once with `400 lock_key_field_duplicated`: the
     /// key and the handler could otherwise read different values.
     pub fn query(self, name: impl Into<String>) -> Self {
         let name = name.into();
