@@ -55,7 +55,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
 /// | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
 /// | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
-/// | 400 | `idempotency_scope_missing` | 2008 | the request does not name the caller its `Idempotency-Key` belongs to |
+/// | 400 | `idempotency_scope_missing` | 2008 | the request does not name the caller its `Idempotency-Key` (or one-time token) belongs to |
 /// | 400 | `lock_key_field_duplicated` | 2009 | a query parameter or header of the lock key is sent more than once |
 /// | 408 | `request_timeout` | 2303 | the body did not arrive within the body-read timeout |
 /// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request (transient: `Retry-After`) |

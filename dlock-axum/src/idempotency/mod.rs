@@ -66,7 +66,6 @@ mod token;
 
 pub use key::{stored_by_default, IdempotencyLayer, Idempotent, Scope, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
 
-use crate::Rejection;
 pub use token::{RequireToken, TokenLayer, TokenResponse};
 
 /// The future of [`Idempotent`] and [`RequireToken`]: the layer's work, then
@@ -203,7 +202,7 @@ impl Idempotency {
             Box::pin(async move {
                 match principal {
                     Some(principal) => token::issue(&idem, &parts.method, Some(&principal), ttl).await,
-                    None => axum::response::IntoResponse::into_response(Rejection::idempotency_scope_missing()),
+                    None => axum::response::IntoResponse::into_response(token::scope_missing()),
                 }
             })
         }

@@ -77,6 +77,12 @@ pub(super) async fn issue(idem: &Idempotency, method: &Method, principal: Option
     }
 }
 
+/// A token endpoint, or a route of bound tokens, that cannot name the
+/// request's caller: `idempotency_scope_missing`, speaking of the token.
+pub(super) fn scope_missing() -> Rejection {
+    Rejection::idempotency_scope_missing().with_message("the request does not name the caller its token is bound to")
+}
+
 /// `200` with the token endpoint's headers and `body`.
 fn token_response(body: Body) -> Response {
     let mut res = Response::new(body);
@@ -323,7 +329,7 @@ where
             let claimed = match (token, principal) {
                 (Err(refused), _) => Err(refused.into_response()),
                 (Ok(None), _) => Err(Rejection::idempotency_token_missing().into_response()),
-                (Ok(Some(_)), Some(None)) => Err(Rejection::idempotency_scope_missing().into_response()),
+                (Ok(Some(_)), Some(None)) => Err(scope_missing().into_response()),
                 (Ok(Some(token)), principal) => {
                     let principal = principal.flatten();
                     match layer.idem.store.claim_token(&token, principal.as_deref(), layer.lease).await {
