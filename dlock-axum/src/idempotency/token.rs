@@ -17,6 +17,7 @@ use super::detached::{self, Settled};
 use super::key::{stored_by_default, CatchUnwind, Scope};
 use super::{Idempotency, ResponseFuture, TOKEN_HEADER};
 use crate::lock::body::discard;
+use crate::lock::outage::STORE;
 use crate::Rejection;
 
 /// Decides from the route's response whether its token is spent; see
@@ -332,7 +333,12 @@ where
                 (Ok(Some(_)), Some(None)) => Err(scope_missing().into_response()),
                 (Ok(Some(token)), principal) => {
                     let principal = principal.flatten();
-                    match layer.idem.store.claim_token(&token, principal.as_deref(), layer.lease).await {
+                    let claimed = layer.idem.store.claim_token(&token, principal.as_deref(), layer.lease).await;
+                    match &claimed {
+                        Err(e) if e.is_unavailable() => STORE.refused(&e.to_string()),
+                        _ => STORE.answered(),
+                    }
+                    match claimed {
                         Ok(TokenClaim::Claimed(claim)) => Ok(claim),
                         Ok(TokenClaim::InUse) => Err(Rejection::idempotency_request_in_progress()
                             .with_message("a request with this token is still being processed")
@@ -347,7 +353,12 @@ where
                         // never run on an answer this layer does not know.
                         Ok(_) => Err(layer.duplicate.clone().into_response()),
                         Err(e) => {
-                            tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
+                            // An outage is told once, with a count, by the outage log.
+                            if e.is_unavailable() {
+                                tracing::debug!(error = %e, "dlock: claiming an idempotency token failed");
+                            } else {
+                                tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
+                            }
                             // `Retry-After` on a 503 comes with the rejection's response.
                             Err(Rejection::from_lock_error(&e).into_response())
                         }

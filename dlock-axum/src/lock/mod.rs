@@ -78,6 +78,7 @@ pub(crate) mod body;
 mod json;
 mod key;
 mod layer;
+pub(crate) mod outage;
 pub(crate) mod policy;
 mod quota;
 mod service;
