@@ -152,7 +152,10 @@ mod tests {
         let cases: [(&[u8], &str); 4] = [
             (br#"{"customer": "c", "seat": {"row": "A"}, "extras": []}"#, "JSON field `seat.number` is missing"),
             (br#"{"seat": {"row": "A", "number": 1}, "extras": []}"#, "JSON field `customer` is missing"),
-            (br#"{"customer": "c", "seat": {"row": "A", "number": "x"}, "extras": []}"#, "at `seat.number`: invalid type"),
+            (
+                br#"{"customer": "c", "seat": {"row": "A", "number": "x"}, "extras": []}"#,
+                "at `seat.number`: invalid type",
+            ),
             (
                 br#"{"customer": "c", "seat": {"row": "A", "number": 1}, "extras": [{"row": "B"}]}"#,
                 "JSON field `extras[0].number` is missing",

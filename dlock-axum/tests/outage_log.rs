@@ -77,8 +77,10 @@ async fn an_outage_is_one_warning_a_count_and_an_end() {
     }
     let lines = logs.take_lines();
     for service in ["the lock service", "the idempotency store"] {
-        let end: Vec<&String> =
-            lines.iter().filter(|l| l.contains(" INFO ") && l.contains(&format!("{service} is available again"))).collect();
+        let end: Vec<&String> = lines
+            .iter()
+            .filter(|l| l.contains(" INFO ") && l.contains(&format!("{service} is available again")))
+            .collect();
         assert_eq!(end.len(), 1, "one line for the end of the outage of {service}: {lines:#?}");
         let refused = field(end[0], "refused").unwrap_or_else(|| panic!("no count in {}", end[0]));
         assert!(refused >= REFUSED, "{refused} refused: {}", end[0]);

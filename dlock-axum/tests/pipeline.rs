@@ -122,7 +122,8 @@ async fn every_refusal_is_the_same_through_both_faces() {
     for (face, expected) in [("layer", ("lock_key_field_missing", 2001)), ("macro", ("invalid_json", 2002))] {
         let res = app.clone().oneshot(request(&format!("/{face}/at-once"), JSON, "{}")).await.expect("infallible");
         assert_eq!(res.status(), 400, "{face}");
-        let v: Value = serde_json::from_slice(&res.into_body().collect().await.expect("body").to_bytes()).expect("json");
+        let v: Value =
+            serde_json::from_slice(&res.into_body().collect().await.expect("body").to_bytes()).expect("json");
         assert_eq!((v["error"].as_str(), v["code"].as_u64()), (Some(expected.0), Some(expected.1)), "{face}: {v}");
         assert!(v["message"].as_str().is_some_and(|m| m.contains("`id` is missing")), "{face}: {v}");
     }

@@ -34,9 +34,8 @@ async fn a_quarantined_redis_says_how_long_it_has_left() {
     assert!(left <= QUARANTINE && left >= QUARANTINE - Duration::from_secs(2), "{left:?}: {err}");
 
     // And the 503 says it, in whole seconds rounded up.
-    let app = Router::new()
-        .route("/r", post(|| async { "ok" }).route_layer(LockLayer::new("q")))
-        .with_locker(locker.clone());
+    let app =
+        Router::new().route("/r", post(|| async { "ok" }).route_layer(LockLayer::new("q"))).with_locker(locker.clone());
     let res = app.oneshot(Request::post("/r").body(Body::empty()).expect("request")).await.expect("infallible");
     assert_eq!(res.status(), 503);
     let retry_after: u64 = res.headers()["retry-after"].to_str().expect("ascii").parse().expect("seconds");
