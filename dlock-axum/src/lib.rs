@@ -32,7 +32,7 @@
 //! let app: Router = Router::new()
 //!     .route(
 //!         "/stock/reduce",
-//!         post(reduce_stock).layer(LockLayer::new("product.stock").json("product_id").wait(Duration::from_secs(5))),
+//!         post(reduce_stock).route_layer(LockLayer::new("product.stock").json("product_id").wait(Duration::from_secs(5))),
 //!     )
 //!     .with_locker(dlock_axum::from_env().await?);
 //! # Ok(()) }

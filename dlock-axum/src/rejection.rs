@@ -55,7 +55,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 400 | `idempotency_key_invalid` | 2005 | the `Idempotency-Key` header is malformed |
 /// | 400 | `lock_key_invalid` | 2006 | the key built from the request is unusable (e.g. too long) |
 /// | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
-/// | 400 | `idempotency_scope_missing` | 2008 | the request does not name the caller its `Idempotency-Key` belongs to |
+/// | 400 | `idempotency_scope_missing` | 2008 | the request does not name the caller its `Idempotency-Key` (or one-time token) belongs to |
 /// | 400 | `lock_key_field_duplicated` | 2009 | a query parameter or header of the lock key is sent more than once |
 /// | 408 | `request_timeout` | 2303 | the body did not arrive within the body-read timeout |
 /// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request (transient: `Retry-After`) |
@@ -378,7 +378,8 @@ impl Rejection {
     }
 
     /// Maps an engine error: a held lock → `409 duplicate_submission`, a
-    /// wait that ran out → `409 lock_wait_timeout`, unavailable → `503 lock_backend_unavailable`, an invalid key →
+    /// wait that ran out → `409 lock_wait_timeout`, unavailable → `503 lock_backend_unavailable` (with `Retry-After` the
+    /// time a restart quarantine has left, else 1), an invalid key →
     /// `400 lock_key_invalid`, bad configuration or a rule dlock broke itself
     /// ([`Error::Internal`](dlock_core::Error::Internal)) → `500 lock_misconfigured`
     /// (a retry cannot help, so no `Retry-After`), a full idempotency store
@@ -407,9 +408,7 @@ impl Rejection {
     pub fn from_lock_error(err: &dlock_core::Error) -> Self {
         if let dlock_core::Error::IdempotencyFull { per_scope, retry_after } = err {
             let full = if *per_scope { Self::idempotency_scope_full() } else { Self::idempotency_store_full() };
-            // Whole seconds, rounded up: a retry sooner would be refused again.
-            let seconds = retry_after.as_millis().div_ceil(1000).clamp(1, u128::from(u32::MAX));
-            return full.with_retry_after(Some(u32::try_from(seconds).unwrap_or(u32::MAX)));
+            return full.with_retry_after(Some(whole_seconds(*retry_after)));
         }
         if matches!(err, dlock_core::Error::Timeout { .. }) {
             Self::lock_wait_timeout()
@@ -420,9 +419,22 @@ impl Rejection {
         } else if err.is_misconfigured() || matches!(err, dlock_core::Error::Internal(_)) {
             Self::misconfigured()
         } else {
-            Self::backend_unavailable()
+            // A refusal that knows its end (a restart quarantine) says it;
+            // an outage nobody can time says 1.
+            let unavailable = Self::backend_unavailable();
+            match err.retry_after() {
+                Some(left) => unavailable.with_retry_after(Some(whole_seconds(left))),
+                None => unavailable,
+            }
         }
     }
+}
+
+/// `Retry-After` seconds for `left`: whole seconds, rounded up (a retry
+/// sooner would be refused again), at least 1.
+fn whole_seconds(left: std::time::Duration) -> u32 {
+    let seconds = left.as_millis().div_ceil(1000).clamp(1, u128::from(u32::MAX));
+    u32::try_from(seconds).unwrap_or(u32::MAX)
 }
 
 impl From<&dlock_core::Error> for Rejection {
@@ -549,6 +561,18 @@ mod tests {
     fn unavailable_says_when_to_retry() {
         let response = Rejection::backend_unavailable().into_response();
         assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+    }
+
+    /// A quarantine's refusal says the time it has left, rounded up to whole
+    /// seconds, at least 1.
+    #[test]
+    fn a_timed_refusal_says_its_time() {
+        use std::time::Duration;
+        for (left, seconds) in [(2_500, 3), (3_000, 3), (1, 1), (0, 1), (59_001, 60)] {
+            let err = dlock_core::Error::unavailable_for("redis", "quarantined", Duration::from_millis(left));
+            let r = Rejection::from_lock_error(&err);
+            assert_eq!((r.status().as_u16(), r.retry_after()), (503, Some(seconds)), "{left} ms");
+        }
     }
 
     #[test]

@@ -752,3 +752,27 @@ async fn an_answer_over_the_byte_budget_is_delivered_and_not_stored() {
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_response_not_stored"));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// Issue 25: a token endpoint, or a route that takes bound tokens, that
+/// cannot name the caller says its token, not an `Idempotency-Key`.
+#[tokio::test]
+async fn a_token_route_without_a_caller_speaks_of_its_token() {
+    use dlock_axum::idempotency::Scope;
+    let idem = idem();
+    let app: Router = Router::new().route("/token", get(idem.bound_token_handler(Scope::header("x-user")))).route(
+        "/submit",
+        post(|| async { "ok" }).route_layer(TokenLayer::new(idem.clone()).with_scope(Scope::header("x-user"))),
+    );
+    let anonymous = [
+        Request::get("/token").body(Body::empty()).expect("req"),
+        Request::post("/submit").header("idempotency-token", "t").body(Body::empty()).expect("req"),
+    ];
+    for req in anonymous {
+        let uri = req.uri().clone();
+        let (s, _, b) = send(&app, req).await;
+        assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"), "{uri}");
+        let v: serde_json::Value = serde_json::from_slice(&b).expect("json");
+        let message = v["message"].as_str().unwrap_or_default();
+        assert!(message.contains("token") && !message.contains("Idempotency-Key"), "{uri}: {message}");
+    }
+}

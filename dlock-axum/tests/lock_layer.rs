@@ -302,6 +302,22 @@ async fn an_empty_header_is_refused_as_a_missing_one() {
     assert_eq!(app.oneshot(req("t1")).await.expect("infallible").status(), StatusCode::OK);
 }
 
+/// The same for a query parameter of the key: `?tenant=` (or `%20`, or a
+/// `+`, a space once decoded) is no value.
+#[tokio::test]
+async fn an_empty_query_parameter_is_refused_as_a_missing_one() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = echo_app(&locker(), LockLayer::new("report").query("tenant"), calls.clone());
+    let req = |query: &str| Request::post(format!("/r?{query}")).body(Body::empty()).expect("request");
+    for query in ["tenant=", "tenant", "tenant=%20", "tenant=+&x=1"] {
+        let res = app.clone().oneshot(req(query)).await.expect("infallible");
+        let v = assert_rejection(res, 400, "lock_key_field_missing").await;
+        assert!(v["message"].as_str().unwrap_or_default().contains("tenant"), "{query:?}: {v}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "no blank value reached the route");
+    assert_eq!(app.oneshot(req("tenant=t1")).await.expect("infallible").status(), StatusCode::OK);
+}
+
 #[tokio::test]
 async fn a_key_that_is_too_long_is_400_lock_key_invalid() {
     let app = echo_app(&locker(), LockLayer::new("stock").json("product_id"), Arc::new(AtomicUsize::new(0)));

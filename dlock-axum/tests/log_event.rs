@@ -2,8 +2,7 @@
 //! both faces, and no request values (the key) at `INFO` or above; no
 //! request secret at any level.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -16,29 +15,13 @@ use dlock_core::backend::Backend;
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use dlock_core::idempotency::{Begin, Claim, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse, TokenClaim};
 use dlock_core::{LockKey, Locker, MemoryBackend, Owner, Result};
+use dlock_testing::{capture_logs, LogCapture};
 use serde::Deserialize;
 use tower::ServiceExt;
 
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    /// The `dlock.request` lines written since the last call.
-    fn take_events(&self) -> Vec<String> {
-        let bytes = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
-        String::from_utf8_lossy(&bytes).lines().filter(|l| l.contains("dlock.request")).map(str::to_owned).collect()
-    }
+/// The `dlock.request` lines written since the last call.
+fn take_events(captured: &LogCapture) -> Vec<String> {
+    captured.take_lines().into_iter().filter(|l| l.contains("dlock.request")).collect()
 }
 
 #[derive(Deserialize)]
@@ -58,22 +41,9 @@ fn request(uri: &str) -> Request<Body> {
         .expect("request")
 }
 
-/// Every event at every level of this thread, written to `Captured`, while
-/// the guard lives.
-fn capture() -> (Captured, tracing::subscriber::DefaultGuard) {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_max_level(tracing::Level::TRACE)
-        .with_writer(move || writer.clone())
-        .finish();
-    (captured, tracing::subscriber::set_default(subscriber))
-}
-
 #[tokio::test(flavor = "current_thread")]
 async fn one_event_per_request_at_the_same_level_through_both_faces() {
-    let (captured, _default) = capture();
+    let (captured, _default) = capture_logs();
 
     let locker = Locker::new(MemoryBackend::new());
     let app = Router::new()
@@ -91,7 +61,7 @@ async fn one_event_per_request_at_the_same_level_through_both_faces() {
         let mut seen = Vec::new();
         for uri in ["/layer", "/macro"] {
             app.clone().oneshot(request(uri)).await.expect("infallible");
-            let events = captured.take_events();
+            let events = take_events(&captured);
             assert_eq!(events.len(), 1, "{uri} {outcome}: {events:#?}");
             assert!(events[0].contains(&format!("outcome=\"{outcome}\"")), "{uri}: {}", events[0]);
             seen.push(events[0].split_whitespace().nth(1).map(str::to_owned));
@@ -108,7 +78,7 @@ async fn one_event_per_request_at_the_same_level_through_both_faces() {
         .route("/macro", post(by_macro));
     for uri in ["/layer", "/macro"] {
         bare.clone().oneshot(request(uri)).await.expect("infallible");
-        let events = captured.take_events();
+        let events = take_events(&captured);
         assert_eq!(events.len(), 1, "{uri}: {events:#?}");
         assert!(events[0].contains("ERROR") && events[0].contains("outcome=\"misconfigured\""), "{}", events[0]);
         assert!(!events[0].contains("secret-7"), "no request value above DEBUG: {}", events[0]);
@@ -194,7 +164,7 @@ impl IdempotencyStore for NoComplete {
 /// also on the `WARN` paths of a failing lock service and store.
 #[tokio::test(flavor = "current_thread")]
 async fn no_request_secret_is_logged_at_any_level() {
-    let (captured, _default) = capture();
+    let (captured, _default) = capture_logs();
 
     let locker = Locker::new(NoRelease(MemoryBackend::new()));
     let idem: Arc<dyn IdempotencyStore> = Arc::new(NoComplete(MemoryStore::new()));
@@ -214,8 +184,7 @@ async fn no_request_secret_is_logged_at_any_level() {
     // Background releases and frees log on their own tasks.
     tokio::time::sleep(Duration::from_millis(50)).await;
 
-    let bytes = std::mem::take(&mut *captured.0.lock().unwrap_or_else(|p| p.into_inner()));
-    let log = String::from_utf8_lossy(&bytes);
+    let log = captured.take();
     assert!(log.contains("WARN"), "the failure paths ran: {log}");
     assert!(log.contains("dlock.release failed"), "{log}");
     assert!(log.contains("storing the idempotent response failed"), "{log}");

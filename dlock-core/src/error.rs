@@ -130,6 +130,29 @@ impl Error {
         }
     }
 
+    /// How long until the same request may succeed, when that is known: what
+    /// is left of a Redis restart quarantine (an [`Error::Backend`] made by
+    /// [`Error::unavailable_for`]), or when the oldest record of a full
+    /// idempotency store expires ([`Error::IdempotencyFull`]). `None` for an
+    /// outage nobody can time, and for errors a retry cannot mend. dlock-axum
+    /// sends it as `Retry-After`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dlock_core::Error;
+    /// let quarantined = Error::unavailable_for("redis", "restarted", Duration::from_millis(2500));
+    /// assert!(quarantined.is_unavailable());
+    /// assert_eq!(quarantined.retry_after(), Some(Duration::from_millis(2500)));
+    /// assert_eq!(Error::backend("redis", "connection refused").retry_after(), None);
+    /// ```
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Error::IdempotencyFull { retry_after, .. } => Some(*retry_after),
+            Error::Backend { source: Some(source), .. } => source.downcast_ref::<RefusedFor>().map(|r| r.0),
+            _ => None,
+        }
+    }
+
     /// The program or its environment is misconfigured.
     pub fn is_misconfigured(&self) -> bool {
         matches!(self, Error::Config { .. } | Error::InvalidKey(_) | Error::InvalidArgument { .. })
@@ -138,6 +161,13 @@ impl Error {
     /// A backend error with a message and no source.
     pub fn backend(backend: &'static str, message: impl Into<String>) -> Self {
         Error::Backend { backend, message: message.into(), source: None }
+    }
+
+    /// A backend that refuses for a known time (a restart quarantine): an
+    /// [`Error::Backend`] whose [`retry_after`](Error::retry_after) is
+    /// `retry_after`.
+    pub fn unavailable_for(backend: &'static str, message: impl Into<String>, retry_after: Duration) -> Self {
+        Error::Backend { backend, message: message.into(), source: Some(Box::new(RefusedFor(retry_after))) }
     }
 
     /// An out-of-range argument, named.
@@ -150,6 +180,18 @@ impl Error {
         Error::Config { var, reason: reason.into() }
     }
 }
+
+/// The source of an [`Error::Backend`] that refuses for a known time.
+#[derive(Debug)]
+struct RefusedFor(Duration);
+
+impl std::fmt::Display for RefusedFor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "refusing for {} ms more", self.0.as_millis())
+    }
+}
+
+impl std::error::Error for RefusedFor {}
 
 /// `Result` with dlock's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -20,6 +20,7 @@ use tower::{Layer, Service};
 use super::detached::{self, Settled};
 use super::{Records, ResponseFuture, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
 use crate::lock::body::{discard, read_body, BodyLimits};
+use crate::lock::outage::STORE;
 use crate::Rejection;
 
 /// Response headers stored and replayed unless [`IdempotencyLayer::store_headers`]
@@ -495,6 +496,10 @@ fn store_error(e: &dlock_core::Error) -> Response {
         // A refusal the caps are there to make, once per request of a flood:
         // not worth a warning each.
         tracing::debug!(error = %e, "dlock: idempotency store full");
+    } else if e.is_unavailable() {
+        // Told once per outage, with a count, by the outage log.
+        tracing::debug!(error = %e, "dlock: idempotency store failed");
+        STORE.refused(&e.to_string());
     } else {
         tracing::warn!(error = %e, "dlock: idempotency store failed");
     }
@@ -598,7 +603,12 @@ where
     if layer.run_again_after_lease {
         terms = terms.run_again_after_lease();
     }
-    let claim = match store.begin(&scope, &key, &fp, terms).await {
+    let begun = store.begin(&scope, &key, &fp, terms).await;
+    match &begun {
+        Err(e) if e.is_unavailable() => {}
+        _ => STORE.answered(),
+    }
+    let claim = match begun {
         Ok(Begin::New(claim)) => claim,
         Ok(Begin::InProgress) => return Ok(Rejection::idempotency_request_in_progress().into_response()),
         Ok(Begin::Mismatch) => return Ok(Rejection::idempotency_key_mismatch().into_response()),

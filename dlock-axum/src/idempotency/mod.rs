@@ -46,7 +46,7 @@
 //!
 //! let app: Router = Router::new()
 //!     .route("/idempotency/token", get(token_handler()))
-//!     .route("/orders", post(|| async { "placed" }).layer(TokenLayer::new().query_param("token")))
+//!     .route("/orders", post(|| async { "placed" }).route_layer(TokenLayer::new().query_param("token")))
 //!     .route("/payments", post(|| async { "paid" }).layer(IdempotencyLayer::new()))
 //!     .with_locker(Locker::new(MemoryBackend::new())); // records in this process
 //!
@@ -63,13 +63,14 @@ use std::time::Duration;
 
 use dlock_core::idempotency::IdempotencyStore;
 
+use crate::Rejection;
+
 mod detached;
 mod key;
 mod token;
 
 pub use key::{stored_by_default, IdempotencyLayer, Idempotent, Scope, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
 
-use crate::Rejection;
 pub use token::{RequireToken, TokenLayer, TokenResponse};
 
 /// The future of [`Idempotent`] and [`RequireToken`]: the layer's work, then
@@ -162,7 +163,8 @@ impl Records {
 
 /// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`,
 /// or `503 lock_backend_unavailable`; records in the installed runtime.
-/// Mount it where clients ask for tokens, for `GET` only (see below).
+/// Mount it where clients ask for tokens. A `HEAD` gets the headers, and no
+/// token is issued for it.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -229,7 +231,7 @@ pub fn bound_token_handler(
             match (records, principal) {
                 (Err(refused), _) => axum::response::IntoResponse::into_response(refused),
                 (Ok((store, ttl)), Some(principal)) => token::issue(&store, &parts.method, Some(&principal), ttl).await,
-                (Ok(_), None) => axum::response::IntoResponse::into_response(Rejection::idempotency_scope_missing()),
+                (Ok(_), None) => axum::response::IntoResponse::into_response(token::scope_missing()),
             }
         })
     }

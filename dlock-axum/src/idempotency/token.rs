@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::macros::take_ready;
 use axum::body::Body;
-use axum::http::{header, HeaderValue, Request};
+use axum::http::{header, HeaderValue, Method, Request};
 use axum::response::{IntoResponse, Response};
 use tower::{Layer, Service};
 
@@ -17,6 +17,7 @@ use super::detached::{self, Settled};
 use super::key::{stored_by_default, CatchUnwind, Scope};
 use super::{Records, ResponseFuture, TOKEN_HEADER};
 use crate::lock::body::discard;
+use crate::lock::outage::STORE;
 use crate::Rejection;
 
 /// Decides from the route's response whether its token is spent; see
@@ -49,20 +50,18 @@ impl TokenResponse {
     }
 }
 
-/// Issues a token from `store`. `HEAD` (which axum routes to a `GET`
-/// handler) gets the headers of an answer and no token: a probe or a
-/// link checker must not fill the store.
+/// The token endpoint's answer: a new token from `store`, or for `HEAD`
+/// (which axum routes to a `GET` handler) the same headers without one: a
+/// `HEAD` is a look at the endpoint, and a token stored for it would fill
+/// the store with tokens nobody received.
 pub(super) async fn issue(
     store: &Arc<dyn IdempotencyStore>,
-    method: &axum::http::Method,
+    method: &Method,
     principal: Option<&str>,
     ttl: Duration,
 ) -> Response {
-    if method == axum::http::Method::HEAD {
-        let mut res = Response::new(Body::empty());
-        res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        return res;
+    if method == Method::HEAD {
+        return token_response(Body::empty());
     }
     let issued = match principal {
         Some(principal) => store.issue_bound_token(principal, ttl).await,
@@ -71,11 +70,7 @@ pub(super) async fn issue(
     match issued {
         Ok(token) => {
             let body = TokenResponse { token, expires_in_secs: ttl.as_secs() }.to_json();
-            let mut res = Response::new(Body::from(body));
-            res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            // A token must never be served from a cache to a second client.
-            res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-            res
+            token_response(Body::from(body))
         }
         Err(e @ dlock_core::Error::IdempotencyFull { .. }) => {
             tracing::debug!(error = %e, "dlock: no idempotency token issued: the store is full");
@@ -86,6 +81,21 @@ pub(super) async fn issue(
             Rejection::from_lock_error(&e).into_response()
         }
     }
+}
+
+/// A token endpoint, or a route of bound tokens, that cannot name the
+/// request's caller: `idempotency_scope_missing`, speaking of the token.
+pub(super) fn scope_missing() -> Rejection {
+    Rejection::idempotency_scope_missing().with_message("the request does not name the caller its token is bound to")
+}
+
+/// `200` with the token endpoint's headers and `body`.
+fn token_response(body: Body) -> Response {
+    let mut res = Response::new(body);
+    res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    // A token must never be served from a cache to a second client.
+    res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    res
 }
 
 /// Admits one request per one-time token.
@@ -124,7 +134,7 @@ pub(super) async fn issue(
 ///
 /// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new()));
 /// let app: Router = Router::new()
-///     .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new()))
+///     .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new()))
 ///     .with_locker(dlock.clone());
 /// let token = dlock.idempotency_store().unwrap().issue_token(dlock.idempotency_ttl()).await.unwrap();
 /// let submit = || Request::post("/submit").header("idempotency-token", &token).body(Body::empty()).unwrap();
@@ -227,7 +237,7 @@ impl TokenLayer {
     /// use dlock_axum::idempotency::{bound_token_handler, Scope, TokenLayer};
     /// let app: Router = Router::new()
     ///     .route("/token", get(bound_token_handler(Scope::cookie("session"))))
-    ///     .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new().with_scope(Scope::cookie("session"))));
+    ///     .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new().with_scope(Scope::cookie("session"))));
     /// ```
     pub fn with_scope(mut self, scope: Scope) -> Self {
         self.scope = Some(scope);
@@ -264,7 +274,7 @@ impl<S> Layer<S> for TokenLayer {
 /// use axum::{routing::post, Router};
 /// use dlock_axum::idempotency::RequireToken;
 ///
-/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).layer(RequireToken::layer()));
+/// let app: Router = Router::new().route("/submit", post(|| async { "ok" }).route_layer(RequireToken::layer()));
 /// ```
 #[derive(Debug, Clone)]
 pub struct RequireToken<S> {
@@ -339,11 +349,16 @@ where
             let claimed = match (token, principal, &records) {
                 (Err(refused), _, _) => Err(refused.into_response()),
                 (Ok(None), _, _) => Err(Rejection::idempotency_token_missing().into_response()),
-                (Ok(Some(_)), Some(None), _) => Err(Rejection::idempotency_scope_missing().into_response()),
+                (Ok(Some(_)), Some(None), _) => Err(scope_missing().into_response()),
                 (Ok(Some(_)), _, Err(refused)) => Err(refused.clone().into_response()),
                 (Ok(Some(token)), principal, Ok((store, _))) => {
                     let principal = principal.flatten();
-                    match store.claim_token(&token, principal.as_deref(), layer.lease).await {
+                    let claimed = store.claim_token(&token, principal.as_deref(), layer.lease).await;
+                    match &claimed {
+                        Err(e) if e.is_unavailable() => STORE.refused(&e.to_string()),
+                        _ => STORE.answered(),
+                    }
+                    match claimed {
                         Ok(TokenClaim::Claimed(claim)) => Ok((claim, store.clone())),
                         Ok(TokenClaim::InUse) => Err(Rejection::idempotency_request_in_progress()
                             .with_message("a request with this token is still being processed")
@@ -358,7 +373,12 @@ where
                         // never run on an answer this layer does not know.
                         Ok(_) => Err(layer.duplicate.clone().into_response()),
                         Err(e) => {
-                            tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
+                            // An outage is told once, with a count, by the outage log.
+                            if e.is_unavailable() {
+                                tracing::debug!(error = %e, "dlock: claiming an idempotency token failed");
+                            } else {
+                                tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
+                            }
                             // `Retry-After` on a 503 comes with the rejection's response.
                             Err(Rejection::from_lock_error(&e).into_response())
                         }

@@ -9,8 +9,12 @@
 //! | outcome | level | fields |
 //! |---|---|---|
 //! | acquired, busy, invalid, over quota | `DEBUG` | `lock`, `key`, `outcome`, `status`, `error`, `waited_ms`, `fence` |
-//! | unavailable | `WARN` | `lock`, `outcome`, `status`, `error`, `cause` |
+//! | unavailable | `DEBUG` | `lock`, `outcome`, `status`, `error`, `cause` |
 //! | misconfigured | `ERROR` | `lock`, `outcome`, `status`, `error`, `cause` |
+//!
+//! An outage of the lock service is told at `WARN` by the [outage log](super::outage):
+//! once when it starts, then a count of the refused requests at most every
+//! 10 s, and at `INFO` when the service answers again; not once per request.
 //!
 //! `key` is the key's [`log_id`](dlock_core::LockKey::log_id) — the lock's
 //! name and a short hash — never the key: its parts are request values
@@ -24,6 +28,7 @@ use std::time::{Duration, Instant};
 use axum::response::{IntoResponse, Response};
 use dlock_core::{LockGuard, LockKey, Locker, Owner};
 
+use super::outage;
 use super::policy::Policy;
 use crate::rejection::Rejection;
 use crate::request::LockOutcome;
@@ -44,6 +49,9 @@ pub(crate) struct Refusal {
     key: Option<LockKey>,
     /// Why, for the log only (engine errors name servers; clients never see it).
     cause: Option<Cow<'static, str>>,
+    /// Counted by the outage log, which tells the outage at `WARN`: the
+    /// request's own event is then `DEBUG`.
+    in_outage: bool,
 }
 
 impl Refusal {
@@ -55,7 +63,7 @@ impl Refusal {
         } else {
             LockOutcome::Invalid { error: rejection.error().to_owned() }
         };
-        Refusal { rejection, outcome, key: None, cause: None }
+        Refusal { rejection, outcome, key: None, cause: None, in_outage: false }
     }
 
     /// No engine installed where the request was locked.
@@ -72,12 +80,13 @@ impl Refusal {
             outcome: LockOutcome::Unavailable,
             key: None,
             cause: Some(err.to_string().into()),
+            in_outage: false,
         }
     }
 
     /// The principal already holds as many locks as the layer allows.
     pub(crate) fn over_quota(rejection: Rejection, key: LockKey) -> Self {
-        Refusal { rejection, outcome: LockOutcome::OverQuota, key: Some(key), cause: None }
+        Refusal { rejection, outcome: LockOutcome::OverQuota, key: Some(key), cause: None, in_outage: false }
     }
 
     /// An engine error, mapped by [`Rejection::from_lock_error`]; a lock
@@ -103,7 +112,7 @@ impl Refusal {
         } else {
             LockOutcome::Unavailable
         };
-        Refusal { rejection, outcome, key, cause: Some(err.to_string().into()) }
+        Refusal { rejection, outcome, key, cause: Some(err.to_string().into()), in_outage: false }
     }
 
     /// Adds what the log says about the refusal.
@@ -115,10 +124,13 @@ impl Refusal {
     /// Logs the request's one `dlock.request` event and answers: the
     /// rejection's response with the [`LockOutcome`] in its extensions.
     pub(crate) fn respond(self, policy: &Policy) -> Response {
-        let Refusal { rejection, outcome, key, cause } = self;
+        let Refusal { rejection, outcome, key, cause, in_outage } = self;
         let (lock, status, error) = (policy.name(), rejection.status().as_u16(), rejection.error());
         let cause = cause.as_deref().unwrap_or("");
         match &outcome {
+            LockOutcome::Unavailable if in_outage => {
+                tracing::debug!(lock, outcome = outcome.as_str(), status, error, cause, "dlock.request")
+            }
             LockOutcome::Unavailable => {
                 tracing::warn!(lock, outcome = outcome.as_str(), status, error, cause, "dlock.request")
             }
@@ -163,6 +175,7 @@ pub(crate) async fn acquire_for_request(
     let waited = || started.map_or(Duration::ZERO, |started| started.elapsed());
     match locker.acquire(&key, policy.options(owner)).await {
         Ok(guard) => {
+            outage::LOCKS.answered();
             let waited = waited();
             tracing::debug!(
                 lock = policy.name(),
@@ -176,7 +189,16 @@ pub(crate) async fn acquire_for_request(
         }
         Err(e) => {
             let waited = waited();
-            Err(Refusal::from_error(e, policy, Some(key), waited))
+            let unavailable = e.is_unavailable();
+            if unavailable {
+                outage::LOCKS.refused(&e.to_string());
+            } else {
+                // A lock found held is an answer too.
+                outage::LOCKS.answered();
+            }
+            let mut refusal = Refusal::from_error(e, policy, Some(key), waited);
+            refusal.in_outage = unavailable;
+            Err(refusal)
         }
     }
 }

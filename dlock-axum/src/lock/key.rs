@@ -66,6 +66,9 @@ pub(crate) async fn build_key(
                 if values.next().is_some() {
                     return Err(duplicated(source));
                 }
+                if is_blank(value.as_bytes()) {
+                    return Err(empty(source));
+                }
                 key.push(value.as_ref());
             }
             KeySource::Path(name) => {
@@ -83,7 +86,7 @@ pub(crate) async fn build_key(
                             )
                             .with_cause(format!(
                                 "LockLayer::path(\"{name}\") found no path parameters: put the layer on the route \
-                                 or the router (`post(handler).layer(..)`, `Router::layer`), not around the router"
+                                 or the router (`post(handler).route_layer(..)`, `Router::route_layer`), not around the router"
                             )),
                         }
                     })?);
@@ -100,12 +103,8 @@ pub(crate) async fn build_key(
                 let value = crate::headers::sole(&parts.headers, name)
                     .map_err(|_| duplicated(source))?
                     .ok_or_else(|| missing(source))?;
-                // An empty or blank value is no value: as the key part `""`
-                // it would put every request without one under one lock.
-                if value.as_bytes().iter().all(u8::is_ascii_whitespace) {
-                    return Err(Refusal::invalid(
-                        Rejection::field_missing().with_message(format!("{source} is empty")),
-                    ));
+                if is_blank(value.as_bytes()) {
+                    return Err(empty(source));
                 }
                 let text = value.to_str().map_err(|_| {
                     Refusal::invalid(
@@ -121,6 +120,17 @@ pub(crate) async fn build_key(
 
 fn missing(source: &KeySource) -> Refusal {
     Refusal::invalid(Rejection::missing_field(source))
+}
+
+/// An empty or blank header or query value is no value: as the key part `""`
+/// it would put every request without one under one lock (as
+/// [`Scope::header`](crate::idempotency::Scope::header) refuses it).
+fn is_blank(value: &[u8]) -> bool {
+    value.iter().all(u8::is_ascii_whitespace)
+}
+
+fn empty(source: &KeySource) -> Refusal {
+    Refusal::invalid(Rejection::field_missing().with_message(format!("{source} is empty")))
 }
 
 /// A query parameter or header of the key sent more than once: the key

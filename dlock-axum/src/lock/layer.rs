@@ -37,7 +37,7 @@ use super::spec::{KeySource, Spec};
 ///     .message("this order is already being placed")
 ///     .code(4001);
 /// let app: Router = Router::new()
-///     .route("/orders", post(|body: String| async move { body }).layer(layer))
+///     .route("/orders", post(|body: String| async move { body }).route_layer(layer))
 ///     .with_locker(Locker::new(MemoryBackend::new()));
 /// ```
 #[derive(Clone)]
@@ -101,8 +101,10 @@ impl LockLayer {
         })
     }
 
-    /// Adds a query-string parameter (percent-decoded). A request that sends
-    /// it more than once is refused with `400 lock_key_field_duplicated`: the
+    /// Adds a query-string parameter (percent-decoded). A request without
+    /// it, or with an empty or blank value (`?name=`), is refused with
+    /// `400 lock_key_field_missing`, as for [`header`](Self::header); one that
+    /// sends it more than once with `400 lock_key_field_duplicated`: the
     /// key and the handler could otherwise read different values.
     pub fn query(self, name: impl Into<String>) -> Self {
         let name = name.into();
@@ -112,9 +114,9 @@ impl LockLayer {
     /// Adds a path parameter of the route (`/items/{id}` → `path("id")`).
     ///
     /// Path parameters exist once the router has matched the route: put the
-    /// layer on the route (`post(handler).layer(..)`) or on the router
-    /// (`Router::layer` / `route_layer`, which wrap each route), not around
-    /// the whole router as a service; there it answers `500 lock_misconfigured`.
+    /// layer on the route (`post(handler).route_layer(..)`) or on the router
+    /// (`Router::route_layer`, which wraps each route), not around the whole
+    /// router as a service; there it answers `500 lock_misconfigured`.
     pub fn path(self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.with(|s| s.parts.push(KeySource::Path(name)))

@@ -13,15 +13,25 @@
 //! let app: Router = Router::new()
 //!     .route(
 //!         "/stock/reduce",
-//!         post(reduce).layer(LockLayer::new("product.stock").json("product_id").wait(Duration::from_secs(5))),
+//!         post(reduce).route_layer(LockLayer::new("product.stock").json("product_id").wait(Duration::from_secs(5))),
 //!     )
 //!     .with_locker(Locker::new(MemoryBackend::new()));
 //!
 //! let req = Request::post("/stock/reduce").body(Body::from(r#"{"product_id": 7, "quantity": 1}"#)).unwrap();
-//! let res = app.oneshot(req).await.unwrap();
+//! let res = app.clone().oneshot(req).await.unwrap();
 //! assert_eq!(res.status(), 200);
+//! // A method the route does not serve: axum's 405, no key read, no lock.
+//! let res = app.oneshot(Request::get("/stock/reduce").body(Body::empty()).unwrap()).await.unwrap();
+//! assert_eq!(res.status(), 405);
 //! # }
 //! ```
+//!
+//! Put the layer on the route with `route_layer`, as above. axum's
+//! `MethodRouter::layer` (`post(reduce).layer(..)`) also wraps the fallback
+//! that answers `405` to the methods the route does not serve, and the layer
+//! cannot tell that fallback from a handler: a `GET` would then read the
+//! key and take the lock before its `405` (or answer `409` while a `POST`
+//! holds it).
 //!
 //! For each request the layer
 //!
@@ -68,6 +78,7 @@ pub(crate) mod body;
 mod json;
 mod key;
 mod layer;
+pub(crate) mod outage;
 pub(crate) mod policy;
 mod quota;
 mod service;

@@ -29,7 +29,7 @@ use crate::request::{HeldLock, RequestOwner};
 /// use axum::{routing::post, Router};
 /// use dlock_axum::lock::RequireLock;
 ///
-/// let app: Router = Router::new().route("/orders", post(|| async { "placed" }).layer(RequireLock::layer("order.create")));
+/// let app: Router = Router::new().route("/orders", post(|| async { "placed" }).route_layer(RequireLock::layer("order.create")));
 /// ```
 #[derive(Clone)]
 pub struct RequireLock<S> {

@@ -413,6 +413,6 @@ fn trace_attempt(outcome: std::result::Result<u64, &Error>, started: Option<Inst
         Ok(fence) => tracing::debug!(waited_us = waited_us(), fence, "acquired"),
         Err(Error::Cancelled) => tracing::debug!(waited_us = waited_us(), "caller gave up"),
         Err(e) if e.is_contention() => tracing::debug!(waited_us = waited_us(), "held by another owner"),
-        Err(e) => tracing::warn!(waited_us = waited_us(), error = %e, "acquire failed"),
+        Err(e) => tracing::debug!(waited_us = waited_us(), error = %e, "acquire failed"),
     }
 }

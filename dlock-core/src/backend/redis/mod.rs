@@ -305,6 +305,7 @@ impl Backend for RedisBackend {
 ///
 /// It names how locks are stored in Redis, which may change between
 /// releases: public only in [`test_support`](crate::test_support).
+#[cfg(feature = "test-support")]
 pub(crate) fn fence_key(key: &LockKey) -> String {
     high_water::slot_mark(key)
 }

@@ -178,8 +178,10 @@ impl RestartGuard {
         self.state().suspect = true;
     }
 
+    /// The refusal, carrying `left` for [`Error::retry_after`] (a client's
+    /// `Retry-After`).
     fn refuse(&self, left: Duration, why: &str) -> Error {
-        Error::backend(
+        Error::unavailable_for(
             "redis",
             format!(
                 "{why}; no grants for {} ms more (DLOCK_RESTART_QUARANTINE_MS = {} ms), so that no lease granted \
@@ -187,6 +189,7 @@ impl RestartGuard {
                 left.as_millis(),
                 self.quarantine.as_millis()
             ),
+            left,
         )
     }
 

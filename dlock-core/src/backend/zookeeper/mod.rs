@@ -300,6 +300,7 @@ impl ZooKeeperBackend {
     /// connection (the way a network partition longer than the session
     /// timeout would). Public only in [`test_support`](crate::test_support):
     /// it hands out a `zookeeper_client` type, whose version is not ours to promise.
+    #[cfg(feature = "test-support")]
     pub(crate) fn session_info(&self) -> zk::SessionInfo {
         self.current().client.session().clone()
     }

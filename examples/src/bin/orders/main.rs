@@ -176,7 +176,7 @@ fn router(app: App, dlock: DlockRuntime) -> Router {
     let reduce = if app.unlocked {
         reduce
     } else {
-        reduce.layer(LockLayer::new("product.stock").json("product_id").wait(STOCK_WAIT))
+        reduce.route_layer(LockLayer::new("product.stock").json("product_id").wait(STOCK_WAIT))
     };
     Router::new()
         .route("/health", get(health))
