@@ -757,12 +757,12 @@ async fn an_answer_over_the_byte_budget_is_delivered_and_not_stored() {
 /// cannot name the caller says its token, not an `Idempotency-Key`.
 #[tokio::test]
 async fn a_token_route_without_a_caller_speaks_of_its_token() {
-    use dlock_axum::idempotency::Scope;
+    use dlock_axum::idempotency::{bound_token_handler, Scope};
     let idem = idem();
-    let app: Router = Router::new().route("/token", get(idem.bound_token_handler(Scope::header("x-user")))).route(
-        "/submit",
-        post(|| async { "ok" }).route_layer(TokenLayer::new(idem.clone()).with_scope(Scope::header("x-user"))),
-    );
+    let app: Router = Router::new()
+        .route("/token", get(bound_token_handler(Scope::header("x-user"))))
+        .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new().with_scope(Scope::header("x-user"))))
+        .with_locker(runtime_of(&idem));
     let anonymous = [
         Request::get("/token").body(Body::empty()).expect("req"),
         Request::post("/submit").header("idempotency-token", "t").body(Body::empty()).expect("req"),

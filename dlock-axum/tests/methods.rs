@@ -12,7 +12,7 @@ use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, Scope};
+use dlock_axum::idempotency::{bound_token_handler, token_handler, Scope};
 use dlock_axum::{LockLayer, LockerExt};
 use dlock_core::idempotency::{IdempotencyLimits, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
@@ -73,17 +73,18 @@ async fn layer_also_wraps_axums_405_and_locks_it() {
 
 /// A store that holds one token per caller and one unbound token: a `HEAD`
 /// that issued one would leave the `GET` after it refused as full.
-fn idem() -> Idempotency {
+fn idem() -> dlock_axum::DlockRuntime {
     let limits = IdempotencyLimits::default().with_max_per_scope(1).with_max_unbound_tokens(1);
-    Idempotency::new(Arc::new(MemoryStore::new().with_limits(limits)))
+    let locker = dlock_core::Locker::new(dlock_core::MemoryBackend::new());
+    dlock_axum::DlockRuntime::new(locker).with_idempotency_store(Arc::new(MemoryStore::new().with_limits(limits)))
 }
 
 #[tokio::test]
 async fn head_on_a_token_endpoint_issues_no_token() {
-    let idem = idem();
     let app: Router = Router::new()
-        .route("/token", get(idem.token_handler()))
-        .route("/bound", get(idem.bound_token_handler(Scope::header("x-user"))));
+        .route("/token", get(token_handler()))
+        .route("/bound", get(bound_token_handler(Scope::header("x-user"))))
+        .with_locker(idem());
     for uri in ["/token", "/bound"] {
         let request = |method: Method| {
             Request::builder().method(method).uri(uri).header("x-user", "alice").body(Body::empty()).expect("request")

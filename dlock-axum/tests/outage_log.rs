@@ -3,16 +3,17 @@
 //! two) per refused request. Its own test binary: the outage log is one per
 //! process, and another test's grants would end this one's outage.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{Idempotency, IdempotencyLayer, Scope};
+use dlock_axum::idempotency::{IdempotencyLayer, Scope};
 use dlock_axum::{LockLayer, LockerExt};
 use dlock_core::backend::redis::RedisBackend;
-use dlock_core::idempotency::RedisStore;
+use dlock_core::idempotency::{IdempotencyStore, RedisStore};
 use dlock_core::Locker;
 use dlock_testing::{capture_logs, RedisServer};
 use tower::ServiceExt;
@@ -36,10 +37,14 @@ async fn an_outage_is_one_warning_a_count_and_an_end() {
     let (logs, _guard) = capture_logs();
     let mut server = RedisServer::start();
     let locker = Locker::new(RedisBackend::connect(&server.url(), "dlock").await.expect("connect"));
-    let idem = Idempotency::new(std::sync::Arc::new(RedisStore::connect(&server.url(), "dlock").await.expect("store")));
+    let idem: Arc<dyn IdempotencyStore> = Arc::new(RedisStore::connect(&server.url(), "dlock").await.expect("store"));
     let app = Router::new()
         .route("/r", post(|| async { "ok" }).route_layer(LockLayer::new("o")))
-        .route("/pay", post(|| async { "paid" }).layer(IdempotencyLayer::new(idem).with_scope(Scope::shared())))
+        .route(
+            "/pay",
+            post(|| async { "paid" })
+                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+        )
         .with_locker(locker);
     assert_eq!(status(&app, "/r").await, StatusCode::OK);
     assert_eq!(status(&app, "/pay").await, StatusCode::OK);
