@@ -4,7 +4,7 @@ use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
 
 use crate::install::installed;
-use crate::lock::body::{discard, read_body, require_json_content_type, BodyLimits};
+use crate::pipeline::body::{discard, read_body, require_json_content_type, BodyLimits};
 use crate::rejection::Rejection;
 
 /// A JSON request body, read and refused exactly as [`LockLayer`](crate::LockLayer)
@@ -56,7 +56,7 @@ where
     async fn from_request(req: Request, _state: &S) -> Result<Self, Rejection> {
         let (parts, body) = req.into_parts();
         if let Err(rejection) = require_json_content_type(&parts.headers) {
-            // Drained so the client can read the 415 (see `lock/body.rs`).
+            // Drained so the client can read the 415 (see `pipeline/body.rs`).
             discard(&parts.headers, body, false).await;
             return Err(rejection);
         }

@@ -44,11 +44,13 @@
 #[macro_use]
 mod macros;
 
+pub mod future;
 mod headers;
 pub mod idempotency;
 mod install;
 mod json_body;
 pub mod lock;
+mod pipeline;
 mod rejection;
 mod render;
 mod request;

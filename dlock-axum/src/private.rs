@@ -3,7 +3,7 @@
 //! The macro's expansion names only items of this module, so the macro and
 //! the runtime can change together without breaking user code. Everything
 //! here is a thin adapter over the request-lock pipeline of
-//! [`LockLayer`](crate::LockLayer) (`lock/acquire.rs`): same policy type,
+//! [`LockLayer`](crate::LockLayer) (`pipeline/`): same policy type,
 //! same acquire, same refusals, same log event.
 
 use std::convert::Infallible;
@@ -13,9 +13,23 @@ use axum::http::request::Parts;
 pub use axum::response::{IntoResponse, Response};
 use dlock_core::{KeyBuilder, LockKey, Locker, Owner};
 
-pub use crate::lock::policy::Policy;
+pub use crate::pipeline::policy::Policy;
 
-use crate::lock::acquire::{self, acquire_for_request, Refusal};
+/// The policy of a `#[lockable(...)]` attribute, in a `static` of the
+/// expansion (so nothing is built per request).
+pub const fn policy(
+    name: &'static str,
+    wait_ms: Option<u64>,
+    lease_ms: Option<u64>,
+    max_hold_ms: Option<u64>,
+    message: Option<&'static str>,
+    code: Option<u32>,
+) -> Policy {
+    Policy::from_attribute(name, wait_ms, lease_ms, max_hold_ms, message, code)
+}
+
+use crate::pipeline::acquire::{self, acquire_for_request};
+use crate::pipeline::refusal::Refusal;
 use crate::request::{FencingToken, HeldLock, RequestOwner};
 
 /// The hidden first extractor of a `#[lockable]` handler: the installed

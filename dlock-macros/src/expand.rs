@@ -188,7 +188,7 @@ pub(crate) fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Resul
             #(#params),*
         ) -> ::dlock_axum::__private::Response #where_clause {
             static __DLOCK_POLICY: ::dlock_axum::__private::Policy =
-                ::dlock_axum::__private::Policy::from_attribute(#key, #wait, #lease, #max_hold, #message, #code);
+                ::dlock_axum::__private::policy(#key, #wait, #lease, #max_hold, #message, #code);
             let __dlock_acquire = __dlock_ctx.acquire(&__DLOCK_POLICY, |__dlock_key| {
                 #(#refs)*
                 __dlock_key #(#parts)* .build()

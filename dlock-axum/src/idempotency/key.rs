@@ -18,9 +18,10 @@ use futures_util::StreamExt;
 use tower::{Layer, Service};
 
 use super::detached::{self, Settled};
-use super::{Records, ResponseFuture, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
-use crate::lock::body::{discard, read_body, BodyLimits};
-use crate::lock::outage::STORE;
+use super::{Records, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
+use crate::future::ResponseFuture;
+use crate::pipeline::body::{discard, read_body, BodyLimits};
+use crate::pipeline::outage::STORE;
 use crate::Rejection;
 
 /// Response headers stored and replayed unless [`IdempotencyLayer::store_headers`]

@@ -73,32 +73,6 @@ pub use key::{stored_by_default, IdempotencyLayer, Idempotent, Scope, DEFAULT_ME
 
 pub use token::{RequireToken, TokenLayer, TokenResponse};
 
-/// The future of [`Idempotent`] and [`RequireToken`]: the layer's work, then
-/// the inner service's answer; the inner service's error passes through.
-pub struct ResponseFuture<E> {
-    inner: std::pin::Pin<Box<dyn std::future::Future<Output = Result<axum::response::Response, E>> + Send>>,
-}
-
-impl<E> ResponseFuture<E> {
-    fn new(future: impl std::future::Future<Output = Result<axum::response::Response, E>> + Send + 'static) -> Self {
-        ResponseFuture { inner: Box::pin(future) }
-    }
-}
-
-impl<E> std::fmt::Debug for ResponseFuture<E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl<E> std::future::Future for ResponseFuture<E> {
-    type Output = Result<axum::response::Response, E>;
-
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
-}
-
 /// The header a retried response carries.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// The request header of key mode.

@@ -15,9 +15,10 @@ use dlock_core::idempotency::{Claim, IdempotencyStore, TokenClaim};
 
 use super::detached::{self, Settled};
 use super::key::{stored_by_default, CatchUnwind, Scope};
-use super::{Records, ResponseFuture, TOKEN_HEADER};
-use crate::lock::body::discard;
-use crate::lock::outage::STORE;
+use super::{Records, TOKEN_HEADER};
+use crate::future::ResponseFuture;
+use crate::pipeline::body::discard;
+use crate::pipeline::outage::STORE;
 use crate::Rejection;
 
 /// Decides from the route's response whether its token is spent; see

@@ -6,9 +6,9 @@ use axum::http::request::Parts;
 use dlock_core::{escape_into, KeyPart, LockKey, Locker};
 use serde_json::Value;
 
-use super::acquire::Refusal;
 use super::json::Picked;
 use super::spec::{KeySource, Spec};
+use crate::pipeline::refusal::Refusal;
 use crate::rejection::Rejection;
 
 /// A JSON value as a key part: strings as their text, `null` as dlock's

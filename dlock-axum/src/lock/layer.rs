@@ -9,10 +9,10 @@ use dlock_core::Locker;
 use tower::Layer;
 
 use super::json::Want;
-use super::policy::Policy;
 use super::quota::{Principal, Quota};
 use super::service::RequireLock;
 use super::spec::{KeySource, Spec};
+use crate::pipeline::policy::Policy;
 
 /// Locks a route on a key built from request fields; see the [module docs](crate::lock).
 ///

@@ -73,17 +73,13 @@
 //! reads the answer rather than a reset connection, as nginx's lingering
 //! close does.
 
-pub(crate) mod acquire;
-pub(crate) mod body;
 mod json;
 mod key;
 mod layer;
-pub(crate) mod outage;
-pub(crate) mod policy;
 mod quota;
 mod service;
 mod spec;
 
+pub use crate::pipeline::policy::Policy;
 pub use layer::LockLayer;
-pub use policy::Policy;
-pub use service::{RequireLock, ResponseFuture};
+pub use service::RequireLock;

@@ -1,6 +1,4 @@
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -12,12 +10,14 @@ use axum::response::{IntoResponse, Response};
 use dlock_core::Locker;
 use tower::Service;
 
-use super::acquire::{acquire_for_request, Held, Refusal};
-use super::body::{discard, read_body, require_json_content_type, BodyLimits};
 use super::key::build_key;
 use super::quota::Permit;
 use super::spec::Spec;
+use crate::future::ResponseFuture;
 use crate::install::installed;
+use crate::pipeline::acquire::{acquire_for_request, Held};
+use crate::pipeline::body::{discard, read_body, require_json_content_type, BodyLimits};
+use crate::pipeline::refusal::Refusal;
 use crate::rejection::Rejection;
 use crate::request::{HeldLock, RequestOwner};
 
@@ -51,29 +51,6 @@ impl<S: fmt::Debug> fmt::Debug for RequireLock<S> {
     }
 }
 
-/// The future of [`RequireLock`]: read the body if the key needs it, acquire, call
-/// the inner service, release.
-///
-/// Dropping it at any point gives the lock back (the guard's `Drop` releases
-/// in the background).
-pub struct ResponseFuture<E> {
-    inner: Pin<Box<dyn Future<Output = Result<Response, E>> + Send>>,
-}
-
-impl<E> fmt::Debug for ResponseFuture<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl<E> Future for ResponseFuture<E> {
-    type Output = Result<Response, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
-}
-
 impl<S> Service<Request<Body>> for RequireLock<S>
 where
     S: Service<Request<Body>> + Clone + Send + 'static,
@@ -91,7 +68,7 @@ where
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let inner = take_ready(&mut self.inner);
-        ResponseFuture { inner: Box::pin(run(self.spec.clone(), inner, req)) }
+        ResponseFuture::new(run(self.spec.clone(), inner, req))
     }
 }
 

@@ -8,8 +8,8 @@ use axum::http::HeaderName;
 use dlock_core::Locker;
 
 use super::json::Want;
-use super::policy::Policy;
 use super::quota::Quota;
+use crate::pipeline::policy::Policy;
 
 /// Where one part of the lock key comes from.
 #[derive(Clone, PartialEq, Eq)]

@@ -83,10 +83,9 @@ impl Policy {
         self
     }
 
-    /// The policy of a `#[lockable(...)]` attribute, in a `static` of the
-    /// expansion (so nothing is built per request).
-    #[doc(hidden)]
-    pub const fn from_attribute(
+    /// The policy of a `#[lockable(...)]` attribute (see
+    /// `__private::policy`).
+    pub(crate) const fn from_attribute(
         name: &'static str,
         wait_ms: Option<u64>,
         lease_ms: Option<u64>,

@@ -1,8 +1,8 @@
-//! The one request-lock pipeline: acquire for a request, map a failure to
-//! its [`Rejection`], log one `dlock.request` event, release.
+//! [`Refusal`]: a request refused before its route ran, mapped to its
+//! [`Rejection`], and the one `dlock.request` event it logs.
 //!
-//! [`LockLayer`](super::LockLayer), the `#[lockable]` runtime and anything
-//! else that locks a request go through [`acquire_for_request`] and
+//! [`LockLayer`](crate::LockLayer), the `#[lockable]` runtime and anything
+//! else that locks a request go through [`acquire_for_request`](super::acquire::acquire_for_request) and
 //! [`Refusal::respond`], so both faces answer the same request with the same
 //! status, body and headers, and log it the same way:
 //!
@@ -22,23 +22,14 @@
 //! access log reads the [`LockOutcome`] in the response.
 
 use std::borrow::Cow;
-use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
-use dlock_core::{LockGuard, LockKey, Locker, Owner};
+use dlock_core::LockKey;
 
-use super::outage;
 use super::policy::Policy;
 use crate::rejection::Rejection;
 use crate::request::LockOutcome;
-
-/// A request that holds its lock.
-#[derive(Debug)]
-pub(crate) struct Held {
-    pub(crate) guard: LockGuard,
-    pub(crate) waited: Duration,
-}
 
 /// A request refused before its route ran: the answer, the outcome for the
 /// access log, and what the log event says about it.
@@ -115,6 +106,12 @@ impl Refusal {
         Refusal { rejection, outcome, key, cause: Some(err.to_string().into()), in_outage: false }
     }
 
+    /// Marks a refusal the outage log counted: its own event is then `DEBUG`.
+    pub(crate) fn during_outage(mut self, in_outage: bool) -> Self {
+        self.in_outage = in_outage;
+        self
+    }
+
     /// Adds what the log says about the refusal.
     pub(crate) fn with_cause(mut self, cause: impl Into<Cow<'static, str>>) -> Self {
         self.cause = Some(cause.into());
@@ -157,98 +154,5 @@ impl Refusal {
         let mut response = rejection.into_response();
         response.extensions_mut().insert(outcome);
         response
-    }
-}
-
-/// Takes `key` for a request as `owner` (the request's
-/// [`RequestOwner`](crate::RequestOwner)) with the policy's wait, lease and
-/// max hold, and logs the grant; a failure is the request's [`Refusal`].
-pub(crate) async fn acquire_for_request(
-    locker: &Locker,
-    owner: Owner,
-    key: LockKey,
-    policy: &Policy,
-) -> Result<Held, Refusal> {
-    // An acquire that may not wait has nothing to time: no clock is read.
-    let may_wait = !policy.wait.unwrap_or_else(|| locker.options().wait()).is_zero();
-    let started = may_wait.then(Instant::now);
-    let waited = || started.map_or(Duration::ZERO, |started| started.elapsed());
-    match locker.acquire(&key, policy.options(owner)).await {
-        Ok(guard) => {
-            outage::LOCKS.answered();
-            let waited = waited();
-            tracing::debug!(
-                lock = policy.name(),
-                key = %guard.key().log_id(),
-                outcome = "acquired",
-                fence = guard.fencing_token(),
-                waited_ms = waited.as_millis() as u64,
-                "dlock.request"
-            );
-            Ok(Held { guard, waited })
-        }
-        Err(e) => {
-            let waited = waited();
-            let unavailable = e.is_unavailable();
-            if unavailable {
-                outage::LOCKS.refused(&e.to_string());
-            } else {
-                // A lock found held is an answer too.
-                outage::LOCKS.answered();
-            }
-            let mut refusal = Refusal::from_error(e, policy, Some(key), waited);
-            refusal.in_outage = unavailable;
-            Err(refusal)
-        }
-    }
-}
-
-impl Policy {
-    /// Takes `key` as `owner` (a request's [`RequestOwner`](crate::RequestOwner),
-    /// so a lock the request already holds re-enters), runs `work` while
-    /// holding it, and releases it: the pipeline of [`LockLayer`](crate::LockLayer),
-    /// for a lock taken inside a handler.
-    ///
-    /// # Errors
-    ///
-    /// The answer [`LockLayer`](crate::LockLayer) would give, with the
-    /// [`LockOutcome`] in its extensions: `409` when the lock stays held
-    /// (with this policy's message and code), `503` when the lock service is
-    /// down, `400` for an invalid key. `work` did not run.
-    ///
-    /// # Cancellation safety
-    ///
-    /// Dropping the future releases the lock in the background.
-    pub async fn run_locked<F: Future>(
-        &self,
-        locker: &Locker,
-        owner: Owner,
-        key: LockKey,
-        work: F,
-    ) -> Result<(F::Output, LockOutcome), Response> {
-        let held = acquire_for_request(locker, owner, key, self).await.map_err(|refusal| refusal.respond(self))?;
-        let out = work.await;
-        Ok((out, held.release(self).await))
-    }
-}
-
-impl Held {
-    /// Releases the lock once the route has answered, and says what happened
-    /// for the response's extensions. A release that fails is logged: the
-    /// route's work is done, and the engine retries the release in the
-    /// background until it goes through or the lease runs out.
-    pub(crate) async fn release(self, policy: &Policy) -> LockOutcome {
-        let Held { guard, waited } = self;
-        let fencing_token = guard.fencing_token();
-        match guard.release().await {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                lock = policy.name(),
-                fence = fencing_token,
-                "the lock ran out before the request finished; another request may have run concurrently"
-            ),
-            Err(e) => tracing::warn!(lock = policy.name(), error = %e, "release failed; retried in the background"),
-        }
-        LockOutcome::Acquired { fencing_token, waited }
     }
 }
