@@ -253,6 +253,8 @@ async fn a_dead_redis_is_a_quick_503_and_the_service_recovers() {
     assert_eq!(put.status, 200);
     let reduce = json!({"product_id": 7, "quantity": 1});
     assert_eq!(request(&orders.addr, "POST", "/stock/reduce", Some(&reduce)).await.expect("reduce").status, 200);
+    let ready = request(&orders.addr, "GET", "/ready", None).await.expect("ready");
+    assert_eq!((ready.status, &ready.json["ready"]), (200, &json!(true)), "{}", ready.json);
 
     redis.kill();
     let started = Instant::now();
@@ -269,6 +271,13 @@ async fn a_dead_redis_is_a_quick_503_and_the_service_recovers() {
     assert_eq!((r.json["status"].as_u64(), r.json["type"].as_str()), (Some(503), Some("about:blank")), "{}", r.json);
     assert_eq!(r.header("content-type"), Some("application/problem+json"));
     assert_eq!(request(&orders.addr, "GET", "/health", None).await.expect("health").status, 200);
+    // The readiness probe says which part is down: the locks' Redis (and the
+    // records', the same server here).
+    let ready = request(&orders.addr, "GET", "/ready", None).await.expect("ready");
+    assert_eq!((ready.status, &ready.json["ready"]), (503, &json!(false)), "{}", ready.json);
+    assert_eq!(ready.json["checks"][0]["part"], "locks", "{}", ready.json);
+    assert_eq!(ready.json["checks"][0]["ok"], false, "{}", ready.json);
+    assert!(ready.json["checks"][0]["problem"].is_string(), "{}", ready.json);
 
     // Redis comes back empty (no persistence): restock, then sales work again.
     redis.restart();
@@ -283,6 +292,8 @@ async fn a_dead_redis_is_a_quick_503_and_the_service_recovers() {
         match sale {
             Some(r) if r.status == 200 => {
                 assert_eq!(r.json, json!({"product_id": 7, "remaining": 4}));
+                let ready = request(&orders.addr, "GET", "/ready", None).await.expect("ready");
+                assert_eq!(ready.status, 200, "ready again once sales work: {}", ready.json);
                 break;
             }
             other => {
