@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use tower::{Layer, Service};
 
 use crate::macros::take_ready;
-use crate::Rejection;
+use crate::rejection::Rejection;
 
 type Render = Arc<dyn Fn(&Rejection) -> Response + Send + Sync>;
 

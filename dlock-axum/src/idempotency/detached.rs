@@ -20,7 +20,7 @@ use dlock_core::idempotency::{Claim, IdempotencyStore};
 use futures_util::future::{select, Either};
 use tracing::Instrument;
 
-use crate::Rejection;
+use crate::rejection::Rejection;
 
 /// How a claimed request ended, handed from its task back to the request.
 pub(super) enum Settled<E> {

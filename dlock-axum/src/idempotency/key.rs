@@ -22,7 +22,7 @@ use super::{Records, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
 use crate::future::ResponseFuture;
 use crate::pipeline::body::{discard, read_body, BodyLimits};
 use crate::pipeline::outage::STORE;
-use crate::Rejection;
+use crate::rejection::Rejection;
 
 /// Response headers stored and replayed unless [`IdempotencyLayer::store_headers`]
 /// says otherwise. `set-cookie` is deliberately absent: a session cookie must

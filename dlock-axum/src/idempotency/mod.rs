@@ -63,7 +63,7 @@ use std::time::Duration;
 
 use dlock_core::idempotency::IdempotencyStore;
 
-use crate::Rejection;
+use crate::rejection::Rejection;
 
 mod detached;
 mod key;

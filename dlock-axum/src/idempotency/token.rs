@@ -19,7 +19,7 @@ use super::{Records, TOKEN_HEADER};
 use crate::future::ResponseFuture;
 use crate::pipeline::body::discard;
 use crate::pipeline::outage::STORE;
-use crate::Rejection;
+use crate::rejection::Rejection;
 
 /// Decides from the route's response whether its token is spent; see
 /// [`TokenLayer::spend_when`].
