@@ -383,6 +383,14 @@ async fn bad_input_is_answered_as_problem_details() {
         let text = r.json["detail"].as_str().unwrap_or_default();
         assert!(text.contains(detail), "{method} {path}: detail {text:?} should name {detail:?}");
     }
+    // A route or method the service does not serve: the same shape, not
+    // axum's empty body; the 405 keeps axum's `Allow`.
+    let r = request_raw(addr, "GET", "/nowhere", "").await.expect("404");
+    assert_eq!((r.status, r.json["error"].as_str()), (404, Some("route_not_found")), "{}", r.json);
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    let r = request_raw(addr, "DELETE", "/orders", "").await.expect("405");
+    assert_eq!((r.status, r.json["error"].as_str()), (405, Some("method_not_allowed")), "{}", r.json);
+    assert_eq!(r.header("allow"), Some("POST"), "{}", r.json);
 }
 
 #[cfg(unix)]

@@ -59,7 +59,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -186,6 +186,10 @@ fn router(app: App, dlock: DlockRuntime) -> Router {
         .route("/stock/reduce", reduce)
         .route("/orders", post(create_order))
         .merge(payments::routes(app.payment_lease, app.charges_unguarded, app.store.clone(), app.token_rate.clone()))
+        // A path or method this service does not serve answers in the same
+        // shape as every other refusal (axum's own are empty bodies).
+        .fallback(route_not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         // Every refusal, dlock's and this service's own `Rejection`s, as
         // RFC 9457 Problem Details (`error` and `code` kept as members).
         .layer(RenderRejections::problem_details())
@@ -288,6 +292,20 @@ fn not_found(id: &ProductId) -> Rejection {
 
 fn invalid_quantity() -> Rejection {
     Rejection::new(StatusCode::BAD_REQUEST, "invalid_quantity", 3003, "quantity must be at least 1")
+}
+
+async fn route_not_found(uri: Uri) -> Rejection {
+    Rejection::new(StatusCode::NOT_FOUND, "route_not_found", 3012, format!("no route {}", uri.path()))
+}
+
+/// axum adds the `Allow` header of the path's methods.
+async fn method_not_allowed(method: Method, uri: Uri) -> Rejection {
+    Rejection::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        3013,
+        format!("{method} is not served at {}", uri.path()),
+    )
 }
 
 async fn health(State(app): State<App>) -> Json<Value> {
