@@ -44,6 +44,7 @@
 #[macro_use]
 mod macros;
 
+mod caller;
 pub mod future;
 mod headers;
 pub mod idempotency;
@@ -59,6 +60,7 @@ mod request;
 #[path = "private.rs"]
 pub mod __private;
 
+pub use caller::Caller;
 pub use dlock_core;
 pub use dlock_core::DlockRuntime;
 #[doc = include_str!("lockable.md")]

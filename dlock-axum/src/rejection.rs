@@ -57,6 +57,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 400 | `request_body_unreadable` | 2007 | the body could not be read (client went away, bad framing) |
 /// | 400 | `idempotency_scope_missing` | 2008 | the request does not name the caller its `Idempotency-Key` (or one-time token) belongs to |
 /// | 400 | `lock_key_field_duplicated` | 2009 | a query parameter or header of the lock key is sent more than once |
+/// | 400 | `lock_caller_missing` | 2011 | the route caps the locks of each caller, and the request does not name its caller |
 /// | 408 | `request_timeout` | 2303 | the body did not arrive within the body-read timeout |
 /// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request (transient: `Retry-After`) |
 /// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed (transient: `Retry-After`) |
@@ -67,7 +68,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
 /// | 409 | `idempotency_response_not_stored` | 2202 | the request with this `Idempotency-Key` ran, but its response could not be kept (too large, or its body failed) (permanent) |
 /// | 409 | `idempotency_outcome_unknown` | 2203 | the request with this `Idempotency-Key` (or one-time token) was claimed by an instance that neither answered nor gave it back before its lease ran out: whether it ran is unknown (permanent: check, then use a new key) |
-/// | 429 | `too_many_locks` | 2401 | the principal already holds the most locks a layer allows at once (transient: `Retry-After`) |
+/// | 429 | `too_many_locks` | 2401 | the caller already holds the most locks a layer allows at once (transient: `Retry-After`) |
 /// | 429 | `idempotency_scope_full` | 2402 | the caller already has the most live idempotency records (or tokens) the store keeps per caller (transient: `Retry-After` until its oldest expires) |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed (transient: `Retry-After`) |
@@ -182,7 +183,7 @@ rejections! {
     unsupported_media_type => (UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", 2302,
         "the request body must be JSON (Content-Type: application/json)", None);
     /// The request does not say which caller its `Idempotency-Key` belongs
-    /// to (the layer's [`Scope`](crate::idempotency::Scope) found nothing).
+    /// to (the layer's [`Caller`](crate::Caller) found none).
     idempotency_scope_missing => (BAD_REQUEST, "idempotency_scope_missing", 2008,
         "the request does not name the caller its Idempotency-Key belongs to", None);
     /// A request with this `Idempotency-Key` ran, and its response was too
@@ -199,8 +200,16 @@ rejections! {
     /// The same `Idempotency-Key` was used with a different payload.
     idempotency_key_mismatch => (UNPROCESSABLE_ENTITY, "idempotency_key_mismatch", 2201,
         "this idempotency key was used with a different request", None);
-    /// The principal (say, the `x-user-id` header) already holds as many
-    /// locks through this layer as it may at once. Transient: `Retry-After: 1`.
+    /// The route caps the locks each caller holds
+    /// ([`LockLayer::max_holds_per`](crate::LockLayer::max_holds_per)), and
+    /// the request does not name its caller (the layer's
+    /// [`Caller`](crate::Caller) found none): refused before any lock is
+    /// asked for, never counted with other callers.
+    lock_caller_missing => (BAD_REQUEST, "lock_caller_missing", 2011,
+        "the request does not name the caller whose locks this route counts", None);
+    /// The caller (say, the user its authentication established) already
+    /// holds as many locks through this layer as it may at once. Transient:
+    /// `Retry-After: 1`.
     too_many_locks => (TOO_MANY_REQUESTS, "too_many_locks", 2401, "too many locks held at once, please retry later", Some(1));
     /// The caller already has as many live idempotency records (or bound
     /// tokens) as the store keeps per caller
@@ -506,6 +515,7 @@ mod tests {
             ("lock_key_invalid", 400),
             ("request_body_unreadable", 400),
             ("lock_key_field_duplicated", 400),
+            ("lock_caller_missing", 400),
             ("request_timeout", 408),
             ("idempotency_scope_missing", 400),
             ("idempotency_response_not_stored", 409),

@@ -270,7 +270,7 @@ pub enum LockOutcome {
         /// The rejection's machine code.
         error: String,
     },
-    /// The principal already held as many locks through the layer as it
+    /// The caller already held as many locks through the layer as it
     /// may: `429`, no lock was asked for.
     OverQuota,
     /// No engine installed or invalid options: `500`.

@@ -10,7 +10,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{IdempotencyLayer, Scope};
+use dlock_axum::{idempotency::IdempotencyLayer, Caller};
 use dlock_axum::{LockLayer, LockerExt};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
@@ -72,7 +72,7 @@ async fn an_idempotency_key_sent_twice_is_400() {
     let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let app: Router = Router::new().route(
         "/pay",
-        post(counting(&calls)).layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+        post(counting(&calls)).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
     );
     let pay = |keys: &[&str]| {
         let mut b = Request::post("/pay");

@@ -18,7 +18,10 @@ use axum::http::{Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{IdempotencyLayer, Scope, TokenLayer};
+use dlock_axum::{
+    idempotency::{IdempotencyLayer, TokenLayer},
+    Caller,
+};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore, RedisStore};
 use tower::ServiceExt;
 
@@ -59,7 +62,7 @@ fn app(
         .route(
             "/pay",
             post(route.clone())
-                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::header("x-user"))),
+                .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::header("x-user"))),
         )
         .route("/submit", post(route).layer(TokenLayer::new().with_store(idem.clone())));
     (app, idem)
@@ -184,7 +187,7 @@ async fn a_body_that_fails_after_the_side_effect_does_not_free_the_key() {
                 (StatusCode::CREATED, Body::from_stream(futures_util::stream::iter(chunks))).into_response()
             }
         })
-        .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+        .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
     );
     let pay =
         || Request::post("/pay").header("idempotency-key", "broken-body").body(Body::from("{}")).expect("request");
@@ -219,7 +222,7 @@ async fn a_slow_route_keeps_its_claim_and_a_dead_ones_outcome_is_unknown() {
                 StatusCode::CREATED
             }
         })
-        .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared()).lease(lease)),
+        .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared()).lease(lease)),
     );
     let pay = |key: &str| Request::post("/pay").header("idempotency-key", key).body(Body::from("{}")).expect("request");
     let first = tokio::spawn(app.clone().oneshot(pay("slow")));
@@ -328,7 +331,7 @@ async fn a_lockable_route_behind_the_layer_runs_once_through_a_hang_up() {
         .route(
             "/pay",
             post(locked_payment)
-                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::header("x-user"))),
+                .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::header("x-user"))),
         )
         .with_locker(dlock_axum::DlockRuntime::new(locker.clone()));
     let addr = serve(app).await;

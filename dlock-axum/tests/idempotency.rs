@@ -267,10 +267,10 @@ async fn on_a_router_other_methods_pass_through() {
 /// without a scope the request is refused, never put in a shared one.
 #[tokio::test]
 async fn scope_is_the_callers_and_never_a_shared_anonymous_one() {
-    use dlock_axum::idempotency::Scope;
+    use dlock_axum::Caller;
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_app(
-        IdempotencyLayer::new().with_store(idem()).with_scope(Scope::cookie("session")),
+        IdempotencyLayer::new().with_store(idem()).caller(Caller::cookie("session")),
         runs.clone(),
         Duration::ZERO,
     );
@@ -587,11 +587,11 @@ async fn a_token_is_given_back_when_the_route_did_not_run_or_failed() {
 /// without a caller.
 #[tokio::test]
 async fn bound_tokens_serve_only_their_caller() {
-    use dlock_axum::idempotency::{bound_token_handler, Scope};
+    use dlock_axum::{idempotency::bound_token_handler, Caller};
     let idem = idem();
     let app: Router = Router::new()
-        .route("/token", get(bound_token_handler(Scope::header("x-user"))))
-        .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new().with_scope(Scope::header("x-user"))))
+        .route("/token", get(bound_token_handler(Caller::header("x-user"))))
+        .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new().caller(Caller::header("x-user"))))
         .with_locker(runtime_of(&idem));
     let as_user = |user: Option<&str>, req: axum::http::request::Builder| match user {
         Some(u) => req.header("x-user", u),
@@ -743,7 +743,7 @@ async fn an_answer_over_the_byte_budget_is_delivered_and_not_stored() {
             counted.fetch_add(1, Ordering::SeqCst);
             async { (StatusCode::CREATED, "x".repeat(8 * 1024)) }
         })
-        .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(dlock_axum::idempotency::Scope::shared())),
+        .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(dlock_axum::Caller::shared())),
     );
     let export = || Request::post("/export").header("idempotency-key", "big").body(Body::from("{}")).expect("req");
     let (s, _, b) = send(&app, export()).await;
@@ -757,11 +757,11 @@ async fn an_answer_over_the_byte_budget_is_delivered_and_not_stored() {
 /// cannot name the caller says its token, not an `Idempotency-Key`.
 #[tokio::test]
 async fn a_token_route_without_a_caller_speaks_of_its_token() {
-    use dlock_axum::idempotency::{bound_token_handler, Scope};
+    use dlock_axum::{idempotency::bound_token_handler, Caller};
     let idem = idem();
     let app: Router = Router::new()
-        .route("/token", get(bound_token_handler(Scope::header("x-user"))))
-        .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new().with_scope(Scope::header("x-user"))))
+        .route("/token", get(bound_token_handler(Caller::header("x-user"))))
+        .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new().caller(Caller::header("x-user"))))
         .with_locker(runtime_of(&idem));
     let anonymous = [
         Request::get("/token").body(Body::empty()).expect("req"),
@@ -775,4 +775,85 @@ async fn a_token_route_without_a_caller_speaks_of_its_token() {
         let message = v["message"].as_str().unwrap_or_default();
         assert!(message.contains("token") && !message.contains("Idempotency-Key"), "{uri}: {message}");
     }
+}
+
+/// One `Caller` names whom an `Idempotency-Key` belongs to, whom a token is
+/// bound to and whose locks a `LockLayer` counts; a request without a
+/// caller is refused by each, with its own code, and never pooled with
+/// other such requests.
+#[tokio::test]
+async fn one_caller_for_keys_tokens_and_the_lock_cap() {
+    use dlock_axum::{idempotency::bound_token_handler, Caller, LockLayer};
+
+    /// Set by the service's authentication.
+    #[derive(Clone)]
+    struct User(String);
+
+    let caller = Caller::from_fn(|parts| parts.extensions.get::<User>().map(|u| u.0.clone()));
+    let idem = idem();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let route = {
+        let runs = runs.clone();
+        move || {
+            let runs = runs.clone();
+            async move { (StatusCode::CREATED, (runs.fetch_add(1, Ordering::SeqCst) + 1).to_string()) }
+        }
+    };
+    let app: Router = Router::new()
+        .route("/token", get(bound_token_handler(caller.clone())))
+        .route("/submit", post(route.clone()).route_layer(TokenLayer::new().caller(caller.clone())))
+        .route("/pay", post(route.clone()).route_layer(IdempotencyLayer::new().caller(caller.clone())))
+        .route("/report", post(route).route_layer(LockLayer::new("report").max_holds_per(1, caller)))
+        .layer(axum::middleware::map_request(|mut req: Request<Body>| async move {
+            // The service's authentication: a session names its user.
+            let session = req.headers().get("x-session").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            if let Some(s) = session {
+                req.extensions_mut().insert(User(format!("user-of-{s}")));
+            }
+            req
+        }))
+        .with_locker(runtime_of(&idem));
+    let req = |method: &str, uri: &str, session: Option<&str>, extra: Option<(&str, &str)>| {
+        let mut b = Request::builder().method(method).uri(uri);
+        if let Some(s) = session {
+            b = b.header("x-session", s);
+        }
+        if let Some((name, value)) = extra {
+            b = b.header(name, value);
+        }
+        b.body(Body::empty()).expect("request")
+    };
+
+    // Keys: each caller's own; a request without a caller is refused.
+    let key = Some(("idempotency-key", "k1"));
+    let (s, _, alice) = send(&app, req("POST", "/pay", Some("alice"), key)).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let (s, h, bob) = send(&app, req("POST", "/pay", Some("bob"), key)).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(h.get("idempotent-replayed").is_none() && bob != alice, "bob is not answered with alice's");
+    let (_, h, again) = send(&app, req("POST", "/pay", Some("alice"), key)).await;
+    assert_eq!((h.get("idempotent-replayed").map(|v| v.as_bytes()), again), (Some(&b"true"[..]), alice));
+    let (s, _, b) = send(&app, req("POST", "/pay", None, key)).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // Tokens: bound to the caller that fetched them.
+    let (s, _, b) = send(&app, req("GET", "/token", Some("alice"), None)).await;
+    assert_eq!(s, StatusCode::OK);
+    let token = serde_json::from_slice::<serde_json::Value>(&b).expect("json")["token"].as_str().expect("t").to_owned();
+    let (s, _, b) = send(&app, req("GET", "/token", None, None)).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    let with_token = Some(("idempotency-token", token.as_str()));
+    let (s, _, b) = send(&app, req("POST", "/submit", Some("bob"), with_token)).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "idempotency_token_unknown"));
+    let (s, _, b) = send(&app, req("POST", "/submit", None, with_token)).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
+    assert_eq!(send(&app, req("POST", "/submit", Some("alice"), with_token)).await.0, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+    // The lock cap: counted per caller; a request without one is refused.
+    let (s, _, b) = send(&app, req("POST", "/report", None, None)).await;
+    assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "lock_caller_missing"));
+    assert_eq!(send(&app, req("POST", "/report", Some("alice"), None)).await.0, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
 }

@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{IdempotencyLayer, Scope, TokenLayer};
+use dlock_axum::{
+    idempotency::{IdempotencyLayer, TokenLayer},
+    Caller,
+};
 use dlock_axum::{DlockRuntime, LockerExt};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
@@ -31,14 +34,13 @@ fn app(dlock: DlockRuntime) -> Router {
     Router::new()
         .route(
             "/idem",
-            post(|| async { "done" })
-                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+            post(|| async { "done" }).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
         )
         .route("/token", post(|| async { "done" }).layer(TokenLayer::new().with_store(idem.clone())))
         .route(
             "/bound",
             post(|| async { "done" })
-                .layer(TokenLayer::new().with_store(idem.clone()).with_scope(Scope::header("x-user"))),
+                .layer(TokenLayer::new().with_store(idem.clone()).caller(Caller::header("x-user"))),
         )
         .with_locker(dlock)
 }

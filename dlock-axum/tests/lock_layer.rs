@@ -10,7 +10,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::{FencingToken, LockLayer, LockOutcome, LockerExt, RequestOwner};
+use dlock_axum::{Caller, FencingToken, LockLayer, LockOutcome, LockerExt, RequestOwner};
 use dlock_core::backend::Backend;
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use dlock_core::{AcquireOptions, LockKey, Locker, MemoryBackend, Owner};
@@ -528,13 +528,13 @@ async fn max_hold_frees_the_lock_of_a_stuck_handler() {
     assert!(later > first, "the later holder's fence {later} is above the stuck one's {first}");
 }
 
-/// T11e: one principal asks for 10,000 locks at once. Only the cap's worth
+/// T11e: one caller asks for 10,000 locks at once. Only the cap's worth
 /// is taken (the rest are refused with 429 before any lock is asked for),
-/// another principal is served meanwhile, the stuck holds end at `max_hold`
+/// another caller is served meanwhile, the stuck holds end at `max_hold`
 /// so their keys are free to others, and the cap is given back when the
 /// requests finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_principal_cannot_hold_more_locks_than_its_cap() {
+async fn a_caller_cannot_hold_more_locks_than_its_cap() {
     const CAP: usize = 100;
     const ASKED: usize = 10_000;
     let locker = Locker::with_options(
@@ -559,7 +559,7 @@ async fn a_principal_cannot_hold_more_locks_than_its_cap() {
     };
     let layer = LockLayer::new("report")
         .json("id")
-        .max_holds_per_principal("x-user-id", CAP)
+        .max_holds_per(CAP, Caller::header("x-user-id"))
         .max_hold(Duration::from_millis(300));
     let app = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker.clone());
     let as_user = |user: &str, id: String| {
@@ -572,7 +572,7 @@ async fn a_principal_cannot_hold_more_locks_than_its_cap() {
     while entered.load(Ordering::SeqCst) < CAP && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // Others are not affected by the greedy principal's cap.
+    // Others are not affected by the greedy caller's cap.
     let res = app.clone().oneshot(as_user("other", "other-1".into())).await.expect("infallible");
     assert_eq!(res.status(), StatusCode::OK);
 
@@ -621,16 +621,16 @@ async fn a_principal_cannot_hold_more_locks_than_its_cap() {
 #[derive(Clone)]
 struct User(&'static str);
 
-/// A cap keyed on the principal the application established holds however
+/// A cap keyed on the caller the application established holds however
 /// the client varies its headers; a cap on a header the client chooses
 /// (no trusted proxy in front) gives each made-up value a cap of its own.
 #[tokio::test]
-async fn a_cap_keyed_on_the_apps_principal_ignores_client_headers() {
-    let by_app = LockLayer::new("report").json("id").max_holds_per(2, |parts: &axum::http::request::Parts| {
-        parts.extensions.get::<User>().map_or("anonymous", |u| u.0).to_owned()
-    });
-    assert_eq!(third_of_one_user(by_app).await, 429, "keyed on the app's principal: capped");
-    let by_header = LockLayer::new("report").json("id").max_holds_per_principal("x-user-id", 2);
+async fn a_cap_keyed_on_the_apps_caller_ignores_client_headers() {
+    let by_app = LockLayer::new("report")
+        .json("id")
+        .max_holds_per(2, Caller::from_fn(|parts| parts.extensions.get::<User>().map(|u| u.0.to_owned())));
+    assert_eq!(third_of_one_user(by_app).await, 429, "keyed on the app's caller: capped");
+    let by_header = LockLayer::new("report").json("id").max_holds_per(2, Caller::header("x-user-id"));
     assert_eq!(third_of_one_user(by_header).await, 200, "keyed on a client-chosen header: bypassed");
 }
 
@@ -661,10 +661,52 @@ async fn third_of_one_user(layer: LockLayer) -> u16 {
     if status == 429 {
         assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::OverQuota)));
         let v = assert_rejection(res, 429, "too_many_locks").await;
-        assert!(!v["message"].as_str().unwrap_or_default().contains("mallory"), "names no principal: {v}");
+        assert!(!v["message"].as_str().unwrap_or_default().contains("mallory"), "names no caller: {v}");
     }
     for t in [first, second] {
         assert_eq!(t.await.expect("task").expect("infallible").status(), StatusCode::OK);
     }
     status
+}
+
+/// A capped route refuses a request that names no caller with
+/// `400 lock_caller_missing`, before any lock is asked for and without
+/// counting it anywhere: neither a way around the cap nor a bucket one
+/// client can fill for all the others.
+#[tokio::test]
+async fn a_capped_route_refuses_a_request_without_a_caller() {
+    let locker = locker();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let by_user = Caller::from_fn(|parts| parts.extensions.get::<User>().map(|u| u.0.to_owned()));
+    let by_header = Caller::header("x-user-id");
+    for (caller, user_header) in [(by_user, None), (by_header.clone(), None), (by_header, Some(" "))] {
+        let layer = LockLayer::new("report").json("id").max_holds_per(1, caller);
+        let app = echo_app(&locker, layer, calls.clone());
+        for id in 0..3 {
+            let mut req = Request::post("/r").header("content-type", "application/json");
+            if let Some(value) = user_header {
+                req = req.header("x-user-id", value);
+            }
+            let res = app.clone().oneshot(req.body(Body::from(format!("{{\"id\":{id}}}"))).expect("request"));
+            let res = res.await.expect("infallible");
+            assert!(
+                matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Invalid { error }) if error == "lock_caller_missing"),
+                "{:?}",
+                res.extensions().get::<LockOutcome>()
+            );
+            assert_rejection(res, 400, "lock_caller_missing").await;
+        }
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never ran");
+    let key = locker.key("report").part("0").build().expect("key");
+    locker.try_acquire(&key).await.expect("no lock was taken").release().await.expect("release");
+
+    // The same route serves a request that names its caller.
+    let layer = LockLayer::new("report").json("id").max_holds_per(1, Caller::header("x-user-id"));
+    let res = echo_app(&locker, layer, calls.clone())
+        .oneshot(Request::post("/r").header("x-user-id", "u1").body(Body::from("{\"id\":0}")).expect("request"))
+        .await
+        .expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }

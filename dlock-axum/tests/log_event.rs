@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::http::Request;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{IdempotencyLayer, Scope};
+use dlock_axum::{idempotency::IdempotencyLayer, Caller};
 use dlock_axum::{lockable, JsonBody, LockLayer, LockerExt};
 use dlock_core::backend::Backend;
 use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
@@ -172,8 +172,7 @@ async fn no_request_secret_is_logged_at_any_level() {
         .route("/layer", post(|| async { "ok" }).layer(LockLayer::new("t").query("token")))
         .route(
             "/pay",
-            post(|| async { "paid" })
-                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+            post(|| async { "paid" }).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
         )
         .with_locker(locker.clone());
 

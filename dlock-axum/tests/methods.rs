@@ -12,7 +12,10 @@ use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
-use dlock_axum::idempotency::{bound_token_handler, token_handler, Scope};
+use dlock_axum::{
+    idempotency::{bound_token_handler, token_handler},
+    Caller,
+};
 use dlock_axum::{LockLayer, LockerExt};
 use dlock_core::idempotency::{IdempotencyLimits, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
@@ -83,7 +86,7 @@ fn idem() -> dlock_axum::DlockRuntime {
 async fn head_on_a_token_endpoint_issues_no_token() {
     let app: Router = Router::new()
         .route("/token", get(token_handler()))
-        .route("/bound", get(bound_token_handler(Scope::header("x-user"))))
+        .route("/bound", get(bound_token_handler(Caller::header("x-user"))))
         .with_locker(idem());
     for uri in ["/token", "/bound"] {
         let request = |method: Method| {

@@ -10,7 +10,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{IdempotencyLayer, Scope};
+use dlock_axum::{idempotency::IdempotencyLayer, Caller};
 use dlock_axum::{LockLayer, LockerExt};
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::idempotency::{IdempotencyStore, RedisStore};
@@ -42,8 +42,7 @@ async fn an_outage_is_one_warning_a_count_and_an_end() {
         .route("/r", post(|| async { "ok" }).route_layer(LockLayer::new("o")))
         .route(
             "/pay",
-            post(|| async { "paid" })
-                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+            post(|| async { "paid" }).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
         )
         .with_locker(locker);
     assert_eq!(status(&app, "/r").await, StatusCode::OK);

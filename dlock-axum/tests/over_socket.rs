@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{IdempotencyLayer, Scope};
+use dlock_axum::{idempotency::IdempotencyLayer, Caller};
 use dlock_axum::{lockable, DlockRuntime, JsonBody, LockLayer, LockerExt};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
@@ -47,8 +47,7 @@ fn app(dlock: DlockRuntime) -> Router {
         .route("/macro", post(by_macro))
         .route(
             "/idem",
-            post(|| async { "done" })
-                .layer(IdempotencyLayer::new().with_store(idem.clone()).with_scope(Scope::shared())),
+            post(|| async { "done" }).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
         )
         .with_locker(dlock)
 }

@@ -26,7 +26,10 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{IdempotencyLayer, Scope, REPLAYED_HEADER};
+use dlock_axum::{
+    idempotency::{IdempotencyLayer, REPLAYED_HEADER},
+    Caller,
+};
 use dlock_core::idempotency::{IdempotencyLimits, IdempotencyStore, MemoryStore, RedisStore};
 use tower::Service;
 
@@ -220,8 +223,8 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     let plain = app(None);
     // The bench's requests carry no credentials: one caller, said explicitly
     // (the default scope, `Authorization`, would refuse them).
-    let redis_app = app(Some(IdempotencyLayer::new().with_store(redis).with_scope(Scope::shared())));
-    let memory_app = app(Some(IdempotencyLayer::new().with_store(memory).with_scope(Scope::shared())));
+    let redis_app = app(Some(IdempotencyLayer::new().with_store(redis).caller(Caller::shared())));
+    let memory_app = app(Some(IdempotencyLayer::new().with_store(memory).caller(Caller::shared())));
 
     let mut base = Series::new("idempotency", "no-layer", "memory", CONCURRENCY);
     let mut cases = [

@@ -19,7 +19,8 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, Request, StatusCode};
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::idempotency::{IdempotencyLayer};
+use dlock_axum::idempotency::IdempotencyLayer;
+use dlock_axum::Caller;
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use http_body_util::BodyExt;
 use libfuzzer_sys::fuzz_target;
@@ -40,10 +41,8 @@ fn fixture() -> &'static Fixture {
         // A short TTL keeps a long fuzzing run's store small.
         let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
         // Every fuzz case is its own caller, so cases never see each other's keys.
-        let layer = IdempotencyLayer::new()
-            .with_store(idem)
-            .ttl(Duration::from_secs(5))
-            .scope(|parts| parts.headers.get("x-case").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned());
+        let layer =
+            IdempotencyLayer::new().with_store(idem).ttl(Duration::from_secs(5)).caller(Caller::header("x-case"));
         let route = post(|body: Bytes| async move {
             let run = RUNS.fetch_add(1, Ordering::SeqCst) + 1;
             (StatusCode::CREATED, format!("run {run}, {} bytes", body.len()))

@@ -19,6 +19,7 @@ use tower::{Layer, Service};
 
 use super::detached::{self, Settled};
 use super::{Records, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
+use crate::caller::Caller;
 use crate::future::ResponseFuture;
 use crate::pipeline::body::{discard, read_body, BodyLimits};
 use crate::pipeline::outage::STORE;
@@ -80,110 +81,6 @@ pub fn stored_by_default(response: &Response) -> bool {
         || Rejection::of(response).is_some_and(Rejection::is_dlock))
 }
 
-/// Whom an `Idempotency-Key` belongs to: keys of different scopes never
-/// meet, so one caller can never be answered with another's stored response.
-///
-/// A request whose scope cannot be found (no such header, no such cookie,
-/// the closure says `None`) is refused with `400 idempotency_scope_missing`
-/// before anything is claimed: there is no shared "anonymous" scope unless
-/// the service asks for one with [`Scope::shared`].
-///
-/// ```
-/// use dlock_axum::idempotency::Scope;
-///
-/// #[derive(Clone)]
-/// struct UserId(u64); // put in the extensions by the app's auth layer
-///
-/// let by_api_key = Scope::header("x-api-key");
-/// let by_session = Scope::cookie("session");
-/// let by_user = Scope::from_fn(|parts| parts.extensions.get::<UserId>().map(|u| u.0.to_string()));
-/// ```
-#[derive(Clone)]
-pub struct Scope(ScopeKind);
-
-/// A scope read from the request by the application's closure.
-type ScopeFn = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
-
-#[derive(Clone)]
-enum ScopeKind {
-    Header(HeaderName),
-    Cookie(Arc<str>),
-    Fn(ScopeFn),
-    Shared,
-}
-
-impl std::fmt::Debug for Scope {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.0 {
-            ScopeKind::Header(name) => write!(f, "Scope::header({name:?})"),
-            ScopeKind::Cookie(name) => write!(f, "Scope::cookie({name:?})"),
-            ScopeKind::Fn(_) => f.write_str("Scope::from_fn(..)"),
-            ScopeKind::Shared => f.write_str("Scope::shared()"),
-        }
-    }
-}
-
-impl Scope {
-    /// The value of a request header (`Authorization`, `x-api-key`), hashed:
-    /// the credential itself is never stored. A request without it, or with
-    /// it empty, is refused.
-    ///
-    /// # Panics
-    ///
-    /// When `name` is not a valid header name: a programming error, found
-    /// when the layer is built.
-    pub fn header(name: &str) -> Self {
-        match HeaderName::from_bytes(name.as_bytes()) {
-            Ok(name) => Scope(ScopeKind::Header(name)),
-            Err(_) => panic!("Scope::header: `{name}` is not a valid header name"),
-        }
-    }
-
-    /// The value of a cookie (a session id), hashed. A request without it
-    /// is refused.
-    pub fn cookie(name: &str) -> Self {
-        Scope(ScopeKind::Cookie(name.into()))
-    }
-
-    /// Whatever the request says, read by `f` — typically the user id an
-    /// auth layer put in the extensions. `None` refuses the request.
-    pub fn from_fn(f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
-        Scope(ScopeKind::Fn(Arc::new(f)))
-    }
-
-    /// One scope for every request: any caller who sends a key another
-    /// caller used gets that caller's stored response. Only for services
-    /// with one caller (a service called by one backend) or none that can be
-    /// told apart.
-    pub fn shared() -> Self {
-        Scope(ScopeKind::Shared)
-    }
-
-    /// The scope of a request, prefixed by its kind so that a header value
-    /// and a closure's answer can never be the same scope.
-    pub(crate) fn of(&self, parts: &Parts) -> Option<String> {
-        let hashed = |kind: &str, name: &str, value: &[u8]| format!("{kind}:{name}:{}", fingerprint(&[value]));
-        match &self.0 {
-            ScopeKind::Header(name) => parts
-                .headers
-                .get(name)
-                .filter(|v| !v.as_bytes().iter().all(u8::is_ascii_whitespace))
-                .map(|v| hashed("h", name.as_str(), v.as_bytes())),
-            ScopeKind::Cookie(name) => parts
-                .headers
-                .get_all(header::COOKIE)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(';'))
-                .filter_map(|pair| pair.trim().split_once('='))
-                .find(|(n, v)| *n == &**name && !v.is_empty())
-                .map(|(_, v)| hashed("c", name, v.as_bytes())),
-            ScopeKind::Fn(f) => f(parts).map(|v| format!("f:{v}")),
-            ScopeKind::Shared => Some("shared".to_owned()),
-        }
-    }
-}
-
 /// `Idempotency-Key` handling for a route, per the IETF draft and Stripe.
 ///
 /// * No `Idempotency-Key` → `400 idempotency_key_missing`. The key may come
@@ -194,7 +91,7 @@ impl Scope {
 /// * The request is fingerprinted (method, path with query, body; the body
 ///   is read up to `max_body_bytes`, `413 payload_too_large` beyond, by the
 ///   same reader and with the same answer as [`LockLayer`](crate::LockLayer)'s).
-/// * The first request claims `(scope, key)` atomically with an in-progress
+/// * The first request claims `(caller, key)` atomically with an in-progress
 ///   record, runs the route and stores status, the [`DEFAULT_STORED_HEADERS`]
 ///   and the body for the TTL. The claim's lease (default 10 s,
 ///   [`IdempotencyLayer::lease`]) is renewed while the route runs, so it
@@ -242,23 +139,23 @@ impl Scope {
 /// `Idempotency-Key` (the `orders` example records its payment with
 /// `SET NX` on caller + key) and choose [`IdempotencyLayer::run_again_after_lease`].
 ///
-/// **Scope.** Keys belong to a caller ([`Scope`]). The default is
-/// [`Scope::header`]`("authorization")`: callers with different credentials
-/// never see each other's responses, and a request without `Authorization`
-/// is refused with `400 idempotency_scope_missing` (there is no shared
-/// anonymous scope). Services that authenticate otherwise say how with
-/// [`IdempotencyLayer::with_scope`] (a header, a cookie, a closure over the
-/// request such as the user id an auth layer set) or [`IdempotencyLayer::scope`].
+/// **Caller.** Keys belong to a caller ([`Caller`]). The default is
+/// [`Caller::header`]`("authorization")`, hashed: callers with different
+/// credentials never see each other's responses, and a request without
+/// `Authorization` is refused with `400 idempotency_scope_missing`. Services
+/// that authenticate otherwise say how with [`IdempotencyLayer::caller`] (a
+/// header, a cookie, or a function over the request such as the user id an
+/// auth layer set).
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use axum::{body::Body, http::Request, routing::post, Router};
-/// use dlock_axum::{idempotency::{IdempotencyLayer, Scope}, LockerExt};
+/// use dlock_axum::{idempotency::IdempotencyLayer, Caller, LockerExt};
 /// use dlock_core::{Locker, MemoryBackend};
 /// use tower::ServiceExt;
 ///
 /// // Keys belong to the caller named by `x-user`; a request without it is refused.
-/// let layer = IdempotencyLayer::new().with_scope(Scope::header("x-user"));
+/// let layer = IdempotencyLayer::new().caller(Caller::header("x-user"));
 /// let app: Router = Router::new()
 ///     .route("/pay", post(|| async { (axum::http::StatusCode::CREATED, "paid") }).layer(layer))
 ///     .with_locker(Locker::new(MemoryBackend::new())); // records in this process
@@ -272,7 +169,7 @@ impl Scope {
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     records: Records,
-    scope: Scope,
+    caller: Caller,
     methods: Arc<[Method]>,
     store_when: StoreWhen,
     lease: Duration,
@@ -288,7 +185,7 @@ impl std::fmt::Debug for IdempotencyLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("records", &self.records)
-            .field("scope", &self.scope)
+            .field("caller", &self.caller)
             .field("methods", &self.methods)
             .field("lease", &self.lease)
             .field("run_again_after_lease", &self.run_again_after_lease)
@@ -311,7 +208,7 @@ impl IdempotencyLayer {
     pub fn new() -> Self {
         IdempotencyLayer {
             records: Records::default(),
-            scope: Scope(ScopeKind::Header(header::AUTHORIZATION)),
+            caller: Caller::authorization(),
             methods: DEFAULT_METHODS.into(),
             store_when: Arc::new(stored_by_default),
             lease: Duration::from_secs(10),
@@ -346,23 +243,22 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The caller a request belongs to, as a closure that always finds one
-    /// (from an auth header, an extension set by an auth layer, …): the
-    /// short form of [`with_scope`](Self::with_scope)`(`[`Scope::from_fn`]`)`.
-    /// Keys of different scopes never meet.
-    pub fn scope(mut self, f: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
-        self.scope = Scope::from_fn(move |parts| Some(f(parts)));
-        self
-    }
-
-    /// The caller a request belongs to (default: the `Authorization` header).
+    /// Whom a request's key belongs to (default: the `Authorization`
+    /// header, hashed). Keys of different callers never meet; a request
+    /// without a caller is refused with `400 idempotency_scope_missing`.
     ///
     /// ```
-    /// use dlock_axum::idempotency::{IdempotencyLayer, Scope};
-    /// let layer = IdempotencyLayer::new().with_scope(Scope::cookie("session"));
+    /// use dlock_axum::{idempotency::IdempotencyLayer, Caller};
+    ///
+    /// #[derive(Clone)]
+    /// struct UserId(u64); // put in the extensions by the app's auth layer
+    ///
+    /// let by_session = IdempotencyLayer::new().caller(Caller::cookie("session"));
+    /// let by_user = IdempotencyLayer::new()
+    ///     .caller(Caller::from_fn(|parts| parts.extensions.get::<UserId>().map(|u| u.0.to_string())));
     /// ```
-    pub fn with_scope(mut self, scope: Scope) -> Self {
-        self.scope = scope;
+    pub fn caller(mut self, caller: Caller) -> Self {
+        self.caller = caller;
         self
     }
 
@@ -597,7 +493,7 @@ where
     };
     let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     let fp = fingerprint(&[parts.method.as_str().as_bytes(), path.as_bytes(), &body]);
-    let Some(scope) = layer.scope.of(&parts) else {
+    let Some(scope) = layer.caller.of(&parts) else {
         return Ok(Rejection::idempotency_scope_missing().into_response());
     };
     let mut terms = ClaimTerms::new(layer.lease).with_ttl(ttl);

@@ -24,7 +24,7 @@
 //! `with_store` gives a layer its own.
 //!
 //! **Key mode** (IETF "The Idempotency-Key HTTP Header Field", Stripe):
-//! [`IdempotencyLayer`] — see there for the rules, the scope default and the
+//! [`IdempotencyLayer`] — see there for the rules, the default caller and the
 //! failure policy.
 //!
 //! Both answer `503 lock_backend_unavailable` when the store cannot be reached
@@ -63,13 +63,14 @@ use std::time::Duration;
 
 use dlock_core::idempotency::IdempotencyStore;
 
+use crate::caller::Caller;
 use crate::rejection::Rejection;
 
 mod detached;
 mod key;
 mod token;
 
-pub use key::{stored_by_default, IdempotencyLayer, Idempotent, Scope, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
+pub use key::{stored_by_default, IdempotencyLayer, Idempotent, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
 
 pub use token::{RequireToken, TokenLayer, TokenResponse};
 
@@ -171,26 +172,26 @@ pub fn token_handler() -> impl Fn(
     }
 }
 
-/// A handler that issues a token bound to the request's caller, as `scope`
-/// names it: only a [`TokenLayer::with_scope`] of the same scope, on a
-/// request of the same caller, accepts it. A request whose scope is missing
+/// A handler that issues a token bound to the request's caller, as
+/// `caller` names it: only a [`TokenLayer::caller`] of the same [`Caller`],
+/// on a request of the same caller, accepts it. A request without a caller
 /// is `400 idempotency_scope_missing`.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use axum::{body::Body, http::Request, routing::get, Router};
-/// use dlock_axum::{idempotency::{bound_token_handler, Scope}, LockerExt};
+/// use dlock_axum::{idempotency::bound_token_handler, Caller, LockerExt};
 /// use dlock_core::{Locker, MemoryBackend};
 /// use tower::ServiceExt;
 /// let app: Router = Router::new()
-///     .route("/token", get(bound_token_handler(Scope::header("x-user"))))
+///     .route("/token", get(bound_token_handler(Caller::header("x-user"))))
 ///     .with_locker(Locker::new(MemoryBackend::new()));
 /// let res = app.oneshot(Request::get("/token").header("x-user", "alice").body(Body::empty()).unwrap()).await.unwrap();
 /// assert_eq!(res.status(), 200);
 /// # }
 /// ```
 pub fn bound_token_handler(
-    scope: Scope,
+    caller: Caller,
 ) -> impl Fn(
     axum::http::request::Parts,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
@@ -200,7 +201,7 @@ pub fn bound_token_handler(
        + 'static {
     move |parts: axum::http::request::Parts| {
         let records = Records::default().in_request(&parts.extensions);
-        let principal = scope.of(&parts);
+        let principal = caller.of(&parts);
         Box::pin(async move {
             match (records, principal) {
                 (Err(refused), _) => axum::response::IntoResponse::into_response(refused),

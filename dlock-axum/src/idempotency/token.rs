@@ -14,8 +14,9 @@ use tower::{Layer, Service};
 use dlock_core::idempotency::{Claim, IdempotencyStore, TokenClaim};
 
 use super::detached::{self, Settled};
-use super::key::{stored_by_default, CatchUnwind, Scope};
+use super::key::{stored_by_default, CatchUnwind};
 use super::{Records, TOKEN_HEADER};
+use crate::caller::Caller;
 use crate::future::ResponseFuture;
 use crate::pipeline::body::discard;
 use crate::pipeline::outage::STORE;
@@ -150,7 +151,7 @@ pub struct TokenLayer {
     duplicate: Rejection,
     spend_when: SpendWhen,
     /// The caller tokens are bound to; `None`: unbound tokens.
-    scope: Option<Scope>,
+    caller: Option<Caller>,
     /// The lease of a claim, renewed while the route runs.
     lease: Duration,
 }
@@ -161,7 +162,7 @@ impl std::fmt::Debug for TokenLayer {
             .field("records", &self.records)
             .field("query_param", &self.query_param)
             .field("duplicate", &self.duplicate)
-            .field("scope", &self.scope)
+            .field("caller", &self.caller)
             .field("lease", &self.lease)
             .finish_non_exhaustive()
     }
@@ -182,7 +183,7 @@ impl TokenLayer {
             query_param: None,
             duplicate: Rejection::idempotency_token_unknown(),
             spend_when: Arc::new(stored_by_default),
-            scope: None,
+            caller: None,
             lease: Duration::from_secs(10),
         }
     }
@@ -228,20 +229,21 @@ impl TokenLayer {
     }
 
     /// Accepts only tokens bound to the request's caller: issued by
-    /// [`bound_token_handler`](super::bound_token_handler) with the same `scope`. A request
-    /// whose scope is missing is `400 idempotency_scope_missing`; a token
-    /// bound to another caller (or to none) is `409 idempotency_token_unknown`,
-    /// so a leaked token is of no use to anyone else.
+    /// [`bound_token_handler`](super::bound_token_handler) with the same
+    /// `caller`. A request without a caller is
+    /// `400 idempotency_scope_missing`; a token bound to another caller (or
+    /// to none) is `409 idempotency_token_unknown`, so a leaked token is of
+    /// no use to anyone else.
     ///
     /// ```
     /// use axum::{routing::{get, post}, Router};
-    /// use dlock_axum::idempotency::{bound_token_handler, Scope, TokenLayer};
+    /// use dlock_axum::{idempotency::{bound_token_handler, TokenLayer}, Caller};
     /// let app: Router = Router::new()
-    ///     .route("/token", get(bound_token_handler(Scope::cookie("session"))))
-    ///     .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new().with_scope(Scope::cookie("session"))));
+    ///     .route("/token", get(bound_token_handler(Caller::cookie("session"))))
+    ///     .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new().caller(Caller::cookie("session"))));
     /// ```
-    pub fn with_scope(mut self, scope: Scope) -> Self {
-        self.scope = Some(scope);
+    pub fn caller(mut self, caller: Caller) -> Self {
+        self.caller = Some(caller);
         self
     }
 
@@ -343,7 +345,7 @@ where
         // The caller the token must be bound to, read before the request
         // moves into the route.
         let (parts, body) = req.into_parts();
-        let principal = layer.scope.as_ref().map(|scope| scope.of(&parts));
+        let principal = layer.caller.as_ref().map(|caller| caller.of(&parts));
         let records = layer.records.in_request(&parts.extensions);
         let req = Request::from_parts(parts, body);
         ResponseFuture::new(async move {

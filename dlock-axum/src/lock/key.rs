@@ -124,7 +124,7 @@ fn missing(source: &KeySource) -> Refusal {
 
 /// An empty or blank header or query value is no value: as the key part `""`
 /// it would put every request without one under one lock (as
-/// [`Scope::header`](crate::idempotency::Scope::header) refuses it).
+/// [`Caller::header`](crate::Caller::header) finds no caller in it).
 fn is_blank(value: &[u8]) -> bool {
     value.iter().all(u8::is_ascii_whitespace)
 }

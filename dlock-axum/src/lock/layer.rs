@@ -3,15 +3,15 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::request::Parts;
 use axum::http::HeaderName;
 use dlock_core::Locker;
 use tower::Layer;
 
 use super::json::Want;
-use super::quota::{Principal, Quota};
+use super::quota::Quota;
 use super::service::RequireLock;
 use super::spec::{KeySource, Spec};
+use crate::caller::Caller;
 use crate::pipeline::policy::Policy;
 
 /// Locks a route on a key built from request fields; see the [module docs](crate::lock).
@@ -124,7 +124,7 @@ impl LockLayer {
 
     /// Adds a request header. A request without it, or with an empty or
     /// blank value, is refused with `400 lock_key_field_missing` (as
-    /// [`Scope::header`](crate::idempotency::Scope::header) refuses it); one
+    /// [`Caller::header`](crate::Caller::header) finds no caller in it); one
     /// that sends it more than once with `400 lock_key_field_duplicated`, as
     /// for [`query`](Self::query).
     ///
@@ -179,73 +179,48 @@ impl LockLayer {
         self.with(|s| s.max_body_bytes = Some(limit))
     }
 
-    /// At most `max` locks held at once through this layer by requests with
-    /// the same value of the `header` (the principal: a user id, an API key
-    /// name). A request beyond that is refused with `429 too_many_locks`
-    /// before any lock is asked for, so one client cannot hold thousands of
-    /// renewed locks; its holds end as they are released, or at
-    /// [`max_hold`](Self::max_hold). Requests without the header share one
-    /// anonymous principal. Counted in this process, per layer (a service
-    /// with N instances allows N × `max`).
+    /// At most `max` locks held at once through this layer by requests of
+    /// the same [`Caller`]. A request beyond that is refused with
+    /// `429 too_many_locks` before any lock is asked for, so one client
+    /// cannot hold thousands of renewed locks; its holds end as they are
+    /// released, or at [`max_hold`](Self::max_hold). Counted in this
+    /// process, per layer (a service with N instances allows N × `max`).
     ///
-    /// **The header must be set by a trusted upstream.** A client chooses
-    /// its own headers: one that can set this header gets a fresh cap for
-    /// every value it makes up, and the cap bounds nothing. Use this only
-    /// behind a proxy or gateway that sets the header from the identity it
-    /// authenticated and drops any value the client sent. Otherwise key the
-    /// cap on what your own authentication established, with
-    /// [`max_holds_per`](Self::max_holds_per).
+    /// A request without a caller (the function says `None`, the header is
+    /// missing or empty) is refused with `400 lock_caller_missing`, before
+    /// any lock is asked for: it is neither let through uncounted, which
+    /// would make leaving the caller out a way around the cap, nor counted
+    /// with every other such request, where one client could use up the
+    /// cap of all the others. Put the route behind the authentication that
+    /// names its caller.
+    ///
+    /// **Name the caller your authentication established** (an extension
+    /// its layer set, a verified token's subject) with [`Caller::from_fn`].
+    /// A client chooses its own headers: [`Caller::header`] bounds nothing
+    /// unless a trusted proxy or gateway sets that header from the identity
+    /// it authenticated and drops any value the client sent; otherwise a
+    /// client gets a fresh cap for every value it makes up.
     ///
     /// ```
     /// use std::time::Duration;
-    /// use dlock_axum::LockLayer;
-    /// let layer = LockLayer::new("report.build").json("report_id")
-    ///     .max_holds_per_principal("x-user-id", 20)
-    ///     .max_hold(Duration::from_secs(60));
-    /// ```
-    ///
-    /// # Panics
-    ///
-    /// When `header` is not a valid header name, or `max` is zero: both are
-    /// programming errors found on start-up.
-    pub fn max_holds_per_principal(self, header: &str, max: usize) -> Self {
-        let header = match HeaderName::from_bytes(header.as_bytes()) {
-            Ok(name) => name,
-            Err(_) => panic!("LockLayer::max_holds_per_principal: `{header}` is not a valid HTTP header name"),
-        };
-        assert!(max > 0, "LockLayer::max_holds_per_principal: a cap of 0 would refuse every request");
-        self.with(|s| s.quota = Some(Arc::new(Quota::new(Principal::Header(header), max))))
-    }
-
-    /// At most `max` locks held at once through this layer by requests of
-    /// the same principal, as named by `principal` from the request: the
-    /// identity your authentication established (an extension its layer
-    /// set, a verified token's subject), never a value the client can choose
-    /// freely. Otherwise as [`max_holds_per_principal`](Self::max_holds_per_principal):
-    /// `429 too_many_locks` beyond the cap, counted per layer in this
-    /// process. Requests for which `principal` returns the same text (say,
-    /// `"anonymous"` for unauthenticated ones) share one cap.
-    ///
-    /// ```
-    /// use axum::http::request::Parts;
-    /// use dlock_axum::LockLayer;
+    /// use dlock_axum::{Caller, LockLayer};
     ///
     /// /// Set by the service's authentication middleware.
     /// #[derive(Clone)]
     /// struct User(String);
     ///
-    /// let layer = LockLayer::new("report.build").json("report_id").max_holds_per(20, |parts: &Parts| {
-    ///     parts.extensions.get::<User>().map_or_else(|| "anonymous".to_owned(), |u| u.0.clone())
-    /// });
+    /// let layer = LockLayer::new("report.build")
+    ///     .json("report_id")
+    ///     .max_holds_per(20, Caller::from_fn(|parts| parts.extensions.get::<User>().map(|u| u.0.clone())))
+    ///     .max_hold(Duration::from_secs(60));
     /// ```
     ///
     /// # Panics
     ///
     /// When `max` is zero: a programming error found on start-up.
-    pub fn max_holds_per(self, max: usize, principal: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
+    pub fn max_holds_per(self, max: usize, caller: Caller) -> Self {
         assert!(max > 0, "LockLayer::max_holds_per: a cap of 0 would refuse every request");
-        let principal = Principal::Fn(Arc::new(principal));
-        self.with(|s| s.quota = Some(Arc::new(Quota::new(principal, max))))
+        self.with(|s| s.quota = Some(Arc::new(Quota::new(caller, max))))
     }
 
     /// Uses `locker` instead of the one installed in the request extensions.

@@ -1,127 +1,109 @@
-//! A cap on the locks one principal holds at once through a layer.
+//! A cap on the locks one caller holds at once through a layer.
 //!
 //! A lock held in watchdog mode costs the lock service a key and a renewal
 //! every lease/3 for as long as its request runs. Without a cap, one client
 //! that opens thousands of slow requests with distinct keys holds thousands
 //! of locks; with it, the requests beyond the cap are refused with `429`
-//! before any lock is asked for, and other principals are not affected.
+//! before any lock is asked for, and other callers are not affected.
 //! (`max_hold` bounds how long each of the capped holds can last.)
+//!
+//! A request without a caller is refused (`400 lock_caller_missing`), not
+//! counted: a bucket of its own per request would let leaving the caller
+//! out get around the cap, and one bucket for all of them would let one
+//! such client use up the cap of every other (and would silently turn a
+//! per-caller cap into one global cap the day a proxy stops setting the
+//! header).
 
 use std::collections::HashMap;
-use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use axum::http::request::Parts;
-use axum::http::HeaderName;
 
-/// Names the principal of a request from what the application established
-/// (an extension set by its authentication layer, …).
-pub(crate) type PrincipalFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
+use crate::caller::Caller;
+use crate::rejection::Rejection;
 
-/// Where the principal of a request comes from.
-#[derive(Clone)]
-pub(crate) enum Principal {
-    /// A request header, which must be set by a trusted upstream (see
-    /// [`LockLayer::max_holds_per_principal`](crate::LockLayer::max_holds_per_principal)).
-    Header(HeaderName),
-    /// The application's own function.
-    Fn(PrincipalFn),
-}
-
-impl Principal {
-    fn of(&self, parts: &Parts) -> Vec<u8> {
-        match self {
-            Principal::Header(name) => parts.headers.get(name).map(|v| v.as_bytes().to_vec()).unwrap_or_default(),
-            Principal::Fn(f) => f(parts).into_bytes(),
-        }
-    }
-}
-
-impl fmt::Debug for Principal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Principal::Header(name) => write!(f, "header `{name}`"),
-            Principal::Fn(_) => f.write_str("the application's function"),
-        }
-    }
-}
-
-/// The holds of each principal, counted by one layer in this process.
+/// The holds of each caller, counted by one layer in this process.
 #[derive(Debug)]
 pub(crate) struct Quota {
-    principal: Principal,
+    caller: Caller,
     max: usize,
-    held: Mutex<HashMap<Vec<u8>, usize>>,
+    held: Mutex<HashMap<String, usize>>,
 }
 
 impl Quota {
-    pub(crate) fn new(principal: Principal, max: usize) -> Self {
-        Quota { principal, max, held: Mutex::new(HashMap::new()) }
+    pub(crate) fn new(caller: Caller, max: usize) -> Self {
+        Quota { caller, max, held: Mutex::new(HashMap::new()) }
     }
 
-    fn held(&self) -> MutexGuard<'_, HashMap<Vec<u8>, usize>> {
+    fn held(&self) -> MutexGuard<'_, HashMap<String, usize>> {
         // Counts are updated by single statements; a poisoned map is intact.
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes one of the principal's holds, or says who is over the cap.
-    /// Requests without the header share one anonymous principal, so leaving
-    /// the header out is no way around the cap.
-    pub(crate) fn take(self: &Arc<Self>, parts: &Parts) -> Result<Permit, OverQuota> {
-        let principal = self.principal.of(parts);
+    /// Takes one of the caller's holds, or says why not: the request names
+    /// no caller, or its caller is over the cap.
+    pub(crate) fn take(self: &Arc<Self>, parts: &Parts) -> Result<Permit, NoPermit> {
+        let caller = self.caller.of(parts).ok_or(NoPermit::NoCaller)?;
         let mut held = self.held();
-        let count = held.entry(principal.clone()).or_insert(0);
+        let count = held.entry(caller.clone()).or_insert(0);
         if *count >= self.max {
-            return Err(OverQuota { principal: self.principal.clone(), max: self.max });
+            return Err(NoPermit::OverQuota(OverQuota { max: self.max, who: self.caller.requests() }));
         }
         *count += 1;
-        Ok(Permit { quota: self.clone(), principal })
+        Ok(Permit { quota: self.clone(), caller })
     }
 
-    /// How many holds the principal has now (for tests and metrics).
+    /// How many holds are counted now, over every caller (for tests).
     #[cfg(test)]
-    pub(crate) fn holding(&self, principal: &[u8]) -> usize {
-        self.held().get(principal).copied().unwrap_or(0)
+    pub(crate) fn holding(&self) -> usize {
+        self.held().values().sum()
     }
 }
 
-/// One hold counted against a principal; gives it back when dropped, which
+/// One hold counted against a caller; gives it back when dropped, which
 /// covers every way a request ends (answered, refused later, dropped).
 #[derive(Debug)]
 pub(crate) struct Permit {
     quota: Arc<Quota>,
-    principal: Vec<u8>,
+    caller: String,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut held = self.quota.held();
-        if let Some(count) = held.get_mut(&self.principal) {
+        if let Some(count) = held.get_mut(&self.caller) {
             *count = count.saturating_sub(1);
             if *count == 0 {
-                // No entry per principal that holds nothing: the map stays as
-                // small as the set of principals holding locks right now.
-                held.remove(&self.principal);
+                // No entry per caller that holds nothing: the map stays as
+                // small as the set of callers holding locks right now.
+                held.remove(&self.caller);
             }
         }
     }
 }
 
-/// A principal already holds the most locks allowed.
+/// Why a request got no permit.
+#[derive(Debug)]
+pub(crate) enum NoPermit {
+    /// The request names no caller.
+    NoCaller,
+    /// Its caller already holds the most locks allowed.
+    OverQuota(OverQuota),
+}
+
+/// A caller already holds the most locks allowed.
 #[derive(Debug)]
 pub(crate) struct OverQuota {
-    principal: Principal,
     max: usize,
+    /// The caller's requests, named without the caller (it may be a secret).
+    who: String,
 }
 
 impl OverQuota {
-    /// The `message` of the `429` (naming no principal: it may be a secret).
-    pub(crate) fn message(&self) -> String {
-        let who = match &self.principal {
-            Principal::Header(name) => format!("the requests with this {name} header"),
-            Principal::Fn(_) => "your requests".to_owned(),
-        };
-        format!("{who} already hold {} locks here; retry when one has finished", self.max)
+    /// The `429 too_many_locks` refusal, naming no caller.
+    pub(crate) fn rejection(&self) -> Rejection {
+        Rejection::too_many_locks()
+            .with_message(format!("{} already hold {} locks here; retry when one has finished", self.who, self.max))
     }
 }
 
@@ -130,7 +112,7 @@ mod tests {
     use super::*;
     use axum::http::Request;
 
-    fn headers(user: Option<&'static str>) -> Parts {
+    fn as_user(user: Option<&'static str>) -> Parts {
         let mut req = Request::builder();
         if let Some(u) = user {
             req = req.header("x-user-id", u);
@@ -139,28 +121,48 @@ mod tests {
     }
 
     fn by_header(max: usize) -> Arc<Quota> {
-        Arc::new(Quota::new(Principal::Header(HeaderName::from_static("x-user-id")), max))
+        Arc::new(Quota::new(Caller::header("x-user-id"), max))
     }
 
     #[test]
-    fn each_principal_has_its_own_cap_and_gets_it_back() {
+    fn each_caller_has_its_own_cap_and_gets_it_back() {
         let q = by_header(2);
-        let a1 = q.take(&headers(Some("a"))).expect("1st");
-        let _a2 = q.take(&headers(Some("a"))).expect("2nd");
-        assert!(q.take(&headers(Some("a"))).is_err(), "3rd over the cap");
-        let _b = q.take(&headers(Some("b"))).expect("another principal");
+        let a1 = q.take(&as_user(Some("a"))).expect("1st");
+        let _a2 = q.take(&as_user(Some("a"))).expect("2nd");
+        assert!(matches!(q.take(&as_user(Some("a"))), Err(NoPermit::OverQuota(_))), "3rd over the cap");
+        let _b = q.take(&as_user(Some("b"))).expect("another caller");
         drop(a1);
-        assert_eq!(q.holding(b"a"), 1);
-        let _a3 = q.take(&headers(Some("a"))).expect("freed by the drop");
+        assert_eq!(q.holding(), 2);
+        let _a3 = q.take(&as_user(Some("a"))).expect("freed by the drop");
     }
 
     #[test]
-    fn requests_without_the_header_share_one_cap() {
+    fn requests_without_a_caller_are_refused_and_counted_nowhere() {
         let q = by_header(1);
-        let p = q.take(&headers(None)).expect("1st anonymous");
-        assert!(q.take(&headers(None)).is_err());
+        for user in [None, Some(""), Some("  ")] {
+            assert!(matches!(q.take(&as_user(user)), Err(NoPermit::NoCaller)), "{user:?}");
+        }
+        assert!(q.held().is_empty(), "nothing counted for a request without a caller");
+        let p = q.take(&as_user(Some("a"))).expect("a caller's first");
         drop(p);
-        assert_eq!(q.holding(b""), 0);
-        assert!(q.held().is_empty(), "no entry left for a principal holding nothing");
+        assert!(q.held().is_empty(), "no entry left for a caller holding nothing");
+    }
+
+    #[test]
+    fn a_shared_caller_is_one_cap_for_all() {
+        let q = Arc::new(Quota::new(Caller::shared(), 1));
+        let _p = q.take(&as_user(Some("a"))).expect("1st");
+        assert!(matches!(q.take(&as_user(Some("b"))), Err(NoPermit::OverQuota(_))));
+        assert!(matches!(q.take(&as_user(None)), Err(NoPermit::OverQuota(_))));
+    }
+
+    #[test]
+    fn the_refusal_names_the_kind_not_the_caller() {
+        let q = by_header(1);
+        let _p = q.take(&as_user(Some("secret-user"))).expect("1st");
+        let Err(NoPermit::OverQuota(over)) = q.take(&as_user(Some("secret-user"))) else { panic!("over the cap") };
+        let r = over.rejection();
+        assert_eq!((r.status().as_u16(), r.error()), (429, "too_many_locks"));
+        assert!(r.message().contains("x-user-id header") && !r.message().contains("secret-user"), "{}", r.message());
     }
 }

@@ -11,7 +11,7 @@ use dlock_core::Locker;
 use tower::Service;
 
 use super::key::build_key;
-use super::quota::Permit;
+use super::quota::{NoPermit, Permit};
 use super::spec::Spec;
 use crate::future::ResponseFuture;
 use crate::install::installed;
@@ -97,7 +97,7 @@ where
     // dropped with it and its guard releases in the background.
     let result = inner.call(req).await.map(IntoResponse::into_response);
     let outcome = held.release(&spec.policy).await;
-    // The permit, if the layer caps holds per principal, is given back after
+    // The permit, if the layer caps holds per caller, is given back after
     // the release.
     drop(permit);
     result.map(|mut response| {
@@ -141,8 +141,9 @@ async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Re
     let key = build_key(spec, &locker, parts, json.as_ref()).await?;
     let owner = RequestOwner::get_or_insert(&mut parts.extensions).map_err(Refusal::no_owner)?;
     let permit = match &spec.quota {
-        Some(quota) => Some(quota.take(parts).map_err(|over| {
-            Refusal::over_quota(Rejection::too_many_locks().with_message(over.message()), key.clone())
+        Some(quota) => Some(quota.take(parts).map_err(|refused| match refused {
+            NoPermit::NoCaller => Refusal::invalid(Rejection::lock_caller_missing()),
+            NoPermit::OverQuota(over) => Refusal::over_quota(over.rejection(), key.clone()),
         })?),
         None => None,
     };

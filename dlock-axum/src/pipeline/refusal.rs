@@ -75,7 +75,7 @@ impl Refusal {
         }
     }
 
-    /// The principal already holds as many locks as the layer allows.
+    /// The caller already holds as many locks as the layer allows.
     pub(crate) fn over_quota(rejection: Rejection, key: LockKey) -> Self {
         Refusal { rejection, outcome: LockOutcome::OverQuota, key: Some(key), cause: None, in_outage: false }
     }
