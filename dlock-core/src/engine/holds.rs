@@ -29,7 +29,7 @@
 //! the lock on the service, but each process counts its own holds, and the
 //! first last-release in any of them frees the lock for all.
 
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -98,18 +98,20 @@ impl Hold {
 
     /// Makes this hold the backend's `grant`; returns when a grant with a
     /// lease was granted (measured from before the request was sent), for
-    /// its renewals.
+    /// its renewals (`None`: nothing renews it).
     fn take(&mut self, grant: Grant, req: &AcquireRequest, renew: Option<Renew>) -> Option<Instant> {
         let valid_until = grant.valid_until();
-        // The backend measured the lease from before its request was sent:
-        // the grant is at least that old, and no clock read is needed.
-        let granted_at = || valid_until.and_then(|at| at.checked_sub(req.lease)).unwrap_or_else(Instant::now);
         let (watch, granted_at) = match (grant.lost, grant.lease) {
             (lost, GrantLease::Until(at)) => {
-                let granted_at = granted_at();
-                let expiry = match renew {
-                    Some(Renew { max_hold, .. }) => Expiry::Renewed { renew_until: max_hold.map(|m| granted_at + m) },
-                    None => Expiry::Lease,
+                // The backend measured the lease from before its request was
+                // sent: the grant is at least that old, and no clock read is
+                // needed.
+                let granted_at = renew.map(|_| at.checked_sub(req.lease).unwrap_or_else(Instant::now));
+                let expiry = match (renew, granted_at) {
+                    (Some(Renew { max_hold, .. }), Some(granted_at)) => {
+                        Expiry::Renewed { renew_until: max_hold.map(|m| granted_at + m) }
+                    }
+                    _ => Expiry::Lease,
                 };
                 let watch = match lost {
                     Some(signal) => {
@@ -118,7 +120,7 @@ impl Hold {
                     }
                     None => Watch::Terms(Terms::new(at, expiry)),
                 };
-                (watch, Some(granted_at))
+                (watch, granted_at)
             }
             // Nothing renews a hold with no lease: no clock is read for it.
             (lost, GrantLease::UntilReleased) => (Watch::Signal(lost.unwrap_or_else(LostSignal::until_released)), None),
@@ -345,7 +347,7 @@ impl Holds {
     ) -> (Enter<'_>, Kick) {
         let mut guard = self.table();
         let table = &mut *guard;
-        let hash = table.hasher.hash_one((&req.key, &req.owner));
+        let hash = table.hash(&req.key, &req.owner);
         let slots = &table.slots;
         let found = table.current.entry(
             hash,
@@ -545,6 +547,16 @@ impl Holds {
 }
 
 impl Table {
+    /// The hash `current` files the hold of `key` and `owner` under.
+    fn hash(&self, key: &LockKey, owner: &Owner) -> u64 {
+        // The key's bytes with no end marker: what follows them, an owner,
+        // always has the same length, so no two pairs hash the same bytes.
+        let mut hasher = self.hasher.build_hasher();
+        hasher.write(key.as_str().as_bytes());
+        owner.hash(&mut hasher);
+        hasher.finish()
+    }
+
     /// Removes hold `id` from the table, and from `current` if it is there.
     fn forget(&mut self, id: HoldId) {
         let Some(hold) = self.slots.get_mut(id) else { return };

@@ -53,7 +53,16 @@ impl Schedule {
     /// Stops renewing `hold`, filed as `id` (the caller has it in hand,
     /// see [`Table::stop_renewing`]). A renewal already sent completes, and
     /// its answer is ignored.
+    #[inline]
     pub(super) fn stop_renewing(&mut self, id: HoldId, hold: &mut Hold) {
+        // Inlined for this check: most holds are never renewed, and every
+        // release asks.
+        if hold.renewing.is_some() {
+            self.stop(id, hold);
+        }
+    }
+
+    fn stop(&mut self, id: HoldId, hold: &mut Hold) {
         let Some(renewing) = hold.renewing.take() else { return };
         if let Some(valid_until) = hold.valid_until {
             // Its guards that remain have fixed leases: what passes now is one.
