@@ -14,11 +14,11 @@
 //! tells the guard at once when [`MemoryBackend::force_unlock`] takes the
 //! lock from it.
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use hashbrown::hash_map::EntryRef;
+use hashbrown::HashMap;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -50,7 +50,9 @@ pub struct MemoryBackend {
 struct State {
     /// Hashed with foldhash, seeded per process, as the engine's hold
     /// table: every acquire and release hashes its key here, and SipHash
-    /// cost more than the rest of the look-up.
+    /// cost more than the rest of the look-up. hashbrown's map, whose
+    /// `entry_ref` clones the key only to insert it: a look-up by a key's
+    /// reference costs no reference count.
     slots: HashMap<LockKey, Slot, foldhash::fast::RandomState>,
     /// One counter for all keys: strictly increasing per key, trivially.
     last_fence: u64,
@@ -121,7 +123,7 @@ impl MemoryBackend {
         let now = Instant::now();
         let mut state = self.state();
         let state = &mut *state;
-        let slot = state.slots.entry(req.key.clone()).or_default();
+        let slot = state.slots.entry_ref(&req.key).or_default();
         let expires_at = now + req.lease;
         match slot.live_holder(now) {
             Some(h) if h.owner == req.owner => {
@@ -148,7 +150,7 @@ impl MemoryBackend {
 
     fn register(&self, key: &LockKey) -> Registration<'_> {
         let mut state = self.state();
-        let slot = state.slots.entry(key.clone()).or_default();
+        let slot = state.slots.entry_ref(key).or_default();
         slot.waiters += 1;
         let notify = slot.notify.get_or_insert_with(Default::default).clone();
         Registration { backend: self, key: key.clone(), notify }
@@ -296,7 +298,7 @@ impl MemoryBackend {
         let now = Instant::now();
         let mut state = self.state();
         // One lookup (one hash of the key) finds, frees and forgets the slot.
-        let Entry::Occupied(mut entry) = state.slots.entry(key.clone()) else {
+        let EntryRef::Occupied(mut entry) = state.slots.entry_ref(key) else {
             return Release::NotHeld;
         };
         let slot = entry.get_mut();

@@ -64,15 +64,59 @@ pub struct LostSignal {
 /// in-process lock would pay, though only renewals and losses change the
 /// state.
 struct Inner {
-    state: Mutex<State>,
+    state: Mutex<Terms>,
     changed: Notify,
 }
 
+/// What a signal knows: until when the lock is ours, what it means when that
+/// passes unrenewed, and the verdict once given. The engine keeps a hold's
+/// terms inline until someone asks for its signal (most short holds are
+/// released unasked), and the signal it then makes starts from them.
 #[derive(Debug, Clone, Copy)]
-struct State {
+pub(crate) struct Terms {
     valid_until: Instant,
     lost: Option<LostReason>,
     expiry: Expiry,
+}
+
+impl Terms {
+    pub(crate) fn new(valid_until: Instant, expiry: Expiry) -> Self {
+        Terms { valid_until, lost: None, expiry }
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.is_some() || Instant::now() >= self.valid_until
+    }
+
+    fn reason(&self) -> Option<LostReason> {
+        self.lost.or_else(|| (Instant::now() >= self.valid_until).then(|| self.expiry.reason(self.valid_until)))
+    }
+
+    /// See [`LostSignal::set_terms`].
+    pub(crate) fn set_terms(&mut self, valid_until: Instant, expiry: Expiry) {
+        self.valid_until = valid_until;
+        self.expiry = expiry;
+    }
+
+    /// See [`LostSignal::lose`].
+    pub(crate) fn lose(&mut self, reason: LostReason) -> bool {
+        let first = self.lost.is_none();
+        self.lost.get_or_insert(reason);
+        first
+    }
+
+    /// See [`LostSignal::renewed`]; `false` when it changed nothing.
+    pub(crate) fn renewed(&mut self, valid_until: Instant) -> bool {
+        if self.lost.is_some() {
+            return false;
+        }
+        if Instant::now() >= self.valid_until {
+            self.lost = Some(self.expiry.reason(self.valid_until));
+        } else {
+            self.valid_until = valid_until;
+        }
+        true
+    }
 }
 
 /// What it means when `valid_until` passes with no verdict: the reason the
@@ -136,12 +180,11 @@ impl LostSignal {
     }
 
     pub(crate) fn with_expiry(valid_until: Instant, expiry: Expiry) -> Self {
-        LostSignal {
-            inner: Arc::new(Inner {
-                state: Mutex::new(State { valid_until, lost: None, expiry }),
-                changed: Notify::new(),
-            }),
-        }
+        Self::from_terms(Terms::new(valid_until, expiry))
+    }
+
+    pub(crate) fn from_terms(terms: Terms) -> Self {
+        LostSignal { inner: Arc::new(Inner { state: Mutex::new(terms), changed: Notify::new() }) }
     }
 
     /// Sets the terms of a grant on the signal its backend made: until when
@@ -149,11 +192,7 @@ impl LostSignal {
     /// passes unrenewed (the engine knows whether its watchdog renews it, the
     /// backend does not). A verdict already given stands.
     pub(crate) fn set_terms(&self, valid_until: Instant, expiry: Expiry) {
-        {
-            let mut s = self.state();
-            s.valid_until = valid_until;
-            s.expiry = expiry;
-        }
+        self.state().set_terms(valid_until, expiry);
         self.inner.changed.notify_waiters();
     }
 
@@ -166,13 +205,13 @@ impl LostSignal {
     /// [`valid_until`](Self::valid_until) has passed.
     pub fn is_lost(&self) -> bool {
         let s = *self.state();
-        s.lost.is_some() || Instant::now() >= s.valid_until
+        s.is_lost()
     }
 
     /// Why the lock may no longer be ours, or `None` while it is.
     pub fn reason(&self) -> Option<LostReason> {
         let s = *self.state();
-        s.lost.or_else(|| (Instant::now() >= s.valid_until).then(|| s.expiry.reason(s.valid_until)))
+        s.reason()
     }
 
     /// Resolves when the lock may no longer be ours: a renewal found the key
@@ -211,12 +250,7 @@ impl LostSignal {
     /// session watcher saw the session go); returns whether this one was
     /// the first.
     pub fn lose(&self, reason: LostReason) -> bool {
-        let first = {
-            let mut s = self.state();
-            let first = s.lost.is_none();
-            s.lost.get_or_insert(reason);
-            first
-        };
+        let first = self.state().lose(reason);
         self.inner.changed.notify_waiters();
         first
     }
@@ -228,21 +262,12 @@ impl LostSignal {
     /// the key in between, and whoever saw [`is_lost`](Self::is_lost) once
     /// must never see the lock come back. The first verdict stands.
     pub fn renewed(&self, valid_until: Instant) {
-        {
-            let mut s = self.state();
-            if s.lost.is_some() {
-                return;
-            }
-            if Instant::now() >= s.valid_until {
-                s.lost = Some(s.expiry.reason(s.valid_until));
-            } else {
-                s.valid_until = valid_until;
-            }
+        if self.state().renewed(valid_until) {
+            self.inner.changed.notify_waiters();
         }
-        self.inner.changed.notify_waiters();
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
+    fn state(&self) -> MutexGuard<'_, Terms> {
         // Every update is one assignment: a panic elsewhere cannot leave it
         // half-done, so a poisoned lock is still right.
         self.inner.state.lock().unwrap_or_else(|p| p.into_inner())

@@ -1,7 +1,7 @@
 //! [`LockGuard`]: a held lock, its fencing token, its watchdog and its
 //! lost-lock signal.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -53,7 +53,8 @@ pub struct LockGuard {
     owner: Owner,
     fencing_token: u64,
     watchdog: bool,
-    state: LostSignal,
+    /// The hold's signal, asked for when first needed (see `holds::Watch`).
+    state: OnceLock<LostSignal>,
     released: bool,
 }
 
@@ -64,7 +65,7 @@ impl std::fmt::Debug for LockGuard {
             .field("owner", &self.owner)
             .field("fencing_token", &self.fencing_token)
             .field("watchdog", &self.watchdog)
-            .field("state", &self.state)
+            .field("state", &self.state.get())
             .finish()
     }
 }
@@ -80,9 +81,13 @@ impl LockGuard {
             owner: req.owner,
             fencing_token: joined.token,
             watchdog,
-            state: joined.state,
+            state: joined.state.map(OnceLock::from).unwrap_or_default(),
             released: false,
         }
+    }
+
+    fn signal(&self) -> &LostSignal {
+        self.state.get_or_init(|| self.engine.holds.signal(self.hold))
     }
 
     /// The lock's key.
@@ -111,7 +116,7 @@ impl LockGuard {
 
     /// Until when the lock is certainly ours (moves forward with each renewal).
     pub fn valid_until(&self) -> Instant {
-        self.state.valid_until()
+        self.signal().valid_until()
     }
 
     /// Whether the lock is in watchdog mode: kept for as long as the guard
@@ -123,7 +128,7 @@ impl LockGuard {
 
     /// Whether the lock may no longer be ours (see [`lost`](Self::lost)).
     pub fn is_lost(&self) -> bool {
-        self.state.is_lost()
+        self.signal().is_lost()
     }
 
     /// Resolves when the lock may no longer be ours: a renewal found the key
@@ -137,7 +142,7 @@ impl LockGuard {
     ///
     /// Cancel-safe; call it as often as you like.
     pub async fn lost(&self) -> LostReason {
-        self.state.lost().await
+        self.signal().lost().await
     }
 
     /// A handle that watches this lock without owning it: hand it to the
@@ -162,7 +167,7 @@ impl LockGuard {
     /// # Ok(()) }
     /// ```
     pub fn lost_signal(&self) -> LostSignal {
-        self.state.clone()
+        self.signal().clone()
     }
 
     /// Gives the lock back. Returns whether we still held it (`false`: the

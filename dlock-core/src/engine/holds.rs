@@ -29,7 +29,7 @@
 //! the lock on the service, but each process counts its own holds, and the
 //! first last-release in any of them frees the lock for all.
 
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -39,7 +39,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::watchdog::{Renewing, Schedule};
-use crate::backend::signal::Expiry;
+use crate::backend::signal::{Expiry, Terms};
 use crate::backend::{AcquireRequest, Backend, Grant, GrantLease, LostReason, LostSignal, Release};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -88,7 +88,7 @@ impl Hold {
             phase: Phase::Acquiring,
             guards: 0,
             token: 0,
-            state: None,
+            watch: Watch::Pending,
             valid_until: None,
             detached: false,
             awaited: false,
@@ -98,35 +98,37 @@ impl Hold {
 
     /// Makes this hold the backend's `grant`; returns when a grant with a
     /// lease was granted (measured from before the request was sent), for
-    /// its renewals.
+    /// its renewals (`None`: nothing renews it).
     fn take(&mut self, grant: Grant, req: &AcquireRequest, renew: Option<Renew>) -> Option<Instant> {
         let valid_until = grant.valid_until();
-        // The backend measured the lease from before its request was sent:
-        // the grant is at least that old, and no clock read is needed.
-        let granted_at = || valid_until.and_then(|at| at.checked_sub(req.lease)).unwrap_or_else(Instant::now);
-        let (state, granted_at) = match (grant.lost, grant.lease) {
+        let (watch, granted_at) = match (grant.lost, grant.lease) {
             (lost, GrantLease::Until(at)) => {
-                let granted_at = granted_at();
-                let expiry = match renew {
-                    Some(Renew { max_hold, .. }) => Expiry::Renewed { renew_until: max_hold.map(|m| granted_at + m) },
-                    None => Expiry::Lease,
+                // The backend measured the lease from before its request was
+                // sent: the grant is at least that old, and no clock read is
+                // needed.
+                let granted_at = renew.map(|_| at.checked_sub(req.lease).unwrap_or_else(Instant::now));
+                let expiry = match (renew, granted_at) {
+                    (Some(Renew { max_hold, .. }), Some(granted_at)) => {
+                        Expiry::Renewed { renew_until: max_hold.map(|m| granted_at + m) }
+                    }
+                    _ => Expiry::Lease,
                 };
-                let state = match lost {
+                let watch = match lost {
                     Some(signal) => {
                         signal.set_terms(at, expiry);
-                        signal
+                        Watch::Signal(signal)
                     }
-                    None => LostSignal::with_expiry(at, expiry),
+                    None => Watch::Terms(Terms::new(at, expiry)),
                 };
-                (state, Some(granted_at))
+                (watch, granted_at)
             }
             // Nothing renews a hold with no lease: no clock is read for it.
-            (lost, GrantLease::UntilReleased) => (lost.unwrap_or_else(LostSignal::until_released), None),
+            (lost, GrantLease::UntilReleased) => (Watch::Signal(lost.unwrap_or_else(LostSignal::until_released)), None),
         };
         self.phase = Phase::Held;
         self.token = grant.fencing_token;
         self.valid_until = valid_until;
-        self.state = Some(state);
+        self.watch = watch;
         granted_at
     }
 
@@ -140,9 +142,7 @@ impl Hold {
         if let Some(at) = self.valid_until.as_mut() {
             if valid_until > *at {
                 *at = valid_until;
-                if let Some(state) = &self.state {
-                    state.renewed(valid_until);
-                }
+                self.watch.renewed(valid_until);
             }
         }
     }
@@ -158,8 +158,8 @@ pub(super) struct Hold {
     /// The guards that hold it.
     guards: u32,
     token: u64,
-    /// Shared by every guard of the hold; `None` while acquiring.
-    pub(super) state: Option<LostSignal>,
+    /// Whether it may be lost, shared by every guard of the hold.
+    pub(super) watch: Watch,
     /// The end of the lease as granted or renewed; `None`: held until
     /// released (the backend's own terms, [`GrantLease::UntilReleased`]).
     pub(super) valid_until: Option<Instant>,
@@ -200,11 +200,76 @@ pub(super) enum Kick {
     Wake,
 }
 
+/// Whether a hold may be lost, as its guards see it.
+///
+/// The signal is made when first asked for (a guard's `lost`, `is_lost`,
+/// `valid_until` or `lost_signal`), or by the backend: an uncontended
+/// in-process cycle is a few hundred nanoseconds, and the allocation and
+/// reference counts of a signal nobody watches were a tenth of it. Until
+/// then the terms kept here are the signal's, and whoever makes it starts
+/// from them, so a guard sees the same verdicts either way.
+pub(super) enum Watch {
+    /// The first acquire is on its way: no terms yet.
+    Pending,
+    Terms(Terms),
+    Signal(LostSignal),
+}
+
+impl Watch {
+    pub(super) fn is_lost(&self) -> bool {
+        match self {
+            Watch::Pending => false,
+            Watch::Terms(terms) => terms.is_lost(),
+            Watch::Signal(signal) => signal.is_lost(),
+        }
+    }
+
+    /// Gives the verdict; whether it was the first.
+    pub(super) fn lose(&mut self, reason: LostReason) -> bool {
+        match self {
+            Watch::Pending => false,
+            Watch::Terms(terms) => terms.lose(reason),
+            Watch::Signal(signal) => signal.lose(reason),
+        }
+    }
+
+    fn renewed(&mut self, valid_until: Instant) {
+        match self {
+            Watch::Pending => {}
+            Watch::Terms(terms) => drop(terms.renewed(valid_until)),
+            Watch::Signal(signal) => signal.renewed(valid_until),
+        }
+    }
+
+    pub(super) fn set_terms(&mut self, valid_until: Instant, expiry: Expiry) {
+        match self {
+            Watch::Pending => {}
+            Watch::Terms(terms) => terms.set_terms(valid_until, expiry),
+            Watch::Signal(signal) => signal.set_terms(valid_until, expiry),
+        }
+    }
+
+    /// The hold's signal, made now if nobody asked for it before.
+    fn signal(&mut self) -> Option<LostSignal> {
+        match self {
+            Watch::Pending => None,
+            Watch::Terms(terms) => {
+                let signal = LostSignal::from_terms(*terms);
+                *self = Watch::Signal(signal.clone());
+                Some(signal)
+            }
+            Watch::Signal(signal) => Some(signal.clone()),
+        }
+    }
+}
+
 /// A guard's share of a hold.
 pub(crate) struct Joined {
     pub(super) id: HoldId,
     pub(super) token: u64,
-    pub(super) state: LostSignal,
+    /// The hold's signal if it was made already; else the guard asks
+    /// [`Holds::signal`] when it needs it.
+    pub(super) state: Option<LostSignal>,
 }
 
 /// What an acquire may do, looked up in the table.
@@ -282,7 +347,7 @@ impl Holds {
     ) -> (Enter<'_>, Kick) {
         let mut guard = self.table();
         let table = &mut *guard;
-        let hash = table.hasher.hash_one((&req.key, &req.owner));
+        let hash = table.hash(&req.key, &req.owner);
         let slots = &table.slots;
         let found = table.current.entry(
             hash,
@@ -324,7 +389,7 @@ impl Holds {
                     }
                     Phase::Held => {}
                 }
-                if hold.state.as_ref().is_some_and(LostSignal::is_lost) {
+                if hold.watch.is_lost() {
                     // Lost: its guards were told. The next hold is a new one, and
                     // theirs send nothing when they go.
                     hold.detached = true;
@@ -360,7 +425,7 @@ impl Holds {
             // Not reachable: the turn keeps its hold in the table.
             drop(guard);
             let state = grant.lost.unwrap_or_else(LostSignal::until_released);
-            return (Joined { id: HoldId::MAX, token: grant.fencing_token, state }, Kick::Nothing);
+            return (Joined { id: HoldId::MAX, token: grant.fencing_token, state: Some(state) }, Kick::Nothing);
         };
         let granted_at = hold.take(grant, req, renew);
         let awaited = std::mem::take(&mut hold.awaited);
@@ -372,7 +437,7 @@ impl Holds {
         }
         match joined {
             Some(joined) => (joined, kick),
-            None => (Joined { id, token: 0, state: LostSignal::until_released() }, kick),
+            None => (Joined { id, token: 0, state: Some(LostSignal::until_released()) }, kick),
         }
     }
 
@@ -402,10 +467,8 @@ impl Holds {
         let mut table = self.table();
         let table = &mut *table;
         let Some(hold) = table.slots.get_mut(id) else { return };
-        if let Some(state) = &hold.state {
-            if state.lose(reason) {
-                tracing::warn!(key = %hold.key.log_id(), %reason, "dlock.lost");
-            }
+        if hold.watch.lose(reason) {
+            tracing::warn!(key = %hold.key.log_id(), %reason, "dlock.lost");
         }
         hold.detached = true;
         if let Ok(current) = table.current.find_entry(hold.hash, |&c| c == id) {
@@ -432,7 +495,7 @@ impl Holds {
             table.schedule.stop_renewing(id, hold);
         }
         if hold.guards > 0 {
-            return Leave::Others { lost: hold.state.as_ref().is_some_and(LostSignal::is_lost) };
+            return Leave::Others { lost: hold.watch.is_lost() };
         }
         if hold.detached {
             table.slots.remove(id);
@@ -464,6 +527,18 @@ impl Holds {
         }
     }
 
+    /// The signal of hold `id`, made now if nobody asked for it before.
+    pub(super) fn signal(&self, id: HoldId) -> LostSignal {
+        let signal = self.table().slots.get_mut(id).and_then(|hold| hold.watch.signal());
+        signal.unwrap_or_else(|| {
+            // Not reachable: a guard's hold stays in the table while the
+            // guard lives. Should it not, the guard must not count on it.
+            let lost = LostSignal::new(Instant::now());
+            lost.lose(LostReason::Stolen);
+            lost
+        })
+    }
+
     /// How many holds the table keeps (test hook: none may outlive its guards).
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
@@ -472,6 +547,16 @@ impl Holds {
 }
 
 impl Table {
+    /// The hash `current` files the hold of `key` and `owner` under.
+    fn hash(&self, key: &LockKey, owner: &Owner) -> u64 {
+        // The key's bytes with no end marker: what follows them, an owner,
+        // always has the same length, so no two pairs hash the same bytes.
+        let mut hasher = self.hasher.build_hasher();
+        hasher.write(key.as_str().as_bytes());
+        owner.hash(&mut hasher);
+        hasher.finish()
+    }
+
     /// Removes hold `id` from the table, and from `current` if it is there.
     fn forget(&mut self, id: HoldId) {
         let Some(hold) = self.slots.get_mut(id) else { return };
@@ -500,7 +585,12 @@ impl Table {
 
     fn joined(&self, id: HoldId) -> Option<Joined> {
         let hold = self.slots.get(id)?;
-        Some(Joined { id, token: hold.token, state: hold.state.clone()? })
+        let state = match &hold.watch {
+            Watch::Pending => return None,
+            Watch::Terms(_) => None,
+            Watch::Signal(signal) => Some(signal.clone()),
+        };
+        Some(Joined { id, token: hold.token, state })
     }
 
     pub(super) fn get_mut(&mut self, id: HoldId) -> Option<&mut Hold> {
@@ -691,7 +781,7 @@ pub(super) mod tests {
         let req = request(lease);
         let (old, _) = holds.granted(first(&holds, &req), Grant::until(7, Instant::now() + lease), &req, None);
         holds.lost(old.id, LostReason::Stolen);
-        assert!(old.state.is_lost());
+        assert!(holds.signal(old.id).is_lost());
         let (new, _) = holds.granted(first(&holds, &req), Grant::until(9, Instant::now() + lease), &req, None);
         assert_eq!(new.token, 9);
         assert!(matches!(holds.leave(old.id, false, &Remote), Leave::Detached), "the old hold's release sends nothing");
@@ -713,7 +803,31 @@ pub(super) mod tests {
         let (joined, _) = holds.extended(id, now, lease, now + lease, None);
         let joined = joined.expect("joins the extended hold");
         assert_eq!(joined.token, 7);
-        assert!(held.state.valid_until() > short, "every guard of the hold sees the renewal");
+        assert!(holds.signal(held.id).valid_until() > short, "every guard of the hold sees the renewal");
+    }
+
+    /// A hold's signal is made when first asked for: the guards that share
+    /// the hold still share one signal, and one made after a verdict or a
+    /// renewal starts from it.
+    #[tokio::test]
+    async fn a_signal_made_late_is_the_one_signal_of_its_hold() {
+        let holds = Arc::new(Holds::default());
+        let lease = Duration::from_secs(30);
+        let req = request(lease);
+        let short = Instant::now() + Duration::from_secs(10);
+        let (outer, _) = holds.granted(first(&holds, &req), Grant::until(7, short), &req, None);
+        assert!(outer.state.is_none(), "nobody asked for it yet");
+        let Enter::Extend(id) = holds.enter(&req, false, None, &Remote).0 else { panic!("short of lease") };
+        let now = Instant::now();
+        let (inner, _) = holds.extended(id, now, lease, now + lease, None);
+        let inner = inner.expect("joins");
+        let (a, b) = (holds.signal(outer.id), holds.signal(inner.id));
+        assert!(a.valid_until() > short, "made from the renewed terms");
+        holds.lost(outer.id, LostReason::Stolen);
+        assert_eq!((a.reason(), b.reason()), (Some(LostReason::Stolen), Some(LostReason::Stolen)));
+        let (early, _) = holds.granted(first(&holds, &req), Grant::until(9, now + lease), &req, None);
+        holds.lost(early.id, LostReason::Stolen);
+        assert_eq!(holds.signal(early.id).reason(), Some(LostReason::Stolen), "the verdict came before the signal");
     }
 
     #[tokio::test]

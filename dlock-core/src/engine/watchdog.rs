@@ -53,12 +53,21 @@ impl Schedule {
     /// Stops renewing `hold`, filed as `id` (the caller has it in hand,
     /// see [`Table::stop_renewing`]). A renewal already sent completes, and
     /// its answer is ignored.
+    #[inline]
     pub(super) fn stop_renewing(&mut self, id: HoldId, hold: &mut Hold) {
+        // Inlined for this check: most holds are never renewed, and every
+        // release asks.
+        if hold.renewing.is_some() {
+            self.stop(id, hold);
+        }
+    }
+
+    fn stop(&mut self, id: HoldId, hold: &mut Hold) {
         let Some(renewing) = hold.renewing.take() else { return };
-        if let (Some(state), Some(valid_until)) = (&hold.state, hold.valid_until) {
+        if let Some(valid_until) = hold.valid_until {
             // Its guards that remain have fixed leases: what passes now is one.
-            if !state.is_lost() {
-                state.set_terms(valid_until, Expiry::Lease);
+            if !hold.watch.is_lost() {
+                hold.watch.set_terms(valid_until, Expiry::Lease);
             }
         }
         self.filed -= 1;
@@ -120,9 +129,7 @@ impl Table {
                 (Some(a), Some(b)) => Some(a.max(b)),
                 _ => None,
             };
-            if let Some(state) = &hold.state {
-                state.set_terms(valid_until, Expiry::Renewed { renew_until: renewing.renew_until });
-            }
+            hold.watch.set_terms(valid_until, Expiry::Renewed { renew_until: renewing.renew_until });
             return Kick::Nothing;
         }
         let mut renewing = Renewing {
@@ -135,9 +142,7 @@ impl Table {
             in_due: false,
         };
         renewing.filed_at = renewing.attention(valid_until);
-        if let Some(state) = &hold.state {
-            state.set_terms(valid_until, Expiry::Renewed { renew_until });
-        }
+        hold.watch.set_terms(valid_until, Expiry::Renewed { renew_until });
         let at = renewing.filed_at;
         hold.renewing = Some(renewing);
         let s = &mut self.schedule;
@@ -197,8 +202,8 @@ impl Table {
     }
 }
 
-fn lose(hold: &Hold, reason: LostReason) {
-    if hold.state.as_ref().is_some_and(|s| s.lose(reason)) {
+fn lose(hold: &mut Hold, reason: LostReason) {
+    if hold.watch.lose(reason) {
         tracing::warn!(key = %hold.key.log_id(), %reason, "dlock.lost");
     }
 }
