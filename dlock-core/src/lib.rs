@@ -1,7 +1,7 @@
 //! dlock-core: distributed locks for services that must not do the same work
 //! twice.
 //!
-//! * [`Locker`] takes a lock through a [`Backend`] (in process, Redis, …) and
+//! * [`Locker`] takes a lock through a [`Backend`](backend::Backend) (in process, Redis, …) and
 //!   returns a [`LockGuard`] with a fencing token and a lost-lock signal.
 //! * Waiting is event-driven: a waiter sleeps until a release is announced or
 //!   the holder's lease runs out.

@@ -90,7 +90,7 @@ pub(crate) const REDLOCK_MARK: &str = "broken:fence";
 
 /// One node's part of [`Bug::RedlockMaxOverQuorum`]: `SET NX`, and when
 /// granted the token `max(mark + 1, TIME in µs)`, stored as the mark.
-/// KEYS[1] the lock, KEYS[2] the mark; ARGV[1] owner, ARGV[2] lease ms.
+/// `KEYS[1]` the lock, `KEYS[2]` the mark; `ARGV[1]` owner, `ARGV[2]` lease ms.
 /// Returns the token as text, or nil when held.
 const NODE_GRANT: &str = r#"
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end

@@ -1,14 +1,13 @@
 //! Request idempotency stores: one-time tokens and `Idempotency-Key` records.
 //!
 //! * **Tokens** — [`IdempotencyStore::issue_token`] makes a 128-bit token from
-//!   the OS CSPRNG that lives for a TTL; [`IdempotencyStore::consume_token`]
-//!   spends it in one atomic step, so of any number of concurrent submits
-//!   exactly one sees `true`. Never GET-then-DEL: two callers could both see
-//!   it. A request that may have to give its token back (its route did not
-//!   run, or failed) [`claim_token`](IdempotencyStore::claim_token)s it
-//!   instead — also once, atomically — and then either
-//!   [`spend_token`](IdempotencyStore::spend_token)s or
-//!   [`return_token`](IdempotencyStore::return_token)s it.
+//!   the OS CSPRNG that lives for a TTL. A request
+//!   [`claim_token`](IdempotencyStore::claim_token)s it in one atomic step,
+//!   so of any number of concurrent submits exactly one gets the claim (never
+//!   GET-then-write: two callers could both see it fresh), and then either
+//!   [`spend_token`](IdempotencyStore::spend_token)s it (its route ran to a
+//!   result) or [`return_token`](IdempotencyStore::return_token)s it (the
+//!   route did not run, or failed).
 //! * **Keys** — [`IdempotencyStore::begin`] claims `(scope, key)` atomically
 //!   and answers [`Begin::New`] (run the handler), [`Begin::InProgress`],
 //!   [`Begin::Completed`] (the stored response), [`Begin::Mismatch`] (same

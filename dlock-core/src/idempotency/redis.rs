@@ -158,7 +158,7 @@ impl RedisStore {
 
     /// Shares the command connection of a Redis lock backend, and its key
     /// prefix: records live beside the locks, under one namespace.
-    /// [`Config::build_services`](crate::Config::build_services) does this
+    /// [`Config::build`](crate::Config::build) does this
     /// when locks and records live in the same Redis.
     pub fn from_backend(backend: &RedisBackend) -> Self {
         let client = backend.client().clone();
