@@ -236,6 +236,17 @@ impl From<Locker> for DlockRuntime {
 }
 
 /// What [`DlockRuntime::readiness`] found: one [`ReadinessCheck`] per part.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use dlock_core::{DlockRuntime, Locker, MemoryBackend};
+/// let readiness = DlockRuntime::new(Locker::new(MemoryBackend::new())).readiness().await;
+/// for check in readiness.checks() {
+///     println!("{} on {}: {}", check.part(), check.backend(), check.problem().unwrap_or("ok"));
+/// }
+/// assert_eq!(readiness.checks().len(), 2); // locks, idempotency
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Readiness {
     checks: Vec<ReadinessCheck>,
