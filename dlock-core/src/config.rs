@@ -191,7 +191,7 @@ impl Default for Config {
             prefix: "dlock".into(),
             lease: DEFAULT_LEASE,
             wait: Duration::ZERO,
-            idempotency_ttl: Duration::from_secs(86_400),
+            idempotency_ttl: crate::runtime::DEFAULT_IDEMPOTENCY_TTL,
             max_body_bytes: crate::runtime::DEFAULT_MAX_BODY_BYTES,
             body_read_timeout: crate::runtime::DEFAULT_BODY_READ_TIMEOUT,
             idempotency_redis_url: None,

@@ -161,27 +161,26 @@ impl Config {
 
     /// The idempotency store of this configuration on a connection of its
     /// own; `Err` inside: the configuration keeps no records (see
-    /// [`build`](Self::build)), which is not a start-up error.
-    async fn connect_records(&self) -> Result<std::result::Result<Arc<dyn IdempotencyStore>, Error>> {
+    /// [`build`](Self::build)), which is not a start-up error, with the
+    /// variable and the reason a request for records is told.
+    async fn connect_records(&self) -> Result<std::result::Result<Arc<dyn IdempotencyStore>, (&'static str, String)>> {
         let url = match (&self.idempotency_redis_url, &self.backend) {
             (Some(url), _) => Some(url.as_str()),
             (None, BackendKind::Redis { url }) => Some(url.as_str()),
             (None, BackendKind::Memory) => None,
             (None, other) if !self.allow_local_idempotency => {
-                let refused = Error::config(
-                    "DLOCK_IDEMPOTENCY_REDIS_URL",
-                    format!(
-                        "must be set with DLOCK_BACKEND={} for idempotency records: without it each instance would \
-                         keep its own, and a duplicate sent to two instances would run on both (set \
-                         DLOCK_IDEMPOTENCY_LOCAL=1 to accept that)",
-                        other.name()
-                    ),
+                let reason = format!(
+                    "must be set with DLOCK_BACKEND={} for idempotency records: without it each instance would keep \
+                     its own, and a duplicate sent to two instances would run on both (set DLOCK_IDEMPOTENCY_LOCAL=1 \
+                     to accept that)",
+                    other.name()
                 );
                 tracing::warn!(
                     backend = other.name(),
-                    "dlock: no idempotency records: routes with an idempotency layer will refuse every request. {refused}"
+                    "dlock: no idempotency records: routes with an idempotency layer will refuse every request. \
+                     DLOCK_IDEMPOTENCY_REDIS_URL {reason}"
                 );
-                return Ok(Err(refused));
+                return Ok(Err(("DLOCK_IDEMPOTENCY_REDIS_URL", reason)));
             }
             (None, other) => {
                 tracing::warn!(
@@ -395,9 +394,9 @@ mod tests {
         for &vars in backends {
             // Decided before connecting to anything (these addresses answer nobody).
             let refused = cfg(vars).connect_records().await.expect("no connection needed");
-            let err = refused.map(|s| s.name()).expect_err("refused");
-            assert!(err.is_misconfigured(), "{err}");
-            let text = err.to_string();
+            let (var, reason) = refused.map(|s| s.name()).expect_err("refused");
+            assert_eq!(var, "DLOCK_IDEMPOTENCY_REDIS_URL");
+            let text = Error::config(var, reason).to_string();
             assert!(text.contains("DLOCK_IDEMPOTENCY_REDIS_URL") && text.contains("DLOCK_IDEMPOTENCY_LOCAL"), "{text}");
 
             let mut allowed = vars.to_vec();
@@ -417,7 +416,7 @@ mod tests {
     async fn a_runtime_without_records_names_the_variable() {
         let mut config = cfg(&[]);
         config.allow_local_idempotency = false;
-        let refused = Err(Error::config("DLOCK_IDEMPOTENCY_REDIS_URL", "must be set"));
+        let refused = Err(("DLOCK_IDEMPOTENCY_REDIS_URL", "must be set".to_owned()));
         let runtime = DlockRuntime::from_parts(Locker::new(MemoryBackend::new()), refused, &config);
         let err = runtime.idempotency_store().map(|s| s.name()).expect_err("refused");
         assert!(err.to_string().contains("DLOCK_IDEMPOTENCY_REDIS_URL"), "{err}");

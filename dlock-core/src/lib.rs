@@ -47,7 +47,9 @@ pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE
 pub use error::{Error, Result};
 pub use key::{escape_into, KeyBuilder, KeyLogId, KeyPart, LockKey, MAX_KEY_LEN};
 pub use owner::Owner;
-pub use runtime::{DlockRuntime, Readiness, ReadinessCheck, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_BODY_BYTES};
+pub use runtime::{
+    DlockRuntime, Readiness, ReadinessCheck, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_IDEMPOTENCY_TTL, DEFAULT_MAX_BODY_BYTES,
+};
 
 #[cfg(feature = "redis")]
 pub use backend::redis::tls::RedisTls;

@@ -71,6 +71,10 @@ pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// configured otherwise (`DLOCK_MAX_BODY_BYTES`).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 * 1024;
 
+/// How long idempotency tokens and stored responses live unless configured
+/// otherwise (`DLOCK_IDEMPOTENCY_TTL_SECS`): 24 hours.
+pub const DEFAULT_IDEMPOTENCY_TTL: Duration = Duration::from_secs(86_400);
+
 impl DlockRuntime {
     /// `locker`, with idempotency records in this process and the settings
     /// of [`Config::default`](crate::Config::default).
@@ -81,26 +85,25 @@ impl DlockRuntime {
     /// assert_eq!(dlock.idempotency_store().unwrap().name(), "memory");
     /// ```
     pub fn new(locker: Locker) -> Self {
-        let defaults = crate::Config::default();
         DlockRuntime {
             locker,
-            idempotency: Records::Store(Arc::new(MemoryStore::new().with_limits(defaults.idempotency_limits))),
-            max_body_bytes: defaults.max_body_bytes,
-            body_read_timeout: defaults.body_read_timeout,
-            idempotency_ttl: defaults.idempotency_ttl,
+            idempotency: Records::Store(Arc::new(MemoryStore::new())),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
+            idempotency_ttl: DEFAULT_IDEMPOTENCY_TTL,
         }
     }
 
-    /// The runtime a configuration connected (see [`Config::build`](crate::Config::build)).
+    /// The runtime a configuration connected (see [`Config::build`](crate::Config::build));
+    /// `idempotency`: the store, or the variable and reason that refused one.
     pub(crate) fn from_parts(
         locker: Locker,
-        idempotency: std::result::Result<Arc<dyn IdempotencyStore>, Error>,
+        idempotency: std::result::Result<Arc<dyn IdempotencyStore>, (&'static str, String)>,
         config: &crate::Config,
     ) -> Self {
         let idempotency = match idempotency {
             Ok(store) => Records::Store(store),
-            Err(Error::Config { var, reason }) => Records::Refused { var, reason },
-            Err(other) => Records::Refused { var: "DLOCK_IDEMPOTENCY_REDIS_URL", reason: other.to_string() },
+            Err((var, reason)) => Records::Refused { var, reason },
         };
         DlockRuntime {
             locker,

@@ -61,6 +61,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
 use dlock_core::idempotency::IdempotencyStore;
 
 use crate::caller::Caller;
@@ -122,7 +124,7 @@ impl Records {
         let ttl = match (self.ttl, installed) {
             (Some(ttl), _) => ttl,
             (None, Some(dlock)) => dlock.idempotency_ttl(),
-            (None, None) => dlock_core::Config::default().idempotency_ttl,
+            (None, None) => dlock_core::DEFAULT_IDEMPOTENCY_TTL,
         };
         let store = match (&self.store, installed) {
             (Some(store), _) => store.clone(),
@@ -154,22 +156,8 @@ impl Records {
 /// assert_eq!(res.status(), 200);
 /// # }
 /// ```
-pub fn token_handler() -> impl Fn(
-    axum::http::request::Parts,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
-       + Clone
-       + Send
-       + Sync
-       + 'static {
-    move |parts: axum::http::request::Parts| {
-        let records = Records::default().in_request(&parts.extensions);
-        Box::pin(async move {
-            match records {
-                Ok((store, ttl)) => token::issue(&store, &parts.method, None, ttl).await,
-                Err(refused) => axum::response::IntoResponse::into_response(refused),
-            }
-        })
-    }
+pub fn token_handler() -> impl Fn(Parts) -> Issued + Clone + Send + Sync + 'static {
+    issuing(None)
 }
 
 /// A handler that issues a token bound to the request's caller, as
@@ -190,23 +178,26 @@ pub fn token_handler() -> impl Fn(
 /// assert_eq!(res.status(), 200);
 /// # }
 /// ```
-pub fn bound_token_handler(
-    caller: Caller,
-) -> impl Fn(
-    axum::http::request::Parts,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>
-       + Clone
-       + Send
-       + Sync
-       + 'static {
-    move |parts: axum::http::request::Parts| {
+pub fn bound_token_handler(caller: Caller) -> impl Fn(Parts) -> Issued + Clone + Send + Sync + 'static {
+    issuing(Some(caller))
+}
+
+/// The future of a token handler.
+type Issued = std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send>>;
+
+/// The token handlers: unbound tokens (`None`), or tokens bound to the
+/// request's caller, refused when it names none.
+fn issuing(caller: Option<Caller>) -> impl Fn(Parts) -> Issued + Clone + Send + Sync + 'static {
+    move |parts: Parts| {
         let records = Records::default().in_request(&parts.extensions);
-        let principal = caller.of(&parts);
+        let principal = caller.as_ref().map(|caller| caller.of(&parts));
         Box::pin(async move {
             match (records, principal) {
-                (Err(refused), _) => axum::response::IntoResponse::into_response(refused),
-                (Ok((store, ttl)), Some(principal)) => token::issue(&store, &parts.method, Some(&principal), ttl).await,
-                (Ok(_), None) => axum::response::IntoResponse::into_response(token::scope_missing()),
+                (Err(refused), _) => refused.into_response(),
+                (Ok(_), Some(None)) => token::scope_missing().into_response(),
+                (Ok((store, ttl)), principal) => {
+                    token::issue(&store, &parts.method, principal.flatten().as_deref(), ttl).await
+                }
             }
         })
     }
