@@ -9,8 +9,9 @@ use std::net::TcpListener;
 /// and released, can be handed out again as the source port of any outgoing
 /// connection (another test's client) in the second before the server binds
 /// it, and the server then fails to start; a port below the range is never
-/// handed out that way. Calls in one process never return the same port, and
-/// each candidate is checked with a bind first.
+/// handed out that way. Calls in one process never return the same port (nor
+/// a port another call reserved as a cluster bus port), and each candidate is
+/// checked with a bind first.
 ///
 /// ```no_run
 /// let port = dlock_testing::free_port();
@@ -40,10 +41,20 @@ fn pick_port(offset: u16) -> u16 {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
         AtomicU32::new(nanos ^ std::process::id().wrapping_mul(2_654_435_761))
     });
+    // Every port handed out in this process, a cluster node's bus port
+    // included: the counter alone kept candidates apart, not a bus port
+    // (candidate + 10000) from a later plain candidate, which then found its
+    // port taken once the cluster started.
+    static HANDED: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     for _ in 0..span {
         let candidate = low + u16::try_from(next.fetch_add(1, Ordering::Relaxed) % span).unwrap_or(0);
-        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        let mut handed = HANDED.lock().unwrap_or_else(|p| p.into_inner());
+        let free = |p: u16| !handed.contains(&p) && TcpListener::bind(("127.0.0.1", p)).is_ok();
         if free(candidate) && (offset == 0 || free(candidate + offset)) {
+            handed.push(candidate);
+            if offset != 0 {
+                handed.push(candidate + offset);
+            }
             return candidate;
         }
     }
