@@ -13,7 +13,8 @@ use std::time::Duration;
 /// * the coordination service failed or could not be reached:
 ///   [`Error::is_unavailable`] ([`Error::Backend`], [`Error::QuorumUnavailable`]);
 /// * the program or its environment is wrong: [`Error::is_misconfigured`]
-///   ([`Error::Config`], [`Error::InvalidKey`], [`Error::InvalidArgument`]).
+///   ([`Error::Config`], [`Error::InvalidKey`], [`Error::InvalidArgument`],
+///   [`Error::ModeConflict`]).
 ///
 /// [`Error::Internal`] is none of these: dlock itself broke a rule it keeps.
 ///
@@ -79,6 +80,17 @@ pub enum Error {
         /// The argument (or option) at fault.
         name: &'static str,
         /// What is wrong with it.
+        reason: String,
+    },
+    /// The key is held or awaited in a mode that does not fit the one asked
+    /// for: a semaphore asked with another number of permits, a plain lock
+    /// asked for as a permit, a shared hold asked to become exclusive.
+    /// A mistake of the program (two uses of one key), never contention.
+    #[error("lock `{key}`: {reason}")]
+    ModeConflict {
+        /// The full lock key.
+        key: String,
+        /// What does not fit, for people.
         reason: String,
     },
     /// dlock broke a rule of its own (a future polled after it finished, a
@@ -155,7 +167,10 @@ impl Error {
 
     /// The program or its environment is misconfigured.
     pub fn is_misconfigured(&self) -> bool {
-        matches!(self, Error::Config { .. } | Error::InvalidKey(_) | Error::InvalidArgument { .. })
+        matches!(
+            self,
+            Error::Config { .. } | Error::InvalidKey(_) | Error::InvalidArgument { .. } | Error::ModeConflict { .. }
+        )
     }
 
     /// A backend error with a message and no source.
@@ -173,6 +188,11 @@ impl Error {
     /// An out-of-range argument, named.
     pub fn invalid_argument(name: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidArgument { name, reason: reason.into() }
+    }
+
+    /// A [`Error::ModeConflict`] on `key`.
+    pub fn mode_conflict(key: impl std::fmt::Display, reason: impl Into<String>) -> Self {
+        Error::ModeConflict { key: key.to_string(), reason: reason.into() }
     }
 
     /// A configuration error naming the variable at fault.

@@ -43,7 +43,7 @@ pub mod test_support;
 pub use backend::lost::LostReason;
 pub use backend::memory::MemoryBackend;
 pub use config::{BackendKind, Config, ZooKeeperAuth};
-pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, DEFAULT_LEASE};
+pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, MultiGuard, DEFAULT_LEASE};
 pub use error::{Error, Result};
 pub use key::{escape_into, KeyBuilder, KeyLogId, KeyPart, LockKey, MAX_KEY_LEN};
 pub use owner::Owner;

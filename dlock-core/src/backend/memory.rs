@@ -24,7 +24,9 @@ use tokio::time::Instant;
 
 use super::signal::never_after;
 use super::wait::{acquire_loop, Attempt};
-use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostReason, LostSignal, Release, Renewal};
+use super::{
+    AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, LostReason, LostSignal, Release, Renewal,
+};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -60,10 +62,25 @@ struct State {
 
 #[derive(Debug, Default)]
 struct Slot {
+    /// The exclusive holder.
     holder: Option<Holder>,
+    /// The holders that share the key (shared holds or permits), boxed:
+    /// most keys are only ever taken exclusively.
+    counted: Option<Box<Counted>>,
     /// Made by the first waiter: most keys are never waited for.
     notify: Option<Arc<Notify>>,
     waiters: usize,
+    /// How many of the waiters want it exclusive: while one does, new
+    /// shared holders wait behind it (writer preference).
+    writers: usize,
+}
+
+/// The holders of a key taken in a mode that admits several.
+#[derive(Debug)]
+struct Counted {
+    /// Shared, or permits of a fixed limit.
+    mode: LockMode,
+    holders: Vec<Holder>,
 }
 
 #[derive(Debug)]
@@ -85,10 +102,42 @@ impl Slot {
         }
     }
 
+    /// Wakes every waiter: what a freed key does when the waiters may want
+    /// different modes (several readers may go at once, and a reader woken
+    /// in a writer's place would let the wake-up go to waste).
+    fn wake_all(&self) {
+        if let Some(notify) = &self.notify {
+            notify.notify_waiters();
+        }
+    }
+
+    /// Wakes whoever a freed exclusive hold or permit lets in.
+    fn wake_after_release(&self, mode: LockMode) {
+        match mode {
+            // One permit or one exclusive hold freed: one waiter can take it,
+            // unless readers wait too (an exclusive release lets them all in).
+            LockMode::Permits { .. } => self.wake_one(),
+            LockMode::Exclusive if self.writers == self.waiters => self.wake_one(),
+            _ => self.wake_all(),
+        }
+    }
+
     /// Nobody holds or waits for it: its map entry can go, so that one-off
     /// keys do not accumulate.
     fn idle(&mut self, now: Instant) -> bool {
-        self.waiters == 0 && self.live_holder(now).is_none()
+        self.waiters == 0 && self.live_holder(now).is_none() && self.live_counted(now).is_none()
+    }
+
+    /// The holders that share the key, whose leases have not run out;
+    /// `None` when there are none.
+    fn live_counted(&mut self, now: Instant) -> Option<&mut Counted> {
+        if let Some(counted) = self.counted.as_mut() {
+            counted.holders.retain(|h| h.expires_at.is_none_or(|at| at > now));
+            if counted.holders.is_empty() {
+                self.counted = None;
+            }
+        }
+        self.counted.as_deref_mut()
     }
 
     /// The holder whose lease has not run out.
@@ -117,43 +166,80 @@ impl MemoryBackend {
     /// on the spot gets, since nothing here can outlive the guard that would
     /// renew it. A hold of the same owner (the engine asks again only once
     /// its own hold lapsed) is joined: same token, its lease extended.
-    /// `Err`: held by another owner, whose lease ends in the time given
-    /// (`None`: held until released).
-    fn take(&self, req: &AcquireRequest, until_released: bool) -> std::result::Result<Grant, Option<Duration>> {
+    fn take(&self, req: &AcquireRequest, until_released: bool) -> std::result::Result<Grant, Refusal> {
         let now = Instant::now();
         let mut state = self.state();
         let state = &mut *state;
         let slot = state.slots.entry_ref(&req.key).or_default();
         let expires_at = now + req.lease;
-        match slot.live_holder(now) {
-            Some(h) if h.owner == req.owner => {
-                if let Some(at) = h.expires_at.as_mut() {
-                    *at = expires_at;
+        if let Some(h) = slot.live_holder(now) {
+            return match h.owner == req.owner {
+                true if req.mode == LockMode::Exclusive || req.mode == LockMode::Shared => {
+                    if let Some(at) = h.expires_at.as_mut() {
+                        *at = expires_at;
+                    }
+                    Ok(Grant::until(h.fence, expires_at))
                 }
-                Ok(Grant::until(h.fence, expires_at))
-            }
-            Some(h) => Err(h.expires_at.map(|at| at - now)),
-            None => {
-                state.last_fence += 1;
-                let fence = state.last_fence;
-                let (expires_at, watcher, grant) = if until_released {
-                    let watcher = LostSignal::new(never_after(now));
-                    (None, Some(watcher.clone()), Grant::until_released(fence).with_lost_signal(watcher))
-                } else {
-                    (Some(expires_at), None, Grant::until(fence, expires_at))
-                };
-                slot.holder = Some(Holder { owner: req.owner.clone(), fence, expires_at, watcher });
-                Ok(grant)
-            }
+                true => Err(Refusal::Conflict(Error::mode_conflict(
+                    &req.key,
+                    format!("this owner holds it exclusive, not as {}", req.mode),
+                ))),
+                false => Err(Refusal::Held(h.expires_at.map(|at| at - now))),
+            };
         }
+        let writers = slot.writers;
+        if let Some(counted) = slot.live_counted(now) {
+            if !counted.mode.is_compatible_with(req.mode) {
+                return Err(match (counted.mode, req.mode) {
+                    // A writer waits for the readers.
+                    (LockMode::Shared, LockMode::Exclusive) => Refusal::Held(counted.next_expiry(now)),
+                    (held, asked) => Refusal::Conflict(Error::mode_conflict(
+                        &req.key,
+                        format!("it is held as {held}, and was asked for as {asked}"),
+                    )),
+                });
+            }
+            if let Some(h) = counted.holders.iter_mut().find(|h| h.owner == req.owner) {
+                if let Some(at) = h.expires_at.as_mut() {
+                    *at = (*at).max(expires_at);
+                }
+                return Ok(Grant::until(h.fence, expires_at));
+            }
+            let full = match req.mode {
+                LockMode::Shared => writers > 0,
+                mode => mode.limit().is_some_and(|limit| counted.holders.len() >= limit as usize),
+            };
+            if full {
+                return Err(Refusal::Held(counted.next_expiry(now)));
+            }
+        } else if req.mode == LockMode::Shared && writers > 0 {
+            // Free, but a writer waits for it: readers queue behind it.
+            return Err(Refusal::Held(None));
+        }
+        state.last_fence += 1;
+        let fence = state.last_fence;
+        let (expires_at, watcher, grant) = if until_released {
+            let watcher = LostSignal::new(never_after(now));
+            (None, Some(watcher.clone()), Grant::until_released(fence).with_lost_signal(watcher))
+        } else {
+            (Some(expires_at), None, Grant::until(fence, expires_at))
+        };
+        let holder = Holder { owner: req.owner.clone(), fence, expires_at, watcher };
+        match req.mode {
+            LockMode::Exclusive => slot.holder = Some(holder),
+            mode => slot.counted.get_or_insert_with(|| Box::new(Counted { mode, holders: Vec::new() })).holders.push(holder),
+        }
+        Ok(grant)
     }
 
-    fn register(&self, key: &LockKey) -> Registration<'_> {
+    fn register(&self, key: &LockKey, mode: LockMode) -> Registration<'_> {
         let mut state = self.state();
         let slot = state.slots.entry_ref(key).or_default();
         slot.waiters += 1;
+        let writer = mode == LockMode::Exclusive;
+        slot.writers += usize::from(writer);
         let notify = slot.notify.get_or_insert_with(Default::default).clone();
-        Registration { backend: self, key: key.clone(), notify }
+        Registration { backend: self, key: key.clone(), notify, writer }
     }
 
     /// Drops the map entry of `key` if it is [idle](Slot::idle).
@@ -171,16 +257,20 @@ impl MemoryBackend {
         let mut state = self.state();
         let (held, watcher) = match state.slots.get_mut(key) {
             Some(slot) => {
-                let watcher = slot.live_holder(now).map(|h| h.watcher.take());
+                let mut watchers: Vec<Option<LostSignal>> = slot.live_holder(now).map(|h| h.watcher.take()).into_iter().collect();
+                if let Some(counted) = slot.live_counted(now) {
+                    watchers.extend(counted.holders.iter_mut().map(|h| h.watcher.take()));
+                }
                 slot.holder = None;
-                slot.wake_one();
-                (watcher.is_some(), watcher.flatten())
+                slot.counted = None;
+                slot.wake_all();
+                (!watchers.is_empty(), watchers)
             }
-            None => (false, None),
+            None => (false, Vec::new()),
         };
         Self::forget_if_idle(&mut state, key, now);
         drop(state);
-        if let Some(watcher) = watcher {
+        for watcher in watcher.into_iter().flatten() {
             tracing::warn!(key = %key.log_id(), reason = %LostReason::Stolen, "dlock.lost");
             watcher.lose(LostReason::Stolen);
         }
@@ -211,10 +301,34 @@ impl MemoryBackend {
     }
 }
 
+/// Why an attempt was not granted.
+enum Refusal {
+    /// Held by others; the first of their leases ends in the time given
+    /// (`None`: not before a release).
+    Held(Option<Duration>),
+    /// The key is in use in a mode that does not fit the one asked for.
+    Conflict(Error),
+}
+
+impl Counted {
+    /// When the first of the holders' leases runs out (`None`: one of them
+    /// is held until released, or none has a lease).
+    fn next_expiry(&self, now: Instant) -> Option<Duration> {
+        let mut first = None;
+        for h in &self.holders {
+            let at = h.expires_at?;
+            first = Some(first.map_or(at, |f: Instant| f.min(at)));
+        }
+        first.map(|at| at.saturating_duration_since(now))
+    }
+}
+
 struct Registration<'a> {
     backend: &'a MemoryBackend,
     key: LockKey,
     notify: Arc<Notify>,
+    /// It counts among the slot's waiting writers.
+    writer: bool,
 }
 
 impl AsRef<Notify> for Registration<'_> {
@@ -228,6 +342,14 @@ impl Drop for Registration<'_> {
         let mut state = self.backend.state();
         if let Some(slot) = state.slots.get_mut(&self.key) {
             slot.waiters = slot.waiters.saturating_sub(1);
+            if self.writer {
+                slot.writers = slot.writers.saturating_sub(1);
+                // The last waiting writer gave up or got in: the readers it
+                // held back may try again.
+                if slot.writers == 0 && slot.waiters > 0 {
+                    slot.wake_all();
+                }
+            }
         }
         MemoryBackend::forget_if_idle(&mut state, &self.key, Instant::now());
     }
@@ -256,20 +378,27 @@ impl Backend for MemoryBackend {
                 tokio::task::coop::consume_budget().await;
                 // A grant after a wait keeps its lease, as it always did:
                 // only an answer on the spot is held until released.
-                Ok(match self.take(req, false) {
-                    Ok(grant) => Attempt::Acquired(grant),
-                    Err(retry_in) => Attempt::Held { retry_in },
-                })
+                match self.take(req, false) {
+                    Ok(grant) => Ok(Attempt::Acquired(grant)),
+                    Err(Refusal::Held(retry_in)) => Ok(Attempt::Held { retry_in }),
+                    Err(Refusal::Conflict(e)) => Err(e),
+                }
             },
-            move || std::future::ready(self.register(&req.key)),
+            move || std::future::ready(self.register(&req.key, req.mode)),
         ))
     }
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         let now = Instant::now();
         let mut state = self.state();
-        let renewal = match state.slots.get_mut(key).and_then(|s| s.live_holder(now)) {
-            Some(h) if &h.owner == owner => {
+        let holder = state.slots.get_mut(key).and_then(|slot| {
+            if slot.live_holder(now).is_some_and(|h| &h.owner == owner) {
+                return slot.holder.as_mut();
+            }
+            slot.live_counted(now)?.holders.iter_mut().find(|h| &h.owner == owner)
+        });
+        let renewal = match holder {
+            Some(h) => {
                 if let Some(at) = h.expires_at.as_mut() {
                     *at = now + lease;
                 }
@@ -285,7 +414,10 @@ impl Backend for MemoryBackend {
     }
 
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
-        Some(self.take(req, req.until_released).map_err(|_| Error::Busy { key: req.key.to_string() }))
+        Some(self.take(req, req.until_released).map_err(|refusal| match refusal {
+            Refusal::Held(_) => Error::Busy { key: req.key.to_string() },
+            Refusal::Conflict(e) => e,
+        }))
     }
 
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
@@ -305,10 +437,24 @@ impl MemoryBackend {
         let release = match slot.live_holder(now) {
             Some(h) if &h.owner == owner => {
                 slot.holder = None;
-                slot.wake_one();
+                slot.wake_after_release(LockMode::Exclusive);
                 Release::Freed
             }
-            _ => Release::NotHeld,
+            _ => match slot.live_counted(now) {
+                Some(counted) => match counted.holders.iter().position(|h| &h.owner == owner) {
+                    Some(at) => {
+                        counted.holders.swap_remove(at);
+                        let mode = counted.mode;
+                        if counted.holders.is_empty() {
+                            slot.counted = None;
+                        }
+                        slot.wake_after_release(mode);
+                        Release::Freed
+                    }
+                    None => Release::NotHeld,
+                },
+                None => Release::NotHeld,
+            },
         };
         if slot.idle(now) {
             entry.remove();

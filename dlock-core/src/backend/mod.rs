@@ -208,6 +208,12 @@ impl AcquireRequest {
         self
     }
 
+    /// Asks for the lock in `mode` (see [`LockMode`]).
+    pub fn with_mode(mut self, mode: LockMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
     /// Says that the caller would keep the lock until it releases it (see
     /// [`until_released`](Self::until_released)).
     pub fn with_until_released(mut self, until_released: bool) -> Self {
@@ -218,17 +224,108 @@ impl AcquireRequest {
 
 /// How a lock is shared among its holders.
 ///
-/// Only [`Exclusive`](LockMode::Exclusive) exists today. Read-write locks
-/// and counted permits (semaphores) will be new variants; the enum is
-/// `#[non_exhaustive]` so that a backend outside this crate must already
-/// answer a mode it does not know, with [`Error::InvalidArgument`], rather
-/// than grant it as something else.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// * [`Exclusive`](LockMode::Exclusive): one holder at a time; also the
+///   write side of a read-write lock.
+/// * [`Shared`](LockMode::Shared): the read side of a read-write lock. Any
+///   number of shared holders at once, none while an exclusive holder has
+///   the key. A writer that waits is not starved: once it waits, new
+///   readers wait behind it (writer preference).
+/// * [`Permits`](LockMode::Permits): one of `limit` permits of a
+///   semaphore. The first holder fixes `limit` for as long as anyone holds
+///   or waits for the key; asking with another is
+///   [`Error::ModeConflict`].
+///
+/// Every hold, whatever its mode, has its own lease (or watchdog), fencing
+/// token and lost signal. The enum is `#[non_exhaustive]` so that a backend
+/// outside this crate must already answer a mode it does not know, with
+/// [`Error::InvalidArgument`], rather than grant it as something else.
+///
+/// ```
+/// use dlock_core::backend::LockMode;
+/// assert_eq!(LockMode::default(), LockMode::Exclusive);
+/// assert_eq!(LockMode::permits(3).to_string(), "one of 3 permits");
+/// assert!(LockMode::Shared.is_compatible_with(LockMode::Shared));
+/// assert!(!LockMode::Shared.is_compatible_with(LockMode::Exclusive));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum LockMode {
     /// One holder (one owner, re-entering as often as it likes) at a time.
     #[default]
     Exclusive,
+    /// Shared with every other shared holder; excludes an exclusive one.
+    Shared,
+    /// One of `limit` permits; `limit` is at least 1.
+    Permits {
+        /// How many holders the key admits at once.
+        limit: u32,
+    },
+}
+
+impl LockMode {
+    /// One of `limit` permits of a semaphore.
+    pub const fn permits(limit: u32) -> Self {
+        LockMode::Permits { limit }
+    }
+
+    /// Whether holders of `self` and of `other` (other owners) may hold
+    /// one key at the same time: shared with shared, and permits of the
+    /// same semaphore (up to its limit).
+    pub fn is_compatible_with(self, other: LockMode) -> bool {
+        match (self, other) {
+            (LockMode::Shared, LockMode::Shared) => true,
+            (LockMode::Permits { limit: a }, LockMode::Permits { limit: b }) => a == b,
+            _ => false,
+        }
+    }
+
+    /// How many holders of this mode a key admits at once (`None`: any
+    /// number, for shared holders).
+    pub fn limit(self) -> Option<u32> {
+        match self {
+            LockMode::Exclusive => Some(1),
+            LockMode::Shared => None,
+            LockMode::Permits { limit } => Some(limit),
+        }
+    }
+
+    /// `Ok` for a mode a caller may ask for: permits need a limit of at
+    /// least one.
+    pub(crate) fn validate(self) -> Result<()> {
+        match self {
+            LockMode::Permits { limit: 0 } => {
+                Err(Error::invalid_argument("mode", "a semaphore needs at least one permit"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// What the same owner may ask for while it holds the key in `self`:
+    /// the same mode again, or a shared hold under its exclusive one (a
+    /// writer may read). `Err` says why not.
+    pub(crate) fn reentry(self, asked: LockMode, key: &LockKey) -> Result<()> {
+        match (self, asked) {
+            (held, asked) if held == asked => Ok(()),
+            (LockMode::Exclusive, LockMode::Shared) => Ok(()),
+            (LockMode::Shared, LockMode::Exclusive) => Err(Error::mode_conflict(
+                key,
+                "this owner holds it shared, and an upgrade to exclusive would deadlock with another \
+                 reader upgrading at the same time: release the shared hold first, or take it exclusive \
+                 from the start",
+            )),
+            (held, asked) => Err(Error::mode_conflict(key, format!("this owner holds it as {held}, not as {asked}"))),
+        }
+    }
+}
+
+impl std::fmt::Display for LockMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LockMode::Exclusive => f.write_str("exclusive"),
+            LockMode::Shared => f.write_str("shared"),
+            LockMode::Permits { limit } => write!(f, "one of {limit} permits"),
+        }
+    }
 }
 
 /// How long a [`Grant`] is ours.
@@ -395,6 +492,16 @@ pub(crate) fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
         _ => url.to_owned(),
+    }
+}
+
+/// Refuses a mode other than [`LockMode::Exclusive`], for a backend that
+/// does not (yet) keep shared holds or permits: a weaker lock in their place
+/// would be silent.
+pub(crate) fn exclusive_only(req: &AcquireRequest, backend: &'static str) -> Result<()> {
+    match req.mode {
+        LockMode::Exclusive => Ok(()),
+        mode => Err(Error::invalid_argument("mode", format!("the {backend} backend does not support {mode} locks"))),
     }
 }
 

@@ -518,6 +518,7 @@ impl Backend for RedLockBackend {
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
+            super::exclusive_only(req, "redlock")?;
             let started = Instant::now();
             let turn = self.turn(&req.key);
             let _turn = match turn.clone().try_lock_owned() {

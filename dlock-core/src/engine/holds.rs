@@ -40,7 +40,7 @@ use tokio::time::Instant;
 
 use super::watchdog::{Renewing, Schedule};
 use crate::backend::signal::{Expiry, Terms};
-use crate::backend::{AcquireRequest, Backend, Grant, GrantLease, LostReason, LostSignal, Release};
+use crate::backend::{AcquireRequest, Backend, Grant, GrantLease, LockMode, LostReason, LostSignal, Release};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -84,6 +84,7 @@ impl Hold {
         Hold {
             key: req.key.clone(),
             owner: req.owner.clone(),
+            mode: req.mode,
             hash,
             phase: Phase::Acquiring,
             guards: 0,
@@ -152,6 +153,9 @@ impl Hold {
 pub(super) struct Hold {
     pub(super) key: LockKey,
     pub(super) owner: Owner,
+    /// How the backend holds it; a re-entry must fit it
+    /// ([`LockMode::reentry`]).
+    mode: LockMode,
     /// The hash of `key` and `owner`, which `current` files it under.
     hash: u64,
     phase: Phase,
@@ -388,6 +392,11 @@ impl Holds {
                         return (Enter::Wait(self.settled.notified()), Kick::Nothing);
                     }
                     Phase::Held => {}
+                }
+                if hold.mode != req.mode {
+                    if let Err(e) = hold.mode.reentry(req.mode, &req.key) {
+                        return (Enter::Refused(e), Kick::Nothing);
+                    }
                 }
                 if hold.watch.is_lost() {
                     // Lost: its guards were told. The next hold is a new one, and

@@ -11,7 +11,7 @@ use super::guard::{release_last, LockGuard};
 use super::holds::{AcquireTurn, Enter, Renew};
 use super::see_through::SeeThrough;
 use super::Engine;
-use crate::backend::{contention, AcquireRequest, Backend, CancellationToken, Grant, LostReason, Renewal};
+use crate::backend::{contention, AcquireRequest, Backend, CancellationToken, Grant, LockMode, LostReason, Renewal};
 use crate::error::{Error, Result};
 use crate::key::{validate_prefix, KeyBuilder, LockKey};
 use crate::owner::Owner;
@@ -105,6 +105,7 @@ pub struct AcquireOptions {
     lease: Option<Duration>,
     owner: Option<Owner>,
     max_hold: Option<Duration>,
+    mode: LockMode,
 }
 
 impl AcquireOptions {
@@ -150,6 +151,35 @@ impl AcquireOptions {
     pub fn with_max_hold(mut self, max_hold: Duration) -> Self {
         self.max_hold = Some(max_hold);
         self
+    }
+
+    /// Take the lock in `mode`: [`LockMode::Exclusive`] (the default),
+    /// [`LockMode::Shared`] (a read lock) or [`LockMode::Permits`] (one
+    /// permit of a semaphore).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
+    /// use dlock_core::backend::LockMode;
+    /// use dlock_core::{AcquireOptions, Locker, MemoryBackend};
+    /// let locker = Locker::new(MemoryBackend::new());
+    /// let key = locker.key("export").part("user-7").build()?;
+    /// let two = || AcquireOptions::new().with_mode(LockMode::permits(2));
+    /// let (a, b) = (locker.acquire(&key, two()).await?, locker.acquire(&key, two()).await?);
+    /// assert!(locker.acquire(&key, two()).await.unwrap_err().is_contention(), "both permits are taken");
+    /// assert!(a.fencing_token() < b.fencing_token());
+    /// # Ok(()) }
+    /// ```
+    pub fn with_mode(mut self, mode: LockMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    pub(super) fn owner(&self) -> Option<&Owner> {
+        self.owner.as_ref()
+    }
+
+    pub(super) fn wait(&self) -> Option<Duration> {
+        self.wait
     }
 
     /// Acquire as `owner`, so that the same owner re-entering is counted
@@ -299,9 +329,12 @@ impl Locker {
         if lease.is_zero() {
             return Err(Error::invalid_argument("lease", "a lease must be longer than zero"));
         }
+        opts.mode.validate()?;
         let max_hold = opts.max_hold;
         let renew = renewed.then_some(Renew { lease, max_hold });
-        let mut req = AcquireRequest::new(key.clone(), owner, lease).with_until_released(renewed && max_hold.is_none());
+        let mut req = AcquireRequest::new(key.clone(), owner, lease)
+            .with_until_released(renewed && max_hold.is_none())
+            .with_mode(opts.mode);
         let span = tracing::debug_span!("dlock.acquire", key = %key.log_id(), backend = self.engine.backend.name(), wait_ms = wait.as_millis() as u64);
         // An answer on the spot never suspends, so spend the task's
         // cooperative budget as tokio's own primitives do (a loop of

@@ -5,6 +5,8 @@
 //!   hands out a [`LockGuard`];
 //! * [`LockGuard`] (`guard.rs`) owns one held lock: its fencing token, its
 //!   [`LostSignal`](crate::LostSignal) and its release;
+//! * [`Locker::acquire_all`] (`all.rs`) takes several keys all or none, in
+//!   one global order, and hands out a [`MultiGuard`];
 //! * the holds (`holds.rs`) are every lock this process holds, once per key
 //!   and owner: re-entry is counted there, and only a first acquire and a
 //!   last release reach the backend;
@@ -19,12 +21,14 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 
+mod all;
 mod guard;
 mod holds;
 mod locker;
 mod see_through;
 mod watchdog;
 
+pub use all::MultiGuard;
 pub use guard::LockGuard;
 pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
 

@@ -256,6 +256,9 @@ impl Backend for RedisBackend {
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
+        if let Err(e) = super::exclusive_only(req, "redis") {
+            return Box::pin(std::future::ready(Err(e)));
+        }
         Box::pin(acquire_loop(
             req,
             cancel,

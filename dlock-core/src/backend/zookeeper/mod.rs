@@ -348,6 +348,7 @@ impl Backend for ZooKeeperBackend {
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
+            super::exclusive_only(req, "zookeeper")?;
             let id = (req.key.clone(), req.owner.clone());
             let session = self.session_for(req, cancel).await?;
             let valid_until = Instant::now() + req.lease;
