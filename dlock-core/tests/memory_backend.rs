@@ -42,6 +42,7 @@ async fn memory() -> Memory {
 }
 
 backend_suite!(memory());
+primitives_suite!(memory());
 
 use dlock_core::{AcquireOptions, Error, LostReason, Owner};
 use suite::Harness as _;

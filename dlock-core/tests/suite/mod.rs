@@ -12,6 +12,8 @@ use dlock_core::backend::Backend;
 use dlock_core::{AcquireOptions, Error, LockKey, Locker, LostReason, Owner};
 use tokio::time::Instant;
 
+pub(crate) mod primitives;
+
 /// What the suite needs from a backend under test.
 pub(crate) trait Harness: Send + Sync + 'static {
     /// A new client of the service: its own connections where the backend
