@@ -114,6 +114,7 @@ async fn zookeeper() -> ZooKeeper {
 }
 
 backend_suite!(zookeeper());
+primitives_suite!(zookeeper());
 
 /// One session watcher speaks for every guard of its session: guards of
 /// many keys, a re-entry of one of them and a watcher holding only a

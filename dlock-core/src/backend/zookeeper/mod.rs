@@ -1,9 +1,15 @@
-//! ZooKeeper: Apache Curator's `InterProcessMutex` recipe.
+//! ZooKeeper: Apache Curator's `InterProcessMutex`, `InterProcessReadWriteLock`
+//! and semaphore recipes.
 //!
 //! * A lock is a container node `/<prefix>/<key>`; each contender creates an
-//!   ephemeral sequential child in it and holds the lock when its child
-//!   sorts first. Otherwise it watches only its immediate predecessor (no
-//!   herd effect); waiters are served in the order they arrived (FIFO).
+//!   ephemeral sequential child in it whose name says its mode. An exclusive
+//!   contender holds the lock when its child sorts first, a shared one when
+//!   no exclusive child sorts before it, one of N permits when fewer than N
+//!   children sort before it (`node.rs`). Otherwise an exclusive or shared
+//!   contender watches only the one node it waits for (no herd effect); a
+//!   semaphore's waiters watch the line, since any holder before them may be
+//!   the one to go. Waiters are served in the order they arrived (FIFO), so
+//!   a reader that comes after a waiting writer waits behind it.
 //! * The lease is the session: the guard's lost signal fires when our node
 //!   is deleted behind our back, or as soon as the ensemble could have
 //!   expired the session, counted from our side (`session.rs`). A
@@ -14,7 +20,8 @@
 //!   one and goes on granting locks; a waiting acquire waits for it, within
 //!   its wait.
 //! * The fencing token is our node's creation zxid, strictly increasing per
-//!   key, even when the lock's node is removed and re-created.
+//!   key (across readers, writers and permits), even when the lock's node is
+//!   removed and re-created.
 //! * Release deletes only our own node, and the lock's node when that leaves
 //!   it empty, so one-off keys do not pile up. A reply lost with the
 //!   connection (ZOOKEEPER-1262) leaves no node of ours behind: we look for
@@ -348,7 +355,6 @@ impl Backend for ZooKeeperBackend {
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
-            super::exclusive_only(req, "zookeeper")?;
             let id = (req.key.clone(), req.owner.clone());
             let session = self.session_for(req, cancel).await?;
             let valid_until = Instant::now() + req.lease;
@@ -361,7 +367,7 @@ impl Backend for ZooKeeperBackend {
             let client = &session.client;
             // Ours alone: it finds our node again after a lost reply, or
             // after this attempt is cut short.
-            let prefix = node_prefix()?;
+            let prefix = node_prefix(req.mode)?;
             let attempt = async {
                 let (node, fence) = create_node(client, &dir, &prefix, self.auth.as_ref()).await?;
                 if let Err(e) = wait_turn(client, req, &dir, &node, cancel).await {

@@ -16,9 +16,11 @@ use zookeeper_client as zk;
 use super::acl::{node_acls, not_allowed, secure_root};
 use super::delete::sweep;
 use super::error::{answered, zk_error};
-use super::path::{path_log_id, sequence_of, LOCK_NAME};
+use futures_util::FutureExt;
+
+use super::path::{path_log_id, Contender};
 use crate::backend::zookeeper_auth::ZooKeeperAuth;
-use crate::backend::{contention, AcquireRequest, CancellationToken};
+use crate::backend::{contention, AcquireRequest, CancellationToken, LockMode};
 use crate::error::{Error, Result};
 
 /// Creates our sequential node, creating the lock's container node on
@@ -138,9 +140,27 @@ async fn find_node(client: &zk::Client, dir: &str, prefix: &str) -> Result<Optio
     Err(e)
 }
 
-/// Waits until `node` sorts first among the contenders of `dir`, watching
-/// only its immediate predecessor (no herd effect) and looking again when
-/// that one goes, so waiters are served in the order they arrived (FIFO).
+/// Waits until `node`'s turn comes, as Curator's recipes decide it from
+/// the line of contenders (sorted by sequence, so served in the order they
+/// arrived):
+///
+/// * **exclusive** (`InterProcessMutex`, and the write side of
+///   `InterProcessReadWriteLock`): first in line. It watches only its
+///   immediate predecessor (no herd effect).
+/// * **shared** (the read side): no exclusive contender before it. It
+///   watches the nearest one. A reader that arrives after a waiting writer
+///   queues behind it, so writers are not starved.
+/// * **one of N permits**: fewer than N contenders before it. A node's
+///   place only moves forward (new nodes sort last), so once it holds, at
+///   most N−1 nodes are ever before it: never more than N holders. Since
+///   any of the nodes before it may be the one to go, it watches the
+///   line itself (ZooKeeper's child watch): every waiter of the key looks
+///   again at every change, as Curator's `InterProcessSemaphoreV2` waiters
+///   do on their leases.
+///
+/// A line that mixes modes that cannot share a key (permits with another
+/// mode, or another number of permits ahead of ours) is
+/// [`Error::ModeConflict`]: the first holder fixed what the key is.
 pub(super) async fn wait_turn(
     client: &zk::Client,
     req: &AcquireRequest,
@@ -151,28 +171,67 @@ pub(super) async fn wait_turn(
     let started = Instant::now();
     let ours = node.rsplit('/').next().unwrap_or_default();
     loop {
-        let mut children = client.list_children(dir).await.map_err(zk_error)?;
-        children.retain(|c| c.contains(LOCK_NAME));
-        children.sort_by_key(|c| sequence_of(c));
-        let Some(position) = children.iter().position(|c| c == ours) else {
+        let (children, line_watch) = match req.mode {
+            LockMode::Permits { .. } => {
+                let (children, watcher) = client.list_and_watch_children(dir).await.map_err(zk_error)?;
+                (children, Some(watcher))
+            }
+            _ => (client.list_children(dir).await.map_err(zk_error)?, None),
+        };
+        let line = Contender::line(&children);
+        let Some(position) = line.iter().position(|c| c.name == ours) else {
             return Err(Error::backend("zookeeper", "our lock node vanished (session expired?)"));
         };
-        if position == 0 {
-            return Ok(());
-        }
+        let blocker = match turn(&line, position, req)? {
+            None => return Ok(()),
+            Some(blocker) => blocker,
+        };
         let Some(deadline) = req.deadline else {
             return Err(contention(req, started));
         };
-        let predecessor = format!("{dir}/{}", children[position - 1]);
-        let (stat, watcher) = client.check_and_watch_stat(&predecessor).await.map_err(zk_error)?;
-        if stat.is_none() {
-            continue;
-        }
+        let wake = match line_watch {
+            Some(watcher) => watcher.changed().boxed(),
+            None => {
+                let blocker = format!("{dir}/{}", line[blocker].name);
+                let (stat, watcher) = client.check_and_watch_stat(&blocker).await.map_err(zk_error)?;
+                if stat.is_none() {
+                    continue;
+                }
+                watcher.changed().boxed()
+            }
+        };
         tokio::select! {
             biased;
             _ = cancel.cancelled() => return Err(Error::Cancelled),
-            _ = watcher.changed() => {}
+            _ = wake => {}
             _ = tokio::time::sleep_until(deadline) => return Err(contention(req, started)),
+        }
+    }
+}
+
+/// Whether the contender at `position` holds the key: `None` when it does,
+/// else the place of the contender it waits for (for a semaphore, any
+/// before it).
+fn turn(line: &[Contender], position: usize, req: &AcquireRequest) -> Result<Option<usize>> {
+    let ahead = &line[..position];
+    let conflict = |other: &Contender| {
+        Error::mode_conflict(&req.key, format!("it is held as {}, and was asked for as {}", other.mode, req.mode))
+    };
+    match req.mode {
+        LockMode::Permits { limit } => {
+            if let Some(other) = ahead.iter().find(|c| c.mode != req.mode) {
+                return Err(conflict(other));
+            }
+            Ok((position >= limit as usize).then(|| position - 1))
+        }
+        mode => {
+            if let Some(other) = ahead.iter().find(|c| matches!(c.mode, LockMode::Permits { .. })) {
+                return Err(conflict(other));
+            }
+            Ok(match mode {
+                LockMode::Shared => ahead.iter().rposition(|c| c.mode == LockMode::Exclusive),
+                _ => position.checked_sub(1),
+            })
         }
     }
 }

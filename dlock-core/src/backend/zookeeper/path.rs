@@ -1,16 +1,14 @@
 //! Where a lock lives in ZooKeeper, and how its paths appear in logs.
 //!
 //! A lock is the container node `/<prefix>/<key>`; each contender's node in
-//! it is `_c_<random 128 bits>-lock-<seq>`. The key's text is a path here,
+//! it is `_c_<random 128 bits>-<mode>-<seq>` (mode `lock`, `read` or
+//! `permits.<N>`). The key's text is a path here,
 //! but never a log line: logs write [`path_log_id`].
 
+use crate::backend::LockMode;
 use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::random_hex;
-
-/// What separates a contender's random prefix from its sequence number;
-/// only contenders' nodes contain it.
-pub(super) const LOCK_NAME: &str = "-lock-";
 
 /// The container node of `key` under `/<prefix>`.
 pub(super) fn lock_path(prefix: &str, key: &LockKey) -> String {
@@ -30,17 +28,53 @@ pub(super) fn lock_path(prefix: &str, key: &LockKey) -> String {
     path
 }
 
+/// What starts every contender's node name; nothing else in a lock's
+/// container node starts with it.
+const CONTENDER: &str = "_c_";
+
 /// The name of a new contender's node up to the sequence number ZooKeeper
-/// appends: `_c_<random 128 bits>-lock-`. Ours alone, so we can find our
-/// node again by it after a lost reply (Curator's protection mode) or after
-/// an attempt is cut short.
-pub(super) fn node_prefix() -> Result<String> {
-    Ok(format!("_c_{}{LOCK_NAME}", random_hex::<16>()?))
+/// appends: `_c_<random 128 bits>-<mode>-`, the mode being `lock`
+/// (exclusive), `read` (shared) or `permits.<N>` (one of N permits). Ours
+/// alone, so we can find our node again by it after a lost reply (Curator's
+/// protection mode) or after an attempt is cut short; and every contender
+/// can tell from the names alone who holds the key in which mode.
+pub(super) fn node_prefix(mode: LockMode) -> Result<String> {
+    let mode = match mode {
+        LockMode::Exclusive => "lock".to_owned(),
+        LockMode::Shared => "read".to_owned(),
+        LockMode::Permits { limit } => format!("permits.{limit}"),
+    };
+    Ok(format!("{CONTENDER}{}-{mode}-", random_hex::<16>()?))
 }
 
-/// The sequence suffix of a node name, for ordering.
-pub(super) fn sequence_of(name: &str) -> u64 {
-    name.rsplit(LOCK_NAME).next().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX)
+/// One contender's node, read from its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Contender {
+    pub(super) name: String,
+    pub(super) mode: LockMode,
+    pub(super) sequence: u64,
+}
+
+impl Contender {
+    /// `None` for a name that is not a contender's (or is malformed).
+    pub(super) fn parse(name: &str) -> Option<Contender> {
+        let rest = name.strip_prefix(CONTENDER)?;
+        let (head, sequence) = rest.rsplit_once('-')?;
+        let (_, mode) = head.split_once('-')?;
+        let mode = match mode {
+            "lock" => LockMode::Exclusive,
+            "read" => LockMode::Shared,
+            permits => LockMode::permits(permits.strip_prefix("permits.")?.parse().ok()?),
+        };
+        Some(Contender { name: name.to_owned(), mode, sequence: sequence.parse().ok()? })
+    }
+
+    /// The contenders among `children`, in the order they arrived.
+    pub(super) fn line(children: &[String]) -> Vec<Contender> {
+        let mut line: Vec<Contender> = children.iter().filter_map(|c| Contender::parse(c)).collect();
+        line.sort_by_key(|c| c.sequence);
+        line
+    }
 }
 
 /// A lock directory or node path as logs write it: `zk#` and a short hash
@@ -56,7 +90,7 @@ pub(super) fn path_log_id(path: &str) -> String {
     // Only a name we made, `_c_…`, is split off as the node: the rest is
     // the key's text, whatever it holds.
     let (dir, node) = match path.rsplit_once('/') {
-        Some((dir, node)) if node.starts_with("_c_") => (dir, Some(node)),
+        Some((dir, node)) if node.starts_with(CONTENDER) => (dir, Some(node)),
         _ => (path, None),
     };
     let digest = sha1_smol::Sha1::from(dir).digest().to_string();
@@ -81,5 +115,19 @@ mod tests {
             assert!(!logged.contains("secret") && !logged.contains("order"), "{logged}");
         }
         assert_eq!(path_log_id(&node), format!("{}/_c_0123abcd-lock-0000000007", path_log_id(&backend_dir)));
+    }
+
+    /// A contender's mode and place are read back from the name it was
+    /// given; anything else in the directory is no contender.
+    #[test]
+    fn a_contenders_mode_and_sequence_come_from_its_name() {
+        for mode in [LockMode::Exclusive, LockMode::Shared, LockMode::permits(3)] {
+            let name = format!("{}0000000042", node_prefix(mode).expect("prefix"));
+            let c = Contender::parse(&name).expect("a contender");
+            assert_eq!((c.mode, c.sequence), (mode, 42), "{name}");
+        }
+        for other in ["_dlock_acl_anchor", "_c_ab-permits.x-0000000001", "_c_ab-lock-", "lock-0000000001"] {
+            assert_eq!(Contender::parse(other), None, "{other}");
+        }
     }
 }
