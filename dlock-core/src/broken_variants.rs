@@ -23,6 +23,12 @@ pub enum Switch {
     /// earlier acquire of the same batch with that acquire's grant: a second
     /// holder with the same token (`backend/redis/batch.rs`).
     BatchRepeatsToken,
+    /// A semaphore admits one holder more than its limit (ZooKeeper's turn
+    /// rule counts one contender too few, `backend/zookeeper/node.rs`).
+    PermitsOverLimit,
+    /// A reader takes a read-write lock however many writers are ahead of
+    /// it (ZooKeeper's turn rule ignores them, `backend/zookeeper/node.rs`).
+    ReadersPassWriters,
 }
 
 static ON: AtomicU32 = AtomicU32::new(0);
@@ -103,4 +109,21 @@ mod tests {
         assert_eq!(broken, vec![1, 7, 1, 1, 7, 1, 0, 30, 0, 1, 8, 2]);
         assert_eq!(keep_turn(5), Some(5), "off unless a harness turns it on");
     }
+}
+
+/// [`Switch::PermitsOverLimit`]: the limit the turn rule applies.
+#[cfg(feature = "zookeeper")]
+pub(crate) fn permit_limit(limit: u32) -> u32 {
+    if is_on(Switch::PermitsOverLimit) {
+        limit + 1
+    } else {
+        limit
+    }
+}
+
+/// [`Switch::ReadersPassWriters`]: whether a reader still waits for the
+/// writer ahead of it.
+#[cfg(feature = "zookeeper")]
+pub(crate) fn readers_wait(waits: Option<usize>) -> Option<usize> {
+    waits.filter(|_| !is_on(Switch::ReadersPassWriters))
 }

@@ -65,6 +65,10 @@ pub(crate) struct Findings {
     pub(crate) min_left_us: Option<i64>,
     /// For every killed holder: kill → next grant of its key, ns.
     pub(crate) recoveries_ns: Vec<u64>,
+    /// The most holders of other owners believed at once on one key, the
+    /// new one included: what a semaphore scenario must have reached for
+    /// its limit to have been tested.
+    pub(crate) most_holders: u64,
 }
 
 impl Findings {
@@ -85,6 +89,24 @@ struct Interval {
     end: u64,
     lost_at: Option<u64>,
     first_stale: Option<u64>,
+    /// How it was held: `None` exclusive, `s` shared, `p<N>` one of N permits.
+    mode: Option<String>,
+}
+
+/// How many holders of `mode` a key admits beside `others` (the modes of
+/// the holds of other owners that are still believed): C1 generalised to
+/// read-write locks and semaphores. An exclusive hold admits nobody; a
+/// shared one other shared ones; a permit of N at most N − 1 other permits
+/// of N.
+fn admits(mode: Option<&str>, others: &[Option<&str>]) -> bool {
+    match mode {
+        None => others.is_empty(),
+        Some("s") => others.iter().all(|o| *o == Some("s")),
+        Some(permit) => {
+            let limit: usize = permit.strip_prefix('p').and_then(|n| n.parse().ok()).unwrap_or(1);
+            others.iter().all(|o| *o == Some(permit)) && others.len() < limit
+        }
+    }
 }
 
 /// The final state of one key on the resource.
@@ -189,6 +211,7 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                     end: e.vu.unwrap_or(u64::MAX),
                     lost_at: None,
                     first_stale: None,
+                    mode: e.mode.clone(),
                 };
                 if let Some((k, old)) = open.insert(id, (key, iv)) {
                     keys.entry(k).or_default().intervals.push(old);
@@ -323,8 +346,13 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
             // believed at any moment the history can place; its true belief
             // preceded the pause and the next grant.
             let believed = iv.end > iv.start;
-            if believed && active.iter().any(|a| a.owner != iv.owner) {
+            let others: Vec<Option<&str>> =
+                active.iter().filter(|a| a.owner != iv.owner).map(|a| a.mode.as_deref()).collect();
+            if believed && !admits(iv.mode.as_deref(), &others) {
                 f.overlaps += 1;
+            }
+            if believed {
+                f.most_holders = f.most_holders.max(others.len() as u64 + 1);
             }
             if believed {
                 active.push(iv);
@@ -411,6 +439,40 @@ mod tests {
 
     fn e(t: u64, pid: u32, op: &str, owner: &str) -> Event {
         Event { t, pid, op: op.into(), key: Some(0), owner: Some(owner.into()), token: Some(t), ..Event::default() }
+    }
+
+    fn moded(t: u64, pid: u32, op: &str, owner: &str, mode: Option<&str>) -> Event {
+        Event { mode: mode.map(str::to_owned), ..e(t, pid, op, owner) }
+    }
+
+    /// Readers overlap freely, a writer beside a reader is a violation;
+    /// N permit holders are fine and N + 1 are not.
+    #[test]
+    fn shared_holds_and_permits_overlap_only_as_their_mode_admits() {
+        let readers = [
+            moded(1, 1, "acq_ok", "a", Some("s")),
+            moded(2, 2, "acq_ok", "b", Some("s")),
+            e(5, 1, "rel_invoke", "a"),
+            e(6, 2, "rel_invoke", "b"),
+        ];
+        assert_eq!(check(&readers, &HashMap::new(), 10).overlaps, 0);
+        let writer_beside_reader = [
+            moded(1, 1, "acq_ok", "a", Some("s")),
+            moded(2, 2, "acq_ok", "b", None),
+            e(5, 1, "rel_invoke", "a"),
+            e(6, 2, "rel_invoke", "b"),
+        ];
+        assert_eq!(check(&writer_beside_reader, &HashMap::new(), 10).overlaps, 1);
+        let permits = |n: u32| -> Vec<Event> {
+            let mut events: Vec<Event> =
+                (0..n).map(|i| moded(1 + u64::from(i), i + 1, "acq_ok", &format!("o{i}"), Some("p2"))).collect();
+            events.extend((0..n).map(|i| e(10 + u64::from(i), i + 1, "rel_invoke", &format!("o{i}"))));
+            events
+        };
+        let two = check(&permits(2), &HashMap::new(), 20);
+        assert_eq!((two.overlaps, two.most_holders), (0, 2));
+        let three = check(&permits(3), &HashMap::new(), 20);
+        assert_eq!((three.overlaps, three.most_holders), (1, 3));
     }
 
     #[test]

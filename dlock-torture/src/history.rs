@@ -79,6 +79,10 @@ pub(crate) struct Event {
     /// guard whose validity was already over, which R3 forbids).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) left_us: Option<i64>,
+    /// For `acq_ok`: how the key is held when not exclusively: `s`
+    /// (shared) or `p<N>` (one of N permits). Absent: exclusive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) mode: Option<String>,
 }
 
 impl Event {

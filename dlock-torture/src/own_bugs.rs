@@ -37,6 +37,18 @@ pub(crate) const ALL: &[OwnBug] = &[
         backend: "redis",
         control: "coalesced-burst",
     },
+    OwnBug {
+        name: "broken-permits-over-limit",
+        switch: Switch::PermitsOverLimit,
+        backend: "zookeeper",
+        control: "primitives",
+    },
+    OwnBug {
+        name: "broken-readers-pass-writers",
+        switch: Switch::ReadersPassWriters,
+        backend: "zookeeper",
+        control: "primitives",
+    },
 ];
 
 /// The broken mechanism called `name`.

@@ -53,6 +53,7 @@ pub(crate) fn config(backend: &str, urls: Vec<String>, resource: &RedisServer, s
         set_cap: 0,
         node_timeout_ms: 0,
         reuse_owner: false,
+        mode: String::new(),
         seed,
     }
 }

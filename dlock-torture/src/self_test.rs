@@ -43,6 +43,10 @@ async fn run_as(scenario: &str, variant: &str, size: Size, seed: u64) -> Result<
         "flush-redis" => crate::flush::row(name, variant, size, seed).await,
         "release-retry" => crate::release_retry::row(name, variant, size, seed).await,
         "coalesced-burst" => crate::burst::row(name, variant, size, seed).await,
+        "primitives" => {
+            let mode = if variant == "broken-readers-pass-writers" { "rw" } else { "permits:2" };
+            crate::primitives::row(name, variant, mode, size, seed).await
+        }
         other => Err(format!("no workload `{other}` for {variant}")),
     }
 }

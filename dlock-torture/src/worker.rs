@@ -9,7 +9,7 @@ use std::time::Duration;
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
 use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
-use dlock_core::backend::Backend;
+use dlock_core::backend::{Backend, LockMode};
 use dlock_core::{AcquireOptions, LockGuard, Locker, LockerOptions, MemoryBackend, Owner};
 use serde::{Deserialize, Serialize};
 use tokio::time::{sleep, Instant};
@@ -62,7 +62,38 @@ pub(crate) struct WorkerConfig {
     /// does; otherwise every acquire has a fresh owner.
     #[serde(default)]
     pub(crate) reuse_owner: bool,
+    /// How the tasks take their keys: `` (exclusive, the default), `rw`
+    /// (a quarter of the sections exclusive writers, the rest shared
+    /// readers) or `permits:<N>` (one of N permits each). Only exclusive
+    /// sections write the registers: shared holders and permit holders
+    /// may hold a key together, so their writes would race by design.
+    #[serde(default)]
+    pub(crate) mode: String,
     pub(crate) seed: u64,
+}
+
+impl WorkerConfig {
+    /// The mode of the next section, drawn from `rng` for `rw`.
+    fn next_mode(&self, rng: &mut Rng) -> Result<LockMode, String> {
+        match self.mode.as_str() {
+            "" => Ok(LockMode::Exclusive),
+            "rw" if rng.below(4) == 0 => Ok(LockMode::Exclusive),
+            "rw" => Ok(LockMode::Shared),
+            other => match other.strip_prefix("permits:").and_then(|n| n.parse().ok()) {
+                Some(limit) => Ok(LockMode::permits(limit)),
+                None => Err(format!("unknown mode `{other}`")),
+            },
+        }
+    }
+}
+
+/// A mode as the history writes it (`None`: exclusive).
+pub(crate) fn mode_label(mode: LockMode) -> Option<String> {
+    match mode {
+        LockMode::Shared => Some("s".into()),
+        LockMode::Permits { limit } => Some(format!("p{limit}")),
+        _ => None,
+    }
 }
 
 enum Client {
@@ -234,6 +265,13 @@ async fn one_op(
     let op_id = owner.clone();
     history.log(&Event { owner: Some(owner.clone()), ..ev("acq_invoke", task, key) });
     let wait = Duration::from_millis(cfg.wait_ms);
+    let mode = match cfg.next_mode(rng) {
+        Ok(mode) => mode,
+        Err(e) => {
+            history.log(&Event { res: Some(e), ..ev("acq_fail", task, key) });
+            return;
+        }
+    };
     let mut left_us = None;
     let acquired: Result<Option<(Hold, Option<u64>, String)>, String> = match client {
         Client::Dlock(locker) => {
@@ -244,7 +282,7 @@ async fn one_op(
                     return;
                 }
             };
-            let opts = AcquireOptions::new().with_wait(wait);
+            let opts = AcquireOptions::new().with_wait(wait).with_mode(mode);
             let opts = match reused {
                 Some(o) => opts.with_owner(o.clone()),
                 None => opts,
@@ -284,13 +322,20 @@ async fn one_op(
         }
     };
     let token = hold.token();
-    history.log(&Event { token: Some(token), owner: Some(owner.clone()), vu, left_us, ..ev("acq_ok", task, key) });
+    history.log(&Event {
+        token: Some(token),
+        owner: Some(owner.clone()),
+        vu,
+        left_us,
+        mode: mode_label(mode),
+        ..ev("acq_ok", task, key)
+    });
 
     let cs_sleep = Duration::from_millis(cfg.cs_min_ms + rng.below(cfg.cs_max_ms.saturating_sub(cfg.cs_min_ms) + 1));
     let cs = critical_section(
         history,
         resource,
-        Section { task, key, token, op_id: &op_id, set_cap: cfg.set_cap },
+        Section { task, key, token, op_id: &op_id, set_cap: cfg.set_cap, writes: mode == LockMode::Exclusive },
         cs_sleep,
     );
     tokio::pin!(cs);
@@ -355,11 +400,17 @@ struct Section<'a> {
     token: u64,
     op_id: &'a str,
     set_cap: u32,
+    /// An exclusive hold: it writes the registers (others only sleep).
+    writes: bool,
 }
 
 async fn critical_section(history: &History, resource: &Resource, s: Section<'_>, cs_sleep: Duration) {
     let Section { task, key, token, .. } = s;
     history.log(&Event { token: Some(token), ..ev("cs_enter", task, key) });
+    if !s.writes {
+        sleep(cs_sleep).await;
+        return;
+    }
     let fenced = resource.fenced_read(key, token).await;
     let plain = resource.read(key).await;
     // Both set registers are read before the sleep and written after it,

@@ -222,6 +222,8 @@ fn turn(line: &[Contender], position: usize, req: &AcquireRequest) -> Result<Opt
             if let Some(other) = ahead.iter().find(|c| c.mode != req.mode) {
                 return Err(conflict(other));
             }
+            #[cfg(feature = "broken-variants")]
+            let limit = crate::broken_variants::permit_limit(limit);
             Ok((position >= limit as usize).then(|| position - 1))
         }
         mode => {
@@ -229,7 +231,12 @@ fn turn(line: &[Contender], position: usize, req: &AcquireRequest) -> Result<Opt
                 return Err(conflict(other));
             }
             Ok(match mode {
-                LockMode::Shared => ahead.iter().rposition(|c| c.mode == LockMode::Exclusive),
+                LockMode::Shared => {
+                    let writer = ahead.iter().rposition(|c| c.mode == LockMode::Exclusive);
+                    #[cfg(feature = "broken-variants")]
+                    let writer = crate::broken_variants::readers_wait(writer);
+                    writer
+                }
                 _ => position.checked_sub(1),
             })
         }

@@ -1,0 +1,138 @@
+//! `primitives`: semaphores and read-write locks under `kill -9`.
+//!
+//! Every task of every worker takes one of two keys as one of 2 permits
+//! (`permits:2`), or as a reader or a writer (`rw`: a quarter writers), and
+//! holders are killed now and then; a fresh worker replaces each victim.
+//! C1 judges every moment by the mode of the holds believed then: never
+//! more than 2 permit holders of a key, never a writer beside anyone
+//! (`checker::admits`). The semaphore row must also have reached its limit
+//! (two permit holders at once somewhere), or it tested nothing; killed
+//! holders' permits must come back (orphan recovery). Their broken twins,
+//! `broken-permits-over-limit` and `broken-readers-pass-writers` (dlock's
+//! own ZooKeeper turn rule broken by a switch, see [`crate::own_bugs`]),
+//! run the same workload in `checker-self-test` and must be caught.
+
+use std::time::Duration;
+
+use dlock_testing::{RedisServer, ZooKeeperServer};
+use tokio::time::sleep;
+
+use crate::harness::{Report, Run};
+use crate::history::mono_ns;
+use crate::rng::Rng;
+use crate::scenario::{config, describe, find_holder, finish, resource_server, spawn_workers, Size};
+
+/// The semaphore's limit in every row.
+const LIMIT: u64 = 2;
+
+pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
+    let mut rows = Vec::new();
+    for backend in ["zookeeper", "redis"] {
+        for mode in ["permits:2", "rw"] {
+            rows.push(row("primitives", backend, mode, size, seed).await?);
+        }
+    }
+    Ok(rows)
+}
+
+/// The lock servers of a row: ZooKeeper's connect string, or one Redis.
+enum Servers {
+    ZooKeeper(ZooKeeperServer),
+    Redis(RedisServer),
+}
+
+impl Servers {
+    async fn start(backend: &str) -> Result<Servers, String> {
+        if backend == "redis" {
+            return Ok(Servers::Redis(RedisServer::start()));
+        }
+        let zk = tokio::task::spawn_blocking(ZooKeeperServer::start)
+            .await
+            .map_err(|e| format!("ZooKeeper did not start: {e}"))?;
+        Ok(Servers::ZooKeeper(zk))
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Servers::ZooKeeper(zk) => zk.connect_string(),
+            Servers::Redis(redis) => redis.url(),
+        }
+    }
+}
+
+/// One row: `backend` is `zookeeper`, `redis` or a broken variant (the
+/// self-test's), under `mode` (`permits:2` or `rw`). A broken variant runs
+/// on the backend its switch breaks.
+pub(crate) async fn row(scenario: &str, backend: &str, mode: &str, size: Size, seed: u64) -> Result<Report, String> {
+    let on = crate::own_bugs::find(backend).map_or(backend, |bug| bug.backend);
+    let servers = Servers::start(on).await?;
+    let (res_server, resource) = resource_server().await?;
+    let mut run = Run::new(&format!("{scenario}-{backend}-{}", mode.replace(':', ""))).map_err(|e| e.to_string())?;
+    let kills = size.pick(3u64, 30);
+    let mut cfg = config(backend, vec![servers.url()], &res_server, seed);
+    cfg.mode = mode.to_owned();
+    cfg.keys = 2;
+    cfg.tasks = 3;
+    cfg.lease_ms = 500;
+    cfg.session_ms = 1000;
+    cfg.wait_ms = 3000;
+    (cfg.cs_min_ms, cfg.cs_max_ms) = (5, 30);
+    let total = kills * 1200 + 2000;
+    cfg.duration_ms = total;
+    let procs = 3;
+    spawn_workers(&mut run, &cfg, procs)?;
+    let started = mono_ns();
+    let mut rng = Rng::new(seed);
+    let mut done = 0;
+    sleep(Duration::from_millis(if on == "zookeeper" { 1500 } else { 500 })).await;
+    for _ in 0..kills {
+        sleep(Duration::from_millis(800)).await;
+        let Some(pid) = find_holder(&run, None, Duration::from_millis(500), &mut rng).await? else { continue };
+        tokio::task::block_in_place(|| run.kill(pid));
+        done += 1;
+        let mut again = cfg.clone();
+        again.duration_ms = total.saturating_sub((mono_ns() - started) / 1_000_000).max(1000);
+        run.spawn(again).map_err(|e| e.to_string())?;
+    }
+    let broken = on != backend;
+    let mut r = Report::new(scenario, &if broken { backend.to_owned() } else { format!("{backend} ({mode})") }, seed);
+    r.expected_safe = !broken;
+    r.faults = done;
+    if done < kills {
+        r.note(format!("{} of {kills} episode(s) found no holder to hit and were skipped", kills - done));
+    }
+    r.fault_kind =
+        if on == "zookeeper" { "kill -9 a holder, session 1000 ms" } else { "kill -9 a holder, lease 500 ms" }.into();
+    describe(&mut r, procs, &cfg);
+    let findings = finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
+    if !broken {
+        judge_reach(&mut r, mode, findings.most_holders);
+    }
+    Ok(r)
+}
+
+/// A row must have shown what its mode lets through: the semaphore's
+/// limit reached, readers sharing a key. Otherwise its C1 checked nothing
+/// the exclusive rows do not.
+fn judge_reach(r: &mut Report, mode: &str, most: u64) {
+    r.note(format!("most holders of one key at once: {most}"));
+    let needed = if mode == "rw" { 2 } else { LIMIT };
+    if most < needed {
+        r.fail(format!("never {needed} holders at once: the mode's sharing was not exercised"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_that_never_shared_a_key_fails() {
+        let mut r = Report::new("primitives", "zookeeper", 0);
+        judge_reach(&mut r, "permits:2", 1);
+        assert!(!r.pass);
+        let mut r = Report::new("primitives", "zookeeper", 0);
+        judge_reach(&mut r, "permits:2", 2);
+        assert!(r.pass, "{}", r.notes);
+    }
+}
