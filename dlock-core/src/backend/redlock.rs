@@ -58,7 +58,9 @@ use tokio::time::Instant;
 
 use super::redis::script::{lock_scripts, ScriptCall};
 use super::redis::subscriber::Registration;
-use super::redis::{prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions};
+use super::redis::{
+    mode_conflict, prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions,
+};
 use super::wait::{acquire_loop, Attempt};
 use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
 use crate::error::{Error, Result};
@@ -322,8 +324,14 @@ impl RedLockBackend {
         let mut fence = 0;
         let (mut granted, mut holder_ttl) = (0, None::<Duration>);
         let mut held_by_others = vec![false; self.nodes.len()];
+        let mut conflict = None;
         for (i, answer) in &answers {
             match answer {
+                // Not ours to undo either; the attempt fails below.
+                NodeAttempt::Conflict { held } => {
+                    held_by_others[*i] = true;
+                    conflict = Some(*held);
+                }
                 NodeAttempt::Granted { grant } => {
                     granted += 1;
                     fence = fence.max(grant.fencing_token);
@@ -338,6 +346,7 @@ impl RedLockBackend {
         }
         let valid_until = started + validity;
         if granted >= self.quorum()
+            && conflict.is_none()
             && Instant::now() < valid_until
             && self.fence_on_quorum(fence, &answers, valid_until).await
             && Instant::now() < valid_until
@@ -366,6 +375,9 @@ impl RedLockBackend {
                 |_, _| false,
             )
             .await;
+        }
+        if let Some(held) = conflict {
+            return Err(mode_conflict(req, held));
         }
         if granted + answered_held < self.quorum() {
             return Err(self.unavailable(granted));
