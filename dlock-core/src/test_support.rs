@@ -33,3 +33,11 @@ pub fn zookeeper_session(backend: &ZooKeeperBackend) -> zookeeper_client::Sessio
 pub fn zookeeper_lock_path(backend: &ZooKeeperBackend, key: &LockKey) -> String {
     backend.lock_path(key)
 }
+
+/// The acquires of this Redis backend (its process) waiting for `key` now:
+/// a waiter counts from before its first try after subscribing, so a
+/// release after a test saw it counted wakes it or is seen by that try.
+#[cfg(feature = "redis")]
+pub fn redis_waiters(backend: &crate::backend::redis::RedisBackend, key: &LockKey) -> usize {
+    backend.subscriber.waiters(&crate::backend::redis::release_channel(key))
+}

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
-use dlock_core::backend::Backend;
+use dlock_core::backend::{Backend, LockMode};
 use dlock_core::{AcquireOptions, LockKey, Locker, LockerOptions, LostReason};
 use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::Instant;
@@ -1086,4 +1086,297 @@ async fn a_redis_that_cannot_be_reached_is_named_by_its_variable_and_address() {
     for text in [records_down, locks_down] {
         assert!(!text.contains("s3cret"), "{text}");
     }
+}
+
+/// Issue 26: a locker and its backend, to count the backend's waiters.
+async fn locker_and_backend(url: &str) -> (Locker, Arc<RedisBackend>) {
+    let backend = Arc::new(RedisBackend::connect(url, "dlock").await.expect("connect to the test redis-server"));
+    let opts = LockerOptions::default().with_watchdog_lease(Duration::from_millis(300));
+    let locker = Locker::with_options(backend.clone() as Arc<dyn Backend>, opts).expect("valid options");
+    (locker, backend)
+}
+
+fn in_mode(mode: LockMode) -> AcquireOptions {
+    AcquireOptions::new().with_mode(mode).with_lease(Duration::from_secs(30)).with_wait(Duration::ZERO)
+}
+
+/// Waits until `n` acquires of `backend` wait for `key` (no sleep-and-hope).
+async fn until_waiting(backend: &RedisBackend, key: &LockKey, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dlock_core::test_support::redis_waiters(backend, key) < n {
+        assert!(Instant::now() < deadline, "{n} waiters never parked on {key}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Issue 26: readers share a key, from several processes, and keep a
+/// writer out; once they are gone the writer gets it (with a higher token)
+/// and keeps readers out in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_share_a_key_and_exclude_a_writer() {
+    let server = RedisServer::start();
+    let (a, b, c) = (
+        locker_for(&server.url(), 300).await,
+        locker_for(&server.url(), 300).await,
+        locker_for(&server.url(), 300).await,
+    );
+    let k = a.key("rw").part(1).build().expect("key");
+    let r1 = a.acquire(&k, in_mode(LockMode::Shared)).await.expect("free");
+    let r2 = b.acquire(&k, in_mode(LockMode::Shared)).await.expect("readers share");
+    assert!(r2.fencing_token() > r1.fencing_token(), "every grant has its own, growing token");
+    let err = c.acquire(&k, in_mode(LockMode::Exclusive)).await.expect_err("readers keep a writer out");
+    assert!(err.is_contention(), "{err:?}");
+    assert!(r1.release().await.expect("release"));
+    assert!(c.acquire(&k, in_mode(LockMode::Exclusive)).await.expect_err("one reader is left").is_contention());
+    let last_read = r2.fencing_token();
+    assert!(r2.release().await.expect("release"));
+    let w = c.acquire(&k, in_mode(LockMode::Exclusive)).await.expect("the readers are gone");
+    assert!(w.fencing_token() > last_read);
+    assert!(a.acquire(&k, in_mode(LockMode::Shared)).await.expect_err("a writer keeps readers out").is_contention());
+    assert!(w.release().await.expect("release"));
+    a.acquire(&k, in_mode(LockMode::Shared)).await.expect("free again").release().await.expect("release");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("dlock:*}").query(&mut server.connection()).expect("KEYS");
+    assert!(keys.is_empty(), "released locks leave nothing behind: {keys:?}");
+}
+
+/// Issue 26: a writer that waits for readers is not starved by new ones:
+/// once it waits, a new reader is refused (and one that waits queues
+/// behind it); when the readers it waited for leave, the writer gets the
+/// key before the reader that came after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_writer_is_not_starved_by_new_readers() {
+    let server = RedisServer::start();
+    let (a, _) = locker_and_backend(&server.url()).await;
+    let (w, w_backend) = locker_and_backend(&server.url()).await;
+    let (r, r_backend) = locker_and_backend(&server.url()).await;
+    let k = a.key("writer-first").part(1).build().expect("key");
+    let reader = a.acquire(&k, in_mode(LockMode::Shared)).await.expect("free");
+    let writer = {
+        let (w, k) = (w.clone(), k.clone());
+        tokio::spawn(async move {
+            let g = w.acquire(&k, in_mode(LockMode::Exclusive).with_wait(Duration::from_secs(20))).await;
+            let g = g.expect("the writer gets the key when the reader leaves");
+            let token = g.fencing_token();
+            assert!(g.release().await.expect("release"));
+            token
+        })
+    };
+    until_waiting(&w_backend, &k, 1).await;
+    // Registered before its first try after subscribing: the intent is
+    // recorded by that try, which may still be on its way.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let intent: bool =
+            redis::cmd("HEXISTS").arg(k.as_str()).arg("i").query(&mut server.connection()).expect("HEXISTS");
+        if intent {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the waiting writer never recorded its intent");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let err = r.acquire(&k, in_mode(LockMode::Shared)).await.expect_err("a new reader waits behind the writer");
+    assert!(err.is_contention(), "{err:?}");
+    let late_reader = {
+        let (r, k) = (r.clone(), k.clone());
+        tokio::spawn(async move {
+            let g = r.acquire(&k, in_mode(LockMode::Shared).with_wait(Duration::from_secs(20))).await;
+            let g = g.expect("the late reader gets the key after the writer");
+            let token = g.fencing_token();
+            assert!(g.release().await.expect("release"));
+            token
+        })
+    };
+    until_waiting(&r_backend, &k, 1).await;
+    assert!(reader.release().await.expect("release"));
+    let writer_token = writer.await.expect("writer task");
+    let reader_token = late_reader.await.expect("reader task");
+    assert!(writer_token < reader_token, "the writer went first: {writer_token} vs {reader_token}");
+}
+
+/// Issue 26: `limit` permits from several processes, many tasks each, never
+/// more holders at once than the limit, and the limit reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_are_never_exceeded_under_contention() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const LIMIT: u32 = 3;
+    let server = RedisServer::start();
+    let (current, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut tasks = Vec::new();
+    let mut k = None;
+    for _ in 0..4 {
+        let locker = locker_for(&server.url(), 300).await;
+        let key = k.get_or_insert_with(|| locker.key("sem").part(1).build().expect("key")).clone();
+        for _ in 0..4 {
+            let (locker, key, current, most) = (locker.clone(), key.clone(), current.clone(), most.clone());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..10 {
+                    let opts = in_mode(LockMode::permits(LIMIT)).with_wait(Duration::from_secs(30));
+                    let g = locker.acquire(&key, opts).await.expect("a permit within the wait");
+                    let now = current.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    current.fetch_sub(1, Ordering::SeqCst);
+                    assert!(g.release().await.expect("release"), "the permit was still ours");
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(most.load(Ordering::SeqCst), LIMIT as usize, "holders at once: at most the limit, and reached");
+}
+
+/// Issue 26: a semaphore's limit is fixed by its first holder: another
+/// limit, an exclusive or a shared hold of its key is a mode conflict
+/// naming what does not fit, never contention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_key_asked_for_otherwise_is_a_mode_conflict() {
+    let server = RedisServer::start();
+    let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
+    let k = a.key("sem-conflict").part(1).build().expect("key");
+    let g = a.acquire(&k, in_mode(LockMode::permits(2))).await.expect("free");
+    match b.acquire(&k, in_mode(LockMode::permits(3))).await {
+        Err(dlock_core::Error::ModeConflict { reason, .. }) => {
+            assert!(reason.contains("semaphore of 2 permits") && reason.contains("one of 3"), "{reason}");
+        }
+        other => panic!("another limit: {other:?}"),
+    }
+    for mode in [LockMode::Exclusive, LockMode::Shared] {
+        let err = b.acquire(&k, in_mode(mode).with_wait(Duration::from_secs(5))).await.expect_err("conflict");
+        assert!(matches!(err, dlock_core::Error::ModeConflict { .. }), "{mode}: {err:?}");
+    }
+    // A read-write key asked for as a semaphore is one too.
+    let rw = a.key("sem-conflict").part(2).build().expect("key");
+    let reader = a.acquire(&rw, in_mode(LockMode::Shared)).await.expect("free");
+    let err = b.acquire(&rw, in_mode(LockMode::permits(2))).await.expect_err("conflict");
+    assert!(matches!(err, dlock_core::Error::ModeConflict { .. }), "{err:?}");
+    // Once nobody holds it, the next holder fixes the mode anew.
+    assert!(g.release().await.expect("release"));
+    assert!(reader.release().await.expect("release"));
+    b.acquire(&k, in_mode(LockMode::permits(3))).await.expect("a new limit").release().await.expect("release");
+    b.acquire(&k, in_mode(LockMode::Exclusive)).await.expect("exclusive").release().await.expect("release");
+}
+
+/// Issue 26: a permit with a fixed lease whose holder vanishes comes back
+/// when the lease runs out; the waiter learns when from the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_with_a_fixed_lease_comes_back_after_the_lease() {
+    let server = RedisServer::start();
+    let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
+    let k = a.key("sem-lease").part(1).build().expect("key");
+    let short = || in_mode(LockMode::permits(2)).with_lease(Duration::from_millis(300));
+    let (p1, p2) = (a.acquire(&k, short()).await.expect("free"), a.acquire(&k, short()).await.expect("second permit"));
+    // The holders vanish without releasing (as a crashed process would).
+    std::mem::forget(p1);
+    std::mem::forget(p2);
+    let err = b.acquire(&k, in_mode(LockMode::permits(2))).await.expect_err("both permits taken");
+    assert!(err.is_contention(), "{err:?}");
+    let started = Instant::now();
+    let g =
+        b.acquire(&k, in_mode(LockMode::permits(2)).with_wait(Duration::from_secs(10))).await.expect("after the lease");
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(5), "woken at the lease's end, not the wait's: {waited:?}");
+    let g2 = b.acquire(&k, in_mode(LockMode::permits(2))).await.expect("the other permit came back too");
+    assert!(g.release().await.expect("release") && g2.release().await.expect("release"));
+}
+
+/// Issue 26: waiters are woken by the release announcement, not the
+/// holder's lease (30 s, past their wait): every reader of one process
+/// parked behind a writer, a writer parked behind readers, and a waiter
+/// for a permit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_of_shared_keys_and_permits_are_woken_by_the_release() {
+    let server = RedisServer::start();
+    let a = locker_for(&server.url(), 300).await;
+    let (b, b_backend) = locker_and_backend(&server.url()).await;
+    let wait = |mode| in_mode(mode).with_wait(Duration::from_secs(10));
+    // Each waiter keeps what it got until `together` of them have it, so a
+    // wake-up of one that the others would only get from its release is
+    // not enough.
+    let spawn = |k: &LockKey, mode: LockMode, together: &Arc<tokio::sync::Barrier>| {
+        let (b, k, together) = (b.clone(), k.clone(), together.clone());
+        tokio::spawn(async move {
+            let g = b.acquire(&k, wait(mode)).await.expect("woken by the release");
+            let all_in = tokio::time::timeout(Duration::from_secs(20), together.wait()).await;
+            assert!(g.release().await.expect("release"));
+            all_in.expect("the others got it too, without this one's release");
+        })
+    };
+    let alone = Arc::new(tokio::sync::Barrier::new(1));
+
+    let k = a.key("wake").part("readers").build().expect("key");
+    let writer = a.acquire(&k, in_mode(LockMode::Exclusive)).await.expect("free");
+    let all_three = Arc::new(tokio::sync::Barrier::new(3));
+    let readers: Vec<_> = (0..3).map(|_| spawn(&k, LockMode::Shared, &all_three)).collect();
+    until_waiting(&b_backend, &k, 3).await;
+    assert!(writer.release().await.expect("release"));
+    for r in readers {
+        r.await.expect("reader task");
+    }
+
+    let k = a.key("wake").part("writer").build().expect("key");
+    let held: Vec<_> = [a.acquire(&k, in_mode(LockMode::Shared)).await, a.acquire(&k, in_mode(LockMode::Shared)).await]
+        .into_iter()
+        .map(|g| g.expect("readers share"))
+        .collect();
+    let writer = spawn(&k, LockMode::Exclusive, &alone);
+    until_waiting(&b_backend, &k, 1).await;
+    for g in held {
+        assert!(g.release().await.expect("release"));
+    }
+    writer.await.expect("writer task");
+
+    let k = a.key("wake").part("permit").build().expect("key");
+    let permit = a.acquire(&k, in_mode(LockMode::permits(1))).await.expect("free");
+    let waiters: Vec<_> = (0..2).map(|_| spawn(&k, LockMode::permits(1), &alone)).collect();
+    until_waiting(&b_backend, &k, 2).await;
+    assert!(permit.release().await.expect("release"));
+    for w in waiters {
+        w.await.expect("permit waiter");
+    }
+}
+
+/// Issue 26 on Redis Cluster: a counted key lives in its lock's slot, so
+/// readers share and permits count there as on one server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_keeps_shared_holds_and_permits() {
+    let cluster = dlock_testing::RedisCluster::start(3);
+    let url = cluster.url();
+    let (a, b) = (locker_for(&url, 300).await, locker_for(&url, 300).await);
+    for i in 0..6 {
+        let k = a.key("cluster-rw").part(i).build().expect("key");
+        let r1 = a.acquire(&k, in_mode(LockMode::Shared)).await.expect("free");
+        let r2 = b.acquire(&k, in_mode(LockMode::Shared)).await.expect("readers share");
+        assert!(b.acquire(&k, in_mode(LockMode::Exclusive)).await.expect_err("readers").is_contention());
+        assert!(r1.release().await.expect("release") && r2.release().await.expect("release"));
+        b.acquire(&k, in_mode(LockMode::Exclusive)).await.expect("free again").release().await.expect("release");
+
+        let s = a.key("cluster-sem").part(i).build().expect("key");
+        let p = || in_mode(LockMode::permits(2));
+        let (p1, p2) = (a.acquire(&s, p()).await.expect("free"), b.acquire(&s, p()).await.expect("second"));
+        assert!(b.acquire(&s, p()).await.expect_err("both taken").is_contention());
+        assert!(p1.release().await.expect("release"));
+        let p3 = b.acquire(&s, p()).await.expect("a permit came back");
+        assert!(p3.fencing_token() > p2.fencing_token(), "one high-water mark for every grant");
+        assert!(p2.release().await.expect("release") && p3.release().await.expect("release"));
+    }
+}
+
+/// Issue 26: the watchdog renews a shared hold and a permit by key and
+/// owner, like an exclusive one: both outlive many leases of 300 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watchdog_renews_shared_holds_and_permits() {
+    let server = RedisServer::start();
+    let (a, b) = (locker_for(&server.url(), 300).await, locker_for(&server.url(), 300).await);
+    let rw = a.key("renew-counted").part("rw").build().expect("key");
+    let sem = a.key("renew-counted").part("sem").build().expect("key");
+    let watchdog = |mode| AcquireOptions::new().with_mode(mode).with_wait(Duration::ZERO);
+    let reader = a.acquire(&rw, watchdog(LockMode::Shared)).await.expect("free");
+    let permit = a.acquire(&sem, watchdog(LockMode::permits(1))).await.expect("free");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    assert!(!reader.is_lost() && !permit.is_lost(), "renewed");
+    assert!(b.acquire(&rw, in_mode(LockMode::Exclusive)).await.expect_err("still read").is_contention());
+    assert!(b.acquire(&sem, in_mode(LockMode::permits(1))).await.expect_err("still taken").is_contention());
+    assert!(reader.release().await.expect("release") && permit.release().await.expect("release"));
 }

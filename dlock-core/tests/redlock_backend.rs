@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
-use dlock_core::backend::Backend;
+use dlock_core::backend::{Backend, LockMode};
 use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions};
 use dlock_testing::RedisServer;
 use tokio::time::Instant;
@@ -407,4 +407,53 @@ async fn redlock_tokens_grow_when_one_node_clock_runs_ahead() {
     let t2 = g2.fencing_token();
     assert!(t2 > t1, "client 2 (quorum A and C) got token {t2} after client 1's {t1} (B's mark ran 10 s ahead)");
     assert!(g2.release().await.expect("release"));
+}
+
+fn in_mode(mode: LockMode) -> AcquireOptions {
+    AcquireOptions::new().with_mode(mode).with_lease(Duration::from_secs(30)).with_wait(Duration::ZERO)
+}
+
+/// Issue 26: RedLock refuses a semaphore of 2 or more permits, saying why
+/// (majorities cannot count holders), and keeps one permit as a mutex.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_refuses_a_semaphore_and_keeps_one_permit() {
+    let r = redlock().await;
+    let (a, b) = (locker_for(&r.urls(), 300).await, locker_for(&r.urls(), 300).await);
+    let k = a.key("rl-sem").part(1).build().expect("key");
+    match a.acquire(&k, in_mode(LockMode::permits(2))).await {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("2 permits") && reason.contains("majority"), "{reason}");
+        }
+        other => panic!("a semaphore of 2 on RedLock: {other:?}"),
+    }
+    let one = a.acquire(&k, in_mode(LockMode::permits(1))).await.expect("one permit: a mutex");
+    assert!(b.acquire(&k, in_mode(LockMode::permits(1))).await.expect_err("taken").is_contention());
+    assert!(one.release().await.expect("release"));
+    b.acquire(&k, in_mode(LockMode::permits(1))).await.expect("free again").release().await.expect("release");
+}
+
+/// Issue 26: readers share a key on a quorum and keep a writer out; a
+/// writer keeps readers out; every grant's token grows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_readers_share_and_exclude_a_writer() {
+    let r = redlock().await;
+    let (a, b) = (locker_for(&r.urls(), 300).await, locker_for(&r.urls(), 300).await);
+    let k = a.key("rl-rw").part(1).build().expect("key");
+    let r1 = a.acquire(&k, in_mode(LockMode::Shared)).await.expect("free");
+    let r2 = b.acquire(&k, in_mode(LockMode::Shared)).await.expect("readers share");
+    assert!(r2.fencing_token() > r1.fencing_token());
+    assert!(b.acquire(&k, in_mode(LockMode::Exclusive)).await.expect_err("readers hold it").is_contention());
+    let last_read = r2.fencing_token();
+    assert!(r1.release().await.expect("release") && r2.release().await.expect("release"));
+    let w = b.acquire(&k, in_mode(LockMode::Exclusive)).await.expect("the readers are gone");
+    assert!(w.fencing_token() > last_read);
+    assert!(a.acquire(&k, in_mode(LockMode::Shared)).await.expect_err("a writer holds it").is_contention());
+    // A reader that waits is woken by the writer's release (its lease is 30 s).
+    let reader = {
+        let (a, k) = (a.clone(), k.clone());
+        tokio::spawn(async move { a.acquire(&k, in_mode(LockMode::Shared).with_wait(Duration::from_secs(10))).await })
+    };
+    suite::until_parked(&r, &k).await;
+    assert!(w.release().await.expect("release"));
+    reader.await.expect("task").expect("woken by the release").release().await.expect("release");
 }

@@ -44,6 +44,19 @@
 //! * renewal succeeds only with a quorum; when it cannot reach one before
 //!   the validity ends, the guard's lost signal fires.
 //!
+//! * modes: [`LockMode::Shared`] is kept: each node keeps its readers as
+//!   the Redis backend does, and any majority of readers shares a node with
+//!   any majority of a writer, where one of them is refused. A waiting
+//!   writer's intent (writer preference) is recorded on the nodes it
+//!   reaches. [`LockMode::Permits`] with a limit of 2 or more is refused
+//!   with [`Error::InvalidArgument`]: a node counts only the holders that
+//!   reached it, and a permit needs only a majority, so with 3 masters and
+//!   2 permits, clients granted on nodes {1,2}, {2,3} and {1,3} each hold a
+//!   majority while no node has more than 2 holders: 3 permits of 2. One
+//!   permit is a mutex and is kept. A node that finds the key held in a
+//!   mode that does not fit makes the attempt fail with
+//!   [`Error::ModeConflict`], its grants elsewhere undone.
+//!
 //! Each node is a [`RedisBackend`]: same scripts, one multiplexed connection
 //! and one subscriber connection per node.
 
@@ -58,9 +71,11 @@ use tokio::time::Instant;
 
 use super::redis::script::{lock_scripts, ScriptCall};
 use super::redis::subscriber::Registration;
-use super::redis::{prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions};
+use super::redis::{
+    mode_conflict, prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions,
+};
 use super::wait::{acquire_loop, Attempt};
-use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -322,8 +337,14 @@ impl RedLockBackend {
         let mut fence = 0;
         let (mut granted, mut holder_ttl) = (0, None::<Duration>);
         let mut held_by_others = vec![false; self.nodes.len()];
+        let mut conflict = None;
         for (i, answer) in &answers {
             match answer {
+                // Not ours to undo either; the attempt fails below.
+                NodeAttempt::Conflict { held } => {
+                    held_by_others[*i] = true;
+                    conflict = Some(*held);
+                }
                 NodeAttempt::Granted { grant } => {
                     granted += 1;
                     fence = fence.max(grant.fencing_token);
@@ -338,6 +359,7 @@ impl RedLockBackend {
         }
         let valid_until = started + validity;
         if granted >= self.quorum()
+            && conflict.is_none()
             && Instant::now() < valid_until
             && self.fence_on_quorum(fence, &answers, valid_until).await
             && Instant::now() < valid_until
@@ -366,6 +388,9 @@ impl RedLockBackend {
                 |_, _| false,
             )
             .await;
+        }
+        if let Some(held) = conflict {
+            return Err(mode_conflict(req, held));
         }
         if granted + answered_held < self.quorum() {
             return Err(self.unavailable(granted));
@@ -486,6 +511,25 @@ impl AsRef<Notify> for SharedRegistration {
     }
 }
 
+/// `Ok` for a mode whose limit a majority of nodes can keep: exclusive,
+/// shared, and one permit (a mutex). A semaphore of more permits cannot be
+/// kept by majorities (see the module docs).
+fn majority_safe(req: &AcquireRequest) -> Result<()> {
+    match req.mode {
+        LockMode::Permits { limit } if limit >= 2 => Err(Error::invalid_argument(
+            "mode",
+            format!(
+                "RedLock cannot keep a semaphore of {limit} permits: each node counts only the holders that \
+                 reached it, and a permit needs only a majority of nodes, so more than {limit} clients can \
+                 each hold a majority while no node has more than {limit} holders (3 masters, 2 permits: \
+                 clients on nodes {{1,2}}, {{2,3}} and {{1,3}}). Use one permit (a mutex), a shared or \
+                 exclusive lock, or a single Redis (or Sentinel or Cluster) backend for semaphores"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A random duration in `[1 ms, max]`.
 fn jitter(max: Duration) -> Duration {
     let mut b = [0u8; 2];
@@ -518,7 +562,7 @@ impl Backend for RedLockBackend {
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
-            super::exclusive_only(req, "redlock")?;
+            majority_safe(req)?;
             let started = Instant::now();
             let turn = self.turn(&req.key);
             let _turn = match turn.clone().try_lock_owned() {

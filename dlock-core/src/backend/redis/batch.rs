@@ -34,8 +34,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::script::{acquire_call, acquire_reply, lock_scripts, release_call, Reply, ScriptCall};
-use super::{lease_ms, Client};
+use super::script::{acquire_args, acquire_call, acquire_reply, lock_scripts, release_call, Reply, ScriptCall};
+use super::Client;
 use crate::backend::AcquireRequest;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -270,9 +270,10 @@ async fn send(calls: &Calls, ops: Vec<Op>) -> Vec<Answer> {
                 // The data marker is gone: the same answer for every acquire.
                 Reply::new(&[2]).map(|gone| vec![gone; n])
             } else {
-                // {0, ms, 0} when held: the one-key script's {0, ms}.
+                // {0, ms, 0} when held, {3, mode, 0} in another mode: the
+                // one-key script's {0, ms} and {3, mode}.
                 flat.chunks(3)
-                    .map(|c| Reply::new(if c.first() == Some(&0) { &c[..2.min(c.len())] } else { c }))
+                    .map(|c| Reply::new(if matches!(c.first(), Some(0 | 3)) { &c[..2.min(c.len())] } else { c }))
                     .collect()
             }
         })
@@ -327,15 +328,13 @@ fn batch_call<'a>(calls: &'a Calls, ops: &[Op], marker: Option<&str>) -> ScriptC
         Kind::Release => &lock_scripts().release_many,
         Kind::Renew => &lock_scripts().renew,
     };
-    let mut call = ScriptCall::new(script, &keys, 3 * ops.len() + 1);
+    let mut call = ScriptCall::new(script, &keys, 5 * ops.len() + 1);
     if kind == Kind::Acquire {
         call.arg(if marker.is_some() { "1" } else { "0" });
     }
     for op in ops {
         match op {
-            Op::Acquire { req, awaited } => {
-                call.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if *awaited { "1" } else { "0" });
-            }
+            Op::Acquire { req, awaited } => acquire_args(&mut call, req, *awaited),
             Op::Release { owner, .. } => {
                 call.arg(owner.as_str());
             }

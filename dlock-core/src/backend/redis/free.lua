@@ -1,14 +1,42 @@
--- Prepended to release.lua and release_many.lua (see mod.rs): what each
--- release does to its one lock, written once.
+-- Prepended to release.lua and release_many.lua after counted.lua (see
+-- mod.rs): what each release does to its one lock, written once.
 -- free(key, owner) deletes lock `key` '<token>:<w>:<owner>' only for its
--- owner, and announces the release on `key:released` when someone waits
--- for it (`w` = '1'; the channel is release_channel in mod.rs). The lock's
--- fencing token needs no keeping: the high-water mark the acquire advanced
--- is above it. Returns 0 when freed, -1 when not held by this owner.
+-- owner, or drops the owner's hold from a counted key (counted.lua), and
+-- announces the release on `key:released` when someone waits for it (the
+-- channel is release_channel in mod.rs): with the payload 'a' when every
+-- waiter may go (readers waited, or a reader left a read-write lock), ''
+-- when one may (a permit, an exclusive hold only writers waited for). The
+-- lock's fencing token needs no keeping: the high-water mark the acquire
+-- advanced is above it. Returns 0 when freed, -1 when not held by this
+-- owner.
+
+-- free() on a counted key: the rare path.
+local function free_counted(key, owner)
+  local s = live(key, now_ms())
+  if not s.holders[owner] then
+    keep_until(key, s)
+    return -1
+  end
+  redis.call('HDEL', key, owner)
+  s.holders[owner] = nil
+  s.last = 0
+  for _, h in pairs(s.holders) do
+    s.last = math.max(s.last, h[2])
+  end
+  keep_until(key, s)
+  if s.w == '1' then
+    redis.call('PUBLISH', key .. ':released', s.mode == 's' and 'a' or '')
+  end
+  return 0
+end
+
 local function free(key, owner)
-  local lock = redis.call('GET', key)
+  local lock = redis.pcall('GET', key)
   if not lock then
     return -1
+  end
+  if wrong_type(lock) then
+    return free_counted(key, owner)
   end
   -- The token is digits only, so the first ':' ends it, `w` follows and the
   -- owner is the rest from two bytes later: plain finds, no pattern, no copy.
@@ -17,9 +45,9 @@ local function free(key, owner)
     return -1
   end
   redis.call('DEL', key)
-  if string.byte(lock, colon + 1) == 49 then
-    redis.call('PUBLISH', key .. ':released', '')
+  local w = string.byte(lock, colon + 1)
+  if w ~= 48 then
+    redis.call('PUBLISH', key .. ':released', w == 50 and 'a' or '')
   end
   return 0
 end
-

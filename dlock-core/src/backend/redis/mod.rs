@@ -7,8 +7,31 @@
 //!   uncontended cycle costs the server five commands in two script calls:
 //!   `TIME`, `SET mark GET`, `SET key NX PX GET` to take it, `GET`, `DEL`
 //!   to give it back.
-//! * Re-entry is counted by the engine: the server keeps one hold per key,
-//!   and only a process's first acquire and last release reach it.
+//! * A key held shared (a read lock) or as permits (a semaphore) is a hash
+//!   under the same name, so in the same cluster slot (`counted.lua`): `m`
+//!   the mode (`s`, or `p<N>` for N permits, fixed by the first holder while
+//!   anyone holds it: another limit is [`Error::ModeConflict`] naming both),
+//!   `w` = `1` once someone waited, `i` a waiting writer's intent, and one
+//!   field per holder, its owner = `<fence>:<expiry in server ms>`. The key
+//!   expires with the latest holder (or intent); expired holders are dropped
+//!   by the next operation that reads the hash. The same scripts serve both
+//!   kinds: the exclusive path runs its `SET NX GET` (and release and renew
+//!   their `GET`) as `redis.pcall`, and only a `WRONGTYPE` answer, a hash,
+//!   takes the counted path, so an exclusive cycle costs what it did. A
+//!   counted cycle costs `TIME`, `SET mark GET`, `TYPE`, `TIME`, `HGETALL`
+//!   (when others hold the key), `HSET`, `PEXPIREAT` to take, `GET`
+//!   (failing), `TIME`, `HGETALL`, `HDEL`, `DEL` or `PEXPIREAT` to give
+//!   back: O(holders) per operation. Tokens of every grant come from the
+//!   one high-water mark.
+//! * Writer preference: a writer that waits for readers records an intent
+//!   (`i` = its expiry, bounded by its remaining wait, and its owner) on
+//!   each try; new readers are refused while it lives, also once the last
+//!   reader left (the hash stays until the intent expires or the writer
+//!   takes the key). A writer that gives up leaves it until its wait would
+//!   have ended.
+//! * Re-entry is counted by the engine: the server keeps one hold per key
+//!   and owner, and only a process's first acquire and last release reach
+//!   it.
 //! * Tokens are `max(high-water mark + 1, server time in µs)`; the mark is
 //!   one key per prefix, `prefix:fence` (one per hash slot in a cluster, see
 //!   `high_water.rs`), so tokens grow strictly per key, and keep growing
@@ -24,7 +47,11 @@
 //!   in flight (`batch.rs`).
 //! * Release publishes on `prefix:{name:parts}:released` when `w` says
 //!   someone waits (uncontended releases skip it); waiters of this process
-//!   share one subscriber connection (see `subscriber.rs`).
+//!   share one subscriber connection (see `subscriber.rs`). The payload `a`
+//!   wakes every local waiter instead of one: sent when readers waited for
+//!   an exclusive hold (`w` = `2`) or a reader leaves a read-write lock.
+//!   A counted key's `w` stays set while the hash lives, so a busy
+//!   semaphore that was once waited for announces every release.
 //!
 //! All commands go through one multiplexed connection with connect and
 //! response timeouts, so a dead server gives an error, never a hang. A
@@ -63,7 +90,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::wait::{acquire_loop, Attempt};
-use super::{redact, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use super::{redact, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -137,10 +164,11 @@ impl RedisBackend {
             Some((batcher, calls)) => self.try_batched(batcher, calls, req, awaited).await?,
             None => self.try_on_node(req, awaited).await?,
         };
-        Ok(match attempt {
-            NodeAttempt::Granted { grant } => Attempt::Acquired(grant),
-            NodeAttempt::Held { retry_in } => Attempt::Held { retry_in },
-        })
+        match attempt {
+            NodeAttempt::Granted { grant } => Ok(Attempt::Acquired(grant)),
+            NodeAttempt::Held { retry_in } => Ok(Attempt::Held { retry_in }),
+            NodeAttempt::Conflict { held } => Err(mode_conflict(req, held)),
+        }
     }
 
     /// Loads the lock scripts into the server's script cache. A script
@@ -219,6 +247,15 @@ impl RedisBackend {
 /// An acquire script's reply for one lock, sent at `sent`.
 fn node_attempt(reply: &[i64], sent: Instant, lease: Duration) -> Result<NodeAttempt> {
     Ok(match reply {
+        // Held in a mode that does not fit the one asked for: -1 exclusive,
+        // 0 shared, N one of N permits.
+        [3, held] => NodeAttempt::Conflict {
+            held: match u32::try_from(*held) {
+                Ok(0) => LockMode::Shared,
+                Ok(limit) => LockMode::Permits { limit },
+                Err(_) => LockMode::Exclusive,
+            },
+        },
         // The third value tells a fresh grant (1) from one that joined a
         // hold of the same owner (2), which keeps its token: either is ours.
         [1, token, _] => NodeAttempt::Granted { grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + lease) },
@@ -242,8 +279,31 @@ enum HighWater {
 /// One node's answer to an acquire.
 #[derive(Debug)]
 pub(crate) enum NodeAttempt {
-    Granted { grant: Grant },
-    Held { retry_in: Option<Duration> },
+    Granted {
+        grant: Grant,
+    },
+    Held {
+        retry_in: Option<Duration>,
+    },
+    /// Held (by others, or by this owner) in `held`, which does not fit the
+    /// mode asked for: a mistake of the program, not contention.
+    Conflict {
+        held: LockMode,
+    },
+}
+
+/// The error for `req` finding its key held in `held`, naming both modes
+/// (for permits, both limits).
+pub(crate) fn mode_conflict(req: &AcquireRequest, held: LockMode) -> Error {
+    let reason = match (held, req.mode) {
+        (LockMode::Permits { limit: held }, LockMode::Permits { limit: asked }) => format!(
+            "it is a semaphore of {held} permits, and was asked for as one of {asked}: the first holder \
+             fixes the limit while anyone holds the key"
+        ),
+        (LockMode::Exclusive, asked) => format!("this owner holds it exclusive, not as {asked}"),
+        (held, asked) => format!("it is held as {held}, and was asked for as {asked}"),
+    };
+    Error::mode_conflict(&req.key, reason)
 }
 
 impl Backend for RedisBackend {
@@ -256,9 +316,6 @@ impl Backend for RedisBackend {
     }
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
-        if let Err(e) = super::exclusive_only(req, "redis") {
-            return Box::pin(std::future::ready(Err(e)));
-        }
         Box::pin(acquire_loop(
             req,
             cancel,

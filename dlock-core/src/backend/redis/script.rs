@@ -2,7 +2,9 @@
 //!
 //! Each lock script is built once from its body and the per-key code it
 //! shares with its many-key twin (`take.lua`, `free.lua`; `clock.lua` for
-//! the scripts that make tokens), as Lua cannot import.
+//! the scripts that make tokens; `counted.lua`, how a key with several
+//! holders is kept, for every script that touches a lock), as Lua cannot
+//! import.
 //!
 //! [`ScriptCall`] is a script called by its SHA1, the command written once:
 //! every script of the Redis backends and of the Redis idempotency store
@@ -17,11 +19,13 @@
 //! `ScriptInvocation` does.
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind, ToRedisArgs};
+use tokio::time::Instant;
 
 use super::lease_ms;
-use crate::backend::AcquireRequest;
+use crate::backend::{AcquireRequest, LockMode};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -29,6 +33,9 @@ use crate::owner::Owner;
 /// The server clock as token text, prepended to the scripts that make
 /// tokens.
 const CLOCK: &str = include_str!("clock.lua");
+/// A key with several holders (shared, permits), prepended to every
+/// script that touches a lock.
+const COUNTED: &str = include_str!("counted.lua");
 /// What an acquire does to one lock, prepended to both acquire scripts.
 const TAKE: &str = include_str!("take.lua");
 /// What a release does to one lock, prepended to both release scripts.
@@ -47,11 +54,11 @@ pub(crate) struct LockScripts {
 }
 
 static LOCK_SCRIPTS: LazyLock<LockScripts> = LazyLock::new(|| LockScripts {
-    acquire: Script::new(&format!("{CLOCK}{TAKE}{}", include_str!("acquire.lua"))),
-    acquire_many: Script::new(&format!("{CLOCK}{TAKE}{}", include_str!("acquire_many.lua"))),
-    release: Script::new(&format!("{FREE}{}", include_str!("release.lua"))),
-    release_many: Script::new(&format!("{FREE}{}", include_str!("release_many.lua"))),
-    renew: Script::new(include_str!("renew.lua")),
+    acquire: Script::new(&format!("{CLOCK}{COUNTED}{TAKE}{}", include_str!("acquire.lua"))),
+    acquire_many: Script::new(&format!("{CLOCK}{COUNTED}{TAKE}{}", include_str!("acquire_many.lua"))),
+    release: Script::new(&format!("{COUNTED}{FREE}{}", include_str!("release.lua"))),
+    release_many: Script::new(&format!("{COUNTED}{FREE}{}", include_str!("release_many.lua"))),
+    renew: Script::new(&format!("{COUNTED}{}", include_str!("renew.lua"))),
     raise_mark: Script::new(&format!("{CLOCK}{}", include_str!("raise_mark.lua"))),
 });
 
@@ -108,14 +115,31 @@ pub(crate) fn acquire_call<'a>(
     awaited: bool,
 ) -> ScriptCall<'a> {
     let mut call = match marker {
-        Some(marker) => ScriptCall::new(script, &[req.key.as_str(), mark, marker], 4),
-        None => ScriptCall::new(script, &[req.key.as_str(), mark], 3),
+        Some(marker) => ScriptCall::new(script, &[req.key.as_str(), mark, marker], 6),
+        None => ScriptCall::new(script, &[req.key.as_str(), mark], 5),
     };
-    call.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if awaited { "1" } else { "0" });
+    acquire_args(&mut call, req, awaited);
     if marker.is_some() {
         call.arg("1");
     }
     call
+}
+
+/// One acquire's arguments, in the order both acquire scripts take them:
+/// owner, lease in ms, awaited, mode, and how long a waiting writer may
+/// still wait (what bounds the intent that holds new readers back).
+pub(crate) fn acquire_args(call: &mut ScriptCall<'_>, req: &AcquireRequest, awaited: bool) {
+    call.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if awaited { "1" } else { "0" });
+    match req.mode {
+        LockMode::Shared => call.arg("s"),
+        LockMode::Permits { limit } => call.arg(format!("p{limit}")),
+        LockMode::Exclusive => call.arg("x"),
+    };
+    let wait = match (req.mode, req.deadline) {
+        (LockMode::Exclusive, Some(deadline)) if awaited => deadline.saturating_duration_since(Instant::now()),
+        _ => Duration::ZERO,
+    };
+    call.arg(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
 }
 
 /// The one-key release script's call (`release.lua`).
@@ -157,7 +181,8 @@ impl std::fmt::Debug for Reply {
 }
 
 /// The acquire script's reply as `[1, token, 1]` (granted), `[1, token, 2]`
-/// (joined), `[0, ms]` (held) or `[2]` (data marker gone). A grant comes
+/// (joined), `[0, ms]` (held), `[3, mode held]` (held in a mode that does
+/// not fit) or `[2]` (data marker gone). A grant comes
 /// back as the bare token, the cheapest reply for the script to build.
 pub(crate) fn acquire_reply(reply: redis::Value) -> Result<Reply> {
     let parsed = match reply {

@@ -3,7 +3,8 @@
 //! A single actor task owns the connection and a table `channel -> (Notify,
 //! waiters)`. The first local waiter of a key subscribes to its release
 //! channel, the last one to leave unsubscribes; a release message wakes one
-//! local waiter (the one that will take the lock), not all of them. Because
+//! local waiter (the one that will take the lock), not all of them, unless
+//! its payload says every waiter may go (see [`wake`]). Because
 //! one task sends every (un)subscribe in order, an unsubscribe can never
 //! overtake a later subscribe of the same channel. The actor does not wait
 //! for a confirmation before sending the next command: on a slow server
@@ -145,6 +146,12 @@ impl Subscriber {
         self.waiting.total.load(Ordering::Relaxed) > 0 && self.waiting.channels().contains_key(&channel())
     }
 
+    /// How many waiters of this process are registered on `channel`.
+    #[cfg(feature = "test-support")]
+    pub(crate) fn waiters(&self, channel: &str) -> usize {
+        self.waiting.channels().get(channel).copied().unwrap_or(0)
+    }
+
     /// Registers a waiter for `channel`, subscribing if it is the first.
     pub(crate) async fn register(&self, channel: String) -> Registration {
         self.register_shared(channel, None).await
@@ -173,6 +180,21 @@ impl Subscriber {
             registration.notify = notify;
         }
         registration
+    }
+}
+
+/// Wakes the waiters a release announcement lets in: all of them when its
+/// payload is `a` (readers waited, or a reader left a read-write lock:
+/// several may go at once, and one woken in a writer's place would let the
+/// wake-up go to waste), else one, the one that will take the lock.
+///
+/// Every waiter has its `notified()` enabled before each try, so waking
+/// all of them misses none that a release could let in: one between two
+/// tries is about to try anyway.
+fn wake(notify: &Notify, payload: &[u8]) {
+    match payload {
+        b"a" => notify.notify_waiters(),
+        _ => notify.notify_one(),
     }
 }
 
@@ -263,7 +285,7 @@ impl Actor {
                 msg = message => match msg {
                     Some(msg) => {
                         if let Some(entry) = self.channels.get(msg.get_channel_name()) {
-                            entry.notify.notify_one();
+                            wake(&entry.notify, msg.get_payload_bytes());
                         }
                     }
                     None => self.disconnected(),
