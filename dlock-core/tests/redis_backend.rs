@@ -66,6 +66,7 @@ async fn redis() -> Redis {
 }
 
 backend_suite!(redis());
+primitives_suite!(redis());
 
 /// A release publishes only when an acquire found the lock held and waits:
 /// uncontended cycles cost the server no PUBLISH.

@@ -75,6 +75,7 @@ async fn redlock() -> RedLock {
 }
 
 backend_suite!(redlock());
+primitives_suite!(redlock(), one_permit_only);
 
 #[tokio::test]
 async fn an_even_number_of_nodes_is_a_config_error() {

@@ -495,16 +495,6 @@ pub(crate) fn redact(url: &str) -> String {
     }
 }
 
-/// Refuses a mode other than [`LockMode::Exclusive`], for a backend that
-/// does not (yet) keep shared holds or permits: a weaker lock in their place
-/// would be silent.
-pub(crate) fn exclusive_only(req: &AcquireRequest, backend: &'static str) -> Result<()> {
-    match req.mode {
-        LockMode::Exclusive => Ok(()),
-        mode => Err(Error::invalid_argument("mode", format!("the {backend} backend does not support {mode} locks"))),
-    }
-}
-
 /// Busy or timeout, depending on whether the caller wanted to wait.
 pub(crate) fn contention(req: &AcquireRequest, started: Instant) -> Error {
     match req.deadline {

@@ -479,6 +479,18 @@ impl<H: Harness> Harness for PermitOfOne<H> {
 #[macro_export]
 macro_rules! primitives_suite {
     ($make:expr) => {
+        $crate::primitives_suite!($make, one_permit_only);
+        mod semaphores {
+            use super::*;
+            $crate::primitives_suite!(@tests $make;
+                a_semaphore_admits_its_limit_and_wakes_a_waiter,
+                a_semaphore_keeps_its_limit,
+                never_more_than_the_limit_under_contention,
+            );
+        }
+    };
+    // For a backend that refuses semaphores of more than one permit (RedLock).
+    ($make:expr, one_permit_only) => {
         mod primitives {
             use super::*;
             $crate::primitives_suite!(@tests $make;
@@ -486,10 +498,7 @@ macro_rules! primitives_suite {
                 a_waiting_writer_is_not_starved_by_new_readers,
                 a_writer_that_gives_up_lets_readers_in,
                 an_upgrade_is_refused_and_a_writer_may_read,
-                a_semaphore_admits_its_limit_and_wakes_a_waiter,
-                a_semaphore_keeps_its_limit,
                 a_lost_holders_permit_comes_back_after_its_lease,
-                never_more_than_the_limit_under_contention,
                 readers_and_writers_never_overlap,
                 a_multi_key_lock_takes_all_or_none,
                 overlapping_sets_in_opposite_orders_do_not_deadlock,
