@@ -5,7 +5,8 @@ use std::time::Duration;
 use crate::error::{BenchError, Result};
 
 /// The benchmarks this binary knows, in the order they run.
-pub(crate) const BENCHES: &[&str] = &["uncontended", "memory", "handoff", "http", "idempotency", "backends"];
+pub(crate) const BENCHES: &[&str] =
+    &["uncontended", "memory", "handoff", "primitives", "http", "idempotency", "backends"];
 
 pub(crate) const USAGE: &str = "\
 usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--settle-us N]

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use dlock_core::backend::LockMode;
 use dlock_core::{AcquireOptions, LockGuard, LockKey, Locker, Owner};
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
@@ -88,20 +89,42 @@ pub(crate) async fn scan(conn: &MultiplexedConnection, pattern: &str) -> Result<
 /// Commands called by dlock's Redis scripts (`dlock-core/src/backend/redis/
 /// {acquire,release,renew}.lua`); the engine itself sends only EVALSHA
 /// (EVAL / SCRIPT LOAD once after a restart) and SUBSCRIBE / UNSUBSCRIBE.
-const DLOCK_SCRIPT_COMMANDS: &[&str] = &["get", "time", "set", "pexpire", "exists", "pttl", "del", "publish"];
+const DLOCK_SCRIPT_COMMANDS: &[&str] = &[
+    "get",
+    "time",
+    "set",
+    "pexpire",
+    "exists",
+    "pttl",
+    "del",
+    "publish",
+    "type",
+    "hgetall",
+    "hset",
+    "hdel",
+    "pexpireat",
+];
 
 /// dlock's [`Locker`] over any backend.
 #[derive(Debug)]
 pub(crate) struct DlockLock {
     locker: Locker,
     keys: Vec<LockKey>,
+    /// Exclusive unless [`with_mode`](Self::with_mode) says otherwise.
+    mode: LockMode,
 }
 
 impl DlockLock {
     /// `slots` keys named `name` with the part 0, 1, … .
     pub(crate) fn new(locker: Locker, name: &str, slots: usize) -> Result<Self> {
         let keys = (0..slots).map(|i| locker.key(name).part(i as u64).build()).collect::<dlock_core::Result<_>>()?;
-        Ok(DlockLock { locker, keys })
+        Ok(DlockLock { locker, keys, mode: LockMode::Exclusive })
+    }
+
+    /// Takes every key in `mode` (a shared hold, a permit) instead.
+    pub(crate) fn with_mode(mut self, mode: LockMode) -> Self {
+        self.mode = mode;
+        self
     }
 
     fn key(&self, slot: usize) -> Result<&LockKey> {
@@ -113,7 +136,10 @@ impl BenchLock for DlockLock {
     type Held = LockGuard;
 
     async fn acquire(&self, slot: usize, wait: bool) -> Result<LockGuard> {
-        let opts = AcquireOptions::new().with_lease(LEASE).with_wait(if wait { WAIT } else { Duration::ZERO });
+        let opts = AcquireOptions::new()
+            .with_lease(LEASE)
+            .with_wait(if wait { WAIT } else { Duration::ZERO })
+            .with_mode(self.mode);
         Ok(self.locker.acquire(self.key(slot)?, opts).await?)
     }
 

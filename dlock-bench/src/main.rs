@@ -36,6 +36,7 @@ mod measure;
 mod memory;
 mod peer;
 mod pin;
+mod primitives;
 mod report;
 mod series;
 mod uncontended;
@@ -122,6 +123,9 @@ fn run(args: &Args) -> Result<String> {
         if args.runs("handoff") {
             rows.extend(handoff::run(&env, args).await?);
         }
+        if args.runs("primitives") {
+            rows.extend(primitives::run(&env, args).await?);
+        }
         if args.runs("http") {
             rows.extend(http::run(&env, args).await?);
         }
@@ -145,6 +149,8 @@ fn run(args: &Args) -> Result<String> {
                 ("uncontended", uncontended::TITLE),
                 ("memory", memory::TITLE),
                 ("handoff", handoff::TITLE),
+                ("primitives", primitives::TITLE),
+                ("primitives-handoff", primitives::TITLE),
                 ("http", http::TITLE),
                 ("http-in-process", http::IN_PROCESS_TITLE),
                 ("idempotency", idempotency::TITLE),
