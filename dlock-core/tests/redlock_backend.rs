@@ -421,6 +421,11 @@ async fn redlock_refuses_a_semaphore_and_keeps_one_permit() {
     let r = redlock().await;
     let (a, b) = (locker_for(&r.urls(), 300).await, locker_for(&r.urls(), 300).await);
     let k = a.key("rl-sem").part(1).build().expect("key");
+    // Asked at start-up, before any lock: the same refusal.
+    let at_start = a.supports(LockMode::permits(2)).expect_err("refused at start-up");
+    assert!(matches!(at_start, Error::InvalidArgument { .. }), "{at_start:?}");
+    a.supports(LockMode::permits(1)).expect("one permit");
+    a.supports(LockMode::Shared).expect("shared");
     match a.acquire(&k, in_mode(LockMode::permits(2))).await {
         Err(Error::InvalidArgument { reason, .. }) => {
             assert!(reason.contains("2 permits") && reason.contains("majority"), "{reason}");

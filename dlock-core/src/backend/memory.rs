@@ -363,6 +363,11 @@ impl Backend for MemoryBackend {
         "memory"
     }
 
+    /// Every mode.
+    fn supports(&self, _: LockMode) -> Result<()> {
+        Ok(())
+    }
+
     /// Nothing to reach: in process, always ready.
     fn ready(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async { Ok(()) })

@@ -49,7 +49,7 @@
 //! a held key with an event (a release announced, a lease running out), not
 //! by polling. Check the owner on renew and release, make each step atomic
 //! on the service, and answer a [`LockMode`] you do not support with
-//! [`Error::InvalidArgument`]. A backend that names things of its own after
+//! [`Error::InvalidArgument`] (see [`Backend::supports`]). A backend that names things of its own after
 //! the key prefix (Redis channels, ZooKeeper nodes) takes the prefix when it
 //! connects and reports it through [`Backend::prefix`], so the engine can
 //! refuse a configuration where the two differ. A Postgres backend would be
@@ -101,23 +101,22 @@
 //! # Ok(()) }
 //! ```
 //!
-//! # Plugging in a new primitive
+//! # Modes: read-write locks and semaphores
 //!
-//! The request and the grant are `#[non_exhaustive]`, with constructors, so
-//! a primitive adds to them without breaking a backend written today:
+//! [`AcquireRequest::mode`] says how the key is to be shared: exclusive, a
+//! shared (read) hold, or one of N permits ([`LockMode`]). A backend stores
+//! the mode with the hold, as it stores the owner, so that `renew` and
+//! `release` by key and owner stay the same for every mode; every grant
+//! still carries a fencing token that grows per key, across modes. The
+//! first holder of a key fixes what it is: a request that does not fit
+//! (another number of permits, permits on a read-write key) is
+//! [`Error::ModeConflict`], not contention. A backend that does not keep a
+//! mode refuses it with [`Error::InvalidArgument`] (RedLock refuses
+//! semaphores of more than one permit: majorities cannot count holders).
 //!
-//! * **Read-write locks**: a `LockMode::Shared` variant. Readers share a key,
-//!   a writer excludes them; a backend stores the mode with the hold (as it
-//!   already stores the owner), so `renew` and
-//!   `release` by key and owner stay as they are. A backend that does not
-//!   know the mode refuses it (see above).
-//! * **Counted permits (semaphores)**: a `LockMode::Permits { take, limit }`
-//!   variant; the grant's fencing token still only grows, per key.
-//! * **Several keys at once**: the engine takes each key in one global
-//!   order through this same trait (as Redisson's `MultiLock` does), so no
-//!   backend has to change; a backend that can take several keys in one
-//!   atomic step later gets a provided method whose default does exactly
-//!   that loop.
+//! Several keys at once need nothing of a backend: the engine takes each key
+//! in one global order through this same trait
+//! ([`Locker::acquire_all`](crate::Locker::acquire_all)).
 //!
 //! The guard side needs nothing new: every hold has a fencing token, a
 //! [`GrantLease`] and a [`LostSignal`].
@@ -466,6 +465,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
         let _ = req;
         None
+    }
+
+    /// Whether this backend keeps holds of `mode`, asked before any lock is
+    /// taken (a route's configuration checked at start-up): `Err` says why
+    /// not, as [`acquire`](Backend::acquire) would. The default keeps only
+    /// [`LockMode::Exclusive`], so a backend written before modes existed
+    /// refuses them here rather than granting a weaker lock.
+    fn supports(&self, mode: LockMode) -> Result<()> {
+        match mode {
+            LockMode::Exclusive => Ok(()),
+            other => {
+                Err(Error::invalid_argument("mode", format!("the {} backend does not keep {other} locks", self.name())))
+            }
+        }
     }
 
     /// The key namespace the backend was connected for, when it keeps one

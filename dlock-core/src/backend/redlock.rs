@@ -514,8 +514,8 @@ impl AsRef<Notify> for SharedRegistration {
 /// `Ok` for a mode whose limit a majority of nodes can keep: exclusive,
 /// shared, and one permit (a mutex). A semaphore of more permits cannot be
 /// kept by majorities (see the module docs).
-fn majority_safe(req: &AcquireRequest) -> Result<()> {
-    match req.mode {
+fn majority_safe(mode: LockMode) -> Result<()> {
+    match mode {
         LockMode::Permits { limit } if limit >= 2 => Err(Error::invalid_argument(
             "mode",
             format!(
@@ -560,9 +560,13 @@ impl Backend for RedLockBackend {
         self.nodes.first().map(|node| node.key_prefix())
     }
 
+    fn supports(&self, mode: LockMode) -> Result<()> {
+        majority_safe(mode)
+    }
+
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         Box::pin(async move {
-            majority_safe(req)?;
+            majority_safe(req.mode)?;
             let started = Instant::now();
             let turn = self.turn(&req.key);
             let _turn = match turn.clone().try_lock_owned() {

@@ -280,6 +280,27 @@ impl Locker {
         self.engine.backend.ready().await
     }
 
+    /// Whether locks of `mode` can be taken here, asked at start-up rather
+    /// than at the first request: a semaphore needs at least one permit, and
+    /// the backend must keep the mode ([`Backend::supports`]; RedLock refuses
+    /// semaphores of more than one permit).
+    ///
+    /// ```
+    /// use dlock_core::backend::LockMode;
+    /// use dlock_core::{Locker, MemoryBackend};
+    /// let locker = Locker::new(MemoryBackend::new());
+    /// assert!(locker.supports(LockMode::permits(2)).is_ok());
+    /// assert!(locker.supports(LockMode::permits(0)).is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] saying why the mode cannot be kept.
+    pub fn supports(&self, mode: LockMode) -> Result<()> {
+        mode.validate()?;
+        self.engine.backend.supports(mode)
+    }
+
     /// The engine's defaults.
     pub fn options(&self) -> &LockerOptions {
         &self.engine.options

@@ -311,6 +311,11 @@ impl Backend for RedisBackend {
         "redis"
     }
 
+    /// Every mode.
+    fn supports(&self, _: LockMode) -> Result<()> {
+        Ok(())
+    }
+
     fn prefix(&self) -> Option<&str> {
         Some(&self.prefix)
     }

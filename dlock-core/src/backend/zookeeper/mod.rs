@@ -47,7 +47,7 @@ use tokio::time::Instant;
 use zookeeper_client as zk;
 
 pub(crate) use super::zookeeper_auth::ZooKeeperAuth;
-use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LostSignal, Release, Renewal};
+use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, LostSignal, Release, Renewal};
 use crate::error::{Error, Result};
 use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
@@ -327,6 +327,11 @@ impl ZooKeeperBackend {
 impl Backend for ZooKeeperBackend {
     fn name(&self) -> &'static str {
         "zookeeper"
+    }
+
+    /// Every mode.
+    fn supports(&self, _: LockMode) -> Result<()> {
+        Ok(())
     }
 
     /// The session is connected and the ensemble answers a read of the
