@@ -86,7 +86,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         eprintln!("primitives round {}/{rounds}", round + 1);
     }
     let mut rows = Vec::new();
-    for (ci, &c) in CONCURRENCY.iter().enumerate() {
+    for ci in 0..CONCURRENCY.len() {
         for (i, series) in redis[ci].iter().enumerate() {
             let mut row = series.row();
             if i > 0 {

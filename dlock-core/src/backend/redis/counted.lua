@@ -1,6 +1,9 @@
 -- Prepended to the acquire, release and renew scripts (see mod.rs): a key
 -- held in a mode that admits several holders, written once.
--- Such a key is a hash under the lock's own name (same slot): `m` its mode
+-- Held by one holder, such a key is a string like an exclusive lock (see
+-- take.lua), so an uncontended read lock or permit costs what an exclusive
+-- lock does. Held by several (or by readers a writer waits for), it is a
+-- hash under the lock's own name (same slot): `m` its mode
 -- ('s' shared, 'p<N>' one of N permits), `w` '1' once someone waited for
 -- it, `i` a waiting writer's intent '<until ms>:<owner>' (new readers wait
 -- behind it), and one field per holder, its owner (32 hex digits, so never

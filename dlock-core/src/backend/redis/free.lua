@@ -1,6 +1,6 @@
 -- Prepended to release.lua and release_many.lua after counted.lua (see
 -- mod.rs): what each release does to its one lock, written once.
--- free(key, owner) deletes lock `key` '<token>:<w>:<owner>' only for its
+-- free(key, owner) deletes lock `key` '<token>:<flag>:<owner>' only for its
 -- owner, or drops the owner's hold from a counted key (counted.lua), and
 -- announces the release on `key:released` when someone waits for it (the
 -- channel is release_channel in mod.rs): with the payload 'a' when every
@@ -30,6 +30,20 @@ local function free_counted(key, owner)
   return 0
 end
 
+-- free() on a string whose flag is longer than a byte: a shared hold or a
+-- permit held alone ('<token>:<w><mode>:<owner>', see take.lua).
+local function free_alone(key, lock, owner)
+  local _, flag, holder = string.match(lock, '^(%d+):([^:]+):(.*)$')
+  if not flag or #flag < 2 or holder ~= owner then
+    return -1
+  end
+  redis.call('DEL', key)
+  if string.byte(flag, 1) == 49 then
+    redis.call('PUBLISH', key .. ':released', string.sub(flag, 2) == 's' and 'a' or '')
+  end
+  return 0
+end
+
 local function free(key, owner)
   local lock = redis.pcall('GET', key)
   if not lock then
@@ -41,8 +55,11 @@ local function free(key, owner)
   -- The token is digits only, so the first ':' ends it, `w` follows and the
   -- owner is the rest from two bytes later: plain finds, no pattern, no copy.
   local colon = string.find(lock, ':', 1, true)
-  if not colon or #lock ~= colon + 2 + #owner or string.find(lock, owner, colon + 3, true) ~= colon + 3 then
+  if not colon then
     return -1
+  end
+  if #lock ~= colon + 2 + #owner or string.find(lock, owner, colon + 3, true) ~= colon + 3 then
+    return free_alone(key, lock, owner)
   end
   redis.call('DEL', key)
   local w = string.byte(lock, colon + 1)

@@ -7,22 +7,26 @@
 //!   uncontended cycle costs the server five commands in two script calls:
 //!   `TIME`, `SET mark GET`, `SET key NX PX GET` to take it, `GET`, `DEL`
 //!   to give it back.
-//! * A key held shared (a read lock) or as permits (a semaphore) is a hash
-//!   under the same name, so in the same cluster slot (`counted.lua`): `m`
-//!   the mode (`s`, or `p<N>` for N permits, fixed by the first holder while
-//!   anyone holds it: another limit is [`Error::ModeConflict`] naming both),
-//!   `w` = `1` once someone waited, `i` a waiting writer's intent, and one
-//!   field per holder, its owner = `<fence>:<expiry in server ms>`. The key
-//!   expires with the latest holder (or intent); expired holders are dropped
-//!   by the next operation that reads the hash. The same scripts serve both
-//!   kinds: the exclusive path runs its `SET NX GET` (and release and renew
-//!   their `GET`) as `redis.pcall`, and only a `WRONGTYPE` answer, a hash,
-//!   takes the counted path, so an exclusive cycle costs what it did. A
-//!   counted cycle costs `TIME`, `SET mark GET`, `TYPE`, `TIME`, `HGETALL`
-//!   (when others hold the key), `HSET`, `PEXPIREAT` to take, `GET`
-//!   (failing), `TIME`, `HGETALL`, `HDEL`, `DEL` or `PEXPIREAT` to give
-//!   back: O(holders) per operation. Tokens of every grant come from the
-//!   one high-water mark.
+//! * A read lock or a permit held alone is a string like an exclusive
+//!   lock, `<token>:<w><mode>:<owner>` (`0s`, `1p3`: the mode, `s` or
+//!   `p<N>` for N permits, after the awaited flag), so an uncontended read
+//!   or permit cycle costs the same five commands (`dlock-bench --bench
+//!   primitives` measures its Redis CPU against the exclusive cycle's).
+//!   A second holder, or a writer that waits for a reader, turns the key
+//!   into a hash under the same name, so in the same cluster slot
+//!   (`counted.lua`): `m` the mode (fixed by the first holder while anyone
+//!   holds it: another limit is [`Error::ModeConflict`] naming both), `w` =
+//!   `1` once someone waited, `i` a waiting writer's intent, and one field
+//!   per holder, its owner = `<fence>:<expiry in server ms>`. The key
+//!   expires with the latest holder (or intent); expired holders are
+//!   dropped by the next operation that reads the hash, and the hash turns
+//!   back into a string when it is taken again with nobody left in it. The
+//!   same scripts serve every kind: the exclusive path runs its `SET NX GET`
+//!   (and release and renew their `GET`) as `redis.pcall`, and only a
+//!   `WRONGTYPE` answer, a hash, takes the counted path, so an exclusive
+//!   cycle costs what it did. On a hash an operation costs `TIME`,
+//!   `HGETALL` and an `HSET` or `HDEL` with a `PEXPIREAT`: O(holders) per
+//!   operation. Tokens of every grant come from the one high-water mark.
 //! * Writer preference: a writer that waits for readers records an intent
 //!   (`i` = its expiry, bounded by its remaining wait, and its owner) on
 //!   each try; new readers are refused while it lives, also once the last

@@ -1,6 +1,6 @@
 -- Extend the leases of many locks in one call, each only for its owner
 -- (counted.lua is prepended).
--- KEYS[i] lock '<token>:<w>:<owner>', or a counted key; ARGV[2i - 1] its
+-- KEYS[i] lock '<token>:<flag>:<owner>' (take.lua), or a counted key; ARGV[2i - 1] its
 -- owner, ARGV[2i] its lease in ms.
 -- Returns, per key, 1 when extended, 0 when the key is gone or someone else's.
 
@@ -28,7 +28,7 @@ for i, key in ipairs(KEYS) do
   local lock = redis.pcall('GET', key)
   if wrong_type(lock) then
     extended[i] = renew_counted(key, ARGV[2 * i - 1], ARGV[2 * i])
-  elseif lock and string.match(lock, '^%d+:[012]:(.*)$') == ARGV[2 * i - 1] then
+  elseif lock and string.match(lock, '^%d+:[^:]+:(.*)$') == ARGV[2 * i - 1] then
     redis.call('PEXPIRE', key, ARGV[2 * i])
     extended[i] = 1
   else

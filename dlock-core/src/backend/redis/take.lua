@@ -1,9 +1,12 @@
 -- Prepended to acquire.lua and acquire_many.lua after counted.lua (see
 -- mod.rs): what each acquire does to its one lock, written once.
--- An exclusive lock is a string '<token>:<w>:<owner>' whose TTL is the
--- lease; `w` is '1' when a writer waits for its release, '2' when a reader
--- or a permit does (its release wakes every waiter, not one), else '0'.
--- A shared hold or a permit lives in a hash (counted.lua).
+-- A lock with one holder is a string '<token>:<flag>:<owner>' whose TTL is
+-- the lease. For an exclusive hold `flag` is one byte: '1' when a writer
+-- waits for its release, '2' when a reader or a permit does (its release
+-- wakes every waiter, not one), else '0'. A shared hold or a permit held
+-- alone has a longer flag, '<w><mode>' ('0s', '1p3': `w` '1' once someone
+-- waited), so an uncontended read lock or permit costs what an exclusive
+-- lock does; a second holder turns the key into a hash (counted.lua).
 -- take(key, token, w, owner, lease ms, mode, wait ms) takes the lock with
 -- `token`, or joins the hold `owner` has already (same token, the lease
 -- extended, never shortened), or finds it held by others. `mode` is 'x'
@@ -18,11 +21,15 @@
 -- holder's lease may end (held) | 3, the mode it is held in (-1 exclusive,
 -- 0 shared, N permits), which does not fit `mode` (a mistake of the caller).
 
+-- The code `take` returns for counted mode `m` ('s' or 'p<N>').
+local function mode_code(m)
+  return m == 's' and 0 or tonumber(string.sub(m, 2))
+end
+
 -- Exclusive lock `key` = `held` found by an acquire of `owner`: joined,
 -- conflicting (this owner holds it exclusive and asks for a permit), or
 -- held, marked awaited with `mark` when that is news.
-local function held_string(key, held, mark, owner, lease, mode)
-  local fence, waited, holder = string.match(held, '^(%d+):([012]):(.*)$')
+local function held_string(key, fence, waited, holder, mark, owner, lease, mode)
   local joins = holder == owner
   if joins then
     if string.byte(mode, 1) == 112 then
@@ -41,37 +48,76 @@ local function held_string(key, held, mark, owner, lease, mode)
   return 0, redis.call('PTTL', key)
 end
 
--- take() for a key that is counted (a hash), or is asked for in a counted
--- mode: the rare path.
-local function take_counted(key, token, w, owner, lease, mode, wait)
+-- A string lock `key` held by `holder` alone as `flag` ('<w><mode>'),
+-- found by an acquire of `owner` in `mode`: joined, refused, a conflict,
+-- or (a second reader, a second permit) the key becomes a hash of both
+-- holders. A writer that waits turns it into a hash too, to record the
+-- intent that keeps new readers out (counted.lua).
+local function held_alone(key, fence, flag, holder, token, w, owner, lease, mode, wait)
+  local m, waited = string.sub(flag, 2), string.sub(flag, 1, 1)
+  if holder == owner and mode == m then
+    if redis.call('PTTL', key) < tonumber(lease) then
+      redis.call('PEXPIRE', key, lease)
+    end
+    return 2, fence
+  end
+  if mode ~= m and (mode ~= 'x' or m ~= 's') then
+    return 3, mode_code(m)
+  end
+  local grants = mode ~= 'x' and holder ~= owner and m ~= 'p1'
+  local intent = mode == 'x' and w == '1' and tonumber(wait) > 0
+  if not grants and not intent then
+    if w == '1' and waited ~= '1' then
+      redis.call('SET', key, fence .. ':1' .. m .. ':' .. holder, 'KEEPTTL')
+    end
+    return 0, redis.call('PTTL', key)
+  end
   local now = now_ms()
-  local at = now + tonumber(lease)
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'string' then
-    return held_string(key, redis.call('GET', key), w == '1' and '2' or '0', owner, lease, mode)
-  end
-  local s = {n = 0, last = 0, intent_at = 0, holders = {}}
-  if kind == 'hash' then
-    s = live(key, now)
-    -- Nobody holds it (and no writer keeps readers out): free for any mode.
-    if s.n == 0 and (mode ~= 's' or not s.intent) then
-      redis.call('DEL', key)
-      kind = 'none'
-    end
-  end
-  -- Someone waited for the counted key: the next holder's release announces.
-  local waited = w == '1' or s.w == '1'
-  if kind == 'none' then
-    if mode == 'x' then
-      -- Readers may wait among them, so its release must wake them all.
-      redis.call('SET', key, token .. ':' .. (waited and '2' or '0') .. ':' .. owner, 'PX', lease)
-    else
-      redis.call('HSET', key, 'm', mode, owner, string.format('%s:%d', token, at), 'w', waited and '1' or '0')
-      redis.call('PEXPIREAT', key, at)
-    end
+  local first = now + redis.call('PTTL', key)
+  local aw = (w == '1' or waited == '1') and '1' or '0'
+  redis.call('DEL', key)
+  if grants then
+    local at = now + tonumber(lease)
+    redis.call('HSET', key, 'm', m, 'w', aw, holder, string.format('%s:%d', fence, first), owner,
+      string.format('%s:%d', token, at))
+    redis.call('PEXPIREAT', key, math.max(first, at))
     return 1, token
   end
-  local held = s.mode == 's' and 0 or tonumber(string.sub(s.mode, 2))
+  local until_at = now + tonumber(wait)
+  redis.call('HSET', key, 'm', m, 'w', aw, holder, string.format('%s:%d', fence, first), 'i',
+    string.format('%d:%s', until_at, owner))
+  redis.call('PEXPIREAT', key, math.max(first, until_at))
+  return 0, first - now
+end
+
+-- A string lock `key` = `held` found by an acquire: an exclusive holder
+-- or one holding a shared lock or permit alone.
+local function held_by_string(key, held, token, w, owner, lease, mode, wait)
+  local fence, flag, holder = string.match(held, '^(%d+):([^:]+):(.*)$')
+  if #flag > 1 then
+    return held_alone(key, fence, flag, holder, token, w, owner, lease, mode, wait)
+  end
+  -- Readers or permits wait among the waiters: the release wakes them all.
+  local mark = w == '1' and (mode == 'x' and '1' or '2') or '0'
+  return held_string(key, fence, flag, holder, mark, owner, lease, mode)
+end
+
+-- take() for a key that is a hash (counted.lua): the contended path of
+-- shared holds and permits.
+local function take_hash(key, token, w, owner, lease, mode, wait)
+  local now = now_ms()
+  local at = now + tonumber(lease)
+  local s = live(key, now)
+  -- Nobody holds it (and no writer keeps readers out): free for any mode,
+  -- and held by one, so a string again.
+  if s.n == 0 and (mode ~= 's' or not s.intent) then
+    redis.call('DEL', key)
+    local waited = (w == '1' or s.w == '1') and '1' or '0'
+    local flag = mode == 'x' and (waited == '1' and '2' or '0') or waited .. mode
+    redis.call('SET', key, token .. ':' .. flag .. ':' .. owner, 'PX', lease)
+    return 1, token
+  end
+  local held = mode_code(s.mode)
   local function refused(ms)
     if w == '1' and s.w ~= '1' then
       redis.call('HSET', key, 'w', '1')
@@ -120,14 +166,13 @@ local function take_counted(key, token, w, owner, lease, mode, wait)
 end
 
 local function take(key, token, w, owner, lease, mode, wait)
-  if mode == 'x' then
-    local held = redis.pcall('SET', key, token .. ':' .. w .. ':' .. owner, 'NX', 'PX', lease, 'GET')
-    if not held then
-      return 1, token
-    end
-    if not wrong_type(held) then
-      return held_string(key, held, w, owner, lease, mode)
-    end
+  local flag = mode == 'x' and w or w .. mode
+  local held = redis.pcall('SET', key, token .. ':' .. flag .. ':' .. owner, 'NX', 'PX', lease, 'GET')
+  if not held then
+    return 1, token
   end
-  return take_counted(key, token, w, owner, lease, mode, wait)
+  if wrong_type(held) then
+    return take_hash(key, token, w, owner, lease, mode, wait)
+  end
+  return held_by_string(key, held, token, w, owner, lease, mode, wait)
 end
