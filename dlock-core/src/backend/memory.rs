@@ -227,7 +227,9 @@ impl MemoryBackend {
         let holder = Holder { owner: req.owner.clone(), fence, expires_at, watcher };
         match req.mode {
             LockMode::Exclusive => slot.holder = Some(holder),
-            mode => slot.counted.get_or_insert_with(|| Box::new(Counted { mode, holders: Vec::new() })).holders.push(holder),
+            mode => {
+                slot.counted.get_or_insert_with(|| Box::new(Counted { mode, holders: Vec::new() })).holders.push(holder)
+            }
         }
         Ok(grant)
     }
@@ -257,7 +259,8 @@ impl MemoryBackend {
         let mut state = self.state();
         let (held, watcher) = match state.slots.get_mut(key) {
             Some(slot) => {
-                let mut watchers: Vec<Option<LostSignal>> = slot.live_holder(now).map(|h| h.watcher.take()).into_iter().collect();
+                let mut watchers: Vec<Option<LostSignal>> =
+                    slot.live_holder(now).map(|h| h.watcher.take()).into_iter().collect();
                 if let Some(counted) = slot.live_counted(now) {
                     watchers.extend(counted.holders.iter_mut().map(|h| h.watcher.take()));
                 }
