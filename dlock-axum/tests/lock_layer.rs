@@ -738,6 +738,12 @@ struct Entered {
     go: oneshot::Sender<()>,
 }
 
+/// A request expected to be refused: its answer, or a failure when it runs
+/// (it would wait at the gate for ever) instead.
+async fn refused(answer: impl std::future::Future<Output = Result<Response, Infallible>>) -> Response {
+    tokio::time::timeout(Duration::from_secs(5), answer).await.expect("refused, not let in").expect("infallible")
+}
+
 async fn next_entered(entered: &mut mpsc::UnboundedReceiver<Entered>) -> Entered {
     tokio::time::timeout(LONG, entered.recv()).await.expect("a request runs").expect("channel")
 }
@@ -760,7 +766,7 @@ async fn shared_requests_run_together_and_keep_an_exclusive_one_out() {
     let (a, b) = (next_entered(&mut entered).await, next_entered(&mut entered).await);
     assert_eq!((a.path, b.path), ("/read", "/read"));
 
-    let res = send("/write").await.expect("infallible");
+    let res = refused(send("/write")).await;
     assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })));
     assert_eq!(res.headers()["retry-after"], "1");
     assert_rejection(res, 409, "duplicate_submission").await;
@@ -774,7 +780,7 @@ async fn shared_requests_run_together_and_keep_an_exclusive_one_out() {
     let writer = tokio::spawn(send("/write"));
     let w = next_entered(&mut entered).await;
     assert_eq!(w.path, "/write");
-    assert_rejection(send("/read").await.expect("infallible"), 409, "duplicate_submission").await;
+    assert_rejection(refused(send("/read")).await, 409, "duplicate_submission").await;
     let _ = w.go.send(());
     assert_eq!(writer.await.expect("task").expect("infallible").status(), StatusCode::OK);
 }
@@ -802,7 +808,7 @@ async fn a_semaphore_admits_n_at_once_and_answers_the_next_429() {
     let held = [next_entered(&mut entered).await, next_entered(&mut entered).await];
 
     for path in ["/export", "/export-waiting"] {
-        let res = as_user(path, "u1").await.expect("infallible");
+        let res = refused(as_user(path, "u1")).await;
         assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })), "{path}");
         assert_eq!(res.headers()["retry-after"], "1", "{path}");
         let v = assert_rejection(res, 429, "lock_permits_exhausted").await;
@@ -874,7 +880,7 @@ async fn a_multi_key_route_holds_every_key_and_releases_them_all() {
     );
     let held = locker.try_acquire(&to).await.expect("free");
     captured.take_lines();
-    let res = send("/transfer", json!({"from": 7, "to": 8, "amount": 5})).await.expect("infallible");
+    let res = refused(send("/transfer", json!({"from": 7, "to": 8, "amount": 5}))).await;
     let v = assert_rejection(res, 409, "duplicate_submission").await;
     assert!(!v.to_string().contains("account"), "no key in the answer: {v}");
     let events: Vec<String> = captured.take_lines().into_iter().filter(|l| l.contains("dlock.request")).collect();
