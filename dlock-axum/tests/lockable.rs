@@ -355,7 +355,7 @@ async fn a_multi_key_handler_holds_every_key_and_releases_them_all() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opposite_transfers_all_complete() {
     let app = modes_app(&Locker::new(MemoryBackend::new()));
-    let tasks: Vec<_> = (0..30)
+    let tasks: Vec<_> = (0..100)
         .map(|i| {
             tokio::spawn(app.clone().oneshot(if i % 2 == 0 { transfer_req(1, 2, 5) } else { transfer_req(2, 1, 5) }))
         })
