@@ -11,7 +11,7 @@ use std::convert::Infallible;
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 pub use axum::response::{IntoResponse, Response};
-use dlock_core::{KeyBuilder, LockKey, Locker, Owner};
+use dlock_core::{LockKey, Locker, Owner};
 
 pub use crate::pipeline::policy::Policy;
 
@@ -26,6 +26,17 @@ pub const fn policy(
     code: Option<u32>,
 ) -> Policy {
     Policy::from_attribute(name, wait_ms, lease_ms, max_hold_ms, message, code)
+}
+
+/// `#[lockable(mode = "shared")]`: the policy taking its keys shared.
+pub const fn shared(policy: Policy) -> Policy {
+    policy.in_mode(dlock_core::backend::LockMode::Shared)
+}
+
+/// `#[lockable(permits = n)]`: the policy taking one of `n` permits of each
+/// key (`n` is at least 1: the macro refuses 0).
+pub const fn permits(policy: Policy, n: u32) -> Policy {
+    policy.in_mode(dlock_core::backend::LockMode::permits(n))
 }
 
 use crate::pipeline::acquire::{self, acquire_for_request};
@@ -60,20 +71,23 @@ where
 }
 
 impl LockContext {
-    /// Builds the key with `key` (the expansion adds the field values as
-    /// parts to the builder it is given) and takes the lock, or answers for
-    /// the handler: `409` when it is held (with the policy's message and
-    /// code), `400` for a key the request made invalid, `503` when the lock
-    /// service is down, `500` without an engine.
-    pub async fn acquire(
+    /// Builds the keys with `keys` (the expansion builds one key per
+    /// `key`/`also(..)` of the attribute, from the locker it is given, with
+    /// the field values as parts) and takes them, all or none, or answers
+    /// for the handler: `409` when one is held (with the policy's message
+    /// and code; `429` on a semaphore route), `400` for a key the request
+    /// made invalid, `503` when the lock service is down, `500` without an
+    /// engine.
+    pub async fn acquire<const N: usize>(
         self,
         policy: &'static Policy,
-        key: impl FnOnce(KeyBuilder) -> dlock_core::Result<LockKey>,
+        keys: impl FnOnce(&Locker) -> dlock_core::Result<[LockKey; N]>,
     ) -> Result<Held, Response> {
         let (locker, owner) = self.engine.map_err(|refusal| refusal.respond(policy))?;
-        let key = key(locker.key(policy.name()))
+        let keys = keys(&locker)
             .map_err(|e| Refusal::from_error(e, policy, None, std::time::Duration::ZERO).respond(policy))?;
-        let held = acquire_for_request(&locker, owner, key, policy).await.map_err(|refusal| refusal.respond(policy))?;
+        let held =
+            acquire_for_request(&locker, owner, &keys, policy).await.map_err(|refusal| refusal.respond(policy))?;
         Ok(Held { held, policy })
     }
 }
@@ -107,7 +121,7 @@ pub trait FromHeld {
 
 impl FromHeld for FencingToken {
     fn from_held(held: &Held) -> Self {
-        FencingToken(held.held.guard.fencing_token())
+        FencingToken(held.held.guard().fencing_token())
     }
 }
 
@@ -119,12 +133,12 @@ impl FromHeld for Option<FencingToken> {
 
 impl FromHeld for HeldLock {
     fn from_held(held: &Held) -> Self {
-        HeldLock::of(&held.held.guard)
+        HeldLock::of(held.held.guard())
     }
 }
 
 impl FromHeld for Option<HeldLock> {
     fn from_held(held: &Held) -> Self {
-        Some(HeldLock::of(&held.held.guard))
+        Some(HeldLock::of(held.held.guard()))
     }
 }

@@ -69,6 +69,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 409 | `idempotency_response_not_stored` | 2202 | the request with this `Idempotency-Key` ran, but its response could not be kept (too large, or its body failed) (permanent) |
 /// | 409 | `idempotency_outcome_unknown` | 2203 | the request with this `Idempotency-Key` (or one-time token) was claimed by an instance that neither answered nor gave it back before its lease ran out: whether it ran is unknown (permanent: check, then use a new key) |
 /// | 429 | `too_many_locks` | 2401 | the caller already holds the most locks a layer allows at once (transient: `Retry-After`) |
+/// | 429 | `lock_permits_exhausted` | 2403 | the route admits at most N requests at once per key (a semaphore: `#[lockable(permits = N)]`, [`LockLayer::permits`](crate::LockLayer::permits)), all N are running, and the route's wait ran out (transient: `Retry-After`) |
 /// | 429 | `idempotency_scope_full` | 2402 | the caller already has the most live idempotency records (or tokens) the store keeps per caller (transient: `Retry-After` until its oldest expires) |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed (transient: `Retry-After`) |
@@ -211,6 +212,12 @@ rejections! {
     /// holds as many locks through this layer as it may at once. Transient:
     /// `Retry-After: 1`.
     too_many_locks => (TOO_MANY_REQUESTS, "too_many_locks", 2401, "too many locks held at once, please retry later", Some(1));
+    /// The route is a semaphore (at most N requests at once per key:
+    /// `#[lockable(permits = N)]`, [`LockLayer::permits`](crate::LockLayer::permits)),
+    /// its N permits were all taken for the whole of its wait, and the
+    /// request did not run. Transient: `Retry-After: 1`.
+    permits_exhausted => (TOO_MANY_REQUESTS, "lock_permits_exhausted", 2403,
+        "this route is already running as many requests at once as it allows, please retry later", Some(1));
     /// The caller already has as many live idempotency records (or bound
     /// tokens) as the store keeps per caller
     /// ([`IdempotencyLimits`](dlock_core::idempotency::IdempotencyLimits)):
@@ -524,6 +531,7 @@ mod tests {
             ("unsupported_media_type", 415),
             ("idempotency_key_mismatch", 422),
             ("too_many_locks", 429),
+            ("lock_permits_exhausted", 429),
             ("idempotency_scope_full", 429),
             ("lock_backend_unavailable", 503),
             ("idempotency_store_full", 503),
@@ -592,6 +600,7 @@ mod tests {
             "idempotency_request_in_progress",
             "lock_wait_timeout",
             "too_many_locks",
+            "lock_permits_exhausted",
             "idempotency_scope_full",
             "lock_backend_unavailable",
             "idempotency_store_full",

@@ -710,3 +710,228 @@ async fn a_capped_route_refuses_a_request_without_a_caller() {
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// Several routes on one locker, each gated like [`gated_app`]: a request
+/// says it runs (with its path) and waits to be let go.
+fn gated_routes(locker: &Locker, routes: Vec<(&'static str, LockLayer)>) -> (Router, mpsc::UnboundedReceiver<Entered>) {
+    let (entered_tx, entered_rx) = mpsc::unbounded_channel::<Entered>();
+    let mut app = Router::new();
+    for (path, layer) in routes {
+        let entered_tx = entered_tx.clone();
+        let handler = move |body: Bytes| {
+            let entered_tx = entered_tx.clone();
+            async move {
+                let (go_tx, go_rx) = oneshot::channel();
+                let _ = entered_tx.send(Entered { path, go: go_tx });
+                let _ = go_rx.await;
+                body
+            }
+        };
+        app = app.route(path, post(handler).route_layer(layer));
+    }
+    (app.with_locker(locker.clone()), entered_rx)
+}
+
+/// A gated request that runs, and lets it finish.
+struct Entered {
+    path: &'static str,
+    go: oneshot::Sender<()>,
+}
+
+/// A request expected to be refused: its answer, or a failure when it runs
+/// (it would wait at the gate for ever) instead.
+async fn refused(answer: impl std::future::Future<Output = Result<Response, Infallible>>) -> Response {
+    tokio::time::timeout(Duration::from_secs(5), answer).await.expect("refused, not let in").expect("infallible")
+}
+
+async fn next_entered(entered: &mut mpsc::UnboundedReceiver<Entered>) -> Entered {
+    tokio::time::timeout(LONG, entered.recv()).await.expect("a request runs").expect("channel")
+}
+
+/// Issue 26: shared requests on one key run together; an exclusive one is
+/// refused while they run (409, as any held lock), and runs once they end;
+/// a shared one is refused while an exclusive one runs.
+#[tokio::test]
+async fn shared_requests_run_together_and_keep_an_exclusive_one_out() {
+    let (app, mut entered) = gated_routes(
+        &locker(),
+        vec![
+            ("/read", LockLayer::new("price.list").json("list").shared().wait(Duration::ZERO)),
+            ("/write", LockLayer::new("price.list").json("list").wait(Duration::ZERO)),
+        ],
+    );
+    let send = |path: &str| app.clone().oneshot(post_json(path, r#"{"list": 1}"#));
+    let readers = [tokio::spawn(send("/read")), tokio::spawn(send("/read"))];
+    // Both readers run at once: neither is let go before the other entered.
+    let (a, b) = (next_entered(&mut entered).await, next_entered(&mut entered).await);
+    assert_eq!((a.path, b.path), ("/read", "/read"));
+
+    let res = refused(send("/write")).await;
+    assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })));
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert_rejection(res, 409, "duplicate_submission").await;
+
+    let _ = (a.go.send(()), b.go.send(()));
+    for reader in readers {
+        assert_eq!(reader.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+
+    // Now the writer runs, alone: a reader is refused meanwhile.
+    let writer = tokio::spawn(send("/write"));
+    let w = next_entered(&mut entered).await;
+    assert_eq!(w.path, "/write");
+    assert_rejection(refused(send("/read")).await, 409, "duplicate_submission").await;
+    let _ = w.go.send(());
+    assert_eq!(writer.await.expect("task").expect("infallible").status(), StatusCode::OK);
+}
+
+/// Issue 26: a semaphore of 2 admits exactly two requests per key at once;
+/// the third is `429 lock_permits_exhausted` with `Retry-After`, whether
+/// the route waits or not; another key has its own permits; a permit given
+/// back admits the next request.
+#[tokio::test]
+async fn a_semaphore_admits_n_at_once_and_answers_the_next_429() {
+    let export = || LockLayer::new("export").header("x-user-id").permits(2);
+    let locker = locker();
+    let (app, mut entered) = gated_routes(
+        &locker,
+        vec![
+            ("/export", export().wait(Duration::ZERO)),
+            ("/export-waiting", export().wait(Duration::from_millis(100))),
+        ],
+    );
+    let as_user = |path: &str, user: &str| {
+        let req = Request::post(path).header("x-user-id", user).body(Body::empty()).expect("request");
+        app.clone().oneshot(req)
+    };
+    let running = [tokio::spawn(as_user("/export", "u1")), tokio::spawn(as_user("/export", "u1"))];
+    let held = [next_entered(&mut entered).await, next_entered(&mut entered).await];
+
+    for path in ["/export", "/export-waiting"] {
+        let res = refused(as_user(path, "u1")).await;
+        assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })), "{path}");
+        assert_eq!(res.headers()["retry-after"], "1", "{path}");
+        let v = assert_rejection(res, 429, "lock_permits_exhausted").await;
+        assert_eq!(v["code"], 2403, "{path}: {v}");
+    }
+    assert!(entered.try_recv().is_err(), "no third request ran");
+
+    // Another user's exports are counted apart.
+    let other = tokio::spawn(as_user("/export", "u2"));
+    let o = next_entered(&mut entered).await;
+    let _ = o.go.send(());
+    assert_eq!(other.await.expect("task").expect("infallible").status(), StatusCode::OK);
+
+    // One permit given back: the next request of u1 runs.
+    let [first, second] = held;
+    let _ = first.go.send(());
+    let next = tokio::spawn(as_user("/export", "u1"));
+    let n = next_entered(&mut entered).await;
+    let _ = (second.go.send(()), n.go.send(()));
+    for task in running.into_iter().chain([next]) {
+        assert_eq!(task.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+}
+
+/// Issue 26: a multi-key route holds every key while it runs (a request on
+/// either is refused, one on a third key is not) and releases them all.
+/// The refusal names no key; the log names the busy one by its log id.
+#[tokio::test(flavor = "current_thread")]
+async fn a_multi_key_route_holds_every_key_and_releases_them_all() {
+    let (captured, _default) = dlock_testing::capture_logs();
+    let locker = locker();
+    let (app, mut entered) = gated_routes(
+        &locker,
+        vec![
+            ("/transfer", LockLayer::new("account").json("from").also("account").json("to").wait(Duration::ZERO)),
+            ("/account", LockLayer::new("account").json("id").wait(Duration::ZERO)),
+        ],
+    );
+    let send = |path: &str, body: Value| app.clone().oneshot(post_json(path, body.to_string()));
+    let transfer = tokio::spawn(send("/transfer", json!({"from": 1, "to": 2, "amount": 5})));
+    let t = next_entered(&mut entered).await;
+    assert_eq!(t.path, "/transfer");
+    for id in [1, 2] {
+        let v = assert_rejection(
+            send("/account", json!({"id": id})).await.expect("infallible"),
+            409,
+            "duplicate_submission",
+        )
+        .await;
+        assert_eq!(v["message"], dlock_axum::DEFAULT_DUPLICATE_MESSAGE);
+    }
+    let third = tokio::spawn(send("/account", json!({"id": 3})));
+    let a3 = next_entered(&mut entered).await;
+    let _ = a3.go.send(());
+    assert_eq!(third.await.expect("task").expect("infallible").status(), StatusCode::OK);
+
+    let _ = t.go.send(());
+    assert_eq!(transfer.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    for id in [1u64, 2] {
+        let key = locker.key("account").part(id).build().expect("key");
+        locker.try_acquire(&key).await.expect("released with the transfer").release().await.expect("release");
+    }
+
+    // The second key busy: refused, the body names no key, the log names
+    // the busy key (by its log id), not the free one.
+    let (from, to) = (
+        locker.key("account").part(7u64).build().expect("key"),
+        locker.key("account").part(8u64).build().expect("key"),
+    );
+    let held = locker.try_acquire(&to).await.expect("free");
+    captured.take_lines();
+    let res = refused(send("/transfer", json!({"from": 7, "to": 8, "amount": 5}))).await;
+    let v = assert_rejection(res, 409, "duplicate_submission").await;
+    assert!(!v.to_string().contains("account"), "no key in the answer: {v}");
+    let events: Vec<String> = captured.take_lines().into_iter().filter(|l| l.contains("dlock.request")).collect();
+    assert_eq!(events.len(), 1, "{events:#?}");
+    assert!(events[0].contains(&to.log_id().to_string()), "the busy key: {events:?}");
+    assert!(!events[0].contains(&from.log_id().to_string()), "not the free one: {events:?}");
+    held.release().await.expect("release");
+    // All or none: the free key was not kept by the refused request.
+    locker.try_acquire(&from).await.expect("not left held").release().await.expect("release");
+}
+
+/// Issue 26: transfers A→B and B→A at the same time all complete: the keys
+/// are taken in one order, whatever order the request names them in, so no
+/// two requests wait for each other in a cycle. No two run on one account
+/// at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opposite_multi_key_requests_never_deadlock_nor_overlap() {
+    let busy: Arc<std::sync::Mutex<std::collections::HashSet<u64>>> = Arc::default();
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (busy, overlaps) = (busy.clone(), overlaps.clone());
+        move |body: Bytes| {
+            let (busy, overlaps) = (busy.clone(), overlaps.clone());
+            async move {
+                let t: Value = serde_json::from_slice(&body).expect("json");
+                let accounts = [t["from"].as_u64().expect("from"), t["to"].as_u64().expect("to")];
+                for a in accounts {
+                    if !busy.lock().expect("set").insert(a) {
+                        overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                for a in accounts {
+                    busy.lock().expect("set").remove(&a);
+                }
+                body
+            }
+        }
+    };
+    let layer = LockLayer::new("account").json("from").also("account").json("to").wait(Duration::from_secs(20));
+    let app = Router::new().route("/transfer", post(handler).route_layer(layer)).with_locker(locker());
+    let tasks: Vec<_> = (0..40)
+        .map(|i| {
+            let body = if i % 2 == 0 { json!({"from": 1, "to": 2}) } else { json!({"from": 2, "to": 1}) };
+            tokio::spawn(app.clone().oneshot(post_json("/transfer", body.to_string())))
+        })
+        .collect();
+    let all = futures_util::future::join_all(tasks);
+    let results = tokio::time::timeout(LONG, all).await.expect("no deadlock: every transfer answers");
+    for r in results {
+        assert_eq!(r.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two transfers ran on one account at once");
+}

@@ -224,6 +224,150 @@ async fn a_dead_lock_service_is_a_quick_503() {
     assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
 }
 
+/// Requests running now in `read_prices`, and the most seen at once.
+static READERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static MOST_READERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[lockable(key = "prices", fields = ["list"], mode = "shared", wait_ms = 0)]
+async fn read_prices(Path(list): Path<u64>) -> String {
+    use std::sync::atomic::Ordering::SeqCst;
+    MOST_READERS.fetch_max(READERS.fetch_add(1, SeqCst) + 1, SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    READERS.fetch_sub(1, SeqCst);
+    format!("prices of {list}")
+}
+
+#[lockable(key = "prices", fields = ["list"], mode = "exclusive", wait_ms = 0)]
+async fn reprice(Path(list): Path<u64>) -> String {
+    format!("repriced {list}")
+}
+
+#[lockable(key = "export", fields = ["user"], permits = 2, wait_ms = 0)]
+async fn export(Path(user): Path<u64>) -> String {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    format!("export of {user}")
+}
+
+#[derive(Debug, Deserialize)]
+struct Transfer {
+    from: u64,
+    to: u64,
+    /// How long the transfer takes.
+    ms: u64,
+}
+
+#[lockable(key = "account", fields = ["t.from"], also(key = "account", fields = ["t.to"]), wait_ms = 20000)]
+async fn transfer(Json(t): Json<Transfer>) -> String {
+    tokio::time::sleep(Duration::from_millis(t.ms)).await;
+    format!("{} -> {}", t.from, t.to)
+}
+
+#[lockable(key = "account", fields = ["id"], wait_ms = 0)]
+async fn touch(Path(id): Path<u64>) -> String {
+    id.to_string()
+}
+
+fn modes_app(locker: &Locker) -> Router {
+    Router::new()
+        .route("/prices/{list}", get(read_prices).post(reprice))
+        .route("/export/{user}", post(export))
+        .route("/transfer", post(transfer))
+        .route("/account/{id}", post(touch))
+        .with_locker(locker.clone())
+}
+
+fn post_req(uri: &str) -> Request<Body> {
+    Request::post(uri).body(Body::empty()).expect("request")
+}
+
+fn transfer_req(from: u64, to: u64, ms: u64) -> Request<Body> {
+    Request::post("/transfer")
+        .header("content-type", "application/json")
+        .body(Body::from(json!({"from": from, "to": to, "ms": ms}).to_string()))
+        .expect("request")
+}
+
+/// Issue 26: `mode = "shared"` handlers run together on one key, and keep
+/// an exclusive one out (409) until the last has finished.
+#[tokio::test]
+async fn shared_handlers_run_together_and_keep_an_exclusive_one_out() {
+    let app = modes_app(&Locker::new(MemoryBackend::new()));
+    let readers = [
+        tokio::spawn(app.clone().oneshot(get_req("/prices/1"))),
+        tokio::spawn(app.clone().oneshot(get_req("/prices/1"))),
+    ];
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, body) = json_of(app.clone().oneshot(post_req("/prices/1")).await.expect("infallible")).await;
+    assert_eq!((status, &body["error"]), (StatusCode::CONFLICT, &json!("duplicate_submission")), "{body}");
+    for r in readers {
+        assert_eq!(r.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+    assert_eq!(MOST_READERS.load(std::sync::atomic::Ordering::SeqCst), 2, "both readers ran at once");
+    assert_eq!(app.oneshot(post_req("/prices/1")).await.expect("infallible").status(), StatusCode::OK);
+}
+
+/// Issue 26: `permits = 2` admits two requests per key at once; the third
+/// is `429 lock_permits_exhausted` with `Retry-After`.
+#[tokio::test]
+async fn a_permits_handler_admits_two_and_answers_the_third_429() {
+    let app = modes_app(&Locker::new(MemoryBackend::new()));
+    let running = [
+        tokio::spawn(app.clone().oneshot(post_req("/export/7"))),
+        tokio::spawn(app.clone().oneshot(post_req("/export/7"))),
+    ];
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let res = app.clone().oneshot(post_req("/export/7")).await.expect("infallible");
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })));
+    let (status, body) = json_of(res).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!((&body["error"], &body["code"]), (&json!("lock_permits_exhausted"), &json!(2403)), "{body}");
+    // Another user has permits of their own.
+    assert_eq!(app.clone().oneshot(post_req("/export/8")).await.expect("infallible").status(), StatusCode::OK);
+    for r in running {
+        assert_eq!(r.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+    assert_eq!(app.oneshot(post_req("/export/7")).await.expect("infallible").status(), StatusCode::OK);
+}
+
+/// Issue 26: `also(..)` holds both accounts while the transfer runs, and
+/// releases both.
+#[tokio::test]
+async fn a_multi_key_handler_holds_every_key_and_releases_them_all() {
+    let locker = Locker::new(MemoryBackend::new());
+    let app = modes_app(&locker);
+    let running = tokio::spawn(app.clone().oneshot(transfer_req(1, 2, 300)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for id in [1, 2] {
+        let (status, body) =
+            json_of(app.clone().oneshot(post_req(&format!("/account/{id}"))).await.expect("infallible")).await;
+        assert_eq!((status, &body["error"]), (StatusCode::CONFLICT, &json!("duplicate_submission")), "account {id}");
+    }
+    assert_eq!(app.clone().oneshot(post_req("/account/3")).await.expect("infallible").status(), StatusCode::OK);
+    assert_eq!(running.await.expect("task").expect("infallible").status(), StatusCode::OK);
+    for id in [1u64, 2] {
+        let key = locker.key("account").part(id).build().expect("key");
+        locker.try_acquire(&key).await.expect("released").release().await.expect("release");
+    }
+}
+
+/// Issue 26: transfers 1→2 and 2→1 at once all complete (no deadlock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opposite_transfers_all_complete() {
+    let app = modes_app(&Locker::new(MemoryBackend::new()));
+    let tasks: Vec<_> = (0..100)
+        .map(|i| {
+            tokio::spawn(app.clone().oneshot(if i % 2 == 0 { transfer_req(1, 2, 5) } else { transfer_req(2, 1, 5) }))
+        })
+        .collect();
+    let results = tokio::time::timeout(Duration::from_secs(30), futures_util::future::join_all(tasks))
+        .await
+        .expect("no deadlock");
+    for r in results {
+        assert_eq!(r.expect("task").expect("infallible").status(), StatusCode::OK);
+    }
+}
+
 /// The compile errors, each pointing at the offending token, each alone: the
 /// handler is emitted unchanged beside the error, so nothing else fails.
 ///

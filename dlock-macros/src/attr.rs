@@ -15,6 +15,23 @@ mod kw {
     syn::custom_keyword!(max_hold_ms);
     syn::custom_keyword!(message);
     syn::custom_keyword!(code);
+    syn::custom_keyword!(mode);
+    syn::custom_keyword!(permits);
+    syn::custom_keyword!(also);
+}
+
+/// How the keys are taken: `mode = "exclusive" | "shared"`, or
+/// `permits = n` (a semaphore).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Exclusive,
+    Shared,
+}
+
+/// A further key, `also(key = "...", fields = [...])`.
+pub(crate) struct AlsoKey {
+    pub(crate) key: LitStr,
+    pub(crate) fields: Vec<FieldPath>,
 }
 
 /// A field path: its root name and the fields walked from it.
@@ -35,6 +52,11 @@ pub(crate) struct Args {
     pub(crate) max_hold_ms: Option<LitInt>,
     pub(crate) message: Option<LitStr>,
     pub(crate) code: Option<LitInt>,
+    /// `mode = "..."`, with the span of its value.
+    pub(crate) mode: Option<(Mode, proc_macro2::Span)>,
+    pub(crate) permits: Option<LitInt>,
+    /// The further keys, in the order written.
+    pub(crate) also: Vec<AlsoKey>,
     /// Whether `fields` was given (an empty list counts).
     fields_given: bool,
 }
@@ -83,6 +105,42 @@ impl Parse for Args {
             } else if lookahead.peek(kw::code) {
                 let span = input.parse::<kw::code>()?.span;
                 once(&mut args.code, integer(&value(input)?, "code", MAX)?, span, "code")?;
+            } else if lookahead.peek(kw::mode) {
+                let span = input.parse::<kw::mode>()?.span;
+                let lit = string(&value(input)?, "mode")?;
+                let mode = match lit.value().as_str() {
+                    "exclusive" => Mode::Exclusive,
+                    "shared" => Mode::Shared,
+                    other => {
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            format!(
+                                "unknown mode `{other}`: `mode` is \"exclusive\" (the default) or \"shared\"; \
+                                 for a semaphore write `permits = n`"
+                            ),
+                        ))
+                    }
+                };
+                if args.permits.is_some() {
+                    return Err(semaphore_and_mode(span));
+                }
+                once(&mut args.mode, (mode, lit.span()), span, "mode")?;
+            } else if lookahead.peek(kw::permits) {
+                let span = input.parse::<kw::permits>()?.span;
+                let permits = positive(
+                    integer(&value(input)?, "permits", MAX)?,
+                    "permits",
+                    "for a lock one request holds at a time",
+                )?;
+                if args.mode.is_some() {
+                    return Err(semaphore_and_mode(span));
+                }
+                once(&mut args.permits, permits, span, "permits")?;
+            } else if lookahead.peek(kw::also) {
+                input.parse::<kw::also>()?;
+                let content;
+                let parens = syn::parenthesized!(content in input);
+                args.also.push(also(&content, parens.span.join())?);
             } else {
                 return Err(lookahead.error());
             }
@@ -93,6 +151,55 @@ impl Parse for Args {
         }
         Ok(args)
     }
+}
+
+fn semaphore_and_mode(keyword: proc_macro2::Span) -> syn::Error {
+    syn::Error::new(
+        keyword,
+        "`permits` and `mode` cannot go together: `permits = n` is a semaphore (n requests at once), \
+         `mode` an exclusive or shared lock; give one of them",
+    )
+}
+
+/// The inside of `also(key = "...", fields = [...])`: a further key of the
+/// route, with its own name and fields; everything else is the route's and
+/// goes outside.
+fn also(input: ParseStream<'_>, parens: proc_macro2::Span) -> syn::Result<AlsoKey> {
+    let mut key = None;
+    let mut fields = None;
+    while !input.is_empty() {
+        let lookahead = input.lookahead1();
+        if lookahead.peek(kw::key) {
+            let span = input.parse::<kw::key>()?.span;
+            let lit = string(&value(input)?, "key")?;
+            if lit.value().trim().is_empty() {
+                return Err(syn::Error::new(lit.span(), "`key` must not be empty"));
+            }
+            once(&mut key, lit, span, "key")?;
+        } else if lookahead.peek(kw::fields) {
+            let span = input.parse::<kw::fields>()?.span;
+            once(&mut fields, self::fields(&value(input)?)?, span, "fields")?;
+        } else if input.peek(syn::Ident) {
+            let name: Ident = input.fork().parse()?;
+            return Err(syn::Error::new(
+                name.span(),
+                format!(
+                    "`also(..)` takes only `key` and `fields`; `{name}` applies to every key of the route: \
+                     write it outside `also(..)`"
+                ),
+            ));
+        } else {
+            return Err(lookahead.error());
+        }
+        if input.is_empty() {
+            break;
+        }
+        input.parse::<Token![,]>()?;
+    }
+    let Some(key) = key else {
+        return Err(syn::Error::new(parens, "`also(..)` needs a key: `also(key = \"account\", fields = [\"t.to\"])`"));
+    };
+    Ok(AlsoKey { key, fields: fields.unwrap_or_default() })
 }
 
 /// `= <expression>`: the value is parsed as any expression and checked

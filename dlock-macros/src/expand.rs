@@ -8,10 +8,11 @@
 //!
 //! 1. lets axum run every extractor of the handler except the arguments that
 //!    come from the lock (`FencingToken`, `HeldLock`, `Option` of either);
-//! 2. builds the key from the `fields`, read by reference from the bound
-//!    argument patterns;
-//! 3. acquires through the pipeline of `LockLayer` (`LockContext::acquire`),
-//!    which answers a refusal itself;
+//! 2. builds the key from the `fields`, and one more key per `also(..)`,
+//!    read by reference from the bound argument patterns;
+//! 3. acquires through the pipeline of `LockLayer` (`LockContext::acquire`:
+//!    the policy's mode, several keys all or none), which answers a refusal
+//!    itself;
 //! 4. fills the lock's arguments from the guard (`__private::FromHeld`);
 //! 5. runs the body and releases (`Held::finish`); a panicking body drops the
 //!    guard, which releases it in the background.
@@ -19,9 +20,9 @@
 use proc_macro2::{Span, TokenStream as TokenStream2};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{FnArg, Ident, ItemFn, LitInt, Pat};
+use syn::{FnArg, Ident, ItemFn, LitInt, LitStr, Pat};
 
-use crate::attr::Args;
+use crate::attr::{Args, FieldPath, Mode};
 
 /// The names a pattern binds.
 fn bindings(pat: &Pat, out: &mut Vec<Ident>) {
@@ -98,6 +99,36 @@ fn from_lock(ty: &syn::Type) -> bool {
     }
 }
 
+/// The expression building one key, `name` with the values of `fields`
+/// as its parts, in the closure the expansion gives `LockContext::acquire`.
+fn key_expr(name: &LitStr, fields: &[FieldPath], idents: &[Ident], late: &[Ident]) -> syn::Result<TokenStream2> {
+    let mut parts = Vec::new();
+    for f in fields {
+        if late.contains(&f.root) {
+            return Err(syn::Error::new(
+                f.lit.span(),
+                format!("`{}` comes from the lock itself, which is taken after the key is built", f.root),
+            ));
+        }
+        if !idents.contains(&f.root) {
+            let bound: Vec<String> = idents.iter().map(ToString::to_string).collect();
+            let hint = if bound.is_empty() {
+                "no argument binds a name".to_owned()
+            } else {
+                format!("bound: {}", bound.join(", "))
+            };
+            return Err(syn::Error::new(
+                f.lit.span(),
+                format!("`{}` is not bound by any argument of this handler ({hint})", f.root),
+            ));
+        }
+        let root = Ident::new(&f.root.to_string(), f.lit.span());
+        let rest = &f.rest;
+        parts.push(quote_spanned! { f.lit.span()=> .part(&#root #(.#rest)*) });
+    }
+    Ok(quote! { __dlock_locker.key(#name) #(#parts)* .build()? })
+}
+
 pub(crate) fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Result<TokenStream2> {
     let Some(key) = args.key else {
         let span = if attr.is_empty() { func.sig.ident.span() } else { attr.span() };
@@ -135,29 +166,9 @@ pub(crate) fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Resul
         });
     }
 
-    let mut parts = Vec::new();
-    for f in &args.fields {
-        if late.contains(&f.root) {
-            return Err(syn::Error::new(
-                f.lit.span(),
-                format!("`{}` comes from the lock itself, which is taken after the key is built", f.root),
-            ));
-        }
-        if !idents.contains(&f.root) {
-            let bound: Vec<String> = idents.iter().map(ToString::to_string).collect();
-            let hint = if bound.is_empty() {
-                "no argument binds a name".to_owned()
-            } else {
-                format!("bound: {}", bound.join(", "))
-            };
-            return Err(syn::Error::new(
-                f.lit.span(),
-                format!("`{}` is not bound by any argument of this handler ({hint})", f.root),
-            ));
-        }
-        let root = Ident::new(&f.root.to_string(), f.lit.span());
-        let rest = &f.rest;
-        parts.push(quote_spanned! { f.lit.span()=> .part(&#root #(.#rest)*) });
+    let mut keys = vec![key_expr(&key, &args.fields, &idents, &late)?];
+    for also in &args.also {
+        keys.push(key_expr(&also.key, &also.fields, &idents, &late)?);
     }
 
     let opt_u64 = |v: &Option<LitInt>| match v {
@@ -171,6 +182,13 @@ pub(crate) fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Resul
     let message = match &args.message {
         Some(m) => quote! { ::core::option::Option::Some(#m) },
         None => quote! { ::core::option::Option::None },
+    };
+
+    let policy = quote! { ::dlock_axum::__private::policy(#key, #wait, #lease, #max_hold, #message, #code) };
+    let policy = match (&args.mode, &args.permits) {
+        (Some((Mode::Shared, span)), _) => quote_spanned! { *span=> ::dlock_axum::__private::shared(#policy) },
+        (_, Some(n)) => quote_spanned! { n.span()=> ::dlock_axum::__private::permits(#policy, #n) },
+        _ => policy,
     };
 
     let func_arity = func.sig.inputs.len();
@@ -187,11 +205,10 @@ pub(crate) fn expand(args: Args, func: ItemFn, attr: TokenStream2) -> syn::Resul
             __dlock_ctx: ::dlock_axum::__private::LockContext,
             #(#params),*
         ) -> ::dlock_axum::__private::Response #where_clause {
-            static __DLOCK_POLICY: ::dlock_axum::__private::Policy =
-                ::dlock_axum::__private::policy(#key, #wait, #lease, #max_hold, #message, #code);
-            let __dlock_acquire = __dlock_ctx.acquire(&__DLOCK_POLICY, |__dlock_key| {
+            static __DLOCK_POLICY: ::dlock_axum::__private::Policy = #policy;
+            let __dlock_acquire = __dlock_ctx.acquire(&__DLOCK_POLICY, |__dlock_locker| {
                 #(#refs)*
-                __dlock_key #(#parts)* .build()
+                ::core::result::Result::Ok([#(#keys),*])
             });
             let __dlock_held = match __dlock_acquire.await {
                 ::core::result::Result::Ok(held) => held,

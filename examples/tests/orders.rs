@@ -430,3 +430,76 @@ async fn the_token_endpoint_is_rated_per_address() {
     assert_eq!(refused.header("retry-after"), Some("1"));
     assert_eq!(refused.json["error"], "token_rate_limited");
 }
+
+/// Issue 26: transfers lock both accounts as one set. Transfers 1→2 and
+/// 2→1 fired at once all complete (the set is taken in one order of keys,
+/// whatever order a request names them in, so none waits for another in a
+/// cycle), and no money is lost or made (the read-modify-write of each
+/// transfer runs alone on its accounts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opposite_transfers_never_deadlock_and_keep_the_money() {
+    let orders = Orders::start(&[]).await;
+    let addr = orders.addr.as_str();
+    for (id, balance) in [(1, 1000), (2, 1000)] {
+        let put =
+            request(addr, "PUT", &format!("/accounts/{id}"), Some(&json!({"balance": balance}))).await.expect("PUT");
+        assert_eq!((put.status, &put.json), (200, &json!({"id": id, "balance": balance})));
+    }
+    // 20 of 1→2 (3 each) and 20 of 2→1 (1 each), all at once.
+    let tasks: Vec<_> = (0..40)
+        .map(|i| {
+            let addr = addr.to_owned();
+            let body = if i % 2 == 0 {
+                json!({"from": 1, "to": 2, "amount": 3})
+            } else {
+                json!({"from": 2, "to": 1, "amount": 1})
+            };
+            tokio::spawn(async move { request(&addr, "POST", "/transfers", Some(&body)).await })
+        })
+        .collect();
+    for t in tasks {
+        let r = t.await.expect("task").expect("every transfer answers (no deadlock)");
+        assert_eq!(r.status, 200, "{}", r.json);
+    }
+    let balance = |id: u64| async move {
+        let r = request(addr, "GET", &format!("/accounts/{id}"), None).await.expect("GET");
+        r.json["balance"].as_i64().expect("balance")
+    };
+    assert_eq!((balance(1).await, balance(2).await), (1000 - 60 + 20, 1000 + 60 - 20));
+
+    let broke =
+        request(addr, "POST", "/transfers", Some(&json!({"from": 1, "to": 2, "amount": 5000}))).await.expect("POST");
+    assert_eq!((broke.status, broke.json["error"].as_str()), (409, Some("insufficient_funds")), "{}", broke.json);
+}
+
+/// Issue 26: at most two exports of one user at once; the third is
+/// `429 lock_permits_exhausted` with `Retry-After`, as Problem Details;
+/// another user is not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_third_concurrent_export_is_429() {
+    let orders = Orders::start(&[("ORDERS_EXPORT_MS", "2000")]).await;
+    let addr = orders.addr.as_str();
+    let running: Vec<_> = (0..2)
+        .map(|_| {
+            let addr = addr.to_owned();
+            tokio::spawn(async move { request(&addr, "POST", "/users/alice/export", None).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let third = request(addr, "POST", "/users/alice/export", None).await.expect("POST");
+    assert_eq!(third.status, 429, "{}", third.json);
+    assert_eq!(third.header("retry-after"), Some("1"));
+    assert_eq!(third.header("content-type"), Some("application/problem+json"));
+    assert_eq!(
+        (third.json["error"].as_str(), third.json["code"].as_u64()),
+        (Some("lock_permits_exhausted"), Some(2403))
+    );
+    let other = request(addr, "POST", "/users/bob/export", None).await.expect("POST");
+    assert_eq!((other.status, &other.json), (200, &json!({"user": "bob", "export": "done"})));
+    for r in running {
+        let r = r.await.expect("task").expect("export");
+        assert_eq!(r.status, 200, "{}", r.json);
+    }
+    // The permits were given back.
+    assert_eq!(request(addr, "POST", "/users/alice/export", None).await.expect("POST").status, 200);
+}

@@ -37,16 +37,57 @@ impl KeyPart for JsonPart<'_> {
     }
 }
 
-/// Builds the key of `spec` from the request, in the declared order.
-pub(crate) async fn build_key(
+/// The keys a request takes: one (no allocation), or several.
+#[derive(Debug)]
+pub(crate) enum Keys {
+    One([LockKey; 1]),
+    Many(Vec<LockKey>),
+}
+
+impl Keys {
+    pub(crate) fn as_slice(&self) -> &[LockKey] {
+        match self {
+            Keys::One(one) => one,
+            Keys::Many(many) => many,
+        }
+    }
+}
+
+/// Builds the keys of `spec` from the request: the first key, then those
+/// of [`LockLayer::also`](super::LockLayer::also), each from its parts in
+/// the declared order.
+pub(crate) async fn build_keys(
     spec: &Spec,
     locker: &Locker,
     parts: &mut Parts,
     json: Option<&Picked>,
-) -> Result<LockKey, Refusal> {
-    let mut key = locker.key(spec.policy.name());
+) -> Result<Keys, Refusal> {
     let mut path_params: Option<RawPathParams> = None;
-    for source in &spec.parts {
+    let first = build_key(spec, spec.policy.name(), &spec.parts, locker, parts, json, &mut path_params).await?;
+    if spec.also.is_empty() {
+        return Ok(Keys::One([first]));
+    }
+    let mut keys = Vec::with_capacity(1 + spec.also.len());
+    keys.push(first);
+    for also in &spec.also {
+        keys.push(build_key(spec, &also.name, &also.parts, locker, parts, json, &mut path_params).await?);
+    }
+    Ok(Keys::Many(keys))
+}
+
+/// Builds the key `name` from `sources`, in order. `path_params` are read
+/// once per request, by the first key that needs them.
+async fn build_key(
+    spec: &Spec,
+    name: &str,
+    sources: &[KeySource],
+    locker: &Locker,
+    parts: &mut Parts,
+    json: Option<&Picked>,
+    path_params: &mut Option<RawPathParams>,
+) -> Result<LockKey, Refusal> {
+    let mut key = locker.key(name);
+    for source in sources {
         match source {
             KeySource::Json { segments, .. } => {
                 let value =
@@ -73,7 +114,7 @@ pub(crate) async fn build_key(
             }
             KeySource::Path(name) => {
                 if path_params.is_none() {
-                    path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|e| {
+                    *path_params = Some(RawPathParams::from_request_parts(parts, &()).await.map_err(|e| {
                         match e {
                             // The client's fault (`/items/%FF`): a 400, not a 500.
                             RawPathParamsRejection::InvalidUtf8InPathParam(_) => Refusal::invalid(

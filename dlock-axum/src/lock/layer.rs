@@ -4,13 +4,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::HeaderName;
+use dlock_core::backend::LockMode;
 use dlock_core::Locker;
 use tower::Layer;
 
 use super::json::Want;
 use super::quota::Quota;
 use super::service::RequireLock;
-use super::spec::{KeySource, Spec};
+use super::spec::{Also, KeySource, Spec};
 use crate::caller::Caller;
 use crate::pipeline::policy::Policy;
 
@@ -52,6 +53,8 @@ impl fmt::Debug for LockLayer {
         f.debug_struct("LockLayer")
             .field("name", &p.name)
             .field("parts", &s.parts)
+            .field("also", &s.also)
+            .field("mode", &p.mode)
             .field("wait", &p.wait)
             .field("lease", &p.lease)
             .field("max_hold", &p.max_hold)
@@ -71,6 +74,7 @@ impl LockLayer {
             spec: Arc::new(Spec {
                 policy: Policy::new(name.into()),
                 parts: Vec::new(),
+                also: Vec::new(),
                 json_want: Want::Nothing,
                 max_body_bytes: None,
                 locker: None,
@@ -84,7 +88,8 @@ impl LockLayer {
         self
     }
 
-    /// Adds a field of the JSON body to the key. `path` may walk nested
+    /// Adds a field of the JSON body to the key (to the key the last
+    /// [`also`](Self::also) started, if any; so for every part). `path` may walk nested
     /// objects and arrays: `"product.id"`, `"items.0.sku"`.
     ///
     /// The layer then reads the body (at most [`max_body_bytes`](Self::max_body_bytes)),
@@ -97,7 +102,7 @@ impl LockLayer {
         let segments: Vec<String> = path.split('.').map(str::to_owned).collect();
         self.with(|s| {
             s.json_want.add(&segments);
-            s.parts.push(KeySource::Json { path, segments })
+            s.last_parts().push(KeySource::Json { path, segments })
         })
     }
 
@@ -108,7 +113,7 @@ impl LockLayer {
     /// key and the handler could otherwise read different values.
     pub fn query(self, name: impl Into<String>) -> Self {
         let name = name.into();
-        self.with(|s| s.parts.push(KeySource::Query(name)))
+        self.with(|s| s.last_parts().push(KeySource::Query(name)))
     }
 
     /// Adds a path parameter of the route (`/items/{id}` → `path("id")`).
@@ -119,7 +124,7 @@ impl LockLayer {
     /// router as a service; there it answers `500 lock_misconfigured`.
     pub fn path(self, name: impl Into<String>) -> Self {
         let name = name.into();
-        self.with(|s| s.parts.push(KeySource::Path(name)))
+        self.with(|s| s.last_parts().push(KeySource::Path(name)))
     }
 
     /// Adds a request header. A request without it, or with an empty or
@@ -137,7 +142,81 @@ impl LockLayer {
             Ok(name) => name,
             Err(_) => panic!("LockLayer::header: `{name}` is not a valid HTTP header name"),
         };
-        self.with(|s| s.parts.push(KeySource::Header(name)))
+        self.with(|s| s.last_parts().push(KeySource::Header(name)))
+    }
+
+    /// Takes the key in shared mode (a read lock): requests of shared routes
+    /// on one key run together, and a request that takes the key exclusively
+    /// (a [`LockLayer`] without `shared`, a `#[lockable]` without
+    /// `mode = "shared"`) runs alone. A shared request that finds the key held
+    /// exclusively (or an exclusive one that finds it shared) waits, then is
+    /// refused with the route's `409` (`duplicate_submission`, or
+    /// `lock_wait_timeout` after a wait).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum::{routing::{get, post}, Router};
+    /// use dlock_axum::LockLayer;
+    ///
+    /// let prices: Router = Router::new()
+    ///     // Any number of readers at once…
+    ///     .route("/prices/{list}", get(|| async { "[]" }).route_layer(LockLayer::new("price.list").path("list").shared()))
+    ///     // …or one repricing job, with no reader in between.
+    ///     .route(
+    ///         "/prices/{list}/reprice",
+    ///         post(|| async { "repriced" })
+    ///             .route_layer(LockLayer::new("price.list").path("list").wait(Duration::from_secs(5))),
+    ///     );
+    /// ```
+    pub fn shared(self) -> Self {
+        self.with(|s| s.policy.mode = LockMode::Shared)
+    }
+
+    /// Lets at most `n` requests hold the key at once (a semaphore): the
+    /// `n + 1`-th waits up to [`wait`](Self::wait), then is refused with
+    /// `429 lock_permits_exhausted` and `Retry-After`. Every route that
+    /// names the same key must use the same `n` (another `n`, or an exclusive
+    /// lock on it, is `500 lock_misconfigured`).
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use dlock_axum::LockLayer;
+    ///
+    /// // At most two exports of one user at once; a third is a 429.
+    /// let exports: Router = Router::new()
+    ///     .route("/exports", post(|| async { "exported" }).route_layer(LockLayer::new("export").header("x-user-id").permits(2)));
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// When `n` is zero: a programming error found on start-up.
+    pub fn permits(self, n: u32) -> Self {
+        assert!(n > 0, "LockLayer::permits: a semaphore of 0 permits would refuse every request");
+        self.with(|s| s.policy.mode = LockMode::permits(n))
+    }
+
+    /// Starts a further key, the lock called `name`: the parts declared
+    /// after it ([`json`](Self::json), [`query`](Self::query),
+    /// [`path`](Self::path), [`header`](Self::header)) are its parts. The
+    /// route then takes every key all or none, in one global order of keys
+    /// (so two requests naming the same keys in opposite orders never
+    /// deadlock), each in the layer's mode, within one [`wait`](Self::wait).
+    /// A request refused because one of them is held gets the route's
+    /// `409`; which key was busy is logged (as its log id), never answered.
+    /// The [`FencingToken`](crate::FencingToken) and
+    /// [`HeldLock`](crate::HeldLock) the route sees are those of the first key.
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use dlock_axum::LockLayer;
+    ///
+    /// // A transfer holds both accounts: `{"from": 1, "to": 2, "amount": 5}`.
+    /// let layer = LockLayer::new("account").json("from").also("account").json("to");
+    /// let app: Router = Router::new().route("/transfers", post(|body: String| async move { body }).route_layer(layer));
+    /// ```
+    pub fn also(self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        self.with(|s| s.also.push(Also { name, parts: Vec::new() }))
     }
 
     /// How long a request waits for a held lock before it is refused with

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use dlock_core::Locker;
 use tower::Service;
 
-use super::key::build_key;
+use super::key::build_keys;
 use super::quota::{NoPermit, Permit};
 use super::spec::Spec;
 use crate::future::ResponseFuture;
@@ -138,16 +138,16 @@ async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Re
     } else {
         None
     };
-    let key = build_key(spec, &locker, parts, json.as_ref()).await?;
+    let keys = build_keys(spec, &locker, parts, json.as_ref()).await?;
     let owner = RequestOwner::get_or_insert(&mut parts.extensions).map_err(Refusal::no_owner)?;
     let permit = match &spec.quota {
         Some(quota) => Some(quota.take(parts).map_err(|refused| match refused {
             NoPermit::NoCaller => Refusal::invalid(Rejection::lock_caller_missing()),
-            NoPermit::OverQuota(over) => Refusal::over_quota(over.rejection(), key.clone()),
+            NoPermit::OverQuota(over) => Refusal::over_quota(over.rejection(), keys.as_slice().first().cloned()),
         })?),
         None => None,
     };
-    let held = acquire_for_request(&locker, owner, key, &spec.policy).await?;
-    HeldLock::of(&held.guard).set(&mut parts.extensions, held.guard.owner());
+    let held = acquire_for_request(&locker, owner, keys.as_slice(), &spec.policy).await?;
+    HeldLock::of(held.guard()).set(&mut parts.extensions, held.guard().owner());
     Ok(Admitted { held, permit, body: pending.take().unwrap_or_default() })
 }

@@ -41,12 +41,23 @@ impl fmt::Display for KeySource {
     }
 }
 
+/// A further key of a multi-key layer ([`LockLayer::also`](super::LockLayer::also)):
+/// its lock name and parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Also {
+    pub(crate) name: String,
+    pub(crate) parts: Vec<KeySource>,
+}
+
 /// Everything a [`LockLayer`](super::LockLayer) was configured with; shared
 /// by its services.
 #[derive(Clone)]
 pub(crate) struct Spec {
     pub(crate) policy: Policy,
+    /// The parts of the first key, whose name is the policy's.
     pub(crate) parts: Vec<KeySource>,
+    /// The further keys, taken with the first one all or none.
+    pub(crate) also: Vec<Also>,
     /// What of the JSON body the key needs.
     pub(crate) json_want: Want,
     /// The layer's own body limit; `None`: the installed engine's
@@ -58,6 +69,15 @@ pub(crate) struct Spec {
 
 impl Spec {
     pub(crate) fn needs_json(&self) -> bool {
-        self.parts.iter().any(|p| matches!(p, KeySource::Json { .. }))
+        self.parts.iter().chain(self.also.iter().flat_map(|a| &a.parts)).any(|p| matches!(p, KeySource::Json { .. }))
+    }
+
+    /// Where a part declared now goes: the key the last [`Also`] started,
+    /// else the first.
+    pub(crate) fn last_parts(&mut self) -> &mut Vec<KeySource> {
+        match self.also.last_mut() {
+            Some(also) => &mut also.parts,
+            None => &mut self.parts,
+        }
     }
 }

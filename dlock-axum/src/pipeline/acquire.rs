@@ -6,46 +6,82 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use axum::response::Response;
-use dlock_core::{LockGuard, LockKey, Locker, Owner};
+use dlock_core::{LockGuard, LockKey, Locker, MultiGuard, Owner};
 
 use super::outage;
 use super::policy::Policy;
 use super::refusal::Refusal;
 use crate::request::LockOutcome;
 
-/// A request that holds its lock.
+/// A request that holds its lock, or its locks.
 #[derive(Debug)]
 pub(crate) struct Held {
-    pub(crate) guard: LockGuard,
+    guards: Guards,
     pub(crate) waited: Duration,
 }
 
-/// Takes `key` for a request as `owner` (the request's
-/// [`RequestOwner`](crate::RequestOwner)) with the policy's wait, lease and
-/// max hold, and logs the grant; a failure is the request's [`Refusal`].
+/// What a request holds: one key, or a set taken all or none.
+#[derive(Debug)]
+enum Guards {
+    One(LockGuard),
+    /// `primary`: where in the set (which is in key order) the route's
+    /// first declared key is; its guard is the one the route sees.
+    All {
+        set: MultiGuard,
+        primary: usize,
+    },
+}
+
+impl Held {
+    /// The guard of the route's first declared key: the lock whose
+    /// [`FencingToken`](crate::FencingToken) and [`HeldLock`](crate::HeldLock)
+    /// the route sees.
+    pub(crate) fn guard(&self) -> &LockGuard {
+        match &self.guards {
+            Guards::One(guard) => guard,
+            // `primary` was found in this very set when it was taken.
+            Guards::All { set, primary } => &set.guards()[*primary],
+        }
+    }
+}
+
+/// Takes `keys` for a request as `owner` (the request's
+/// [`RequestOwner`](crate::RequestOwner)) with the policy's mode, wait,
+/// lease and max hold, and logs the grant; a failure is the request's
+/// [`Refusal`].
+///
+/// One key is one acquire. Several are taken all or none, in key order
+/// ([`Locker::acquire_all`]), so two requests naming overlapping keys in
+/// opposite orders never deadlock; the policy's wait covers the whole set.
+/// A refusal logs the key that was busy (its log id), never in the answer.
 pub(crate) async fn acquire_for_request(
     locker: &Locker,
     owner: Owner,
-    key: LockKey,
+    keys: &[LockKey],
     policy: &Policy,
 ) -> Result<Held, Refusal> {
     // An acquire that may not wait has nothing to time: no clock is read.
     let may_wait = !policy.wait.unwrap_or_else(|| locker.options().wait()).is_zero();
     let started = may_wait.then(Instant::now);
     let waited = || started.map_or(Duration::ZERO, |started| started.elapsed());
-    match locker.acquire(&key, policy.options(owner)).await {
-        Ok(guard) => {
+    let taken = match keys {
+        [key] => locker.acquire(key, policy.options(owner)).await.map(Guards::One),
+        _ => acquire_set(locker, owner, keys, policy).await,
+    };
+    match taken {
+        Ok(guards) => {
             outage::LOCKS.answered();
-            let waited = waited();
+            let held = Held { guards, waited: waited() };
+            let guard = held.guard();
             tracing::debug!(
                 lock = policy.name(),
                 key = %guard.key().log_id(),
                 outcome = "acquired",
                 fence = guard.fencing_token(),
-                waited_ms = waited.as_millis() as u64,
+                waited_ms = held.waited.as_millis() as u64,
                 "dlock.request"
             );
-            Ok(Held { guard, waited })
+            Ok(held)
         }
         Err(e) => {
             let waited = waited();
@@ -56,8 +92,31 @@ pub(crate) async fn acquire_for_request(
                 // A lock found held is an answer too.
                 outage::LOCKS.answered();
             }
-            Err(Refusal::from_error(e, policy, Some(key), waited).during_outage(unavailable))
+            let busy = busy_key(&e, keys);
+            Err(Refusal::from_error(e, policy, busy, waited).during_outage(unavailable))
         }
+    }
+}
+
+/// Several keys, all or none, each in the policy's mode.
+async fn acquire_set(locker: &Locker, owner: Owner, keys: &[LockKey], policy: &Policy) -> dlock_core::Result<Guards> {
+    let set = locker.acquire_all(keys.iter().map(|key| (key, policy.mode)), policy.options(owner)).await?;
+    let primary = keys
+        .first()
+        .and_then(|first| set.guards().iter().position(|guard| guard.key() == first))
+        .ok_or_else(|| dlock_core::Error::Internal("acquire_all returned a set without the first key asked".into()))?;
+    Ok(Guards::All { set, primary })
+}
+
+/// The key a refusal is about, for its log line: the one key, or, of a
+/// set, the one the engine found busy.
+fn busy_key(err: &dlock_core::Error, keys: &[LockKey]) -> Option<LockKey> {
+    match (keys, err) {
+        ([key], _) => Some(key.clone()),
+        (_, dlock_core::Error::Busy { key } | dlock_core::Error::Timeout { key, .. }) => {
+            keys.iter().find(|k| k.as_str() == key).cloned()
+        }
+        _ => None,
     }
 }
 
@@ -84,7 +143,9 @@ impl Policy {
         key: LockKey,
         work: F,
     ) -> Result<(F::Output, LockOutcome), Response> {
-        let held = acquire_for_request(locker, owner, key, self).await.map_err(|refusal| refusal.respond(self))?;
+        let held = acquire_for_request(locker, owner, std::slice::from_ref(&key), self)
+            .await
+            .map_err(|refusal| refusal.respond(self))?;
         let out = work.await;
         Ok((out, held.release(self).await))
     }
@@ -96,9 +157,13 @@ impl Held {
     /// route's work is done, and the engine retries the release in the
     /// background until it goes through or the lease runs out.
     pub(crate) async fn release(self, policy: &Policy) -> LockOutcome {
-        let Held { guard, waited } = self;
-        let fencing_token = guard.fencing_token();
-        match guard.release().await {
+        let fencing_token = self.guard().fencing_token();
+        let Held { guards, waited } = self;
+        let released = match guards {
+            Guards::One(guard) => guard.release().await,
+            Guards::All { set, .. } => set.release().await,
+        };
+        match released {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 lock = policy.name(),

@@ -10,6 +10,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
+use dlock_core::backend::LockMode;
 use dlock_core::AcquireOptions;
 
 /// The name, timing and duplicate-answer of one lock of a request: what
@@ -43,13 +44,24 @@ pub struct Policy {
     pub(crate) message: Option<Cow<'static, str>>,
     /// `code` of that answer.
     pub(crate) code: Option<u32>,
+    /// How every key of the request is taken: exclusive (the default),
+    /// shared, or one of a semaphore's permits.
+    pub(crate) mode: LockMode,
 }
 
 impl Policy {
     /// A policy with the engine's defaults for the lock `name`: its wait
     /// (`DLOCK_WAIT_MS`), watchdog mode, dlock's duplicate answer.
     pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
-        Policy { name: name.into(), wait: None, lease: None, max_hold: None, message: None, code: None }
+        Policy {
+            name: name.into(),
+            wait: None,
+            lease: None,
+            max_hold: None,
+            message: None,
+            code: None,
+            mode: LockMode::Exclusive,
+        }
     }
 
     /// How long to wait for a held lock before refusing with `409`.
@@ -83,6 +95,36 @@ impl Policy {
         self
     }
 
+    /// Take the request's keys in `mode`: [`LockMode::Exclusive`] (the
+    /// default), [`LockMode::Shared`] (requests in shared mode run together
+    /// and keep out an exclusive one; a shared request that finds the key
+    /// held exclusively is refused as a duplicate, `409`), or
+    /// [`LockMode::permits`]`(n)` (at most `n` requests at once; the next
+    /// is `429 lock_permits_exhausted`).
+    ///
+    /// ```
+    /// use dlock_axum::lock::Policy;
+    /// use dlock_core::backend::LockMode;
+    ///
+    /// let exports = Policy::new("report.export").with_mode(LockMode::permits(2));
+    /// assert_eq!(exports.mode(), LockMode::permits(2));
+    /// ```
+    pub fn with_mode(mut self, mode: LockMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// How the request's keys are taken (see [`with_mode`](Self::with_mode)).
+    pub fn mode(&self) -> LockMode {
+        self.mode
+    }
+
+    /// A semaphore route: its refusal for a full key is `429
+    /// lock_permits_exhausted`, not a `409`.
+    pub(crate) fn is_semaphore(&self) -> bool {
+        matches!(self.mode, LockMode::Permits { .. })
+    }
+
     /// The policy of a `#[lockable(...)]` attribute (see
     /// `__private::policy`).
     pub(crate) const fn from_attribute(
@@ -109,7 +151,14 @@ impl Policy {
                 None => None,
             },
             code,
+            mode: LockMode::Exclusive,
         }
+    }
+
+    /// The policy in `mode`, in a `const` (see `__private::shared`).
+    pub(crate) const fn in_mode(mut self, mode: LockMode) -> Self {
+        self.mode = mode;
+        self
     }
 
     /// The lock's name.
@@ -119,7 +168,7 @@ impl Policy {
 
     /// The acquire options of a request taken as `owner`.
     pub(crate) fn options(&self, owner: dlock_core::Owner) -> AcquireOptions {
-        let mut opts = AcquireOptions::new().with_owner(owner);
+        let mut opts = AcquireOptions::new().with_owner(owner).with_mode(self.mode);
         if let Some(wait) = self.wait {
             opts = opts.with_wait(wait);
         }

@@ -76,18 +76,25 @@ impl Refusal {
     }
 
     /// The caller already holds as many locks as the layer allows.
-    pub(crate) fn over_quota(rejection: Rejection, key: LockKey) -> Self {
-        Refusal { rejection, outcome: LockOutcome::OverQuota, key: Some(key), cause: None, in_outage: false }
+    pub(crate) fn over_quota(rejection: Rejection, key: Option<LockKey>) -> Self {
+        Refusal { rejection, outcome: LockOutcome::OverQuota, key, cause: None, in_outage: false }
     }
 
     /// An engine error, mapped by [`Rejection::from_lock_error`]; a lock
     /// found held on a route that does not wait (the seed's duplicate
     /// submission) gets the policy's message and code. A wait that ran out
     /// keeps `lock_wait_timeout`'s: nothing was duplicated, and the client
-    /// must be able to tell the two apart.
+    /// must be able to tell the two apart. On a semaphore route either is
+    /// `429 lock_permits_exhausted`: the route is full, nobody duplicated
+    /// anything.
+    ///
+    /// `key` is the key that was busy (for the log only), or `None`.
     pub(crate) fn from_error(err: dlock_core::Error, policy: &Policy, key: Option<LockKey>, waited: Duration) -> Self {
         let mut rejection = Rejection::from_lock_error(&err);
-        let outcome = if err.is_contention() {
+        let outcome = if err.is_contention() && policy.is_semaphore() {
+            rejection = Rejection::permits_exhausted();
+            LockOutcome::Busy { waited }
+        } else if err.is_contention() {
             let duplicate = matches!(err, dlock_core::Error::Busy { .. });
             if let Some(message) = policy.message.as_ref().filter(|_| duplicate) {
                 rejection = rejection.with_message(message.clone());

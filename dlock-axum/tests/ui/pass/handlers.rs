@@ -64,5 +64,40 @@ fn main() {
         .route("/tuple/{a}/{b}", get(tuple))
         .route("/plain", post(plain))
         .route("/fenced/{id}", post(fenced))
+        .merge(modes())
         .with_state(AppState);
+}
+
+/// Shared readers, a semaphore of two, and two keys taken together.
+#[lockable(key = "price.list", fields = ["list"], mode = "shared", wait_ms = 100)]
+async fn read_prices(Path(list): Path<String>, FencingToken(_f): FencingToken) -> String {
+    list
+}
+
+#[lockable(key = "price.list", fields = ["list"], mode = "exclusive")]
+async fn reprice(Path(list): Path<String>) -> String {
+    list
+}
+
+#[lockable(key = "export", fields = ["user"], permits = 2, wait_ms = 0)]
+async fn export(Path(user): Path<String>) -> String {
+    user
+}
+
+#[derive(Deserialize)]
+struct Transfer {
+    from: u64,
+    to: u64,
+}
+
+#[lockable(key = "account", fields = ["t.from"], also(key = "account", fields = ["t.to"]), also(key = "ledger"), wait_ms = 50)]
+async fn transfer(Json(t): Json<Transfer>, lock: HeldLock) -> String {
+    format!("{} -> {} under {}", t.from, t.to, lock.fencing_token().0)
+}
+
+fn modes() -> Router<AppState> {
+    Router::new()
+        .route("/prices/{list}", get(read_prices).post(reprice))
+        .route("/exports/{user}", post(export))
+        .route("/transfers", post(transfer))
 }

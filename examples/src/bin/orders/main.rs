@@ -15,6 +15,7 @@
 //! | `ORDERS_UNLOCKED` | `1`: no lock on the stock (shows the oversell) | off |
 //! | `ORDERS_CHARGES_UNGUARDED` | `1`: `POST /charges` without `IdempotencyLayer` (shows duplicates running twice; the torture harness's negative control) | off |
 //! | `ORDERS_PAYMENT_LEASE_MS` | the lease of an in-progress payment (renewed while it runs): how long a crashed instance's payment blocks its `Idempotency-Key` before a retry runs it again | `10000` |
+//! | `ORDERS_EXPORT_MS` | how long one `POST /users/{user}/export` works | `500` |
 //! | `ORDERS_TOKEN_RATE` | `GET /idempotency/token` per second per client address (bursts of ten times that); beyond, `429 token_rate_limited` | `20` |
 //! | `DLOCK_*` | the lock backend, see dlock-core's `Config` | in process |
 //! | `RUST_LOG` | log filter | `info` |
@@ -32,6 +33,14 @@
 //!   spent once (`400 idempotency_token_missing`; `409 idempotency_token_unknown`
 //!   once spent; `409 duplicate_submission` with `Retry-After` while the
 //!   same order is running)
+//! * `PUT /accounts/{id}` `{"balance": n}`, `GET /accounts/{id}` → `{"id":..,"balance":..}`
+//! * `POST /transfers` `{"from": a, "to": b, "amount": n}` → `{"from":{"id","balance"},"to":{..}}`;
+//!   `#[lockable(key = "account", fields = ["t.from"], also(key = "account", fields = ["t.to"]))]`
+//!   holds both accounts as one set (all or none, in key order: 1→2 and
+//!   2→1 at once never deadlock); `409 insufficient_funds`
+//! * `POST /users/{user}/export` → `{"user":..,"export":"done"}`; `#[lockable(permits = 2)]`:
+//!   at most two exports of one user at once, the third `429 lock_permits_exhausted`
+//!   with `Retry-After`
 //! * `GET /idempotency/token` → `{"token": "...", "expires_in_secs": n}`
 //! * `POST /payments` with `Idempotency-Key: K` and `Authorization` (the
 //!   caller, whose records the key belongs to: `400 idempotency_scope_missing`
@@ -73,6 +82,7 @@ use dlock_core::{Config, Locker, Owner};
 use serde_json::{json, Value};
 use tracing_subscriber::EnvFilter;
 
+mod accounts;
 mod extract;
 mod model;
 mod payments;
@@ -100,6 +110,8 @@ struct App {
     charges_unguarded: bool,
     /// `ORDERS_TOKEN_RATE`: tokens per second per client address.
     token_rate: rate::TokenRate,
+    /// `ORDERS_EXPORT_MS`: how long one `POST /users/{user}/export` works.
+    export_time: Duration,
 }
 
 #[tokio::main]
@@ -143,8 +155,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => 20,
     };
     let token_rate = rate::TokenRate::new(token_rate, token_rate.saturating_mul(10));
+    let export_time = match non_empty_env("ORDERS_EXPORT_MS") {
+        Some(v) => match v.parse::<u64>() {
+            Ok(ms) => Duration::from_millis(ms),
+            Err(_) => return Err(format!("ORDERS_EXPORT_MS: expected a number of milliseconds, got `{v}`").into()),
+        },
+        None => Duration::from_millis(500),
+    };
     let store_kind = store.kind();
-    let app = App { locker: locker.clone(), store, idem, unlocked, charges_unguarded, payment_lease, token_rate };
+    let app = App {
+        locker: locker.clone(),
+        store,
+        idem,
+        unlocked,
+        charges_unguarded,
+        payment_lease,
+        token_rate,
+        export_time,
+    };
     let router = router(app, dlock);
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(
@@ -185,6 +213,9 @@ fn router(app: App, dlock: DlockRuntime) -> Router {
         .route("/products/{id}", get(get_product).put(put_product))
         .route("/stock/reduce", reduce)
         .route("/orders", post(create_order))
+        .route("/accounts/{id}", get(accounts::get_account).put(accounts::put_account))
+        .route("/transfers", post(accounts::transfer))
+        .route("/users/{user}/export", post(accounts::export))
         .merge(payments::routes(app.payment_lease, app.charges_unguarded, app.store.clone(), app.token_rate.clone()))
         // A path or method this service does not serve answers in the same
         // shape as every other refusal (axum's own are empty bodies).

@@ -61,12 +61,17 @@ pub(crate) struct MemoryStore {
     payments: HashMap<String, String>,
     payment_claims: HashMap<String, String>,
     charges: HashMap<String, u64>,
+    accounts: HashMap<String, i64>,
 }
 
 const PREFIX: &str = "orders";
 
 fn product_key(id: &str) -> String {
     format!("{PREFIX}:product:{id}")
+}
+
+fn account_key(id: &str) -> String {
+    format!("{PREFIX}:account:{id}")
 }
 
 impl Store {
@@ -119,6 +124,29 @@ impl Store {
             Store::Redis(conn) => {
                 let raw = serde_json::to_string(&stock).map_err(|e| StoreError(e.to_string()))?;
                 let () = conn.clone().set(product_key(id), raw).await?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The balance of account `id`, if it exists.
+    pub(crate) async fn balance(&self, id: &str) -> Result<Option<i64>, StoreError> {
+        match self {
+            Store::Memory(m) => Ok(m.lock().await.accounts.get(id).copied()),
+            Store::Redis(conn) => Ok(conn.clone().get(account_key(id)).await?),
+        }
+    }
+
+    /// Overwrites the balance of account `id`: a plain write, which only
+    /// the account's lock keeps from racing another transfer.
+    pub(crate) async fn set_balance(&self, id: &str, balance: i64) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.lock().await.accounts.insert(id.to_owned(), balance);
+                Ok(())
+            }
+            Store::Redis(conn) => {
+                let () = conn.clone().set(account_key(id), balance).await?;
                 Ok(())
             }
         }
