@@ -125,6 +125,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let orders_redis_url = non_empty_env("ORDERS_REDIS_URL");
     let dlock = payments::services(&config, orders_redis_url.as_deref()).await?;
     let (locker, idem) = (dlock.locker().clone(), dlock.idempotency_store()?.clone());
+    // The export route is a semaphore of two: a backend that cannot keep one
+    // (RedLock) is refused here, naming why, not at the first export.
+    locker
+        .supports(dlock_core::backend::LockMode::permits(2))
+        .map_err(|e| format!("POST /users/{{user}}/export: {e}"))?;
     let store = match &orders_redis_url {
         Some(url) => Store::redis(url).await?,
         None => Store::memory(),
