@@ -85,6 +85,36 @@ async fn one_event_per_request_at_the_same_level_through_both_faces() {
     }
 }
 
+/// Issue 26: a multi-key route refused for its second key logs the busy
+/// key by its log id, and not the free one (the answer names neither).
+#[tokio::test(flavor = "current_thread")]
+async fn a_multi_key_refusal_logs_the_busy_key_only() {
+    let (captured, _default) = capture_logs();
+    let locker = Locker::new(MemoryBackend::new());
+    let layer = LockLayer::new("account").json("from").also("account").json("to");
+    let app = Router::new()
+        .route("/transfer", post(|body: String| async move { body }).layer(layer))
+        .with_locker(locker.clone());
+    let (from, to) = (
+        locker.key("account").part(7u64).build().expect("key"),
+        locker.key("account").part(8u64).build().expect("key"),
+    );
+    let held = locker.try_acquire(&to).await.expect("free");
+    take_events(&captured);
+    let req = Request::post("/transfer")
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"from": 7, "to": 8}"#))
+        .expect("request");
+    let res = app.oneshot(req).await.expect("infallible");
+    assert_eq!(res.status(), axum::http::StatusCode::CONFLICT);
+    let events = take_events(&captured);
+    assert_eq!(events.len(), 1, "{events:#?}");
+    assert!(events[0].contains(&to.log_id().to_string()), "the busy key: {events:?}");
+    assert!(!events[0].contains(&from.log_id().to_string()), "not the free one: {events:?}");
+    held.release().await.expect("release");
+    locker.try_acquire(&from).await.expect("not left held").release().await.expect("release");
+}
+
 /// A lock service that grants and renews but cannot release, as during an
 /// outage: the paths that log at `WARN`.
 #[derive(Debug)]
