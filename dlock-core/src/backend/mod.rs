@@ -134,6 +134,8 @@ use crate::owner::Owner;
 
 // Exported at the crate root only (`dlock_core::MemoryBackend`).
 pub(crate) mod memory;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "redis")]
@@ -506,6 +508,21 @@ pub(crate) fn redact(url: &str) -> String {
         (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
         _ => url.to_owned(),
     }
+}
+
+/// The error for `req` finding its key held in `held`, naming both modes
+/// (for permits, both limits).
+#[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+pub(crate) fn mode_conflict(req: &AcquireRequest, held: LockMode) -> Error {
+    let reason = match (held, req.mode) {
+        (LockMode::Permits { limit: held }, LockMode::Permits { limit: asked }) => format!(
+            "it is a semaphore of {held} permits, and was asked for as one of {asked}: the first holder \
+             fixes the limit while anyone holds the key"
+        ),
+        (LockMode::Exclusive, asked) => format!("this owner holds it exclusive, not as {asked}"),
+        (held, asked) => format!("it is held as {held}, and was asked for as {asked}"),
+    };
+    Error::mode_conflict(&req.key, reason)
 }
 
 /// Busy or timeout, depending on whether the caller wanted to wait.
