@@ -251,3 +251,34 @@ async fn processes_starting_at_once_all_find_the_schema() {
     }
     assert_eq!(server.psql("SELECT count(*) FROM pg_proc WHERE proname LIKE 'race\\_%'"), "2");
 }
+
+/// `DLOCK_BACKEND=postgres` with `DLOCK_POSTGRES_URL` builds a locker on
+/// this backend; a URL that does not parse names the variable and hides
+/// the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_environment_names_the_backend() {
+    let server = PostgresServer::start();
+    let url = server.url();
+    let config = dlock_core::Config::from_lookup(|var| match var {
+        "DLOCK_BACKEND" => Some("postgres".into()),
+        "DLOCK_POSTGRES_URL" => Some(url.clone()),
+        "DLOCK_IDEMPOTENCY_LOCAL" => Some("1".into()),
+        _ => None,
+    })
+    .expect("valid configuration");
+    let dlock = config.build().await.expect("connect");
+    assert_eq!(dlock.locker().backend_name(), "postgres");
+    let k = dlock.locker().key("env").part(1).build().expect("key");
+    dlock.locker().try_acquire(&k).await.expect("free").release().await.expect("release");
+
+    let bad = dlock_core::Config::from_lookup(|var| match var {
+        "DLOCK_BACKEND" => Some("postgres".into()),
+        "DLOCK_POSTGRES_URL" => Some("postgres://app:s3cret@127.0.0.1:notaport/db".into()),
+        _ => None,
+    })
+    .expect("read without I/O");
+    let err = bad.build().await.expect_err("a URL that does not parse");
+    let text = err.to_string();
+    assert!(matches!(err, Error::Config { var: "DLOCK_POSTGRES_URL", .. }), "{err:?}");
+    assert!(!text.contains("s3cret"), "{text}");
+}
