@@ -18,8 +18,9 @@
 //!   `<prefix>_release_v1`), each one statement and so one transaction, one
 //!   round trip. Both first take a **transaction-scoped** advisory lock on
 //!   the key (`pg_advisory_xact_lock`), so the steps on one key run one at
-//!   a time, then read and write the key's rows. Renew is one owner-checked
-//!   `UPDATE … WHERE expires_at > clock_timestamp()`. A refused acquire
+//!   a time, then read and write the key's rows. Renew is an owner-checked
+//!   `UPDATE … WHERE expires_at > clock_timestamp()`, many holds a statement
+//!   (renewals asked while one is in flight go out together). A refused acquire
 //!   answers, in the same call, when the first of the holders' leases ends
 //!   (the wait loop's `retry_in`).
 //! * Re-entry is counted by the engine; the table keeps one row per key and
@@ -63,7 +64,8 @@
 //! An uncontended cycle is two round trips and two short transactions: the
 //! acquire function (an advisory lock, a `DELETE` of expired rows, two
 //! index reads, a `nextval`, an `INSERT`) and the release function (an
-//! advisory lock, a `DELETE`). Each renewal is one `UPDATE`. Every grant
+//! advisory lock, a `DELETE`). Renewals cost one `UPDATE` per statement in
+//! flight, whatever the number of holds it extends (up to 512). Every grant
 //! writes WAL (and a dead row for autovacuum). A contended release adds one
 //! `NOTIFY`, which wakes one waiter of the key in each listening process (all
 //! of them when readers wait).
@@ -117,6 +119,9 @@ use super::{
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
+
+mod renewals;
+use renewals::Renewals;
 
 const BACKEND: &str = "postgres";
 /// The variable that names the server, for configuration errors.
@@ -201,7 +206,9 @@ struct Shared {
     response_timeout: Duration,
     acquire: String,
     release: String,
+    /// Renews a batch of holds (see `renewals.rs`).
     renew: String,
+    renewals: Renewals,
 }
 
 /// The names of one prefix's objects, quoted.
@@ -299,9 +306,12 @@ impl PostgresBackend {
             acquire: format!("SELECT r_outcome, r_fence, r_info FROM {}($1, $2, $3, $4, $5, $6)", names.acquire),
             release: format!("SELECT {}($1, $2)", names.release),
             renew: names.fill(
-                "UPDATE {locks} SET expires_at = clock_timestamp() + $3 * interval '1 millisecond' \
-                 WHERE key = $1 AND owner = $2 AND mode <> 'i' AND expires_at > clock_timestamp() RETURNING fence",
+                "UPDATE {locks} AS l SET expires_at = clock_timestamp() + v.ms * interval '1 millisecond' \
+                 FROM unnest($1::text[], $2::text[], $3::bigint[]) AS v(key, owner, ms) \
+                 WHERE l.key = v.key AND l.owner = v.owner AND l.mode <> 'i' AND l.expires_at > clock_timestamp() \
+                 RETURNING l.key, l.owner",
             ),
+            renewals: Renewals::default(),
             pool,
             prefix: prefix.into(),
             waiters,
@@ -368,9 +378,17 @@ impl Shared {
         }
     }
 
-    /// Runs the query `make` builds, once more on another connection when
-    /// its answer was lost and `repeat` allows it.
+    /// The first row of [`fetch_all`](Self::fetch_all).
     async fn fetch<'q, F>(&self, make: F, repeat: Repeat) -> Result<Option<PgRow>>
+    where
+        F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+    {
+        Ok(self.fetch_all(make, repeat).await?.into_iter().next())
+    }
+
+    /// Runs the query `make` builds, again on another connection when its
+    /// answer was lost and `repeat` allows it.
+    async fn fetch_all<'q, F>(&self, make: F, repeat: Repeat) -> Result<Vec<PgRow>>
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
@@ -378,7 +396,7 @@ impl Shared {
         loop {
             tries += 1;
             let mut conn = self.conn().await?;
-            let result = tokio::time::timeout(self.response_timeout, make().fetch_optional(&mut *conn)).await;
+            let result = tokio::time::timeout(self.response_timeout, make().fetch_all(&mut *conn)).await;
             let lost = match result {
                 Ok(Ok(row)) => return Ok(row),
                 // The server answered: the statement failed, and its
@@ -738,11 +756,9 @@ impl Backend for PostgresBackend {
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
         Box::pin(async move {
             let sent = Instant::now();
-            let query =
-                || sqlx::query(&self.shared.renew).bind(key.as_str()).bind(owner.as_str()).bind(millis(lease).max(1));
-            Ok(match self.shared.fetch(query, Repeat::Safe).await? {
-                Some(_) => Renewal::Held { valid_until: sent + lease },
-                None => Renewal::Lost,
+            Ok(match Renewals::renew(&self.shared, key.as_str(), owner.as_str(), lease).await? {
+                true => Renewal::Held { valid_until: sent + lease },
+                false => Renewal::Lost,
             })
         })
     }
