@@ -346,9 +346,9 @@ impl Config {
                     auth: get(AUTH_VAR).map(|v| v.parse()).transpose()?,
                 }
             }
-            Some("postgres") => BackendKind::Postgres {
-                url: get("DLOCK_POSTGRES_URL").unwrap_or_else(|| DEFAULT_POSTGRES_URL.into()),
-            },
+            Some("postgres") => {
+                BackendKind::Postgres { url: get("DLOCK_POSTGRES_URL").unwrap_or_else(|| DEFAULT_POSTGRES_URL.into()) }
+            }
             Some(other) => {
                 return Err(Error::config(
                     "DLOCK_BACKEND",

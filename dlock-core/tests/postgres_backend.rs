@@ -57,7 +57,8 @@ impl suite::Harness for Postgres {
 /// Keys with a holder whose lease has not ended (writers' intents and
 /// expired rows hold nothing).
 fn live_keys(server: &PostgresServer) -> usize {
-    let n = server.psql("SELECT count(DISTINCT key) FROM dlock_locks WHERE mode <> 'i' AND expires_at > clock_timestamp()");
+    let n =
+        server.psql("SELECT count(DISTINCT key) FROM dlock_locks WHERE mode <> 'i' AND expires_at > clock_timestamp()");
     n.parse().expect("a count")
 }
 

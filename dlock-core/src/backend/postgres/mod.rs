@@ -93,12 +93,18 @@
 //! it too). A server that cannot be reached is an [`Error::Backend`]
 //! within that bound, never a hang. A request that was sent and whose
 //! answer was lost (a timeout, a connection that broke) may have been
-//! carried out: acquires and renewals are sent once more on another
+//! carried out. Acquires and renewals are sent again on another
 //! connection (both are safe to repeat: an acquire joins the hold it may
-//! have taken), and when that fails too the error says the outcome is
-//! unknown, and the engine releases the key in the background, owner-checked
-//! (see [`Locker`](crate::Locker)). A connection whose request failed that
-//! way is closed, never reused.
+//! have taken): once after a timeout, up to three times when connections
+//! fail at once (a pool's connections all die with a server restart, and
+//! each is found dead only when used). When the last try fails too, the
+//! error says the outcome is unknown ([`Error::Backend`] whose source marks
+//! it), and the engine releases the key in the background, owner-checked
+//! (see [`Locker`](crate::Locker)). That release waits for the key's
+//! advisory lock, so it lands after an acquire still running on the
+//! server. A release is sent once: a second would answer "not held" for a
+//! hold the first freed. A connection whose request failed that way is
+//! closed, never reused.
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -569,7 +575,8 @@ fn create_objects<'a>(
 ) -> BoxFuture<'a, std::result::Result<(), sqlx::Error>> {
     Box::pin(async move {
         let schema = names.fill(SCHEMA_SQL);
-        let functions = [(names.acquire.as_str(), names.fill(ACQUIRE_SQL)), (names.release.as_str(), names.fill(RELEASE_SQL))];
+        let functions =
+            [(names.acquire.as_str(), names.fill(ACQUIRE_SQL)), (names.release.as_str(), names.fill(RELEASE_SQL))];
         let mut tx = conn.begin().await?;
         let c: &mut PgConnection = &mut tx;
         sqlx::query("SELECT pg_advisory_xact_lock($1, 0)").bind(LOCK_CLASS).execute(&mut *c).await?;

@@ -93,8 +93,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::wait::{acquire_loop, Attempt};
 pub(crate) use super::mode_conflict;
+use super::wait::{acquire_loop, Attempt};
 use super::{redact, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
