@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every dlock test against real servers. On a fresh Debian machine it
-# first installs what is missing (redis-server, zookeeper), so this one command is all
+# first installs what is missing (redis-server, zookeeper, postgresql), so this one command is all
 # a new checkout needs. Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +9,7 @@ bash "$(dirname "$0")/install-deps.sh"
 
 # The Debian package starts a system redis on 6379; the tests start their
 # own servers on free ports and never use it.
-# --all-features: the optional backends (ZooKeeper) and TLS (`rediss://`) are tested too.
+# --all-features: the optional backends (ZooKeeper, PostgreSQL) and TLS (`rediss://`) are tested too.
 cargo test --workspace --all-features --no-fail-fast "$@"
 
 # What a build without TLS promises (a `rediss://` URL is a start-up error

@@ -41,6 +41,12 @@ pub enum BackendKind {
         /// nodes are open to every client of the ensemble.
         auth: Option<ZooKeeperAuth>,
     },
+    /// PostgreSQL (`DLOCK_BACKEND=postgres`, `DLOCK_POSTGRES_URL`, cargo
+    /// feature `postgres`): a lease table, see `dlock_core::backend::postgres`.
+    Postgres {
+        /// `postgres://user:password@host:port/database`.
+        url: String,
+    },
 }
 
 impl std::fmt::Debug for BackendKind {
@@ -58,6 +64,7 @@ impl std::fmt::Debug for BackendKind {
                 .field("session_timeout", session_timeout)
                 .field("auth", auth)
                 .finish(),
+            BackendKind::Postgres { url } => f.debug_struct("Postgres").field("url", &redact(url)).finish(),
         }
     }
 }
@@ -70,6 +77,7 @@ impl BackendKind {
             BackendKind::Redis { .. } => "redis",
             BackendKind::RedLock { .. } => "redlock",
             BackendKind::ZooKeeper { .. } => "zookeeper",
+            BackendKind::Postgres { .. } => "postgres",
         }
     }
 }
@@ -78,12 +86,13 @@ impl BackendKind {
 ///
 /// | variable | meaning | default |
 /// |---|---|---|
-/// | `DLOCK_BACKEND` | `memory`, `redis`, `redlock` or `zookeeper` | `memory` |
+/// | `DLOCK_BACKEND` | `memory`, `redis`, `redlock`, `zookeeper` or `postgres` | `memory` |
 /// | `DLOCK_REDIS_URL` | Redis URL | `redis://127.0.0.1:6379` |
 /// | `DLOCK_REDLOCK_URLS` | comma-separated Redis URLs, odd count ≥ 3 | — |
 /// | `DLOCK_ZOOKEEPER` | ZooKeeper connect string (optional `/chroot`) | `127.0.0.1:2181` |
 /// | `DLOCK_ZOOKEEPER_SESSION_MS` | ZooKeeper session timeout (the lease) | `10000` |
 /// | `DLOCK_ZOOKEEPER_AUTH` | `user:password` for ZooKeeper's digest scheme; lock nodes then get a creator-only ACL (see [`ZooKeeperAuth`]) | none: nodes open to every client |
+/// | `DLOCK_POSTGRES_URL` | PostgreSQL URL (`postgres://user:password@host:port/db`); the lock table is `<prefix>_locks` | `postgres://127.0.0.1:5432/postgres` |
 /// | `DLOCK_PREFIX` | key namespace | `dlock` |
 /// | `DLOCK_LEASE_MS` | watchdog lease | `30000` |
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
@@ -97,12 +106,12 @@ impl BackendKind {
 /// | `DLOCK_IDEMPOTENCY_MAX_BYTES_PER_SCOPE` | most bytes of stored answers of one caller; an answer beyond is delivered and not stored | `67108864` (64 MiB) |
 /// | `DLOCK_IDEMPOTENCY_MAX_BYTES` | most bytes of stored answers in all | `1073741824` (1 GiB) |
 /// | `DLOCK_IDEMPOTENCY_MAX_UNBOUND_TOKENS` | most live one-time tokens issued to no caller in particular (their own pool); beyond, `503` | `100000` |
-/// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock` or `zookeeper` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
+/// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock`, `zookeeper` or `postgres` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
 ///
 /// A backend's own variable (`DLOCK_REDIS_URL`, `DLOCK_REDLOCK_URLS`,
-/// `DLOCK_ZOOKEEPER*`) set while `DLOCK_BACKEND` is not is an error naming
+/// `DLOCK_ZOOKEEPER*`, `DLOCK_POSTGRES_URL`) set while `DLOCK_BACKEND` is not is an error naming
 /// it, not a silent fallback to in-process locks; one of another backend
 /// than `DLOCK_BACKEND` names is ignored with a warning.
 ///
@@ -225,6 +234,7 @@ impl std::fmt::Debug for Config {
 }
 
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+const DEFAULT_POSTGRES_URL: &str = "postgres://127.0.0.1:5432/postgres";
 
 /// The variables that configure one backend, with that backend.
 ///
@@ -236,12 +246,13 @@ const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 /// mistake costs one line to fix at start-up, while a silent fallback to
 /// in-process locks costs every lock its meaning with N instances and
 /// passes every single-instance test.
-const BACKEND_VARS: [(&str, &str); 5] = [
+const BACKEND_VARS: [(&str, &str); 6] = [
     ("DLOCK_REDIS_URL", "redis"),
     ("DLOCK_REDLOCK_URLS", "redlock"),
     ("DLOCK_ZOOKEEPER", "zookeeper"),
     ("DLOCK_ZOOKEEPER_SESSION_MS", "zookeeper"),
     ("DLOCK_ZOOKEEPER_AUTH", "zookeeper"),
+    ("DLOCK_POSTGRES_URL", "postgres"),
 ];
 
 impl Config {
@@ -335,10 +346,15 @@ impl Config {
                     auth: get(AUTH_VAR).map(|v| v.parse()).transpose()?,
                 }
             }
+            Some("postgres") => {
+                BackendKind::Postgres { url: get("DLOCK_POSTGRES_URL").unwrap_or_else(|| DEFAULT_POSTGRES_URL.into()) }
+            }
             Some(other) => {
                 return Err(Error::config(
                     "DLOCK_BACKEND",
-                    format!("unknown backend `{other}` (expected `memory`, `redis`, `redlock` or `zookeeper`)"),
+                    format!(
+                        "unknown backend `{other}` (expected `memory`, `redis`, `redlock`, `zookeeper` or `postgres`)"
+                    ),
                 ))
             }
         };
@@ -383,7 +399,7 @@ impl Config {
                     check_url_supported("DLOCK_REDLOCK_URLS", url)?;
                 }
             }
-            BackendKind::Memory | BackendKind::ZooKeeper { .. } => {}
+            BackendKind::Memory | BackendKind::ZooKeeper { .. } | BackendKind::Postgres { .. } => {}
         }
         #[cfg(feature = "redis")]
         if let Some(url) = &idempotency_redis_url {
@@ -478,13 +494,14 @@ fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> 
 }
 
 /// Every variable [`Config::from_lookup`] reads.
-const KNOWN: [&str; 23] = [
+const KNOWN: [&str; 24] = [
     "DLOCK_BACKEND",
     "DLOCK_REDIS_URL",
     "DLOCK_REDLOCK_URLS",
     "DLOCK_ZOOKEEPER",
     "DLOCK_ZOOKEEPER_SESSION_MS",
     "DLOCK_ZOOKEEPER_AUTH",
+    "DLOCK_POSTGRES_URL",
     "DLOCK_PREFIX",
     "DLOCK_LEASE_MS",
     "DLOCK_WAIT_MS",
@@ -539,6 +556,7 @@ fn missing_feature(backend: &str) -> Option<&'static str> {
     match backend {
         "redis" | "redlock" if !cfg!(feature = "redis") => Some("redis"),
         "zookeeper" if !cfg!(feature = "zookeeper") => Some("zookeeper"),
+        "postgres" if !cfg!(feature = "postgres") => Some("postgres"),
         _ => None,
     }
 }
@@ -745,7 +763,7 @@ mod tests {
     #[test]
     fn every_variable_read_is_known() {
         let read = std::cell::RefCell::new(Vec::new());
-        for backend in ["memory", "redis", "redlock", "zookeeper"] {
+        for backend in ["memory", "redis", "redlock", "zookeeper", "postgres"] {
             let _ = Config::from_lookup(|var| {
                 read.borrow_mut().push(var.to_owned());
                 match var {

@@ -20,7 +20,7 @@ impl Config {
     /// |---|---|
     /// | `memory` | this process, unless `DLOCK_IDEMPOTENCY_REDIS_URL` is set |
     /// | `redis` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same Redis as the locks, over the same connection |
-    /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset: none, unless `DLOCK_IDEMPOTENCY_LOCAL=1` keeps them in this process |
+    /// | `redlock`, `zookeeper`, `postgres` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset: none, unless `DLOCK_IDEMPOTENCY_LOCAL=1` keeps them in this process |
     ///
     /// Without a place for records, the locks work and every request that
     /// needs records is refused, its error naming
@@ -99,6 +99,7 @@ impl Config {
                 Some(auth) => format!("zookeeper {connect} (digest auth as `{}`)", auth.user()),
                 None => format!("zookeeper {connect} (no auth: lock nodes open to every client)"),
             },
+            BackendKind::Postgres { url } => format!("postgres {}", redact(url)),
         }
     }
 
@@ -147,6 +148,12 @@ impl Config {
                         .map_err(at("DLOCK_ZOOKEEPER", connect))?,
                 )
             }
+            #[cfg(feature = "postgres")]
+            BackendKind::Postgres { url } => Arc::new(
+                crate::backend::postgres::PostgresBackend::connect(url, &self.prefix)
+                    .await
+                    .map_err(at("DLOCK_POSTGRES_URL", url))?,
+            ),
             // `Config::from_lookup` refuses a backend whose feature is off.
             #[allow(unreachable_patterns)]
             other => {
@@ -285,7 +292,7 @@ impl Config {
         let locks: &[String] = match &self.backend {
             BackendKind::Redis { url } => std::slice::from_ref(url),
             BackendKind::RedLock { urls } => urls,
-            BackendKind::Memory | BackendKind::ZooKeeper { .. } => &[],
+            BackendKind::Memory | BackendKind::ZooKeeper { .. } | BackendKind::Postgres { .. } => &[],
         };
         let place = locks.iter().map(|lock| beside(records_url, lock)).min_by_key(|b| *b as u8);
         let place = match place {

@@ -132,14 +132,19 @@ impl Error {
     /// dropped while it was in flight). A connection refused, or down
     /// before the request was sent, did nothing. The engine undoes an
     /// acquire that failed this way.
+    /// The PostgreSQL backend marks such an error with a source of its own.
     pub(crate) fn outcome_unknown(&self) -> bool {
-        match self {
-            #[cfg(feature = "redis")]
-            Error::Backend { source: Some(source), .. } => {
-                source.downcast_ref::<redis::RedisError>().is_some_and(crate::backend::redis::may_have_run)
-            }
-            _ => false,
+        let Error::Backend { source: Some(source), .. } = self else { return false };
+        #[cfg(feature = "redis")]
+        if source.downcast_ref::<redis::RedisError>().is_some_and(crate::backend::redis::may_have_run) {
+            return true;
         }
+        #[cfg(feature = "postgres")]
+        if source.is::<crate::backend::postgres::MayHaveRun>() {
+            return true;
+        }
+        let _ = source;
+        false
     }
 
     /// How long until the same request may succeed, when that is known: what

@@ -1,4 +1,4 @@
-//! Real servers for dlock's tests and benchmarks, started on free loopback
+//! Real servers (Redis, ZooKeeper, PostgreSQL) for dlock's tests and benchmarks, started on free loopback
 //! ports and stopped when dropped; the fault proxies that stand between a
 //! client and them ([`FaultProxy`] cuts, holds or slows a line,
 //! [`ZooKeeperProxy`] loses chosen ZooKeeper replies); and the
@@ -20,6 +20,7 @@ mod ensemble;
 mod http;
 mod logs;
 mod port;
+mod postgres;
 mod proxy;
 mod redis;
 mod stats;
@@ -32,6 +33,7 @@ pub use ensemble::ZooKeeperEnsemble;
 pub use http::{read_http_answer, HttpAnswer};
 pub use logs::{capture_logs, LogCapture};
 pub use port::free_port;
+pub use postgres::PostgresServer;
 pub use proxy::FaultProxy;
 pub use redis::{parse_command_stats, RedisCluster, RedisSentinel, RedisServer};
 pub use stats::percentile;

@@ -1,6 +1,6 @@
 //! The seam between the lock engine and a coordination service.
 //!
-//! One object-safe trait, [`Backend`], fits the four services dlock ships:
+//! One object-safe trait, [`Backend`], fits the five services dlock ships:
 //!
 //! * in process ([`MemoryBackend`](crate::MemoryBackend)): a map and a `Notify` per key;
 //! * one Redis: the lease is the key's TTL, Lua scripts make every step atomic,
@@ -9,7 +9,10 @@
 //!   grant is valid until lease − elapsed − drift;
 //! * ZooKeeper: `acquire` creates an ephemeral sequential node and watches its
 //!   predecessor; the lease is the session, whose loss the backend reports
-//!   through the grant's [`LostSignal`] rather than a failed renewal.
+//!   through the grant's [`LostSignal`] rather than a failed renewal;
+//! * PostgreSQL (feature `postgres`): a lease table whose rows expire on
+//!   the server clock, PL/pgSQL functions make every step atomic,
+//!   `LISTEN/NOTIFY` wakes waiters, a sequence gives the fencing tokens.
 //!
 //! # What a backend answers
 //!
@@ -52,9 +55,9 @@
 //! [`Error::InvalidArgument`] (see [`Backend::supports`]). A backend that names things of its own after
 //! the key prefix (Redis channels, ZooKeeper nodes) takes the prefix when it
 //! connects and reports it through [`Backend::prefix`], so the engine can
-//! refuse a configuration where the two differ. A Postgres backend would be
-//! one file here, `postgres.rs`, plus a [`BackendKind`](crate::BackendKind)
-//! variant if `DLOCK_BACKEND` is to name it.
+//! refuse a configuration where the two differ. The PostgreSQL backend is
+//! such a plug-in: one folder here, `postgres/`, plus a
+//! [`BackendKind`](crate::BackendKind) variant so that `DLOCK_BACKEND` names it.
 //!
 //! ```
 //! use std::time::Duration;
@@ -134,6 +137,8 @@ use crate::owner::Owner;
 
 // Exported at the crate root only (`dlock_core::MemoryBackend`).
 pub(crate) mod memory;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "redis")]
@@ -430,7 +435,7 @@ pub enum Release {
 /// owner on renew and release, and wait for wake-ups without polling at a
 /// fixed interval. See the module docs for the cancellation contract.
 pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
-    /// `memory`, `redis`, `redlock` or `zookeeper`.
+    /// `memory`, `redis`, `redlock`, `zookeeper` or `postgres`.
     fn name(&self) -> &'static str;
 
     /// Takes the lock, waiting until `req.deadline` for it to come free.
@@ -506,6 +511,21 @@ pub(crate) fn redact(url: &str) -> String {
         (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
         _ => url.to_owned(),
     }
+}
+
+/// The error for `req` finding its key held in `held`, naming both modes
+/// (for permits, both limits).
+#[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+pub(crate) fn mode_conflict(req: &AcquireRequest, held: LockMode) -> Error {
+    let reason = match (held, req.mode) {
+        (LockMode::Permits { limit: held }, LockMode::Permits { limit: asked }) => format!(
+            "it is a semaphore of {held} permits, and was asked for as one of {asked}: the first holder \
+             fixes the limit while anyone holds the key"
+        ),
+        (LockMode::Exclusive, asked) => format!("this owner holds it exclusive, not as {asked}"),
+        (held, asked) => format!("it is held as {held}, and was asked for as {asked}"),
+    };
+    Error::mode_conflict(&req.key, reason)
 }
 
 /// Busy or timeout, depending on whether the caller wanted to wait.

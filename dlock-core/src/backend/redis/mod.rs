@@ -93,6 +93,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+pub(crate) use super::mode_conflict;
 use super::wait::{acquire_loop, Attempt};
 use super::{redact, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
 use crate::error::{Error, Result};
@@ -294,20 +295,6 @@ pub(crate) enum NodeAttempt {
     Conflict {
         held: LockMode,
     },
-}
-
-/// The error for `req` finding its key held in `held`, naming both modes
-/// (for permits, both limits).
-pub(crate) fn mode_conflict(req: &AcquireRequest, held: LockMode) -> Error {
-    let reason = match (held, req.mode) {
-        (LockMode::Permits { limit: held }, LockMode::Permits { limit: asked }) => format!(
-            "it is a semaphore of {held} permits, and was asked for as one of {asked}: the first holder \
-             fixes the limit while anyone holds the key"
-        ),
-        (LockMode::Exclusive, asked) => format!("this owner holds it exclusive, not as {asked}"),
-        (held, asked) => format!("it is held as {held}, and was asked for as {asked}"),
-    };
-    Error::mode_conflict(&req.key, reason)
 }
 
 impl Backend for RedisBackend {

@@ -1,0 +1,92 @@
+-- One try at a lock (see the module docs). Returns one row:
+-- (1, token, mode) granted; (2, token, mode) joined the owner's own hold;
+-- (0, 0, ms) held by others, the first of their leases (or a writer's
+-- intent that keeps readers out) ends in ms; (3, 0, mode) held in a mode
+-- that does not fit the one asked for.
+CREATE OR REPLACE FUNCTION {acquire}(p_key text, p_owner text, p_lease_ms bigint, p_mode text,
+                                     p_awaited boolean, p_wait_ms bigint)
+RETURNS TABLE (r_outcome int, r_fence bigint, r_info text)
+LANGUAGE plpgsql VOLATILE AS $dlock_body$
+DECLARE
+  t_now timestamptz;
+  t_exp timestamptz;
+  mine record;
+  held text;
+  holders bigint;
+  first_end timestamptz;
+  intent_end timestamptz;
+  refused boolean := false;
+BEGIN
+  -- Every step on one key runs one at a time: a transaction-scoped lock,
+  -- released at commit, so it holds through any pooler.
+  PERFORM pg_advisory_xact_lock({class}, hashtext(p_key));
+  t_now := clock_timestamp();
+  t_exp := t_now + p_lease_ms * interval '1 millisecond';
+  DELETE FROM {locks} AS l WHERE l.key = p_key AND l.expires_at <= t_now;
+  SELECT l.mode, l.fence INTO mine FROM {locks} AS l
+    WHERE l.key = p_key AND l.owner = p_owner AND l.mode <> 'i';
+  IF FOUND THEN
+    -- The engine asks again for a key it holds only after it gave its hold
+    -- up as lost: the same owner joins it, same token. A writer may read.
+    IF mine.mode = p_mode OR (mine.mode = 'x' AND p_mode = 's') THEN
+      UPDATE {locks} AS l
+        SET expires_at = CASE WHEN mine.mode = 'x' THEN t_exp
+                              ELSE greatest(l.expires_at, t_exp) END,
+            awaited = l.awaited OR p_awaited
+        WHERE l.key = p_key AND l.owner = p_owner;
+      RETURN QUERY SELECT 2, mine.fence, mine.mode;
+      RETURN;
+    END IF;
+    -- A reader asking to write waits for the readers, itself included, as
+    -- in process; anything else does not fit.
+    IF NOT (mine.mode = 's' AND p_mode = 'x') THEN
+      RETURN QUERY SELECT 3, 0::bigint, mine.mode;
+      RETURN;
+    END IF;
+  END IF;
+  -- Holders of one key share one mode: an exclusive one alone, readers,
+  -- or the permits of one limit.
+  SELECT l.mode, count(*), min(l.expires_at) INTO held, holders, first_end
+    FROM {locks} AS l WHERE l.key = p_key AND l.mode <> 'i' GROUP BY l.mode LIMIT 1;
+  SELECT max(l.expires_at) INTO intent_end
+    FROM {locks} AS l WHERE l.key = p_key AND l.mode = 'i' AND l.owner <> '~' || p_owner;
+  IF held IS NOT NULL THEN
+    IF held = 'x' OR (held = 's' AND p_mode = 'x') THEN
+      refused := true;
+    ELSIF held <> p_mode THEN
+      RETURN QUERY SELECT 3, 0::bigint, held;
+      RETURN;
+    ELSIF p_mode = 's' THEN
+      -- Writer preference: a live intent keeps new readers out.
+      refused := intent_end IS NOT NULL;
+      first_end := least(first_end, intent_end);
+    ELSE
+      refused := holders >= substr(p_mode, 2)::bigint;
+    END IF;
+  ELSIF p_mode = 's' AND intent_end IS NOT NULL THEN
+    refused := true;
+    first_end := intent_end;
+  END IF;
+  IF refused THEN
+    IF p_awaited THEN
+      UPDATE {locks} AS l SET awaited = true WHERE l.key = p_key AND l.mode <> 'i' AND NOT l.awaited;
+    END IF;
+    -- A writer that will wait records its intent, bounded by its wait.
+    IF p_mode = 'x' AND p_wait_ms > 0 THEN
+      INSERT INTO {locks} AS l (key, owner, mode, fence, expires_at)
+        VALUES (p_key, '~' || p_owner, 'i', 0, t_now + p_wait_ms * interval '1 millisecond')
+        ON CONFLICT (key, owner) DO UPDATE SET expires_at = greatest(l.expires_at, excluded.expires_at);
+    END IF;
+    RETURN QUERY SELECT 0, 0::bigint,
+      ceil(greatest(extract(epoch FROM first_end - t_now), 0) * 1000)::bigint::text;
+    RETURN;
+  END IF;
+  INSERT INTO {locks} (key, owner, mode, fence, expires_at, awaited)
+    VALUES (p_key, p_owner, p_mode, nextval('{fence_text}'), t_exp, p_awaited)
+    RETURNING fence INTO r_fence;
+  IF p_mode = 'x' THEN
+    DELETE FROM {locks} AS l WHERE l.key = p_key AND l.owner = '~' || p_owner;
+  END IF;
+  RETURN QUERY SELECT 1, r_fence, p_mode;
+END
+$dlock_body$;

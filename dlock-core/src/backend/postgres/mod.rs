@@ -1,0 +1,823 @@
+//! The PostgreSQL backend: a lease table, fencing tokens from a sequence,
+//! `LISTEN/NOTIFY` wake-ups.
+//!
+//! # Mechanism
+//!
+//! * A lock is a row of the table `<prefix>_locks` (in the connection's
+//!   current schema): `(key, owner)` is the primary key, with the mode
+//!   (`x` exclusive, `s` shared, `p<N>` one of N permits), the fencing
+//!   token, `expires_at` on the **server's** clock (`clock_timestamp()`,
+//!   so the clients' clocks do not matter) and `awaited`, set when a waiter
+//!   was refused while the row held the key. A row past `expires_at` holds
+//!   nothing; the next step on its key deletes it. A read lock or a
+//!   semaphore has one row per holder.
+//! * Fencing tokens come from the sequence `<prefix>_fence` (`bigint`,
+//!   `nextval` once per grant): they grow strictly, for every key of the
+//!   prefix, across modes.
+//! * Acquire and release are PL/pgSQL functions (`<prefix>_acquire_v1`,
+//!   `<prefix>_release_v1`), each one statement and so one transaction, one
+//!   round trip. Both first take a **transaction-scoped** advisory lock on
+//!   the key (`pg_advisory_xact_lock`), so the steps on one key run one at
+//!   a time, then read and write the key's rows. Renew is an owner-checked
+//!   `UPDATE … WHERE expires_at > clock_timestamp()`, many holds a statement
+//!   (renewals asked while one is in flight go out together). A refused acquire
+//!   answers, in the same call, when the first of the holders' leases ends
+//!   (the wait loop's `retry_in`).
+//! * Re-entry is counted by the engine; the table keeps one row per key and
+//!   owner. An acquire by an owner that holds the key joins its hold (same
+//!   token), which also makes an acquire safe to send twice.
+//! * Writer preference: a writer that will wait and is refused by readers
+//!   records an intent row (mode `i`, owner `~<owner>`) that lives until
+//!   its wait would end; while one lives, new readers are refused (and told
+//!   to try again when it ends). The writer's grant deletes it; a writer
+//!   cancelled mid-wait leaves it until its wait would have ended.
+//!
+//! **No session advisory locks.** `pg_advisory_lock` would need no table,
+//! but it has no lease (a hung holder keeps it while its connection lives),
+//! no fencing token, and it belongs to a server session: behind a
+//! transaction-mode pooler (PgBouncer) the session is not the client's, and
+//! the lock strands on a pooled server connection that someone else uses
+//! next. Every step here is one transaction, and the transaction-scoped
+//! advisory lock ends with it, so the backend works through any pooler
+//! (with PgBouncer's transaction mode, allow prepared statements:
+//! `max_prepared_statements`, PgBouncer 1.21 and later).
+//!
+//! The table, the sequence and the functions are created at connect when
+//! missing, inside a transaction that takes a fixed advisory lock first: two
+//! processes starting at once do not race on the catalog (a loser of a race
+//! that happens anyway is retried once).
+//!
+//! # Waiting
+//!
+//! A waiter uses the shared event-driven loop (`wait::acquire_loop`): it
+//! tries, and while the key is held it sleeps until a release wakes it or
+//! the holder's lease ends. Releases are announced with `NOTIFY` on the
+//! channel `<prefix>_released`, the key as payload, only when the released
+//! row was `awaited`: uncontended cycles send no notification. Each backend
+//! keeps one dedicated connection listening on the channel (sqlx's
+//! `PgListener`) and wakes the local waiters of the key; when that
+//! connection is lost and comes back, every local waiter is woken to try
+//! again, since notifications in between are lost.
+//!
+//! # What it costs
+//!
+//! An uncontended cycle is two round trips and two short transactions: the
+//! acquire function (an advisory lock, a `DELETE` of expired rows, two
+//! index reads, a `nextval`, an `INSERT`) and the release function (an
+//! advisory lock, a `DELETE`). Renewals cost one `UPDATE` per statement in
+//! flight, whatever the number of holds it extends (up to 512). Every grant
+//! writes WAL (and a dead row for autovacuum). A contended release adds one
+//! `NOTIFY`, which wakes one waiter of the key in each listening process (all
+//! of them when readers wait).
+//!
+//! # Restarts and failovers
+//!
+//! The table and the sequence are ordinary durable objects: a lease
+//! survives a restart or a crash of the server (it is committed before the
+//! grant is answered), its holder keeps it if it renews before it ends, and
+//! tokens keep growing (a sequence never hands out a value twice, even
+//! after a crash; it may skip some). Requests fail with
+//! [`Error::Backend`] while the server is away.
+//!
+//! A failover to an **asynchronously** replicated standby can lose the
+//! last grants (and sequence values) that the old primary committed and
+//! had not yet shipped: a lock held there may be free on the new primary,
+//! and a token may be handed out again. Use synchronous replication
+//! (`synchronous_commit = on` with a synchronous standby) if locks must
+//! survive a failover.
+//!
+//! # Failures and unknown outcomes
+//!
+//! Every request has a response timeout (the connection's
+//! `statement_timeout` is set to the same value, so the server gives up on
+//! it too). A server that cannot be reached is an [`Error::Backend`]
+//! within that bound, never a hang. A request that was sent and whose
+//! answer was lost (a timeout, a connection that broke) may have been
+//! carried out. Acquires and renewals are sent again on another
+//! connection (both are safe to repeat: an acquire joins the hold it may
+//! have taken): once after a timeout, up to three times when connections
+//! fail at once (a pool's connections all die with a server restart, and
+//! each is found dead only when used). When the last try fails too, the
+//! error says the outcome is unknown ([`Error::Backend`] whose source marks
+//! it), and the engine releases the key in the background, owner-checked
+//! (see [`Locker`](crate::Locker)). That release waits for the key's
+//! advisory lock, so it lands after an acquire still running on the
+//! server. A release is sent once: a second would answer "not held" for a
+//! hold the first freed. A connection whose request failed that way is
+//! closed, never reused.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection as _, Executor as _, Postgres, Row as _};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::DropGuard;
+
+use super::wait::{acquire_loop, Attempt};
+use super::{
+    mode_conflict, redact, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal,
+};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+mod renewals;
+use renewals::Renewals;
+
+const BACKEND: &str = "postgres";
+/// The variable that names the server, for configuration errors.
+const URL_VAR: &str = "DLOCK_POSTGRES_URL";
+/// The first key of dlock's advisory locks ("dloc"); the second is a hash
+/// of the lock key, or 0 for the schema.
+const LOCK_CLASS: i32 = 0x646c_6f63;
+/// The longest prefix: the longest name made of it (`_acquire_v1`) must fit
+/// PostgreSQL's 63 bytes, or it would be cut and collide.
+const MAX_PREFIX: usize = 48;
+
+const SCHEMA_SQL: &str = include_str!("schema.sql");
+const ACQUIRE_SQL: &str = include_str!("acquire.sql");
+const RELEASE_SQL: &str = include_str!("release.sql");
+
+/// How the PostgreSQL backend connects.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::backend::postgres::PostgresOptions;
+/// let opts = PostgresOptions::default().with_response_timeout(Duration::from_millis(500)).with_max_connections(8);
+/// # let _ = opts;
+/// ```
+#[derive(Debug, Clone)]
+pub struct PostgresOptions {
+    response_timeout: Duration,
+    max_connections: u32,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        PostgresOptions { response_timeout: Duration::from_secs(2), max_connections: 16 }
+    }
+}
+
+impl PostgresOptions {
+    /// The longest a request may take, a connection included (default 2 s);
+    /// also the server's `statement_timeout` for dlock's connections.
+    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The most connections the pool opens (default 16), besides the one
+    /// that listens for releases.
+    pub fn with_max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+}
+
+/// Locks in a PostgreSQL database.
+///
+/// ```no_run
+/// # async fn demo() -> dlock_core::Result<()> {
+/// use std::sync::Arc;
+/// use dlock_core::{Locker, LockerOptions};
+/// use dlock_core::backend::postgres::PostgresBackend;
+/// let backend = PostgresBackend::connect("postgres://app@127.0.0.1:5432/app", "dlock").await?;
+/// let locker = Locker::with_options(Arc::new(backend), LockerOptions::default())?;
+/// let key = locker.key("report").part(7).build()?;
+/// let guard = locker.try_acquire(&key).await?;
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+pub struct PostgresBackend {
+    shared: Arc<Shared>,
+    /// Stops the listener task when the backend goes.
+    _listener: DropGuard,
+}
+
+impl std::fmt::Debug for PostgresBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresBackend").field("prefix", &self.shared.prefix).finish_non_exhaustive()
+    }
+}
+
+struct Shared {
+    pool: PgPool,
+    prefix: Arc<str>,
+    waiters: Arc<Waiters>,
+    response_timeout: Duration,
+    acquire: String,
+    release: String,
+    /// Renews a batch of holds (see `renewals.rs`).
+    renew: String,
+    renewals: Renewals,
+}
+
+/// The names of one prefix's objects, quoted.
+struct Names {
+    locks: String,
+    fence: String,
+    acquire: String,
+    release: String,
+    /// Unquoted: `LISTEN` quotes it, `pg_notify` takes it as text.
+    channel: String,
+}
+
+impl Names {
+    fn for_prefix(prefix: &str) -> Result<Self> {
+        let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
+        if prefix.len() > MAX_PREFIX || !prefix.chars().all(allowed) {
+            return Err(Error::config(
+                "DLOCK_PREFIX",
+                format!(
+                    "names the PostgreSQL table, sequence and channel: at most {MAX_PREFIX} ASCII letters, digits, \
+                     `_`, `-`, `.` or `:`"
+                ),
+            ));
+        }
+        Ok(Names {
+            locks: format!("\"{prefix}_locks\""),
+            fence: format!("\"{prefix}_fence\""),
+            acquire: format!("\"{prefix}_acquire_v1\""),
+            release: format!("\"{prefix}_release_v1\""),
+            channel: format!("{prefix}_released"),
+        })
+    }
+
+    /// `sql` with the placeholders of the `.sql` files filled in.
+    fn fill(&self, sql: &str) -> String {
+        sql.replace("{locks}", &self.locks)
+            .replace("{fence_text}", &self.fence)
+            .replace("{fence}", &self.fence)
+            .replace("{acquire}", &self.acquire)
+            .replace("{release}", &self.release)
+            .replace("{channel_text}", &self.channel)
+            .replace("{class}", &LOCK_CLASS.to_string())
+    }
+}
+
+impl PostgresBackend {
+    /// Connects with default [`PostgresOptions`]; see
+    /// [`connect_with`](Self::connect_with).
+    ///
+    /// # Errors
+    ///
+    /// As [`connect_with`](Self::connect_with).
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
+        Self::connect_with(url, prefix, PostgresOptions::default()).await
+    }
+
+    /// Connects to the database at `url` (`postgres://user:password@host:port/db`),
+    /// creates the lease table, sequence and functions of `prefix` when they
+    /// are missing, and starts listening for releases.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming `DLOCK_POSTGRES_URL` for a URL that does not
+    /// parse, credentials the server refused or a user that may not create
+    /// the table; naming `DLOCK_PREFIX` for a prefix that cannot name them;
+    /// [`Error::Backend`] when the server cannot be reached within the
+    /// response timeout. Messages never show the password.
+    pub async fn connect_with(url: &str, prefix: &str, options: PostgresOptions) -> Result<Self> {
+        let names = Names::for_prefix(prefix)?;
+        let timeout_ms = options.response_timeout.as_millis().to_string();
+        let connect = PgConnectOptions::from_str(url)
+            .map_err(|e| Error::config(URL_VAR, format!("`{}` is not a PostgreSQL URL: {e}", redact(url))))?
+            .application_name("dlock")
+            .options([("statement_timeout", timeout_ms.as_str())]);
+        create_schema(&connect, &names, options.response_timeout).await?;
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections)
+            .min_connections(0)
+            .acquire_timeout(options.response_timeout)
+            // A ping before every request would double its round trips: a
+            // connection found dead is closed when its request fails.
+            .test_before_acquire(false)
+            .connect_lazy_with(connect);
+        let waiters = Arc::new(Waiters::default());
+        let listener = within(options.response_timeout, "listening for releases", async {
+            let mut listener = PgListener::connect_with(&pool).await?;
+            listener.listen(&names.channel).await?;
+            Ok(listener)
+        })
+        .await?;
+        let stop = CancellationToken::new();
+        let sweep = names.fill("DELETE FROM {locks} WHERE expires_at < clock_timestamp() - interval '1 minute'");
+        tokio::spawn(listen(listener, waiters.clone(), pool.clone(), sweep, stop.clone()));
+        let shared = Shared {
+            acquire: format!("SELECT r_outcome, r_fence, r_info FROM {}($1, $2, $3, $4, $5, $6)", names.acquire),
+            release: format!("SELECT {}($1, $2)", names.release),
+            renew: names.fill(
+                "UPDATE {locks} AS l SET expires_at = clock_timestamp() + v.ms * interval '1 millisecond' \
+                 FROM unnest($1::text[], $2::text[], $3::bigint[]) AS v(key, owner, ms) \
+                 WHERE l.key = v.key AND l.owner = v.owner AND l.mode <> 'i' AND l.expires_at > clock_timestamp() \
+                 RETURNING l.key, l.owner",
+            ),
+            renewals: Renewals::default(),
+            pool,
+            prefix: prefix.into(),
+            waiters,
+            response_timeout: options.response_timeout,
+        };
+        Ok(PostgresBackend { shared: Arc::new(shared), _listener: stop.drop_guard() })
+    }
+
+    /// Test hook: how many acquires of this backend are parked waiting for
+    /// `key`, so a test can wait for a waiter to park instead of sleeping.
+    #[doc(hidden)]
+    pub fn waiters(&self, key: &LockKey) -> usize {
+        self.shared.waiters.count(key.as_str())
+    }
+
+    /// One try on the server.
+    async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
+        let sent = Instant::now();
+        let wait_ms = req.deadline.map_or(0, |deadline| millis(deadline.saturating_duration_since(sent)));
+        let query = || {
+            sqlx::query(&self.shared.acquire)
+                .bind(req.key.as_str())
+                .bind(req.owner.as_str())
+                .bind(millis(req.lease).max(1))
+                .bind(mode_text(req.mode))
+                .bind(awaited)
+                .bind(wait_ms)
+        };
+        let row = self.shared.fetch(query, Repeat::Safe).await?.ok_or_else(|| unexpected("no row"))?;
+        let (outcome, fence, info): (i32, i64, String) =
+            (column(&row, 0)?, column(&row, 1)?, column::<Option<String>>(&row, 2)?.unwrap_or_default());
+        match outcome {
+            1 | 2 => {
+                let fence = u64::try_from(fence).map_err(|_| unexpected("a negative fencing token"))?;
+                Ok(Attempt::Acquired(Grant::until(fence, sent + req.lease)))
+            }
+            0 => Ok(Attempt::Held { retry_in: info.parse::<u64>().ok().map(Duration::from_millis) }),
+            3 => Err(mode_conflict(req, parse_mode(&info).ok_or_else(|| unexpected("an unknown mode"))?)),
+            _ => Err(unexpected("an unknown outcome")),
+        }
+    }
+}
+
+/// Whether a request may be sent again after its answer was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Repeat {
+    /// Sending it twice does what sending it once does.
+    Safe,
+    /// Once only (a release: a second one would answer "not held").
+    Once,
+}
+
+impl Shared {
+    /// A pooled connection, within the response timeout. Nothing was sent
+    /// when this fails.
+    async fn conn(&self) -> Result<PoolConnection<Postgres>> {
+        match tokio::time::timeout(self.response_timeout, self.pool.acquire()).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => Err(Error::backend(
+                BACKEND,
+                format!("no connection to PostgreSQL within {:?} (is the server up?)", self.response_timeout),
+            )),
+            Ok(Err(e)) => Err(not_sent(e)),
+        }
+    }
+
+    /// The first row of [`fetch_all`](Self::fetch_all).
+    async fn fetch<'q, F>(&self, make: F, repeat: Repeat) -> Result<Option<PgRow>>
+    where
+        F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+    {
+        Ok(self.fetch_all(make, repeat).await?.into_iter().next())
+    }
+
+    /// Runs the query `make` builds, again on another connection when its
+    /// answer was lost and `repeat` allows it.
+    async fn fetch_all<'q, F>(&self, make: F, repeat: Repeat) -> Result<Vec<PgRow>>
+    where
+        F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+    {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let mut conn = self.conn().await?;
+            let result = tokio::time::timeout(self.response_timeout, make().fetch_all(&mut *conn)).await;
+            let lost = match result {
+                Ok(Ok(row)) => return Ok(row),
+                // The server answered: the statement failed, and its
+                // transaction with it.
+                Ok(Err(sqlx::Error::Database(db))) if !connection_ended(&*db) => {
+                    return Err(not_sent(sqlx::Error::Database(db)))
+                }
+                Ok(Err(e)) => LostAnswer::Failed(e),
+                Err(_) => LostAnswer::TimedOut(self.response_timeout),
+            };
+            // Its state is unknown (an answer may still be on its way).
+            conn.close_on_drop();
+            drop(conn);
+            // A pool keeps connections that died with a server restart
+            // until a request finds them dead, each at once: those are
+            // worth a few tries. A timeout costs the whole bound: one more.
+            let limit = match lost {
+                LostAnswer::Failed(_) => STALE_TRIES,
+                LostAnswer::TimedOut(_) => 2,
+            };
+            if repeat == Repeat::Once || tries >= limit {
+                return Err(Error::Backend {
+                    backend: BACKEND,
+                    message: lost.to_string(),
+                    source: Some(Box::new(MayHaveRun(lost))),
+                });
+            }
+            tracing::debug!(error = %lost, "dlock: a PostgreSQL answer was lost; asking again on another connection");
+        }
+    }
+}
+
+/// How many times a request that may be repeated is sent when its
+/// connection fails under it.
+const STALE_TRIES: u32 = 4;
+
+/// The server ended the session (a shutdown, a crash, an administrator):
+/// SQLSTATE classes 57 (operator intervention) and 08 (connection
+/// exception). The connection is gone, whatever the request did.
+fn connection_ended(db: &dyn sqlx::error::DatabaseError) -> bool {
+    db.code().is_some_and(|code| code.starts_with("57P") || code.starts_with("08"))
+}
+
+/// Why the answer to a sent request never came.
+#[derive(Debug)]
+enum LostAnswer {
+    Failed(sqlx::Error),
+    TimedOut(Duration),
+}
+
+impl std::fmt::Display for LostAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LostAnswer::Failed(e) => write!(f, "the connection to PostgreSQL failed during a request: {e}"),
+            LostAnswer::TimedOut(after) => write!(f, "PostgreSQL did not answer within {after:?}"),
+        }
+    }
+}
+
+/// The source of an [`Error::Backend`] whose request was sent and whose
+/// answer was lost: it may have been carried out
+/// ([`Error::outcome_unknown`]).
+#[derive(Debug)]
+pub(crate) struct MayHaveRun(LostAnswer);
+
+impl std::fmt::Display for MayHaveRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (it may have been carried out)", self.0)
+    }
+}
+
+impl std::error::Error for MayHaveRun {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.0 {
+            LostAnswer::Failed(e) => Some(e),
+            LostAnswer::TimedOut(_) => None,
+        }
+    }
+}
+
+/// An error of a request that did nothing on the server.
+fn not_sent(e: sqlx::Error) -> Error {
+    let message = match &e {
+        sqlx::Error::Database(db) => format!("PostgreSQL refused a request: {}", db.message()),
+        other => format!("cannot reach PostgreSQL: {other}"),
+    };
+    Error::Backend { backend: BACKEND, message, source: Some(Box::new(e)) }
+}
+
+fn unexpected(what: &str) -> Error {
+    Error::backend(BACKEND, format!("unexpected answer from the acquire function: {what}"))
+}
+
+fn column<'r, T>(row: &'r PgRow, i: usize) -> Result<T>
+where
+    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    row.try_get(i).map_err(|e| unexpected(&e.to_string()))
+}
+
+/// `future` within `timeout`, its errors (none of which can leave a
+/// request half done: it runs before any lock is asked for) as backend
+/// errors.
+async fn within<T>(
+    timeout: Duration,
+    what: &str,
+    future: impl std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
+) -> Result<T> {
+    match tokio::time::timeout(timeout, future).await {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(connect_error(e, what)),
+        Err(_) => Err(Error::backend(BACKEND, format!("{what}: PostgreSQL did not answer within {timeout:?}"))),
+    }
+}
+
+/// A start-up error: refused credentials and missing privileges are the
+/// configuration's, the rest the server's.
+fn connect_error(e: sqlx::Error, what: &str) -> Error {
+    if let sqlx::Error::Database(db) = &e {
+        match db.code().as_deref() {
+            // invalid_password, invalid_authorization_specification
+            Some("28P01" | "28000") => {
+                return Error::config(URL_VAR, format!("{what}: the server refused the credentials: {}", db.message()))
+            }
+            // insufficient_privilege
+            Some("42501") => {
+                return Error::config(
+                    URL_VAR,
+                    format!(
+                        "{what}: the user may not create or use the lock table ({}); grant it CREATE on the schema, \
+                         or create the objects once as a user who may",
+                        db.message()
+                    ),
+                )
+            }
+            // invalid_catalog_name: no such database
+            Some("3D000") => return Error::config(URL_VAR, format!("{what}: {}", db.message())),
+            _ => {}
+        }
+    }
+    Error::Backend { backend: BACKEND, message: format!("{what}: {e}"), source: Some(Box::new(e)) }
+}
+
+/// Creates the table, the sequence and the functions of `names` when they
+/// are missing, on a connection of its own.
+async fn create_schema(connect: &PgConnectOptions, names: &Names, timeout: Duration) -> Result<()> {
+    // DDL can wait behind a lock of another process's DDL: more time than a
+    // request, still bounded.
+    let timeout = timeout.max(Duration::from_secs(10));
+    let mut conn = within(timeout, "connecting", PgConnection::connect_with(connect)).await?;
+    let mut result = within(timeout, "creating the lock table", create_objects(&mut conn, names)).await;
+    if let Err(Error::Backend { source: Some(source), .. }) = &result {
+        // The fixed advisory lock makes this rare; a catalog race lost all
+        // the same (another process created an object between our check and
+        // our CREATE) is over once, and a second try finds it made.
+        let raced = source.downcast_ref::<sqlx::Error>().and_then(|e| e.as_database_error()).and_then(|db| db.code());
+        if matches!(raced.as_deref(), Some("23505" | "42P07" | "42723" | "XX000")) {
+            result = within(timeout, "creating the lock table", create_objects(&mut conn, names)).await;
+        }
+    }
+    let _ = conn.close().await;
+    result
+}
+
+/// Boxed: sqlx's executor on `&mut` connections trips the compiler's
+/// proof that an unboxed future of it is `Send`, and `connect` must be.
+fn create_objects<'a>(
+    conn: &'a mut PgConnection,
+    names: &'a Names,
+) -> BoxFuture<'a, std::result::Result<(), sqlx::Error>> {
+    Box::pin(async move {
+        let schema = names.fill(SCHEMA_SQL);
+        let functions =
+            [(names.acquire.as_str(), names.fill(ACQUIRE_SQL)), (names.release.as_str(), names.fill(RELEASE_SQL))];
+        let mut tx = conn.begin().await?;
+        let c: &mut PgConnection = &mut tx;
+        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)").bind(LOCK_CLASS).execute(&mut *c).await?;
+        c.execute(sqlx::raw_sql(&schema)).await?;
+        // Each function is created only when missing: its name carries its
+        // version, and replacing it would need the privileges of its owner.
+        for (name, sql) in &functions {
+            let missing: bool =
+                sqlx::query_scalar("SELECT to_regproc($1) IS NULL").bind(*name).fetch_one(&mut *c).await?;
+            if missing {
+                c.execute(sqlx::raw_sql(sql)).await?;
+            }
+        }
+        tx.commit().await
+    })
+}
+
+/// Wakes the waiters of this process when a release is announced; every
+/// minute, deletes the rows whose lease ended long ago (holders that never
+/// released: every other row goes with its release).
+async fn listen(mut listener: PgListener, waiters: Arc<Waiters>, pool: PgPool, sweep: String, stop: CancellationToken) {
+    let mut sweeps = tokio::time::interval_at(Instant::now() + SWEEP_EVERY, SWEEP_EVERY);
+    sweeps.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let next = tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = sweeps.tick() => {
+                // Best effort: a row left behind costs space, nothing else.
+                let _ = tokio::time::timeout(Duration::from_secs(10), sqlx::query(&sweep).execute(&pool)).await;
+                continue;
+            }
+            next = listener.try_recv() => next,
+        };
+        match next {
+            Ok(Some(notification)) => waiters.wake(notification.payload()),
+            // The connection was lost and made again: announcements sent in
+            // between are lost, so everyone tries again.
+            Ok(None) => waiters.wake_all(),
+            Err(e) => {
+                tracing::debug!(error = %e, "dlock: the PostgreSQL release listener is down; retrying");
+                waiters.wake_all();
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(LISTENER_BACKOFF) => {}
+                }
+            }
+        }
+    }
+}
+
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+const LISTENER_BACKOFF: Duration = Duration::from_millis(250);
+
+/// The acquires of this process parked per key.
+#[derive(Debug, Default)]
+struct Waiters(Mutex<HashMap<String, Parked>>);
+
+/// The acquires parked on one key.
+#[derive(Debug, Default)]
+struct Parked {
+    notify: Arc<Notify>,
+    count: usize,
+    /// How many of them want it shared.
+    readers: usize,
+}
+
+impl Waiters {
+    fn map(&self) -> MutexGuard<'_, HashMap<String, Parked>> {
+        // Every update is a single insert, increment or removal.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn register(self: &Arc<Self>, key: &str, mode: LockMode) -> Registration {
+        let mut map = self.map();
+        let parked = map.entry(key.to_owned()).or_default();
+        parked.count += 1;
+        let reader = mode == LockMode::Shared;
+        parked.readers += usize::from(reader);
+        Registration { waiters: self.clone(), key: key.to_owned(), notify: parked.notify.clone(), reader }
+    }
+
+    fn count(&self, key: &str) -> usize {
+        self.map().get(key).map_or(0, |parked| parked.count)
+    }
+
+    /// Wakes whom a release of `key` may let in. One waiter, when none of
+    /// them reads: a freed exclusive hold or permit admits one, and waking
+    /// them all would send every one of them to the server for nothing.
+    /// The one woken either gets the key, and its grant (made while it
+    /// waited) announces its own release in turn, or finds it taken by
+    /// another process, and its refusal marks that holder's release to be
+    /// announced; a waiter that gives up passes its wake-up on (tokio's
+    /// `Notify`). Readers wait together: all of them are woken.
+    fn wake(&self, key: &str) {
+        if let Some(parked) = self.map().get(key) {
+            match parked.readers {
+                0 => parked.notify.notify_one(),
+                _ => parked.notify.notify_waiters(),
+            }
+        }
+    }
+
+    fn wake_all(&self) {
+        for parked in self.map().values() {
+            parked.notify.notify_waiters();
+        }
+    }
+}
+
+struct Registration {
+    waiters: Arc<Waiters>,
+    key: String,
+    notify: Arc<Notify>,
+    reader: bool,
+}
+
+impl AsRef<Notify> for Registration {
+    fn as_ref(&self) -> &Notify {
+        &self.notify
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut map = self.waiters.map();
+        if let Some(parked) = map.get_mut(&self.key) {
+            parked.count = parked.count.saturating_sub(1);
+            parked.readers = parked.readers.saturating_sub(usize::from(self.reader));
+            if parked.count == 0 {
+                map.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// How the table writes a mode.
+fn mode_text(mode: LockMode) -> String {
+    match mode {
+        LockMode::Exclusive => "x".into(),
+        LockMode::Shared => "s".into(),
+        LockMode::Permits { limit } => format!("p{limit}"),
+    }
+}
+
+fn parse_mode(text: &str) -> Option<LockMode> {
+    match text {
+        "x" => Some(LockMode::Exclusive),
+        "s" => Some(LockMode::Shared),
+        _ => text.strip_prefix('p')?.parse().ok().map(|limit| LockMode::Permits { limit }),
+    }
+}
+
+/// Whole milliseconds, as PostgreSQL's `bigint`.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Backend for PostgresBackend {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    /// Every mode.
+    fn supports(&self, _: LockMode) -> Result<()> {
+        Ok(())
+    }
+
+    fn prefix(&self) -> Option<&str> {
+        Some(&self.shared.prefix)
+    }
+
+    fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
+        let waiters = &self.shared.waiters;
+        Box::pin(acquire_loop(
+            req,
+            cancel,
+            || waiters.count(req.key.as_str()) > 0,
+            move |awaited| self.try_once(req, awaited),
+            // Listening since connect: registering is local.
+            move || std::future::ready(waiters.register(req.key.as_str(), req.mode)),
+        ))
+    }
+
+    fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            Ok(match Renewals::renew(&self.shared, key.as_str(), owner.as_str(), lease).await? {
+                true => Renewal::Held { valid_until: sent + lease },
+                false => Renewal::Lost,
+            })
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(async move {
+            let query = || sqlx::query(&self.shared.release).bind(key.as_str()).bind(owner.as_str());
+            let row = self.shared.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
+            Ok(match column::<Option<bool>>(&row, 0)? {
+                Some(true) => Release::Freed,
+                _ => Release::NotHeld,
+            })
+        })
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            self.shared.fetch(|| sqlx::query("SELECT 1"), Repeat::Safe).await?;
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_round_trip_through_their_text() {
+        for mode in [LockMode::Exclusive, LockMode::Shared, LockMode::permits(1), LockMode::permits(40)] {
+            assert_eq!(parse_mode(&mode_text(mode)), Some(mode));
+        }
+        assert_eq!(parse_mode("q"), None);
+        assert_eq!(parse_mode("p-1"), None);
+    }
+
+    #[test]
+    fn prefixes_that_cannot_name_a_table_are_refused() {
+        assert!(Names::for_prefix("dlock").is_ok());
+        assert!(Names::for_prefix("orders.v2:eu-1").is_ok());
+        for bad in ["a\"b", "a'b", "a$b", &"x".repeat(MAX_PREFIX + 1)] {
+            let err = Names::for_prefix(bad).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains("DLOCK_PREFIX"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn placeholders_are_all_filled() {
+        let names = Names::for_prefix("p").expect("valid");
+        for sql in [SCHEMA_SQL, ACQUIRE_SQL, RELEASE_SQL] {
+            let filled = names.fill(sql);
+            assert!(!filled.contains('{') && !filled.contains('}'), "{filled}");
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! The behavioural suites on a real PostgreSQL cluster, plus what only
+//! PostgreSQL has: a dead or hung server, NOTIFY wake-ups, durable leases
+//! and tokens across a restart, the schema made by processes starting at once.
+
+mod suite;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
+use dlock_core::backend::{AcquireRequest, Backend, CancellationToken, LockMode, Release, Renewal};
+use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions, Owner};
+use dlock_testing::{FaultProxy, PostgresServer};
+use tokio::time::Instant;
+
+struct Postgres {
+    server: PostgresServer,
+    /// Every backend handed out, to count their parked waiters.
+    backends: Mutex<Vec<Arc<PostgresBackend>>>,
+}
+
+async fn connect(url: &str) -> Arc<PostgresBackend> {
+    Arc::new(PostgresBackend::connect(url, "dlock").await.expect("connect to the test PostgreSQL"))
+}
+
+impl suite::Harness for Postgres {
+    async fn client(&self) -> Locker {
+        let backend = connect(&self.server.url()).await;
+        self.backends.lock().expect("backends").push(backend.clone());
+        let opts = LockerOptions::default().with_watchdog_lease(Duration::from_millis(300));
+        Locker::with_options(backend as Arc<dyn Backend>, opts).expect("valid options")
+    }
+
+    async fn backend(&self) -> Arc<dyn Backend> {
+        let backend = connect(&self.server.url()).await;
+        self.backends.lock().expect("backends").push(backend.clone());
+        backend
+    }
+
+    async fn delete_behind_back(&self, key: &LockKey) {
+        let deleted = self.server.psql(&format!(
+            "WITH gone AS (DELETE FROM dlock_locks WHERE key = {} AND mode <> 'i' RETURNING 1) SELECT count(*) FROM gone",
+            literal(key.as_str())
+        ));
+        assert_eq!(deleted, "1", "the key was held");
+    }
+
+    async fn lock_keys_left(&self) -> usize {
+        live_keys(&self.server)
+    }
+
+    async fn parked(&self, key: &LockKey) -> usize {
+        self.backends.lock().expect("backends").iter().map(|b| b.waiters(key)).sum()
+    }
+}
+
+/// Keys with a holder whose lease has not ended (writers' intents and
+/// expired rows hold nothing).
+fn live_keys(server: &PostgresServer) -> usize {
+    let n =
+        server.psql("SELECT count(DISTINCT key) FROM dlock_locks WHERE mode <> 'i' AND expires_at > clock_timestamp()");
+    n.parse().expect("a count")
+}
+
+/// `text` as an SQL string literal.
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+async fn postgres() -> Postgres {
+    Postgres { server: PostgresServer::start(), backends: Mutex::new(Vec::new()) }
+}
+
+backend_suite!(postgres());
+primitives_suite!(postgres());
+
+fn request(key: &LockKey, owner: &Owner, lease_ms: u64) -> AcquireRequest {
+    AcquireRequest::new(key.clone(), owner.clone(), Duration::from_millis(lease_ms))
+}
+
+fn test_key(name: &str) -> LockKey {
+    LockKey::builder("dlock", name).part(1).build().expect("key")
+}
+
+/// A server that is gone, one that never was, and one that hangs: each is
+/// an `Error::Backend` within the response timeout (plus one repeat of an
+/// acquire whose answer was lost), never a hang or a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_or_hung_server_is_a_clean_error_within_a_bound() {
+    let mut server = PostgresServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port());
+    let timeout = Duration::from_millis(500);
+    let options = PostgresOptions::default().with_response_timeout(timeout);
+    let backend = PostgresBackend::connect_with(&url, "dlock", options.clone()).await.expect("connect");
+    let (k, owner) = (test_key("dead"), Owner::random().expect("owner"));
+    let cancel = CancellationToken::new();
+    let grant = backend.acquire(&request(&k, &owner, 30_000), &cancel).await.expect("free");
+    assert!(grant.fencing_token > 0);
+    backend.ready().await.expect("ready while up");
+
+    // Hung: every byte waits in the proxy.
+    proxy.hold();
+    let started = Instant::now();
+    let err = backend.acquire(&request(&k, &owner, 30_000), &cancel).await.expect_err("hung server");
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(started.elapsed() < 4 * timeout, "bounded: {:?}", started.elapsed());
+    let err = backend.ready().await.expect_err("hung server is not ready");
+    assert!(err.is_unavailable(), "{err:?}");
+    proxy.heal();
+
+    // Gone.
+    server.stop();
+    let started = Instant::now();
+    let err = backend.acquire(&request(&k, &owner, 30_000), &cancel).await.expect_err("stopped server");
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(started.elapsed() < 4 * timeout, "bounded: {:?}", started.elapsed());
+    let err = backend.renew(&k, &owner, Duration::from_secs(30)).await.expect_err("stopped server");
+    assert!(err.is_unavailable(), "{err:?}");
+    let err = backend.release(&k, &owner).await.expect_err("stopped server");
+    assert!(err.is_unavailable(), "{err:?}");
+
+    // Never there: connecting fails within the bound, naming the variable's server.
+    let started = Instant::now();
+    let err = PostgresBackend::connect_with(&url, "dlock", options).await.expect_err("nothing listens");
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(12), "bounded: {:?}", started.elapsed());
+}
+
+/// A waiter of another backend (another process) is woken by the holder's
+/// release, long before the holder's lease (30 s) could end: the NOTIFY
+/// reached its listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_by_notify_not_by_the_lease() {
+    let h = postgres().await;
+    let (a, b) = (suite::Harness::client(&h).await, suite::Harness::client(&h).await);
+    let k = a.key("notify").part(1).build().expect("key");
+    let holder = a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free");
+    let (b2, k2) = (b.clone(), k.clone());
+    let waiter = tokio::spawn(async move {
+        let opts = AcquireOptions::new().with_lease(Duration::from_secs(30)).with_wait(Duration::from_secs(20));
+        b2.acquire(&k2, opts).await
+    });
+    suite::until_parked(&h, &k).await;
+    // Parked and asleep: nothing wakes it but a release.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished());
+    let released_at = Instant::now();
+    assert!(holder.release().await.expect("release"));
+    let g = waiter.await.expect("waiter task").expect("woken by the release");
+    assert!(released_at.elapsed() < Duration::from_secs(2), "woken late: {:?}", released_at.elapsed());
+    assert!(g.release().await.expect("release"));
+}
+
+/// A holder that never releases (a process that died) keeps the key until
+/// its lease ends on the server, then the next gets it, with a greater token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_runs_out_lets_the_next_in() {
+    let server = PostgresServer::start();
+    let (dead, next) = (connect(&server.url()).await, connect(&server.url()).await);
+    let k = test_key("lease-end");
+    let cancel = CancellationToken::new();
+    let gone = dead.acquire(&request(&k, &Owner::random().expect("owner"), 400), &cancel).await.expect("free");
+    let me = Owner::random().expect("owner");
+    let err = next.acquire(&request(&k, &me, 30_000), &cancel).await.expect_err("held");
+    assert!(err.is_contention(), "{err:?}");
+    let started = Instant::now();
+    let wait = request(&k, &me, 30_000).with_deadline(Instant::now() + Duration::from_secs(10));
+    let grant = next.acquire(&wait, &cancel).await.expect("the lease ran out");
+    assert!(started.elapsed() >= Duration::from_millis(250), "too early: {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(3), "too late: {:?}", started.elapsed());
+    assert!(grant.fencing_token > gone.fencing_token);
+    assert_eq!(next.release(&k, &me).await.expect("release"), Release::Freed);
+}
+
+/// The table and the sequence are durable: a lease taken before a clean
+/// stop and before a crash still holds the key afterwards, and every token
+/// granted after is greater than every token before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_and_fencing_tokens_survive_a_restart_and_a_crash() {
+    let mut server = PostgresServer::start();
+    let backend = connect(&server.url()).await;
+    let cancel = CancellationToken::new();
+    let (held, other) = (test_key("restart-held"), test_key("restart-free"));
+    let holder = Owner::random().expect("owner");
+    let mut last = backend.acquire(&request(&held, &holder, 60_000), &cancel).await.expect("free").fencing_token;
+    for restart in 0..2 {
+        let owner = Owner::random().expect("owner");
+        for _ in 0..5 {
+            let t = backend.acquire(&request(&other, &owner, 30_000), &cancel).await.expect("free").fencing_token;
+            assert!(t > last, "{t} after {last}");
+            last = t;
+            assert_eq!(backend.release(&other, &owner).await.expect("release"), Release::Freed);
+        }
+        match restart {
+            0 => server.stop(),
+            _ => server.crash(),
+        }
+        server.start_again();
+        // A fresh backend, as a restarted process would have.
+        let after = connect(&server.url()).await;
+        let err = after.acquire(&request(&held, &owner, 30_000), &cancel).await.expect_err("the lease survived");
+        assert!(err.is_contention(), "{err:?}");
+        let t = after.acquire(&request(&other, &owner, 30_000), &cancel).await.expect("free").fencing_token;
+        assert!(t > last, "token {t} after the restart, {last} before");
+        last = t;
+        assert_eq!(after.release(&other, &owner).await.expect("release"), Release::Freed);
+    }
+    // The first backend's connections died with the server; it recovers.
+    let renewed = backend.renew(&held, &holder, Duration::from_secs(60)).await.expect("renew after the restarts");
+    assert!(matches!(renewed, Renewal::Held { .. }), "{renewed:?}");
+    assert_eq!(backend.release(&held, &holder).await.expect("release"), Release::Freed);
+}
+
+/// Renew and release check the owner, in every mode: another owner's are
+/// refused and leave the hold as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renew_and_release_by_another_owner_are_refused() {
+    let server = PostgresServer::start();
+    let backend = connect(&server.url()).await;
+    let cancel = CancellationToken::new();
+    for (i, mode) in [LockMode::Exclusive, LockMode::Shared, LockMode::permits(2)].into_iter().enumerate() {
+        let k = LockKey::builder("dlock", "owners").part(i).build().expect("key");
+        let (mine, theirs) = (Owner::random().expect("owner"), Owner::random().expect("owner"));
+        let req = request(&k, &mine, 2_000).with_mode(mode);
+        backend.acquire(&req, &cancel).await.expect("free");
+        assert_eq!(backend.renew(&k, &theirs, Duration::from_secs(60)).await.expect("renew"), Renewal::Lost, "{mode}");
+        assert_eq!(backend.release(&k, &theirs).await.expect("release"), Release::NotHeld, "{mode}");
+        let expires = server.psql(&format!(
+            "SELECT expires_at < clock_timestamp() + interval '10 seconds' FROM dlock_locks WHERE key = {}",
+            literal(k.as_str())
+        ));
+        assert_eq!(expires, "t", "{mode}: another owner's renewal extended the lease");
+        assert!(matches!(backend.renew(&k, &mine, Duration::from_secs(2)).await.expect("renew"), Renewal::Held { .. }));
+        assert_eq!(backend.release(&k, &mine).await.expect("release"), Release::Freed, "{mode}");
+    }
+    assert_eq!(live_keys(&server), 0);
+}
+
+/// Processes that start at once on an empty database all create (or find)
+/// the table, the sequence and the functions: none fails its start-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_starting_at_once_all_find_the_schema() {
+    let server = PostgresServer::start();
+    let mut starts = Vec::new();
+    for _ in 0..6 {
+        let url = server.url();
+        starts.push(tokio::spawn(async move { PostgresBackend::connect(&url, "race").await.map(|_| ()) }));
+    }
+    for start in starts {
+        start.await.expect("task").expect("start-up despite the others");
+    }
+    assert_eq!(server.psql("SELECT count(*) FROM pg_proc WHERE proname LIKE 'race\\_%'"), "2");
+}
+
+/// `DLOCK_BACKEND=postgres` with `DLOCK_POSTGRES_URL` builds a locker on
+/// this backend; a URL that does not parse names the variable and hides
+/// the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_environment_names_the_backend() {
+    let server = PostgresServer::start();
+    let url = server.url();
+    let config = dlock_core::Config::from_lookup(|var| match var {
+        "DLOCK_BACKEND" => Some("postgres".into()),
+        "DLOCK_POSTGRES_URL" => Some(url.clone()),
+        "DLOCK_IDEMPOTENCY_LOCAL" => Some("1".into()),
+        _ => None,
+    })
+    .expect("valid configuration");
+    let dlock = config.build().await.expect("connect");
+    assert_eq!(dlock.locker().backend_name(), "postgres");
+    let k = dlock.locker().key("env").part(1).build().expect("key");
+    dlock.locker().try_acquire(&k).await.expect("free").release().await.expect("release");
+
+    let bad = dlock_core::Config::from_lookup(|var| match var {
+        "DLOCK_BACKEND" => Some("postgres".into()),
+        "DLOCK_POSTGRES_URL" => Some("postgres://app:s3cret@127.0.0.1:notaport/db".into()),
+        _ => None,
+    })
+    .expect("read without I/O");
+    let err = bad.build().await.expect_err("a URL that does not parse");
+    let text = err.to_string();
+    assert!(matches!(err, Error::Config { var: "DLOCK_POSTGRES_URL", .. }), "{err:?}");
+    assert!(!text.contains("s3cret"), "{text}");
+}

@@ -1,0 +1,228 @@
+//! A PostgreSQL cluster of our own.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+use crate::port::free_port;
+
+/// Where Debian's `postgresql-<version>` packages put the server binaries.
+const DEBIAN_POSTGRES: &str = "/usr/lib/postgresql";
+
+/// A PostgreSQL cluster of our own (`initdb` + `pg_ctl`) in a temporary
+/// directory, listening on `127.0.0.1:<free port>` only, with trust
+/// authentication (no password) for the `postgres` user. Stopped on drop.
+///
+/// PostgreSQL refuses to run as root: when the tests run as root, every
+/// server command runs as the unprivileged `postgres` user (`runuser`), and
+/// the directory is handed to that user.
+///
+/// ```no_run
+/// let mut pg = dlock_testing::PostgresServer::start();
+/// assert_eq!(pg.psql("SELECT 1 + 1"), "2");
+/// pg.stop();
+/// pg.start_again(); // same data directory, same port
+/// ```
+#[derive(Debug)]
+pub struct PostgresServer {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+    running: bool,
+    /// Server commands run as `postgres` through `runuser` (we are root).
+    as_postgres: bool,
+}
+
+impl PostgresServer {
+    /// Initialises a cluster and starts it.
+    ///
+    /// # Panics
+    ///
+    /// When PostgreSQL is not installed, or the cluster cannot be created or
+    /// does not come up within 30 s; the message says why.
+    pub fn start() -> Self {
+        let bin = server_binaries();
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("dlock-pg-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create a directory for the PostgreSQL cluster");
+        let as_postgres = running_as_root();
+        if as_postgres {
+            // The server's files must be its user's, and the directory must
+            // let it in.
+            let out = Command::new("chown").arg("postgres:").arg(&dir).output();
+            check(out, "chown the cluster directory to the `postgres` user (does that user exist?)");
+        }
+        let mut server = PostgresServer { bin, dir, port, running: false, as_postgres };
+        let data = server.data_dir();
+        let out = server
+            .command("initdb")
+            .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync", "--locale=C"])
+            .arg("-D")
+            .arg(&data)
+            .output();
+        check(out, "initdb");
+        server.start_again();
+        server
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    /// A server binary, run as `postgres` when we are root.
+    fn command(&self, program: &str) -> Command {
+        let program = self.bin.join(program);
+        let mut cmd = if self.as_postgres {
+            let mut cmd = Command::new("runuser");
+            cmd.args(["-u", "postgres", "--"]).arg(program);
+            cmd
+        } else {
+            Command::new(program)
+        };
+        cmd.stdin(Stdio::null());
+        cmd
+    }
+
+    /// `postgres://postgres@127.0.0.1:<port>/postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Starts the cluster after [`stop`](Self::stop) or
+    /// [`crash`](Self::crash), on the same port and data directory, and
+    /// waits until it accepts connections.
+    ///
+    /// # Panics
+    ///
+    /// When it does not come up within 30 s.
+    pub fn start_again(&mut self) {
+        if self.running {
+            return;
+        }
+        // Loopback only, a socket directory of our own (Debian's
+        // /var/run/postgresql may be missing), and no fsync: a test cluster
+        // survives its server's restarts, not the machine's.
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c full_page_writes=off",
+            self.port,
+            self.dir.display()
+        );
+        let out = self
+            .command("pg_ctl")
+            .args(["-w", "-t", "30", "-o", &options, "-l"])
+            .arg(self.dir.join("server.log"))
+            .arg("-D")
+            .arg(self.data_dir())
+            .arg("start")
+            .output();
+        if let Err(why) = outcome(out) {
+            let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+            panic!("PostgreSQL on port {} did not start: {why}\nserver log:\n{log}", self.port);
+        }
+        self.running = true;
+    }
+
+    /// Stops the server cleanly (`pg_ctl stop -m fast`): sessions are ended,
+    /// the data stays.
+    pub fn stop(&mut self) {
+        self.pg_ctl_stop("fast");
+    }
+
+    /// Stops the server as a crash would (`pg_ctl stop -m immediate`: no
+    /// checkpoint, WAL replayed at the next start). Committed data stays.
+    pub fn crash(&mut self) {
+        self.pg_ctl_stop("immediate");
+    }
+
+    fn pg_ctl_stop(&mut self, mode: &str) {
+        if !self.running {
+            return;
+        }
+        let _ = self
+            .command("pg_ctl")
+            .args(["-w", "-t", "30", "-m", mode, "-D"])
+            .arg(self.data_dir())
+            .arg("stop")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        self.running = false;
+    }
+
+    /// Runs `sql` with `psql` and returns its unaligned, tuples-only output,
+    /// trimmed (`SELECT count(*) …` gives `"3"`).
+    ///
+    /// # Panics
+    ///
+    /// When `psql` fails (the server is down, the statement is wrong).
+    pub fn psql(&self, sql: &str) -> String {
+        let out = Command::new(self.bin.join("psql"))
+            .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-U", "postgres"])
+            .args(["-p", &self.port.to_string(), "-d", "postgres", "-c", sql])
+            .stdin(Stdio::null())
+            .output();
+        match outcome(out) {
+            Ok(stdout) => stdout.trim().to_owned(),
+            Err(why) => panic!("psql `{sql}` on port {}: {why}", self.port),
+        }
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        self.crash();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The newest `/usr/lib/postgresql/<version>/bin` with an `initdb`.
+fn server_binaries() -> PathBuf {
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir(DEBIAN_POSTGRES)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = entry.path().join("bin");
+            bin.join("initdb").exists().then_some((version, bin))
+        })
+        .collect();
+    versions.sort();
+    match versions.pop() {
+        Some((_, bin)) => bin,
+        None => panic!(
+            "PostgreSQL is not installed (no {DEBIAN_POSTGRES}/<version>/bin/initdb). The tests need a real \
+             server: run the README's test command (`bash scripts/test.sh`), which installs it, or \
+             `apt-get install -y postgresql`."
+        ),
+    }
+}
+
+fn running_as_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|out| out.stdout.trim_ascii() == b"0")
+}
+
+/// A command's standard output, or why it failed (its standard error).
+fn outcome(out: std::io::Result<Output>) -> Result<String, String> {
+    match out {
+        Ok(out) if out.status.success() => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+        Ok(out) => Err(format!(
+            "{}: {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn check(out: std::io::Result<Output>, what: &str) {
+    if let Err(why) = outcome(out) {
+        panic!("cannot set up a PostgreSQL cluster: {what} failed: {why}");
+    }
+}
