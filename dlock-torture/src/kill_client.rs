@@ -73,7 +73,7 @@ async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, 
 /// T2's bound: every killed holder's key granted again within `bound` ms.
 /// No measurement at all (no kill hit a holder whose key was granted
 /// again) fails too: the bound was then never checked.
-fn judge_recovery(r: &mut Report, bound: f64) {
+pub(crate) fn judge_recovery(r: &mut Report, bound: f64) {
     match r.recovery_max_ms {
         Some(rec) => {
             r.note(format!(

@@ -32,6 +32,7 @@ mod orphan_renewal;
 mod own_bugs;
 mod partition;
 mod pause;
+mod postgres;
 mod primitives;
 mod redlock;
 mod redlock_skew;

@@ -10,8 +10,8 @@ use std::pin::Pin;
 use crate::harness::Report;
 use crate::scenario::Size;
 use crate::{
-    badinput, baseline, burst, flush, kill_client, orphan_renewal, partition, pause, primitives, redlock, redlock_skew,
-    release_retry, renewal, restart, self_test, slow, storm, zk_expire,
+    badinput, baseline, burst, flush, kill_client, orphan_renewal, partition, pause, postgres, primitives, redlock,
+    redlock_skew, release_retry, renewal, restart, self_test, slow, storm, zk_expire,
 };
 
 /// A running scenario: its report rows, or why it could not run.
@@ -54,6 +54,7 @@ pub(crate) const ALL: &[Scenario] = &[
     Scenario { name: "checker-self-test", faults: false, start: |size, seed| Box::pin(self_test::run(size, seed)) },
     Scenario { name: "orphan-renewal", faults: true, start: |size, seed| Box::pin(orphan_renewal::run(size, seed)) },
     Scenario { name: "bad-input", faults: true, start: |size, seed| Box::pin(one_row(badinput::run(size, seed))) },
+    Scenario { name: "postgres", faults: true, start: |size, seed| Box::pin(postgres::run(size, seed)) },
     Scenario { name: "primitives", faults: true, start: |size, seed| Box::pin(primitives::run(size, seed)) },
     Scenario { name: "idempotency-storm", faults: true, start: |size, seed| Box::pin(one_row(storm::run(size, seed))) },
 ];

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
 use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
@@ -25,7 +26,7 @@ use crate::rng::Rng;
 /// processes, so its contenders are the tasks of one worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct WorkerConfig {
-    /// `redis`, `redlock`, `zookeeper`, `memory` or a `broken-*` variant.
+    /// `redis`, `redlock`, `zookeeper`, `postgres`, `memory` or a `broken-*` variant.
     pub(crate) backend: String,
     /// The lock servers.
     pub(crate) urls: Vec<String>,
@@ -187,6 +188,16 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
                 first,
                 &cfg.prefix,
                 ZooKeeperOptions::default().with_session_timeout(Duration::from_millis(cfg.session_ms)),
+            )
+            .await
+            .map_err(|e| e.to_string())?,
+        ),
+        "postgres" => Arc::new(
+            PostgresBackend::connect_with(
+                first,
+                &cfg.prefix,
+                PostgresOptions::default()
+                    .with_response_timeout(Duration::from_millis(cfg.lease_ms / 3).max(Duration::from_millis(50))),
             )
             .await
             .map_err(|e| e.to_string())?,
