@@ -8,13 +8,17 @@
 //!   checkpoint, the WAL replayed at the next start) under load and comes
 //!   back, with leases longer than the outage (watchdog, 5 s). The lease
 //!   table and the fencing sequence are durable: held locks are still held
-//!   after the restart, tokens keep growing. Promised safe.
+//!   after the restart, tokens keep growing. Promised safe. Each crash also
+//!   has a probe: a lock the harness holds across it must be refused to
+//!   another client after the restart.
 //!
 //! Both rows check C6 on the table: no live lease row once every worker has
 //! ended.
 
 use std::time::Duration;
 
+use dlock_core::backend::postgres::PostgresBackend;
+use dlock_core::{AcquireOptions, LockKey, Locker};
 use dlock_testing::PostgresServer;
 use tokio::time::sleep;
 
@@ -87,7 +91,9 @@ async fn restart(size: Size, seed: u64) -> Result<Report, String> {
     let mut cfg = config("postgres", vec![pg.url()], &res_server, seed);
     cfg.lease_ms = 5000;
     cfg.keys = 2;
-    cfg.cs_max_ms = 20;
+    // Sections long enough that holders are inside one when the server
+    // crashes, so a lost lease would show as an overlap (C1).
+    (cfg.cs_min_ms, cfg.cs_max_ms) = (100, 400);
     cfg.wait_ms = 3000;
     cfg.duration_ms = restarts * 4000 + 2000;
     let procs = 3;
@@ -95,8 +101,15 @@ async fn restart(size: Size, seed: u64) -> Result<Report, String> {
     workers_started(&run, procs as usize, Duration::from_secs(10)).await?;
     let mut done = 0;
     let mut longest = Duration::ZERO;
-    for _ in 0..restarts {
+    let mut probe_failures = Vec::new();
+    for i in 0..restarts {
         sleep(Duration::from_millis(1500)).await;
+        // The probe: a lock held across the crash must still be held after
+        // it (a table that lost its rows would grant it to the next asker).
+        let key = format!("probe-{i}");
+        let holder = probe_locker(&pg).await?;
+        let held =
+            holder.acquire(&probe_key(&holder, &key)?, probe_lease()).await.map_err(|e| format!("probe: {e}"))?;
         run.log("kill", None);
         let down = tokio::time::Instant::now();
         tokio::task::block_in_place(|| {
@@ -106,6 +119,13 @@ async fn restart(size: Size, seed: u64) -> Result<Report, String> {
         run.log("restart", None);
         longest = longest.max(down.elapsed());
         done += 1;
+        let other = probe_locker(&pg).await?;
+        match other.try_acquire(&probe_key(&other, &key)?).await {
+            Err(e) if e.is_contention() => {}
+            Ok(_) => probe_failures.push(format!("{key}: granted to another client after the restart")),
+            Err(e) => probe_failures.push(format!("{key}: {e}")),
+        }
+        drop(held);
     }
     let mut r = Report::new("postgres", "postgres (crash and restart)", seed);
     r.expected_safe = true;
@@ -118,6 +138,13 @@ async fn restart(size: Size, seed: u64) -> Result<Report, String> {
         "acquires answered unavailable during the outages: {}; releases answered `not held`: {}",
         findings.acq_unavailable, findings.released_not_held
     ));
+    r.note(format!(
+        "probes (a lock held across each crash, asked for after it): {} of {done} refused",
+        done - probe_failures.len() as u64
+    ));
+    for failure in &probe_failures {
+        r.fail(format!("a lock held across a crash was lost: {failure}"));
+    }
     if longest >= Duration::from_millis(cfg.lease_ms) {
         r.fail("an outage outlasted the leases: the row no longer tests that held locks survive a restart");
     }
@@ -127,4 +154,20 @@ async fn restart(size: Size, seed: u64) -> Result<Report, String> {
         r.fail(format!("{left} live lease row(s) after every worker released"));
     }
     Ok(r)
+}
+
+/// A client of the restart row's probe, on its own connections (`probe_`
+/// tables beside the workers' `torture_` ones).
+async fn probe_locker(pg: &PostgresServer) -> Result<Locker, String> {
+    let backend = PostgresBackend::connect(&pg.url(), "probe").await.map_err(|e| format!("probe: {e}"))?;
+    Ok(Locker::new(backend))
+}
+
+fn probe_key(locker: &Locker, name: &str) -> Result<LockKey, String> {
+    locker.key(name).build().map_err(|e| e.to_string())
+}
+
+/// The probe's lease: far longer than an outage, never renewed.
+fn probe_lease() -> AcquireOptions {
+    AcquireOptions::new().with_lease(Duration::from_secs(30))
 }
