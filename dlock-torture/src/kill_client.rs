@@ -6,10 +6,9 @@ use dlock_testing::RedisServer;
 use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
-use crate::history::mono_ns;
 use crate::rng::Rng;
 use crate::scenario::{
-    config, describe, find_holder, finish, redlock_masters, residue_on, resource_server, spawn_workers, Size,
+    config, describe, finish, kill_holders, redlock_masters, residue_on, resource_server, spawn_workers, Size,
 };
 
 /// T2 on Redis and on RedLock (5 masters, AOF always): holders killed with
@@ -32,23 +31,11 @@ async fn kill_client_on(redlock: bool, size: Size, seed: u64) -> Result<Report, 
     cfg.lease_ms = 500;
     cfg.keys = 3;
     cfg.cs_max_ms = 10;
-    let total = kills * 700 + 1500;
-    cfg.duration_ms = total;
+    cfg.duration_ms = kills * 700 + 1500;
     let procs = 4;
     spawn_workers(&mut run, &cfg, procs)?;
-    let started = mono_ns();
     let mut rng = Rng::new(seed);
-    let mut done = 0;
-    for _ in 0..kills {
-        sleep(Duration::from_millis(500)).await;
-        let Some(pid) = find_holder(&run, None, Duration::from_millis(500), &mut rng).await? else { continue };
-        tokio::task::block_in_place(|| run.kill(pid));
-        done += 1;
-        // A fresh worker for the rest of the run keeps the contention up.
-        let mut again = cfg.clone();
-        again.duration_ms = total.saturating_sub((mono_ns() - started) / 1_000_000).max(500);
-        run.spawn(again).map_err(|e| e.to_string())?;
-    }
+    let done = kill_holders(&mut run, &cfg, kills, Duration::from_millis(500), 500, &mut rng).await?;
     let label = if redlock { "redlock (5 nodes, AOF always)" } else { "redis" };
     let mut r = Report::new("kill-client", label, seed);
     r.expected_safe = true;

@@ -23,10 +23,9 @@ use dlock_testing::PostgresServer;
 use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
-use crate::history::mono_ns;
 use crate::kill_client::judge_recovery;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, resource_server, spawn_workers, workers_started, Size};
+use crate::scenario::{config, describe, finish, kill_holders, resource_server, spawn_workers, workers_started, Size};
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     Ok(vec![kill_client(size, seed).await?, restart(size, seed).await?])
@@ -47,23 +46,12 @@ async fn kill_client(size: Size, seed: u64) -> Result<Report, String> {
     cfg.lease_ms = 500;
     cfg.keys = 3;
     cfg.cs_max_ms = 10;
-    let total = kills * 800 + 1500;
-    cfg.duration_ms = total;
+    cfg.duration_ms = kills * 800 + 1500;
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
     workers_started(&run, procs as usize, Duration::from_secs(10)).await?;
-    let started = mono_ns();
     let mut rng = Rng::new(seed);
-    let mut done = 0;
-    for _ in 0..kills {
-        sleep(Duration::from_millis(600)).await;
-        let Some(pid) = find_holder(&run, None, Duration::from_millis(500), &mut rng).await? else { continue };
-        tokio::task::block_in_place(|| run.kill(pid));
-        done += 1;
-        let mut again = cfg.clone();
-        again.duration_ms = total.saturating_sub((mono_ns() - started) / 1_000_000).max(500);
-        run.spawn(again).map_err(|e| e.to_string())?;
-    }
+    let done = kill_holders(&mut run, &cfg, kills, Duration::from_millis(600), 500, &mut rng).await?;
     let mut r = Report::new("postgres", "postgres (kill -9 a holder)", seed);
     r.expected_safe = true;
     r.faults = done;

@@ -18,9 +18,8 @@ use dlock_testing::{RedisServer, ZooKeeperServer};
 use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
-use crate::history::mono_ns;
 use crate::rng::Rng;
-use crate::scenario::{config, describe, find_holder, finish, resource_server, spawn_workers, Size};
+use crate::scenario::{config, describe, finish, kill_holders, resource_server, spawn_workers, Size};
 
 /// The semaphore's limit in every row.
 const LIMIT: u64 = 2;
@@ -77,23 +76,12 @@ pub(crate) async fn row(scenario: &str, backend: &str, mode: &str, size: Size, s
     cfg.session_ms = 1000;
     cfg.wait_ms = 3000;
     (cfg.cs_min_ms, cfg.cs_max_ms) = (5, 30);
-    let total = kills * 1200 + 2000;
-    cfg.duration_ms = total;
+    cfg.duration_ms = kills * 1200 + 2000;
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
-    let started = mono_ns();
     let mut rng = Rng::new(seed);
-    let mut done = 0;
     sleep(Duration::from_millis(if on == "zookeeper" { 1500 } else { 500 })).await;
-    for _ in 0..kills {
-        sleep(Duration::from_millis(800)).await;
-        let Some(pid) = find_holder(&run, None, Duration::from_millis(500), &mut rng).await? else { continue };
-        tokio::task::block_in_place(|| run.kill(pid));
-        done += 1;
-        let mut again = cfg.clone();
-        again.duration_ms = total.saturating_sub((mono_ns() - started) / 1_000_000).max(1000);
-        run.spawn(again).map_err(|e| e.to_string())?;
-    }
+    let done = kill_holders(&mut run, &cfg, kills, Duration::from_millis(800), 1000, &mut rng).await?;
     let broken = on != backend;
     let mut r = Report::new(scenario, &if broken { backend.to_owned() } else { format!("{backend} ({mode})") }, seed);
     r.expected_safe = !broken;

@@ -282,3 +282,30 @@ async fn find(
         sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// `kills` times, every `every`: kills a worker that holds a lock (`kill
+/// -9`) and starts a fresh one for the rest of the run (from `started`, of
+/// `cfg.duration_ms`, at least `min_left`), so the contention stays up.
+/// Returns how many kills hit a holder.
+pub(crate) async fn kill_holders(
+    run: &mut Run,
+    cfg: &WorkerConfig,
+    kills: u64,
+    every: Duration,
+    min_left: u64,
+    rng: &mut Rng,
+) -> Result<u64, String> {
+    let started = crate::history::mono_ns();
+    let mut done = 0;
+    for _ in 0..kills {
+        sleep(every).await;
+        let Some(pid) = find_holder(run, None, Duration::from_millis(500), rng).await? else { continue };
+        tokio::task::block_in_place(|| run.kill(pid));
+        done += 1;
+        let mut again = cfg.clone();
+        let elapsed_ms = (crate::history::mono_ns() - started) / 1_000_000;
+        again.duration_ms = cfg.duration_ms.saturating_sub(elapsed_ms).max(min_left);
+        run.spawn(again).map_err(|e| e.to_string())?;
+    }
+    Ok(done)
+}

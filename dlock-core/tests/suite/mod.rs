@@ -52,6 +52,20 @@ pub(crate) async fn until_parked<H: Harness>(h: &H, key: &LockKey) {
     }
 }
 
+/// Waits until the service holds no lock key: background releases of
+/// dropped guards and late grants settle quickly; panics after 5 s.
+pub(crate) async fn until_no_lock_keys<H: Harness>(h: &H) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = h.lock_keys_left().await;
+        if left == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{left} lock keys left behind");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn fixed(ms: u64) -> AcquireOptions {
     AcquireOptions::new().with_lease(Duration::from_millis(ms))
 }
@@ -307,16 +321,7 @@ pub(crate) async fn cancelled_acquires_leave_nothing_behind<H: Harness>(h: &H, i
     let (acquired, cancelled) = (acquired.load(Ordering::Relaxed), cancelled.load(Ordering::Relaxed));
     eprintln!("{iterations} iterations: {acquired} acquired, {cancelled} cancelled mid-acquire");
     assert!(acquired > 0 && cancelled > 0, "the test must exercise both paths");
-    // Background releases of dropped guards and late grants settle quickly.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let left = h.lock_keys_left().await;
-        if left == 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{left} lock keys left behind");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_lock_keys(h).await;
     // No orphan renewal: nothing re-creates or keeps a key alive afterwards.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(h.lock_keys_left().await, 0);

@@ -12,7 +12,7 @@ use dlock_core::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken,
 use dlock_core::{AcquireOptions, Error, LockKey, Locker, Owner, Result};
 use tokio::time::Instant;
 
-use super::{until_parked, Harness};
+use super::{until_no_lock_keys, until_parked, Harness};
 
 fn key(locker: &Locker, name: &str) -> LockKey {
     locker.key(name).part(1).build().expect("short key")
@@ -399,15 +399,7 @@ pub(crate) async fn cancelled_multi_key_acquires_leave_nothing_behind<H: Harness
     let (acquired, cancelled) = (acquired.load(Ordering::Relaxed), cancelled.load(Ordering::Relaxed));
     eprintln!("{iterations} multi-key iterations: {acquired} acquired, {cancelled} cancelled mid-acquire");
     assert!(acquired > 0 && cancelled > 0, "the test must exercise both paths");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let left = h.lock_keys_left().await;
-        if left == 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{left} lock keys left behind");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_lock_keys(h).await;
     let set = keys.iter().map(|k| (k, LockMode::Exclusive));
     lockers[0]
         .acquire_all(set, AcquireOptions::new())
