@@ -100,13 +100,13 @@ impl BackendKind {
 /// | `DLOCK_MAX_BODY_BYTES` | most body bytes read to derive a key | `65536` |
 /// | `DLOCK_BODY_READ_TIMEOUT_MS` | longest a request body may take to arrive (then `408`) | `30000` |
 /// | `DLOCK_RESTART_QUARANTINE_MS` | no grants from a Redis that restarted or lost its data until it has been up this long (≥ the longest lease); `0`: off | `0` |
-/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::build`]); not the lock keyspace of a Redis whose `maxmemory-policy` evicts | the lock backend's Redis, else in process |
+/// | `DLOCK_IDEMPOTENCY_REDIS_URL` | Redis for idempotency records (see [`Config::build`]); not the lock keyspace of a Redis whose `maxmemory-policy` evicts | the lock backend's Redis (or PostgreSQL database), else in process |
 /// | `DLOCK_IDEMPOTENCY_MAX_PER_SCOPE` | most live idempotency records (and, apart, bound tokens) of one caller; beyond, `429` (see [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits)) | `10000` |
 /// | `DLOCK_IDEMPOTENCY_MAX_RECORDS` | most live idempotency records (and, apart, bound tokens) in all; beyond, `503` | `1000000` |
 /// | `DLOCK_IDEMPOTENCY_MAX_BYTES_PER_SCOPE` | most bytes of stored answers of one caller; an answer beyond is delivered and not stored | `67108864` (64 MiB) |
 /// | `DLOCK_IDEMPOTENCY_MAX_BYTES` | most bytes of stored answers in all | `1073741824` (1 GiB) |
 /// | `DLOCK_IDEMPOTENCY_MAX_UNBOUND_TOKENS` | most live one-time tokens issued to no caller in particular (their own pool); beyond, `503` | `100000` |
-/// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock`, `zookeeper` or `postgres` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
+/// | `DLOCK_IDEMPOTENCY_LOCAL` | `1`: allow idempotency records in each process with `redlock` or `zookeeper` and no `DLOCK_IDEMPOTENCY_REDIS_URL` | `0`: a start-up error |
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
 ///

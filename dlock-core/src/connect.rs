@@ -20,7 +20,8 @@ impl Config {
     /// |---|---|
     /// | `memory` | this process, unless `DLOCK_IDEMPOTENCY_REDIS_URL` is set |
     /// | `redis` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same Redis as the locks, over the same connection |
-    /// | `redlock`, `zookeeper`, `postgres` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset: none, unless `DLOCK_IDEMPOTENCY_LOCAL=1` keeps them in this process |
+    /// | `postgres` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same database as the locks, on the same pool ([`PostgresStore`](crate::idempotency::PostgresStore)) |
+    /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset: none, unless `DLOCK_IDEMPOTENCY_LOCAL=1` keeps them in this process |
     ///
     /// Without a place for records, the locks work and every request that
     /// needs records is refused, its error naming
@@ -77,6 +78,20 @@ impl Config {
                 return Ok(DlockRuntime::from_parts(locker, Ok(Arc::new(store)), self));
             }
         }
+        #[cfg(feature = "postgres")]
+        if let (BackendKind::Postgres { url }, None) = (&self.backend, &self.idempotency_redis_url) {
+            let backend = Arc::new(
+                crate::backend::postgres::PostgresBackend::connect(url, &self.prefix)
+                    .await
+                    .map_err(at("DLOCK_POSTGRES_URL", url))?,
+            );
+            let store = crate::idempotency::PostgresStore::from_backend(&backend)
+                .await
+                .map_err(at("DLOCK_POSTGRES_URL", url))?
+                .with_limits(self.idempotency_limits);
+            let locker = Locker::with_options(backend, self.locker_options())?;
+            return Ok(DlockRuntime::from_parts(locker, Ok(Arc::new(store)), self));
+        }
         // The records first: a refusal of their configuration needs no
         // connection, and a records Redis that cannot be reached is reported
         // as such, not after the locks' connection.
@@ -108,6 +123,7 @@ impl Config {
             (Some(url), _) => format!("redis {}", redact(url)),
             (None, BackendKind::Redis { .. }) => "the lock backend's redis".into(),
             (None, BackendKind::Memory) => "memory (this process only)".into(),
+            (None, BackendKind::Postgres { .. }) => "the lock backend's postgres".into(),
             (None, _) if self.allow_local_idempotency => "memory (each process its own)".into(),
             (None, _) => "none (DLOCK_IDEMPOTENCY_REDIS_URL unset)".into(),
         }

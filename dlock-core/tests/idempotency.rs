@@ -785,3 +785,105 @@ async fn unbound_tokens_are_capped_on_a_redis_cluster() {
     // Identified callers are not affected by the anonymous pool being full.
     store.issue_bound_token("alice", Duration::from_secs(60)).await.expect("a bound token");
 }
+
+/// The PostgreSQL store runs the same suite; its caps are per caller (and
+/// the unbound tokens' pool), not in total (see its module docs).
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+    use dlock_core::idempotency::PostgresStore;
+    use dlock_testing::PostgresServer;
+
+    async fn store(server: &PostgresServer, prefix: &str, limits: IdempotencyLimits) -> Arc<dyn IdempotencyStore> {
+        let store = PostgresStore::connect(&server.url(), prefix).await.expect("connect to the test PostgreSQL");
+        Arc::new(store.with_limits(limits))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_store() {
+        let server = PostgresServer::start();
+        suite(store(&server, "t", IdempotencyLimits::default()).await).await;
+        caps(store(&server, "caps", small()).await, false).await;
+        byte_caps(&store(&server, "bytes", small_bytes()).await, false).await;
+        // The pools count what lives: k1, b1, d1 (records), u2 and u3 (unbound).
+        let live = |table: &str| server.psql(&format!("SELECT count(*) FROM {table} WHERE expires_at > now()"));
+        assert_eq!(live("caps_idem_keys"), "3", "records");
+        assert_eq!(live("caps_idem_tokens"), "2", "tokens");
+    }
+
+    fn new(b: Begin) -> Claim {
+        match b {
+            Begin::New(c) => c,
+            other => panic!("expected a claim, got {other:?}"),
+        }
+    }
+
+    /// Issue 27 item 2: a claim made inside a transaction lives and dies
+    /// with it. Rolled back (a panic, an error, a dead instance), it leaves
+    /// no record and the next request runs; committed with its answer, the
+    /// answer is there for every retry; while it runs, a duplicate is told
+    /// "in progress" at once, whichever way it claims.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_claim_inside_a_transaction_commits_or_rolls_back_with_it() {
+        let server = PostgresServer::start();
+        let store = PostgresStore::connect(&server.url(), "tx").await.expect("connect");
+        server.psql("CREATE TABLE payments (id text PRIMARY KEY)");
+        let terms = ClaimTerms::new(Duration::from_secs(10));
+        let paid = StoredResponse::new(201, vec![], b"paid".to_vec());
+
+        let mut tx = store.pool().begin().await.expect("begin");
+        let claim = new(store.begin_in(&mut tx, "alice", "k1", "fp", terms).await.expect("claim"));
+        sqlx::query("INSERT INTO payments VALUES ('p1')").execute(&mut *tx).await.expect("write");
+        // A duplicate meanwhile: in progress, by either way of claiming,
+        // without waiting for the transaction.
+        let mut other = store.pool().begin().await.expect("begin");
+        let started = std::time::Instant::now();
+        assert_eq!(store.begin_in(&mut other, "alice", "k1", "fp", terms).await.expect("dup"), Begin::InProgress);
+        assert_eq!(store.begin("alice", "k1", "fp", terms).await.expect("dup"), Begin::InProgress);
+        assert!(started.elapsed() < Duration::from_secs(1), "a duplicate never waits for the running one");
+        drop(other);
+        assert!(store.complete_in(&mut tx, &claim, &paid).await.expect("complete"));
+        tx.rollback().await.expect("rollback");
+        assert_eq!(server.psql("SELECT count(*) FROM payments"), "0");
+        assert_eq!(server.psql("SELECT count(*) FROM tx_idem_keys"), "0", "no record after a rollback");
+
+        // The retry runs, commits: writes and answer together.
+        let mut tx = store.pool().begin().await.expect("begin");
+        let claim = new(store.begin_in(&mut tx, "alice", "k1", "fp", terms).await.expect("the retry runs"));
+        sqlx::query("INSERT INTO payments VALUES ('p1')").execute(&mut *tx).await.expect("write");
+        assert!(store.complete_in(&mut tx, &claim, &paid).await.expect("complete"));
+        tx.commit().await.expect("commit");
+        assert_eq!(server.psql("SELECT count(*) FROM payments"), "1");
+        assert_eq!(store.begin("alice", "k1", "fp", terms).await.expect("replay"), Begin::Completed(paid.clone()));
+        let mut tx = store.pool().begin().await.expect("begin");
+        assert_eq!(store.begin_in(&mut tx, "alice", "k1", "fp", terms).await.expect("replay"), Begin::Completed(paid));
+        assert_eq!(store.begin_in(&mut tx, "alice", "k1", "other", terms).await.expect("mismatch"), Begin::Mismatch);
+    }
+
+    /// A transaction whose instance stopped (here: a task that holds it
+    /// and sleeps) is ended by the server once it stays idle for the
+    /// lease: the key is free again, and the stopped one cannot commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_stopped_transaction_loses_its_claim_after_the_lease() {
+        let server = PostgresServer::start();
+        let store = PostgresStore::connect(&server.url(), "tx").await.expect("connect");
+        let terms = ClaimTerms::new(Duration::from_millis(500));
+        let mut stopped = store.pool().begin().await.expect("begin");
+        let claim = new(store.begin_in(&mut stopped, "bob", "k", "fp", terms).await.expect("claim"));
+        assert_eq!(store.begin("bob", "k", "fp", terms).await.expect("dup"), Begin::InProgress);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut tx = store.pool().begin().await.expect("begin");
+        let retry = new(store.begin_in(&mut tx, "bob", "k", "fp", terms).await.expect("free after the lease"));
+        let done = StoredResponse::new(200, vec![], b"ok".to_vec());
+        assert!(store.complete_in(&mut tx, &retry, &done).await.expect("complete"));
+        tx.commit().await.expect("commit");
+        // The stopped instance wakes up: its transaction is gone.
+        let late = store.complete_in(&mut stopped, &claim, &done).await;
+        let committed = match late {
+            Ok(_) => stopped.commit().await.is_ok(),
+            Err(_) => false,
+        };
+        assert!(!committed, "a transaction ended by the server cannot commit");
+        assert_eq!(store.begin("bob", "k", "fp", terms).await.expect("replay"), Begin::Completed(done));
+    }
+}

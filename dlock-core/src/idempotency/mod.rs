@@ -51,9 +51,13 @@ use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 
+#[cfg(feature = "postgres")]
+pub use self::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
 pub use memory::MemoryStore;

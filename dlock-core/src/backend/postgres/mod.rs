@@ -171,6 +171,11 @@ impl PostgresOptions {
         self
     }
 
+    /// The bound of each request.
+    pub(crate) fn response_timeout(&self) -> Duration {
+        self.response_timeout
+    }
+
     /// The most connections the pool opens (default 16), besides the one
     /// that listens for releases.
     pub fn with_max_connections(mut self, n: u32) -> Self {
@@ -206,10 +211,9 @@ impl std::fmt::Debug for PostgresBackend {
 }
 
 struct Shared {
-    pool: PgPool,
+    db: Db,
     prefix: Arc<str>,
     waiters: Arc<Waiters>,
-    response_timeout: Duration,
     acquire: String,
     release: String,
     /// Renews a batch of holds (see `renewals.rs`).
@@ -227,18 +231,49 @@ struct Names {
     channel: String,
 }
 
+/// How dlock connects to the server at `url`: its `statement_timeout` is
+/// the response timeout, so the server gives up on a request when dlock
+/// does.
+pub(crate) fn connect_options(url: &str, options: &PostgresOptions) -> Result<PgConnectOptions> {
+    let timeout_ms = options.response_timeout.as_millis().to_string();
+    Ok(PgConnectOptions::from_str(url)
+        .map_err(|e| Error::config(URL_VAR, format!("`{}` is not a PostgreSQL URL: {e}", redact(url))))?
+        .application_name("dlock")
+        .options([("statement_timeout", timeout_ms.as_str())]))
+}
+
+/// A lazy pool of `connect`: no connection is opened before a request.
+pub(crate) fn pool(connect: PgConnectOptions, options: &PostgresOptions) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(options.max_connections)
+        .min_connections(0)
+        .acquire_timeout(options.response_timeout)
+        // A ping before every request would double its round trips: a
+        // connection found dead is closed when its request fails.
+        .test_before_acquire(false)
+        .connect_lazy_with(connect)
+}
+
+/// Refuses a prefix that cannot name dlock's tables, sequences, functions
+/// and channel: quoted names of at most 63 bytes, the longest suffix
+/// included.
+pub(crate) fn check_prefix(prefix: &str) -> Result<()> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
+    if prefix.len() > MAX_PREFIX || !prefix.chars().all(allowed) {
+        return Err(Error::config(
+            "DLOCK_PREFIX",
+            format!(
+                "names the PostgreSQL tables, sequence and channel: at most {MAX_PREFIX} ASCII letters, digits, \
+                 `_`, `-`, `.` or `:`"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl Names {
     fn for_prefix(prefix: &str) -> Result<Self> {
-        let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
-        if prefix.len() > MAX_PREFIX || !prefix.chars().all(allowed) {
-            return Err(Error::config(
-                "DLOCK_PREFIX",
-                format!(
-                    "names the PostgreSQL table, sequence and channel: at most {MAX_PREFIX} ASCII letters, digits, \
-                     `_`, `-`, `.` or `:`"
-                ),
-            ));
-        }
+        check_prefix(prefix)?;
         Ok(Names {
             locks: format!("\"{prefix}_locks\""),
             fence: format!("\"{prefix}_fence\""),
@@ -284,20 +319,9 @@ impl PostgresBackend {
     /// response timeout. Messages never show the password.
     pub async fn connect_with(url: &str, prefix: &str, options: PostgresOptions) -> Result<Self> {
         let names = Names::for_prefix(prefix)?;
-        let timeout_ms = options.response_timeout.as_millis().to_string();
-        let connect = PgConnectOptions::from_str(url)
-            .map_err(|e| Error::config(URL_VAR, format!("`{}` is not a PostgreSQL URL: {e}", redact(url))))?
-            .application_name("dlock")
-            .options([("statement_timeout", timeout_ms.as_str())]);
+        let connect = connect_options(url, &options)?;
         create_schema(&connect, &names, options.response_timeout).await?;
-        let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections)
-            .min_connections(0)
-            .acquire_timeout(options.response_timeout)
-            // A ping before every request would double its round trips: a
-            // connection found dead is closed when its request fails.
-            .test_before_acquire(false)
-            .connect_lazy_with(connect);
+        let pool = pool(connect, &options);
         let waiters = Arc::new(Waiters::default());
         let listener = within(options.response_timeout, "listening for releases", async {
             let mut listener = PgListener::connect_with(&pool).await?;
@@ -318,12 +342,17 @@ impl PostgresBackend {
                  RETURNING l.key, l.owner",
             ),
             renewals: Renewals::default(),
-            pool,
+            db: Db { pool, response_timeout: options.response_timeout },
             prefix: prefix.into(),
             waiters,
-            response_timeout: options.response_timeout,
         };
         Ok(PostgresBackend { shared: Arc::new(shared), _listener: stop.drop_guard() })
+    }
+
+    /// The pool and the bound of its requests, for an idempotency store on
+    /// the same server ([`PostgresStore::from_backend`](crate::idempotency::PostgresStore::from_backend)).
+    pub(crate) fn db(&self) -> &Db {
+        &self.shared.db
     }
 
     /// Test hook: how many acquires of this backend are parked waiting for
@@ -363,14 +392,32 @@ impl PostgresBackend {
 
 /// Whether a request may be sent again after its answer was lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Repeat {
+pub(crate) enum Repeat {
     /// Sending it twice does what sending it once does.
     Safe,
     /// Once only (a release: a second one would answer "not held").
     Once,
 }
 
-impl Shared {
+impl std::ops::Deref for Shared {
+    type Target = Db;
+
+    fn deref(&self) -> &Db {
+        &self.db
+    }
+}
+
+/// A pool of connections to one server, and the bound on each request:
+/// how a request is sent, and sent again when its answer was lost. The
+/// lock backend and the idempotency store
+/// ([`PostgresStore`](crate::idempotency::PostgresStore)) share it.
+#[derive(Debug, Clone)]
+pub(crate) struct Db {
+    pub(crate) pool: PgPool,
+    pub(crate) response_timeout: Duration,
+}
+
+impl Db {
     /// A pooled connection, within the response timeout. Nothing was sent
     /// when this fails.
     async fn conn(&self) -> Result<PoolConnection<Postgres>> {
@@ -385,7 +432,7 @@ impl Shared {
     }
 
     /// The first row of [`fetch_all`](Self::fetch_all).
-    async fn fetch<'q, F>(&self, make: F, repeat: Repeat) -> Result<Option<PgRow>>
+    pub(crate) async fn fetch<'q, F>(&self, make: F, repeat: Repeat) -> Result<Option<PgRow>>
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
@@ -394,7 +441,7 @@ impl Shared {
 
     /// Runs the query `make` builds, again on another connection when its
     /// answer was lost and `repeat` allows it.
-    async fn fetch_all<'q, F>(&self, make: F, repeat: Repeat) -> Result<Vec<PgRow>>
+    pub(crate) async fn fetch_all<'q, F>(&self, make: F, repeat: Repeat) -> Result<Vec<PgRow>>
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
@@ -496,7 +543,7 @@ fn unexpected(what: &str) -> Error {
     Error::backend(BACKEND, format!("unexpected answer from the acquire function: {what}"))
 }
 
-fn column<'r, T>(row: &'r PgRow, i: usize) -> Result<T>
+pub(crate) fn column<'r, T>(row: &'r PgRow, i: usize) -> Result<T>
 where
     T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
 {
@@ -506,7 +553,7 @@ where
 /// `future` within `timeout`, its errors (none of which can leave a
 /// request half done: it runs before any lock is asked for) as backend
 /// errors.
-async fn within<T>(
+pub(crate) async fn within<T>(
     timeout: Duration,
     what: &str,
     future: impl std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
@@ -549,21 +596,52 @@ fn connect_error(e: sqlx::Error, what: &str) -> Error {
 /// Creates the table, the sequence and the functions of `names` when they
 /// are missing, on a connection of its own.
 async fn create_schema(connect: &PgConnectOptions, names: &Names, timeout: Duration) -> Result<()> {
-    // DDL can wait behind a lock of another process's DDL: more time than a
-    // request, still bounded.
-    let timeout = timeout.max(Duration::from_secs(10));
-    let mut conn = within(timeout, "connecting", PgConnection::connect_with(connect)).await?;
-    let mut result = within(timeout, "creating the lock table", create_objects(&mut conn, names)).await;
+    let objects = Objects {
+        what: "creating the lock table",
+        schema: names.fill(SCHEMA_SQL),
+        functions: vec![
+            (names.acquire.clone(), names.fill(ACQUIRE_SQL)),
+            (names.release.clone(), names.fill(RELEASE_SQL)),
+        ],
+    };
+    let mut conn = within(ddl_timeout(timeout), "connecting", PgConnection::connect_with(connect)).await?;
+    let result = install(&mut conn, &objects, timeout).await;
+    let _ = conn.close().await;
+    result
+}
+
+/// DDL can wait behind a lock of another process's DDL: more time than a
+/// request, still bounded.
+fn ddl_timeout(timeout: Duration) -> Duration {
+    timeout.max(Duration::from_secs(10))
+}
+
+/// Tables and functions dlock keeps in a database: the lock backend's, or
+/// the idempotency store's.
+pub(crate) struct Objects {
+    /// What creating them is, for errors ("creating the lock table").
+    pub(crate) what: &'static str,
+    /// Idempotent DDL (`CREATE … IF NOT EXISTS`).
+    pub(crate) schema: String,
+    /// Each function's quoted name and its `CREATE FUNCTION`.
+    pub(crate) functions: Vec<(String, String)>,
+}
+
+/// Creates `objects` when they are missing, on `conn`, in one transaction
+/// that first takes a fixed advisory lock, so two processes starting at
+/// once do not race on the catalog.
+pub(crate) async fn install(conn: &mut PgConnection, objects: &Objects, timeout: Duration) -> Result<()> {
+    let timeout = ddl_timeout(timeout);
+    let mut result = within(timeout, objects.what, create_objects(conn, objects)).await;
     if let Err(Error::Backend { source: Some(source), .. }) = &result {
         // The fixed advisory lock makes this rare; a catalog race lost all
         // the same (another process created an object between our check and
         // our CREATE) is over once, and a second try finds it made.
         let raced = source.downcast_ref::<sqlx::Error>().and_then(|e| e.as_database_error()).and_then(|db| db.code());
         if matches!(raced.as_deref(), Some("23505" | "42P07" | "42723" | "XX000")) {
-            result = within(timeout, "creating the lock table", create_objects(&mut conn, names)).await;
+            result = within(timeout, objects.what, create_objects(conn, objects)).await;
         }
     }
-    let _ = conn.close().await;
     result
 }
 
@@ -571,23 +649,20 @@ async fn create_schema(connect: &PgConnectOptions, names: &Names, timeout: Durat
 /// proof that an unboxed future of it is `Send`, and `connect` must be.
 fn create_objects<'a>(
     conn: &'a mut PgConnection,
-    names: &'a Names,
+    objects: &'a Objects,
 ) -> BoxFuture<'a, std::result::Result<(), sqlx::Error>> {
     Box::pin(async move {
-        let schema = names.fill(SCHEMA_SQL);
-        let functions =
-            [(names.acquire.as_str(), names.fill(ACQUIRE_SQL)), (names.release.as_str(), names.fill(RELEASE_SQL))];
         let mut tx = conn.begin().await?;
         let c: &mut PgConnection = &mut tx;
         sqlx::query("SELECT pg_advisory_xact_lock($1, 0)").bind(LOCK_CLASS).execute(&mut *c).await?;
-        c.execute(sqlx::raw_sql(&schema)).await?;
+        c.execute(sqlx::raw_sql(&objects.schema)).await?;
         // Each function is created only when missing: its name carries its
         // version, and replacing it would need the privileges of its owner.
-        for (name, sql) in &functions {
+        for (name, sql) in &objects.functions {
             let missing: bool =
-                sqlx::query_scalar("SELECT to_regproc($1) IS NULL").bind(*name).fetch_one(&mut *c).await?;
+                sqlx::query_scalar("SELECT to_regproc($1) IS NULL").bind(name.as_str()).fetch_one(&mut *c).await?;
             if missing {
-                c.execute(sqlx::raw_sql(sql)).await?;
+                c.execute(sqlx::raw_sql(sql.as_str())).await?;
             }
         }
         tx.commit().await

@@ -1,0 +1,75 @@
+-- Claims (scope, key) for a request whose fingerprint is p_fp. Returns one
+-- row (outcome, response, retry ms): 0 claimed by p_owner; 1 in progress
+-- (another request holds the key); 2 completed, with its response;
+-- 3 the key was used with another fingerprint; 4 its claim's lease ran
+-- out without an answer (outcome unknown); 5 the caller holds as many
+-- records as its cap allows, the oldest expires in retry ms.
+-- p_in_tx: called inside the route's own transaction. The claim then
+-- holds the key while that transaction lives (its advisory lock and its
+-- uncommitted row), and the transaction ends, rolled back by the server,
+-- once it stays idle for the lease (idle_in_transaction_session_timeout).
+CREATE OR REPLACE FUNCTION {begin}(p_scope text, p_key text, p_fp text, p_owner text, p_lease_ms bigint,
+                                   p_ttl_ms bigint, p_run_again boolean, p_in_tx boolean, p_max_per_scope bigint)
+RETURNS TABLE (r_outcome int, r_response bytea, r_retry_ms bigint)
+LANGUAGE plpgsql VOLATILE AS $dlock_body$
+DECLARE
+  t_now timestamptz;
+  rec record;
+  live bigint;
+  oldest timestamptz;
+  lease timestamptz;
+BEGIN
+  -- One claim of a key at a time, without waiting: a key whose lock is
+  -- taken is being claimed, or run inside a transaction, right now.
+  IF NOT pg_try_advisory_xact_lock({class}, hashtext(p_scope || chr(31) || p_key)) THEN
+    RETURN QUERY SELECT 1, NULL::bytea, 0::bigint;
+    RETURN;
+  END IF;
+  IF p_in_tx THEN
+    PERFORM set_config('idle_in_transaction_session_timeout', p_lease_ms::text, true);
+  ELSE
+    -- Claims of one caller one at a time, so its cap holds exactly (a
+    -- claim inside a transaction cannot wait for that: see the docs).
+    PERFORM pg_advisory_xact_lock({class} + 1, hashtext(p_scope));
+  END IF;
+  t_now := clock_timestamp();
+  lease := CASE WHEN p_in_tx THEN NULL ELSE t_now + p_lease_ms * interval '1 millisecond' END;
+  SELECT k.fingerprint, k.owner, k.lease_until, k.response, k.expires_at INTO rec
+    FROM {keys} AS k WHERE k.scope = p_scope AND k.key = p_key;
+  IF FOUND AND rec.expires_at > t_now THEN
+    IF rec.fingerprint <> p_fp THEN
+      RETURN QUERY SELECT 3, NULL::bytea, 0::bigint;
+    ELSIF rec.response IS NOT NULL THEN
+      RETURN QUERY SELECT 2, rec.response, 0::bigint;
+    ELSIF rec.lease_until IS NOT NULL AND rec.lease_until > t_now THEN
+      RETURN QUERY SELECT 1, NULL::bytea, 0::bigint;
+    ELSIF NOT p_run_again THEN
+      -- Its lease ran out, or (lease NULL) the transaction that claimed it
+      -- committed without an answer: whether its work ran is unknown.
+      RETURN QUERY SELECT 4, NULL::bytea, 0::bigint;
+    ELSE
+      -- Taken over: the old owner can no longer complete it.
+      UPDATE {keys} AS k SET owner = p_owner, lease_until = lease
+        WHERE k.scope = p_scope AND k.key = p_key;
+      RETURN QUERY SELECT 0, NULL::bytea, 0::bigint;
+    END IF;
+    RETURN;
+  END IF;
+  -- A new record: only it counts against the cap (a retry of one that
+  -- exists was answered above, at the cap too).
+  SELECT count(*), min(k.expires_at) INTO live, oldest
+    FROM {keys} AS k WHERE k.scope = p_scope AND k.expires_at > t_now;
+  IF live >= p_max_per_scope THEN
+    RETURN QUERY SELECT 5, NULL::bytea,
+      greatest(1, ceil(extract(epoch FROM oldest - t_now) * 1000))::bigint;
+    RETURN;
+  END IF;
+  -- An expired row of the key is overwritten in place.
+  INSERT INTO {keys} AS k (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at)
+    VALUES (p_scope, p_key, p_fp, p_owner, lease, NULL, 0, t_now + p_ttl_ms * interval '1 millisecond')
+    ON CONFLICT (scope, key) DO UPDATE
+      SET fingerprint = EXCLUDED.fingerprint, owner = EXCLUDED.owner, lease_until = EXCLUDED.lease_until,
+          response = NULL, bytes = 0, expires_at = EXCLUDED.expires_at;
+  RETURN QUERY SELECT 0, NULL::bytea, 0::bigint;
+END
+$dlock_body$;

@@ -1,0 +1,670 @@
+//! The PostgreSQL store: idempotency records and one-time tokens in two
+//! tables of the application's own database, so that a route's writes and
+//! its stored answer can be one transaction.
+//!
+//! # Two ways to claim a key
+//!
+//! * **By its own statement** ([`IdempotencyStore::begin`]), as every store
+//!   does: the record is committed at once, in progress with a lease that
+//!   its request renews; the answer is stored by another statement. Between
+//!   the route's writes and that statement the outcome is unknown to a
+//!   retry, as with Redis.
+//! * **Inside the route's transaction** ([`PostgresStore::begin_in`] and
+//!   [`PostgresStore::complete_in`] on the transaction's connection; the
+//!   HTTP face is `IdempotencyLayer::in_transaction` in dlock-axum). The
+//!   claim is a row inserted by that transaction, and the answer an update
+//!   of it before the commit: the handler's writes and the stored answer
+//!   commit together or not at all. A panic, an error, a `kill -9` of the
+//!   instance or a connection that breaks rolls both back, and a retry
+//!   finds no record and runs the route once more; a commit finds the
+//!   answer for every retry. There is nothing in between: no "outcome
+//!   unknown".
+//!
+//! While such a transaction runs, its row is invisible to others; what
+//! keeps a concurrent duplicate out is a transaction-scoped advisory lock
+//! on the key (class `dloi`, a hash of caller and key) that every claim
+//! *tries* first: taken means "in progress" (`409`), never a wait. The
+//! lock ends with the transaction, so it needs no lease of its own and
+//! works through any pooler. The transaction's lease is PostgreSQL's own
+//! `idle_in_transaction_session_timeout`, set for it to the claim's lease:
+//! an instance that stops (`SIGSTOP`, a hung runtime) while its
+//! transaction is open loses it after the lease, the server rolls it back,
+//! and the key is free again; the stopped instance's commit then fails. A
+//! route that keeps its transaction idle longer than the lease (a slow
+//! call to another service in the middle) must be given a longer one.
+//!
+//! A hash of two different keys can meet (32 bits): the only effect is a
+//! `409 in progress` for the second while the first runs, never a wrong
+//! answer, since the rows themselves are keyed on the full caller and key.
+//!
+//! # Bounds
+//!
+//! Records and tokens live on disk, not in a lock server's memory. The
+//! caps of [`IdempotencyLimits`] that a store can count from an index hold
+//! here: records, bytes of answers and bound tokens **per caller**, and
+//! the pool of unbound tokens. The totals of records and of bytes are not
+//! enforced (counting a whole table on every claim would cost more than
+//! the claim). A claim inside a transaction counts its caller's records
+//! without waiting for that caller's other claims in flight, so the
+//! caller's cap may be passed by as many of its requests as run at that
+//! moment. Expired rows are deleted by a sweep every minute, and a claim
+//! of an expired key overwrites it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgArguments, PgConnection, PgPool, PgRow};
+use sqlx::Postgres;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::{
+    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
+    TOKEN_BYTES,
+};
+use crate::backend::postgres::{
+    check_prefix, column, connect_options, install, pool, within, Db, Objects, PostgresBackend, PostgresOptions, Repeat,
+};
+use crate::backend::BoxFuture;
+use crate::error::{Error, Result};
+
+const STORE: &str = "postgres";
+/// The first key of the store's advisory locks ("dloi"): `+0` a key's
+/// claims, `+1` a caller's claims outside a transaction, `+2` a token pool.
+const KEY_CLASS: i32 = 0x646c_6f69;
+
+const SCHEMA_SQL: &str = include_str!("schema.sql");
+const BEGIN_SQL: &str = include_str!("begin.sql");
+const SETTLE_SQL: &str = include_str!("settle.sql");
+const TOKENS_SQL: &str = include_str!("tokens.sql");
+
+/// Idempotency records and one-time tokens in PostgreSQL, shared by every
+/// instance on that database, bounded per caller by [`IdempotencyLimits`]
+/// (see the [module docs](self) for what that means here).
+///
+/// ```no_run
+/// # async fn demo() -> dlock_core::Result<()> {
+/// use std::time::Duration;
+/// use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, PostgresStore, StoredResponse};
+/// let store = PostgresStore::connect("postgres://app@127.0.0.1:5432/app", "dlock").await?;
+///
+/// // A key claimed inside the route's own transaction: the writes and the
+/// // stored answer commit together.
+/// let mut tx = store.pool().begin().await.map_err(|e| dlock_core::Error::backend("postgres", e.to_string()))?;
+/// let terms = ClaimTerms::new(Duration::from_secs(10));
+/// if let Begin::New(claim) = store.begin_in(&mut tx, "alice", "k1", "fp", terms).await? {
+///     sqlx::query("INSERT INTO payments (amount) VALUES (42)").execute(&mut *tx).await.ok();
+///     store.complete_in(&mut tx, &claim, &StoredResponse::new(201, vec![], b"paid".to_vec())).await?;
+///     tx.commit().await.map_err(|e| dlock_core::Error::backend("postgres", e.to_string()))?;
+/// }
+/// assert!(matches!(store.begin("alice", "k1", "fp", terms).await?, Begin::Completed(_)));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+    limits: IdempotencyLimits,
+}
+
+struct Inner {
+    db: Db,
+    sql: Statements,
+    /// Stops the sweep of expired rows when the last clone goes.
+    _sweep: DropGuard,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore").field("limits", &self.limits).finish_non_exhaustive()
+    }
+}
+
+/// The statements of one prefix, its names filled in.
+struct Statements {
+    begin: String,
+    complete: String,
+    abandon: String,
+    renew_key: String,
+    issue: String,
+    claim: String,
+    renew_token: String,
+    spend: String,
+    give_back: String,
+    sweep: String,
+}
+
+/// The quoted names of one prefix's objects.
+struct Names {
+    keys: String,
+    tokens: String,
+    begin: String,
+    complete: String,
+    abandon: String,
+    issue: String,
+    claim: String,
+}
+
+impl Names {
+    fn for_prefix(prefix: &str) -> Result<Self> {
+        check_prefix(prefix)?;
+        let q = |suffix: &str| format!("\"{prefix}_{suffix}\"");
+        Ok(Names {
+            keys: q("idem_keys"),
+            tokens: q("idem_tokens"),
+            begin: q("ik_begin_v1"),
+            complete: q("ik_done_v1"),
+            abandon: q("ik_drop_v1"),
+            issue: q("tk_issue_v1"),
+            claim: q("tk_claim_v1"),
+        })
+    }
+
+    fn fill(&self, sql: &str) -> String {
+        // Index names: the table's name with a suffix, inside its quotes.
+        let index = |table: &str, suffix: &str| format!("{}_{suffix}\"", table.trim_end_matches('"'));
+        sql.replace("{keys_expiry}", &index(&self.keys, "exp"))
+            .replace("{tokens_pool}", &index(&self.tokens, "pool"))
+            .replace("{keys}", &self.keys)
+            .replace("{tokens}", &self.tokens)
+            .replace("{begin}", &self.begin)
+            .replace("{complete}", &self.complete)
+            .replace("{abandon}", &self.abandon)
+            .replace("{issue}", &self.issue)
+            .replace("{claim}", &self.claim)
+            .replace("{class}", &KEY_CLASS.to_string())
+    }
+
+    fn objects(&self) -> Objects {
+        Objects {
+            what: "creating the idempotency tables",
+            schema: self.fill(SCHEMA_SQL),
+            functions: vec![
+                (self.begin.clone(), self.fill(BEGIN_SQL)),
+                // settle.sql makes both; it is run when the first is missing.
+                (self.complete.clone(), self.fill(SETTLE_SQL)),
+                (self.issue.clone(), self.fill(TOKENS_SQL)),
+            ],
+        }
+    }
+
+    fn statements(&self) -> Statements {
+        let f = |sql: &str| self.fill(sql);
+        Statements {
+            begin: f("SELECT r_outcome, r_response, r_retry_ms FROM {begin}($1, $2, $3, $4, $5, $6, $7, $8, $9)"),
+            complete: f("SELECT r_outcome, r_retry_ms FROM {complete}($1, $2, $3, $4, $5)"),
+            abandon: f("SELECT {abandon}($1, $2, $3)"),
+            renew_key: f("UPDATE {keys} AS k SET lease_until = clock_timestamp() + $4 * interval '1 millisecond' \
+                 WHERE k.scope = $1 AND k.key = $2 AND k.owner = $3 AND k.response IS NULL \
+                 AND k.lease_until > clock_timestamp() RETURNING 1"),
+            issue: f("SELECT {issue}($1, $2, $3, $4)"),
+            claim: f("SELECT {claim}($1, $2, $3, $4)"),
+            renew_token: f("UPDATE {tokens} AS t SET lease_until = clock_timestamp() + $3 * interval '1 millisecond' \
+                 WHERE t.token = $1 AND t.owner = $2 AND t.lease_until > clock_timestamp() RETURNING 1"),
+            spend: f("DELETE FROM {tokens} AS t WHERE t.token = $1 AND t.owner = $2 \
+                 AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() RETURNING 1"),
+            give_back: f("UPDATE {tokens} AS t SET owner = NULL, lease_until = NULL WHERE t.token = $1 \
+                 AND t.owner = $2 AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() \
+                 RETURNING 1"),
+            // Never waits for a row a running transaction holds.
+            sweep: f("WITH gone_keys AS (DELETE FROM {keys} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {keys} \
+                 WHERE expires_at < clock_timestamp() - interval '1 minute' LIMIT 1000 FOR UPDATE SKIP LOCKED)) \
+                 RETURNING 1) DELETE FROM {tokens} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {tokens} \
+                 WHERE expires_at < clock_timestamp() - interval '1 minute' LIMIT 1000 FOR UPDATE SKIP LOCKED))"),
+        }
+    }
+}
+
+impl PostgresStore {
+    /// Connects with default [`PostgresOptions`]; see
+    /// [`connect_with`](Self::connect_with).
+    ///
+    /// # Errors
+    ///
+    /// As [`connect_with`](Self::connect_with).
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
+        Self::connect_with(url, prefix, PostgresOptions::default()).await
+    }
+
+    /// Connects to the database at `url` and creates the tables and
+    /// functions of `prefix` (`<prefix>_idem_keys`, `<prefix>_idem_tokens`)
+    /// when they are missing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming `DLOCK_POSTGRES_URL` for a URL that does not
+    /// parse, refused credentials or a user that may not create the
+    /// tables, naming `DLOCK_PREFIX` for a prefix that cannot name them;
+    /// [`Error::Backend`] when the server cannot be reached in time.
+    pub async fn connect_with(url: &str, prefix: &str, options: PostgresOptions) -> Result<Self> {
+        let connect = connect_options(url, &options)?;
+        let db = Db { pool: pool(connect, &options), response_timeout: options.response_timeout() };
+        Self::on(db, prefix).await
+    }
+
+    /// A store on the application's own pool, so that its routes' writes
+    /// and their records can be one transaction ([`begin_in`](Self::begin_in)).
+    /// Each of the store's own requests is bounded by 2 seconds.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect_with`](Self::connect_with).
+    pub async fn with_pool(pool: PgPool, prefix: &str) -> Result<Self> {
+        let db = Db { pool, response_timeout: PostgresOptions::default().response_timeout() };
+        Self::on(db, prefix).await
+    }
+
+    /// A store on the lock backend's pool and prefix.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect_with`](Self::connect_with).
+    pub async fn from_backend(backend: &PostgresBackend) -> Result<Self> {
+        let prefix = crate::backend::Backend::prefix(backend).unwrap_or("dlock").to_owned();
+        Self::on(backend.db().clone(), &prefix).await
+    }
+
+    async fn on(db: Db, prefix: &str) -> Result<Self> {
+        let names = Names::for_prefix(prefix)?;
+        let mut conn =
+            within(db.response_timeout.max(Duration::from_secs(10)), "connecting", db.pool.acquire()).await?.detach();
+        let installed = install(&mut conn, &names.objects(), db.response_timeout).await;
+        let _ = sqlx::Connection::close(conn).await;
+        installed?;
+        let sql = names.statements();
+        let stop = CancellationToken::new();
+        tokio::spawn(sweep(db.pool.clone(), sql.sweep.clone(), stop.clone()));
+        let inner = Inner { db, sql, _sweep: stop.drop_guard() };
+        Ok(PostgresStore { inner: Arc::new(inner), limits: IdempotencyLimits::default() })
+    }
+
+    /// Replaces the caps on live records and tokens (per caller, and the
+    /// unbound tokens' pool: see the [module docs](self)).
+    pub fn with_limits(mut self, limits: IdempotencyLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The pool the store runs on: begin a route's transaction on it, so
+    /// that [`begin_in`](Self::begin_in) claims the key in the same
+    /// database.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.db.pool
+    }
+
+    /// Claims `key` within `scope` inside the transaction open on `conn`,
+    /// as [`IdempotencyStore::begin`] answers: [`Begin::New`] — run the
+    /// route in this transaction, then [`complete_in`](Self::complete_in)
+    /// and commit; anything else — roll back and answer it.
+    ///
+    /// The claim lasts as long as the transaction; the transaction is ended
+    /// by the server once it stays idle for `terms.lease()` (its
+    /// `idle_in_transaction_session_timeout`). A rollback leaves no
+    /// record: a retry runs the route again. The transaction should be
+    /// `READ COMMITTED` (PostgreSQL's default): under a snapshot taken
+    /// before the claim, a record committed just before it is not seen,
+    /// and the claim then fails on its key.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::IdempotencyFull`] at the caller's cap; [`Error::Backend`]
+    /// when the statement fails (the transaction is then to be rolled back).
+    pub fn begin_in<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        scope: &'a str,
+        key: &'a str,
+        fingerprint: &'a str,
+        terms: ClaimTerms,
+    ) -> BoxFuture<'a, Result<Begin>> {
+        Box::pin(async move {
+            let claim = Claim::new(scope, key)?;
+            let row = self.in_tx(self.begin_query(&claim, fingerprint, terms, true).fetch_one(conn)).await?;
+            self.begun(&row, claim)
+        })
+    }
+
+    /// Stores `response` as the answer of `claim` inside the transaction
+    /// open on `conn` (the one [`begin_in`](Self::begin_in) claimed it in):
+    /// it is kept if and only if that transaction commits. `Ok(false)` when
+    /// the claim is not this transaction's.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::IdempotencyFull`] when the answer's bytes do not fit the
+    /// caller's cap (nothing stored: store a smaller answer, or roll back);
+    /// [`Error::Backend`] when the statement fails.
+    pub fn complete_in<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let encoded = response.encode();
+            let row = self.in_tx(self.complete_query(claim, &encoded).fetch_one(conn)).await?;
+            completed(&row)
+        })
+    }
+
+    /// A statement on the caller's transaction, within the response timeout.
+    async fn in_tx<T>(
+        &self,
+        query: impl std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
+    ) -> Result<T> {
+        let timeout = self.inner.db.response_timeout;
+        match tokio::time::timeout(timeout, query).await {
+            Ok(Ok(t)) => Ok(t),
+            Ok(Err(e)) => Err(Error::Backend {
+                backend: STORE,
+                message: format!("an idempotency statement in the route's transaction failed: {e}"),
+                source: Some(Box::new(e)),
+            }),
+            Err(_) => Err(Error::backend(STORE, format!("PostgreSQL did not answer within {timeout:?}"))),
+        }
+    }
+
+    fn begin_query<'q>(
+        &'q self,
+        claim: &'q Claim,
+        fingerprint: &'q str,
+        terms: ClaimTerms,
+        in_tx: bool,
+    ) -> sqlx::query::Query<'q, Postgres, PgArguments> {
+        sqlx::query(&self.inner.sql.begin)
+            .bind(claim.scope())
+            .bind(claim.key())
+            .bind(fingerprint)
+            .bind(claim.owner())
+            .bind(millis(terms.lease()).max(1))
+            .bind(millis(terms.ttl()).max(1))
+            .bind(terms.runs_again_after_lease())
+            .bind(in_tx)
+            .bind(count(self.limits.max_per_scope()))
+    }
+
+    fn complete_query<'q>(
+        &'q self,
+        claim: &'q Claim,
+        encoded: &'q [u8],
+    ) -> sqlx::query::Query<'q, Postgres, PgArguments> {
+        sqlx::query(&self.inner.sql.complete)
+            .bind(claim.scope())
+            .bind(claim.key())
+            .bind(claim.owner())
+            .bind(encoded)
+            .bind(count(self.limits.max_bytes_per_scope()))
+    }
+
+    fn begun(&self, row: &PgRow, claim: Claim) -> Result<Begin> {
+        let outcome: i32 = column(row, 0)?;
+        Ok(match outcome {
+            0 => Begin::New(claim),
+            1 => Begin::InProgress,
+            2 => {
+                let bytes: Option<Vec<u8>> = column(row, 1)?;
+                Begin::Completed(StoredResponse::decode(&bytes.unwrap_or_default())?)
+            }
+            3 => Begin::Mismatch,
+            4 => Begin::OutcomeUnknown,
+            5 => return Err(full(column(row, 2)?)),
+            other => return Err(unexpected(&format!("begin answered {other}"))),
+        })
+    }
+
+    /// Gives `claim` back in the background (abandons a key's, returns a
+    /// token's) after its answer was lost, until the store answers or the
+    /// claim's `lease` ends. Owner-checked; the key's abandon waits for the
+    /// key's advisory lock, so it lands after a claim still running.
+    fn give_back_later(&self, claim: Claim, lease: Duration) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let store = self.clone();
+        runtime.spawn(async move {
+            let deadline = tokio::time::Instant::now() + lease;
+            let mut pause = Duration::from_millis(50);
+            loop {
+                let given_back =
+                    if claim.is_token() { store.return_token(&claim).await } else { store.abandon(&claim).await };
+                match given_back {
+                    Ok(freed) => {
+                        tracing::debug!(freed, "dlock: an idempotency claim whose answer was lost is given back");
+                        return;
+                    }
+                    Err(e) if tokio::time::Instant::now() + pause >= deadline => {
+                        tracing::warn!(error = %e, "dlock: giving back an idempotency claim whose answer was lost failed until its lease ended");
+                        return;
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                    }
+                }
+            }
+        });
+    }
+
+    async fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
+        let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
+        let max = match principal {
+            Some(_) => self.limits.max_per_scope(),
+            None => self.limits.max_unbound_tokens(),
+        };
+        let query = || {
+            sqlx::query(&self.inner.sql.issue).bind(&token).bind(principal).bind(millis(ttl).max(1)).bind(count(max))
+        };
+        let row = self.inner.db.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
+        match column::<i64>(&row, 0)? {
+            0 => Ok(token),
+            retry_ms => Err(Error::IdempotencyFull {
+                per_scope: principal.is_some(),
+                retry_after: Duration::from_millis(u64::try_from(retry_ms).unwrap_or(1)),
+            }),
+        }
+    }
+
+    /// Whether a statement that returns a row per change changed one.
+    async fn changed<'q, F>(&self, make: F, repeat: Repeat) -> Result<bool>
+    where
+        F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+    {
+        Ok(!self.inner.db.fetch_all(make, repeat).await?.is_empty())
+    }
+}
+
+fn completed(row: &PgRow) -> Result<bool> {
+    match column::<i32>(row, 0)? {
+        1 => Ok(true),
+        0 => Ok(false),
+        5 => Err(full(column(row, 1)?)),
+        other => Err(unexpected(&format!("complete answered {other}"))),
+    }
+}
+
+fn full(retry_ms: i64) -> Error {
+    Error::IdempotencyFull { per_scope: true, retry_after: Duration::from_millis(u64::try_from(retry_ms).unwrap_or(1)) }
+}
+
+fn unexpected(what: &str) -> Error {
+    Error::backend(STORE, format!("unexpected answer from the idempotency tables: {what}"))
+}
+
+/// Whole milliseconds, as PostgreSQL's `bigint`.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A cap as PostgreSQL's `bigint`.
+fn count(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// Deletes rows that expired over a minute ago, every minute, never waiting
+/// for a row that a running transaction holds (best effort: a row left
+/// behind costs space, and counts nowhere).
+async fn sweep(pool: PgPool, sql: String, stop: CancellationToken) {
+    let every = Duration::from_secs(60);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ticks.tick() => {
+                let _ = tokio::time::timeout(Duration::from_secs(10), sqlx::query(&sql).execute(&pool)).await;
+            }
+        }
+    }
+}
+
+impl IdempotencyStore for PostgresStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            self.inner.db.fetch(|| sqlx::query("SELECT 1"), Repeat::Safe).await?;
+            Ok(())
+        })
+    }
+
+    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(self.issue(None, ttl))
+    }
+
+    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(self.issue(Some(principal), ttl))
+    }
+
+    fn claim_token<'a>(
+        &'a self,
+        token: &'a str,
+        principal: Option<&'a str>,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<TokenClaim>> {
+        Box::pin(async move {
+            if !token_well_formed(token) {
+                return Ok(TokenClaim::Unknown);
+            }
+            let claim = Claim::token(token, principal)?;
+            let query = || {
+                sqlx::query(&self.inner.sql.claim)
+                    .bind(token)
+                    .bind(principal)
+                    .bind(claim.owner())
+                    .bind(millis(lease).max(1))
+            };
+            let row = match self.inner.db.fetch(query, Repeat::Once).await {
+                Ok(row) => row.ok_or_else(|| unexpected("no row"))?,
+                Err(e) => {
+                    if e.outcome_unknown() {
+                        self.give_back_later(claim, lease);
+                    }
+                    return Err(e);
+                }
+            };
+            Ok(match column::<i32>(&row, 0)? {
+                0 => TokenClaim::Claimed(claim),
+                1 => TokenClaim::InUse,
+                2 => TokenClaim::OutcomeUnknown,
+                _ => TokenClaim::Unknown,
+            })
+        })
+    }
+
+    fn spend_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(self.changed(
+            || sqlx::query(&self.inner.sql.spend).bind(claim.key()).bind(claim.owner()).bind(claim.principal()),
+            Repeat::Once,
+        ))
+    }
+
+    fn return_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(self.changed(
+            || sqlx::query(&self.inner.sql.give_back).bind(claim.key()).bind(claim.owner()).bind(claim.principal()),
+            Repeat::Once,
+        ))
+    }
+
+    fn begin<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+        fingerprint: &'a str,
+        terms: ClaimTerms,
+    ) -> BoxFuture<'a, Result<Begin>> {
+        Box::pin(async move {
+            let claim = Claim::new(scope, key)?;
+            let query = || self.begin_query(&claim, fingerprint, terms, false);
+            match self.inner.db.fetch(query, Repeat::Once).await {
+                Ok(Some(row)) => self.begun(&row, claim),
+                Ok(None) => Err(unexpected("no row")),
+                Err(e) => {
+                    if e.outcome_unknown() {
+                        self.give_back_later(claim, terms.lease());
+                    }
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> BoxFuture<'a, Result<bool>> {
+        let ms = millis(lease).max(1);
+        if claim.is_token() {
+            return Box::pin(self.changed(
+                move || sqlx::query(&self.inner.sql.renew_token).bind(claim.key()).bind(claim.owner()).bind(ms),
+                Repeat::Safe,
+            ));
+        }
+        Box::pin(self.changed(
+            move || {
+                sqlx::query(&self.inner.sql.renew_key)
+                    .bind(claim.scope())
+                    .bind(claim.key())
+                    .bind(claim.owner())
+                    .bind(ms)
+            },
+            Repeat::Safe,
+        ))
+    }
+
+    fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let encoded = response.encode();
+            let row = self
+                .inner
+                .db
+                .fetch(|| self.complete_query(claim, &encoded), Repeat::Once)
+                .await?
+                .ok_or_else(|| unexpected("no row"))?;
+            completed(&row)
+        })
+    }
+
+    fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let query =
+                || sqlx::query(&self.inner.sql.abandon).bind(claim.scope()).bind(claim.key()).bind(claim.owner());
+            let row = self.inner.db.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
+            Ok(column::<Option<bool>>(&row, 0)?.unwrap_or(false))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_all_filled_and_names_fit() {
+        let names = Names::for_prefix(&"p".repeat(48)).expect("valid");
+        for sql in [SCHEMA_SQL, BEGIN_SQL, SETTLE_SQL, TOKENS_SQL] {
+            let filled = names.fill(sql);
+            assert!(!filled.contains("{keys") && !filled.contains("{tokens") && !filled.contains("{class"), "{filled}");
+        }
+        // PostgreSQL cuts names at 63 bytes: two would then collide.
+        for name in
+            [&names.keys, &names.tokens, &names.begin, &names.complete, &names.abandon, &names.issue, &names.claim]
+        {
+            assert!(name.len() - 2 <= 63, "{name}");
+        }
+        assert!(names.fill("{keys_expiry}").len() - 2 <= 63);
+    }
+}
