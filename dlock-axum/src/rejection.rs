@@ -74,6 +74,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed (transient: `Retry-After`) |
 /// | 503 | `idempotency_store_full` | 2502 | the idempotency store holds the most live records (or tokens) it keeps in all (transient: `Retry-After` until the oldest expires) |
+/// | 503 | `idempotency_not_committed` | 2503 | the route ran inside its transaction and the transaction did not commit: nothing it wrote was kept (transient: retry with the same `Idempotency-Key`) |
 ///
 /// A transient refusal carries `Retry-After: 1` ([`Rejection::retry_after`]):
 /// the same request may succeed later. A permanent one carries none: the
@@ -232,6 +233,14 @@ rejections! {
     /// the oldest record expires).
     idempotency_store_full => (SERVICE_UNAVAILABLE, "idempotency_store_full", 2502,
         "the idempotency store is full, please retry later", Some(1));
+    /// The route ran inside its transaction
+    /// ([`IdempotencyLayer::in_transaction`](crate::idempotency::IdempotencyLayer::in_transaction)),
+    /// and the transaction did not commit (the database refused the commit,
+    /// ended the transaction, or could not be reached): nothing the route
+    /// wrote was kept, and no answer was stored for its key. Transient:
+    /// retrying with the same `Idempotency-Key` runs it again, once.
+    idempotency_not_committed => (SERVICE_UNAVAILABLE, "idempotency_not_committed", 2503,
+        "the request's transaction did not commit: nothing it wrote was kept; retry with the same idempotency key", Some(1));
     /// The lock service cannot be reached; the request is refused (fail
     /// closed). Transient: `Retry-After: 1`.
     backend_unavailable => (SERVICE_UNAVAILABLE, "lock_backend_unavailable", 2501,

@@ -179,6 +179,9 @@ pub struct IdempotencyLayer {
     max_body_bytes: Option<usize>,
     max_response_bytes: usize,
     stored_headers: Arc<[HeaderName]>,
+    /// Runs the route inside a transaction of this store's database.
+    #[cfg(feature = "postgres")]
+    transaction: Option<dlock_core::idempotency::PostgresStore>,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -191,6 +194,7 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("run_again_after_lease", &self.run_again_after_lease)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("max_response_bytes", &self.max_response_bytes)
+            .field("in_transaction", &self.runs_in_transaction())
             .finish_non_exhaustive()
     }
 }
@@ -216,7 +220,17 @@ impl IdempotencyLayer {
             max_body_bytes: None,
             max_response_bytes: 1024 * 1024,
             stored_headers: DEFAULT_STORED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
+            #[cfg(feature = "postgres")]
+            transaction: None,
         }
+    }
+
+    /// Whether the route runs inside a transaction ([`in_transaction`](Self::in_transaction)).
+    fn runs_in_transaction(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        return self.transaction.is_some();
+        #[cfg(not(feature = "postgres"))]
+        false
     }
 
     /// Records in `store` rather than the installed runtime's.
@@ -329,6 +343,55 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Runs the route inside a PostgreSQL transaction that also claims the
+    /// key and, before it commits, stores the answer, in `store`'s tables
+    /// (the application's own database: [`PostgresStore::with_pool`](dlock_core::idempotency::PostgresStore::with_pool)).
+    /// The handler joins that transaction with a [`Tx`](super::Tx)
+    /// argument. Its writes and the stored answer commit together or not
+    /// at all:
+    ///
+    /// * the route answered a result ([`store_when`](Self::store_when)):
+    ///   the answer is stored and the transaction committed; a commit that
+    ///   fails answers `503 idempotency_not_committed`, and nothing was
+    ///   kept: the retry runs the route again, once;
+    /// * a `5xx`, a refusal before the work, an error or a panic: rolled
+    ///   back, writes and claim alike; the retry runs;
+    /// * the instance dies (`kill -9`) or its connection breaks: the server
+    ///   rolls back; the instance stops (a pause) with the transaction
+    ///   open: the server ends it once it stays idle for the
+    ///   [`lease`](Self::lease) (`idle_in_transaction_session_timeout`), so
+    ///   a route must not keep it idle longer (a slow call to another
+    ///   service in between: a longer lease);
+    /// * a duplicate while it runs: `409 idempotency_request_in_progress`
+    ///   at once, never a wait; after it: the stored answer.
+    ///
+    /// The hang-up rule holds: a client that hangs up cancels neither the
+    /// route nor its commit. What the handler does outside the database (a
+    /// call to a payment provider) is not rolled back: key that call on the
+    /// `Idempotency-Key` as well, as the layer's docs say.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) -> dlock_core::Result<()> {
+    /// use axum::{routing::post, Router};
+    /// use dlock_axum::idempotency::{IdempotencyLayer, Tx};
+    /// use dlock_core::idempotency::PostgresStore;
+    ///
+    /// async fn pay(mut tx: Tx) -> &'static str {
+    ///     // Joins the transaction that claimed the key.
+    ///     sqlx::query("INSERT INTO payments (amount) VALUES (42)").execute(&mut *tx).await.ok();
+    ///     "paid"
+    /// }
+    ///
+    /// let store = PostgresStore::with_pool(pool, "dlock").await?;
+    /// let app: Router = Router::new().route("/pay", post(pay).layer(IdempotencyLayer::new().in_transaction(store)));
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub fn in_transaction(mut self, store: dlock_core::idempotency::PostgresStore) -> Self {
+        self.transaction = Some(store);
+        self
+    }
+
     /// The response headers stored and replayed (replaces the defaults).
     pub fn store_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         self.stored_headers = names.into_iter().collect();
@@ -388,7 +451,7 @@ fn idempotency_key(parts: &Parts) -> Result<String, Rejection> {
     Ok(String::from_utf8_lossy(bytes).into_owned())
 }
 
-fn store_error(e: &dlock_core::Error) -> Response {
+pub(super) fn store_error(e: &dlock_core::Error) -> Response {
     if matches!(e, dlock_core::Error::IdempotencyFull { .. }) {
         // A refusal the caps are there to make, once per request of a flood:
         // not worth a warning each.
@@ -477,8 +540,15 @@ where
             return Ok(r.into_response());
         }
     };
-    let (store, ttl) = match layer.records.in_request(&parts.extensions) {
-        Ok(found) => found,
+    // In a transaction the layer's own store keeps the records; else the
+    // installed runtime's, or the layer's.
+    let records = match layer.runs_in_transaction() {
+        true => Ok(None),
+        false => layer.records.in_request(&parts.extensions).map(Some),
+    };
+    let (store, ttl) = match records {
+        Ok(Some((store, ttl))) => (Some(store), ttl),
+        Ok(None) => (None, layer.records.ttl_in_request(&parts.extensions)),
         Err(refused) => {
             discard(&parts.headers, body, false).await;
             return Ok(refused.into_response());
@@ -500,31 +570,53 @@ where
     if layer.run_again_after_lease {
         terms = terms.run_again_after_lease();
     }
-    let begun = store.begin(&scope, &key, &fp, terms).await;
-    match &begun {
-        Err(e) if e.is_unavailable() => {}
-        _ => STORE.answered(),
+    #[cfg(feature = "postgres")]
+    if let Some(pg) = &layer.transaction {
+        let pg = pg.clone();
+        let claimed = super::transaction::Claimed { scope, key, fingerprint: fp, terms };
+        return super::transaction::run(layer, pg, inner, parts, body, claimed).await;
     }
-    let claim = match begun {
-        Ok(Begin::New(claim)) => claim,
-        Ok(Begin::InProgress) => return Ok(Rejection::idempotency_request_in_progress().into_response()),
-        Ok(Begin::Mismatch) => return Ok(Rejection::idempotency_key_mismatch().into_response()),
-        Ok(Begin::Completed(stored)) => return Ok(replay(stored)),
-        Ok(Begin::OutcomeUnknown) => return Ok(Rejection::idempotency_outcome_unknown().into_response()),
-        // A store newer than this layer: running the route could run the
-        // work twice, so refuse as for a store that cannot answer.
-        Ok(other) => {
-            return Ok(store_error(&dlock_core::Error::Internal(format!(
-                "the idempotency store answered {other:?}, which this layer does not know"
-            ))))
-        }
-        Err(e) => return Ok(store_error(&e)),
+    let Some(store) = store else {
+        return Ok(crate::install::no_engine().into_response());
+    };
+    let claim = match claimed(store.begin(&scope, &key, &fp, terms).await) {
+        Begun::Run(claim) => claim,
+        Begun::Answer(answer) => return Ok(answer),
     };
     let req = Request::from_parts(parts, Body::from(body));
     // From here on the route runs on its own task: a client that hangs up
     // cancels neither the route nor the storing of its answer.
     let route = inner.call(req);
     detached::run_detached(settle(layer, store, claim, route)).await
+}
+
+/// What a claim's answer leads to: run the route, or answer at once.
+pub(super) enum Begun {
+    /// [`Begin::New`]: the key is the request's.
+    Run(Claim),
+    /// Anything else: a replay, a refusal, or the store's error.
+    Answer(Response),
+}
+
+/// What `begun` leads to.
+pub(super) fn claimed(begun: dlock_core::Result<Begin>) -> Begun {
+    match &begun {
+        Err(e) if e.is_unavailable() => {}
+        _ => STORE.answered(),
+    }
+    Begun::Answer(match begun {
+        Ok(Begin::New(claim)) => return Begun::Run(claim),
+        Ok(Begin::InProgress) => Rejection::idempotency_request_in_progress().into_response(),
+        Ok(Begin::Mismatch) => Rejection::idempotency_key_mismatch().into_response(),
+        Ok(Begin::Completed(stored)) => replay(stored),
+        Ok(Begin::OutcomeUnknown) => Rejection::idempotency_outcome_unknown().into_response(),
+        // A store newer than this layer: running the route could run the
+        // work twice, so refuse as for a store that cannot answer.
+        Ok(other) => store_error(&dlock_core::Error::Internal(format!(
+            "the idempotency store answered {other:?}, which this layer does not know"
+        ))),
+        Err(e) => store_error(&e),
+    })
 }
 
 /// Runs the claimed route (renewing the claim meanwhile) and settles the
@@ -551,12 +643,22 @@ where
             return Settled::Panicked(panic);
         }
     };
-    if response.status().is_server_error() || !(layer.store_when)(&response) {
+    if !is_stored(&layer, &response) {
         // Not a result of the route (a 5xx, a refusal before the work): free
         // the key so that the retry runs, and answer untouched.
         abandon(&*store, &claim).await;
         return Settled::Answer(response);
     }
+    let (record, answer) = to_record(&layer, response, claim.key()).await;
+    complete(&*store, &claim, &record).await;
+    Settled::Answer(answer)
+}
+
+/// The record a route's response is kept as, and the answer its client
+/// gets: the status, the stored headers and the body; or, for a body too
+/// large to keep or that failed while read, the refusal a retry gets
+/// instead (`409 idempotency_response_not_stored`: the work was done).
+pub(super) async fn to_record(layer: &IdempotencyLayer, response: Response, key: &str) -> (StoredResponse, Response) {
     let (mut res_parts, res_body) = response.into_parts();
     let headers: Vec<(String, Vec<u8>)> = layer
         .stored_headers
@@ -571,32 +673,35 @@ where
             // The work is done and the client gets its answer; what a retry
             // gets instead of running the work again is a clear refusal.
             tracing::warn!(
-                key = crate::headers::log_id(claim.key()),
+                key = crate::headers::log_id(key),
                 limit = layer.max_response_bytes,
                 "dlock: response too large to store for replay; retries get idempotency_response_not_stored"
             );
-            complete(&*store, &claim, &not_stored_record()).await;
             res_parts.headers.remove(header::CONTENT_LENGTH);
-            return Settled::Answer(Response::from_parts(res_parts, body));
+            return (not_stored_record(), Response::from_parts(res_parts, body));
         }
         ResponseBody::Failed(e) => {
             // The route ran to a result (its status said so) and its body
             // then failed: the work is done, so the key stays completed,
             // with the refusal a retry gets instead of running it again.
-            tracing::warn!(error = %e, key = crate::headers::log_id(claim.key()), "dlock: reading the route's response failed; retries get idempotency_response_not_stored");
-            complete(&*store, &claim, &not_stored_record()).await;
-            return Settled::Answer(Rejection::body_unreadable().into_response());
+            tracing::warn!(error = %e, key = crate::headers::log_id(key), "dlock: reading the route's response failed; retries get idempotency_response_not_stored");
+            return (not_stored_record(), Rejection::body_unreadable().into_response());
         }
     };
     let stored = StoredResponse::new(res_parts.status.as_u16(), headers, bytes.to_vec());
-    complete(&*store, &claim, &stored).await;
     res_parts.headers.remove(header::CONTENT_LENGTH);
-    Settled::Answer(Response::from_parts(res_parts, Body::from(bytes)))
+    (stored, Response::from_parts(res_parts, Body::from(bytes)))
+}
+
+/// Whether `response` is kept for replay: never a `5xx`, else as the
+/// layer's rule says.
+pub(super) fn is_stored(layer: &IdempotencyLayer, response: &Response) -> bool {
+    !response.status().is_server_error() && (layer.store_when)(response)
 }
 
 /// What a retry of a key whose response was too large to keep is answered:
 /// `409 idempotency_response_not_stored`, as its JSON body.
-fn not_stored_record() -> StoredResponse {
+pub(super) fn not_stored_record() -> StoredResponse {
     let rejection = Rejection::idempotency_response_not_stored();
     StoredResponse::new(
         rejection.status().as_u16(),

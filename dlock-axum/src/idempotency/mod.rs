@@ -71,10 +71,14 @@ use crate::rejection::Rejection;
 mod detached;
 mod key;
 mod token;
+#[cfg(feature = "postgres")]
+mod transaction;
 
 pub use key::{stored_by_default, IdempotencyLayer, Idempotent, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
 
 pub use token::{RequireToken, TokenLayer, TokenResponse};
+#[cfg(feature = "postgres")]
+pub use transaction::Tx;
 
 /// The header a retried response carries.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -112,6 +116,16 @@ impl Records {
         self
     }
 
+    /// The TTL of records for one request: the one given here, else the
+    /// installed runtime's, else the default.
+    pub(crate) fn ttl_in_request(&self, extensions: &axum::http::Extensions) -> Duration {
+        match (self.ttl, crate::install::installed(extensions)) {
+            (Some(ttl), _) => ttl,
+            (None, Some(dlock)) => dlock.idempotency_ttl(),
+            (None, None) => dlock_core::DEFAULT_IDEMPOTENCY_TTL,
+        }
+    }
+
     /// The store and TTL for one request: the ones given here, else the
     /// installed runtime's. A runtime whose configuration keeps no records
     /// (RedLock or ZooKeeper locks without `DLOCK_IDEMPOTENCY_REDIS_URL`)
@@ -121,11 +135,7 @@ impl Records {
         extensions: &axum::http::Extensions,
     ) -> Result<(Arc<dyn IdempotencyStore>, Duration), Rejection> {
         let installed = crate::install::installed(extensions);
-        let ttl = match (self.ttl, installed) {
-            (Some(ttl), _) => ttl,
-            (None, Some(dlock)) => dlock.idempotency_ttl(),
-            (None, None) => dlock_core::DEFAULT_IDEMPOTENCY_TTL,
-        };
+        let ttl = self.ttl_in_request(extensions);
         let store = match (&self.store, installed) {
             (Some(store), _) => store.clone(),
             (None, Some(dlock)) => dlock.idempotency_store().cloned().map_err(|e| {
