@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
 use dlock_core::backend::{AcquireRequest, Backend, CancellationToken, LockMode, Release, Renewal};
+use dlock_core::idempotency::IdempotencyStore as _;
 use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions, Owner};
 use dlock_testing::{FaultProxy, PostgresServer};
 use tokio::time::Instant;
@@ -254,8 +255,9 @@ async fn processes_starting_at_once_all_find_the_schema() {
 }
 
 /// `DLOCK_BACKEND=postgres` with `DLOCK_POSTGRES_URL` builds a locker on
-/// this backend; a URL that does not parse names the variable and hides
-/// the password.
+/// this backend, and keeps idempotency records in the same database
+/// (shared by every instance, not each process's own); a URL that does not
+/// parse names the variable and hides the password.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_environment_names_the_backend() {
     let server = PostgresServer::start();
@@ -263,12 +265,16 @@ async fn the_environment_names_the_backend() {
     let config = dlock_core::Config::from_lookup(|var| match var {
         "DLOCK_BACKEND" => Some("postgres".into()),
         "DLOCK_POSTGRES_URL" => Some(url.clone()),
-        "DLOCK_IDEMPOTENCY_LOCAL" => Some("1".into()),
         _ => None,
     })
     .expect("valid configuration");
     let dlock = config.build().await.expect("connect");
     assert_eq!(dlock.locker().backend_name(), "postgres");
+    let records = dlock.idempotency_store().expect("records in the lock database");
+    assert_eq!(records.name(), "postgres");
+    let token = records.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let live = server.psql(&format!("SELECT count(*) FROM dlock_idem_tokens WHERE token = '{token}'"));
+    assert_eq!(live, "1", "kept in the database, where another instance finds it");
     let k = dlock.locker().key("env").part(1).build().expect("key");
     dlock.locker().try_acquire(&k).await.expect("free").release().await.expect("release");
 
