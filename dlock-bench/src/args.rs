@@ -6,7 +6,7 @@ use crate::error::{BenchError, Result};
 
 /// The benchmarks this binary knows, in the order they run.
 pub(crate) const BENCHES: &[&str] =
-    &["uncontended", "memory", "handoff", "primitives", "http", "idempotency", "backends"];
+    &["uncontended", "memory", "handoff", "primitives", "http", "idempotency", "backends", "postgres"];
 
 pub(crate) const USAGE: &str = "\
 usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--settle-us N]

@@ -172,7 +172,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
 
 /// Commands are counted on the bench's own single Redis only; these rows
 /// did not count theirs.
-fn without_commands(mut row: Row) -> Row {
+pub(crate) fn without_commands(mut row: Row) -> Row {
     row.cmds_per_acquisition = None;
     row.server_cmds_per_acquisition = None;
     row.server_cpu_us = None;

@@ -16,6 +16,7 @@
 //! cargo run --release --bin dlock-bench -- --json    # one JSON object per line
 //! cargo run --release --bin dlock-bench -- --quick --redis-url redis://127.0.0.1:6379
 //! cargo run --release -p dlock-bench --features zookeeper        # with the ZooKeeper rows
+//! cargo run --release -p dlock-bench --features postgres -- --bench postgres   # PostgreSQL rows
 //! ```
 //!
 //! One module per benchmark (`uncontended`, `handoff`, `http`,
@@ -36,6 +37,8 @@ mod measure;
 mod memory;
 mod peer;
 mod pin;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod primitives;
 mod report;
 mod series;
@@ -135,6 +138,15 @@ fn run(args: &Args) -> Result<String> {
         if args.runs("backends") {
             rows.extend(backends::run(&env, args).await?);
         }
+        if args.runs("postgres") {
+            #[cfg(feature = "postgres")]
+            rows.extend(postgres::run(&env, args).await?);
+            #[cfg(not(feature = "postgres"))]
+            eprintln!(
+                "postgres: not measured: built without the `postgres` feature \
+                 (cargo run --release -p dlock-bench --features postgres -- --bench postgres)"
+            );
+        }
         Ok(if args.json {
             report::json_lines(&rows)
         } else {
@@ -156,6 +168,12 @@ fn run(args: &Args) -> Result<String> {
                 ("idempotency", idempotency::TITLE),
                 ("backends", backends::TITLE),
                 ("backends-handoff", backends::HANDOFF_TITLE),
+                #[cfg(feature = "postgres")]
+                ("postgres", postgres::TITLE),
+                #[cfg(feature = "postgres")]
+                ("postgres-handoff", postgres::HANDOFF_TITLE),
+                #[cfg(feature = "postgres")]
+                ("postgres-route", postgres::ROUTE_TITLE),
             ];
             format!("{header}\n{}", report::tables(&rows, &titles))
         })

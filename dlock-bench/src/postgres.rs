@@ -1,0 +1,390 @@
+//! PostgreSQL (issue 27): dlock's lock backend against the locks people
+//! write by hand on PostgreSQL, and the transactional idempotency route
+//! against the same route without idempotency, on a cluster the bench
+//! starts on loopback (`fsync=off`, as the tests' clusters: every row pays
+//! the same commits, none of them a disk flush).
+//!
+//! * uncontended acquire+release, each task its own key, at concurrency 1,
+//!   16 and 64, every implementation on a pool of 16 connections:
+//!   * `dlock` — the `postgres` backend (lease table, fencing sequence,
+//!     two function calls per cycle);
+//!   * `lease` — a hand-written lease lock: `INSERT … ON CONFLICT DO UPDATE
+//!     … WHERE expires_at < now()` to take, an owner-checked `DELETE` to
+//!     give back (no fencing, no wake-ups);
+//!   * `advisory` — `pg_try_advisory_lock` / `pg_advisory_unlock` on one
+//!     pooled connection (a session lock: no lease, no fencing).
+//!
+//!   Target: dlock ≥ [`VS_LEASE`] × `lease`, the median of per-round ratios.
+//! * strict handoff on one key, K = 8: `dlock` (LISTEN/NOTIFY wake-ups),
+//!   `lease` (its waiters poll every millisecond: a hand-written lease lock
+//!   has no wake-up) and `advisory` (`pg_advisory_lock` waits in the server,
+//!   a connection per waiter).
+//! * a route that inserts one row in a transaction: `route` (it begins and
+//!   commits its own) against `in-transaction` (the same insert through
+//!   `IdempotencyLayer::in_transaction`: claim, insert, stored answer, one
+//!   commit), each request a new key. Target: ≥ [`TX_VS_ROUTE`] × `route`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use dlock_axum::idempotency::{IdempotencyLayer, Tx};
+use dlock_axum::Caller;
+use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
+use dlock_core::backend::Backend;
+use dlock_core::idempotency::{IdempotencyLimits, PostgresStore};
+use dlock_core::{Locker, LockerOptions};
+use dlock_testing::PostgresServer;
+use redis::aio::MultiplexedConnection;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tower::Service;
+
+use crate::args::Args;
+use crate::env::Env;
+use crate::error::{BenchError, Result};
+use crate::locks::{BenchLock, DlockLock, LEASE};
+use crate::measure::{median, run_window, Sample, Timing};
+use crate::report::Row;
+use crate::series::{target, Series};
+use crate::backends::without_commands;
+use crate::{handoff, uncontended};
+
+/// dlock's uncontended cycles at least this times the hand-written lease lock's.
+pub(crate) const VS_LEASE: f64 = 0.9;
+/// The transactional idempotency route at least this times the route alone.
+pub(crate) const TX_VS_ROUTE: f64 = 0.8;
+
+const CONCURRENCY: &[usize] = &[1, 16, 64];
+const CONTENDERS: usize = 8;
+/// Tasks sending requests to the routes at once.
+const REQUESTS_AT_ONCE: usize = 16;
+/// Connections of every pool: the backend's default.
+const POOL: u32 = 16;
+
+pub(crate) const TITLE: &str = "postgres: uncontended acquire+release, each task its own key, pools of 16 \
+     connections (ratio = vs the hand-written lease lock, same round)";
+pub(crate) const HANDOFF_TITLE: &str = "postgres: strict handoff on one key, K = 8 (latency = release() called -> \
+     next acquire returned; lease = hand-written lease lock polled every 1 ms; advisory = pg_advisory_lock)";
+pub(crate) const ROUTE_TITLE: &str = "postgres: a route that inserts one row in a transaction, in-process router, \
+     16 requests at once (ratio = vs the route alone, same round)";
+
+/// What a hand-written lock holds until it releases.
+pub(crate) enum PgHeld {
+    /// A lease row of this owner.
+    Lease { slot: usize, owner: u64 },
+    /// A session lock on this pooled connection.
+    Advisory { slot: usize, conn: sqlx::pool::PoolConnection<sqlx::Postgres> },
+}
+
+/// The hand-written PostgreSQL locks.
+pub(crate) struct HandLock {
+    pool: PgPool,
+    advisory: bool,
+    /// Slots are keys `<name>:<slot>` (lease) or `<base> + slot` (advisory).
+    name: String,
+    base: i64,
+    owners: AtomicU64,
+}
+
+impl HandLock {
+    fn key(&self, slot: usize) -> String {
+        format!("{}:{slot}", self.name)
+    }
+}
+
+fn pg(e: sqlx::Error) -> BenchError {
+    BenchError::Invariant(format!("postgres: {e}"))
+}
+
+impl BenchLock for HandLock {
+    type Held = PgHeld;
+
+    async fn acquire(&self, slot: usize, wait: bool) -> Result<PgHeld> {
+        if self.advisory {
+            let mut conn = self.pool.acquire().await.map_err(pg)?;
+            let id = self.base + slot as i64;
+            if wait {
+                sqlx::query("SELECT pg_advisory_lock($1)").bind(id).execute(&mut *conn).await.map_err(pg)?;
+            } else {
+                let got: bool =
+                    sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(id).fetch_one(&mut *conn).await.map_err(pg)?;
+                if !got {
+                    return Err(BenchError::Invariant("an uncontended advisory lock was held".into()));
+                }
+            }
+            return Ok(PgHeld::Advisory { slot, conn });
+        }
+        let owner = self.owners.fetch_add(1, Ordering::Relaxed);
+        loop {
+            let taken = sqlx::query(
+                "INSERT INTO bench_lease (key, owner, expires_at) VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond') \
+                 ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at \
+                 WHERE bench_lease.expires_at < clock_timestamp()",
+            )
+            .bind(self.key(slot))
+            .bind(owner as i64)
+            .bind(LEASE.as_millis() as i64)
+            .execute(&self.pool)
+            .await
+            .map_err(pg)?
+            .rows_affected();
+            if taken == 1 {
+                return Ok(PgHeld::Lease { slot, owner });
+            }
+            if !wait {
+                return Err(BenchError::Invariant("an uncontended lease lock was held".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    async fn release(&self, held: PgHeld) -> Result<()> {
+        let freed = match held {
+            PgHeld::Lease { slot, owner } => {
+                sqlx::query("DELETE FROM bench_lease WHERE key = $1 AND owner = $2")
+                    .bind(self.key(slot))
+                    .bind(owner as i64)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(pg)?
+                    .rows_affected()
+                    == 1
+            }
+            PgHeld::Advisory { slot, mut conn } => sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                .bind(self.base + slot as i64)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(pg)?,
+        };
+        if freed {
+            Ok(())
+        } else {
+            Err(BenchError::Invariant("a hand-written lock was not held at release".into()))
+        }
+    }
+
+    fn script_internal_commands(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    async fn leftovers(&self, _: &MultiplexedConnection) -> Result<Vec<String>> {
+        // Not in Redis: [`left_in_postgres`] checks the table.
+        Ok(Vec::new())
+    }
+}
+
+/// Rows of live locks left in PostgreSQL once every hold was released: a
+/// lock that never frees its rows would look fast.
+async fn left_in_postgres(pool: &PgPool) -> Result<i64> {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM bench_lease) + (SELECT count(*) FROM bench_locks WHERE mode <> 'i') \
+         + (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 AND objsubid = 1)",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(pg)
+}
+
+/// The servers and pools of one run.
+struct Under {
+    server: PostgresServer,
+    locker: Locker,
+    pool: PgPool,
+}
+
+async fn start() -> Result<Under> {
+    let server = std::panic::catch_unwind(PostgresServer::start).map_err(|_| {
+        BenchError::Server("PostgreSQL did not start (see above; apt-get install -y postgresql)".into())
+    })?;
+    let options = PostgresOptions::default().with_max_connections(POOL);
+    let backend = PostgresBackend::connect_with(&server.url(), "bench", options).await?;
+    let locker = Locker::with_options(
+        Arc::new(backend) as Arc<dyn Backend>,
+        LockerOptions::default().with_prefix("bench"),
+    )?;
+    let pool = PgPoolOptions::new().max_connections(POOL).connect(&server.url()).await.map_err(pg)?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS bench_lease (key text PRIMARY KEY, owner bigint NOT NULL, expires_at timestamptz NOT NULL); \
+         CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, note text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .map_err(pg)?;
+    Ok(Under { server, locker, pool })
+}
+
+fn hand(pool: &PgPool, advisory: bool, name: String, base: i64) -> HandLock {
+    HandLock { pool: pool.clone(), advisory, name, base, owners: AtomicU64::new(0) }
+}
+
+/// Runs every round and returns the rows.
+pub(crate) async fn run(_env: &Env, args: &Args) -> Result<Vec<Row>> {
+    let under = start().await?;
+    let timing = Timing { warmup: args.warmup, duration: args.duration.max(Duration::from_millis(200)) };
+    let imps = ["dlock", "lease", "advisory"];
+    let mut unc: Vec<Vec<Series>> =
+        imps.iter().map(|imp| CONCURRENCY.iter().map(|&c| Series::new("postgres", imp, "postgres", c)).collect()).collect();
+    let mut vs_lease: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
+    let mut hand_series: Vec<Series> =
+        imps.iter().map(|imp| Series::new("postgres-handoff", imp, "postgres", CONTENDERS)).collect();
+    let rounds = args.uncontended_rounds.max(1);
+    let mut base = 1_000_000i64;
+    for round in 0..rounds {
+        for (ci, &c) in CONCURRENCY.iter().enumerate() {
+            let name = format!("u-r{round}-c{c}");
+            let mut ops = [0.0; 3];
+            for turn in 0..imps.len() {
+                // Turns rotate, so a slow phase of a shared machine hits each alike.
+                let i = (round + ci + turn) % imps.len();
+                let sample = match i {
+                    0 => uncontended::measure(DlockLock::new(under.locker.clone(), &name, c)?, c, timing, None).await?,
+                    1 => uncontended::measure(hand(&under.pool, false, name.clone(), 0), c, timing, None).await?,
+                    _ => {
+                        base += 1_000;
+                        uncontended::measure(hand(&under.pool, true, name.clone(), base), c, timing, None).await?
+                    }
+                };
+                ops[i] = sample.ops_per_sec;
+                unc[i][ci].samples.push(sample);
+            }
+            if ops[1] > 0.0 {
+                vs_lease[ci].push(ops[0] / ops[1]);
+            }
+        }
+        let name = format!("h-r{round}");
+        let d = handoff::measure(DlockLock::new(under.locker.clone(), &name, 1)?, CONTENDERS, args.settle, timing, None);
+        hand_series[0].samples.push(d.await?);
+        let l = handoff::measure(hand(&under.pool, false, name.clone(), 0), CONTENDERS, args.settle, timing, None);
+        hand_series[1].samples.push(l.await?);
+        base += 1_000;
+        let a = handoff::measure(hand(&under.pool, true, name, base), CONTENDERS, args.settle, timing, None);
+        hand_series[2].samples.push(a.await?);
+        eprintln!(
+            "postgres round {}/{rounds}: c=16 ops dlock {:.0}, lease {:.0}, advisory {:.0}",
+            round + 1,
+            unc[0][1].samples.last().map_or(0.0, |s| s.ops_per_sec),
+            unc[1][1].samples.last().map_or(0.0, |s| s.ops_per_sec),
+            unc[2][1].samples.last().map_or(0.0, |s| s.ops_per_sec),
+        );
+    }
+    let left = left_in_postgres(&under.pool).await?;
+    if left != 0 {
+        return Err(BenchError::Invariant(format!("{left} locks left in PostgreSQL after every hold was released")));
+    }
+    let mut rows = Vec::new();
+    for ci in 0..CONCURRENCY.len() {
+        for (i, series) in unc.iter().enumerate() {
+            let mut row = series[ci].row();
+            if i == 0 {
+                row.ratio = median(vs_lease[ci].iter().copied());
+                row.targets.push(target("ops vs lease", row.ratio.unwrap_or(0.0), false, VS_LEASE, ""));
+            } else if i == 1 {
+                row.ratio = Some(1.0);
+            }
+            rows.push(without_commands(row));
+        }
+    }
+    rows.extend(hand_series.iter().map(|s| without_commands(s.row())));
+    rows.extend(routes(&under, args, timing).await?);
+    drop(under.server);
+    Ok(rows)
+}
+
+/// The route alone and through `in_transaction`, round by round.
+async fn routes(under: &Under, args: &Args, timing: Timing) -> Result<Vec<Row>> {
+    let unbounded = IdempotencyLimits::default().with_max_per_scope(u64::MAX).with_max_bytes_per_scope(u64::MAX);
+    let store = PostgresStore::with_pool(under.pool.clone(), "bench").await?.with_limits(unbounded);
+    let pool = under.pool.clone();
+    let alone = Router::new().route(
+        "/order",
+        post(move || {
+            let pool = pool.clone();
+            async move {
+                let Ok(mut tx) = pool.begin().await else { return StatusCode::SERVICE_UNAVAILABLE };
+                let inserted = sqlx::query("INSERT INTO bench_orders (note) VALUES ('placed')").execute(&mut *tx).await;
+                if inserted.is_err() || tx.commit().await.is_err() {
+                    return StatusCode::INTERNAL_SERVER_ERROR;
+                }
+                StatusCode::CREATED
+            }
+        }),
+    );
+    let layer = IdempotencyLayer::new().caller(Caller::shared()).in_transaction(store);
+    let in_tx = Router::new().route(
+        "/order",
+        post(|mut tx: Tx| async move {
+            match sqlx::query("INSERT INTO bench_orders (note) VALUES ('placed')").execute(&mut *tx).await {
+                Ok(_) => StatusCode::CREATED,
+                Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            }
+        })
+        .layer(layer),
+    );
+    let mut series = [
+        Series::new("postgres-route", "route", "postgres", REQUESTS_AT_ONCE),
+        Series::new("postgres-route", "in-transaction", "postgres", REQUESTS_AT_ONCE),
+    ];
+    let mut ratios = Vec::new();
+    let keys = Arc::new(AtomicU64::new(0));
+    for round in 0..args.uncontended_rounds.max(1) {
+        let mut ops = [0.0; 2];
+        for turn in 0..2 {
+            let i = (round + turn) % 2;
+            let router = if i == 0 { alone.clone() } else { in_tx.clone() };
+            let before = orders(&under.pool).await?;
+            let sample = requests(router, i == 1, keys.clone(), timing).await?;
+            // Every request answered 201 made its row, once.
+            let made = orders(&under.pool).await? - before;
+            if made < sample.ops as i64 {
+                return Err(BenchError::Invariant(format!("{made} rows for {} requests answered", sample.ops)));
+            }
+            ops[i] = sample.ops_per_sec;
+            series[i].samples.push(sample);
+        }
+        if ops[0] > 0.0 {
+            ratios.push(ops[1] / ops[0]);
+        }
+    }
+    let mut rows: Vec<Row> = series.iter().map(|s| without_commands(s.row())).collect();
+    rows[1].ratio = median(ratios);
+    let value = rows[1].ratio.unwrap_or(0.0);
+    rows[1].targets.push(target("ops vs route", value, false, TX_VS_ROUTE, ""));
+    Ok(rows)
+}
+
+async fn orders(pool: &PgPool) -> Result<i64> {
+    sqlx::query_scalar("SELECT count(*) FROM bench_orders").fetch_one(pool).await.map_err(pg)
+}
+
+/// One window of requests, each with a key never used before.
+async fn requests(router: Router, keyed: bool, keys: Arc<AtomicU64>, timing: Timing) -> Result<Sample> {
+    run_window(REQUESTS_AT_ONCE, timing, None, |_, clock, stop| {
+        let (mut router, keys) = (router.clone(), keys.clone());
+        async move {
+            let mut records = Vec::with_capacity(1024);
+            while !stop.load(Ordering::Relaxed) {
+                let mut req = Request::post("/order");
+                if keyed {
+                    req = req.header("idempotency-key", format!("k{}", keys.fetch_add(1, Ordering::Relaxed)));
+                }
+                let req = req.body(Body::from("{}")).map_err(|e| BenchError::Invariant(e.to_string()))?;
+                let started = clock.now_ns();
+                let res = match router.call(req).await {
+                    Ok(res) => res,
+                    Err(never) => match never {},
+                };
+                let done = clock.now_ns();
+                if res.status() != StatusCode::CREATED {
+                    return Err(BenchError::Invariant(format!("the route answered {}", res.status())));
+                }
+                records.push((done, done - started));
+            }
+            Ok(records)
+        }
+    })
+    .await
+}
