@@ -133,8 +133,9 @@ const BACKEND: &str = "postgres";
 /// The variable that names the server, for configuration errors.
 const URL_VAR: &str = "DLOCK_POSTGRES_URL";
 /// The first key of dlock's advisory locks ("dloc"); the second is a hash
-/// of the lock key, or 0 for the schema.
-const LOCK_CLASS: i32 = 0x646c_6f63;
+/// of the lock key, or 0 for the schema (also the fences table's, see
+/// [`crate::fence::postgres`]).
+pub(crate) const LOCK_CLASS: i32 = 0x646c_6f63;
 /// The longest prefix: the longest name made of it (`_acquire_v1`) must fit
 /// PostgreSQL's 63 bytes, or it would be cut and collide.
 const MAX_PREFIX: usize = 48;
@@ -225,6 +226,12 @@ struct Names {
     release: String,
     /// Unquoted: `LISTEN` quotes it, `pg_notify` takes it as text.
     channel: String,
+}
+
+/// Refuses a prefix that cannot name dlock's tables (the error names
+/// `DLOCK_PREFIX`).
+pub(crate) fn check_prefix(prefix: &str) -> Result<()> {
+    Names::for_prefix(prefix).map(drop)
 }
 
 impl Names {
