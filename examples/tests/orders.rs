@@ -113,6 +113,9 @@ impl Orders {
             .env_remove("DLOCK_BACKEND")
             .env_remove("ORDERS_REDIS_URL")
             .env_remove("ORDERS_UNLOCKED")
+            .env_remove("ORDERS_POSTGRES_URL")
+            .env_remove("ORDERS_UNFENCED")
+            .env_remove("ORDERS_STOCK_WORK_MS")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         for (k, v) in env {
@@ -502,4 +505,65 @@ async fn a_third_concurrent_export_is_429() {
     }
     // The permits were given back.
     assert_eq!(request(addr, "POST", "/users/alice/export", None).await.expect("POST").status, 200);
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to the instance's process.
+fn signal(orders: &Orders, signal: &str) {
+    let status =
+        Command::new("kill").arg(format!("-{signal}")).arg(orders.child.id().to_string()).status().expect("kill");
+    assert!(status.success(), "kill -{signal}");
+}
+
+/// A sale whose instance is stopped (`SIGSTOP`) between reading the stock
+/// and writing it, past its lock's lease (300 ms); another instance takes
+/// the lock and sells; the stopped one resumes and writes. Returns both
+/// answers and the product after.
+async fn stale_sale(env: &[(&'static str, String)]) -> (http::Reply, http::Reply, Value) {
+    let mut env = env.to_vec();
+    env.push(("DLOCK_LEASE_MS", "300".into()));
+    let b = Orders::start(&as_refs(&env)).await;
+    env.push(("ORDERS_STOCK_WORK_MS", "800".into()));
+    let a = Orders::start(&as_refs(&env)).await;
+    let put = request(&b.addr, "PUT", "/products/500", Some(&json!({"stock": 10}))).await.expect("PUT");
+    assert_eq!(put.status, 200, "{}", put.json);
+    let body = json!({"product_id": 500, "quantity": 1});
+    let slow = tokio::spawn({
+        let (addr, body) = (a.addr.clone(), body.clone());
+        async move { request(&addr, "POST", "/stock/reduce", Some(&body)).await }
+    });
+    // A has the lock and has read the stock: it is in its 800 ms of work.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    signal(&a, "STOP");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let fresh = request(&b.addr, "POST", "/stock/reduce", Some(&body)).await.expect("B answers");
+    signal(&a, "CONT");
+    let stale = slow.await.expect("join").expect("A answers");
+    let product = request(&b.addr, "GET", "/products/500", None).await.expect("GET").json;
+    (fresh, stale, product)
+}
+
+/// A holder whose lease ran out while it was stopped cannot oversell: its
+/// write carries the old fencing token, the store refuses it, and it
+/// answers `409 lock_token_stale` with nothing changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_holder_cannot_oversell() {
+    let redis = RedisServer::start();
+    let (fresh, stale, product) = stale_sale(&redis_env(&redis.url())).await;
+    assert_eq!((fresh.status, &fresh.json["remaining"]), (200, &json!(9)), "{}", fresh.json);
+    assert_eq!(stale.status, 409, "{}", stale.json);
+    assert_eq!((&stale.json["error"], &stale.json["code"]), (&json!("lock_token_stale"), &json!(2105)));
+    assert_eq!(stale.header("retry-after"), Some("1"));
+    assert_eq!(product, json!({"id": 500, "stock": 9, "sold": 1}));
+}
+
+/// The control: the same sequence without the token in the write
+/// (`ORDERS_UNFENCED=1`) sells two units and takes one off the stock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_the_fence_a_stale_holder_oversells() {
+    let redis = RedisServer::start();
+    let mut env = redis_env(&redis.url());
+    env.push(("ORDERS_UNFENCED", "1".into()));
+    let (fresh, stale, product) = stale_sale(&env).await;
+    assert_eq!((fresh.status, stale.status), (200, 200), "{} {}", fresh.json, stale.json);
+    assert_eq!(product, json!({"id": 500, "stock": 9, "sold": 1}), "two sold, one taken off: the oversell");
 }
