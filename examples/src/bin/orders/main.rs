@@ -441,7 +441,7 @@ async fn put_product(
         app.store.put(id.as_str(), s, app.fence(fence)).await.map_err(AppError::from)
     })
     .await?;
-    Ok(product_json(&id, s))
+    Ok(product_json(id, s))
 }
 
 /// Behind `LockLayer::new("product.stock").json("product_id")`: the layer
