@@ -63,6 +63,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed (transient: `Retry-After`) |
 /// | 409 | `lock_wait_timeout` | 2103 | the route waits for its lock, and it stayed held for the whole wait (transient: `Retry-After`) |
 /// | 409 | `idempotency_token_unknown` | 2104 | the one-time token is unknown, expired or already used (permanent: fetch a new token) |
+/// | 409 | `lock_token_stale` | 2105 | the storage refused the route's write: its lock's lease ran out and another holder wrote with a newer fencing token ([`Error::StaleToken`](dlock_core::Error::StaleToken), from [`dlock_core::fence`]); nothing was changed (transient: `Retry-After`) |
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
 /// | 415 | `unsupported_media_type` | 2302 | the key needs JSON fields and the body's `Content-Type` is not JSON |
 /// | 422 | `idempotency_key_mismatch` | 2201 | the same `Idempotency-Key` was sent with a different payload |
@@ -153,6 +154,14 @@ rejections! {
     /// retry with the same token can never succeed; fetch a new token.
     idempotency_token_unknown => (CONFLICT, "idempotency_token_unknown", 2104,
         "the one-time token is unknown, expired or already used; fetch a new one", None);
+    /// The storage refused the route's write
+    /// ([`Error::StaleToken`](dlock_core::Error::StaleToken), from the
+    /// helpers of [`dlock_core::fence`]): the request's lock ran out (a
+    /// pause, a slow store) and another request took it and wrote with a
+    /// newer fencing token. Nothing was changed, so the same request may be
+    /// sent again. Transient: `Retry-After: 1`.
+    lock_token_stale => (CONFLICT, "lock_token_stale", 2105,
+        "another request took the lock after this one's lease ran out; its write was refused and nothing was changed", Some(1));
     /// A field named in the lock key is absent from the request.
     field_missing => (BAD_REQUEST, "lock_key_field_missing", 2001, "a field of the lock key is missing from the request", None);
     /// The body must be JSON to derive the key, and it is not.
@@ -403,7 +412,8 @@ impl Rejection {
     }
 
     /// Maps an engine error: a held lock → `409 duplicate_submission`, a
-    /// wait that ran out → `409 lock_wait_timeout`, unavailable → `503 lock_backend_unavailable` (with `Retry-After` the
+    /// wait that ran out → `409 lock_wait_timeout`, a write the storage
+    /// refused for a stale fencing token → `409 lock_token_stale`, unavailable → `503 lock_backend_unavailable` (with `Retry-After` the
     /// time a restart quarantine has left, else 1), an invalid key →
     /// `400 lock_key_invalid`, bad configuration or a rule dlock broke itself
     /// ([`Error::Internal`](dlock_core::Error::Internal)) → `500 lock_misconfigured`
@@ -422,6 +432,8 @@ impl Rejection {
     /// assert_eq!(Rejection::from_lock_error(&busy).error(), "duplicate_submission");
     /// let waited = dlock_core::Error::Timeout { key: "dlock:{k}".into(), waited: std::time::Duration::from_secs(5) };
     /// assert_eq!(Rejection::from_lock_error(&waited).error(), "lock_wait_timeout");
+    /// let stale = dlock_core::Error::StaleToken { resource: "stock:42".into(), token: 7, newest: 9 };
+    /// assert_eq!(Rejection::from_lock_error(&stale).error(), "lock_token_stale");
     /// let down = dlock_core::Error::backend("redis", "connection refused");
     /// assert_eq!(Rejection::from_lock_error(&down).status(), 503);
     /// let bug = dlock_core::Error::Internal("polled after it finished".into());
@@ -437,6 +449,8 @@ impl Rejection {
         }
         if matches!(err, dlock_core::Error::Timeout { .. }) {
             Self::lock_wait_timeout()
+        } else if err.is_stale() {
+            Self::lock_token_stale()
         } else if err.is_contention() {
             Self::duplicate_submission()
         } else if matches!(err, dlock_core::Error::InvalidKey(_)) {
@@ -522,6 +536,7 @@ mod tests {
             ("idempotency_request_in_progress", 409),
             ("lock_wait_timeout", 409),
             ("idempotency_token_unknown", 409),
+            ("lock_token_stale", 409),
             ("lock_key_field_missing", 400),
             ("invalid_json", 400),
             ("idempotency_token_missing", 400),
@@ -565,6 +580,7 @@ mod tests {
             (Error::InvalidKey("too long".into()), 400),
             (Error::config("DLOCK_PREFIX", "empty"), 500),
             (Error::Cancelled, 503),
+            (Error::StaleToken { resource: "r".into(), token: 1, newest: 2 }, 409),
             (Error::IdempotencyFull { per_scope: true, retry_after: std::time::Duration::from_secs(1) }, 429),
             (Error::IdempotencyFull { per_scope: false, retry_after: std::time::Duration::from_secs(1) }, 503),
         ];
@@ -608,6 +624,7 @@ mod tests {
             "duplicate_submission",
             "idempotency_request_in_progress",
             "lock_wait_timeout",
+            "lock_token_stale",
             "too_many_locks",
             "lock_permits_exhausted",
             "idempotency_scope_full",

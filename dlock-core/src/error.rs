@@ -14,7 +14,9 @@ use std::time::Duration;
 ///   [`Error::is_unavailable`] ([`Error::Backend`], [`Error::QuorumUnavailable`]);
 /// * the program or its environment is wrong: [`Error::is_misconfigured`]
 ///   ([`Error::Config`], [`Error::InvalidKey`], [`Error::InvalidArgument`],
-///   [`Error::ModeConflict`]).
+///   [`Error::ModeConflict`]);
+/// * the storage refused a write fenced by a token a newer holder has
+///   overtaken: [`Error::is_stale`] ([`Error::StaleToken`]).
 ///
 /// [`Error::Internal`] is none of these: dlock itself broke a rule it keeps.
 ///
@@ -93,6 +95,22 @@ pub enum Error {
         /// What does not fit, for people.
         reason: String,
     },
+    /// The storage refused a write (or a fenced read) because a newer holder
+    /// of the lock has already used the resource with a higher fencing
+    /// token: this holder's lease ran out (a pause, a slow network) and the
+    /// lock was granted again. Nothing was written; the caller must not
+    /// treat its work as done. Made by the helpers of [`fence`](crate::fence),
+    /// which check the token inside the storage, so the refusal holds even
+    /// when the holder never noticed it lost the lock.
+    #[error("fencing token {token} is stale for `{resource}`: token {newest} has already been used")]
+    StaleToken {
+        /// The fenced resource, as named by the caller.
+        resource: String,
+        /// The token that was refused.
+        token: u64,
+        /// The highest token the storage had seen for the resource.
+        newest: u64,
+    },
     /// dlock broke a rule of its own (a future polled after it finished, a
     /// stored record it cannot read back); a bug to report, not a state of
     /// the service or of the caller's program.
@@ -168,6 +186,18 @@ impl Error {
             Error::Backend { source: Some(source), .. } => source.downcast_ref::<RefusedFor>().map(|r| r.0),
             _ => None,
         }
+    }
+
+    /// The storage refused a write whose fencing token a newer holder had
+    /// overtaken ([`Error::StaleToken`]): nothing was written.
+    ///
+    /// ```
+    /// use dlock_core::Error;
+    /// let e = Error::StaleToken { resource: "stock:42".into(), token: 7, newest: 9 };
+    /// assert!(e.is_stale() && !e.is_contention() && !e.is_unavailable());
+    /// ```
+    pub fn is_stale(&self) -> bool {
+        matches!(self, Error::StaleToken { .. })
     }
 
     /// The program or its environment is misconfigured.

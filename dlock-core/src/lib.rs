@@ -33,6 +33,7 @@ mod config;
 mod connect;
 mod engine;
 mod error;
+pub mod fence;
 pub mod idempotency;
 mod key;
 mod owner;

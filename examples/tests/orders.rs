@@ -113,6 +113,9 @@ impl Orders {
             .env_remove("DLOCK_BACKEND")
             .env_remove("ORDERS_REDIS_URL")
             .env_remove("ORDERS_UNLOCKED")
+            .env_remove("ORDERS_POSTGRES_URL")
+            .env_remove("ORDERS_UNFENCED")
+            .env_remove("ORDERS_STOCK_WORK_MS")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         for (k, v) in env {
@@ -502,4 +505,197 @@ async fn a_third_concurrent_export_is_429() {
     }
     // The permits were given back.
     assert_eq!(request(addr, "POST", "/users/alice/export", None).await.expect("POST").status, 200);
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to the instance's process.
+fn signal(orders: &Orders, signal: &str) {
+    let status =
+        Command::new("kill").arg(format!("-{signal}")).arg(orders.child.id().to_string()).status().expect("kill");
+    assert!(status.success(), "kill -{signal}");
+}
+
+/// A sale whose instance is stopped (`SIGSTOP`) between reading the stock
+/// and writing it, past its lock's lease (300 ms); another instance takes
+/// the lock and sells; the stopped one resumes and writes. Returns both
+/// answers and the product after.
+async fn stale_sale(env: &[(&'static str, String)]) -> (http::Reply, http::Reply, Value) {
+    let mut env = env.to_vec();
+    env.push(("DLOCK_LEASE_MS", "300".into()));
+    let b = Orders::start(&as_refs(&env)).await;
+    env.push(("ORDERS_STOCK_WORK_MS", "800".into()));
+    let a = Orders::start(&as_refs(&env)).await;
+    let put = request(&b.addr, "PUT", "/products/500", Some(&json!({"stock": 10}))).await.expect("PUT");
+    assert_eq!(put.status, 200, "{}", put.json);
+    let body = json!({"product_id": 500, "quantity": 1});
+    let slow = tokio::spawn({
+        let (addr, body) = (a.addr.clone(), body.clone());
+        async move { request(&addr, "POST", "/stock/reduce", Some(&body)).await }
+    });
+    // A has the lock and has read the stock: it is in its 800 ms of work.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    signal(&a, "STOP");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    // B's sale may wait for A (the PostgreSQL store orders them by the
+    // fence's row lock, which A holds): A resumes while B's sale runs.
+    let fresh = tokio::spawn({
+        let addr = b.addr.clone();
+        async move { request(&addr, "POST", "/stock/reduce", Some(&body)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(&a, "CONT");
+    let fresh = fresh.await.expect("join").expect("B answers");
+    let stale = slow.await.expect("join").expect("A answers");
+    let product = request(&b.addr, "GET", "/products/500", None).await.expect("GET").json;
+    (fresh, stale, product)
+}
+
+/// A holder whose lease ran out while it was stopped cannot oversell: its
+/// write carries the old fencing token, the store refuses it, and it
+/// answers `409 lock_token_stale` with nothing changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_holder_cannot_oversell() {
+    let redis = RedisServer::start();
+    let (fresh, stale, product) = stale_sale(&redis_env(&redis.url())).await;
+    assert_eq!((fresh.status, &fresh.json["remaining"]), (200, &json!(9)), "{}", fresh.json);
+    assert_eq!(stale.status, 409, "{}", stale.json);
+    assert_eq!((&stale.json["error"], &stale.json["code"]), (&json!("lock_token_stale"), &json!(2105)));
+    assert_eq!(stale.header("retry-after"), Some("1"));
+    assert_eq!(product, json!({"id": 500, "stock": 9, "sold": 1}));
+}
+
+/// The control: the same sequence without the token in the write
+/// (`ORDERS_UNFENCED=1`) sells two units and takes one off the stock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_the_fence_a_stale_holder_oversells() {
+    let redis = RedisServer::start();
+    let mut env = redis_env(&redis.url());
+    env.push(("ORDERS_UNFENCED", "1".into()));
+    let (fresh, stale, product) = stale_sale(&env).await;
+    assert_eq!((fresh.status, stale.status), (200, 200), "{} {}", fresh.json, stale.json);
+    assert_eq!(product, json!({"id": 500, "stock": 9, "sold": 1}), "two sold, one taken off: the oversell");
+}
+
+/// The PostgreSQL store: stock, orders and fences in one database
+/// (`ORDERS_POSTGRES_URL`), the locks in Redis.
+#[cfg(feature = "postgres")]
+fn postgres_env(redis: &RedisServer, pg: &dlock_testing::PostgresServer) -> Vec<(&'static str, String)> {
+    vec![("DLOCK_BACKEND", "redis".into()), ("DLOCK_REDIS_URL", redis.url()), ("ORDERS_POSTGRES_URL", pg.url())]
+}
+
+/// On the PostgreSQL store a holder stopped inside its sale's transaction
+/// holds the fence's row lock: the next holder's sale waits for it and then
+/// reads what it wrote. Both sales count; nothing is oversold.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_stale_holder_inside_its_transaction_is_ordered_first() {
+    let (redis, pg) = (RedisServer::start(), dlock_testing::PostgresServer::start());
+    let (fresh, stale, product) = stale_sale(&postgres_env(&redis, &pg)).await;
+    assert_eq!((fresh.status, stale.status), (200, 200), "{} {}", fresh.json, stale.json);
+    assert_eq!(product, json!({"id": 500, "stock": 8, "sold": 2}));
+}
+
+/// Its control: without the token the same pause loses B's sale.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_without_the_fence_a_stale_holder_oversells() {
+    let (redis, pg) = (RedisServer::start(), dlock_testing::PostgresServer::start());
+    let mut env = postgres_env(&redis, &pg);
+    env.push(("ORDERS_UNFENCED", "1".into()));
+    let (fresh, stale, product) = stale_sale(&env).await;
+    assert_eq!((fresh.status, stale.status), (200, 200), "{} {}", fresh.json, stale.json);
+    assert_eq!(product, json!({"id": 500, "stock": 9, "sold": 1}), "two sold, one taken off");
+}
+
+/// `requests` concurrent one-unit sales on `path`, alternating instances,
+/// of a product of stock 50: (answers by status and error, the product).
+#[cfg(feature = "postgres")]
+async fn db_burst(instances: &[&Orders], path: &str, id: u64, requests: usize) -> (Vec<(u16, String)>, Value) {
+    let put = request(&instances[0].addr, "PUT", &format!("/products/{id}"), Some(&json!({"stock": 50})))
+        .await
+        .expect("PUT product");
+    assert_eq!(put.status, 200, "{}", put.json);
+    let tasks: Vec<_> = (0..requests)
+        .map(|i| {
+            let addr = instances[i % instances.len()].addr.clone();
+            let (path, body) = (path.to_owned(), json!({"product_id": id, "quantity": 1}));
+            tokio::spawn(async move { request(&addr, "POST", &path, Some(&body)).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        let r = t.await.expect("task").expect("answered");
+        answers.push((r.status, r.json["error"].as_str().unwrap_or_default().to_owned()));
+    }
+    let product = request(&instances[0].addr, "GET", &format!("/products/{id}"), None).await.expect("GET").json;
+    (answers, product)
+}
+
+#[cfg(feature = "postgres")]
+fn count(answers: &[(u16, String)], status: u16, error: &str) -> usize {
+    answers.iter().filter(|(s, e)| *s == status && e == error).count()
+}
+
+/// `SELECT … FOR UPDATE`, no dlock lock: two instances sell exactly the
+/// stock, every sale queued on the product's row.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_select_for_update_sells_exactly_the_stock() {
+    let (redis, pg) = (RedisServer::start(), dlock_testing::PostgresServer::start());
+    let env = postgres_env(&redis, &pg);
+    let (a, b) = (Orders::start(&as_refs(&env)).await, Orders::start(&as_refs(&env)).await);
+    let (answers, product) = db_burst(&[&a, &b], "/db/stock/reduce-for-update", 601, 120).await;
+    assert_eq!((count(&answers, 200, ""), count(&answers, 409, "sold_out")), (50, 70), "{answers:?}");
+    assert_eq!(product, json!({"id": 601, "stock": 0, "sold": 50}));
+}
+
+/// An optimistic `version` column, no lock at all: a lost race reads again
+/// (or gives up as `409 stock_contended`); what was answered sold is
+/// exactly what left the stock.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_version_column_loses_no_sale() {
+    let (redis, pg) = (RedisServer::start(), dlock_testing::PostgresServer::start());
+    let env = postgres_env(&redis, &pg);
+    let (a, b) = (Orders::start(&as_refs(&env)).await, Orders::start(&as_refs(&env)).await);
+    let (answers, product) = db_burst(&[&a, &b], "/db/stock/reduce-optimistic", 602, 120).await;
+    let (ok, out, contended) =
+        (count(&answers, 200, ""), count(&answers, 409, "sold_out"), count(&answers, 409, "stock_contended"));
+    assert_eq!(ok + out + contended, 120, "{answers:?}");
+    let (stock, sold) = (product["stock"].as_i64().expect("stock"), product["sold"].as_i64().expect("sold"));
+    assert_eq!((sold, stock + sold), (ok as i64, 50), "{product} {answers:?}");
+    assert!(ok > 0, "{answers:?}");
+}
+
+/// A unique index on the order's `request_id`, no lock: twenty copies of one
+/// order over two instances place one order and take the stock once; the
+/// other copies answer that order.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_unique_index_places_one_order_per_request_id() {
+    let (redis, pg) = (RedisServer::start(), dlock_testing::PostgresServer::start());
+    let env = postgres_env(&redis, &pg);
+    let (a, b) = (Orders::start(&as_refs(&env)).await, Orders::start(&as_refs(&env)).await);
+    let put = request(&a.addr, "PUT", "/products/603", Some(&json!({"stock": 10}))).await.expect("PUT");
+    assert_eq!(put.status, 200);
+    let body = json!({"request_id": "req-1", "product": {"id": 603}, "quantity": 2});
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let (addr, body) = (if i % 2 == 0 { &a.addr } else { &b.addr }.clone(), body.clone());
+            tokio::spawn(async move { request(&addr, "POST", "/db/orders", Some(&body)).await })
+        })
+        .collect();
+    let mut created = 0;
+    let mut order_ids = std::collections::HashSet::new();
+    for t in tasks {
+        let r = t.await.expect("task").expect("answered");
+        assert!(r.status == 201 || r.status == 200, "{} {}", r.status, r.json);
+        created += usize::from(r.status == 201);
+        order_ids.insert(r.json["order_id"].as_str().expect("order_id").to_owned());
+    }
+    assert_eq!((created, order_ids.len()), (1, 1));
+    let product = request(&a.addr, "GET", "/products/603", None).await.expect("GET").json;
+    assert_eq!(product, json!({"id": 603, "stock": 8, "sold": 2}));
+    // Another request id is another order.
+    let other = json!({"request_id": "req-2", "product": {"id": 603}, "quantity": 2});
+    assert_eq!(request(&b.addr, "POST", "/db/orders", Some(&other)).await.expect("answered").status, 201);
 }

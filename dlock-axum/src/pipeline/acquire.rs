@@ -143,10 +143,48 @@ impl Policy {
         key: LockKey,
         work: F,
     ) -> Result<(F::Output, LockOutcome), Response> {
+        self.run_holding(locker, owner, key, |_| work).await
+    }
+
+    /// [`run_locked`](Self::run_locked), with `work` made once the lock is
+    /// held, from the [`HeldLock`](crate::HeldLock): its fencing token for
+    /// the storage the work writes (see `dlock_core::fence`), its lost
+    /// signal.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use dlock_axum::lock::Policy;
+    /// use dlock_core::{Locker, MemoryBackend, Owner};
+    /// let locker = Locker::new(MemoryBackend::new());
+    /// let policy = Policy::new("product.stock");
+    /// let key = locker.key(policy.name()).part(42).build()?;
+    /// let done = policy.run_holding(&locker, Owner::random()?, key, |held| async move { held.fencing_token().0 }).await;
+    /// assert!(matches!(done, Ok((token, _)) if token > 0));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`run_locked`](Self::run_locked): `work` is not called.
+    ///
+    /// # Cancellation safety
+    ///
+    /// Dropping the future releases the lock in the background.
+    pub async fn run_holding<W, F>(
+        &self,
+        locker: &Locker,
+        owner: Owner,
+        key: LockKey,
+        work: W,
+    ) -> Result<(F::Output, LockOutcome), Response>
+    where
+        W: FnOnce(crate::HeldLock) -> F,
+        F: Future,
+    {
         let held = acquire_for_request(locker, owner, std::slice::from_ref(&key), self)
             .await
             .map_err(|refusal| refusal.respond(self))?;
-        let out = work.await;
+        let out = work(crate::HeldLock::of(held.guard())).await;
         Ok((out, held.release(self).await))
     }
 }

@@ -133,7 +133,8 @@ const BACKEND: &str = "postgres";
 /// The variable that names the server, for configuration errors.
 const URL_VAR: &str = "DLOCK_POSTGRES_URL";
 /// The first key of dlock's advisory locks ("dloc"); the second is a hash
-/// of the lock key, or 0 for the schema.
+/// of the lock key, or 0 for the schema (also the fences table's, see
+/// [`crate::fence::postgres`]).
 const LOCK_CLASS: i32 = 0x646c_6f63;
 /// The longest prefix: the longest name made of it (`_acquire_v1`) must fit
 /// PostgreSQL's 63 bytes, or it would be cut and collide.

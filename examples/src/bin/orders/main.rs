@@ -11,8 +11,11 @@
 //! | variable | meaning | default |
 //! |---|---|---|
 //! | `ORDERS_ADDR` | listen address (`:0` picks a free port) | `127.0.0.1:3000` |
-//! | `ORDERS_REDIS_URL` | keep products and orders in this Redis (plain `GET`/`SET`), shared by instances | in process |
+//! | `ORDERS_REDIS_URL` | keep products and orders in this Redis (plain `GET`/`SET`, stock through `dlock_core::fence::redis`), shared by instances | in process |
+//! | `ORDERS_POSTGRES_URL` | keep them in this PostgreSQL database instead (feature `postgres`; `pg.rs`): fenced stock, and the database patterns' routes | in process |
 //! | `ORDERS_UNLOCKED` | `1`: no lock on the stock (shows the oversell) | off |
+//! | `ORDERS_UNFENCED` | `1`: stock writes carry no fencing token (shows a holder whose lease ran out overselling) | off |
+//! | `ORDERS_STOCK_WORK_MS` | how long a sale works between reading the stock and writing it | `2` |
 //! | `ORDERS_CHARGES_UNGUARDED` | `1`: `POST /charges` without `IdempotencyLayer` (shows duplicates running twice; the torture harness's negative control) | off |
 //! | `ORDERS_PAYMENT_LEASE_MS` | the lease of an in-progress payment (renewed while it runs): how long a crashed instance's payment blocks its `Idempotency-Key` before a retry runs it again | `10000` |
 //! | `ORDERS_EXPORT_MS` | how long one `POST /users/{user}/export` works | `500` |
@@ -26,7 +29,16 @@
 //! * `PUT /products/{id}` `{"stock": n}` → `{"id":id,"stock":n,"sold":0}`
 //! * `GET /products/{id}` → `{"id":..,"stock":..,"sold":..}`, 404 when unknown
 //! * `POST /stock/reduce` `{"product_id": id, "quantity": q}` → `{"product_id":..,"remaining":..}`,
-//!   behind `LockLayer::new("product.stock").json("product_id")`; 409 `sold_out`
+//!   behind `LockLayer::new("product.stock").json("product_id")`; 409 `sold_out`; the
+//!   stock write carries the lock's fencing token: a request whose lease ran
+//!   out and whose lock another request took is `409 lock_token_stale`, nothing sold
+//! * with `ORDERS_POSTGRES_URL`, the database's own patterns, no dlock lock
+//!   (`docs/database-patterns.md`; `501 needs_postgres_store` on other stores):
+//!   `POST /db/orders` `{"request_id": r, "product": {"id": id}, "quantity": q}` → 201
+//!   (a unique index on `request_id`: a repeat answers 200 with the first order);
+//!   `POST /db/stock/reduce-optimistic` and `POST /db/stock/reduce-for-update`
+//!   `{"product_id": id, "quantity": q}` → `{"product_id":..,"remaining":..}` (a
+//!   `version` column; `SELECT … FOR UPDATE`); 409 `sold_out`, 409 `stock_contended`
 //! * `POST /orders?token=T` `{"product":{"id":id},"quantity":q}` → 201
 //!   `{"order_id":..,"product_id":..,"quantity":..}`; `#[lockable]` on `order.create`
 //!   by product and token; `T` comes from `GET /idempotency/token` and is
@@ -76,7 +88,8 @@ use axum::{Json, Router};
 use dlock_axum::idempotency::stored_by_default;
 use dlock_axum::lock::Policy;
 use dlock_axum::{
-    lockable, DlockRuntime, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RenderRejections, RequestOwner,
+    lockable, DlockRuntime, FencingToken, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RenderRejections,
+    RequestOwner,
 };
 use dlock_core::{Config, Locker, Owner};
 use serde_json::{json, Value};
@@ -85,13 +98,17 @@ use tracing_subscriber::EnvFilter;
 mod accounts;
 mod extract;
 mod model;
+#[cfg(feature = "postgres")]
+mod patterns;
 mod payments;
+#[cfg(feature = "postgres")]
+mod pg;
 mod rate;
 mod store;
 
 use extract::{Path, Query};
 use model::{CreateOrder, ProductId, ProductRef, ReduceStock, SetStock, TokenParam};
-use store::{Stock, Store, StoreError};
+use store::{Sale, Stock, Store, StoreError};
 
 /// How long a sale waits for the product's lock.
 const STOCK_WAIT: Duration = Duration::from_secs(5);
@@ -106,6 +123,10 @@ struct App {
     payment_lease: std::time::Duration,
     /// `ORDERS_UNLOCKED=1`: sell without the stock lock.
     unlocked: bool,
+    /// `ORDERS_UNFENCED=1`: stock writes without the lock's fencing token.
+    unfenced: bool,
+    /// `ORDERS_STOCK_WORK_MS`: a sale's work between its read and its write.
+    stock_work: Duration,
     /// `ORDERS_CHARGES_UNGUARDED=1`: `POST /charges` without its idempotency layer.
     charges_unguarded: bool,
     /// `ORDERS_TOKEN_RATE`: tokens per second per client address.
@@ -130,9 +151,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     locker
         .supports(dlock_core::backend::LockMode::permits(2))
         .map_err(|e| format!("POST /users/{{user}}/export: {e}"))?;
-    let store = match &orders_redis_url {
-        Some(url) => Store::redis(url).await?,
-        None => Store::memory(),
+    let store = match (&orders_redis_url, non_empty_env("ORDERS_POSTGRES_URL")) {
+        (Some(_), Some(_)) => return Err("ORDERS_REDIS_URL and ORDERS_POSTGRES_URL: set one store, not both".into()),
+        (Some(url), None) => Store::redis(url).await?,
+        (None, Some(url)) => postgres_store(&url).await?,
+        (None, None) => Store::memory(),
     };
     let payment_lease = match non_empty_env("ORDERS_PAYMENT_LEASE_MS") {
         Some(v) => match v.parse::<u64>() {
@@ -147,6 +170,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let flag = |var: &str| non_empty_env(var).is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
     let (unlocked, charges_unguarded) = (flag("ORDERS_UNLOCKED"), flag("ORDERS_CHARGES_UNGUARDED"));
+    let unfenced = flag("ORDERS_UNFENCED");
+    // A shared store keeps the highest fencing token of every product
+    // across restarts of this process; the in-process lock backend's tokens
+    // start again at 1 with it, and every sale would be refused as stale.
+    if store.kind() != "memory" && locker.backend_name() == "memory" && !unlocked && !unfenced {
+        return Err(format!(
+            "a {} store needs a shared lock backend (DLOCK_BACKEND=redis, …): the in-process one's fencing tokens \
+             restart with the process, and the store would refuse them as stale",
+            store.kind()
+        )
+        .into());
+    }
+    let stock_work = match non_empty_env("ORDERS_STOCK_WORK_MS") {
+        Some(v) => Duration::from_millis(
+            v.parse().map_err(|_| format!("ORDERS_STOCK_WORK_MS: expected a number of milliseconds, got `{v}`"))?,
+        ),
+        None => Duration::from_millis(2),
+    };
     let addr: SocketAddr = non_empty_env("ORDERS_ADDR")
         .unwrap_or_else(|| "127.0.0.1:3000".into())
         .parse()
@@ -173,6 +214,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         store,
         idem,
         unlocked,
+        unfenced,
+        stock_work,
         charges_unguarded,
         payment_lease,
         token_rate,
@@ -200,6 +243,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+#[cfg(feature = "postgres")]
+async fn postgres_store(url: &str) -> Result<Store, StoreError> {
+    Ok(Store::Postgres(pg::PgStore::connect(url).await?))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn postgres_store(_: &str) -> Result<Store, String> {
+    Err("ORDERS_POSTGRES_URL needs the `postgres` feature (cargo run -p dlock-examples --features postgres --bin orders)".into())
+}
+
 fn non_empty_env(var: &str) -> Option<String> {
     std::env::var(var).ok().map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
 }
@@ -211,7 +264,14 @@ fn router(app: App, dlock: DlockRuntime) -> Router {
     } else {
         reduce.route_layer(LockLayer::new("product.stock").json("product_id").wait(STOCK_WAIT))
     };
-    Router::new()
+    #[cfg(feature = "postgres")]
+    let router = Router::new()
+        .route("/db/orders", post(patterns::unique_order))
+        .route("/db/stock/reduce-optimistic", post(patterns::reduce_optimistic))
+        .route("/db/stock/reduce-for-update", post(patterns::reduce_for_update));
+    #[cfg(not(feature = "postgres"))]
+    let router = Router::new();
+    router
         .route("/health", get(health))
         // Every server dlock uses answers now (no lock taken): 200 or 503.
         .route("/ready", get(dlock_axum::ready))
@@ -298,6 +358,10 @@ impl From<Rejection> for AppError {
 
 impl From<StoreError> for AppError {
     fn from(e: StoreError) -> Self {
+        if let StoreError::Stale(e) = &e {
+            tracing::warn!(error = %e, "a stock write was refused: the lock ran out and was taken again");
+            return Rejection::from_lock_error(e).into();
+        }
         tracing::warn!(error = %e, "store unavailable");
         Rejection::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -372,17 +436,23 @@ async fn put_product(
     }
     let s = Stock { stock, sold: 0 };
     // Under the stock lock, so a restock never interleaves with a sale.
-    app.with_stock_lock(owner, &id, async { app.store.put(id.as_str(), s).await.map_err(AppError::from) }).await?;
-    Ok(product_json(&id, s))
+    let (app, id) = (&app, &id);
+    app.with_stock_lock(owner, id, |fence| async move {
+        app.store.put(id.as_str(), s, app.fence(fence)).await.map_err(AppError::from)
+    })
+    .await?;
+    Ok(product_json(id, s))
 }
 
 /// Behind `LockLayer::new("product.stock").json("product_id")`: the layer
-/// holds the product's lock while this runs.
+/// holds the product's lock while this runs, and its fencing token goes
+/// with the stock write (none with `ORDERS_UNLOCKED`).
 async fn reduce_stock(
     State(app): State<App>,
+    fence: Option<FencingToken>,
     JsonBody(ReduceStock { product_id, quantity }): JsonBody<ReduceStock>,
 ) -> Result<Json<Value>, AppError> {
-    let remaining = take_stock(&app.store, &product_id, quantity).await?;
+    let remaining = take_stock(&app, &product_id, quantity, fence).await?;
     Ok(Json(json!({"product_id": product_id, "remaining": remaining})))
 }
 
@@ -416,7 +486,7 @@ async fn create_order(
 }
 
 async fn place_order(app: &App, owner: Owner, id: ProductId, quantity: i64) -> Result<Response, AppError> {
-    let remaining = app.with_stock_lock(owner, &id, take_stock(&app.store, &id, quantity)).await?;
+    let remaining = app.with_stock_lock(owner, &id, |fence| take_stock(app, &id, quantity, fence)).await?;
     let order_id = new_order_id()?;
     let order = json!({"order_id": order_id, "product_id": id, "quantity": quantity});
     app.store.record_order(&order_id, &order).await?;
@@ -441,24 +511,24 @@ fn new_order_id() -> Result<String, AppError> {
     }))
 }
 
-/// The deliberately non-atomic read-modify-write: read, await, write. Only a
-/// lock around it keeps two sales from reading the same stock.
-async fn take_stock(store: &Store, id: &ProductId, quantity: i64) -> Result<i64, AppError> {
+/// The deliberately non-atomic read-modify-write (`Store::sell`): read,
+/// work, write. Only a lock around it keeps two sales from reading the same
+/// stock, and only the lock's fencing token, checked by the store, keeps a
+/// sale whose lock ran out during its work from writing over the next one.
+async fn take_stock(app: &App, id: &ProductId, quantity: i64, fence: Option<FencingToken>) -> Result<i64, AppError> {
     if quantity < 1 {
         return Err(invalid_quantity().into());
     }
-    let Some(current) = store.get(id.as_str()).await? else {
-        return Err(not_found(id).into());
-    };
-    if current.stock < quantity {
-        return Err(sold_out(id, current.stock, quantity).into());
+    sold(id, quantity, app.store.sell(id.as_str(), quantity, app.fence(fence), app.stock_work).await?)
+}
+
+/// A sale's answer: the units left, or why nothing was sold.
+fn sold(id: &ProductId, quantity: i64, sale: Sale) -> Result<i64, AppError> {
+    match sale {
+        Sale::Sold(remaining) => Ok(remaining),
+        Sale::SoldOut(stock) => Err(sold_out(id, stock, quantity).into()),
+        Sale::NotFound => Err(not_found(id).into()),
     }
-    // Another request that read the same stock would now write the same
-    // result: the lost update the lock prevents.
-    tokio::time::sleep(Duration::from_millis(2)).await;
-    let next = Stock { stock: current.stock - quantity, sold: current.sold + quantity };
-    store.put(id.as_str(), next).await?;
-    Ok(next.stock)
 }
 
 /// The stock lock `/stock/reduce`'s `LockLayer` takes, for the handlers
@@ -468,22 +538,31 @@ fn stock_policy() -> Policy {
 }
 
 impl App {
+    /// The token a stock write carries: the lock's, unless `ORDERS_UNFENCED`.
+    fn fence(&self, token: Option<FencingToken>) -> Option<u64> {
+        token.filter(|_| !self.unfenced).map(|FencingToken(t)| t)
+    }
+
     /// Runs `work` holding the product's stock lock (the key
     /// `LockLayer::new("product.stock").json("product_id")` builds), as the
-    /// request's `owner`, unless the service runs unlocked. A lock that cannot
-    /// be taken is answered as the layer answers it.
-    async fn with_stock_lock<T>(
+    /// request's `owner`, with the lock's fencing token, unless the service
+    /// runs unlocked. A lock that cannot be taken is answered as the layer
+    /// answers it.
+    async fn with_stock_lock<T, F>(
         &self,
         owner: Owner,
         id: &ProductId,
-        work: impl std::future::Future<Output = Result<T, AppError>>,
-    ) -> Result<T, AppError> {
+        work: impl FnOnce(Option<FencingToken>) -> F,
+    ) -> Result<T, AppError>
+    where
+        F: std::future::Future<Output = Result<T, AppError>>,
+    {
         if self.unlocked {
-            return work.await;
+            return work(None).await;
         }
         let policy = stock_policy();
         let key = self.locker.key(policy.name()).part(id).build().map_err(Rejection::from)?;
-        match policy.run_locked(&self.locker, owner, key, work).await {
+        match policy.run_holding(&self.locker, owner, key, |held| work(Some(held.fencing_token()))).await {
             Ok((result, _)) => result,
             Err(refused) => Err(AppError::Lock(Box::new(refused))),
         }

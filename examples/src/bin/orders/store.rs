@@ -1,13 +1,21 @@
 //! Where the `orders` service keeps products, orders and payments: in
-//! process, or in a Redis shared by several instances.
+//! process, in a Redis shared by several instances, or (feature
+//! `postgres`) in a PostgreSQL database (`pg.rs`).
 //!
-//! Products are read and written with plain `GET` / `SET` on purpose: the
-//! read-modify-write of stock is not atomic, so only the lock keeps
-//! concurrent sales from overselling.
+//! A sale is a read-modify-write of the product on purpose (read, work,
+//! write): only the lock keeps concurrent sales from overselling, and
+//! only the fence keeps a holder whose lease ran out during its work from
+//! writing over the sale of the request that took the lock after it. Every
+//! stock write carries the stock lock's fencing token: the in-process
+//! store compares it with the highest one it has seen, the Redis store
+//! reads and writes through `dlock_core::fence::redis`, the PostgreSQL
+//! store checks `dlock_core::fence::postgres::Fences` first in the sale's
+//! transaction. A refused token is [`StoreError::Stale`].
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::AsyncCommands;
@@ -23,14 +31,48 @@ pub(crate) struct Stock {
     pub(crate) sold: i64,
 }
 
-/// The store could not be reached or answered garbage.
+/// What a sale did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sale {
+    /// Sold: the units left.
+    Sold(i64),
+    /// Not enough left: the units there are.
+    SoldOut(i64),
+    /// No such product.
+    NotFound,
+}
+
+/// A store access that failed.
 #[derive(Debug, thiserror::Error)]
-#[error("store unavailable: {0}")]
-pub(crate) struct StoreError(String);
+pub(crate) enum StoreError {
+    /// The store could not be reached or answered garbage.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The store refused a write fenced by a stale token
+    /// (`dlock_core::Error::StaleToken`): nothing was written.
+    #[error("{0}")]
+    Stale(dlock_core::Error),
+}
+
+impl StoreError {
+    pub(crate) fn unavailable(e: impl fmt::Display) -> Self {
+        StoreError::Unavailable(e.to_string())
+    }
+}
 
 impl From<redis::RedisError> for StoreError {
     fn from(e: redis::RedisError) -> Self {
-        StoreError(e.to_string())
+        StoreError::unavailable(e)
+    }
+}
+
+impl From<dlock_core::Error> for StoreError {
+    fn from(e: dlock_core::Error) -> Self {
+        if e.is_stale() {
+            StoreError::Stale(e)
+        } else {
+            StoreError::unavailable(e)
+        }
     }
 }
 
@@ -42,6 +84,9 @@ pub(crate) enum Store {
     Memory(Arc<Mutex<MemoryStore>>),
     /// In a Redis that several instances share.
     Redis(ConnectionManager),
+    /// In a PostgreSQL database that several instances share.
+    #[cfg(feature = "postgres")]
+    Postgres(crate::pg::PgStore),
 }
 
 impl fmt::Debug for Store {
@@ -49,6 +94,8 @@ impl fmt::Debug for Store {
         f.write_str(match self {
             Store::Memory(_) => "Store::Memory",
             Store::Redis(_) => "Store::Redis",
+            #[cfg(feature = "postgres")]
+            Store::Postgres(_) => "Store::Postgres",
         })
     }
 }
@@ -57,6 +104,8 @@ impl fmt::Debug for Store {
 #[derive(Debug, Default)]
 pub(crate) struct MemoryStore {
     products: HashMap<String, Stock>,
+    /// The highest fencing token seen per product.
+    fences: HashMap<String, u64>,
     orders: HashMap<String, String>,
     payments: HashMap<String, String>,
     payment_claims: HashMap<String, String>,
@@ -68,6 +117,24 @@ const PREFIX: &str = "orders";
 
 fn product_key(id: &str) -> String {
     format!("{PREFIX}:product:{id}")
+}
+
+impl MemoryStore {
+    /// The fence of product `id`: refuses a token below the highest seen,
+    /// and records it (reads too, as `dlock_core::fence::redis` does).
+    fn fence(&mut self, id: &str, token: Option<u64>) -> Result<(), StoreError> {
+        let Some(token) = token else { return Ok(()) };
+        let newest = self.fences.entry(id.to_owned()).or_default();
+        if token < *newest {
+            return Err(StoreError::Stale(dlock_core::Error::StaleToken {
+                resource: product_key(id),
+                token,
+                newest: *newest,
+            }));
+        }
+        *newest = token;
+        Ok(())
+    }
 }
 
 fn account_key(id: &str) -> String {
@@ -85,47 +152,105 @@ impl Store {
     /// Redis answers errors at once, not hangs, and a broken connection is
     /// re-established by the requests that follow.
     pub(crate) async fn redis(url: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| StoreError(e.to_string()))?;
+        let client = redis::Client::open(url).map_err(StoreError::unavailable)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(std::time::Duration::from_secs(1)))
             .set_response_timeout(Some(std::time::Duration::from_secs(1)))
             .set_number_of_retries(2)
             .set_max_delay(std::time::Duration::from_millis(250));
-        let conn = ConnectionManager::new_with_config(client, config).await.map_err(|e| StoreError(e.to_string()))?;
+        let conn = ConnectionManager::new_with_config(client, config).await.map_err(StoreError::unavailable)?;
         Ok(Store::Redis(conn))
     }
 
-    /// `memory` or `redis`.
+    /// `memory`, `redis` or `postgres`.
     pub(crate) fn kind(&self) -> &'static str {
         match self {
             Store::Memory(_) => "memory",
             Store::Redis(_) => "redis",
+            #[cfg(feature = "postgres")]
+            Store::Postgres(_) => "postgres",
         }
     }
 
-    /// The stock of product `id`, if it exists.
+    /// Sells `quantity` units of product `id`: reads its stock, works for
+    /// `work` (the window a pause or a second seller lands in), writes it
+    /// back, each access fenced by `fence` (`None`: unfenced).
+    pub(crate) async fn sell(
+        &self,
+        id: &str,
+        quantity: i64,
+        fence: Option<u64>,
+        work: Duration,
+    ) -> Result<Sale, StoreError> {
+        #[cfg(feature = "postgres")]
+        if let Store::Postgres(pg) = self {
+            return pg.sell(id, quantity, fence, work).await;
+        }
+        let Some(current) = self.read_stock(id, fence).await? else { return Ok(Sale::NotFound) };
+        if current.stock < quantity {
+            return Ok(Sale::SoldOut(current.stock));
+        }
+        // Another request that read the same stock would now write the same
+        // result: the lost update the lock prevents, and the fence when the
+        // lock ran out.
+        tokio::time::sleep(work).await;
+        let next = Stock { stock: current.stock - quantity, sold: current.sold + quantity };
+        self.put(id, next, fence).await?;
+        Ok(Sale::Sold(next.stock))
+    }
+
+    /// The stock of product `id`, read fenced by `fence`.
+    async fn read_stock(&self, id: &str, fence: Option<u64>) -> Result<Option<Stock>, StoreError> {
+        match (self, fence) {
+            (Store::Memory(m), _) => {
+                let mut m = m.lock().await;
+                m.fence(id, fence)?;
+                Ok(m.products.get(id).copied())
+            }
+            (Store::Redis(conn), Some(token)) => {
+                let raw = dlock_core::fence::redis::get(&mut conn.clone(), &product_key(id), token).await?;
+                raw.map(|s| parse_stock(id, &s)).transpose()
+            }
+            _ => self.get(id).await,
+        }
+    }
+
+    /// The stock of product `id`, if it exists (unfenced: for answers, not
+    /// for a read-modify-write).
     pub(crate) async fn get(&self, id: &str) -> Result<Option<Stock>, StoreError> {
         match self {
             Store::Memory(m) => Ok(m.lock().await.products.get(id).copied()),
             Store::Redis(conn) => {
                 let raw: Option<String> = conn.clone().get(product_key(id)).await?;
-                raw.map(|s| serde_json::from_str(&s).map_err(|e| StoreError(format!("product {id}: {e}")))).transpose()
+                raw.map(|s| parse_stock(id, &s)).transpose()
             }
+            #[cfg(feature = "postgres")]
+            Store::Postgres(pg) => pg.get(id).await,
         }
     }
 
-    /// Overwrites the stock of product `id`.
-    pub(crate) async fn put(&self, id: &str, stock: Stock) -> Result<(), StoreError> {
+    /// Overwrites the stock of product `id`, fenced by `fence` (`None`:
+    /// unfenced).
+    pub(crate) async fn put(&self, id: &str, stock: Stock, fence: Option<u64>) -> Result<(), StoreError> {
         match self {
             Store::Memory(m) => {
-                m.lock().await.products.insert(id.to_owned(), stock);
+                let mut m = m.lock().await;
+                m.fence(id, fence)?;
+                m.products.insert(id.to_owned(), stock);
                 Ok(())
             }
             Store::Redis(conn) => {
-                let raw = serde_json::to_string(&stock).map_err(|e| StoreError(e.to_string()))?;
-                let () = conn.clone().set(product_key(id), raw).await?;
+                let raw = serde_json::to_string(&stock).map_err(StoreError::unavailable)?;
+                match fence {
+                    Some(token) => {
+                        dlock_core::fence::redis::set(&mut conn.clone(), &product_key(id), raw, token).await?
+                    }
+                    None => conn.clone().set(product_key(id), raw).await?,
+                }
                 Ok(())
             }
+            #[cfg(feature = "postgres")]
+            Store::Postgres(pg) => pg.put(id, stock, fence).await,
         }
     }
 
@@ -134,6 +259,8 @@ impl Store {
         match self {
             Store::Memory(m) => Ok(m.lock().await.accounts.get(id).copied()),
             Store::Redis(conn) => Ok(conn.clone().get(account_key(id)).await?),
+            #[cfg(feature = "postgres")]
+            Store::Postgres(pg) => pg.balance(id).await,
         }
     }
 
@@ -149,6 +276,8 @@ impl Store {
                 let () = conn.clone().set(account_key(id), balance).await?;
                 Ok(())
             }
+            #[cfg(feature = "postgres")]
+            Store::Postgres(pg) => pg.set_balance(id, balance).await,
         }
     }
 
@@ -163,6 +292,8 @@ impl Store {
                 let () = conn.clone().set(format!("{PREFIX}:order:{order_id}"), order.to_string()).await?;
                 Ok(())
             }
+            #[cfg(feature = "postgres")]
+            Store::Postgres(pg) => pg.record_order(order_id, order).await,
         }
     }
 
@@ -178,6 +309,8 @@ impl Store {
                 Ok(*n)
             }
             Store::Redis(conn) => Ok(conn.clone().incr(format!("{PREFIX}:charges:{order_id}"), 1u64).await?),
+            #[cfg(feature = "postgres")]
+            Store::Postgres(pg) => pg.count_charge(order_id).await,
         }
     }
 
@@ -217,6 +350,12 @@ impl Store {
                     .await?;
                 Ok(existing)
             }
+            #[cfg(feature = "postgres")]
+            Store::Postgres(pg) => pg.record_payment_once(claim, payment_id, payment).await,
         }
     }
+}
+
+fn parse_stock(id: &str, raw: &str) -> Result<Stock, StoreError> {
+    serde_json::from_str(raw).map_err(|e| StoreError::Unavailable(format!("product {id}: {e}")))
 }
