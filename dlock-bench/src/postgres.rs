@@ -44,13 +44,13 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use tower::Service;
 
 use crate::args::Args;
+use crate::backends::without_commands;
 use crate::env::Env;
 use crate::error::{BenchError, Result};
 use crate::locks::{BenchLock, DlockLock, LEASE};
 use crate::measure::{median, run_window, Sample, Timing};
 use crate::report::Row;
 use crate::series::{target, Series};
-use crate::backends::without_commands;
 use crate::{handoff, uncontended};
 
 /// dlock's uncontended cycles at least this times the hand-written lease lock's.
@@ -110,8 +110,11 @@ impl BenchLock for HandLock {
             if wait {
                 sqlx::query("SELECT pg_advisory_lock($1)").bind(id).execute(&mut *conn).await.map_err(pg)?;
             } else {
-                let got: bool =
-                    sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(id).fetch_one(&mut *conn).await.map_err(pg)?;
+                let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                    .bind(id)
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(pg)?;
                 if !got {
                     return Err(BenchError::Invariant("an uncontended advisory lock was held".into()));
                 }
@@ -202,10 +205,8 @@ async fn start() -> Result<Under> {
     })?;
     let options = PostgresOptions::default().with_max_connections(POOL);
     let backend = PostgresBackend::connect_with(&server.url(), "bench", options).await?;
-    let locker = Locker::with_options(
-        Arc::new(backend) as Arc<dyn Backend>,
-        LockerOptions::default().with_prefix("bench"),
-    )?;
+    let locker =
+        Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default().with_prefix("bench"))?;
     let pool = PgPoolOptions::new().max_connections(POOL).connect(&server.url()).await.map_err(pg)?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS bench_lease (key text PRIMARY KEY, owner bigint NOT NULL, expires_at timestamptz NOT NULL); \
@@ -226,8 +227,10 @@ pub(crate) async fn run(_env: &Env, args: &Args) -> Result<Vec<Row>> {
     let under = start().await?;
     let timing = Timing { warmup: args.warmup, duration: args.duration.max(Duration::from_millis(200)) };
     let imps = ["dlock", "lease", "advisory"];
-    let mut unc: Vec<Vec<Series>> =
-        imps.iter().map(|imp| CONCURRENCY.iter().map(|&c| Series::new("postgres", imp, "postgres", c)).collect()).collect();
+    let mut unc: Vec<Vec<Series>> = imps
+        .iter()
+        .map(|imp| CONCURRENCY.iter().map(|&c| Series::new("postgres", imp, "postgres", c)).collect())
+        .collect();
     let mut vs_lease: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
     let mut hand_series: Vec<Series> =
         imps.iter().map(|imp| Series::new("postgres-handoff", imp, "postgres", CONTENDERS)).collect();
@@ -256,7 +259,8 @@ pub(crate) async fn run(_env: &Env, args: &Args) -> Result<Vec<Row>> {
             }
         }
         let name = format!("h-r{round}");
-        let d = handoff::measure(DlockLock::new(under.locker.clone(), &name, 1)?, CONTENDERS, args.settle, timing, None);
+        let d =
+            handoff::measure(DlockLock::new(under.locker.clone(), &name, 1)?, CONTENDERS, args.settle, timing, None);
         hand_series[0].samples.push(d.await?);
         let l = handoff::measure(hand(&under.pool, false, name.clone(), 0), CONTENDERS, args.settle, timing, None);
         hand_series[1].samples.push(l.await?);

@@ -809,6 +809,65 @@ mod postgres {
         let live = |table: &str| server.psql(&format!("SELECT count(*) FROM {table} WHERE expires_at > now()"));
         assert_eq!(live("caps_idem_keys"), "3", "records");
         assert_eq!(live("caps_idem_tokens"), "2", "tokens");
+        for prefix in ["t", "caps", "bytes"] {
+            tallies_match(&server, prefix);
+        }
+    }
+
+    /// The tallies count exactly the rows there are (expired ones included
+    /// until they are swept), and the bytes of their answers.
+    fn tallies_match(server: &PostgresServer, prefix: &str) {
+        let rows = server.psql(&format!(
+            "SELECT (SELECT count(*) FROM {prefix}_idem_keys) || ':' || (SELECT coalesce(sum(bytes), 0) FROM {prefix}_idem_keys) \
+             || ':' || (SELECT count(*) FROM {prefix}_idem_tokens)"
+        ));
+        let tally = server.psql(&format!(
+            "SELECT coalesce(sum(records) FILTER (WHERE pool LIKE 'k:%'), 0) || ':' \
+             || coalesce(sum(bytes) FILTER (WHERE pool LIKE 'k:%'), 0) || ':' \
+             || coalesce(sum(records) FILTER (WHERE pool NOT LIKE 'k:%'), 0) FROM {prefix}_idem_tally"
+        ));
+        assert_eq!(tally, rows, "{prefix}: the tally (records:bytes:tokens) against the rows");
+    }
+
+    /// A claim inside a transaction enters its caller's tally when it
+    /// completes, and not at all when it rolls back; at the cap, it is
+    /// refused like any other.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn claims_inside_transactions_keep_the_tally() {
+        let server = PostgresServer::start();
+        let limits = IdempotencyLimits::default().with_max_per_scope(2);
+        let store = PostgresStore::connect(&server.url(), "tally").await.expect("connect").with_limits(limits);
+        let terms = ClaimTerms::new(Duration::from_secs(10));
+        let done = StoredResponse::new(200, vec![], b"ok".to_vec());
+        for (key, commit) in [("k1", false), ("k1", true), ("k2", true)] {
+            let mut tx = store.pool().begin().await.expect("begin");
+            let claim = new(store.begin_in(&mut tx, "erin", key, "fp", terms).await.expect("claim"));
+            assert!(store.complete_in(&mut tx, &claim, &done).await.expect("complete"));
+            if commit {
+                tx.commit().await.expect("commit");
+            } else {
+                tx.rollback().await.expect("rollback");
+            }
+            tallies_match(&server, "tally");
+        }
+        let mut tx = store.pool().begin().await.expect("begin");
+        let full = store.begin_in(&mut tx, "erin", "k3", "fp", terms).await;
+        assert!(matches!(full, Err(Error::IdempotencyFull { per_scope: true, .. })), "{full:?}");
+        drop(tx);
+        // An expired record of a key, claimed again inside a transaction,
+        // stays one record; its old answer's bytes leave the tally.
+        let short = ClaimTerms::new(Duration::from_millis(100)).with_ttl(Duration::from_millis(100));
+        let mut tx = store.pool().begin().await.expect("begin");
+        let claim = new(store.begin_in(&mut tx, "fred", "f1", "fp", short).await.expect("claim"));
+        assert!(store.complete_in(&mut tx, &claim, &done).await.expect("complete"));
+        tx.commit().await.expect("commit");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut tx = store.pool().begin().await.expect("begin");
+        let claim = new(store.begin_in(&mut tx, "fred", "f1", "fp", terms).await.expect("expired: claimed again"));
+        let bigger = StoredResponse::new(200, vec![], b"a longer answer".to_vec());
+        assert!(store.complete_in(&mut tx, &claim, &bigger).await.expect("complete"));
+        tx.commit().await.expect("commit");
+        tallies_match(&server, "tally");
     }
 
     fn new(b: Begin) -> Claim {

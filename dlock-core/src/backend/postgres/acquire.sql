@@ -10,11 +10,15 @@ LANGUAGE plpgsql VOLATILE AS $dlock_body$
 DECLARE
   t_now timestamptz;
   t_exp timestamptz;
-  mine record;
+  r record;
+  mine_mode text;
+  mine_fence bigint;
   held text;
-  holders bigint;
+  holders bigint := 0;
   first_end timestamptz;
   intent_end timestamptz;
+  expired boolean := false;
+  own_intent boolean := false;
   refused boolean := false;
 BEGIN
   -- Every step on one key runs one at a time: a transaction-scoped lock,
@@ -22,34 +26,51 @@ BEGIN
   PERFORM pg_advisory_xact_lock({class}, hashtext(p_key));
   t_now := clock_timestamp();
   t_exp := t_now + p_lease_ms * interval '1 millisecond';
-  DELETE FROM {locks} AS l WHERE l.key = p_key AND l.expires_at <= t_now;
-  SELECT l.mode, l.fence INTO mine FROM {locks} AS l
-    WHERE l.key = p_key AND l.owner = p_owner AND l.mode <> 'i';
-  IF FOUND THEN
+  -- One read of the key's rows (a hot key's index holds many dead
+  -- versions of them: every scan of it pays for those), decided here.
+  FOR r IN SELECT l.owner, l.mode, l.fence, l.expires_at FROM {locks} AS l WHERE l.key = p_key LOOP
+    IF r.expires_at <= t_now THEN
+      expired := true;
+    ELSIF r.mode = 'i' THEN
+      IF r.owner = '~' || p_owner THEN
+        own_intent := true;
+      ELSE
+        intent_end := greatest(intent_end, r.expires_at);
+      END IF;
+    ELSE
+      IF r.owner = p_owner THEN
+        mine_mode := r.mode;
+        mine_fence := r.fence;
+      END IF;
+      held := r.mode;
+      holders := holders + 1;
+      first_end := least(first_end, r.expires_at);
+    END IF;
+  END LOOP;
+  IF expired THEN
+    DELETE FROM {locks} AS l WHERE l.key = p_key AND l.expires_at <= t_now;
+  END IF;
+  IF mine_mode IS NOT NULL THEN
     -- The engine asks again for a key it holds only after it gave its hold
     -- up as lost: the same owner joins it, same token. A writer may read.
-    IF mine.mode = p_mode OR (mine.mode = 'x' AND p_mode = 's') THEN
+    IF mine_mode = p_mode OR (mine_mode = 'x' AND p_mode = 's') THEN
       UPDATE {locks} AS l
-        SET expires_at = CASE WHEN mine.mode = 'x' THEN t_exp
+        SET expires_at = CASE WHEN mine_mode = 'x' THEN t_exp
                               ELSE greatest(l.expires_at, t_exp) END,
             awaited = l.awaited OR p_awaited
         WHERE l.key = p_key AND l.owner = p_owner;
-      RETURN QUERY SELECT 2, mine.fence, mine.mode;
+      RETURN QUERY SELECT 2, mine_fence, mine_mode;
       RETURN;
     END IF;
     -- A reader asking to write waits for the readers, itself included, as
     -- in process; anything else does not fit.
-    IF NOT (mine.mode = 's' AND p_mode = 'x') THEN
-      RETURN QUERY SELECT 3, 0::bigint, mine.mode;
+    IF NOT (mine_mode = 's' AND p_mode = 'x') THEN
+      RETURN QUERY SELECT 3, 0::bigint, mine_mode;
       RETURN;
     END IF;
   END IF;
   -- Holders of one key share one mode: an exclusive one alone, readers,
   -- or the permits of one limit.
-  SELECT l.mode, count(*), min(l.expires_at) INTO held, holders, first_end
-    FROM {locks} AS l WHERE l.key = p_key AND l.mode <> 'i' GROUP BY l.mode LIMIT 1;
-  SELECT max(l.expires_at) INTO intent_end
-    FROM {locks} AS l WHERE l.key = p_key AND l.mode = 'i' AND l.owner <> '~' || p_owner;
   IF held IS NOT NULL THEN
     IF held = 'x' OR (held = 's' AND p_mode = 'x') THEN
       refused := true;
@@ -84,7 +105,7 @@ BEGIN
   INSERT INTO {locks} (key, owner, mode, fence, expires_at, awaited)
     VALUES (p_key, p_owner, p_mode, nextval('{fence_text}'), t_exp, p_awaited)
     RETURNING fence INTO r_fence;
-  IF p_mode = 'x' THEN
+  IF own_intent THEN
     DELETE FROM {locks} AS l WHERE l.key = p_key AND l.owner = '~' || p_owner;
   END IF;
   RETURN QUERY SELECT 1, r_fence, p_mode;

@@ -14,7 +14,7 @@
 //! * Fencing tokens come from the sequence `<prefix>_fence` (`bigint`,
 //!   `nextval` once per grant): they grow strictly, for every key of the
 //!   prefix, across modes.
-//! * Acquire and release are PL/pgSQL functions (`<prefix>_acquire_v1`,
+//! * Acquire and release are PL/pgSQL functions (`<prefix>_acquire_v2`,
 //!   `<prefix>_release_v1`), each one statement and so one transaction, one
 //!   round trip. Both first take a **transaction-scoped** advisory lock on
 //!   the key (`pg_advisory_xact_lock`), so the steps on one key run one at
@@ -136,7 +136,7 @@ const URL_VAR: &str = "DLOCK_POSTGRES_URL";
 /// of the lock key, or 0 for the schema (also the fences table's, see
 /// [`crate::fence::postgres`]).
 const LOCK_CLASS: i32 = 0x646c_6f63;
-/// The longest prefix: the longest name made of it (`_acquire_v1`) must fit
+/// The longest prefix: the longest name made of it (`_acquire_v2`) must fit
 /// PostgreSQL's 63 bytes, or it would be cut and collide.
 const MAX_PREFIX: usize = 48;
 
@@ -278,7 +278,7 @@ impl Names {
         Ok(Names {
             locks: format!("\"{prefix}_locks\""),
             fence: format!("\"{prefix}_fence\""),
-            acquire: format!("\"{prefix}_acquire_v1\""),
+            acquire: format!("\"{prefix}_acquire_v2\""),
             release: format!("\"{prefix}_release_v1\""),
             channel: format!("{prefix}_released"),
         })

@@ -8,6 +8,9 @@
 -- holds the key while that transaction lives (its advisory lock and its
 -- uncommitted row), and the transaction ends, rolled back by the server,
 -- once it stays idle for the lease (idle_in_transaction_session_timeout).
+-- Such a claim writes nothing but its own row before its end: the tally
+-- is brought up to date by the completion (settle.sql), so no shared row
+-- stays locked while the route runs.
 CREATE OR REPLACE FUNCTION {begin}(p_scope text, p_key text, p_fp text, p_owner text, p_lease_ms bigint,
                                    p_ttl_ms bigint, p_run_again boolean, p_in_tx boolean, p_max_per_scope bigint)
 RETURNS TABLE (r_outcome int, r_response bytea, r_retry_ms bigint)
@@ -15,9 +18,11 @@ LANGUAGE plpgsql VOLATILE AS $dlock_body$
 DECLARE
   t_now timestamptz;
   rec record;
-  live bigint;
-  oldest timestamptz;
-  lease timestamptz;
+  v_live bigint;
+  v_oldest timestamptz;
+  v_lease timestamptz;
+  v_pool text := 'k:' || p_scope;
+  v_shard int := hashtext(p_key) & 15;
 BEGIN
   -- One claim of a key at a time, without waiting: a key whose lock is
   -- taken is being claimed, or run inside a transaction, right now.
@@ -33,8 +38,8 @@ BEGIN
     PERFORM pg_advisory_xact_lock({class} + 1, hashtext(p_scope));
   END IF;
   t_now := clock_timestamp();
-  lease := CASE WHEN p_in_tx THEN NULL ELSE t_now + p_lease_ms * interval '1 millisecond' END;
-  SELECT k.fingerprint, k.owner, k.lease_until, k.response, k.expires_at INTO rec
+  v_lease := CASE WHEN p_in_tx THEN NULL ELSE t_now + p_lease_ms * interval '1 millisecond' END;
+  SELECT k.fingerprint, k.owner, k.lease_until, k.response, k.bytes, k.expires_at INTO rec
     FROM {keys} AS k WHERE k.scope = p_scope AND k.key = p_key;
   IF FOUND AND rec.expires_at > t_now THEN
     IF rec.fingerprint <> p_fp THEN
@@ -49,27 +54,49 @@ BEGIN
       RETURN QUERY SELECT 4, NULL::bytea, 0::bigint;
     ELSE
       -- Taken over: the old owner can no longer complete it.
-      UPDATE {keys} AS k SET owner = p_owner, lease_until = lease
+      UPDATE {keys} AS k SET owner = p_owner, lease_until = v_lease
         WHERE k.scope = p_scope AND k.key = p_key;
       RETURN QUERY SELECT 0, NULL::bytea, 0::bigint;
     END IF;
     RETURN;
   END IF;
-  -- A new record: only it counts against the cap (a retry of one that
-  -- exists was answered above, at the cap too).
-  SELECT count(*), min(k.expires_at) INTO live, oldest
-    FROM {keys} AS k WHERE k.scope = p_scope AND k.expires_at > t_now;
-  IF live >= p_max_per_scope THEN
-    RETURN QUERY SELECT 5, NULL::bytea,
-      greatest(1, ceil(extract(epoch FROM oldest - t_now) * 1000))::bigint;
+  IF FOUND THEN
+    -- An expired record of the key: overwritten in place. It stays in the
+    -- tally as this record; its answer's bytes leave it now, or (inside a
+    -- transaction) at the completion.
+    UPDATE {keys} AS k SET fingerprint = p_fp, owner = p_owner, lease_until = v_lease, response = NULL, bytes = 0,
+        expires_at = t_now + p_ttl_ms * interval '1 millisecond',
+        carried = CASE WHEN p_in_tx THEN k.bytes + k.carried ELSE 0 END
+      WHERE k.scope = p_scope AND k.key = p_key;
+    IF NOT p_in_tx AND rec.bytes <> 0 THEN
+      UPDATE {tally} AS t SET bytes = t.bytes - rec.bytes WHERE t.pool = v_pool AND t.shard = v_shard;
+    END IF;
+    RETURN QUERY SELECT 0, NULL::bytea, 0::bigint;
     RETURN;
   END IF;
-  -- An expired row of the key is overwritten in place.
-  INSERT INTO {keys} AS k (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at)
-    VALUES (p_scope, p_key, p_fp, p_owner, lease, NULL, 0, t_now + p_ttl_ms * interval '1 millisecond')
-    ON CONFLICT (scope, key) DO UPDATE
-      SET fingerprint = EXCLUDED.fingerprint, owner = EXCLUDED.owner, lease_until = EXCLUDED.lease_until,
-          response = NULL, bytes = 0, expires_at = EXCLUDED.expires_at;
+  -- A new record: only it counts against the cap (a retry of one that
+  -- exists was answered above, at the cap too). The tally may still count
+  -- records that expired: at the cap, they are swept and counted exactly.
+  SELECT coalesce(sum(t.records), 0) INTO v_live FROM {tally} AS t WHERE t.pool = v_pool;
+  IF v_live >= p_max_per_scope THEN
+    IF NOT p_in_tx THEN
+      PERFORM {sweep}(p_scope, 0);
+    END IF;
+    SELECT count(*), min(k.expires_at) INTO v_live, v_oldest
+      FROM {keys} AS k WHERE k.scope = p_scope AND k.expires_at > t_now;
+    IF v_live >= p_max_per_scope THEN
+      RETURN QUERY SELECT 5, NULL::bytea,
+        greatest(1, ceil(extract(epoch FROM v_oldest - t_now) * 1000))::bigint;
+      RETURN;
+    END IF;
+  END IF;
+  INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted, carried)
+    VALUES (p_scope, p_key, p_fp, p_owner, v_lease, NULL, 0, t_now + p_ttl_ms * interval '1 millisecond',
+            NOT p_in_tx, 0);
+  IF NOT p_in_tx THEN
+    INSERT INTO {tally} AS t (pool, shard, records, bytes) VALUES (v_pool, v_shard, 1, 0)
+      ON CONFLICT (pool, shard) DO UPDATE SET records = t.records + 1;
+  END IF;
   RETURN QUERY SELECT 0, NULL::bytea, 0::bigint;
 END
 $dlock_body$;

@@ -40,15 +40,22 @@
 //! # Bounds
 //!
 //! Records and tokens live on disk, not in a lock server's memory. The
-//! caps of [`IdempotencyLimits`] that a store can count from an index hold
-//! here: records, bytes of answers and bound tokens **per caller**, and
-//! the pool of unbound tokens. The totals of records and of bytes are not
-//! enforced (counting a whole table on every claim would cost more than
-//! the claim). A claim inside a transaction counts its caller's records
-//! without waiting for that caller's other claims in flight, so the
-//! caller's cap may be passed by as many of its requests as run at that
-//! moment. Expired rows are deleted by a sweep every minute, and a claim
-//! of an expired key overwrites it.
+//! caps of [`IdempotencyLimits`] that a store can keep per pool hold here:
+//! records, bytes of answers and bound tokens **per caller**, and the pool
+//! of unbound tokens. The totals of records and of bytes are not enforced.
+//!
+//! A claim does not count its caller's records: it reads the caller's
+//! **tally** (`<prefix>_idem_tally`, 16 rows per pool, so concurrent
+//! claims of one caller rarely meet on one), which every step that adds,
+//! completes or deletes a record or token keeps in the same transaction.
+//! A tally may still count what expired and was not swept yet: at the cap,
+//! the pool's expired rows are swept and its live ones counted exactly
+//! before a refusal, so only a caller at its cap pays for a count. A claim
+//! inside a transaction enters the tally only when it completes (so that
+//! no tally row stays locked while its route runs): the caller's cap may be
+//! passed by as many of its requests as run at that moment. Expired rows
+//! are also deleted by a sweep every minute, and a claim of an expired key
+//! overwrites it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -136,6 +143,10 @@ struct Statements {
 struct Names {
     keys: String,
     tokens: String,
+    tally: String,
+    sweep: String,
+    sweep_tokens: String,
+    token_pool: String,
     begin: String,
     complete: String,
     abandon: String,
@@ -150,6 +161,10 @@ impl Names {
         Ok(Names {
             keys: q("idem_keys"),
             tokens: q("idem_tokens"),
+            tally: q("idem_tally"),
+            sweep: q("ik_sweep_v1"),
+            sweep_tokens: q("tk_sweep_v1"),
+            token_pool: q("tk_pool_v1"),
             begin: q("ik_begin_v1"),
             complete: q("ik_done_v1"),
             abandon: q("ik_drop_v1"),
@@ -165,6 +180,10 @@ impl Names {
             .replace("{tokens_pool}", &index(&self.tokens, "pool"))
             .replace("{keys}", &self.keys)
             .replace("{tokens}", &self.tokens)
+            .replace("{tally}", &self.tally)
+            .replace("{sweep_tokens}", &self.sweep_tokens)
+            .replace("{sweep}", &self.sweep)
+            .replace("{token_pool}", &self.token_pool)
             .replace("{begin}", &self.begin)
             .replace("{complete}", &self.complete)
             .replace("{abandon}", &self.abandon)
@@ -179,7 +198,7 @@ impl Names {
             schema: self.fill(SCHEMA_SQL),
             functions: vec![
                 (self.begin.clone(), self.fill(BEGIN_SQL)),
-                // settle.sql makes both; it is run when the first is missing.
+                // Each file makes several; it is run when its first is missing.
                 (self.complete.clone(), self.fill(SETTLE_SQL)),
                 (self.issue.clone(), self.fill(TOKENS_SQL)),
             ],
@@ -199,16 +218,16 @@ impl Names {
             claim: f("SELECT {claim}($1, $2, $3, $4)"),
             renew_token: f("UPDATE {tokens} AS t SET lease_until = clock_timestamp() + $3 * interval '1 millisecond' \
                  WHERE t.token = $1 AND t.owner = $2 AND t.lease_until > clock_timestamp() RETURNING 1"),
-            spend: f("DELETE FROM {tokens} AS t WHERE t.token = $1 AND t.owner = $2 \
-                 AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() RETURNING 1"),
+            spend: f("WITH gone AS (DELETE FROM {tokens} AS t WHERE t.token = $1 AND t.owner = $2 \
+                 AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() \
+                 RETURNING t.principal, t.token), counted AS (UPDATE {tally} AS c SET records = c.records - 1 \
+                 FROM gone AS g WHERE c.pool = {token_pool}(g.principal) AND c.shard = hashtext(g.token) & 15) \
+                 SELECT 1 FROM gone"),
             give_back: f("UPDATE {tokens} AS t SET owner = NULL, lease_until = NULL WHERE t.token = $1 \
                  AND t.owner = $2 AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() \
                  RETURNING 1"),
             // Never waits for a row a running transaction holds.
-            sweep: f("WITH gone_keys AS (DELETE FROM {keys} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {keys} \
-                 WHERE expires_at < clock_timestamp() - interval '1 minute' LIMIT 1000 FOR UPDATE SKIP LOCKED)) \
-                 RETURNING 1) DELETE FROM {tokens} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {tokens} \
-                 WHERE expires_at < clock_timestamp() - interval '1 minute' LIMIT 1000 FOR UPDATE SKIP LOCKED))"),
+            sweep: f("SELECT {sweep}(NULL, 60000)"),
         }
     }
 }
@@ -657,7 +676,10 @@ mod tests {
         let names = Names::for_prefix(&"p".repeat(48)).expect("valid");
         for sql in [SCHEMA_SQL, BEGIN_SQL, SETTLE_SQL, TOKENS_SQL] {
             let filled = names.fill(sql);
-            assert!(!filled.contains("{keys") && !filled.contains("{tokens") && !filled.contains("{class"), "{filled}");
+            for placeholder in ["{keys", "{tokens", "{class", "{tally", "{sweep", "{token_pool", "{begin", "{complete"]
+            {
+                assert!(!filled.contains(placeholder), "{placeholder} in {filled}");
+            }
         }
         // PostgreSQL cuts names at 63 bytes: two would then collide.
         for name in

@@ -8,6 +8,10 @@
 -- response: the stored answer (StoredResponse::encode), once completed.
 -- expires_at is on the server's clock; a row past it is no record, the
 -- next claim of its key overwrites it and a sweep deletes it.
+-- counted: the row is in its caller's tally; carried: bytes of an
+-- overwritten answer still in the tally, taken out when the row is
+-- completed (both for claims inside a transaction, which touch the tally
+-- only at their end, so that no tally row stays locked while a route runs).
 CREATE TABLE IF NOT EXISTS {keys} (
   scope text NOT NULL,
   key text NOT NULL,
@@ -17,6 +21,8 @@ CREATE TABLE IF NOT EXISTS {keys} (
   response bytea,
   bytes bigint NOT NULL DEFAULT 0,
   expires_at timestamptz NOT NULL,
+  counted boolean NOT NULL DEFAULT true,
+  carried bigint NOT NULL DEFAULT 0,
   PRIMARY KEY (scope, key)
 );
 CREATE INDEX IF NOT EXISTS {keys_expiry} ON {keys} (expires_at);
@@ -30,3 +36,17 @@ CREATE TABLE IF NOT EXISTS {tokens} (
   expires_at timestamptz NOT NULL
 );
 CREATE INDEX IF NOT EXISTS {tokens_pool} ON {tokens} (principal, expires_at);
+-- What each pool holds, so that a claim reads a few rows instead of
+-- counting its caller's records: pool 'k:<scope>' (records and the bytes
+-- of their answers), 't:<principal>' (bound tokens), 'u' (unbound
+-- tokens), in 16 shards by key so that concurrent claims of one caller
+-- rarely wait for each other. A tally may count what expired and was not
+-- swept yet (never less than what lives, but for claims in flight inside
+-- transactions): at the cap, the pool is counted exactly before a refusal.
+CREATE TABLE IF NOT EXISTS {tally} (
+  pool text NOT NULL,
+  shard int NOT NULL,
+  records bigint NOT NULL DEFAULT 0,
+  bytes bigint NOT NULL DEFAULT 0,
+  PRIMARY KEY (pool, shard)
+);
