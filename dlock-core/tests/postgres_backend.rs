@@ -153,6 +153,51 @@ async fn a_waiter_is_woken_by_notify_not_by_the_lease() {
     assert!(g.release().await.expect("release"));
 }
 
+/// Releases do not take the key's advisory lock. A holder that leaves
+/// after a waiter read it and before the waiter marked it awaited (so its
+/// release announces nothing) must not strand the waiter until the
+/// holder's lease would have ended: the waiter's mark finds it gone and
+/// the waiter tries again at once. The interleaving is forced with a row
+/// lock on the holder's row, and a delete of it in that transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_gone_between_a_waiters_read_and_its_mark_does_not_strand_it() {
+    use sqlx::Connection as _;
+    let h = postgres().await;
+    let (a, b) = (suite::Harness::client(&h).await, suite::Harness::client(&h).await);
+    let k = a.key("race").part(1).build().expect("key");
+    let holder = a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free");
+    let mut blocker = sqlx::PgConnection::connect(&h.server.url()).await.expect("connect");
+    let mut tx = blocker.begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM dlock_locks WHERE key = $1 FOR UPDATE")
+        .bind(k.as_str())
+        .execute(&mut *tx)
+        .await
+        .expect("lock the holder's row");
+    let (b2, k2) = (b.clone(), k.clone());
+    let waiter = tokio::spawn(async move {
+        let opts = AcquireOptions::new().with_lease(Duration::from_secs(30)).with_wait(Duration::from_secs(10));
+        b2.acquire(&k2, opts).await
+    });
+    // The waiter's mark waits for the row lock.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while h.server.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") != "1" {
+        assert!(Instant::now() < deadline, "the waiter never reached its mark");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The holder leaves (as its release would), unannounced.
+    sqlx::query("DELETE FROM dlock_locks WHERE key = $1 AND mode <> 'i'")
+        .bind(k.as_str())
+        .execute(&mut *tx)
+        .await
+        .expect("delete the holder's row");
+    let left_at = Instant::now();
+    tx.commit().await.expect("commit");
+    let g = waiter.await.expect("waiter task").expect("the key is free");
+    assert!(left_at.elapsed() < Duration::from_secs(2), "stranded: {:?}", left_at.elapsed());
+    assert!(!holder.release().await.expect("release"), "its row was gone");
+    assert!(g.release().await.expect("release"));
+}
+
 /// A holder that never releases (a process that died) keeps the key until
 /// its lease ends on the server, then the next gets it, with a greater token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

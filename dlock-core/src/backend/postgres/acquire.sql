@@ -20,6 +20,7 @@ DECLARE
   expired boolean := false;
   own_intent boolean := false;
   refused boolean := false;
+  marked bigint;
 BEGIN
   -- Every step on one key runs one at a time: a transaction-scoped lock,
   -- released at commit, so it holds through any pooler.
@@ -89,8 +90,17 @@ BEGIN
     first_end := intent_end;
   END IF;
   IF refused THEN
-    IF p_awaited THEN
-      UPDATE {locks} AS l SET awaited = true WHERE l.key = p_key AND l.mode <> 'i' AND NOT l.awaited;
+    IF p_awaited AND holders > 0 THEN
+      -- Releases do not take the key's lock: a holder that left since the
+      -- read above is not marked, and its release did not announce it.
+      -- Then the key may be free: try again at once.
+      UPDATE {locks} AS l SET awaited = true
+        WHERE l.key = p_key AND l.mode <> 'i' AND l.expires_at > t_now;
+      GET DIAGNOSTICS marked = ROW_COUNT;
+      IF marked < holders THEN
+        RETURN QUERY SELECT 0, 0::bigint, '0';
+        RETURN;
+      END IF;
     END IF;
     -- A writer that will wait records its intent, bounded by its wait.
     IF p_mode = 'x' AND p_wait_ms > 0 THEN

@@ -14,11 +14,15 @@
 //! * Fencing tokens come from the sequence `<prefix>_fence` (`bigint`,
 //!   `nextval` once per grant): they grow strictly, for every key of the
 //!   prefix, across modes.
-//! * Acquire and release are PL/pgSQL functions (`<prefix>_acquire_v2`,
-//!   `<prefix>_release_v1`), each one statement and so one transaction, one
-//!   round trip. Both first take a **transaction-scoped** advisory lock on
-//!   the key (`pg_advisory_xact_lock`), so the steps on one key run one at
-//!   a time, then read and write the key's rows. Renew is an owner-checked
+//! * Acquire is a PL/pgSQL function (`<prefix>_acquire_v2`), one
+//!   statement and so one transaction, one round trip. It first takes a
+//!   **transaction-scoped** advisory lock on the key
+//!   (`pg_advisory_xact_lock`), so acquires of one key run one at a time,
+//!   then reads the key's rows once and decides. Release is one plain
+//!   `DELETE … RETURNING` without that lock (release.sql): a waiter that
+//!   marks a holder `awaited` either marks it before the delete (which then
+//!   waits for the mark's row lock, reads it and notifies), or finds the
+//!   holder gone and tries again at once. Renew is an owner-checked
 //!   `UPDATE … WHERE expires_at > clock_timestamp()`, many holds a statement
 //!   (renewals asked while one is in flight go out together). A refused acquire
 //!   answers, in the same call, when the first of the holders' leases ends
@@ -62,9 +66,8 @@
 //! # What it costs
 //!
 //! An uncontended cycle is two round trips and two short transactions: the
-//! acquire function (an advisory lock, a `DELETE` of expired rows, two
-//! index reads, a `nextval`, an `INSERT`) and the release function (an
-//! advisory lock, a `DELETE`). Renewals cost one `UPDATE` per statement in
+//! acquire function (an advisory lock, one index read of the key's rows, a
+//! `nextval`, an `INSERT`) and the release statement (a `DELETE`). Renewals cost one `UPDATE` per statement in
 //! flight, whatever the number of holds it extends (up to 512). Every grant
 //! writes WAL (and a dead row for autovacuum). A contended release adds one
 //! `NOTIFY`, which wakes one waiter of the key in each listening process (all
@@ -100,9 +103,9 @@
 //! each is found dead only when used). When the last try fails too, the
 //! error says the outcome is unknown ([`Error::Backend`] whose source marks
 //! it), and the engine releases the key in the background, owner-checked
-//! (see [`Locker`](crate::Locker)). That release waits for the key's
-//! advisory lock, so it lands after an acquire still running on the
-//! server. A release is sent once: a second would answer "not held" for a
+//! (see [`Locker`](crate::Locker)). That release, unlike the plain one,
+//! takes the key's advisory lock first (`<prefix>_release_v1`), so it
+//! lands after an acquire still running on the server. A release is sent once: a second would answer "not held" for a
 //! hold the first freed. A connection whose request failed that way is
 //! closed, never reused.
 
@@ -143,6 +146,7 @@ const MAX_PREFIX: usize = 48;
 const SCHEMA_SQL: &str = include_str!("schema.sql");
 const ACQUIRE_SQL: &str = include_str!("acquire.sql");
 const RELEASE_SQL: &str = include_str!("release.sql");
+const RELEASE_LOCKED_SQL: &str = include_str!("release_locked.sql");
 
 /// How the PostgreSQL backend connects.
 ///
@@ -216,7 +220,13 @@ struct Shared {
     prefix: Arc<str>,
     waiters: Arc<Waiters>,
     acquire: String,
+    /// The plain release (release.sql).
     release: String,
+    /// The release after an acquire whose answer was lost (release_locked.sql).
+    release_locked: String,
+    /// `(key, owner)` of acquires whose answer was lost: their release
+    /// (the engine's undo) must wait for the key's advisory lock.
+    uncertain: Mutex<std::collections::HashSet<(String, String)>>,
     /// Renews a batch of holds (see `renewals.rs`).
     renew: String,
     renewals: Renewals,
@@ -227,7 +237,7 @@ struct Names {
     locks: String,
     fence: String,
     acquire: String,
-    release: String,
+    release_locked: String,
     /// Unquoted: `LISTEN` quotes it, `pg_notify` takes it as text.
     channel: String,
 }
@@ -279,7 +289,7 @@ impl Names {
             locks: format!("\"{prefix}_locks\""),
             fence: format!("\"{prefix}_fence\""),
             acquire: format!("\"{prefix}_acquire_v2\""),
-            release: format!("\"{prefix}_release_v1\""),
+            release_locked: format!("\"{prefix}_release_v1\""),
             channel: format!("{prefix}_released"),
         })
     }
@@ -290,7 +300,7 @@ impl Names {
             .replace("{fence_text}", &self.fence)
             .replace("{fence}", &self.fence)
             .replace("{acquire}", &self.acquire)
-            .replace("{release}", &self.release)
+            .replace("{release}", &self.release_locked)
             .replace("{channel_text}", &self.channel)
             .replace("{class}", &LOCK_CLASS.to_string())
     }
@@ -335,7 +345,9 @@ impl PostgresBackend {
         tokio::spawn(listen(listener, waiters.clone(), pool.clone(), sweep, stop.clone()));
         let shared = Shared {
             acquire: format!("SELECT r_outcome, r_fence, r_info FROM {}($1, $2, $3, $4, $5, $6)", names.acquire),
-            release: format!("SELECT {}($1, $2)", names.release),
+            release: names.fill(RELEASE_SQL),
+            release_locked: format!("SELECT {}($1, $2)", names.release_locked),
+            uncertain: Mutex::default(),
             renew: names.fill(
                 "UPDATE {locks} AS l SET expires_at = clock_timestamp() + v.ms * interval '1 millisecond' \
                  FROM unnest($1::text[], $2::text[], $3::bigint[]) AS v(key, owner, ms) \
@@ -376,7 +388,16 @@ impl PostgresBackend {
                 .bind(awaited)
                 .bind(wait_ms)
         };
-        let row = self.shared.fetch(query, Repeat::Safe).await?.ok_or_else(|| unexpected("no row"))?;
+        let row = match self.shared.fetch(query, Repeat::Safe).await {
+            Ok(row) => row.ok_or_else(|| unexpected("no row"))?,
+            Err(e) => {
+                if e.outcome_unknown() {
+                    let mut uncertain = self.shared.uncertain.lock().unwrap_or_else(|p| p.into_inner());
+                    uncertain.insert((req.key.as_str().to_owned(), req.owner.as_str().to_owned()));
+                }
+                return Err(e);
+            }
+        };
         let (outcome, fence, info): (i32, i64, String) =
             (column(&row, 0)?, column(&row, 1)?, column::<Option<String>>(&row, 2)?.unwrap_or_default());
         match outcome {
@@ -602,7 +623,7 @@ async fn create_schema(connect: &PgConnectOptions, names: &Names, timeout: Durat
         schema: names.fill(SCHEMA_SQL),
         functions: vec![
             (names.acquire.clone(), names.fill(ACQUIRE_SQL)),
-            (names.release.clone(), names.fill(RELEASE_SQL)),
+            (names.release_locked.clone(), names.fill(RELEASE_LOCKED_SQL)),
         ],
     };
     let mut conn = within(ddl_timeout(timeout), "connecting", PgConnection::connect_with(connect)).await?;
@@ -848,9 +869,16 @@ impl Backend for PostgresBackend {
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
         Box::pin(async move {
-            let query = || sqlx::query(&self.shared.release).bind(key.as_str()).bind(owner.as_str());
-            let row = self.shared.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
-            Ok(match column::<Option<bool>>(&row, 0)? {
+            let id = (key.as_str().to_owned(), owner.as_str().to_owned());
+            let after_unknown = self.shared.uncertain.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            let sql = if after_unknown { &self.shared.release_locked } else { &self.shared.release };
+            let query = || sqlx::query(sql).bind(key.as_str()).bind(owner.as_str());
+            // No row: the plain release found nothing to delete.
+            let freed = match self.shared.fetch(query, Repeat::Once).await? {
+                Some(row) => column::<Option<bool>>(&row, 0)?,
+                None => None,
+            };
+            Ok(match freed {
                 Some(true) => Release::Freed,
                 _ => Release::NotHeld,
             })
@@ -891,7 +919,7 @@ mod tests {
     #[test]
     fn placeholders_are_all_filled() {
         let names = Names::for_prefix("p").expect("valid");
-        for sql in [SCHEMA_SQL, ACQUIRE_SQL, RELEASE_SQL] {
+        for sql in [SCHEMA_SQL, ACQUIRE_SQL, RELEASE_SQL, RELEASE_LOCKED_SQL] {
             let filled = names.fill(sql);
             assert!(!filled.contains('{') && !filled.contains('}'), "{filled}");
         }

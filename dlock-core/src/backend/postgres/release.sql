@@ -1,23 +1,14 @@
--- Frees the owner's hold of a key. Returns true when it held it (its lease
--- had not run out); a hold that a waiter was refused by announces its end
--- on the prefix's channel, the key as payload.
-CREATE OR REPLACE FUNCTION {release}(p_key text, p_owner text)
-RETURNS boolean
-LANGUAGE plpgsql VOLATILE AS $dlock_body$
-DECLARE
-  gone record;
-BEGIN
-  -- In turn with the acquires of the key: a waiter's refusal marks the
-  -- hold awaited before this reads it, or comes after it and finds it free.
-  PERFORM pg_advisory_xact_lock({class}, hashtext(p_key));
-  DELETE FROM {locks} AS l WHERE l.key = p_key AND l.owner = p_owner AND l.mode <> 'i'
-    RETURNING l.expires_at > clock_timestamp() AS live, l.awaited INTO gone;
-  IF NOT FOUND THEN
-    RETURN false;
-  END IF;
-  IF gone.live AND gone.awaited THEN
-    PERFORM pg_notify('{channel_text}', p_key);
-  END IF;
-  RETURN gone.live;
-END
-$dlock_body$;
+-- Frees the owner's hold of a key ($1 key, $2 owner): one row, `live`
+-- true when it held it (its lease had not run out); no row when it held
+-- nothing. A hold that a waiter was refused by (`awaited`) announces its
+-- end on the prefix's channel, the key as payload. One plain statement,
+-- without the key's advisory lock: a waiter that marks a holder awaited
+-- either marks it before this deletes it (this then waits for the mark's
+-- row lock and reads the mark), or finds it gone and tries again at once
+-- (acquire.sql).
+WITH gone AS (
+  DELETE FROM {locks} AS l WHERE l.key = $1 AND l.owner = $2 AND l.mode <> 'i'
+  RETURNING l.expires_at > clock_timestamp() AS live, l.awaited
+)
+SELECT g.live, CASE WHEN g.live AND g.awaited THEN (SELECT 1 FROM pg_notify('{channel_text}', $1)) END
+  FROM gone AS g
