@@ -815,10 +815,13 @@ mod postgres {
     }
 
     /// The tallies count exactly the rows there are (expired ones included
-    /// until they are swept), and the bytes of their answers.
+    /// until they are swept), and the bytes of their answers; a row of a
+    /// transaction that did not enter the tally yet counts as what it
+    /// carries (what an expired row it overwrote still has there).
     fn tallies_match(server: &PostgresServer, prefix: &str) {
         let rows = server.psql(&format!(
-            "SELECT (SELECT count(*) FROM {prefix}_idem_keys) || ':' || (SELECT coalesce(sum(bytes), 0) FROM {prefix}_idem_keys) \
+            "SELECT (SELECT coalesce(sum(CASE WHEN counted THEN 1 ELSE carried_records END), 0) FROM {prefix}_idem_keys) \
+             || ':' || (SELECT coalesce(sum(CASE WHEN counted THEN bytes ELSE carried END), 0) FROM {prefix}_idem_keys) \
              || ':' || (SELECT count(*) FROM {prefix}_idem_tokens)"
         ));
         let tally = server.psql(&format!(
@@ -829,8 +832,8 @@ mod postgres {
         assert_eq!(tally, rows, "{prefix}: the tally (records:bytes:tokens) against the rows");
     }
 
-    /// A claim inside a transaction enters its caller's tally when it
-    /// completes, and not at all when it rolls back; at the cap, it is
+    /// A claim inside a transaction enters its caller's tally after its
+    /// commit, once, and not at all when it rolls back; at the cap, it is
     /// refused like any other.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn claims_inside_transactions_keep_the_tally() {
@@ -845,6 +848,8 @@ mod postgres {
             assert!(store.complete_in(&mut tx, &claim, &done).await.expect("complete"));
             if commit {
                 tx.commit().await.expect("commit");
+                assert!(store.committed(&claim).await.expect("enter the tally"));
+                assert!(!store.committed(&claim).await.expect("once"), "entered once");
             } else {
                 tx.rollback().await.expect("rollback");
             }
@@ -861,12 +866,25 @@ mod postgres {
         let claim = new(store.begin_in(&mut tx, "fred", "f1", "fp", short).await.expect("claim"));
         assert!(store.complete_in(&mut tx, &claim, &done).await.expect("complete"));
         tx.commit().await.expect("commit");
+        assert!(store.committed(&claim).await.expect("enter the tally"));
         tokio::time::sleep(Duration::from_millis(200)).await;
         let mut tx = store.pool().begin().await.expect("begin");
         let claim = new(store.begin_in(&mut tx, "fred", "f1", "fp", terms).await.expect("expired: claimed again"));
         let bigger = StoredResponse::new(200, vec![], b"a longer answer".to_vec());
         assert!(store.complete_in(&mut tx, &claim, &bigger).await.expect("complete"));
         tx.commit().await.expect("commit");
+        assert!(store.committed(&claim).await.expect("enter the tally"));
+        tallies_match(&server, "tally");
+        // One whose instance died before it entered the tally: not counted,
+        // and the sweep of its expired row takes out nothing more than what
+        // the tally holds for it.
+        let mut tx = store.pool().begin().await.expect("begin");
+        let claim = new(store.begin_in(&mut tx, "fred", "f2", "fp", short).await.expect("claim"));
+        assert!(store.complete_in(&mut tx, &claim, &done).await.expect("complete"));
+        tx.commit().await.expect("commit");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        server.psql("SELECT \"tally_ik_sweep_v1\"(NULL, 0)");
+        assert_eq!(server.psql("SELECT count(*) FROM tally_idem_keys WHERE scope = 'fred'"), "1", "f1 lives, f2 swept");
         tallies_match(&server, "tally");
     }
 

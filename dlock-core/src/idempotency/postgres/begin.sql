@@ -8,9 +8,9 @@
 -- holds the key while that transaction lives (its advisory lock and its
 -- uncommitted row), and the transaction ends, rolled back by the server,
 -- once it stays idle for the lease (idle_in_transaction_session_timeout).
--- Such a claim writes nothing but its own row before its end: the tally
--- is brought up to date by the completion (settle.sql), so no shared row
--- stays locked while the route runs.
+-- Such a claim writes nothing but its own row: it enters the tally after
+-- its commit (enter.sql), so no shared row stays locked while the route
+-- runs or commits.
 CREATE OR REPLACE FUNCTION {begin}(p_scope text, p_key text, p_fp text, p_owner text, p_lease_ms bigint,
                                    p_ttl_ms bigint, p_run_again boolean, p_in_tx boolean, p_max_per_scope bigint)
 RETURNS TABLE (r_outcome int, r_response bytea, r_retry_ms bigint)
@@ -39,7 +39,7 @@ BEGIN
   END IF;
   t_now := clock_timestamp();
   v_lease := CASE WHEN p_in_tx THEN NULL ELSE t_now + p_lease_ms * interval '1 millisecond' END;
-  SELECT k.fingerprint, k.owner, k.lease_until, k.response, k.bytes, k.expires_at INTO rec
+  SELECT k.fingerprint, k.owner, k.lease_until, k.response, k.bytes, k.counted, k.expires_at INTO rec
     FROM {keys} AS k WHERE k.scope = p_scope AND k.key = p_key;
   IF FOUND AND rec.expires_at > t_now THEN
     IF rec.fingerprint <> p_fp THEN
@@ -61,14 +61,19 @@ BEGIN
     RETURN;
   END IF;
   IF FOUND THEN
-    -- An expired record of the key: overwritten in place. It stays in the
-    -- tally as this record; its answer's bytes leave it now, or (inside a
-    -- transaction) at the completion.
+    -- An expired record of the key: overwritten in place. Outside a
+    -- transaction it stays in the tally as this record, its answer's bytes
+    -- leave it now; inside one, the row carries what the tally holds for
+    -- it until it enters the tally after the commit.
     UPDATE {keys} AS k SET fingerprint = p_fp, owner = p_owner, lease_until = v_lease, response = NULL, bytes = 0,
         expires_at = t_now + p_ttl_ms * interval '1 millisecond',
-        carried = CASE WHEN p_in_tx THEN k.bytes + k.carried ELSE 0 END
+        counted = NOT p_in_tx AND k.counted,
+        carried_records = CASE WHEN NOT p_in_tx THEN 0
+                               WHEN k.counted THEN 1 ELSE k.carried_records END,
+        carried = CASE WHEN NOT p_in_tx THEN 0
+                       WHEN k.counted THEN k.bytes ELSE k.carried END
       WHERE k.scope = p_scope AND k.key = p_key;
-    IF NOT p_in_tx AND rec.bytes <> 0 THEN
+    IF NOT p_in_tx AND rec.counted AND rec.bytes <> 0 THEN
       UPDATE {tally} AS t SET bytes = t.bytes - rec.bytes WHERE t.pool = v_pool AND t.shard = v_shard;
     END IF;
     RETURN QUERY SELECT 0, NULL::bytea, 0::bigint;
@@ -90,9 +95,9 @@ BEGIN
       RETURN;
     END IF;
   END IF;
-  INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted, carried)
+  INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted)
     VALUES (p_scope, p_key, p_fp, p_owner, v_lease, NULL, 0, t_now + p_ttl_ms * interval '1 millisecond',
-            NOT p_in_tx, 0);
+            NOT p_in_tx);
   IF NOT p_in_tx THEN
     INSERT INTO {tally} AS t (pool, shard, records, bytes) VALUES (v_pool, v_shard, 1, 0)
       ON CONFLICT (pool, shard) DO UPDATE SET records = t.records + 1;

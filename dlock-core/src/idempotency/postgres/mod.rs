@@ -51,9 +51,13 @@
 //! A tally may still count what expired and was not swept yet: at the cap,
 //! the pool's expired rows are swept and its live ones counted exactly
 //! before a refusal, so only a caller at its cap pays for a count. A claim
-//! inside a transaction enters the tally only when it completes (so that
-//! no tally row stays locked while its route runs): the caller's cap may be
-//! passed by as many of its requests as run at that moment. Expired rows
+//! inside a transaction enters the tally by a statement of its own after
+//! its commit ([`PostgresStore::committed`]), so that no tally row stays
+//! locked while its route runs or commits: the caller's cap may be passed
+//! by as many of its requests as run at that moment, and a record whose
+//! instance died between its commit and that statement is not counted
+//! (until a sweep deletes it, it only counts at the cap's exact count).
+//! Expired rows
 //! are also deleted by a sweep every minute, and a claim of an expired key
 //! overwrites it.
 
@@ -102,6 +106,7 @@ const TOKENS_SQL: &str = include_str!("tokens.sql");
 ///     sqlx::query("INSERT INTO payments (amount) VALUES (42)").execute(&mut *tx).await.ok();
 ///     store.complete_in(&mut tx, &claim, &StoredResponse::new(201, vec![], b"paid".to_vec())).await?;
 ///     tx.commit().await.map_err(|e| dlock_core::Error::backend("postgres", e.to_string()))?;
+///     store.committed(&claim).await?; // into the caller's tally
 /// }
 /// assert!(matches!(store.begin("alice", "k1", "fp", terms).await?, Begin::Completed(_)));
 /// # Ok(()) }
@@ -129,6 +134,7 @@ impl std::fmt::Debug for PostgresStore {
 struct Statements {
     begin: String,
     complete: String,
+    enter: String,
     abandon: String,
     renew_key: String,
     issue: String,
@@ -150,6 +156,7 @@ struct Names {
     begin: String,
     complete: String,
     abandon: String,
+    enter: String,
     issue: String,
     claim: String,
 }
@@ -168,6 +175,7 @@ impl Names {
             begin: q("ik_begin_v1"),
             complete: q("ik_done_v1"),
             abandon: q("ik_drop_v1"),
+            enter: q("ik_enter_v1"),
             issue: q("tk_issue_v1"),
             claim: q("tk_claim_v1"),
         })
@@ -187,6 +195,7 @@ impl Names {
             .replace("{begin}", &self.begin)
             .replace("{complete}", &self.complete)
             .replace("{abandon}", &self.abandon)
+            .replace("{enter}", &self.enter)
             .replace("{issue}", &self.issue)
             .replace("{claim}", &self.claim)
             .replace("{class}", &KEY_CLASS.to_string())
@@ -211,6 +220,7 @@ impl Names {
             begin: f("SELECT r_outcome, r_response, r_retry_ms FROM {begin}($1, $2, $3, $4, $5, $6, $7, $8, $9)"),
             complete: f("SELECT r_outcome, r_retry_ms FROM {complete}($1, $2, $3, $4, $5)"),
             abandon: f("SELECT {abandon}($1, $2, $3)"),
+            enter: f("SELECT {enter}($1, $2)"),
             renew_key: f("UPDATE {keys} AS k SET lease_until = clock_timestamp() + $4 * interval '1 millisecond' \
                  WHERE k.scope = $1 AND k.key = $2 AND k.owner = $3 AND k.response IS NULL \
                  AND k.lease_until > clock_timestamp() RETURNING 1"),
@@ -361,6 +371,26 @@ impl PostgresStore {
             let encoded = response.encode();
             let row = self.in_tx(self.complete_query(claim, &encoded).fetch_one(conn)).await?;
             completed(&row)
+        })
+    }
+
+    /// Enters the record of `claim`, claimed and completed inside a
+    /// transaction that has committed, in its caller's tally (see the
+    /// [module docs](self): a claim inside a transaction touches no shared
+    /// row before its commit). Call it once the commit succeeded; the HTTP
+    /// layer does, in the background. `Ok(false)` when it was entered
+    /// already, or its transaction did not commit. A record never entered
+    /// (its instance died first) is left out of the tally, never counted
+    /// twice.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the store cannot be reached.
+    pub fn committed<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let query = || sqlx::query(&self.inner.sql.enter).bind(claim.scope()).bind(claim.key());
+            let row = self.inner.db.fetch(query, Repeat::Safe).await?.ok_or_else(|| unexpected("no row"))?;
+            Ok(column::<Option<bool>>(&row, 0)?.unwrap_or(false))
         })
     }
 

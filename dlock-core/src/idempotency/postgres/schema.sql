@@ -8,10 +8,13 @@
 -- response: the stored answer (StoredResponse::encode), once completed.
 -- expires_at is on the server's clock; a row past it is no record, the
 -- next claim of its key overwrites it and a sweep deletes it.
--- counted: the row is in its caller's tally; carried: bytes of an
--- overwritten answer still in the tally, taken out when the row is
--- completed (both for claims inside a transaction, which touch the tally
--- only at their end, so that no tally row stays locked while a route runs).
+-- counted: the row is in its caller's tally. A claim inside a route's
+-- transaction never touches the tally before its commit (no tally row
+-- stays locked while a route runs, nor while it commits): its row enters
+-- the tally by a statement of its own after the commit (enter.sql), and
+-- until then carries what an expired row it overwrote still has there
+-- (carried_records, carried bytes), so that a sweep takes out exactly what
+-- the tally holds for it.
 CREATE TABLE IF NOT EXISTS {keys} (
   scope text NOT NULL,
   key text NOT NULL,
@@ -22,6 +25,7 @@ CREATE TABLE IF NOT EXISTS {keys} (
   bytes bigint NOT NULL DEFAULT 0,
   expires_at timestamptz NOT NULL,
   counted boolean NOT NULL DEFAULT true,
+  carried_records int NOT NULL DEFAULT 0,
   carried bigint NOT NULL DEFAULT 0,
   PRIMARY KEY (scope, key)
 );

@@ -1,9 +1,8 @@
 -- Stores the answer of p_owner's claim of (scope, key): 1 stored; 0 the
 -- claim is no longer p_owner's; 5 the answer's bytes do not fit the
 -- caller's byte cap (nothing stored, the claim stays), retry ms until
--- its oldest record expires. Inside a route's transaction, this is where
--- its record enters the tally: a shard's row is locked from here to the
--- commit only.
+-- its oldest record expires. A claim inside a route's transaction is not
+-- in the tally yet: its bytes enter with it, after the commit (enter.sql).
 CREATE OR REPLACE FUNCTION {complete}(p_scope text, p_key text, p_owner text, p_response bytea,
                                       p_max_bytes_per_scope bigint)
 RETURNS TABLE (r_outcome int, r_retry_ms bigint)
@@ -32,16 +31,40 @@ BEGIN
       RETURN;
     END IF;
   END IF;
-  UPDATE {keys} AS k SET owner = NULL, lease_until = NULL, response = p_response, bytes = v_size,
-      counted = true, carried = 0
+  UPDATE {keys} AS k SET owner = NULL, lease_until = NULL, response = p_response, bytes = v_size
     WHERE k.scope = p_scope AND k.key = p_key;
-  IF v_size - rec.carried <> 0 OR NOT rec.counted THEN
-    INSERT INTO {tally} AS t (pool, shard, records, bytes)
-      VALUES (v_pool, hashtext(p_key) & 15, CASE WHEN rec.counted THEN 0 ELSE 1 END, v_size - rec.carried)
-      ON CONFLICT (pool, shard) DO UPDATE
-        SET records = t.records + EXCLUDED.records, bytes = t.bytes + EXCLUDED.bytes;
+  IF rec.counted AND v_size <> 0 THEN
+    UPDATE {tally} AS t SET bytes = t.bytes + v_size
+      WHERE t.pool = v_pool AND t.shard = hashtext(p_key) & 15;
   END IF;
   RETURN QUERY SELECT 1, 0::bigint;
+END
+$dlock_body$;
+
+-- Enters a record claimed and committed inside a route's transaction in
+-- its caller's tally, in place of what an expired row it overwrote still
+-- had there: one statement after the commit. Returns whether it did (an
+-- instance that dies before leaves the row out of the tally, and a sweep
+-- then takes out what it carries).
+CREATE OR REPLACE FUNCTION {enter}(p_scope text, p_key text)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $dlock_body$
+DECLARE
+  rec record;
+BEGIN
+  UPDATE {keys} AS k SET counted = true, carried_records = 0, carried = 0
+    FROM (SELECT k2.carried_records, k2.carried FROM {keys} AS k2
+            WHERE k2.scope = p_scope AND k2.key = p_key AND NOT k2.counted FOR UPDATE) AS old
+    WHERE k.scope = p_scope AND k.key = p_key AND NOT k.counted
+    RETURNING k.bytes, old.carried_records, old.carried INTO rec;
+  IF NOT FOUND THEN
+    RETURN false;
+  END IF;
+  INSERT INTO {tally} AS t (pool, shard, records, bytes)
+    VALUES ('k:' || p_scope, hashtext(p_key) & 15, 1 - rec.carried_records, rec.bytes - rec.carried)
+    ON CONFLICT (pool, shard) DO UPDATE
+      SET records = t.records + EXCLUDED.records, bytes = t.bytes + EXCLUDED.bytes;
+  RETURN true;
 END
 $dlock_body$;
 
@@ -58,7 +81,7 @@ BEGIN
   DELETE FROM {keys} AS k
     WHERE k.scope = p_scope AND k.key = p_key AND k.owner = p_owner AND k.response IS NULL
       AND k.expires_at > clock_timestamp()
-    RETURNING k.counted, k.bytes + k.carried AS bytes INTO gone;
+    RETURNING k.counted, k.bytes INTO gone;
   IF NOT FOUND THEN
     RETURN false;
   END IF;
@@ -91,10 +114,12 @@ BEGIN
   ), gone AS (
     DELETE FROM {keys} AS k
       WHERE k.ctid = ANY(ARRAY(SELECT ctid FROM doomed UNION ALL SELECT ctid FROM everyone))
-      RETURNING k.scope, k.key, k.counted, k.bytes + k.carried AS bytes
+      RETURNING k.scope, k.key,
+        CASE WHEN k.counted THEN 1 ELSE k.carried_records END AS n,
+        CASE WHEN k.counted THEN k.bytes ELSE k.carried END AS bytes
   ), shards AS (
-    SELECT 'k:' || g.scope AS pool, hashtext(g.key) & 15 AS shard, count(*) AS n, sum(g.bytes) AS b
-      FROM gone AS g WHERE g.counted GROUP BY 1, 2
+    SELECT 'k:' || g.scope AS pool, hashtext(g.key) & 15 AS shard, sum(g.n) AS n, sum(g.bytes) AS b
+      FROM gone AS g WHERE g.n > 0 OR g.bytes <> 0 GROUP BY 1, 2
   ), counted AS (
     UPDATE {tally} AS t SET records = t.records - s.n, bytes = t.bytes - s.b
       FROM shards AS s WHERE t.pool = s.pool AND t.shard = s.shard
