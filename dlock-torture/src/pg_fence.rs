@@ -53,7 +53,7 @@ const KEYS: u32 = 4;
 
 /// Whether key `k`'s writes are fenced (the odd keys are the control).
 fn fenced(k: u32) -> bool {
-    k % 2 == 0
+    k.is_multiple_of(2)
 }
 
 /// The fence's resource name for key `k`.

@@ -380,7 +380,15 @@ async fn recover(app: &Router, keys: &[String]) -> Recovered {
 /// Files the checks into `r`.
 fn judge(r: &mut Report, sent: &Sent, before: &Tables, recovered: &Recovered, after: &Tables) {
     // Atomicity, before the recovery: effects and records committed together.
-    let no_record: Vec<&String> = before.effects.keys().filter(|k| !before.completed.contains(*k)).collect();
+    // Row by row: a key's effect rows beyond its one completed record (all
+    // of them without a record) have none, and a record without an effect
+    // row has none either.
+    let mut no_record: Vec<&String> = Vec::new();
+    for (key, n) in &before.effects {
+        let recorded = i64::from(before.completed.contains(key));
+        no_record.extend(std::iter::repeat_n(key, usize::try_from(n - recorded).unwrap_or(0)));
+    }
+    no_record.sort();
     let no_effect: Vec<&String> = before.completed.iter().filter(|k| !before.effects.contains_key(*k)).collect();
     r.torn = Some((no_record.len() + no_effect.len()) as u64);
     // Exactly once, after it.
@@ -424,7 +432,7 @@ fn judge(r: &mut Report, sent: &Sent, before: &Tables, recovered: &Recovered, af
         sent.runs
     ));
     r.note(format!(
-        "before the recovery: {} effect(s) without a record, {} record(s) without an effect (torn); after it: {} key(s) \
+        "before the recovery: {} effect row(s) without a record, {} record(s) without an effect row (torn); after it: {} key(s) \
          run twice, {} never run, {} without a completed record, {} answered `201` fresh twice, {} stuck",
         no_record.len(),
         no_effect.len(),
@@ -508,6 +516,11 @@ mod tests {
 
         let torn = tables(&[("a", 1), ("b", 1)], &["a"]);
         let r = judged(&s, &torn, &[], &after);
+        assert!(!r.pass && r.torn == Some(1), "{}", r.notes);
+        // A second effect row beside a key's record has no record of its own.
+        let r = judged(&s, &tables(&[("a", 2)], &["a"]), &["b"], &after);
+        assert!(!r.pass && r.torn == Some(1), "{}", r.notes);
+        let r = judged(&s, &tables(&[("a", 1)], &["a", "b"]), &["b"], &after);
         assert!(!r.pass && r.torn == Some(1), "{}", r.notes);
 
         let r = judged(&s, &before, &["b"], &tables(&[("a", 1), ("b", 2)], &["a", "b"]));
