@@ -86,6 +86,11 @@ pub(crate) struct Report {
     pub(crate) lost_latency_p50_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) lost_latency_p99_ms: Option<f64>,
+    /// `pg-idempotency`: effects committed without their idempotency
+    /// record, and records committed without their effect, before the
+    /// recovery pass (the route's writes and its answer torn apart).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) torn: Option<u64>,
     pub(crate) notes: String,
     /// The row's timeline picture (`--timelines`), when one was drawn.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -309,6 +314,11 @@ impl Run {
         }
     }
 
+    /// The pids of the workers still running (not killed on purpose).
+    pub(crate) fn live(&self) -> Vec<u32> {
+        self.children.iter().map(Child::id).collect()
+    }
+
     /// Every event of the run so far; an unreadable history is an error.
     pub(crate) fn events(&self) -> Result<Vec<Event>, String> {
         history::read_all(&self.histories)
@@ -344,7 +354,7 @@ impl Run {
                 _ => {}
             }
         }
-        let live: Vec<u32> = self.children.iter().map(Child::id).collect();
+        let live = self.live();
         let mut pids: Vec<u32> = open
             .iter()
             .filter(|(_, granted)| **granted >= since)

@@ -32,6 +32,8 @@ mod orphan_renewal;
 mod own_bugs;
 mod partition;
 mod pause;
+mod pg_fence;
+mod pg_idempotency;
 mod postgres;
 mod primitives;
 mod redlock;

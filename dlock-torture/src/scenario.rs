@@ -33,10 +33,17 @@ impl Size {
 
 /// A worker's configuration with the defaults every scenario starts from.
 pub(crate) fn config(backend: &str, urls: Vec<String>, resource: &RedisServer, seed: u64) -> WorkerConfig {
+    config_on(backend, urls, resource.url(), seed)
+}
+
+/// [`config`] for a resource that is not the harness's Redis registers
+/// (the `kind`s of [`WorkerConfig`] that write to PostgreSQL).
+pub(crate) fn config_on(backend: &str, urls: Vec<String>, resource: String, seed: u64) -> WorkerConfig {
     WorkerConfig {
+        kind: String::new(),
         backend: backend.into(),
         urls,
-        resource: resource.url(),
+        resource,
         prefix: "torture".into(),
         history: std::path::PathBuf::new(),
         tasks: 3,
@@ -88,11 +95,15 @@ pub(crate) fn spawn_workers(run: &mut Run, cfg: &WorkerConfig, procs: u32) -> Re
 /// the fault. Start-up takes longer on a loaded machine and in a debug
 /// build than any fixed pause allows for.
 pub(crate) async fn workers_started(run: &Run, procs: usize, within: Duration) -> Result<(), String> {
+    workers_logged(run, "acq_invoke", procs, within).await
+}
+
+/// [`workers_started`] for workers whose first step is `op`, not an acquire.
+pub(crate) async fn workers_logged(run: &Run, op: &str, procs: usize, within: Duration) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + within;
     loop {
         let events = tokio::task::block_in_place(|| run.events())?;
-        let started: std::collections::HashSet<u32> =
-            events.iter().filter(|e| e.op == "acq_invoke").map(|e| e.pid).collect();
+        let started: std::collections::HashSet<u32> = events.iter().filter(|e| e.op == op).map(|e| e.pid).collect();
         if started.len() >= procs || tokio::time::Instant::now() >= deadline {
             return Ok(());
         }
@@ -176,6 +187,30 @@ pub(crate) async fn residue(url: &str, renew_every: Duration) -> Result<(u64, u6
     Ok((locks.len() as u64, refreshed))
 }
 
+/// Waits for the workers; a hang or a lost worker fails the row.
+pub(crate) fn join(run: &mut Run, r: &mut Report, grace: Duration) {
+    let joined = tokio::task::block_in_place(|| run.join(grace));
+    if joined.hung > 0 {
+        r.fail(format!("{} worker(s) did not finish within {grace:?} of their end (hang)", joined.hung));
+    }
+    if !joined.failed.is_empty() {
+        r.fail(format!("lost worker(s): {}", joined.failed.join(", ")));
+    }
+}
+
+/// The history's own checks (C1 from the grants, C4, lost signals, waits)
+/// for a run whose resource is not the Redis registers: nothing to compare
+/// a register with, so the scenario judges its resource itself. The
+/// workers must have ended ([`join`]).
+pub(crate) fn check_history(run: &Run, r: &mut Report) -> Result<Findings, String> {
+    let events = run.events()?;
+    let findings = crate::checker::check(&events, &std::collections::HashMap::new(), crate::history::mono_ns());
+    r.absorb(&findings);
+    let drawn = crate::timeline::write(&r.scenario, &r.backend, &events, crate::history::mono_ns())?;
+    r.timeline = drawn.map(|p| p.display().to_string());
+    Ok(findings)
+}
+
 /// Waits for the workers (a hang fails the row), checks the history and
 /// files the findings into `r`; a safety violation fails the row.
 pub(crate) async fn finish(
@@ -185,13 +220,7 @@ pub(crate) async fn finish(
     keys: u32,
     grace: Duration,
 ) -> Result<Findings, String> {
-    let joined = tokio::task::block_in_place(|| run.join(grace));
-    if joined.hung > 0 {
-        r.fail(format!("{} worker(s) did not finish within {grace:?} of their end (hang)", joined.hung));
-    }
-    if !joined.failed.is_empty() {
-        r.fail(format!("lost worker(s): {}", joined.failed.join(", ")));
-    }
+    join(run, r, grace);
     let findings = run.check(resource, keys).await?;
     r.absorb(&findings);
     let drawn = crate::timeline::write(&r.scenario, &r.backend, &run.events()?, crate::history::mono_ns())?;
@@ -283,6 +312,45 @@ async fn find(
     }
 }
 
+/// Live workers with a task whose last logged event is `op` on a key that
+/// `key` accepts: where in its section a task is, for a fault that must
+/// land in one phase of it (the history's tail; a task may have moved on
+/// by the time the fault lands, so the caller looks again after it).
+pub(crate) fn tasks_at(run: &Run, op: &str, key: impl Fn(u32) -> bool) -> Result<Vec<u32>, String> {
+    let mut last: std::collections::HashMap<(u32, u32), (String, Option<u32>)> = std::collections::HashMap::new();
+    for e in run.events()? {
+        last.insert((e.pid, e.task), (e.op, e.key));
+    }
+    // Only workers: the nemesis's own events carry the harness's pid.
+    let live = run.live();
+    let mut pids: Vec<u32> = last
+        .into_iter()
+        .filter(|(_, (o, k))| o == op && k.is_some_and(&key))
+        .map(|((pid, _), _)| pid)
+        .filter(|p| live.contains(p))
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    Ok(pids)
+}
+
+/// Kills a live worker (`kill -9`) and starts a fresh one of `cfg` for the
+/// rest of the run (from `started`, at least `min_left` ms), so the load
+/// stays up.
+pub(crate) fn kill_and_replace(
+    run: &mut Run,
+    pid: u32,
+    cfg: &WorkerConfig,
+    started: u64,
+    min_left: u64,
+) -> Result<(), String> {
+    tokio::task::block_in_place(|| run.kill(pid));
+    let mut again = cfg.clone();
+    let elapsed_ms = (crate::history::mono_ns() - started) / 1_000_000;
+    again.duration_ms = cfg.duration_ms.saturating_sub(elapsed_ms).max(min_left);
+    run.spawn(again).map(|_| ()).map_err(|e| e.to_string())
+}
+
 /// `kills` times, every `every`: kills a worker that holds a lock (`kill
 /// -9`) and starts a fresh one for the rest of the run (from `started`, of
 /// `cfg.duration_ms`, at least `min_left`), so the contention stays up.
@@ -300,12 +368,8 @@ pub(crate) async fn kill_holders(
     for _ in 0..kills {
         sleep(every).await;
         let Some(pid) = find_holder(run, None, Duration::from_millis(500), rng).await? else { continue };
-        tokio::task::block_in_place(|| run.kill(pid));
+        kill_and_replace(run, pid, cfg, started, min_left)?;
         done += 1;
-        let mut again = cfg.clone();
-        let elapsed_ms = (crate::history::mono_ns() - started) / 1_000_000;
-        again.duration_ms = cfg.duration_ms.saturating_sub(elapsed_ms).max(min_left);
-        run.spawn(again).map_err(|e| e.to_string())?;
     }
     Ok(done)
 }

@@ -10,8 +10,8 @@ use std::pin::Pin;
 use crate::harness::Report;
 use crate::scenario::Size;
 use crate::{
-    badinput, baseline, burst, flush, kill_client, orphan_renewal, partition, pause, postgres, primitives, redlock,
-    redlock_skew, release_retry, renewal, restart, self_test, slow, storm, zk_expire,
+    badinput, baseline, burst, flush, kill_client, orphan_renewal, partition, pause, pg_fence, pg_idempotency,
+    postgres, primitives, redlock, redlock_skew, release_retry, renewal, restart, self_test, slow, storm, zk_expire,
 };
 
 /// A running scenario: its report rows, or why it could not run.
@@ -55,6 +55,8 @@ pub(crate) const ALL: &[Scenario] = &[
     Scenario { name: "orphan-renewal", faults: true, start: |size, seed| Box::pin(orphan_renewal::run(size, seed)) },
     Scenario { name: "bad-input", faults: true, start: |size, seed| Box::pin(one_row(badinput::run(size, seed))) },
     Scenario { name: "postgres", faults: true, start: |size, seed| Box::pin(postgres::run(size, seed)) },
+    Scenario { name: "pg-fence", faults: true, start: |size, seed| Box::pin(pg_fence::run(size, seed)) },
+    Scenario { name: "pg-idempotency", faults: true, start: |size, seed| Box::pin(pg_idempotency::run(size, seed)) },
     Scenario { name: "primitives", faults: true, start: |size, seed| Box::pin(primitives::run(size, seed)) },
     Scenario { name: "idempotency-storm", faults: true, start: |size, seed| Box::pin(one_row(storm::run(size, seed))) },
 ];

@@ -22,15 +22,23 @@ use crate::scenario::{config, describe, finish, resource_server, spawn_workers, 
 /// the storm without its idempotency layer.
 const CONTROLS: [&str; 2] = ["broken-zk-herd", "broken-no-idempotency"];
 
+/// Broken uses of dlock's PostgreSQL helpers, each under the workload of
+/// the scenario whose real row is its control: the fence checked outside
+/// the writing transaction (`pg-fence`), the route's effect written beside
+/// its `Tx` (`pg-idempotency`).
+const PG_TWINS: [&str; 2] = ["broken-fence-check-outside-tx", "broken-effect-outside-tx"];
+
 /// Every broken variant the self-test runs, in run order.
 pub(crate) fn variants() -> Vec<&'static str> {
-    Bug::ALL.into_iter().chain(crate::own_bugs::ALL.iter().map(|b| b.name)).chain(CONTROLS).collect()
+    Bug::ALL.into_iter().chain(crate::own_bugs::ALL.iter().map(|b| b.name)).chain(PG_TWINS).chain(CONTROLS).collect()
 }
 
 /// The scenario whose workload `variant` runs instead of the shared one.
 fn own_workload(variant: &str) -> Option<&'static str> {
     match variant {
         "broken-redlock-max-over-quorum" => Some("redlock-skew"),
+        "broken-fence-check-outside-tx" => Some("pg-fence"),
+        "broken-effect-outside-tx" => Some("pg-idempotency"),
         _ => crate::own_bugs::find(variant).map(|b| b.control),
     }
 }
@@ -47,6 +55,8 @@ async fn run_as(scenario: &str, variant: &str, size: Size, seed: u64) -> Result<
             let mode = if variant == "broken-readers-pass-writers" { "rw" } else { "permits:2" };
             crate::primitives::row(name, variant, mode, size, seed).await
         }
+        "pg-fence" => crate::pg_fence::row(name, "pg-fence-check-outside-tx", size, seed).await,
+        "pg-idempotency" => crate::pg_idempotency::row(name, "pg-idempotency-effect-outside-tx", size, seed).await,
         other => Err(format!("no workload `{other}` for {variant}")),
     }
 }
@@ -199,6 +209,15 @@ fn must_fire(variant: &str, r: &Report) -> Vec<(&'static str, u64)> {
         // Which of the two a short run sees depends on timing; either is
         // the bug.
         "broken-retry-ignores-turn" => vec![("C1 overlap + C4 token order", r.overlaps + r.token_regressions)],
+        // A holder paused inside its transaction overwrites the next
+        // holder's increment: the fenced counters lose updates.
+        "broken-fence-check-outside-tx" => vec![("lost update (PostgreSQL fenced counter)", r.lost_updates)],
+        // A kill between the effect and the commit: an effect without its
+        // record, then a second run of the key by the recovery.
+        "broken-effect-outside-tx" => vec![
+            ("torn (effect without its record)", r.torn.unwrap_or(0)),
+            ("run twice (two effect rows of a key)", r.overlaps),
+        ],
         _ => vec![c1],
     }
 }

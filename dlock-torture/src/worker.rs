@@ -26,6 +26,15 @@ use crate::rng::Rng;
 /// processes, so its contenders are the tasks of one worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct WorkerConfig {
+    /// What the worker does: `` (the default) the registers' read–sleep–
+    /// write on the Redis resource, below; `pg-fence` and its broken twin
+    /// `pg-fence-check-outside-tx` the same on a PostgreSQL counter
+    /// ([`crate::pg_fence`]); `pg-idempotency` and its broken twin
+    /// `pg-idempotency-effect-outside-tx` requests through an
+    /// `IdempotencyLayer::in_transaction` route ([`crate::pg_idempotency`]).
+    /// For those, `resource` is the PostgreSQL URL.
+    #[serde(default)]
+    pub(crate) kind: String,
     /// `redis`, `redlock`, `zookeeper`, `postgres`, `memory` or a `broken-*` variant.
     pub(crate) backend: String,
     /// The lock servers.
@@ -124,7 +133,20 @@ pub(crate) fn run(config_json: &str) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start a tokio runtime: {e}"))?;
-    rt.block_on(run_async(cfg))
+    match cfg.kind.as_str() {
+        "" => rt.block_on(run_async(cfg)),
+        "pg-fence" | "pg-fence-check-outside-tx" => rt.block_on(crate::pg_fence::work(cfg)),
+        "pg-idempotency" | "pg-idempotency-effect-outside-tx" => rt.block_on(crate::pg_idempotency::work(cfg)),
+        other => Err(format!("unknown worker kind `{other}`")),
+    }
+}
+
+/// dlock's client for `cfg.backend` (a real backend, not a broken lock).
+pub(crate) async fn locker(cfg: &WorkerConfig) -> Result<Locker, String> {
+    match connect(cfg).await? {
+        (Client::Dlock(locker), _) => Ok(locker),
+        (Client::Broken(_), _) => Err(format!("`{}` is a broken lock of the harness, not dlock", cfg.backend)),
+    }
 }
 
 /// The client, and the in-process table when the backend is `memory` (to

@@ -92,7 +92,11 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
             assert!(n(row, "overlaps") + n(row, "token_regressions") > 0, "{row}");
         } else if !matches!(
             variant,
-            "broken-zk-herd" | "broken-token-regresses" | "broken-release-forgets" | "broken-redlock-max-over-quorum"
+            "broken-zk-herd"
+                | "broken-token-regresses"
+                | "broken-release-forgets"
+                | "broken-redlock-max-over-quorum"
+                | "broken-fence-check-outside-tx"
         ) {
             assert!(row["overlaps"].as_u64().unwrap_or(0) > 0, "{row}");
         }
@@ -106,6 +110,15 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         // C6 on the keys a release forgot.
         if variant == "broken-release-forgets" {
             assert!(n(row, "residual_keys") > 0, "C6 missed the keys left behind: {row}");
+        }
+        // The fence checked outside the writing transaction: the fenced
+        // PostgreSQL counters lose updates.
+        if variant == "broken-fence-check-outside-tx" {
+            assert!(n(row, "lost_updates") > 0, "the lost updates on the fenced counters were missed: {row}");
+        }
+        // The effect beside the route's transaction: torn, then run twice.
+        if variant == "broken-effect-outside-tx" {
+            assert!(n(row, "torn") > 0 && n(row, "overlaps") > 0, "{row}");
         }
         // One token for all: C4, the fenced counter (C2) and the fenced set (C3).
         if variant == "broken-duplicate-token" {
@@ -125,6 +138,13 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         n(pause, "stale_holds_seen_lost") * 100 >= n(pause, "stale_holds") * 95,
         "T3: lost signal seen by < 95 % of refused holds: {pause}"
     );
+    // T14/T15 (issue 27): the unfenced control lost updates while the
+    // fenced PostgreSQL counters lost none; effects and records committed
+    // together under kill -9.
+    let fence = rows.iter().find(|r| r["scenario"] == "pg-fence").expect("pg-fence row");
+    assert!(n(fence, "unfenced_lost") > 0, "{fence}");
+    let idem = rows.iter().find(|r| r["scenario"] == "pg-idempotency").expect("pg-idempotency row");
+    assert_eq!(idem["torn"], 0, "{idem}");
     // T1: a baseline row per backend, each with work done and nothing left.
     for backend in ["redis", "redlock", "zookeeper", "memory"] {
         let row = rows
