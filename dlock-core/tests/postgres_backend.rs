@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
 use dlock_core::backend::{AcquireRequest, Backend, CancellationToken, LockMode, Release, Renewal};
-use dlock_core::idempotency::IdempotencyStore as _;
 use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions, Owner};
 use dlock_testing::{FaultProxy, PostgresServer};
 use tokio::time::Instant;

@@ -137,7 +137,7 @@ impl Fences {
     pub async fn create(&self, pool: &PgPool) -> Result<()> {
         let mut conn = pool.acquire().await.map_err(|e| failed("creating the fences table", e))?;
         let objects = Objects { what: "creating the fences table", schema: self.create.clone(), functions: Vec::new() };
-        install(&mut *conn, &objects, PostgresOptions::default().response_timeout()).await
+        install(&mut conn, &objects, PostgresOptions::default().response_timeout()).await
     }
 
     /// Checks `token` for `resource` on `conn`, which should be the
