@@ -240,6 +240,7 @@ impl Config {
 /// "cannot reach Redis" alone does not tell the lock Redis from the
 /// records' one. A configuration error is moved to `var` (the Redis client
 /// names `DLOCK_REDIS_URL` for every URL it is given).
+#[cfg(any(feature = "redis", feature = "zookeeper", feature = "postgres"))]
 fn at<'a>(var: &'static str, address: &'a str) -> impl FnOnce(Error) -> Error + 'a {
     move |e| match e {
         Error::Backend { backend, message, source } => {

@@ -236,17 +236,7 @@ where
         }
     }
     match tx.commit().await {
-        Ok(()) => {
-            // Into the caller's tally: after the commit, so that no tally
-            // row is locked while the route commits; not awaited by the
-            // client, and if it is lost the record only goes uncounted.
-            tokio::spawn(async move {
-                if let Err(e) = store.committed(&claim).await {
-                    tracing::debug!(error = %e, "dlock: counting a committed idempotency record failed");
-                }
-            });
-            Settled::Answer(answer)
-        }
+        Ok(()) => Settled::Answer(answer),
         Err(e) => {
             // Refused, or its answer lost: either nothing was kept, or the
             // writes and the answer were kept together. A retry with the

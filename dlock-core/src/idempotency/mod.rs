@@ -601,6 +601,42 @@ pub fn fingerprint<P: AsRef<[u8]>>(parts: &[P]) -> String {
     h.digest().to_string()
 }
 
+/// Gives `claim` back in the background (abandons a key's, returns a
+/// token's) after the answer to the request that made it was lost (a
+/// timeout, a broken connection), until the store answers or the claim's
+/// `lease` ends, so that the key or token is not blocked for a lease by a
+/// request that was told to retry. Owner-checked: a claim that was never
+/// made, or was taken over, is left alone. Each store sends it where it
+/// lands after the claim (the Redis store: on the claim's connection; the
+/// PostgreSQL store: behind the key's advisory lock).
+#[cfg(any(feature = "redis", feature = "postgres"))]
+fn give_back_later<S: IdempotencyStore + Clone>(store: &S, claim: Claim, lease: Duration) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    let store = store.clone();
+    runtime.spawn(async move {
+        let deadline = tokio::time::Instant::now() + lease;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let given_back =
+                if claim.is_token() { store.return_token(&claim).await } else { store.abandon(&claim).await };
+            match given_back {
+                Ok(freed) => {
+                    tracing::debug!(freed, "dlock: an idempotency claim whose answer was lost is given back");
+                    return;
+                }
+                Err(e) if tokio::time::Instant::now() + pause >= deadline => {
+                    tracing::warn!(error = %e, "dlock: giving back an idempotency claim whose answer was lost failed until its lease ended");
+                    return;
+                }
+                Err(_) => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    });
+}
+
 /// Whether `token` has the shape of one we issue (32 lower-case hex), so
 /// that junk never reaches the store as a key.
 pub(crate) fn token_well_formed(token: &str) -> bool {

@@ -291,37 +291,6 @@ impl RedisStore {
         }
     }
 
-    /// Gives `claim` back in the background (abandons a key's, returns a
-    /// token's), until the store answers or the claim's `lease` ends.
-    /// Owner-checked: a claim that never ran, or was taken over, is left
-    /// alone. On the same connection as the claim, so it runs after it.
-    fn give_back_later(&self, claim: Claim, lease: Duration) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        let store = self.clone();
-        runtime.spawn(async move {
-            let deadline = tokio::time::Instant::now() + lease;
-            let mut pause = Duration::from_millis(50);
-            loop {
-                let given_back =
-                    if claim.is_token() { store.return_token(&claim).await } else { store.abandon(&claim).await };
-                match given_back {
-                    Ok(freed) => {
-                        tracing::debug!(freed, "dlock: an idempotency claim whose answer was lost is given back");
-                        return;
-                    }
-                    Err(e) if tokio::time::Instant::now() + pause >= deadline => {
-                        tracing::warn!(error = %e, "dlock: giving back an idempotency claim whose answer was lost failed until its lease ended");
-                        return;
-                    }
-                    Err(_) => {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(1));
-                    }
-                }
-            }
-        });
-    }
-
     /// Whether the server the records live on keeps them over a restart:
     /// an append-only file, or RDB snapshots. An error when it cannot be
     /// read (`CONFIG` refused by an ACL, say).
@@ -381,7 +350,7 @@ impl IdempotencyStore for RedisStore {
                 Ok(reply) => reply,
                 Err(e) => {
                     if e.outcome_unknown() {
-                        self.give_back_later(claim, lease);
+                        super::give_back_later(self, claim, lease);
                     }
                     return Err(e);
                 }
@@ -445,7 +414,7 @@ impl IdempotencyStore for RedisStore {
                     if e.outcome_unknown() {
                         // Redis may run the claim when it answers again:
                         // the request is told to retry, so give it back.
-                        self.give_back_later(claim, terms.lease());
+                        super::give_back_later(self, claim, terms.lease());
                     }
                     return Err(e);
                 }

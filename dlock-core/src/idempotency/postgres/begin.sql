@@ -9,8 +9,8 @@
 -- uncommitted row), and the transaction ends, rolled back by the server,
 -- once it stays idle for the lease (idle_in_transaction_session_timeout).
 -- Such a claim writes nothing but its own row: it enters the tally after
--- its commit (enter.sql), so no shared row stays locked while the route
--- runs or commits.
+-- its commit, in a batch (settle.sql's enter), so no shared row stays
+-- locked while the route runs or commits.
 CREATE OR REPLACE FUNCTION {begin}(p_scope text, p_key text, p_fp text, p_owner text, p_lease_ms bigint,
                                    p_ttl_ms bigint, p_run_again boolean, p_in_tx boolean, p_max_per_scope bigint)
 RETURNS TABLE (r_outcome int, r_response bytea, r_retry_ms bigint)

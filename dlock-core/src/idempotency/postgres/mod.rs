@@ -51,12 +51,11 @@
 //! A tally may still count what expired and was not swept yet: at the cap,
 //! the pool's expired rows are swept and its live ones counted exactly
 //! before a refusal, so only a caller at its cap pays for a count. A claim
-//! inside a transaction enters the tally by a statement of its own after
-//! its commit ([`PostgresStore::committed`]), so that no tally row stays
-//! locked while its route runs or commits: the caller's cap may be passed
-//! by as many of its requests as run at that moment, and a record whose
-//! instance died between its commit and that statement is not counted
-//! (until a sweep deletes it, it only counts at the cap's exact count).
+//! inside a transaction touches no tally row (none stays locked while its
+//! route runs or commits, and the request pays no statement for it): each
+//! store enters the committed ones in their callers' tallies every second,
+//! in one statement. So the caller's cap may be passed by what it runs at
+//! once plus what it committed in the last second.
 //! Expired rows
 //! are also deleted by a sweep every minute, and a claim of an expired key
 //! overwrites it.
@@ -106,7 +105,6 @@ const TOKENS_SQL: &str = include_str!("tokens.sql");
 ///     sqlx::query("INSERT INTO payments (amount) VALUES (42)").execute(&mut *tx).await.ok();
 ///     store.complete_in(&mut tx, &claim, &StoredResponse::new(201, vec![], b"paid".to_vec())).await?;
 ///     tx.commit().await.map_err(|e| dlock_core::Error::backend("postgres", e.to_string()))?;
-///     store.committed(&claim).await?; // into the caller's tally
 /// }
 /// assert!(matches!(store.begin("alice", "k1", "fp", terms).await?, Begin::Completed(_)));
 /// # Ok(()) }
@@ -120,7 +118,7 @@ pub struct PostgresStore {
 struct Inner {
     db: Db,
     sql: Statements,
-    /// Stops the sweep of expired rows when the last clone goes.
+    /// Stops the upkeep (tallies, sweeps) when the last clone goes.
     _sweep: DropGuard,
 }
 
@@ -185,6 +183,7 @@ impl Names {
         // Index names: the table's name with a suffix, inside its quotes.
         let index = |table: &str, suffix: &str| format!("{}_{suffix}\"", table.trim_end_matches('"'));
         sql.replace("{keys_expiry}", &index(&self.keys, "exp"))
+            .replace("{keys_pending}", &index(&self.keys, "pending"))
             .replace("{tokens_pool}", &index(&self.tokens, "pool"))
             .replace("{keys}", &self.keys)
             .replace("{tokens}", &self.tokens)
@@ -220,7 +219,7 @@ impl Names {
             begin: f("SELECT r_outcome, r_response, r_retry_ms FROM {begin}($1, $2, $3, $4, $5, $6, $7, $8, $9)"),
             complete: f("SELECT r_outcome, r_retry_ms FROM {complete}($1, $2, $3, $4, $5)"),
             abandon: f("SELECT {abandon}($1, $2, $3)"),
-            enter: f("SELECT {enter}($1, $2)"),
+            enter: f("SELECT {enter}()"),
             renew_key: f("UPDATE {keys} AS k SET lease_until = clock_timestamp() + $4 * interval '1 millisecond' \
                  WHERE k.scope = $1 AND k.key = $2 AND k.owner = $3 AND k.response IS NULL \
                  AND k.lease_until > clock_timestamp() RETURNING 1"),
@@ -300,7 +299,7 @@ impl PostgresStore {
         installed?;
         let sql = names.statements();
         let stop = CancellationToken::new();
-        tokio::spawn(sweep(db.pool.clone(), sql.sweep.clone(), stop.clone()));
+        tokio::spawn(upkeep(db.pool.clone(), sql.enter.clone(), sql.sweep.clone(), stop.clone()));
         let inner = Inner { db, sql, _sweep: stop.drop_guard() };
         Ok(PostgresStore { inner: Arc::new(inner), limits: IdempotencyLimits::default() })
     }
@@ -374,26 +373,6 @@ impl PostgresStore {
         })
     }
 
-    /// Enters the record of `claim`, claimed and completed inside a
-    /// transaction that has committed, in its caller's tally (see the
-    /// [module docs](self): a claim inside a transaction touches no shared
-    /// row before its commit). Call it once the commit succeeded; the HTTP
-    /// layer does, in the background. `Ok(false)` when it was entered
-    /// already, or its transaction did not commit. A record never entered
-    /// (its instance died first) is left out of the tally, never counted
-    /// twice.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Backend`] when the store cannot be reached.
-    pub fn committed<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            let query = || sqlx::query(&self.inner.sql.enter).bind(claim.scope()).bind(claim.key());
-            let row = self.inner.db.fetch(query, Repeat::Safe).await?.ok_or_else(|| unexpected("no row"))?;
-            Ok(column::<Option<bool>>(&row, 0)?.unwrap_or(false))
-        })
-    }
-
     /// A statement on the caller's transaction, within the response timeout.
     async fn in_tx<T>(
         &self,
@@ -459,37 +438,6 @@ impl PostgresStore {
         })
     }
 
-    /// Gives `claim` back in the background (abandons a key's, returns a
-    /// token's) after its answer was lost, until the store answers or the
-    /// claim's `lease` ends. Owner-checked; the key's abandon waits for the
-    /// key's advisory lock, so it lands after a claim still running.
-    fn give_back_later(&self, claim: Claim, lease: Duration) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        let store = self.clone();
-        runtime.spawn(async move {
-            let deadline = tokio::time::Instant::now() + lease;
-            let mut pause = Duration::from_millis(50);
-            loop {
-                let given_back =
-                    if claim.is_token() { store.return_token(&claim).await } else { store.abandon(&claim).await };
-                match given_back {
-                    Ok(freed) => {
-                        tracing::debug!(freed, "dlock: an idempotency claim whose answer was lost is given back");
-                        return;
-                    }
-                    Err(e) if tokio::time::Instant::now() + pause >= deadline => {
-                        tracing::warn!(error = %e, "dlock: giving back an idempotency claim whose answer was lost failed until its lease ended");
-                        return;
-                    }
-                    Err(_) => {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(1));
-                    }
-                }
-            }
-        });
-    }
-
     async fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
         let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
         let max = match principal {
@@ -545,21 +493,29 @@ fn count(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// Deletes rows that expired over a minute ago, every minute, never waiting
-/// for a row that a running transaction holds (best effort: a row left
-/// behind costs space, and counts nowhere).
-async fn sweep(pool: PgPool, sql: String, stop: CancellationToken) {
-    let every = Duration::from_secs(60);
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+/// Every second, enters the records committed inside transactions in
+/// their callers' tallies; every minute, deletes rows that expired over a
+/// minute ago. Neither waits for a row a running transaction holds (best
+/// effort: what one call misses, the next takes).
+async fn upkeep(pool: PgPool, enter: String, sweep: String, stop: CancellationToken) {
+    let start = tokio::time::Instant::now();
+    let mut entering = tokio::time::interval_at(start + ENTER_EVERY, ENTER_EVERY);
+    let mut sweeping = tokio::time::interval_at(start + SWEEP_EVERY, SWEEP_EVERY);
+    for ticks in [&mut entering, &mut sweeping] {
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    }
     loop {
-        tokio::select! {
+        let sql = tokio::select! {
             _ = stop.cancelled() => return,
-            _ = ticks.tick() => {
-                let _ = tokio::time::timeout(Duration::from_secs(10), sqlx::query(&sql).execute(&pool)).await;
-            }
-        }
+            _ = entering.tick() => &enter,
+            _ = sweeping.tick() => &sweep,
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(10), sqlx::query(sql).execute(&pool)).await;
     }
 }
+
+const ENTER_EVERY: Duration = Duration::from_secs(1);
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 impl IdempotencyStore for PostgresStore {
     fn name(&self) -> &'static str {
@@ -603,7 +559,7 @@ impl IdempotencyStore for PostgresStore {
                 Ok(row) => row.ok_or_else(|| unexpected("no row"))?,
                 Err(e) => {
                     if e.outcome_unknown() {
-                        self.give_back_later(claim, lease);
+                        super::give_back_later(self, claim, lease);
                     }
                     return Err(e);
                 }
@@ -646,7 +602,7 @@ impl IdempotencyStore for PostgresStore {
                 Ok(None) => Err(unexpected("no row")),
                 Err(e) => {
                     if e.outcome_unknown() {
-                        self.give_back_later(claim, terms.lease());
+                        super::give_back_later(self, claim, terms.lease());
                     }
                     Err(e)
                 }

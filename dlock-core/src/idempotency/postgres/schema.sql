@@ -9,12 +9,12 @@
 -- expires_at is on the server's clock; a row past it is no record, the
 -- next claim of its key overwrites it and a sweep deletes it.
 -- counted: the row is in its caller's tally. A claim inside a route's
--- transaction never touches the tally before its commit (no tally row
--- stays locked while a route runs, nor while it commits): its row enters
--- the tally by a statement of its own after the commit (enter.sql), and
--- until then carries what an expired row it overwrote still has there
--- (carried_records, carried bytes), so that a sweep takes out exactly what
--- the tally holds for it.
+-- transaction never touches the tally (no tally row stays locked while a
+-- route runs or commits, and a request pays no statement for it): its
+-- committed row enters the tally within a second, in a batch of them
+-- (settle.sql's enter), and until then carries what an expired row it
+-- overwrote still has there (carried_records, carried bytes), so that a
+-- sweep takes out exactly what the tally holds for it.
 CREATE TABLE IF NOT EXISTS {keys} (
   scope text NOT NULL,
   key text NOT NULL,
@@ -30,6 +30,8 @@ CREATE TABLE IF NOT EXISTS {keys} (
   PRIMARY KEY (scope, key)
 );
 CREATE INDEX IF NOT EXISTS {keys_expiry} ON {keys} (expires_at);
+-- The rows still to enter the tally: few, briefly.
+CREATE INDEX IF NOT EXISTS {keys_pending} ON {keys} (scope) WHERE NOT counted;
 -- One-time tokens: principal NULL for an unbound token; owner and
 -- lease_until while a request has claimed it.
 CREATE TABLE IF NOT EXISTS {tokens} (

@@ -41,30 +41,34 @@ BEGIN
 END
 $dlock_body$;
 
--- Enters a record claimed and committed inside a route's transaction in
--- its caller's tally, in place of what an expired row it overwrote still
--- had there: one statement after the commit. Returns whether it did (an
--- instance that dies before leaves the row out of the tally, and a sweep
--- then takes out what it carries).
-CREATE OR REPLACE FUNCTION {enter}(p_scope text, p_key text)
-RETURNS boolean
+-- Enters the records claimed and committed inside routes' transactions
+-- since the last call in their callers' tallies (at most 1000), in place
+-- of what expired rows they overwrote still had there; never waits for a
+-- row a running transaction holds, never counts one twice (a row is
+-- entered by the one call that locks it). Every instance calls it every
+-- second. Returns how many it entered.
+CREATE OR REPLACE FUNCTION {enter}()
+RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $dlock_body$
 DECLARE
-  rec record;
+  v_entered bigint;
 BEGIN
-  UPDATE {keys} AS k SET counted = true, carried_records = 0, carried = 0
-    FROM (SELECT k2.carried_records, k2.carried FROM {keys} AS k2
-            WHERE k2.scope = p_scope AND k2.key = p_key AND NOT k2.counted FOR UPDATE) AS old
-    WHERE k.scope = p_scope AND k.key = p_key AND NOT k.counted
-    RETURNING k.bytes, old.carried_records, old.carried INTO rec;
-  IF NOT FOUND THEN
-    RETURN false;
-  END IF;
-  INSERT INTO {tally} AS t (pool, shard, records, bytes)
-    VALUES ('k:' || p_scope, hashtext(p_key) & 15, 1 - rec.carried_records, rec.bytes - rec.carried)
-    ON CONFLICT (pool, shard) DO UPDATE
-      SET records = t.records + EXCLUDED.records, bytes = t.bytes + EXCLUDED.bytes;
-  RETURN true;
+  WITH pending AS (
+    SELECT k.ctid FROM {keys} AS k WHERE NOT k.counted LIMIT 1000 FOR UPDATE SKIP LOCKED
+  ), entered AS (
+    UPDATE {keys} AS k SET counted = true FROM pending AS p WHERE k.ctid = p.ctid AND NOT k.counted
+      RETURNING k.scope, k.key, k.bytes, k.carried_records, k.carried
+  ), shards AS (
+    SELECT 'k:' || e.scope AS pool, hashtext(e.key) & 15 AS shard, sum(1 - e.carried_records) AS n,
+           sum(e.bytes - e.carried) AS b
+      FROM entered AS e GROUP BY 1, 2
+  ), counted AS (
+    INSERT INTO {tally} AS t (pool, shard, records, bytes) SELECT s.pool, s.shard, s.n, s.b FROM shards AS s
+      ON CONFLICT (pool, shard) DO UPDATE
+        SET records = t.records + EXCLUDED.records, bytes = t.bytes + EXCLUDED.bytes
+  )
+  SELECT count(*) INTO v_entered FROM entered;
+  RETURN v_entered;
 END
 $dlock_body$;
 
