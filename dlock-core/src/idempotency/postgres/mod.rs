@@ -1,64 +1,4 @@
-//! The PostgreSQL store: idempotency records and one-time tokens in two
-//! tables of the application's own database, so that a route's writes and
-//! its stored answer can be one transaction.
-//!
-//! # Two ways to claim a key
-//!
-//! * **By its own statement** ([`IdempotencyStore::begin`]), as every store
-//!   does: the record is committed at once, in progress with a lease that
-//!   its request renews; the answer is stored by another statement. Between
-//!   the route's writes and that statement the outcome is unknown to a
-//!   retry, as with Redis.
-//! * **Inside the route's transaction** ([`PostgresStore::begin_in`] and
-//!   [`PostgresStore::complete_in`] on the transaction's connection; the
-//!   HTTP face is `IdempotencyLayer::in_transaction` in dlock-axum). The
-//!   claim is a row inserted by that transaction, and the answer an update
-//!   of it before the commit: the handler's writes and the stored answer
-//!   commit together or not at all. A panic, an error, a `kill -9` of the
-//!   instance or a connection that breaks rolls both back, and a retry
-//!   finds no record and runs the route once more; a commit finds the
-//!   answer for every retry. There is nothing in between: no "outcome
-//!   unknown".
-//!
-//! While such a transaction runs, its row is invisible to others; what
-//! keeps a concurrent duplicate out is a transaction-scoped advisory lock
-//! on the key (class `dloi`, a hash of caller and key) that every claim
-//! *tries* first: taken means "in progress" (`409`), never a wait. The
-//! lock ends with the transaction, so it needs no lease of its own and
-//! works through any pooler. The transaction's lease is PostgreSQL's own
-//! `idle_in_transaction_session_timeout`, set for it to the claim's lease:
-//! an instance that stops (`SIGSTOP`, a hung runtime) while its
-//! transaction is open loses it after the lease, the server rolls it back,
-//! and the key is free again; the stopped instance's commit then fails. A
-//! route that keeps its transaction idle longer than the lease (a slow
-//! call to another service in the middle) must be given a longer one.
-//!
-//! A hash of two different keys can meet (32 bits): the only effect is a
-//! `409 in progress` for the second while the first runs, never a wrong
-//! answer, since the rows themselves are keyed on the full caller and key.
-//!
-//! # Bounds
-//!
-//! Records and tokens live on disk, not in a lock server's memory. The
-//! caps of [`IdempotencyLimits`] that a store can keep per pool hold here:
-//! records, bytes of answers and bound tokens **per caller**, and the pool
-//! of unbound tokens. The totals of records and of bytes are not enforced.
-//!
-//! A claim does not count its caller's records: it reads the caller's
-//! **tally** (`<prefix>_idem_tally`, 16 rows per pool, so concurrent
-//! claims of one caller rarely meet on one), which every step that adds,
-//! completes or deletes a record or token keeps in the same transaction.
-//! A tally may still count what expired and was not swept yet: at the cap,
-//! the pool's expired rows are swept and its live ones counted exactly
-//! before a refusal, so only a caller at its cap pays for a count. A claim
-//! inside a transaction touches no tally row (none stays locked while its
-//! route runs or commits, and the request pays no statement for it): each
-//! store enters the committed ones in their callers' tallies every second,
-//! in one statement. So the caller's cap may be passed by what it runs at
-//! once plus what it committed in the last second.
-//! Expired rows
-//! are also deleted by a sweep every minute, and a claim of an expired key
-//! overwrites it.
+//! The PostgreSQL store; see [`PostgresStore`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,9 +27,66 @@ const BEGIN_SQL: &str = include_str!("begin.sql");
 const SETTLE_SQL: &str = include_str!("settle.sql");
 const TOKENS_SQL: &str = include_str!("tokens.sql");
 
-/// Idempotency records and one-time tokens in PostgreSQL, shared by every
-/// instance on that database, bounded per caller by [`IdempotencyLimits`]
-/// (see the [module docs](self) for what that means here).
+/// The PostgreSQL store: idempotency records and one-time tokens in two
+/// tables of the application's own database, so that a route's writes and
+/// its stored answer can be one transaction.
+///
+/// # Two ways to claim a key
+///
+/// * **By its own statement** ([`IdempotencyStore::begin`]), as every store
+///   does: the record is committed at once, in progress with a lease that
+///   its request renews; the answer is stored by another statement. Between
+///   the route's writes and that statement the outcome is unknown to a
+///   retry, as with Redis.
+/// * **Inside the route's transaction** ([`PostgresStore::begin_in`] and
+///   [`PostgresStore::complete_in`] on the transaction's connection; the
+///   HTTP face is `IdempotencyLayer::in_transaction` in dlock-axum). The
+///   claim is a row inserted by that transaction, and the answer an update
+///   of it before the commit: the handler's writes and the stored answer
+///   commit together or not at all. A panic, an error, a `kill -9` of the
+///   instance or a connection that breaks rolls both back, and a retry
+///   finds no record and runs the route once more; a commit finds the
+///   answer for every retry. There is nothing in between: no "outcome
+///   unknown".
+///
+/// While such a transaction runs, its row is invisible to others; what
+/// keeps a concurrent duplicate out is a transaction-scoped advisory lock
+/// on the key (class `dloi`, a hash of caller and key) that every claim
+/// *tries* first: taken means "in progress" (`409`), never a wait. The
+/// lock ends with the transaction, so it needs no lease of its own and
+/// works through any pooler. The transaction's lease is PostgreSQL's own
+/// `idle_in_transaction_session_timeout`, set for it to the claim's lease:
+/// an instance that stops (`SIGSTOP`, a hung runtime) while its
+/// transaction is open loses it after the lease, the server rolls it back,
+/// and the key is free again; the stopped instance's commit then fails. A
+/// route that keeps its transaction idle longer than the lease (a slow
+/// call to another service in the middle) must be given a longer one.
+///
+/// A hash of two different keys can meet (32 bits): the only effect is a
+/// `409 in progress` for the second while the first runs, never a wrong
+/// answer, since the rows themselves are keyed on the full caller and key.
+///
+/// # Bounds
+///
+/// Records and tokens live on disk, not in a lock server's memory. The
+/// caps of [`IdempotencyLimits`] that a store can keep per pool hold here:
+/// records, bytes of answers and bound tokens **per caller**, and the pool
+/// of unbound tokens. The totals of records and of bytes are not enforced.
+///
+/// A claim does not count its caller's records: it reads the caller's
+/// **tally** (`<prefix>_idem_tally`, 16 rows per pool, so concurrent
+/// claims of one caller rarely meet on one), which every step that adds,
+/// completes or deletes a record or token keeps in the same transaction.
+/// A tally may still count what expired and was not swept yet: at the cap,
+/// the pool's expired rows are swept and its live ones counted exactly
+/// before a refusal, so only a caller at its cap pays for a count. A claim
+/// inside a transaction touches no tally row (none stays locked while its
+/// route runs or commits, and the request pays no statement for it): each
+/// store enters the committed ones in their callers' tallies every second,
+/// in one statement. So the caller's cap may be passed by what it runs at
+/// once plus what it committed in the last second. Expired rows are also
+/// deleted by a sweep every minute, and a claim of an expired key
+/// overwrites it.
 ///
 /// ```no_run
 /// # async fn demo() -> dlock_core::Result<()> {
@@ -305,7 +302,7 @@ impl PostgresStore {
     }
 
     /// Replaces the caps on live records and tokens (per caller, and the
-    /// unbound tokens' pool: see the [module docs](self)).
+    /// unbound tokens' pool: see [`PostgresStore`]).
     pub fn with_limits(mut self, limits: IdempotencyLimits) -> Self {
         self.limits = limits;
         self
