@@ -559,6 +559,7 @@ mod tests {
             ("idempotency_scope_full", 429),
             ("lock_backend_unavailable", 503),
             ("idempotency_store_full", 503),
+            ("idempotency_not_committed", 503),
             ("lock_misconfigured", 500),
         ];
         let all: Vec<Rejection> = ALL.iter().map(|f| f()).collect();
@@ -630,6 +631,7 @@ mod tests {
             "idempotency_scope_full",
             "lock_backend_unavailable",
             "idempotency_store_full",
+            "idempotency_not_committed",
         ];
         for r in ALL.iter().map(|f| f()) {
             let response = r.clone().into_response();

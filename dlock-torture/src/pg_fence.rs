@@ -371,15 +371,7 @@ pub(crate) async fn work(cfg: WorkerConfig) -> Result<(), String> {
             }
         }));
     }
-    let mut panicked = 0;
-    for t in tasks {
-        if t.await.is_err() {
-            panicked += 1;
-        }
-    }
-    if panicked > 0 {
-        return Err(format!("{panicked} of {} task(s) panicked", cfg.tasks));
-    }
+    crate::worker::join_tasks(tasks).await?;
     Ok(())
 }
 

@@ -251,17 +251,7 @@ async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
             }
         }));
     }
-    // A task that panicked did not do its share: the worker fails, and the
-    // supervisor counts it as a lost worker.
-    let mut panicked = 0;
-    for t in tasks {
-        if t.await.is_err() {
-            panicked += 1;
-        }
-    }
-    if panicked > 0 {
-        return Err(format!("{panicked} of {} task(s) panicked", cfg.tasks));
-    }
+    join_tasks(tasks).await?;
     if let Some(table) = table {
         // C6 for the in-process backend: every task has released, so the
         // table must be empty; the supervisor reads this from the history.
@@ -533,4 +523,20 @@ fn error_kind(e: &dlock_core::Error) -> String {
         dlock_core::Error::Cancelled => "cancelled".into(),
         other => format!("other: {other}"),
     }
+}
+
+/// Waits for a worker's tasks. A task that panicked did not do its share:
+/// the worker fails, and the supervisor counts it as a lost worker.
+pub(crate) async fn join_tasks(tasks: Vec<tokio::task::JoinHandle<()>>) -> Result<(), String> {
+    let total = tasks.len();
+    let mut panicked = 0;
+    for t in tasks {
+        if t.await.is_err() {
+            panicked += 1;
+        }
+    }
+    if panicked > 0 {
+        return Err(format!("{panicked} of {total} task(s) panicked"));
+    }
+    Ok(())
 }
