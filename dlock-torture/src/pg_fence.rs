@@ -34,7 +34,7 @@ use dlock_core::fence::postgres::Fences;
 use dlock_core::AcquireOptions;
 use dlock_testing::{PostgresServer, RedisServer};
 use rustix::process::Signal;
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 use tokio::time::{sleep, Instant};
 
 use crate::harness::{Report, Run};
@@ -71,7 +71,7 @@ pub(crate) async fn row(scenario: &str, kind: &str, size: Size, seed: u64) -> Re
     let broken = kind != KIND;
     let lock = RedisServer::start();
     let pg = tokio::task::spawn_blocking(PostgresServer::start).await.map_err(|e| format!("PostgreSQL: {e}"))?;
-    let pool = connect(&pg.url(), 2).await?;
+    let pool = crate::scenario::pg_pool(&pg.url(), 2).await?;
     let tables = Tables::new("torture");
     tables.create(&pool).await?;
     let mut run = Run::new(&format!("pg-fence-{kind}")).map_err(|e| e.to_string())?;
@@ -333,22 +333,13 @@ fn fences(prefix: &str) -> Result<Fences, String> {
     Fences::new(prefix).map_err(|e| e.to_string())
 }
 
-async fn connect(url: &str, connections: u32) -> Result<PgPool, String> {
-    PgPoolOptions::new()
-        .max_connections(connections)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(url)
-        .await
-        .map_err(|e| format!("cannot connect to the PostgreSQL resource: {e}"))
-}
-
 /// The worker process of `pg-fence` (and of its twin): `cfg.tasks` tasks
 /// contend for `cfg.keys` keys until `cfg.duration_ms` has passed.
 pub(crate) async fn work(cfg: WorkerConfig) -> Result<(), String> {
     let history = Arc::new(History::open(&cfg.history).map_err(|e| format!("cannot open the history: {e}"))?);
     // A connection per task for its transaction, and one more each for the
     // twin's check outside it.
-    let pool = connect(&cfg.resource, cfg.tasks * 2 + 1).await?;
+    let pool = crate::scenario::pg_pool(&cfg.resource, cfg.tasks * 2 + 1).await?;
     let locker = Arc::new(crate::worker::locker(&cfg).await?);
     let w = Arc::new(Writer {
         tables: Tables::new(&cfg.prefix),

@@ -45,7 +45,7 @@ use dlock_axum::idempotency::{IdempotencyLayer, Tx};
 use dlock_axum::Caller;
 use dlock_core::idempotency::PostgresStore;
 use dlock_testing::PostgresServer;
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 use tokio::time::{sleep, Instant};
 use tower::ServiceExt;
 
@@ -72,7 +72,7 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
 pub(crate) async fn row(scenario: &str, kind: &str, size: Size, seed: u64) -> Result<Report, String> {
     let broken = kind != KIND;
     let pg = tokio::task::spawn_blocking(PostgresServer::start).await.map_err(|e| format!("PostgreSQL: {e}"))?;
-    let pool = connect(&pg.url(), 4).await?;
+    let pool = crate::scenario::pg_pool(&pg.url(), 4).await?;
     let effects = effects_table("torture");
     let create = format!("CREATE TABLE {effects} (key text NOT NULL, worker int NOT NULL, at timestamptz NOT NULL)");
     sqlx::query(&create).execute(&pool).await.map_err(|e| format!("`{create}`: {e}"))?;
@@ -137,15 +137,6 @@ pub(crate) async fn row(scenario: &str, kind: &str, size: Size, seed: u64) -> Re
 
 fn effects_table(prefix: &str) -> String {
     format!("\"{prefix}_effects\"")
-}
-
-async fn connect(url: &str, connections: u32) -> Result<PgPool, String> {
-    PgPoolOptions::new()
-        .max_connections(connections)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(url)
-        .await
-        .map_err(|e| format!("cannot connect to PostgreSQL: {e}"))
 }
 
 /// What the route is made of.
@@ -221,7 +212,7 @@ async fn send(app: &Router, key: &str) -> String {
 /// until `cfg.duration_ms` has passed.
 pub(crate) async fn work(cfg: WorkerConfig) -> Result<(), String> {
     let history = Arc::new(History::open(&cfg.history).map_err(|e| format!("cannot open the history: {e}"))?);
-    let pool = connect(&cfg.resource, cfg.tasks * 2 + 1).await?;
+    let pool = crate::scenario::pg_pool(&cfg.resource, cfg.tasks * 2 + 1).await?;
     let store = PostgresStore::with_pool(pool.clone(), &cfg.prefix).await.map_err(|e| e.to_string())?;
     let worker = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
     let route = Route {

@@ -75,6 +75,17 @@ pub(crate) fn describe(r: &mut Report, procs: u32, cfg: &WorkerConfig) {
 
 /// The Redis server the workers' resource lives on (the fenced register,
 /// the sets), and the harness's own connection to it for the checks.
+/// A pool of `connections` to the PostgreSQL at `url` (the resource of
+/// `pg-fence`, the records and effects of `pg-idempotency`), connected now.
+pub(crate) async fn pg_pool(url: &str, connections: u32) -> Result<sqlx::PgPool, String> {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .map_err(|e| format!("cannot connect to PostgreSQL: {e}"))
+}
+
 pub(crate) async fn resource_server() -> Result<(RedisServer, Resource), String> {
     let server = RedisServer::start();
     let resource = Resource::connect(&server.url()).await.map_err(|e| e.to_string())?;

@@ -869,8 +869,11 @@ impl Backend for PostgresBackend {
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
         Box::pin(async move {
-            let id = (key.as_str().to_owned(), owner.as_str().to_owned());
-            let after_unknown = self.shared.uncertain.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            let after_unknown = {
+                let mut uncertain = self.shared.uncertain.lock().unwrap_or_else(|p| p.into_inner());
+                // Nearly always empty: a release allocates nothing to find out.
+                !uncertain.is_empty() && uncertain.remove(&(key.as_str().to_owned(), owner.as_str().to_owned()))
+            };
             let sql = if after_unknown { &self.shared.release_locked } else { &self.shared.release };
             let query = || sqlx::query(sql).bind(key.as_str()).bind(owner.as_str());
             // No row: the plain release found nothing to delete.
