@@ -190,7 +190,8 @@ impl BenchLock for HandLock {
 /// lock that never frees its rows would look fast.
 async fn left_in_postgres(pool: &PgPool) -> Result<i64> {
     sqlx::query_scalar(
-        "SELECT (SELECT count(*) FROM bench_lease) + (SELECT count(*) FROM bench_locks WHERE mode <> 'i') \
+        "SELECT (SELECT count(*) FROM bench_lease) + (SELECT count(*) FROM bench_locks WHERE expires_at > clock_timestamp()) \
+         + (SELECT count(*) FROM bench_holders WHERE mode <> 'i') \
          + (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 AND objsubid = 1)",
     )
     .fetch_one(pool)

@@ -38,9 +38,12 @@ impl suite::Harness for Postgres {
     }
 
     async fn delete_behind_back(&self, key: &LockKey) {
+        // The key's head, and its holders when it is held by permits.
+        let k = literal(key.as_str());
         let deleted = self.server.psql(&format!(
-            "WITH gone AS (DELETE FROM dlock_locks WHERE key = {} AND mode <> 'i' RETURNING 1) SELECT count(*) FROM gone",
-            literal(key.as_str())
+            "WITH h AS (DELETE FROM dlock_holders WHERE key = {k} AND mode <> 'i' RETURNING 1), \
+             l AS (DELETE FROM dlock_locks WHERE key = {k} RETURNING owner) \
+             SELECT (SELECT count(*) FROM l WHERE owner <> '') + (SELECT count(*) FROM h)"
         ));
         assert_eq!(deleted, "1", "the key was held");
     }
@@ -54,11 +57,14 @@ impl suite::Harness for Postgres {
     }
 }
 
-/// Keys with a holder whose lease has not ended (writers' intents and
-/// expired rows hold nothing).
+/// Keys with a holder whose lease has not ended: a live exclusive head, or
+/// a live shared head with a live holder (writers' intents and expired
+/// rows hold nothing).
 fn live_keys(server: &PostgresServer) -> usize {
-    let n =
-        server.psql("SELECT count(DISTINCT key) FROM dlock_locks WHERE mode <> 'i' AND expires_at > clock_timestamp()");
+    let n = server.psql(
+        "SELECT count(*) FROM dlock_locks AS l WHERE l.expires_at > clock_timestamp() AND (l.owner <> '' OR EXISTS \
+         (SELECT 1 FROM dlock_holders AS h WHERE h.key = l.key AND h.mode <> 'i' AND h.expires_at > clock_timestamp()))",
+    );
     n.parse().expect("a count")
 }
 
@@ -152,14 +158,14 @@ async fn a_waiter_is_woken_by_notify_not_by_the_lease() {
     assert!(g.release().await.expect("release"));
 }
 
-/// Releases do not take the key's advisory lock. A holder that leaves
-/// after a waiter read it and before the waiter marked it awaited (so its
-/// release announces nothing) must not strand the waiter until the
-/// holder's lease would have ended: the waiter's mark finds it gone and
-/// the waiter tries again at once. The interleaving is forced with a row
-/// lock on the holder's row, and a delete of it in that transaction.
+/// A holder that leaves while a waiter's step waits for the key's head
+/// (its release announces nothing: no one had marked it awaited yet) must
+/// not strand the waiter until the holder's lease would have ended: the
+/// waiter's step, let through, finds the key free. The interleaving is
+/// forced with a row lock on the key's head, and a delete of it in that
+/// transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_holder_gone_between_a_waiters_read_and_its_mark_does_not_strand_it() {
+async fn a_holder_gone_while_a_waiters_step_waits_for_the_head_does_not_strand_it() {
     use sqlx::Connection as _;
     let h = postgres().await;
     let (a, b) = (suite::Harness::client(&h).await, suite::Harness::client(&h).await);
@@ -177,14 +183,14 @@ async fn a_holder_gone_between_a_waiters_read_and_its_mark_does_not_strand_it() 
         let opts = AcquireOptions::new().with_lease(Duration::from_secs(30)).with_wait(Duration::from_secs(10));
         b2.acquire(&k2, opts).await
     });
-    // The waiter's mark waits for the row lock.
+    // The waiter's step waits for the row lock.
     let deadline = Instant::now() + Duration::from_secs(10);
     while h.server.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") != "1" {
-        assert!(Instant::now() < deadline, "the waiter never reached its mark");
+        assert!(Instant::now() < deadline, "the waiter never reached the head");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The holder leaves (as its release would), unannounced.
-    sqlx::query("DELETE FROM dlock_locks WHERE key = $1 AND mode <> 'i'")
+    sqlx::query("DELETE FROM dlock_locks WHERE key = $1")
         .bind(k.as_str())
         .execute(&mut *tx)
         .await
@@ -295,7 +301,7 @@ async fn processes_starting_at_once_all_find_the_schema() {
     for start in starts {
         start.await.expect("task").expect("start-up despite the others");
     }
-    assert_eq!(server.psql("SELECT count(*) FROM pg_proc WHERE proname LIKE 'race\\_%'"), "2");
+    assert_eq!(server.psql("SELECT count(*) FROM pg_proc WHERE proname LIKE 'race\\_%'"), "3");
 }
 
 /// `DLOCK_BACKEND=postgres` with `DLOCK_POSTGRES_URL` builds a locker on
@@ -332,4 +338,19 @@ async fn the_environment_names_the_backend() {
     let text = err.to_string();
     assert!(matches!(err, Error::Config { var: "DLOCK_POSTGRES_URL", .. }), "{err:?}");
     assert!(!text.contains("s3cret"), "{text}");
+}
+
+/// A lock table left by an earlier dlock, keyed on `(key, owner)`, is
+/// refused at connect with an error naming it, not at every acquire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_table_of_an_earlier_shape_is_refused_at_connect() {
+    let server = PostgresServer::start();
+    server.psql(
+        "CREATE TABLE old_locks (key text NOT NULL, owner text NOT NULL, mode text NOT NULL, fence bigint NOT NULL, \
+         expires_at timestamptz NOT NULL, awaited boolean NOT NULL DEFAULT false, PRIMARY KEY (key, owner))",
+    );
+    let err = PostgresBackend::connect(&server.url(), "old").await.expect_err("an old table");
+    let message = err.to_string();
+    assert!(message.contains("DLOCK_PREFIX") && message.contains("\"old_locks\""), "{message}");
+    PostgresBackend::connect(&server.url(), "new").await.expect("a fresh prefix");
 }

@@ -2,10 +2,10 @@
 //!
 //! Every task of every worker takes one of two keys as one of 2 permits
 //! (`permits:2`), or as a reader or a writer (`rw`: a quarter writers), and
-//! holders are killed now and then; a fresh worker replaces each victim.
-//! C1 judges every moment by the mode of the holds believed then: never
-//! more than 2 permit holders of a key, never a writer beside anyone
-//! (`checker::admits`). The semaphore row must also have reached its limit
+//! holders are killed now and then; a fresh worker replaces each victim,
+//! on ZooKeeper, Redis and PostgreSQL. C1 judges every moment by the mode
+//! of the holds believed then: never more than 2 permit holders of a key,
+//! never a writer beside anyone (`checker::admits`). The semaphore row must also have reached its limit
 //! (two permit holders at once somewhere), or it tested nothing; killed
 //! holders' permits must come back (orphan recovery). Their broken twins,
 //! `broken-permits-over-limit` and `broken-readers-pass-writers` (dlock's
@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use dlock_testing::{RedisServer, ZooKeeperServer};
+use dlock_testing::{PostgresServer, RedisServer, ZooKeeperServer};
 use tokio::time::sleep;
 
 use crate::harness::{Report, Run};
@@ -26,7 +26,7 @@ const LIMIT: u64 = 2;
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let mut rows = Vec::new();
-    for backend in ["zookeeper", "redis"] {
+    for backend in ["zookeeper", "redis", "postgres"] {
         for mode in ["permits:2", "rw"] {
             rows.push(row("primitives", backend, mode, size, seed).await?);
         }
@@ -34,16 +34,25 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     Ok(rows)
 }
 
-/// The lock servers of a row: ZooKeeper's connect string, or one Redis.
+/// The lock servers of a row: ZooKeeper's connect string, one Redis or
+/// one PostgreSQL.
 enum Servers {
     ZooKeeper(ZooKeeperServer),
     Redis(RedisServer),
+    Postgres(PostgresServer),
 }
 
 impl Servers {
     async fn start(backend: &str) -> Result<Servers, String> {
-        if backend == "redis" {
-            return Ok(Servers::Redis(RedisServer::start()));
+        match backend {
+            "redis" => return Ok(Servers::Redis(RedisServer::start())),
+            "postgres" => {
+                let pg = tokio::task::spawn_blocking(PostgresServer::start)
+                    .await
+                    .map_err(|e| format!("PostgreSQL did not start: {e}"))?;
+                return Ok(Servers::Postgres(pg));
+            }
+            _ => {}
         }
         let zk = tokio::task::spawn_blocking(ZooKeeperServer::start)
             .await
@@ -55,11 +64,12 @@ impl Servers {
         match self {
             Servers::ZooKeeper(zk) => zk.connect_string(),
             Servers::Redis(redis) => redis.url(),
+            Servers::Postgres(pg) => pg.url(),
         }
     }
 }
 
-/// One row: `backend` is `zookeeper`, `redis` or a broken variant (the
+/// One row: `backend` is `zookeeper`, `redis`, `postgres` or a broken variant (the
 /// self-test's), under `mode` (`permits:2` or `rw`). A broken variant runs
 /// on the backend its switch breaks.
 pub(crate) async fn row(scenario: &str, backend: &str, mode: &str, size: Size, seed: u64) -> Result<Report, String> {

@@ -3,38 +3,55 @@
 //!
 //! # Mechanism
 //!
-//! * A lock is a row of the table `<prefix>_locks` (in the connection's
-//!   current schema): `(key, owner)` is the primary key, with the mode
-//!   (`x` exclusive, `s` shared, `p<N>` one of N permits), the fencing
-//!   token, `expires_at` on the **server's** clock (`clock_timestamp()`,
-//!   so the clients' clocks do not matter) and `awaited`, set when a waiter
-//!   was refused while the row held the key. A row past `expires_at` holds
-//!   nothing; the next step on its key deletes it. A read lock or a
-//!   semaphore has one row per holder.
+//! * Every held key has one row in the table `<prefix>_locks` (in the
+//!   connection's current schema), its **head**, keyed on the key alone:
+//!   the mode (`x` exclusive, `s` shared, `p<N>` one of N permits), the
+//!   fencing token, `expires_at` on the **server's** clock
+//!   (`clock_timestamp()`, so the clients' clocks do not matter) and
+//!   `awaited`, set when a waiter was refused while the head held the key.
+//!   A head past `expires_at` holds nothing; whoever takes the key next
+//!   overwrites it. An exclusive hold *is* its head (its owner is the
+//!   holder). A key held shared or by permits has a head whose owner is
+//!   `''`, whose lease is at least each of its holders', and one row per
+//!   holder in `<prefix>_holders`, keyed on `(key, owner)`. The split is
+//!   the one the Redis backend makes between a string and a hash: the
+//!   common case, one exclusive holder, is one row, and the unique key on
+//!   it is what makes two holders impossible.
 //! * Fencing tokens come from the sequence `<prefix>_fence` (`bigint`,
 //!   `nextval` once per grant): they grow strictly, for every key of the
 //!   prefix, across modes.
-//! * Acquire is a PL/pgSQL function (`<prefix>_acquire_v2`), one
-//!   statement and so one transaction, one round trip. It first takes a
-//!   **transaction-scoped** advisory lock on the key
-//!   (`pg_advisory_xact_lock`), so acquires of one key run one at a time,
-//!   then reads the key's rows once and decides. Release is one plain
-//!   `DELETE … RETURNING` without that lock (release.sql): a waiter that
-//!   marks a holder `awaited` either marks it before the delete (which then
-//!   waits for the mark's row lock, reads it and notifies), or finds the
-//!   holder gone and tries again at once. Renew is an owner-checked
-//!   `UPDATE … WHERE expires_at > clock_timestamp()`, many holds a statement
-//!   (renewals asked while one is in flight go out together). A refused acquire
-//!   answers, in the same call, when the first of the holders' leases ends
-//!   (the wait loop's `retry_in`).
-//! * Re-entry is counted by the engine; the table keeps one row per key and
+//! * The **first try** at an exclusive hold is one plain statement
+//!   (take.sql): `INSERT` of the head `ON CONFLICT (key) DO UPDATE … WHERE`
+//!   its lease has ended, `RETURNING` the token — the hand-written lease
+//!   lock's statement with a `nextval`. It answers a row when granted and
+//!   nothing when the key is held.
+//! * **Every other step** (a try that found the key held, a wait, a shared
+//!   or counted mode, re-entry) is a PL/pgSQL function
+//!   (`<prefix>_acquire_v3`), one statement and so one transaction, one
+//!   round trip. It first upserts the key's head (a free one when missing)
+//!   and so holds its row lock until commit: steps on one key run one at a
+//!   time, and the first try's write waits for them too. It then reads the
+//!   key's holders once and decides. A refusal marks the head `awaited`
+//!   under that row lock, so a release, which deletes the head, waits for
+//!   the mark and reads it: no wake-up can fall between them.
+//! * An exclusive release is one plain `DELETE … RETURNING` of the head
+//!   (release.sql); a shared one, or one that found no such head, is the
+//!   function `<prefix>_release_v2`, which locks the head first and deletes
+//!   it with the last holder. Renewals are the function
+//!   `<prefix>_renew_v1`, many holds a statement (renewals asked while one
+//!   is in flight go out together); it locks the heads of shared holds
+//!   before it extends them, so none is taken over in between. A refused
+//!   acquire answers, in the same call, when the first of the holders'
+//!   leases ends (the wait loop's `retry_in`).
+//! * Re-entry is counted by the engine; the tables keep one row per key and
 //!   owner. An acquire by an owner that holds the key joins its hold (same
 //!   token), which also makes an acquire safe to send twice.
-//! * Writer preference: a writer that will wait and is refused by readers
-//!   records an intent row (mode `i`, owner `~<owner>`) that lives until
-//!   its wait would end; while one lives, new readers are refused (and told
-//!   to try again when it ends). The writer's grant deletes it; a writer
-//!   cancelled mid-wait leaves it until its wait would have ended.
+//! * Writer preference: a writer that will wait and is refused records an
+//!   intent row in `<prefix>_holders` (mode `i`, owner `~<owner>`) that
+//!   lives until its wait would end; while one lives, new readers are
+//!   refused (and told to try again when it ends). The writer's grant
+//!   deletes it; a writer cancelled mid-wait leaves it until its wait would
+//!   have ended.
 //!
 //! **No session advisory locks.** `pg_advisory_lock` would need no table,
 //! but it has no lease (a hung holder keeps it while its connection lives),
@@ -42,7 +59,7 @@
 //! transaction-mode pooler (PgBouncer) the session is not the client's, and
 //! the lock strands on a pooled server connection that someone else uses
 //! next. Every step here is one transaction, and the transaction-scoped
-//! advisory lock ends with it, so the backend works through any pooler
+//! row locks end with it, so the backend works through any pooler
 //! (with PgBouncer's transaction mode, allow prepared statements:
 //! `max_prepared_statements`, PgBouncer 1.21 and later).
 //!
@@ -65,10 +82,13 @@
 //!
 //! # What it costs
 //!
-//! An uncontended cycle is two round trips and two short transactions: the
-//! acquire function (an advisory lock, one index read of the key's rows, a
-//! `nextval`, an `INSERT`) and the release statement (a `DELETE`). Renewals cost one `UPDATE` per statement in
-//! flight, whatever the number of holds it extends (up to 512). Every grant
+//! An uncontended exclusive cycle is two round trips and two plain
+//! statements, each its own short transaction: the first try (an `INSERT`
+//! with a `nextval`) and the release (a `DELETE`), what a hand-written
+//! lease lock costs plus the token. A try that finds the key held costs a
+//! second round trip (the function), and so does a shared release.
+//! Renewals cost one function call per statement in flight, whatever the
+//! number of holds it extends (up to 512). Every grant
 //! writes WAL (and a dead row for autovacuum). A contended release adds one
 //! `NOTIFY`, which wakes one waiter of the key in each listening process (all
 //! of them when readers wait).
@@ -103,10 +123,11 @@
 //! each is found dead only when used). When the last try fails too, the
 //! error says the outcome is unknown ([`Error::Backend`] whose source marks
 //! it), and the engine releases the key in the background, owner-checked
-//! (see [`Locker`](crate::Locker)). That release, unlike the plain one,
-//! takes the key's advisory lock first (`<prefix>_release_v1`), so it
-//! lands after an acquire still running on the server. A release is sent once: a second would answer "not held" for a
-//! hold the first freed. A connection whose request failed that way is
+//! (see [`Locker`](crate::Locker)). That release is the function
+//! (`<prefix>_release_v2`), whose upsert of the key's head waits for a
+//! write of it still running on the server (the lost acquire's insert or
+//! update), so it lands after it. A release is sent once: a second would
+//! answer "not held" for a hold the first freed. A connection whose request failed that way is
 //! closed, never reused.
 
 use std::collections::HashMap;
@@ -144,9 +165,11 @@ const LOCK_CLASS: i32 = 0x646c_6f63;
 const MAX_PREFIX: usize = 48;
 
 const SCHEMA_SQL: &str = include_str!("schema.sql");
+const TAKE_SQL: &str = include_str!("take.sql");
 const ACQUIRE_SQL: &str = include_str!("acquire.sql");
 const RELEASE_SQL: &str = include_str!("release.sql");
-const RELEASE_LOCKED_SQL: &str = include_str!("release_locked.sql");
+const RELEASE_ANY_SQL: &str = include_str!("release_any.sql");
+const RENEW_SQL: &str = include_str!("renew.sql");
 
 /// How the PostgreSQL backend connects.
 ///
@@ -219,13 +242,16 @@ struct Shared {
     db: Db,
     prefix: Arc<str>,
     waiters: Arc<Waiters>,
+    /// The first try at an exclusive hold (take.sql).
+    take: String,
+    /// Every other try (acquire.sql).
     acquire: String,
-    /// The plain release (release.sql).
+    /// The release of an exclusive hold (release.sql).
     release: String,
-    /// The release after an acquire whose answer was lost (release_locked.sql).
-    release_locked: String,
+    /// The release of any hold (release_any.sql).
+    release_any: String,
     /// `(key, owner)` of acquires whose answer was lost: their release
-    /// (the engine's undo) must wait for the key's advisory lock.
+    /// (the engine's undo) must wait for a write of the key still running.
     uncertain: Mutex<std::collections::HashSet<(String, String)>>,
     /// Renews a batch of holds (see `renewals.rs`).
     renew: String,
@@ -235,9 +261,11 @@ struct Shared {
 /// The names of one prefix's objects, quoted.
 struct Names {
     locks: String,
+    holders: String,
     fence: String,
     acquire: String,
-    release_locked: String,
+    release: String,
+    renew: String,
     /// Unquoted: `LISTEN` quotes it, `pg_notify` takes it as text.
     channel: String,
 }
@@ -287,9 +315,11 @@ impl Names {
         check_prefix(prefix)?;
         Ok(Names {
             locks: format!("\"{prefix}_locks\""),
+            holders: format!("\"{prefix}_holders\""),
             fence: format!("\"{prefix}_fence\""),
-            acquire: format!("\"{prefix}_acquire_v2\""),
-            release_locked: format!("\"{prefix}_release_v1\""),
+            acquire: format!("\"{prefix}_acquire_v3\""),
+            release: format!("\"{prefix}_release_v2\""),
+            renew: format!("\"{prefix}_renew_v1\""),
             channel: format!("{prefix}_released"),
         })
     }
@@ -297,12 +327,13 @@ impl Names {
     /// `sql` with the placeholders of the `.sql` files filled in.
     fn fill(&self, sql: &str) -> String {
         sql.replace("{locks}", &self.locks)
+            .replace("{holders}", &self.holders)
             .replace("{fence_text}", &self.fence)
             .replace("{fence}", &self.fence)
             .replace("{acquire}", &self.acquire)
-            .replace("{release}", &self.release_locked)
+            .replace("{release}", &self.release)
+            .replace("{renew}", &self.renew)
             .replace("{channel_text}", &self.channel)
-            .replace("{class}", &LOCK_CLASS.to_string())
     }
 }
 
@@ -341,19 +372,18 @@ impl PostgresBackend {
         })
         .await?;
         let stop = CancellationToken::new();
-        let sweep = names.fill("DELETE FROM {locks} WHERE expires_at < clock_timestamp() - interval '1 minute'");
+        let sweep = names.fill(
+            "WITH h AS (DELETE FROM {holders} WHERE expires_at < clock_timestamp() - interval '1 minute') \
+             DELETE FROM {locks} WHERE expires_at < clock_timestamp() - interval '1 minute'",
+        );
         tokio::spawn(listen(listener, waiters.clone(), pool.clone(), sweep, stop.clone()));
         let shared = Shared {
+            take: names.fill(TAKE_SQL),
             acquire: format!("SELECT r_outcome, r_fence, r_info FROM {}($1, $2, $3, $4, $5, $6)", names.acquire),
             release: names.fill(RELEASE_SQL),
-            release_locked: format!("SELECT {}($1, $2)", names.release_locked),
+            release_any: format!("SELECT {}($1, $2)", names.release),
             uncertain: Mutex::default(),
-            renew: names.fill(
-                "UPDATE {locks} AS l SET expires_at = clock_timestamp() + v.ms * interval '1 millisecond' \
-                 FROM unnest($1::text[], $2::text[], $3::bigint[]) AS v(key, owner, ms) \
-                 WHERE l.key = v.key AND l.owner = v.owner AND l.mode <> 'i' AND l.expires_at > clock_timestamp() \
-                 RETURNING l.key, l.owner",
-            ),
+            renew: format!("SELECT r_key, r_owner FROM {}($1, $2, $3)", names.renew),
             renewals: Renewals::default(),
             db: Db { pool, response_timeout: options.response_timeout },
             prefix: prefix.into(),
@@ -375,9 +405,30 @@ impl PostgresBackend {
         self.shared.waiters.count(key.as_str())
     }
 
-    /// One try on the server.
+    /// One try on the server: the first at an exclusive hold is a plain
+    /// insert of the key's head (take.sql), and only when that finds the
+    /// key held, the acquire function.
     async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
         let sent = Instant::now();
+        if !awaited && req.mode == LockMode::Exclusive {
+            let take = || {
+                sqlx::query(&self.shared.take)
+                    .bind(req.key.as_str())
+                    .bind(req.owner.as_str())
+                    .bind(millis(req.lease).max(1))
+            };
+            // Safe to send twice: the second finds the first's head, live,
+            // and says "held"; the function that follows joins it.
+            match self.shared.fetch(take, Repeat::Safe).await {
+                Ok(Some(row)) => {
+                    let fence =
+                        u64::try_from(column::<i64>(&row, 0)?).map_err(|_| unexpected("a negative fencing token"))?;
+                    return Ok(Attempt::Acquired(Grant::until(fence, sent + req.lease)));
+                }
+                Ok(None) => {}
+                Err(e) => return Err(self.lost_acquire(req, e)),
+            }
+        }
         let wait_ms = req.deadline.map_or(0, |deadline| millis(deadline.saturating_duration_since(sent)));
         let query = || {
             sqlx::query(&self.shared.acquire)
@@ -390,13 +441,7 @@ impl PostgresBackend {
         };
         let row = match self.shared.fetch(query, Repeat::Safe).await {
             Ok(row) => row.ok_or_else(|| unexpected("no row"))?,
-            Err(e) => {
-                if e.outcome_unknown() {
-                    let mut uncertain = self.shared.uncertain.lock().unwrap_or_else(|p| p.into_inner());
-                    uncertain.insert((req.key.as_str().to_owned(), req.owner.as_str().to_owned()));
-                }
-                return Err(e);
-            }
+            Err(e) => return Err(self.lost_acquire(req, e)),
         };
         let (outcome, fence, info): (i32, i64, String) =
             (column(&row, 0)?, column(&row, 1)?, column::<Option<String>>(&row, 2)?.unwrap_or_default());
@@ -409,6 +454,16 @@ impl PostgresBackend {
             3 => Err(mode_conflict(req, parse_mode(&info).ok_or_else(|| unexpected("an unknown mode"))?)),
             _ => Err(unexpected("an unknown outcome")),
         }
+    }
+
+    /// `e`, after an acquire's request failed: when its answer was lost,
+    /// the engine's undo of it must be the release that waits for it.
+    fn lost_acquire(&self, req: &AcquireRequest, e: Error) -> Error {
+        if e.outcome_unknown() {
+            let mut uncertain = self.shared.uncertain.lock().unwrap_or_else(|p| p.into_inner());
+            uncertain.insert((req.key.as_str().to_owned(), req.owner.as_str().to_owned()));
+        }
+        e
     }
 }
 
@@ -623,13 +678,44 @@ async fn create_schema(connect: &PgConnectOptions, names: &Names, timeout: Durat
         schema: names.fill(SCHEMA_SQL),
         functions: vec![
             (names.acquire.clone(), names.fill(ACQUIRE_SQL)),
-            (names.release_locked.clone(), names.fill(RELEASE_LOCKED_SQL)),
+            (names.release.clone(), names.fill(RELEASE_ANY_SQL)),
+            (names.renew.clone(), names.fill(RENEW_SQL)),
         ],
     };
     let mut conn = within(ddl_timeout(timeout), "connecting", PgConnection::connect_with(connect)).await?;
-    let result = install(&mut conn, &objects, timeout).await;
+    let mut result = install(&mut conn, &objects, timeout).await;
+    if result.is_ok() {
+        result = check_shape(&mut conn, names, timeout).await;
+    }
     let _ = conn.close().await;
     result
+}
+
+/// Refuses a lock table of an earlier shape, keyed on `(key, owner)` (a
+/// development build of dlock made it): `CREATE TABLE IF NOT EXISTS` kept
+/// it, and every first try at a lock would fail on it.
+async fn check_shape(conn: &mut PgConnection, names: &Names, timeout: Duration) -> Result<()> {
+    let keyed_on_key: bool = within(
+        timeout,
+        "checking the lock table",
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indrelid = to_regclass($1) AND indisprimary AND indnatts = 1)",
+        )
+        .bind(names.locks.as_str())
+        .fetch_one(&mut *conn),
+    )
+    .await?;
+    if keyed_on_key {
+        return Ok(());
+    }
+    Err(Error::config(
+        "DLOCK_PREFIX",
+        format!(
+            "the table {} was made by an earlier dlock (its primary key is not the key alone): drop it while no lock \
+             is held, or choose another prefix",
+            names.locks
+        ),
+    ))
 }
 
 /// DDL can wait behind a lock of another process's DDL: more time than a
@@ -874,14 +960,25 @@ impl Backend for PostgresBackend {
                 // Nearly always empty: a release allocates nothing to find out.
                 !uncertain.is_empty() && uncertain.remove(&(key.as_str().to_owned(), owner.as_str().to_owned()))
             };
-            let sql = if after_unknown { &self.shared.release_locked } else { &self.shared.release };
-            let query = || sqlx::query(sql).bind(key.as_str()).bind(owner.as_str());
-            // No row: the plain release found nothing to delete.
-            let freed = match self.shared.fetch(query, Repeat::Once).await? {
-                Some(row) => column::<Option<bool>>(&row, 0)?,
-                None => None,
+            let release = |sql| {
+                let query = move || sqlx::query(sql).bind(key.as_str()).bind(owner.as_str());
+                async move {
+                    Ok::<_, Error>(match self.shared.fetch(query, Repeat::Once).await? {
+                        Some(row) => Some(column::<Option<bool>>(&row, 0)?),
+                        None => None,
+                    })
+                }
             };
-            Ok(match freed {
+            // An exclusive hold is its key's head; no row: the owner held no
+            // such head, and its hold, if any, is shared (the function's).
+            let mut freed = None;
+            if !after_unknown {
+                freed = release(self.shared.release.as_str()).await?;
+            }
+            if freed.is_none() {
+                freed = release(self.shared.release_any.as_str()).await?;
+            }
+            Ok(match freed.flatten() {
                 Some(true) => Release::Freed,
                 _ => Release::NotHeld,
             })
@@ -922,7 +1019,7 @@ mod tests {
     #[test]
     fn placeholders_are_all_filled() {
         let names = Names::for_prefix("p").expect("valid");
-        for sql in [SCHEMA_SQL, ACQUIRE_SQL, RELEASE_SQL, RELEASE_LOCKED_SQL] {
+        for sql in [SCHEMA_SQL, TAKE_SQL, ACQUIRE_SQL, RELEASE_SQL, RELEASE_ANY_SQL, RENEW_SQL] {
             let filled = names.fill(sql);
             assert!(!filled.contains('{') && !filled.contains('}'), "{filled}");
         }
