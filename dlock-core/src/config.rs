@@ -92,7 +92,7 @@ impl BackendKind {
 /// | `DLOCK_ZOOKEEPER` | ZooKeeper connect string (optional `/chroot`) | `127.0.0.1:2181` |
 /// | `DLOCK_ZOOKEEPER_SESSION_MS` | ZooKeeper session timeout (the lease) | `10000` |
 /// | `DLOCK_ZOOKEEPER_AUTH` | `user:password` for ZooKeeper's digest scheme; lock nodes then get a creator-only ACL (see [`ZooKeeperAuth`]) | none: nodes open to every client |
-/// | `DLOCK_POSTGRES_URL` | PostgreSQL URL (`postgres://user:password@host:port/db`); the lock table is `<prefix>_locks` | `postgres://127.0.0.1:5432/postgres` |
+/// | `DLOCK_POSTGRES_URL` | PostgreSQL URL (`postgres://user:password@host:port/db`); the lock tables are `<prefix>_locks` and `<prefix>_holders` | `postgres://127.0.0.1:5432/postgres` |
 /// | `DLOCK_PREFIX` | key namespace | `dlock` |
 /// | `DLOCK_LEASE_MS` | watchdog lease | `30000` |
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
