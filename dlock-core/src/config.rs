@@ -46,6 +46,10 @@ pub enum BackendKind {
     Postgres {
         /// `postgres://user:password@host:port/database`.
         url: String,
+        /// Where the connection that listens for releases goes, when not
+        /// to `url` (`DLOCK_POSTGRES_LISTEN_URL`; see
+        /// `PostgresOptions::with_listen_url`).
+        listen_url: Option<String>,
     },
 }
 
@@ -64,7 +68,11 @@ impl std::fmt::Debug for BackendKind {
                 .field("session_timeout", session_timeout)
                 .field("auth", auth)
                 .finish(),
-            BackendKind::Postgres { url } => f.debug_struct("Postgres").field("url", &redact(url)).finish(),
+            BackendKind::Postgres { url, listen_url } => f
+                .debug_struct("Postgres")
+                .field("url", &redact(url))
+                .field("listen_url", &listen_url.as_deref().map(redact))
+                .finish(),
         }
     }
 }
@@ -93,6 +101,7 @@ impl BackendKind {
 /// | `DLOCK_ZOOKEEPER_SESSION_MS` | ZooKeeper session timeout (the lease) | `10000` |
 /// | `DLOCK_ZOOKEEPER_AUTH` | `user:password` for ZooKeeper's digest scheme; lock nodes then get a creator-only ACL (see [`ZooKeeperAuth`]) | none: nodes open to every client |
 /// | `DLOCK_POSTGRES_URL` | PostgreSQL URL (`postgres://user:password@host:port/db`); the lock tables are `<prefix>_locks` and `<prefix>_holders` | `postgres://127.0.0.1:5432/postgres` |
+/// | `DLOCK_POSTGRES_LISTEN_URL` | where the connection that listens for releases goes: the server (or a session-mode pool) of the same database when `DLOCK_POSTGRES_URL` is a transaction-mode pooler, which loses `LISTEN` | `DLOCK_POSTGRES_URL` |
 /// | `DLOCK_PREFIX` | key namespace | `dlock` |
 /// | `DLOCK_LEASE_MS` | watchdog lease | `30000` |
 /// | `DLOCK_WAIT_MS` | default wait | `0` |
@@ -246,13 +255,14 @@ const DEFAULT_POSTGRES_URL: &str = "postgres://127.0.0.1:5432/postgres";
 /// mistake costs one line to fix at start-up, while a silent fallback to
 /// in-process locks costs every lock its meaning with N instances and
 /// passes every single-instance test.
-const BACKEND_VARS: [(&str, &str); 6] = [
+const BACKEND_VARS: [(&str, &str); 7] = [
     ("DLOCK_REDIS_URL", "redis"),
     ("DLOCK_REDLOCK_URLS", "redlock"),
     ("DLOCK_ZOOKEEPER", "zookeeper"),
     ("DLOCK_ZOOKEEPER_SESSION_MS", "zookeeper"),
     ("DLOCK_ZOOKEEPER_AUTH", "zookeeper"),
     ("DLOCK_POSTGRES_URL", "postgres"),
+    ("DLOCK_POSTGRES_LISTEN_URL", "postgres"),
 ];
 
 impl Config {
@@ -346,9 +356,10 @@ impl Config {
                     auth: get(AUTH_VAR).map(|v| v.parse()).transpose()?,
                 }
             }
-            Some("postgres") => {
-                BackendKind::Postgres { url: get("DLOCK_POSTGRES_URL").unwrap_or_else(|| DEFAULT_POSTGRES_URL.into()) }
-            }
+            Some("postgres") => BackendKind::Postgres {
+                url: get("DLOCK_POSTGRES_URL").unwrap_or_else(|| DEFAULT_POSTGRES_URL.into()),
+                listen_url: get("DLOCK_POSTGRES_LISTEN_URL"),
+            },
             Some(other) => {
                 return Err(Error::config(
                     "DLOCK_BACKEND",
@@ -494,7 +505,7 @@ fn redis_tls(get: &impl Fn(&str) -> Option<String>) -> Result<Option<RedisTls>> 
 }
 
 /// Every variable [`Config::from_lookup`] reads.
-const KNOWN: [&str; 24] = [
+const KNOWN: [&str; 25] = [
     "DLOCK_BACKEND",
     "DLOCK_REDIS_URL",
     "DLOCK_REDLOCK_URLS",
@@ -502,6 +513,7 @@ const KNOWN: [&str; 24] = [
     "DLOCK_ZOOKEEPER_SESSION_MS",
     "DLOCK_ZOOKEEPER_AUTH",
     "DLOCK_POSTGRES_URL",
+    "DLOCK_POSTGRES_LISTEN_URL",
     "DLOCK_PREFIX",
     "DLOCK_LEASE_MS",
     "DLOCK_WAIT_MS",
@@ -778,6 +790,19 @@ mod tests {
         for var in read {
             assert!(KNOWN.contains(&var.as_str()), "{var} is read but not in KNOWN");
         }
+    }
+
+    #[test]
+    fn the_postgres_listen_url_is_read_with_its_backend_only() {
+        let c = cfg(&[("DLOCK_BACKEND", "postgres"), ("DLOCK_POSTGRES_LISTEN_URL", "postgres://db:5432/app")]);
+        match c.expect("valid").backend {
+            BackendKind::Postgres { listen_url, .. } => {
+                assert_eq!(listen_url.as_deref(), Some("postgres://db:5432/app"))
+            }
+            other => panic!("{other:?}"),
+        }
+        let err = cfg(&[("DLOCK_POSTGRES_LISTEN_URL", "postgres://db:5432/app")]).expect_err("not postgres");
+        assert!(err.to_string().contains("DLOCK_POSTGRES_LISTEN_URL"), "{err}");
     }
 
     #[test]

@@ -79,12 +79,8 @@ impl Config {
             }
         }
         #[cfg(feature = "postgres")]
-        if let (BackendKind::Postgres { url }, None) = (&self.backend, &self.idempotency_redis_url) {
-            let backend = Arc::new(
-                crate::backend::postgres::PostgresBackend::connect(url, &self.prefix)
-                    .await
-                    .map_err(at("DLOCK_POSTGRES_URL", url))?,
-            );
+        if let (BackendKind::Postgres { url, listen_url }, None) = (&self.backend, &self.idempotency_redis_url) {
+            let backend = Arc::new(postgres_backend(url, listen_url.as_deref(), &self.prefix).await?);
             let store = crate::idempotency::PostgresStore::from_backend(&backend)
                 .await
                 .map_err(at("DLOCK_POSTGRES_URL", url))?
@@ -114,7 +110,7 @@ impl Config {
                 Some(auth) => format!("zookeeper {connect} (digest auth as `{}`)", auth.user()),
                 None => format!("zookeeper {connect} (no auth: lock nodes open to every client)"),
             },
-            BackendKind::Postgres { url } => format!("postgres {}", redact(url)),
+            BackendKind::Postgres { url, .. } => format!("postgres {}", redact(url)),
         }
     }
 
@@ -165,11 +161,9 @@ impl Config {
                 )
             }
             #[cfg(feature = "postgres")]
-            BackendKind::Postgres { url } => Arc::new(
-                crate::backend::postgres::PostgresBackend::connect(url, &self.prefix)
-                    .await
-                    .map_err(at("DLOCK_POSTGRES_URL", url))?,
-            ),
+            BackendKind::Postgres { url, listen_url } => {
+                Arc::new(postgres_backend(url, listen_url.as_deref(), &self.prefix).await?)
+            }
             // `Config::from_lookup` refuses a backend whose feature is off.
             #[allow(unreachable_patterns)]
             other => {
@@ -249,6 +243,23 @@ fn at<'a>(var: &'static str, address: &'a str) -> impl FnOnce(Error) -> Error + 
         Error::Config { var: "DLOCK_REDIS_URL", reason } => Error::config(var, reason),
         other => other,
     }
+}
+
+/// The PostgreSQL backend of `DLOCK_POSTGRES_URL`, listening on
+/// `DLOCK_POSTGRES_LISTEN_URL` when it is set.
+#[cfg(feature = "postgres")]
+async fn postgres_backend(
+    url: &str,
+    listen_url: Option<&str>,
+    prefix: &str,
+) -> Result<crate::backend::postgres::PostgresBackend> {
+    let mut options = crate::backend::postgres::PostgresOptions::default();
+    if let Some(listen) = listen_url {
+        options = options.with_listen_url(listen);
+    }
+    crate::backend::postgres::PostgresBackend::connect_with(url, prefix, options)
+        .await
+        .map_err(at("DLOCK_POSTGRES_URL", url))
 }
 
 /// Where idempotency records live, seen from the locks.

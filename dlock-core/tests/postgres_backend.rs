@@ -354,3 +354,53 @@ async fn a_lock_table_of_an_earlier_shape_is_refused_at_connect() {
     assert!(message.contains("DLOCK_PREFIX") && message.contains("\"old_locks\""), "{message}");
     PostgresBackend::connect(&server.url(), "new").await.expect("a fresh prefix");
 }
+
+/// Requests go to the URL, the listener where `with_listen_url` says (the
+/// server, when the URL is a transaction-mode pooler that would lose
+/// `LISTEN`). A waiter whose backend listens on the lock database is woken
+/// by the release; one that listens on another database, where no
+/// announcement arrives (as on a pooler's lent session), only when the
+/// holder's lease ends: so the listen URL is the one listened on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_listens_where_its_url_says() {
+    let server = PostgresServer::start();
+    server.psql("CREATE DATABASE elsewhere");
+    let url = server.url();
+    let same = format!("postgres://postgres@localhost:{}/postgres", server.port());
+    let elsewhere = format!("postgres://postgres@127.0.0.1:{}/elsewhere", server.port());
+    let holder = connect(&url).await;
+    let cancel = CancellationToken::new();
+    for (i, (listen, heard)) in [(same, true), (elsewhere, false)].into_iter().enumerate() {
+        let options = PostgresOptions::default().with_listen_url(listen.as_str());
+        let waiter = Arc::new(PostgresBackend::connect_with(&url, "dlock", options).await.expect("connect"));
+        let k = test_key(&format!("listen-{i}"));
+        let owner = Owner::random().expect("owner");
+        let granted = Instant::now();
+        holder.acquire(&request(&k, &owner, 2_000), &cancel).await.expect("free");
+        let (w, k2) = (waiter.clone(), k.clone());
+        let waiting = tokio::spawn(async move {
+            let me = Owner::random().expect("owner");
+            let req = request(&k2, &me, 30_000).with_deadline(Instant::now() + Duration::from_secs(10));
+            w.acquire(&req, &CancellationToken::new()).await.map(|_| me)
+        });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while waiter.waiters(&k) == 0 {
+            assert!(Instant::now() < deadline, "{listen}: the waiter never parked");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let released = Instant::now();
+        assert_eq!(holder.release(&k, &owner).await.expect("release"), Release::Freed);
+        let me = waiting.await.expect("task").expect("the key came free");
+        let took = released.elapsed();
+        if heard {
+            assert!(took < Duration::from_millis(800), "{listen}: woken late, {took:?}");
+        } else {
+            assert!(granted.elapsed() >= Duration::from_millis(1_900), "{listen}: woken before the lease ended");
+        }
+        assert_eq!(waiter.release(&k, &me).await.expect("release"), Release::Freed);
+    }
+    let err = PostgresBackend::connect_with(&url, "dlock", PostgresOptions::default().with_listen_url("not a url"))
+        .await
+        .expect_err("not a PostgreSQL URL");
+    assert!(err.to_string().contains("DLOCK_POSTGRES_LISTEN_URL"), "{err}");
+}

@@ -58,10 +58,15 @@
 //! no fencing token, and it belongs to a server session: behind a
 //! transaction-mode pooler (PgBouncer) the session is not the client's, and
 //! the lock strands on a pooled server connection that someone else uses
-//! next. Every step here is one transaction, and the transaction-scoped
-//! row locks end with it, so the backend works through any pooler
-//! (with PgBouncer's transaction mode, allow prepared statements:
-//! `max_prepared_statements`, PgBouncer 1.21 and later).
+//! next. Every step here is one transaction, and its row locks end with
+//! it, so requests may go through a pooler in transaction mode, on two
+//! conditions. The pooler must keep prepared statements (PgBouncer 1.21 and
+//! later with `max_prepared_statements`): sqlx prepares every statement,
+//! and even its unnamed ones are parsed and run in two exchanges that a
+//! pooler of an earlier version may send to two server connections. And
+//! the listener needs a session: give it its own URL
+//! ([`PostgresOptions::with_listen_url`], `DLOCK_POSTGRES_LISTEN_URL`), the
+//! server's or a session-mode pool's.
 //!
 //! The table, the sequence and the functions are created at connect when
 //! missing, inside a transaction that takes a fixed advisory lock first: two
@@ -156,6 +161,8 @@ use renewals::Renewals;
 const BACKEND: &str = "postgres";
 /// The variable that names the server, for configuration errors.
 const URL_VAR: &str = "DLOCK_POSTGRES_URL";
+/// The variable that names where the listener connects.
+const LISTEN_URL_VAR: &str = "DLOCK_POSTGRES_LISTEN_URL";
 /// The first key of dlock's advisory locks ("dloc"); the second is a hash
 /// of the lock key, or 0 for the schema (also the fences table's, see
 /// [`crate::fence::postgres`]).
@@ -179,15 +186,26 @@ const RENEW_SQL: &str = include_str!("renew.sql");
 /// let opts = PostgresOptions::default().with_response_timeout(Duration::from_millis(500)).with_max_connections(8);
 /// # let _ = opts;
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PostgresOptions {
     response_timeout: Duration,
     max_connections: u32,
+    listen_url: Option<String>,
+}
+
+impl std::fmt::Debug for PostgresOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresOptions")
+            .field("response_timeout", &self.response_timeout)
+            .field("max_connections", &self.max_connections)
+            .field("listen_url", &self.listen_url.as_deref().map(redact))
+            .finish()
+    }
 }
 
 impl Default for PostgresOptions {
     fn default() -> Self {
-        PostgresOptions { response_timeout: Duration::from_secs(2), max_connections: 16 }
+        PostgresOptions { response_timeout: Duration::from_secs(2), max_connections: 16, listen_url: None }
     }
 }
 
@@ -208,6 +226,27 @@ impl PostgresOptions {
     /// that listens for releases.
     pub fn with_max_connections(mut self, n: u32) -> Self {
         self.max_connections = n.max(1);
+        self
+    }
+
+    /// Where the connection that listens for releases goes, when not where
+    /// the requests go (the default). `LISTEN` belongs to a server session:
+    /// behind a pooler in transaction mode (PgBouncer's `pool_mode =
+    /// transaction`) the session is lent to others between statements and
+    /// the announcements are lost, so waiters would wake only when a
+    /// holder's lease ends. Point this at the server itself, or at a pool
+    /// in session mode, **of the same database** (announcements do not
+    /// cross databases). Its environment variable is
+    /// `DLOCK_POSTGRES_LISTEN_URL`.
+    ///
+    /// ```
+    /// use dlock_core::backend::postgres::PostgresOptions;
+    /// // Requests through PgBouncer (port 6432), the listener to the server.
+    /// let opts = PostgresOptions::default().with_listen_url("postgres://app@db:5432/app");
+    /// # let _ = opts;
+    /// ```
+    pub fn with_listen_url(mut self, url: impl Into<String>) -> Self {
+        self.listen_url = Some(url.into());
         self
     }
 }
@@ -268,6 +307,14 @@ struct Names {
     renew: String,
     /// Unquoted: `LISTEN` quotes it, `pg_notify` takes it as text.
     channel: String,
+}
+
+/// An error of the listen URL names its own variable.
+fn listen_url_error(e: Error) -> Error {
+    match e {
+        Error::Config { reason, .. } => Error::config(LISTEN_URL_VAR, reason),
+        other => other,
+    }
 }
 
 /// How dlock connects to the server at `url`: its `statement_timeout` is
@@ -365,8 +412,21 @@ impl PostgresBackend {
         create_schema(&connect, &names, options.response_timeout).await?;
         let pool = pool(connect, &options);
         let waiters = Arc::new(Waiters::default());
-        let listener = within(options.response_timeout, "listening for releases", async {
-            let mut listener = PgListener::connect_with(&pool).await?;
+        // Its own pool of one when it has its own URL: the listener takes
+        // a connection of its pool, and makes it again when it breaks.
+        let listen_pool = match &options.listen_url {
+            Some(url) => {
+                let one = PostgresOptions { max_connections: 1, ..options.clone() };
+                self::pool(connect_options(url, &options).map_err(listen_url_error)?, &one)
+            }
+            None => pool.clone(),
+        };
+        let what = match &options.listen_url {
+            Some(url) => format!("listening for releases at {LISTEN_URL_VAR} ({})", redact(url)),
+            None => "listening for releases".to_owned(),
+        };
+        let listener = within(options.response_timeout, &what, async {
+            let mut listener = PgListener::connect_with(&listen_pool).await?;
             listener.listen(&names.channel).await?;
             Ok(listener)
         })
