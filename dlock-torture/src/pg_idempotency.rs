@@ -62,6 +62,8 @@ const STEP_MS: u64 = 10;
 const WINDOW: u64 = 16;
 /// How long the recovery pass retries one key.
 const RECOVERY: Duration = Duration::from_secs(15);
+/// How many keys the recovery pass sends at once.
+const RECOVERY_AT_ONCE: usize = 16;
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     Ok(vec![row("pg-idempotency", KIND, size, seed).await?])
@@ -72,7 +74,11 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
 pub(crate) async fn row(scenario: &str, kind: &str, size: Size, seed: u64) -> Result<Report, String> {
     let broken = kind != KIND;
     let pg = tokio::task::spawn_blocking(PostgresServer::start).await.map_err(|e| format!("PostgreSQL: {e}"))?;
-    let pool = crate::scenario::pg_pool(&pg.url(), 4).await?;
+    // A connection for each request's transaction and one for the twin's
+    // effect beside it (as the workers' pools): with fewer, the twin's
+    // requests would each hold one and wait for another until the pool's
+    // timeout, and its recovery would fail for a reason that is no bug.
+    let pool = crate::scenario::pg_pool(&pg.url(), RECOVERY_AT_ONCE as u32 * 2 + 1).await?;
     let effects = effects_table("torture");
     let create = format!("CREATE TABLE {effects} (key text NOT NULL, worker int NOT NULL, at timestamptz NOT NULL)");
     sqlx::query(&create).execute(&pool).await.map_err(|e| format!("`{create}`: {e}"))?;
@@ -335,7 +341,7 @@ struct Recovered {
 /// Sends every key again until it answers `201`, 16 at a time.
 async fn recover(app: &Router, keys: &[String]) -> Recovered {
     let mut got = Recovered::default();
-    for chunk in keys.chunks(16) {
+    for chunk in keys.chunks(RECOVERY_AT_ONCE) {
         let tries = chunk.iter().map(|key| async move {
             let deadline = Instant::now() + RECOVERY;
             let mut sent = 0;
