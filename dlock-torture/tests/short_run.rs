@@ -2,7 +2,13 @@
 //! it prints: every scenario reported, nothing lost where the backend
 //! promises safety, no token regression where tokens are promised, every
 //! broken lock and every broken mechanism of dlock's own caught by the
-//! checker.
+//! checker, and the checker's own timelines drawn.
+//!
+//! Two tests, which the test runner runs at once: the checker's self-test
+//! with its timelines and the heaviest scenarios, and every other
+//! scenario. Each runs its own `dlock-torture` process; the scenarios
+//! spend most of their time waiting for leases, sessions and restarts, so
+//! two at a time take about half as long as one after the other.
 
 use std::collections::HashSet;
 use std::process::Command;
@@ -28,19 +34,19 @@ fn listed(flag: &str) -> Vec<String> {
     names
 }
 
-#[test]
-fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
-    let scenarios = listed("--list");
-    let broken = listed("--list-broken");
-    // dlock's own mechanisms broken by a dlock-core switch, not only locks
-    // the harness wrote.
-    for own in ["broken-quarantine-opens-early", "broken-retry-ignores-turn", "broken-batch-repeats-token"] {
-        assert!(broken.iter().any(|b| b == own), "{own} missing from --list-broken: {broken:?}");
+/// The scenarios of the first test: the checker's self-test and the
+/// longest of the others, about half of the short run's time.
+const FIRST: [&str; 4] = ["checker-self-test", "primitives", "redlock-slow", "restart-redis"];
+
+/// Runs `dlock-torture --short --json` on `scenarios` with `extra`
+/// arguments and returns its rows, each scenario reported.
+fn short(scenarios: &[String], extra: &[&std::ffi::OsStr]) -> Vec<Value> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dlock-torture"));
+    cmd.args(["--short", "--json", "--seed", "20261123"]);
+    for s in scenarios {
+        cmd.args(["--scenario", s]);
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_dlock-torture"))
-        .args(["--short", "--json", "--seed", "20261123"])
-        .output()
-        .expect("run dlock-torture");
+    let out = cmd.args(extra).output().expect("run dlock-torture");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let rows: Vec<Value> = stdout
@@ -48,9 +54,8 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}\nstderr:\n{stderr}")))
         .collect();
     assert!(out.status.success(), "dlock-torture failed ({:?}):\n{stdout}\nstderr:\n{stderr}", out.status);
-
     let seen: HashSet<&str> = rows.iter().filter_map(|r| r["scenario"].as_str()).collect();
-    for s in &scenarios {
+    for s in scenarios {
         assert!(seen.contains(s.as_str()), "scenario {s} missing from:\n{stdout}");
     }
     for r in &rows {
@@ -80,6 +85,39 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
             assert_eq!(r["token_regressions"], 0, "C4 where tokens are promised: {r}");
         }
     }
+    rows
+}
+
+/// The scenarios of the second test: every one `--list` names but `FIRST`.
+fn second() -> Vec<String> {
+    listed("--list").into_iter().filter(|s| !FIRST.contains(&s.as_str())).collect()
+}
+
+#[test]
+fn the_two_halves_cover_every_scenario() {
+    let all = listed("--list");
+    for s in FIRST {
+        assert!(all.iter().any(|a| a == s), "{s} is no scenario: {all:?}");
+    }
+    assert_eq!(second().len() + FIRST.len(), all.len());
+}
+
+#[test]
+fn the_checker_catches_every_broken_lock_and_draws_it() {
+    let broken = listed("--list-broken");
+    // dlock's own mechanisms broken by a dlock-core switch, not only locks
+    // the harness wrote.
+    for own in ["broken-quarantine-opens-early", "broken-retry-ignores-turn", "broken-batch-repeats-token"] {
+        assert!(broken.iter().any(|b| b == own), "{own} missing from --list-broken: {broken:?}");
+    }
+    let dir = std::env::temp_dir().join(format!("dlock-torture-short-run-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("test dir");
+    let md = dir.join("block.md");
+    let first: Vec<String> = FIRST.iter().map(|s| (*s).to_owned()).collect();
+    let extra =
+        [std::ffi::OsStr::new("--timelines"), dir.as_os_str(), std::ffi::OsStr::new("--markdown"), md.as_os_str()];
+    let rows = short(&first, &extra);
     for variant in broken.iter().map(String::as_str) {
         let row = rows
             .iter()
@@ -127,6 +165,41 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
             assert!(n(row, "set_missing") > 0, "C3 (fenced set) missed the lost ids: {row}");
         }
     }
+    // `--timelines`: the broken plain-`DEL` lock's picture shows its
+    // overlaps in red, the real dlock's control row (same workload) none,
+    // and the markdown block links both.
+    let broken = std::fs::read_to_string(dir.join("checker-self-test-broken-plain-del.svg")).expect("broken svg");
+    assert!(broken.contains(r#"class="overlap""#) && broken.contains(">overlap</text>"), "no red overlap drawn");
+    let control = std::fs::read_to_string(dir.join("checker-self-test-redis.svg")).expect("control svg");
+    assert!(!control.contains(r#"class="overlap""#), "the real lock drawn with an overlap");
+    // Its fixed 50 ms leases run out inside sections: stale writes are
+    // refused (red marks), but no two owners hold at once.
+    assert!(
+        control.contains("no overlap") || control.contains(" 0 overlap(s)"),
+        "the control's picture does not say it has no overlap"
+    );
+    for svg in [&broken, &control] {
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.len() < 200_000, "{} bytes", svg.len());
+    }
+    let block = std::fs::read_to_string(&md).expect("markdown block");
+    assert!(block.contains("checker-self-test-broken-plain-del.svg)"), "{block}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let slow = rows.iter().find(|r| r["scenario"] == "redlock-slow").expect("redlock-slow row");
+    assert_eq!(slow["expired_on_return"], 0, "{slow}");
+    assert_eq!(slow["residual_keys"], 0, "{slow}");
+    let unsafe_restart = rows
+        .iter()
+        .find(|r| r["scenario"] == "restart-redis" && r["expected_safe"] == false)
+        .expect("restart-redis without persistence");
+    assert!(unsafe_restart["overlaps"].as_u64().unwrap_or(0) > 0, "{unsafe_restart}");
+    every_row_did_work(&rows);
+    tokens_promised_but_where_redlock_masters_lose_their_data(&rows);
+}
+
+#[test]
+fn every_other_scenario_holds_its_promises() {
+    let rows = short(&second(), &[]);
     // T3 (pause): fencing refused the resumed holders, the pauses really
     // broke mutual exclusion, and the holders had been told.
     let pause = rows.iter().find(|r| r["scenario"] == "pause").expect("pause row");
@@ -157,37 +230,37 @@ fn short_run_reports_every_scenario_and_catches_every_broken_lock() {
     }
     // The unmitigated restarts must show the violation the docs describe
     // (each such row also fails itself when it does not).
-    let unsafe_restart = rows
-        .iter()
-        .find(|r| r["scenario"] == "restart-redis" && r["expected_safe"] == false)
-        .expect("restart-redis without persistence");
-    assert!(unsafe_restart["overlaps"].as_u64().unwrap_or(0) > 0, "{unsafe_restart}");
     let unsafe_redlock = rows
         .iter()
         .find(|r| r["scenario"] == "redlock-restart" && r["expected_safe"] == false)
         .expect("redlock-restart without quarantine");
     assert!(n(unsafe_redlock, "overlaps") > 0, "{unsafe_redlock}");
-    // Tokens are not promised only where RedLock masters lose their data.
-    for r in &rows {
-        if r["tokens_promised"] == false && r["scenario"] != "checker-self-test" {
-            assert_eq!(r["scenario"], "redlock-restart", "tokens not promised: {r}");
-        }
-    }
     // T5e and T6a: their own figures, not only the shared columns.
-    let slow = rows.iter().find(|r| r["scenario"] == "redlock-slow").expect("redlock-slow row");
-    assert_eq!(slow["expired_on_return"], 0, "{slow}");
-    assert_eq!(slow["residual_keys"], 0, "{slow}");
     let renewal = rows.iter().find(|r| r["scenario"] == "renewal-failure").expect("renewal-failure row");
     assert_eq!(renewal["silent_losses"], 0, "{renewal}");
     assert_eq!(renewal["resurrections"], 0, "{renewal}");
     assert!(!renewal["lost_latency_p99_ms"].is_null(), "{renewal}");
-    // Work really happened, and every fault scenario injected its fault,
-    // in every row (the harness fails such rows itself; this checks it did).
-    for r in &rows {
+    every_row_did_work(&rows);
+    tokens_promised_but_where_redlock_masters_lose_their_data(&rows);
+}
+
+/// Work really happened, and every fault scenario injected its fault, in
+/// every row (the harness fails such rows itself; this checks it did).
+fn every_row_did_work(rows: &[Value]) {
+    for r in rows {
         assert!(r["operations"].as_u64().unwrap_or(0) > 0, "a row did no operations: {r}");
         let faultless = ["baseline", "coalesced-burst", "checker-self-test"].iter().any(|s| r["scenario"] == *s);
         if !faultless {
             assert!(r["faults"].as_u64().unwrap_or(0) > 0, "a row injected no fault: {r}");
+        }
+    }
+}
+
+/// Tokens are not promised only where RedLock masters lose their data.
+fn tokens_promised_but_where_redlock_masters_lose_their_data(rows: &[Value]) {
+    for r in rows {
+        if r["tokens_promised"] == false && r["scenario"] != "checker-self-test" {
+            assert_eq!(r["scenario"], "redlock-restart", "tokens not promised: {r}");
         }
     }
 }
