@@ -367,16 +367,3 @@ async fn opposite_transfers_all_complete() {
         assert_eq!(r.expect("task").expect("infallible").status(), StatusCode::OK);
     }
 }
-
-/// The compile errors, each pointing at the offending token, each alone: the
-/// handler is emitted unchanged beside the error, so nothing else fails.
-///
-/// The `.stderr` files hold only dlock's own messages and their spans (no
-/// warnings, no notes of rustc's lints, whose wording changes between
-/// toolchains), so they hold on every stable toolchain CI uses.
-#[test]
-fn attribute_misuse_is_a_compile_error() {
-    let t = trybuild::TestCases::new();
-    t.pass("tests/ui/pass/*.rs");
-    t.compile_fail("tests/ui/fail/*.rs");
-}
