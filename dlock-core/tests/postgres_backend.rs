@@ -404,3 +404,28 @@ async fn the_listener_listens_where_its_url_says() {
         .expect_err("not a PostgreSQL URL");
     assert!(err.to_string().contains("DLOCK_POSTGRES_LISTEN_URL"), "{err}");
 }
+
+/// TLS (feature `tls`): a cluster that refuses plain connections is
+/// reached with `sslmode=verify-full` and the CA that signed its
+/// certificate, and a lock taken and freed through it. Trusting another CA
+/// fails at connect, and so does asking for no TLS.
+#[cfg(feature = "tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_over_tls_verifies_the_server() {
+    let certs = dlock_testing::TestCertificates::generate();
+    let server = PostgresServer::start_tls(&certs);
+    let base = server.url();
+    let url = format!("{base}?sslmode=verify-full&sslrootcert={}", certs.ca_cert().display());
+    let backend = connect(&url).await;
+    let cancel = CancellationToken::new();
+    let (k, owner) = (test_key("tls"), Owner::random().expect("owner"));
+    backend.acquire(&request(&k, &owner, 5_000), &cancel).await.expect("free");
+    assert_eq!(backend.release(&k, &owner).await.expect("release"), Release::Freed);
+
+    let untrusted = format!("{base}?sslmode=verify-full&sslrootcert={}", certs.other_ca_cert().display());
+    let err = PostgresBackend::connect(&untrusted, "dlock").await.expect_err("a server signed by another CA");
+    assert!(err.to_string().contains("certificate"), "{err}");
+    let plain = format!("{base}?sslmode=disable");
+    let err = PostgresBackend::connect(&plain, "dlock").await.expect_err("refused without TLS");
+    assert!(err.to_string().contains("no encryption"), "{err}");
+}

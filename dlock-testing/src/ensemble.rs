@@ -406,6 +406,7 @@ mod tests {
 
     #[test]
     fn a_member_that_cannot_bind_its_port_is_reported_at_once() {
+        let _starting = crate::port::SERVERS_STARTING.lock().unwrap_or_else(|p| p.into_inner());
         let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = taken.local_addr().expect("addr").port();
         let ports = vec![(port, free_port(), free_port()), (free_port(), free_port(), free_port())];

@@ -94,22 +94,38 @@ pub(crate) fn free_cluster_port() -> u16 {
     pick_port(10_000)
 }
 
+/// Held by the unit tests of this crate that start a server, and by the
+/// test of [`free_port`]: a ZooKeeper starting beside that test was seen to
+/// take one of the ports it had just been handed, between the bind that
+/// found it free and the test's own.
+#[cfg(test)]
+pub(crate) static SERVERS_STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let _alone = super::SERVERS_STARTING.lock().unwrap_or_else(|p| p.into_inner());
         let range =
             std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").expect("read the ephemeral range");
         let bounds: Vec<u16> = range.split_whitespace().map(|b| b.parse().expect("a port")).collect();
         let outside = |p: u16| p < bounds[0] || p > bounds[1];
-        let ports: Vec<u16> = (0..200).map(|_| super::free_port()).collect();
+        // Each port is bindable when it is handed out; checked at once, not
+        // after all 200, when a server of another test process may have
+        // taken one since (as the servers the ports are for do).
+        let ports: Vec<u16> = (0..200)
+            .map(|_| {
+                let p = super::free_port();
+                assert!(std::net::TcpListener::bind(("127.0.0.1", p)).is_ok(), "{p} is free");
+                p
+            })
+            .collect();
         let mut distinct = ports.clone();
         distinct.sort_unstable();
         distinct.dedup();
         assert_eq!(distinct.len(), ports.len(), "no port handed out twice");
         for p in ports {
             assert!(outside(p), "{p} lies in the ephemeral range {range}");
-            assert!(std::net::TcpListener::bind(("127.0.0.1", p)).is_ok(), "{p} is free");
         }
         let cluster = super::free_cluster_port();
         assert!(outside(cluster) && outside(cluster + 10_000), "{cluster} and its bus port lie outside {range}");

@@ -40,6 +40,58 @@ impl PostgresServer {
     /// When PostgreSQL is not installed, or the cluster cannot be created or
     /// does not come up within 30 s; the message says why.
     pub fn start() -> Self {
+        let mut server = Self::init();
+        server.start_again();
+        server
+    }
+
+    /// A cluster that accepts TLS connections only: the server presents
+    /// `certs`' server certificate (for `127.0.0.1` and `localhost`, signed
+    /// by [`TestCertificates::ca_cert`]), and a connection without TLS is
+    /// refused (`hostnossl … reject`).
+    ///
+    /// ```no_run
+    /// let certs = dlock_testing::TestCertificates::generate();
+    /// let pg = dlock_testing::PostgresServer::start_tls(&certs);
+    /// let url = format!("{}?sslmode=verify-full&sslrootcert={}", pg.url(), certs.ca_cert().display());
+    /// # let _ = url;
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start), and when the certificate cannot be
+    /// installed in the cluster.
+    pub fn start_tls(certs: &crate::TestCertificates) -> Self {
+        let mut server = Self::init();
+        let data = server.data_dir();
+        for (from, to) in [(certs.server_cert(), "server.crt"), (certs.server_key(), "server.key")] {
+            std::fs::copy(&from, data.join(to))
+                .unwrap_or_else(|e| panic!("copy {} into the cluster: {e}", from.display()));
+        }
+        // The server refuses a key that others may read.
+        let key = data.join("server.key");
+        check(Command::new("chmod").arg("600").arg(&key).output(), "chmod the server key");
+        if server.as_postgres {
+            check(
+                Command::new("chown").arg("postgres:").arg(&key).arg(data.join("server.crt")).output(),
+                "chown the certificate",
+            );
+        }
+        append(&data.join("postgresql.conf"), "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+        // First match wins: TLS connections are trusted, the rest refused.
+        let hba = data.join("pg_hba.conf");
+        let rules = std::fs::read_to_string(&hba).expect("read pg_hba.conf");
+        std::fs::write(
+            &hba,
+            format!("hostssl all all 127.0.0.1/32 trust\nhostnossl all all 127.0.0.1/32 reject\n{rules}"),
+        )
+        .expect("write pg_hba.conf");
+        server.start_again();
+        server
+    }
+
+    /// A cluster initialised, not started.
+    fn init() -> Self {
         let bin = server_binaries();
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("dlock-pg-{}-{port}", std::process::id()));
@@ -61,7 +113,6 @@ impl PostgresServer {
             .arg(&data)
             .output();
         check(out, "initdb");
-        server.start_again();
         server
     }
 
@@ -225,4 +276,12 @@ fn check(out: std::io::Result<Output>, what: &str) {
     if let Err(why) = outcome(out) {
         panic!("cannot set up a PostgreSQL cluster: {what} failed: {why}");
     }
+}
+
+/// Appends `text` to the file at `path`.
+fn append(path: &std::path::Path, text: &str) {
+    use std::io::Write as _;
+    let mut file =
+        std::fs::OpenOptions::new().append(true).open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    file.write_all(text.as_bytes()).unwrap_or_else(|e| panic!("append to {}: {e}", path.display()));
 }

@@ -114,6 +114,15 @@
 //! (`synchronous_commit = on` with a synchronous standby) if locks must
 //! survive a failover.
 //!
+//! # TLS
+//!
+//! With dlock-core's `tls` feature, the URL's `sslmode` and `sslrootcert`
+//! (and `sslcert` / `sslkey` for a client certificate) are sqlx's, over the
+//! system's OpenSSL: `?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem`
+//! checks the server's certificate and name. Without the feature, a URL
+//! that asks for TLS is a configuration error at connect; `prefer` (the
+//! default) connects in plain text.
+//!
 //! # Failures and unknown outcomes
 //!
 //! Every request has a response timeout (the connection's
@@ -322,10 +331,27 @@ fn listen_url_error(e: Error) -> Error {
 /// does.
 pub(crate) fn connect_options(url: &str, options: &PostgresOptions) -> Result<PgConnectOptions> {
     let timeout_ms = options.response_timeout.as_millis().to_string();
-    Ok(PgConnectOptions::from_str(url)
-        .map_err(|e| Error::config(URL_VAR, format!("`{}` is not a PostgreSQL URL: {e}", redact(url))))?
-        .application_name("dlock")
-        .options([("statement_timeout", timeout_ms.as_str())]))
+    let connect = PgConnectOptions::from_str(url)
+        .map_err(|e| Error::config(URL_VAR, format!("`{}` is not a PostgreSQL URL: {e}", redact(url))))?;
+    check_tls(&connect, cfg!(feature = "tls"))?;
+    Ok(connect.application_name("dlock").options([("statement_timeout", timeout_ms.as_str())]))
+}
+
+/// Refuses a URL that asks for TLS (`sslmode=require`, `verify-ca` or
+/// `verify-full`) when dlock-core was built without its `tls` feature
+/// (`tls_built`): the first request would fail with sqlx's words, far
+/// from the cause. `prefer`, the default, falls back to plain text.
+fn check_tls(connect: &PgConnectOptions, tls_built: bool) -> Result<()> {
+    use sqlx::postgres::PgSslMode;
+    let asks = matches!(connect.get_ssl_mode(), PgSslMode::Require | PgSslMode::VerifyCa | PgSslMode::VerifyFull);
+    if asks && !tls_built {
+        return Err(Error::config(
+            URL_VAR,
+            "asks for TLS (`sslmode`), and dlock-core was built without its `tls` feature: enable it (dlock-axum \
+             forwards it) or connect without TLS",
+        ));
+    }
+    Ok(())
 }
 
 /// A lazy pool of `connect`: no connection is opened before a request.
@@ -1073,6 +1099,21 @@ mod tests {
         for bad in ["a\"b", "a'b", "a$b", &"x".repeat(MAX_PREFIX + 1)] {
             let err = Names::for_prefix(bad).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(err.contains("DLOCK_PREFIX"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_url_that_asks_for_tls_needs_the_feature() {
+        for mode in ["require", "verify-ca", "verify-full"] {
+            let url = format!("postgres://app@db:5432/app?sslmode={mode}");
+            let connect = PgConnectOptions::from_str(&url).expect("a URL");
+            let err = check_tls(&connect, false).expect_err(mode).to_string();
+            assert!(err.contains("DLOCK_POSTGRES_URL") && err.contains("`tls` feature"), "{err}");
+            assert!(check_tls(&connect, true).is_ok(), "{mode}");
+        }
+        for mode in ["disable", "prefer"] {
+            let connect = PgConnectOptions::from_str(&format!("postgres://db/app?sslmode={mode}")).expect("a URL");
+            assert!(check_tls(&connect, false).is_ok(), "{mode}");
         }
     }
 
