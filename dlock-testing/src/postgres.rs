@@ -47,7 +47,7 @@ impl PostgresServer {
 
     /// A cluster that accepts TLS connections only: the server presents
     /// `certs`' server certificate (for `127.0.0.1` and `localhost`, signed
-    /// by [`TestCertificates::ca_cert`]), and a connection without TLS is
+    /// by [`TestCertificates::ca_cert`](crate::TestCertificates::ca_cert)), and a connection without TLS is
     /// refused (`hostnossl … reject`).
     ///
     /// ```no_run
@@ -104,7 +104,7 @@ impl PostgresServer {
             let out = Command::new("chown").arg("postgres:").arg(&dir).output();
             check(out, "chown the cluster directory to the `postgres` user (does that user exist?)");
         }
-        let mut server = PostgresServer { bin, dir, port, running: false, as_postgres };
+        let server = PostgresServer { bin, dir, port, running: false, as_postgres };
         let data = server.data_dir();
         let out = server
             .command("initdb")
