@@ -148,7 +148,7 @@ where
 
 /// A transaction on the store's pool, within the store's bound.
 async fn begin(store: &PostgresStore) -> dlock_core::Result<sqlx::Transaction<'static, Postgres>> {
-    let bound = std::time::Duration::from_secs(2);
+    let bound = store.response_timeout();
     match tokio::time::timeout(bound, store.pool().begin()).await {
         Ok(Ok(tx)) => Ok(tx),
         Ok(Err(e)) => Err(dlock_core::Error::Backend {

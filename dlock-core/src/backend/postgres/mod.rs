@@ -172,9 +172,9 @@ const BACKEND: &str = "postgres";
 const URL_VAR: &str = "DLOCK_POSTGRES_URL";
 /// The variable that names where the listener connects.
 const LISTEN_URL_VAR: &str = "DLOCK_POSTGRES_LISTEN_URL";
-/// The first key of dlock's advisory locks ("dloc"); the second is a hash
-/// of the lock key, or 0 for the schema (also the fences table's, see
-/// [`crate::fence::postgres`]).
+/// The first key of the advisory lock ("dloc", second key 0) that makes
+/// the schema one process at a time (the fences table's too, see
+/// [`crate::fence::postgres`]); locks themselves take none.
 const LOCK_CLASS: i32 = 0x646c_6f63;
 /// The longest prefix: the longest name made of it (`_acquire_v2`) must fit
 /// PostgreSQL's 63 bytes, or it would be cut and collide.

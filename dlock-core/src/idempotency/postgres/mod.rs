@@ -315,6 +315,22 @@ impl PostgresStore {
         &self.inner.db.pool
     }
 
+    /// The bound of each of the store's requests (the connection's
+    /// response timeout; 2 seconds on a pool of [`with_pool`](Self::with_pool)),
+    /// which also bounds a route's `BEGIN` on [`pool`](Self::pool) in
+    /// dlock-axum's `in_transaction`.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: dlock_core::idempotency::PostgresStore) {
+    /// let bound = store.response_timeout();
+    /// let tx = tokio::time::timeout(bound, store.pool().begin()).await;
+    /// # let _ = tx;
+    /// # }
+    /// ```
+    pub fn response_timeout(&self) -> Duration {
+        self.inner.db.response_timeout
+    }
+
     /// Claims `key` within `scope` inside the transaction open on `conn`,
     /// as [`IdempotencyStore::begin`] answers: [`Begin::New`] — run the
     /// route in this transaction, then [`complete_in`](Self::complete_in)
