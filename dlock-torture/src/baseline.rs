@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use dlock_testing::{RedisServer, ZooKeeperServer};
+use dlock_testing::{PostgresServer, RedisServer, ZooKeeperServer};
 
 use crate::harness::{Report, Run};
 use crate::scenario::{config, describe, finish, redlock_masters, residue_on, resource_server, spawn_workers, Size};
@@ -13,7 +13,7 @@ use crate::scenario::{config, describe, finish, redlock_masters, residue_on, res
 /// workload on each.
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     let mut rows = Vec::new();
-    for backend in ["redis", "redlock", "zookeeper", "memory"] {
+    for backend in ["redis", "redlock", "zookeeper", "postgres", "memory"] {
         let mut r = Report::new("baseline", backend, seed);
         if let Err(e) = baseline_row(size, seed, &mut r).await {
             r.fail(format!("the row could not run: {e}"));
@@ -28,6 +28,14 @@ async fn baseline_row(size: Size, seed: u64, r: &mut Report) -> Result<(), Strin
     let (res_server, resource) = resource_server().await?;
     let backend = r.backend.clone();
     // The servers live until the row is checked.
+    let pg = match backend.as_str() {
+        "postgres" => Some(
+            tokio::task::spawn_blocking(PostgresServer::start)
+                .await
+                .map_err(|e| format!("PostgreSQL did not start: {e}"))?,
+        ),
+        _ => None,
+    };
     let (lock, nodes, zk) = match backend.as_str() {
         "redis" => (Some(RedisServer::start()), Vec::new(), None),
         // As `redlock()` runs them: 5 masters with AOF always.
@@ -40,9 +48,10 @@ async fn baseline_row(size: Size, seed: u64, r: &mut Report) -> Result<(), Strin
         }
         _ => (None, Vec::new(), None),
     };
-    let urls = match (&lock, &zk) {
-        (Some(l), _) => vec![l.url()],
-        (_, Some(z)) => vec![z.connect_string()],
+    let urls = match (&lock, &zk, &pg) {
+        (Some(l), _, _) => vec![l.url()],
+        (_, Some(z), _) => vec![z.connect_string()],
+        (_, _, Some(p)) => vec![p.url()],
         _ => nodes.iter().map(RedisServer::url).collect(),
     };
     let mut cfg = config(&backend, urls, &res_server, seed);
@@ -76,6 +85,15 @@ async fn baseline_row(size: Size, seed: u64, r: &mut Report) -> Result<(), Strin
             r.refreshed_keys = Some(refreshed);
             if left > 0 || refreshed > 0 {
                 r.fail(format!("{left} lock key(s) left ({refreshed} still renewed) after every worker released"));
+            }
+        }
+        "postgres" => {
+            let pg = pg.as_ref().ok_or("no PostgreSQL server")?;
+            let left = crate::postgres::live_rows(pg)?;
+            r.residual_keys = Some(left);
+            r.note(format!("live lock rows left {left}"));
+            if left > 0 {
+                r.fail(format!("{left} live lock row(s) left after every worker released"));
             }
         }
         "zookeeper" => {

@@ -31,8 +31,9 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
     Ok(vec![kill_client(size, seed).await?, restart(size, seed).await?])
 }
 
-/// Live lease rows left in the workers' table (their prefix is `torture`).
-fn live_rows(pg: &PostgresServer) -> Result<u64, String> {
+/// Live lease rows left in the workers' table (their prefix is `torture`):
+/// the heads of held keys.
+pub(crate) fn live_rows(pg: &PostgresServer) -> Result<u64, String> {
     let out = pg.psql("SELECT count(*) FROM torture_locks WHERE expires_at > clock_timestamp()");
     out.parse().map_err(|e| format!("live rows: `{out}`: {e}"))
 }

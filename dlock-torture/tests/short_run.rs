@@ -219,7 +219,7 @@ fn every_other_scenario_holds_its_promises() {
     let idem = rows.iter().find(|r| r["scenario"] == "pg-idempotency").expect("pg-idempotency row");
     assert_eq!(idem["torn"], 0, "{idem}");
     // T1: a baseline row per backend, each with work done and nothing left.
-    for backend in ["redis", "redlock", "zookeeper", "memory"] {
+    for backend in ["redis", "redlock", "zookeeper", "postgres", "memory"] {
         let row = rows
             .iter()
             .find(|r| r["scenario"] == "baseline" && r["backend"] == backend)
