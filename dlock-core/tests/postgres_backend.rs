@@ -388,6 +388,10 @@ async fn the_listener_listens_where_its_url_says() {
             assert!(Instant::now() < deadline, "{listen}: the waiter never parked");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        // Registered, then its try that follows: asleep after that, when
+        // nothing wakes it but an announcement or the lease's end (a release
+        // before that try would let it in at once, heard or not).
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let released = Instant::now();
         assert_eq!(holder.release(&k, &owner).await.expect("release"), Release::Freed);
         let me = waiting.await.expect("task").expect("the key came free");
