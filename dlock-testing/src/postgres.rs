@@ -109,6 +109,9 @@ impl PostgresServer {
         let out = server
             .command("initdb")
             .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync", "--locale=C"])
+            // 1 MB WAL segments: with `max_wal_size` below, a busy test
+            // cluster keeps a few MB of WAL, not the default 1 GB.
+            .arg("--wal-segsize=1")
             .arg("-D")
             .arg(&data)
             .output();
@@ -157,9 +160,12 @@ impl PostgresServer {
         }
         // Loopback only, a socket directory of our own (Debian's
         // /var/run/postgresql may be missing), and no fsync: a test cluster
-        // survives its server's restarts, not the machine's.
+        // survives its server's restarts, not the machine's. A small WAL:
+        // dozens of clusters run in one test pass, on machines whose disk is
+        // shared (a CI run once ran out of it).
         let options = format!(
-            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c full_page_writes=off",
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c full_page_writes=off \
+             -c min_wal_size=4MB -c max_wal_size=16MB",
             self.port,
             self.dir.display()
         );
