@@ -895,6 +895,60 @@ mod postgres {
         tallies_match(&server, "tally");
     }
 
+    /// Records committed inside transactions enter the tally however fast
+    /// they come: a backlog of several batches (here 2,500 rows, as if
+    /// committed since the last tick) is entered by one tick, not by one
+    /// batch of 1,000 a second, which would let a caller's cap hold late.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_backlog_of_committed_claims_enters_the_tally_in_one_tick() {
+        let server = PostgresServer::start();
+        let store = PostgresStore::connect(&server.url(), "backlog").await.expect("connect");
+        server.psql(
+            "INSERT INTO backlog_idem_keys (scope, key, fingerprint, owner, response, bytes, expires_at, counted) \
+             SELECT 'hana', 'k' || g, 'fp', NULL, 'ok', 2, now() + interval '1 hour', false \
+             FROM generate_series(1, 2500) AS g",
+        );
+        // The store's first tick comes a second after it connected.
+        tokio::time::sleep(Duration::from_millis(1700)).await;
+        let pending = server.psql("SELECT count(*) FROM backlog_idem_keys WHERE NOT counted");
+        assert_eq!(pending, "0", "rows left out of the tally after one tick");
+        tallies_match(&server, "backlog");
+        drop(store);
+    }
+
+    /// The caller's byte cap holds for answers stored inside transactions,
+    /// counting the answers of the caller's committed transactions once
+    /// they entered the tally: an answer over it is refused, nothing is
+    /// stored, and the claim stays for a smaller one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn answers_inside_transactions_keep_the_byte_cap() {
+        let server = PostgresServer::start();
+        let limits = IdempotencyLimits::default().with_max_bytes_per_scope(100);
+        let store = PostgresStore::connect(&server.url(), "bytes").await.expect("connect").with_limits(limits);
+        let terms = ClaimTerms::new(Duration::from_secs(10));
+        // 6 bytes of status and header count, then the body.
+        let half = StoredResponse::new(200, vec![], vec![b'h'; 50]);
+        let small = StoredResponse::new(200, vec![], b"ok".to_vec());
+        let mut tx = store.pool().begin().await.expect("begin");
+        let claim = new(store.begin_in(&mut tx, "gina", "g1", "fp", terms).await.expect("claim"));
+        let over = StoredResponse::new(200, vec![], vec![b'x'; 200]);
+        let refused = store.complete_in(&mut tx, &claim, &over).await;
+        assert!(matches!(refused, Err(Error::IdempotencyFull { per_scope: true, .. })), "{refused:?}");
+        assert!(store.complete_in(&mut tx, &claim, &half).await.expect("56 bytes of 100 fit"));
+        tx.commit().await.expect("commit");
+        enter(&server, "bytes");
+        let mut tx = store.pool().begin().await.expect("begin");
+        let claim = new(store.begin_in(&mut tx, "gina", "g2", "fp", terms).await.expect("claim"));
+        let refused = store.complete_in(&mut tx, &claim, &half).await;
+        assert!(matches!(refused, Err(Error::IdempotencyFull { per_scope: true, .. })), "56 + 56 > 100: {refused:?}");
+        assert!(store.complete_in(&mut tx, &claim, &small).await.expect("56 + 8 fit"));
+        tx.commit().await.expect("commit");
+        assert_eq!(store.begin("gina", "g1", "fp", terms).await.expect("replay"), Begin::Completed(half));
+        assert_eq!(store.begin("gina", "g2", "fp", terms).await.expect("replay"), Begin::Completed(small));
+        enter(&server, "bytes");
+        tallies_match(&server, "bytes");
+    }
+
     fn new(b: Begin) -> Claim {
         match b {
             Begin::New(c) => c,

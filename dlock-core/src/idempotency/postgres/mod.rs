@@ -26,6 +26,8 @@ const SCHEMA_SQL: &str = include_str!("schema.sql");
 const BEGIN_SQL: &str = include_str!("begin.sql");
 const SETTLE_SQL: &str = include_str!("settle.sql");
 const TOKENS_SQL: &str = include_str!("tokens.sql");
+const CLAIM_IN_TX_SQL: &str = include_str!("claim_in_tx.sql");
+const COMPLETE_IN_TX_SQL: &str = include_str!("complete_in_tx.sql");
 
 /// The PostgreSQL store: idempotency records and one-time tokens in two
 /// tables of the application's own database, so that a route's writes and
@@ -128,7 +130,11 @@ impl std::fmt::Debug for PostgresStore {
 /// The statements of one prefix, its names filled in.
 struct Statements {
     begin: String,
+    /// The first try of `begin_in`: a new record, as a plain statement.
+    claim_in_tx: String,
     complete: String,
+    /// The first try of `complete_in`, as a plain statement.
+    complete_in_tx: String,
     enter: String,
     abandon: String,
     renew_key: String,
@@ -214,7 +220,9 @@ impl Names {
         let f = |sql: &str| self.fill(sql);
         Statements {
             begin: f("SELECT r_outcome, r_response, r_retry_ms FROM {begin}($1, $2, $3, $4, $5, $6, $7, $8, $9)"),
+            claim_in_tx: f(CLAIM_IN_TX_SQL),
             complete: f("SELECT r_outcome, r_retry_ms FROM {complete}($1, $2, $3, $4, $5)"),
+            complete_in_tx: f(COMPLETE_IN_TX_SQL),
             abandon: f("SELECT {abandon}($1, $2, $3)"),
             enter: f("SELECT {enter}()"),
             renew_key: f("UPDATE {keys} AS k SET lease_until = clock_timestamp() + $4 * interval '1 millisecond' \
@@ -358,6 +366,17 @@ impl PostgresStore {
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
             let claim = Claim::new(scope, key)?;
+            let first = sqlx::query(&self.inner.sql.claim_in_tx)
+                .bind(claim.scope())
+                .bind(claim.key())
+                .bind(fingerprint)
+                .bind(claim.owner())
+                .bind(millis(terms.lease()).max(1))
+                .bind(millis(terms.ttl()).max(1))
+                .bind(count(self.limits.max_per_scope()));
+            if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
+                return self.begun(&row, claim);
+            }
             let row = self.in_tx(self.begin_query(&claim, fingerprint, terms, true).fetch_one(conn)).await?;
             self.begun(&row, claim)
         })
@@ -381,6 +400,15 @@ impl PostgresStore {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let encoded = response.encode();
+            let first = sqlx::query(&self.inner.sql.complete_in_tx)
+                .bind(claim.scope())
+                .bind(claim.key())
+                .bind(claim.owner())
+                .bind(&encoded[..])
+                .bind(count(self.limits.max_bytes_per_scope()));
+            if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
+                return completed(&row);
+            }
             let row = self.in_tx(self.complete_query(claim, &encoded).fetch_one(conn)).await?;
             completed(&row)
         })
@@ -517,15 +545,31 @@ async fn upkeep(pool: PgPool, enter: String, sweep: String, stop: CancellationTo
     for ticks in [&mut entering, &mut sweeping] {
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
+    let bound = Duration::from_secs(10);
     loop {
-        let sql = tokio::select! {
+        tokio::select! {
             _ = stop.cancelled() => return,
-            _ = entering.tick() => &enter,
-            _ = sweeping.tick() => &sweep,
-        };
-        let _ = tokio::time::timeout(Duration::from_secs(10), sqlx::query(sql).execute(&pool)).await;
+            _ = entering.tick() => {
+                // A full batch may leave more behind: routes can commit
+                // faster than one batch a second, and the tally must keep
+                // up with them, or a caller's cap would hold late.
+                while let Ok(Ok(ENTER_BATCH..)) =
+                    tokio::time::timeout(bound, sqlx::query_scalar::<_, i64>(&enter).fetch_one(&pool)).await
+                {
+                    if stop.is_cancelled() {
+                        return;
+                    }
+                }
+            }
+            _ = sweeping.tick() => {
+                let _ = tokio::time::timeout(bound, sqlx::query(&sweep).execute(&pool)).await;
+            }
+        }
     }
 }
+
+/// The most records one call of `enter` (settle.sql) takes: its `LIMIT`.
+const ENTER_BATCH: i64 = 1000;
 
 const ENTER_EVERY: Duration = Duration::from_secs(1);
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
@@ -673,7 +717,7 @@ mod tests {
     #[test]
     fn placeholders_are_all_filled_and_names_fit() {
         let names = Names::for_prefix(&"p".repeat(48)).expect("valid");
-        for sql in [SCHEMA_SQL, BEGIN_SQL, SETTLE_SQL, TOKENS_SQL] {
+        for sql in [SCHEMA_SQL, BEGIN_SQL, SETTLE_SQL, TOKENS_SQL, CLAIM_IN_TX_SQL, COMPLETE_IN_TX_SQL] {
             let filled = names.fill(sql);
             for placeholder in ["{keys", "{tokens", "{class", "{tally", "{sweep", "{token_pool", "{begin", "{complete"]
             {

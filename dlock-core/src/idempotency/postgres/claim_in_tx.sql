@@ -1,0 +1,22 @@
+-- The first try of a claim inside the route's transaction (begin_in): a
+-- new record of a key nobody holds, under its caller's cap, as one plain
+-- statement instead of a call of {begin}, whose PL/pgSQL costs more than
+-- the work on this path. It takes what {begin} takes (the key's advisory
+-- lock, the transaction's idle timeout) and writes the row {begin} writes
+-- for a new record. No row back (the key is claimed, has a record, live
+-- or expired, or the caller's tally is at the cap) sends the claim to
+-- {begin}, which answers each of those; the advisory lock it may already
+-- hold is taken again there.
+-- $1 scope, $2 key, $3 fingerprint, $4 owner, $5 lease ms, $6 ttl ms,
+-- $7 the caller's cap of records.
+WITH lease AS (
+  SELECT set_config('idle_in_transaction_session_timeout', $5::bigint::text, true)
+), free AS (
+  SELECT 1 FROM lease
+    WHERE pg_try_advisory_xact_lock({class}, hashtext($1::text || chr(31) || $2::text))
+      AND (SELECT coalesce(sum(t.records), 0) FROM {tally} AS t WHERE t.pool = 'k:' || $1::text) < $7::bigint
+)
+INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted)
+  SELECT $1, $2, $3, $4, NULL, NULL, 0, clock_timestamp() + $6::bigint * interval '1 millisecond', false FROM free
+  ON CONFLICT (scope, key) DO NOTHING
+  RETURNING 0::int AS r_outcome, NULL::bytea AS r_response, 0::bigint AS r_retry_ms
