@@ -1,4 +1,4 @@
-//! Where the benchmark and its servers run: the Redis servers on the last
+//! Where the benchmark and its servers run: the servers (Redis, PostgreSQL) on the last
 //! CPU, the benchmark's own threads on the others.
 //!
 //! Left to the scheduler on a small machine, the client's worker threads
@@ -52,10 +52,10 @@ impl Pinning {
     pub(crate) fn describe(&self) -> String {
         match self {
             Pinning::Pinned { server } if *server == 1 => {
-                format!("redis-server on CPU {server}, the benchmark on CPU 0")
+                format!("the servers on CPU {server}, the benchmark on CPU 0")
             }
             Pinning::Pinned { server } => {
-                format!("redis-server on CPU {server}, the benchmark on CPUs 0-{}", server - 1)
+                format!("the servers on CPU {server}, the benchmark on CPUs 0-{}", server - 1)
             }
             Pinning::Off(why) => format!("not pinned ({why})"),
         }

@@ -42,7 +42,7 @@ use dlock_axum::idempotency::{IdempotencyLayer, Tx};
 use dlock_axum::Caller;
 use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
 use dlock_core::backend::Backend;
-use dlock_core::idempotency::{IdempotencyLimits, PostgresStore};
+use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyLimits, PostgresStore, StoredResponse};
 use dlock_core::{Locker, LockerOptions};
 use dlock_testing::PostgresServer;
 use redis::aio::MultiplexedConnection;
@@ -56,6 +56,7 @@ use crate::env::Env;
 use crate::error::{BenchError, Result};
 use crate::locks::{BenchLock, DlockLock, LEASE};
 use crate::measure::{median, run_window, Sample, Timing};
+use crate::pin::Pinning;
 use crate::report::Row;
 use crate::series::{target, Series};
 use crate::{handoff, uncontended};
@@ -207,10 +208,21 @@ struct Under {
     pool: PgPool,
 }
 
-async fn start() -> Result<Under> {
+async fn start(pinning: &Pinning) -> Result<Under> {
     let server = std::panic::catch_unwind(PostgresServer::start).map_err(|_| {
         BenchError::Server("PostgreSQL did not start (see above; apt-get install -y postgresql)".into())
     })?;
+    // The server's CPU, as for Redis: started from this process, it would
+    // otherwise share the benchmark's CPU and leave the other idle.
+    let pids = server.pids();
+    if pids.is_empty() {
+        return Err(BenchError::Server("PostgreSQL runs, and its postmaster.pid names no process".into()));
+    }
+    pinning.server(pids.first().copied()).map_err(BenchError::Server)?;
+    for &child in &pids[1..] {
+        // One that exited meanwhile (an autovacuum worker) needs no CPU.
+        let _ = pinning.server(Some(child));
+    }
     let options = PostgresOptions::default().with_max_connections(POOL);
     let backend = PostgresBackend::connect_with(&server.url(), "bench", options).await?;
     let locker =
@@ -232,8 +244,8 @@ fn hand(pool: &PgPool, advisory: bool, name: String, base: i64) -> HandLock {
 }
 
 /// Runs every round and returns the rows.
-pub(crate) async fn run(_env: &Env, args: &Args) -> Result<Vec<Row>> {
-    let under = start().await?;
+pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
+    let under = start(&env.pinning).await?;
     let timing = Timing { warmup: args.warmup, duration: args.duration.max(Duration::from_millis(200)) };
     let imps = ["dlock", "lease", "advisory"];
     let mut unc: Vec<Vec<Series>> = imps
@@ -248,7 +260,7 @@ pub(crate) async fn run(_env: &Env, args: &Args) -> Result<Vec<Row>> {
     for round in 0..rounds {
         for (ci, &c) in CONCURRENCY.iter().enumerate() {
             let name = format!("u-r{round}-c{c}");
-            let mut ops = [0.0; 4];
+            let mut ops = [0.0; 5];
             for turn in 0..imps.len() {
                 // Turns rotate, so a slow phase of a shared machine hits each alike.
                 let i = (round + ci + turn) % imps.len();
@@ -382,6 +394,33 @@ async fn routes(under: &Under, args: &Args, timing: Timing) -> Result<Vec<Row>> 
             }
         }),
     );
+    // dlock's statements without its layer: what the store costs, apart
+    // from what the layer does around it.
+    let pool = under.pool.clone();
+    let bare = store.clone();
+    let store_tx = Router::new().route(
+        "/order",
+        post(move |headers: axum::http::HeaderMap| {
+            let (pool, store) = (pool.clone(), bare.clone());
+            async move {
+                let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned) else {
+                    return StatusCode::BAD_REQUEST;
+                };
+                let Ok(mut tx) = pool.begin().await else { return StatusCode::SERVICE_UNAVAILABLE };
+                let terms = ClaimTerms::new(Duration::from_secs(30));
+                let Ok(Begin::New(claim)) = store.begin_in(&mut tx, "", &key, "fp", terms).await else {
+                    return StatusCode::CONFLICT;
+                };
+                let inserted = sqlx::query("INSERT INTO bench_orders (note) VALUES ('placed')").execute(&mut *tx).await;
+                let answer = StoredResponse::new(201, vec![], Vec::new());
+                let stored = store.complete_in(&mut tx, &claim, &answer).await;
+                if inserted.is_err() || !matches!(stored, Ok(true)) || tx.commit().await.is_err() {
+                    return StatusCode::INTERNAL_SERVER_ERROR;
+                }
+                StatusCode::CREATED
+            }
+        }),
+    );
     let layer = IdempotencyLayer::new().caller(Caller::shared()).in_transaction(store);
     let in_tx = Router::new().route(
         "/order",
@@ -393,18 +432,19 @@ async fn routes(under: &Under, args: &Args, timing: Timing) -> Result<Vec<Row>> 
         })
         .layer(layer),
     );
-    let routers = [alone, in_tx, hand_tx, hand_piped];
+    let routers = [alone, in_tx, hand_tx, hand_piped, store_tx];
     let mut series = [
         Series::new("postgres-route", "route", "postgres", REQUESTS_AT_ONCE),
         Series::new("postgres-route", "in-transaction", "postgres", REQUESTS_AT_ONCE),
         Series::new("postgres-route", "hand-tx", "postgres", REQUESTS_AT_ONCE),
         Series::new("postgres-route", "hand-tx-piped", "postgres", REQUESTS_AT_ONCE),
+        Series::new("postgres-route", "store-tx", "postgres", REQUESTS_AT_ONCE),
     ];
     // Per round: in-transaction and hand-tx over the route alone.
-    let mut ratios = [Vec::new(), Vec::new(), Vec::new()];
+    let mut ratios = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     let keys = Arc::new(AtomicU64::new(0));
     for round in 0..args.uncontended_rounds.max(1) {
-        let mut ops = [0.0; 4];
+        let mut ops = [0.0; 5];
         for turn in 0..routers.len() {
             let i = (round + turn) % routers.len();
             let before = orders(&under.pool).await?;
@@ -421,13 +461,15 @@ async fn routes(under: &Under, args: &Args, timing: Timing) -> Result<Vec<Row>> 
             ratios[0].push(ops[1] / ops[0]);
             ratios[1].push(ops[2] / ops[0]);
             ratios[2].push(ops[3] / ops[0]);
+            ratios[3].push(ops[4] / ops[0]);
         }
     }
     let mut rows: Vec<Row> = series.iter().map(|s| without_commands(s.row())).collect();
-    let [tx_ratio, hand_ratio, piped_ratio] = ratios;
+    let [tx_ratio, hand_ratio, piped_ratio, store_ratio] = ratios;
     rows[1].ratio = median(tx_ratio);
     rows[2].ratio = median(hand_ratio);
     rows[3].ratio = median(piped_ratio);
+    rows[4].ratio = median(store_ratio);
     let value = rows[1].ratio.unwrap_or(0.0);
     rows[1].targets.push(target("ops vs route", value, false, TX_VS_ROUTE, ""));
     Ok(rows)

@@ -895,6 +895,25 @@ mod postgres {
         tallies_match(&server, "tally");
     }
 
+    /// The index of the rows still to enter the tally is on the key, so
+    /// that one caller's claims do not all insert at one leaf page; the
+    /// index an earlier build made on the caller is dropped at connect.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_index_of_rows_to_enter_the_tally_is_on_the_key() {
+        let server = PostgresServer::start();
+        let store = PostgresStore::connect(&server.url(), "shape").await.expect("connect");
+        drop(store);
+        server.psql("CREATE INDEX \"shape_idem_keys_pending\" ON shape_idem_keys (scope) WHERE NOT counted");
+        let store = PostgresStore::connect(&server.url(), "shape").await.expect("connect again");
+        let indexes = server.psql(
+            "SELECT string_agg(indexname || ': ' || indexdef, E'\n' ORDER BY indexname) FROM pg_indexes \
+             WHERE tablename = 'shape_idem_keys' AND indexdef LIKE '%WHERE%'",
+        );
+        assert!(!indexes.contains("shape_idem_keys_pending"), "the earlier index stays: {indexes}");
+        assert!(indexes.contains("shape_idem_keys_todo") && indexes.contains("(key) WHERE (NOT counted)"), "{indexes}");
+        drop(store);
+    }
+
     /// Records committed inside transactions enter the tally however fast
     /// they come: a backlog of several batches (here 2,500 rows, as if
     /// committed since the last tick) is entered by one tick, not by one

@@ -147,6 +147,24 @@ impl PostgresServer {
         self.port
     }
 
+    /// The process ids of the running server: its postmaster first, then
+    /// the processes it started so far (`postmaster.pid` and
+    /// `/proc/<pid>/task/<pid>/children`). Empty when it is not running.
+    /// A benchmark moves them onto a CPU of their own; the backends the
+    /// postmaster forks later inherit its CPUs.
+    pub fn pids(&self) -> Vec<u32> {
+        let Some(postmaster) = (self.running)
+            .then(|| std::fs::read_to_string(self.data_dir().join("postmaster.pid")).ok())
+            .flatten()
+            .and_then(|text| text.lines().next().and_then(|line| line.trim().parse::<u32>().ok()))
+        else {
+            return Vec::new();
+        };
+        let children =
+            std::fs::read_to_string(format!("/proc/{postmaster}/task/{postmaster}/children")).unwrap_or_default();
+        std::iter::once(postmaster).chain(children.split_whitespace().filter_map(|p| p.parse().ok())).collect()
+    }
+
     /// Starts the cluster after [`stop`](Self::stop) or
     /// [`crash`](Self::crash), on the same port and data directory, and
     /// waits until it accepts connections.

@@ -186,6 +186,7 @@ impl Names {
         // Index names: the table's name with a suffix, inside its quotes.
         let index = |table: &str, suffix: &str| format!("{}_{suffix}\"", table.trim_end_matches('"'));
         sql.replace("{keys_expiry}", &index(&self.keys, "exp"))
+            .replace("{keys_todo}", &index(&self.keys, "todo"))
             .replace("{keys_pending}", &index(&self.keys, "pending"))
             .replace("{tokens_pool}", &index(&self.tokens, "pool"))
             .replace("{keys}", &self.keys)
@@ -731,5 +732,6 @@ mod tests {
             assert!(name.len() - 2 <= 63, "{name}");
         }
         assert!(names.fill("{keys_expiry}").len() - 2 <= 63);
+        assert!(names.fill("{keys_todo}").len() - 2 <= 63);
     }
 }

@@ -30,8 +30,12 @@ CREATE TABLE IF NOT EXISTS {keys} (
   PRIMARY KEY (scope, key)
 );
 CREATE INDEX IF NOT EXISTS {keys_expiry} ON {keys} (expires_at);
--- The rows still to enter the tally: few, briefly.
-CREATE INDEX IF NOT EXISTS {keys_pending} ON {keys} (scope) WHERE NOT counted;
+-- The rows still to enter the tally (settle.sql's enter), by key: on the
+-- caller, every claim of one caller inserted at the same leaf page, and
+-- under load the claims queued for it (an index of that shape, made by an
+-- earlier build, is dropped).
+CREATE INDEX IF NOT EXISTS {keys_todo} ON {keys} (key) WHERE NOT counted;
+DROP INDEX IF EXISTS {keys_pending};
 -- One-time tokens: principal NULL for an unbound token; owner and
 -- lease_until while a request has claimed it.
 CREATE TABLE IF NOT EXISTS {tokens} (
