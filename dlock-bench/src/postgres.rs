@@ -227,7 +227,14 @@ async fn start(pinning: &Pinning) -> Result<Under> {
     let backend = PostgresBackend::connect_with(&server.url(), "bench", options).await?;
     let locker =
         Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default().with_prefix("bench"))?;
-    let pool = PgPoolOptions::new().max_connections(POOL).connect(&server.url()).await.map_err(pg)?;
+    // Set as dlock's own pool is: sqlx's default pings a connection before
+    // each use, a round trip the hand-written rows would pay and dlock not.
+    let pool = PgPoolOptions::new()
+        .max_connections(POOL)
+        .test_before_acquire(false)
+        .connect(&server.url())
+        .await
+        .map_err(pg)?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS bench_lease (key text PRIMARY KEY, owner bigint NOT NULL, expires_at timestamptz NOT NULL); \
          CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, note text NOT NULL); \
