@@ -93,11 +93,12 @@ impl PostgresServer {
     /// A cluster initialised, not started.
     fn init() -> Self {
         let bin = server_binaries();
+        let as_postgres = running_as_root();
+        reap_orphans(&bin, as_postgres);
         let port = free_port();
-        let dir = std::env::temp_dir().join(format!("dlock-pg-{}-{port}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("{CLUSTER_DIR}{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create a directory for the PostgreSQL cluster");
-        let as_postgres = running_as_root();
         if as_postgres {
             // The server's files must be its user's, and the directory must
             // let it in.
@@ -252,6 +253,31 @@ impl Drop for PostgresServer {
     fn drop(&mut self) {
         self.crash();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The start of a cluster's directory name; the owning process id and the
+/// port follow.
+const CLUSTER_DIR: &str = "dlock-pg-";
+
+/// Stops and deletes the clusters of test processes that ended without
+/// dropping their server (a killed `cargo test`, a benchmark stopped by
+/// Ctrl-C): `pg_ctl` starts a server that outlives the process that
+/// started it, and each one left behind keeps its memory, its port and
+/// tens of MB of a disk that CI machines share. A directory whose owner
+/// process still runs is left alone (a reused process id only delays its
+/// reaping).
+fn reap_orphans(bin: &std::path::Path, as_postgres: bool) {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(CLUSTER_DIR)) else { continue };
+        let Some(owner) = rest.split('-').next().and_then(|pid| pid.parse::<u32>().ok()) else { continue };
+        if std::path::Path::new(&format!("/proc/{owner}")).exists() {
+            continue;
+        }
+        // Its drop stops it (if it still runs) and deletes its directory.
+        drop(PostgresServer { bin: bin.to_path_buf(), dir: entry.path(), port: 0, running: true, as_postgres });
     }
 }
 

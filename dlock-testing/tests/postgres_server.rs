@@ -1,6 +1,8 @@
 //! The PostgreSQL cluster of the tests: it starts, answers, keeps its data
 //! across a stop and a crash, and stops.
 
+use std::time::{Duration, Instant};
+
 use dlock_testing::PostgresServer;
 
 #[test]
@@ -20,4 +22,34 @@ fn a_cluster_starts_keeps_its_data_across_restarts_and_stops() {
     let port = pg.port();
     drop(pg);
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "stopped on drop");
+}
+
+/// A cluster left running by a test process that died without dropping it
+/// is stopped and deleted by the next start, and one whose process lives
+/// is not.
+#[test]
+fn a_cluster_left_by_a_dead_process_is_reaped_at_the_next_start() {
+    // A process id that no process has now: one that has exited.
+    let mut gone = std::process::Command::new("true").spawn().expect("run true");
+    gone.wait().expect("wait for true");
+    let tmp = std::env::temp_dir();
+    let left = PostgresServer::start();
+    let (port, postmaster) = (left.port(), left.pids()[0]);
+    let ours = tmp.join(format!("dlock-pg-{}-{port}", std::process::id()));
+    let orphan = tmp.join(format!("dlock-pg-{}-{port}", gone.id()));
+    // As if its process had been killed: never dropped, its directory
+    // named after a process that no longer runs.
+    std::mem::forget(left);
+    std::fs::rename(&ours, &orphan).expect("rename the cluster's directory");
+    let alive = PostgresServer::start();
+    assert!(!orphan.exists(), "the orphan's directory is still there");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::path::Path::new(&format!("/proc/{postmaster}")).exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!std::path::Path::new(&format!("/proc/{postmaster}")).exists(), "the orphan's server still runs");
+    // A cluster of a live process (this one) is left alone by a third start.
+    let third = PostgresServer::start();
+    assert_eq!(alive.psql("SELECT 2"), "2", "a live process' cluster was reaped");
+    drop(third);
 }
