@@ -367,13 +367,7 @@ impl PostgresStore {
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
             let claim = Claim::new(scope, key)?;
-            let first = sqlx::query(&self.inner.sql.claim_in_tx)
-                .bind(claim.scope())
-                .bind(claim.key())
-                .bind(fingerprint)
-                .bind(claim.owner())
-                .bind(millis(terms.lease()).max(1))
-                .bind(millis(terms.ttl()).max(1))
+            let first = claim_args(&self.inner.sql.claim_in_tx, &claim, fingerprint, terms)
                 .bind(count(self.limits.max_per_scope()));
             if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
                 return self.begun(&row, claim);
@@ -401,16 +395,12 @@ impl PostgresStore {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let encoded = response.encode();
-            let first = sqlx::query(&self.inner.sql.complete_in_tx)
-                .bind(claim.scope())
-                .bind(claim.key())
-                .bind(claim.owner())
-                .bind(&encoded[..])
-                .bind(count(self.limits.max_bytes_per_scope()));
+            let first = self.complete_query(&self.inner.sql.complete_in_tx, claim, &encoded);
             if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
                 return completed(&row);
             }
-            let row = self.in_tx(self.complete_query(claim, &encoded).fetch_one(conn)).await?;
+            let row =
+                self.in_tx(self.complete_query(&self.inner.sql.complete, claim, &encoded).fetch_one(conn)).await?;
             completed(&row)
         })
     }
@@ -439,24 +429,21 @@ impl PostgresStore {
         terms: ClaimTerms,
         in_tx: bool,
     ) -> sqlx::query::Query<'q, Postgres, PgArguments> {
-        sqlx::query(&self.inner.sql.begin)
-            .bind(claim.scope())
-            .bind(claim.key())
-            .bind(fingerprint)
-            .bind(claim.owner())
-            .bind(millis(terms.lease()).max(1))
-            .bind(millis(terms.ttl()).max(1))
+        claim_args(&self.inner.sql.begin, claim, fingerprint, terms)
             .bind(terms.runs_again_after_lease())
             .bind(in_tx)
             .bind(count(self.limits.max_per_scope()))
     }
 
+    /// `sql` (`complete`, or its first try `complete_in_tx`: the same
+    /// parameters) bound for `claim` and its encoded answer.
     fn complete_query<'q>(
         &'q self,
+        sql: &'q str,
         claim: &'q Claim,
         encoded: &'q [u8],
     ) -> sqlx::query::Query<'q, Postgres, PgArguments> {
-        sqlx::query(&self.inner.sql.complete)
+        sqlx::query(sql)
             .bind(claim.scope())
             .bind(claim.key())
             .bind(claim.owner())
@@ -506,6 +493,23 @@ impl PostgresStore {
     {
         Ok(!self.inner.db.fetch_all(make, repeat).await?.is_empty())
     }
+}
+
+/// `sql` (`begin`, or its first try `claim_in_tx`) with the parameters the
+/// two share first: scope, key, fingerprint, owner, lease and ttl in ms.
+fn claim_args<'q>(
+    sql: &'q str,
+    claim: &'q Claim,
+    fingerprint: &'q str,
+    terms: ClaimTerms,
+) -> sqlx::query::Query<'q, Postgres, PgArguments> {
+    sqlx::query(sql)
+        .bind(claim.scope())
+        .bind(claim.key())
+        .bind(fingerprint)
+        .bind(claim.owner())
+        .bind(millis(terms.lease()).max(1))
+        .bind(millis(terms.ttl()).max(1))
 }
 
 fn completed(row: &PgRow) -> Result<bool> {
@@ -694,7 +698,7 @@ impl IdempotencyStore for PostgresStore {
             let row = self
                 .inner
                 .db
-                .fetch(|| self.complete_query(claim, &encoded), Repeat::Once)
+                .fetch(|| self.complete_query(&self.inner.sql.complete, claim, &encoded), Repeat::Once)
                 .await?
                 .ok_or_else(|| unexpected("no row"))?;
             completed(&row)
