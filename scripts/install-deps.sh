@@ -16,14 +16,46 @@ compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || need+=(postgresql)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 pkg-config --exists openssl 2>/dev/null || need+=(libssl-dev)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+# PgBouncer for the transaction-pool tests: Debian 12 ships 1.18, which
+# cannot keep sqlx's prepared statements in transaction mode (1.21 can). It
+# is built below from Debian 13's source (a C program, seconds to build),
+# with libevent's headers and make.
+pgbouncer_ok() {
+  local v
+  v=$(/usr/local/bin/pgbouncer --version 2>/dev/null | sed -n 's/^PgBouncer \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
+  [ -n "$v" ] && set -- $v && { [ "$1" -gt 1 ] || [ "$2" -ge 21 ]; }
+}
+if ! pgbouncer_ok; then
+  pkg-config --exists libevent 2>/dev/null || need+=(libevent-dev)
+  command -v make >/dev/null 2>&1 || need+=(make)
+  command -v curl >/dev/null 2>&1 || need+=(curl)
+fi
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+if ! pgbouncer_ok; then
+  version=1.24.1
+  sha256=da72a3aba13072876d055a3e58dd4aba4a5de4ed6148e73033185245598fd3e0
+  src=$(mktemp -d)
+  echo "building PgBouncer $version into /usr/local/bin"
+  curl -fsSL --retry 3 -o "$src/pgbouncer.tar.gz" \
+    "http://deb.debian.org/debian/pool/main/p/pgbouncer/pgbouncer_${version}.orig.tar.gz"
+  echo "$sha256  $src/pgbouncer.tar.gz" | sha256sum -c --quiet
+  tar -xzf "$src/pgbouncer.tar.gz" -C "$src"
+  (
+    cd "$src/pgbouncer-$version"
+    ./configure -q --prefix=/usr/local --without-cares --with-pam=no >/dev/null
+    make -s -j2 >/dev/null
+  )
+  $SUDO install -m 755 "$src/pgbouncer-$version/pgbouncer" /usr/local/bin/pgbouncer
+  rm -rf "$src"
+fi
 redis-server --version
+/usr/local/bin/pgbouncer --version | head -1
 java -version 2>&1 | head -1
 ls -d /usr/lib/postgresql/*/bin | tail -1
 

@@ -814,6 +814,41 @@ mod postgres {
         }
     }
 
+    /// Through PgBouncer in transaction mode, where each statement outside
+    /// a transaction may run on another server session: the store's suite,
+    /// and a claim inside the route's transaction that rolls back and then
+    /// commits, every step of it on the session of that transaction. The
+    /// tallies still match the rows.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_store_works_through_a_transaction_pool() {
+        let server = PostgresServer::start();
+        let pooler = dlock_testing::PgBouncer::start(&server);
+        let url = pooler.url();
+        let store = PostgresStore::connect(&url, "pooled").await.expect("connect through PgBouncer");
+        suite(Arc::new(store)).await;
+        let store = PostgresStore::connect(&url, "pooled").await.expect("connect through PgBouncer");
+        server.psql("CREATE TABLE payments (id text PRIMARY KEY)");
+        let terms = ClaimTerms::new(Duration::from_secs(10));
+        let paid = StoredResponse::new(201, vec![], b"paid".to_vec());
+        for commit in [false, true] {
+            let mut tx = store.pool().begin().await.expect("begin");
+            let claim = new(store.begin_in(&mut tx, "alice", "tx", "fp", terms).await.expect("claim"));
+            sqlx::query("INSERT INTO payments VALUES ('p1')").execute(&mut *tx).await.expect("write");
+            assert_eq!(store.begin("alice", "tx", "fp", terms).await.expect("dup"), Begin::InProgress);
+            assert!(store.complete_in(&mut tx, &claim, &paid).await.expect("complete"));
+            if commit {
+                tx.commit().await.expect("commit");
+            } else {
+                tx.rollback().await.expect("rollback");
+                assert_eq!(server.psql("SELECT count(*) FROM pooled_idem_keys WHERE key LIKE '%tx%'"), "0");
+            }
+        }
+        assert_eq!(server.psql("SELECT count(*) FROM payments"), "1");
+        assert_eq!(store.begin("alice", "tx", "fp", terms).await.expect("replay"), Begin::Completed(paid));
+        enter(&server, "pooled");
+        tallies_match(&server, "pooled");
+    }
+
     /// Runs the batch that enters committed records in the tallies (each
     /// store runs it every second), and answers how many it entered.
     fn enter(server: &PostgresServer, prefix: &str) -> String {

@@ -59,14 +59,26 @@
 //! transaction-mode pooler (PgBouncer) the session is not the client's, and
 //! the lock strands on a pooled server connection that someone else uses
 //! next. Every step here is one transaction, and its row locks end with
-//! it, so requests may go through a pooler in transaction mode, on two
-//! conditions. The pooler must keep prepared statements (PgBouncer 1.21 and
-//! later with `max_prepared_statements`): sqlx prepares every statement,
-//! and even its unnamed ones are parsed and run in two exchanges that a
-//! pooler of an earlier version may send to two server connections. And
-//! the listener needs a session: give it its own URL
-//! ([`PostgresOptions::with_listen_url`], `DLOCK_POSTGRES_LISTEN_URL`), the
-//! server's or a session-mode pool's.
+//! it, so requests may go through a pooler in transaction mode, on three
+//! conditions (tests/postgres_pooler.rs runs the behavioural suites through
+//! PgBouncer 1.24 in transaction mode, and shows the first two failing
+//! without their settings):
+//!
+//! 1. The pooler must keep prepared statements (PgBouncer 1.21 and later
+//!    with `max_prepared_statements` above 0): sqlx prepares every
+//!    statement, and even its unnamed ones are parsed and run in two
+//!    exchanges that a pooler of an earlier version may send to two server
+//!    connections.
+//! 2. It must let dlock's connections in: they send `statement_timeout` (the
+//!    response timeout) and sqlx's `extra_float_digits` at connect, which
+//!    PgBouncer refuses unless both are in its `ignore_startup_parameters`.
+//!    Ignored there, the server no longer bounds dlock's statements: set
+//!    `statement_timeout` on the server's role instead (`ALTER ROLE app SET
+//!    statement_timeout = '2s'`). Either refusal is an [`Error::Config`]
+//!    naming `DLOCK_POSTGRES_URL` and the setting to change.
+//! 3. The listener needs a session: give it its own URL
+//!    ([`PostgresOptions::with_listen_url`], `DLOCK_POSTGRES_LISTEN_URL`),
+//!    the server's or a session-mode pool's.
 //!
 //! The table, the sequence and the functions are created at connect when
 //! missing, inside a transaction that takes a fixed advisory lock first: two
@@ -693,10 +705,33 @@ impl std::error::Error for MayHaveRun {
     }
 }
 
+/// What to change when the error is a pooler's between dlock and the
+/// server, set in a way dlock cannot work through (the module docs' two
+/// conditions); `None` for any other error.
+fn pooler_hint(db: &dyn sqlx::error::DatabaseError) -> Option<&'static str> {
+    // PgBouncer's words for a startup parameter it was not told about.
+    if db.message().starts_with("unsupported startup parameter") {
+        return Some(
+            "a pooler (PgBouncer) refused a parameter dlock sends at connect: list `extra_float_digits, \
+             statement_timeout` in its `ignore_startup_parameters`, and bound statements on the server instead \
+             (`ALTER ROLE … SET statement_timeout`)",
+        );
+    }
+    // duplicate_prepared_statement, invalid_sql_statement_name: another
+    // client's statement of the same name, or none, on the server session.
+    matches!(db.code().as_deref(), Some("42P05" | "26000")).then_some(
+        "a pooler in transaction mode lent this session to another client and does not keep prepared statements: \
+         use PgBouncer 1.21 or later with `max_prepared_statements` above 0 (or session mode)",
+    )
+}
+
 /// An error of a request that did nothing on the server.
 fn not_sent(e: sqlx::Error) -> Error {
     let message = match &e {
-        sqlx::Error::Database(db) => format!("PostgreSQL refused a request: {}", db.message()),
+        sqlx::Error::Database(db) => match pooler_hint(db.as_ref()) {
+            Some(hint) => format!("PostgreSQL refused a request: {}; {hint}", db.message()),
+            None => format!("PostgreSQL refused a request: {}", db.message()),
+        },
         other => format!("cannot reach PostgreSQL: {other}"),
     };
     Error::Backend { backend: BACKEND, message, source: Some(Box::new(e)) }
@@ -751,6 +786,9 @@ fn connect_error(e: sqlx::Error, what: &str) -> Error {
             // invalid_catalog_name: no such database
             Some("3D000") => return Error::config(URL_VAR, format!("{what}: {}", db.message())),
             _ => {}
+        }
+        if let Some(hint) = pooler_hint(db.as_ref()) {
+            return Error::config(URL_VAR, format!("{what}: {}; {hint}", db.message()));
         }
     }
     Error::Backend { backend: BACKEND, message: format!("{what}: {e}"), source: Some(Box::new(e)) }
