@@ -41,9 +41,9 @@ use axum::Router;
 use dlock_axum::idempotency::{IdempotencyLayer, Tx};
 use dlock_axum::Caller;
 use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
-use dlock_core::backend::Backend;
+use dlock_core::backend::{AcquireRequest, Backend, CancellationToken, Release};
 use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyLimits, PostgresStore, StoredResponse};
-use dlock_core::{Locker, LockerOptions};
+use dlock_core::{LockKey, Locker, LockerOptions, Owner};
 use dlock_testing::PostgresServer;
 use redis::aio::MultiplexedConnection;
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -188,6 +188,55 @@ impl BenchLock for HandLock {
     }
 }
 
+/// dlock's PostgreSQL backend called directly, past the engine (no hold
+/// table, no guard, no watchdog): beside `dlock` and `lease` it tells the
+/// engine's share of a cycle from the statements'.
+pub(crate) struct BackendLock {
+    backend: Arc<PostgresBackend>,
+    keys: Vec<LockKey>,
+    cancel: CancellationToken,
+}
+
+impl BackendLock {
+    fn new(backend: Arc<PostgresBackend>, locker: &Locker, name: &str, slots: usize) -> Result<Self> {
+        let keys = (0..slots).map(|i| locker.key(name).part(i as u64).build()).collect::<dlock_core::Result<_>>()?;
+        Ok(BackendLock { backend, keys, cancel: CancellationToken::new() })
+    }
+
+    fn key(&self, slot: usize) -> Result<&LockKey> {
+        self.keys.get(slot).ok_or_else(|| BenchError::Invariant(format!("no lock slot {slot}")))
+    }
+}
+
+impl BenchLock for BackendLock {
+    type Held = (usize, Owner);
+
+    async fn acquire(&self, slot: usize, wait: bool) -> Result<(usize, Owner)> {
+        let owner = Owner::random()?;
+        let mut req = AcquireRequest::new(self.key(slot)?.clone(), owner.clone(), LEASE);
+        if wait {
+            req = req.with_deadline(tokio::time::Instant::now() + Duration::from_secs(30));
+        }
+        self.backend.acquire(&req, &self.cancel).await?;
+        Ok((slot, owner))
+    }
+
+    async fn release(&self, (slot, owner): (usize, Owner)) -> Result<()> {
+        match self.backend.release(self.key(slot)?, &owner).await? {
+            Release::Freed => Ok(()),
+            other => Err(BenchError::Invariant(format!("backend: a release answered {other:?}"))),
+        }
+    }
+
+    fn script_internal_commands(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    async fn leftovers(&self, _: &MultiplexedConnection) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
+}
+
 /// Rows of live locks left in PostgreSQL once every hold was released: a
 /// lock that never frees its rows would look fast.
 async fn left_in_postgres(pool: &PgPool) -> Result<i64> {
@@ -204,6 +253,7 @@ async fn left_in_postgres(pool: &PgPool) -> Result<i64> {
 /// The servers and pools of one run.
 struct Under {
     server: PostgresServer,
+    backend: Arc<PostgresBackend>,
     locker: Locker,
     pool: PgPool,
 }
@@ -224,9 +274,9 @@ async fn start(pinning: &Pinning) -> Result<Under> {
         let _ = pinning.server(Some(child));
     }
     let options = PostgresOptions::default().with_max_connections(POOL);
-    let backend = PostgresBackend::connect_with(&server.url(), "bench", options).await?;
+    let backend = Arc::new(PostgresBackend::connect_with(&server.url(), "bench", options).await?);
     let locker =
-        Locker::with_options(Arc::new(backend) as Arc<dyn Backend>, LockerOptions::default().with_prefix("bench"))?;
+        Locker::with_options(backend.clone() as Arc<dyn Backend>, LockerOptions::default().with_prefix("bench"))?;
     // Set as dlock's own pool is: sqlx's default pings a connection before
     // each use, a round trip the hand-written rows would pay and dlock not.
     let pool = PgPoolOptions::new()
@@ -243,7 +293,7 @@ async fn start(pinning: &Pinning) -> Result<Under> {
     .execute(&pool)
     .await
     .map_err(pg)?;
-    Ok(Under { server, locker, pool })
+    Ok(Under { server, backend, locker, pool })
 }
 
 fn hand(pool: &PgPool, advisory: bool, name: String, base: i64) -> HandLock {
@@ -254,26 +304,30 @@ fn hand(pool: &PgPool, advisory: bool, name: String, base: i64) -> HandLock {
 pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     let under = start(&env.pinning).await?;
     let timing = Timing { warmup: args.warmup, duration: args.duration.max(Duration::from_millis(200)) };
-    let imps = ["dlock", "lease", "advisory"];
+    let imps = ["dlock", "lease", "advisory", "backend"];
     let mut unc: Vec<Vec<Series>> = imps
         .iter()
         .map(|imp| CONCURRENCY.iter().map(|&c| Series::new("postgres", imp, "postgres", c)).collect())
         .collect();
     let mut vs_lease: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
     let mut hand_series: Vec<Series> =
-        imps.iter().map(|imp| Series::new("postgres-handoff", imp, "postgres", CONTENDERS)).collect();
+        imps[..3].iter().map(|imp| Series::new("postgres-handoff", imp, "postgres", CONTENDERS)).collect();
     let rounds = args.uncontended_rounds.max(1);
     let mut base = 1_000_000i64;
     for round in 0..rounds {
         for (ci, &c) in CONCURRENCY.iter().enumerate() {
             let name = format!("u-r{round}-c{c}");
-            let mut ops = [0.0; 5];
+            let mut ops = vec![0.0; imps.len()];
             for turn in 0..imps.len() {
                 // Turns rotate, so a slow phase of a shared machine hits each alike.
                 let i = (round + ci + turn) % imps.len();
                 let sample = match i {
                     0 => uncontended::measure(DlockLock::new(under.locker.clone(), &name, c)?, c, timing, None).await?,
                     1 => uncontended::measure(hand(&under.pool, false, name.clone(), 0), c, timing, None).await?,
+                    3 => {
+                        let lock = BackendLock::new(under.backend.clone(), &under.locker, &format!("{name}-b"), c)?;
+                        uncontended::measure(lock, c, timing, None).await?
+                    }
                     _ => {
                         base += 1_000;
                         uncontended::measure(hand(&under.pool, true, name.clone(), base), c, timing, None).await?
@@ -451,7 +505,7 @@ async fn routes(under: &Under, args: &Args, timing: Timing) -> Result<Vec<Row>> 
     let mut ratios = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     let keys = Arc::new(AtomicU64::new(0));
     for round in 0..args.uncontended_rounds.max(1) {
-        let mut ops = [0.0; 5];
+        let mut ops = vec![0.0; routers.len()];
         for turn in 0..routers.len() {
             let i = (round + turn) % routers.len();
             let before = orders(&under.pool).await?;
