@@ -138,9 +138,9 @@ fn run(args: &Args) -> Result<String> {
         if args.runs("backends") {
             rows.extend(backends::run(&env, args).await?);
         }
-        if args.runs("postgres") {
+        if args.runs("postgres") || args.runs("postgres-tx") {
             #[cfg(feature = "postgres")]
-            rows.extend(postgres::run(&env, args).await?);
+            rows.extend(postgres::run(&env, args, args.runs("postgres")).await?);
             #[cfg(not(feature = "postgres"))]
             eprintln!(
                 "postgres: not measured: built without the `postgres` feature \

@@ -252,7 +252,8 @@ async fn left_in_postgres(pool: &PgPool) -> Result<i64> {
 
 /// The servers and pools of one run.
 struct Under {
-    server: PostgresServer,
+    /// Stopped when the run drops it.
+    _server: PostgresServer,
     backend: Arc<PostgresBackend>,
     locker: Locker,
     pool: PgPool,
@@ -293,16 +294,29 @@ async fn start(pinning: &Pinning) -> Result<Under> {
     .execute(&pool)
     .await
     .map_err(pg)?;
-    Ok(Under { server, backend, locker, pool })
+    Ok(Under { _server: server, backend, locker, pool })
 }
 
 fn hand(pool: &PgPool, advisory: bool, name: String, base: i64) -> HandLock {
     HandLock { pool: pool.clone(), advisory, name, base, owners: AtomicU64::new(0) }
 }
 
-/// Runs every round and returns the rows.
-pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
+/// Runs every round and returns the rows: the locks' (when `locks`) and
+/// the routes'.
+pub(crate) async fn run(env: &Env, args: &Args, locks: bool) -> Result<Vec<Row>> {
     let under = start(&env.pinning).await?;
+    let mut rows = Vec::new();
+    if locks {
+        rows = lock_rows(&under, args).await?;
+    }
+    let timing = Timing { warmup: args.warmup, duration: args.duration.max(Duration::from_millis(200)) };
+    rows.extend(routes(&under, args, timing).await?);
+    drop(under);
+    Ok(rows)
+}
+
+/// The uncontended and handoff rounds of every lock.
+async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
     let timing = Timing { warmup: args.warmup, duration: args.duration.max(Duration::from_millis(200)) };
     let imps = ["dlock", "lease", "advisory", "backend"];
     let mut unc: Vec<Vec<Series>> = imps
@@ -375,8 +389,6 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         }
     }
     rows.extend(hand_series.iter().map(|s| without_commands(s.row())));
-    rows.extend(routes(&under, args, timing).await?);
-    drop(under.server);
     Ok(rows)
 }
 
