@@ -1003,6 +1003,35 @@ mod postgres {
         tallies_match(&server, "bytes");
     }
 
+    /// The common claim and answer inside a transaction (a new key, under
+    /// the caps) are plain statements, with one read of the caller's tally
+    /// between them: with the two functions that answer every other case
+    /// renamed away, they still claim, answer and commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_common_claim_and_answer_in_a_transaction_call_no_function() {
+        let server = PostgresServer::start();
+        let store = PostgresStore::connect(&server.url(), "plain").await.expect("connect");
+        let terms = ClaimTerms::new(Duration::from_secs(10));
+        let rename = |from: &str, to: &str| {
+            server.psql(&format!(
+                "ALTER FUNCTION \"plain_ik_begin_{from}\" RENAME TO \"plain_ik_begin_{to}\"; \
+                 ALTER FUNCTION \"plain_ik_done_{from}\" RENAME TO \"plain_ik_done_{to}\""
+            ))
+        };
+        rename("v1", "away");
+        let done = StoredResponse::new(201, vec![], b"made".to_vec());
+        for key in ["p1", "p2"] {
+            let mut tx = store.pool().begin().await.expect("begin");
+            let claim = new(store.begin_in(&mut tx, "paula", key, "fp", terms).await.expect("a plain claim"));
+            assert!(store.complete_in(&mut tx, &claim, &done).await.expect("a plain answer"));
+            tx.commit().await.expect("commit");
+        }
+        rename("away", "v1");
+        assert_eq!(store.begin("paula", "p2", "fp", terms).await.expect("replay"), Begin::Completed(done));
+        enter(&server, "plain");
+        tallies_match(&server, "plain");
+    }
+
     fn new(b: Begin) -> Claim {
         match b {
             Begin::New(c) => c,

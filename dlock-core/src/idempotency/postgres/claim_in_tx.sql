@@ -6,17 +6,23 @@
 -- for a new record. No row back (the key is claimed, has a record, live
 -- or expired, or the caller's tally is at the cap) sends the claim to
 -- {begin}, which answers each of those; the advisory lock it may already
--- hold is taken again there.
+-- hold is taken again there. The row back carries the bytes the caller's
+-- tally held, read once here for both caps: the answer's first try
+-- (complete_in_tx) checks its size against them instead of reading the
+-- tally again (records of transactions in flight enter the tally after
+-- their commit either way).
 -- $1 scope, $2 key, $3 fingerprint, $4 owner, $5 lease ms, $6 ttl ms,
 -- $7 the caller's cap of records.
-WITH lease AS (
-  SELECT set_config('idle_in_transaction_session_timeout', $5::bigint::text, true)
-), free AS (
-  SELECT 1 FROM lease
-    WHERE pg_try_advisory_xact_lock({class}, hashtext($1::text || chr(31) || $2::text))
-      AND (SELECT coalesce(sum(t.records), 0) FROM {tally} AS t WHERE t.pool = 'k:' || $1::text) < $7::bigint
+WITH tally AS (
+  SELECT coalesce(sum(t.records), 0) AS records, coalesce(sum(t.bytes), 0)::bigint AS bytes
+    FROM {tally} AS t WHERE t.pool = 'k:' || $1::text
 )
 INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted)
-  SELECT $1, $2, $3, $4, NULL, NULL, 0, clock_timestamp() + $6::bigint * interval '1 millisecond', false FROM free
+  SELECT $1, $2, $3, $4, NULL, NULL, 0, clock_timestamp() + $6::bigint * interval '1 millisecond', false
+    FROM tally
+    WHERE set_config('idle_in_transaction_session_timeout', $5::bigint::text, true) IS NOT NULL
+      AND pg_try_advisory_xact_lock({class}, hashtext($1::text || chr(31) || $2::text))
+      AND tally.records < $7::bigint
   ON CONFLICT (scope, key) DO NOTHING
-  RETURNING 0::int AS r_outcome, NULL::bytea AS r_response, 0::bigint AS r_retry_ms
+  RETURNING 0::int AS r_outcome, NULL::bytea AS r_response, 0::bigint AS r_retry_ms,
+    (SELECT tally.bytes FROM tally) AS r_tally_bytes

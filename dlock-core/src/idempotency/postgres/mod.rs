@@ -85,8 +85,10 @@ const COMPLETE_IN_TX_SQL: &str = include_str!("complete_in_tx.sql");
 /// inside a transaction touches no tally row (none stays locked while its
 /// route runs or commits, and the request pays no statement for it): each
 /// store enters the committed ones in their callers' tallies every second,
-/// in one statement. So the caller's cap may be passed by what it runs at
-/// once plus what it committed in the last second. Expired rows are also
+/// in one statement. Its answer is checked against the caller's byte cap
+/// by the tally as its claim read it, not read again. So the caller's cap
+/// may be passed by what it runs at once plus what it committed in the
+/// last second. Expired rows are also
 /// deleted by a sweep every minute, and a claim of an expired key
 /// overwrites it.
 ///
@@ -370,7 +372,10 @@ impl PostgresStore {
             let first = claim_args(&self.inner.sql.claim_in_tx, &claim, fingerprint, terms)
                 .bind(count(self.limits.max_per_scope()));
             if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
-                return self.begun(&row, claim);
+                // The tally's bytes as the claim read them, for the answer's
+                // first try (complete_in_tx).
+                let tally_bytes: i64 = column(&row, 3)?;
+                return self.begun(&row, claim.with_memo(tally_bytes.to_string()));
             }
             let row = self.in_tx(self.begin_query(&claim, fingerprint, terms, true).fetch_one(conn)).await?;
             self.begun(&row, claim)
@@ -395,9 +400,13 @@ impl PostgresStore {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let encoded = response.encode();
-            let first = self.complete_query(&self.inner.sql.complete_in_tx, claim, &encoded);
-            if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
-                return completed(&row);
+            // A claim made by claim_in_tx carries its tally's bytes; one
+            // the function made goes to the function.
+            if let Ok(tally_bytes) = claim.memo.parse::<i64>() {
+                let first = self.complete_query(&self.inner.sql.complete_in_tx, claim, &encoded).bind(tally_bytes);
+                if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
+                    return completed(&row);
+                }
             }
             let row =
                 self.in_tx(self.complete_query(&self.inner.sql.complete, claim, &encoded).fetch_one(conn)).await?;
@@ -435,8 +444,8 @@ impl PostgresStore {
             .bind(count(self.limits.max_per_scope()))
     }
 
-    /// `sql` (`complete`, or its first try `complete_in_tx`: the same
-    /// parameters) bound for `claim` and its encoded answer.
+    /// `sql` (`complete`, or its first try `complete_in_tx`, which takes
+    /// one more) bound for `claim` and its encoded answer.
     fn complete_query<'q>(
         &'q self,
         sql: &'q str,
