@@ -169,3 +169,38 @@ async fn a_pooler_that_refuses_the_statement_timeout_is_named_at_connect() {
         assert!(text.contains(needed), "{needed} in {text}");
     }
 }
+
+/// Why the backend has no session advisory locks (its module docs): through
+/// a transaction pool, a client's `pg_advisory_unlock` runs on whichever
+/// server session is free, not the one its `pg_try_advisory_lock` took
+/// the lock on. Here another client's transaction holds that session (the
+/// pool hands out its most recently used one first), the unlock runs on a
+/// second session and answers "not held", and the lock stays taken on a
+/// session the pool lends to others: stranded, with no lease to end it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_advisory_lock_strands_behind_a_transaction_pool() {
+    use sqlx::{Connection, PgConnection};
+    // Take lock 42 as `a`, let `b` run a transaction, unlock as `a`:
+    // whether the unlock freed it.
+    async fn lock_and_unlock(url: &str) -> bool {
+        let mut a = PgConnection::connect(url).await.expect("a");
+        let mut b = PgConnection::connect(url).await.expect("b");
+        let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(42)").fetch_one(&mut a).await.expect("lock");
+        assert!(taken, "a free lock");
+        let mut tx = b.begin().await.expect("b's transaction");
+        sqlx::query("SELECT 1").execute(&mut *tx).await.expect("b's statement");
+        let freed = sqlx::query_scalar("SELECT pg_advisory_unlock(42)").fetch_one(&mut a).await.expect("unlock");
+        tx.commit().await.expect("commit");
+        freed
+    }
+    let held = |server: &PostgresServer| {
+        server.psql("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 42 AND granted")
+    };
+    // The control: on the server's own sessions, the unlock frees it.
+    let server = PostgresServer::start();
+    assert!(lock_and_unlock(&server.url()).await, "a session lock is freed by its own session");
+    assert_eq!(held(&server), "0");
+    let pooler = PgBouncer::start(&server);
+    assert!(!lock_and_unlock(&pooler.url()).await, "the unlock ran on the session that took the lock");
+    assert_eq!(held(&server), "1", "the lock is still taken, on a pooled session");
+}
