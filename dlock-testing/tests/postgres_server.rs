@@ -53,3 +53,16 @@ fn a_cluster_left_by_a_dead_process_is_reaped_at_the_next_start() {
     assert_eq!(alive.psql("SELECT 2"), "2", "a live process' cluster was reaped");
     drop(third);
 }
+
+/// Every cluster is a copy of one `initdb` per process, and a copy of its
+/// own: what one cluster writes, another does not see, and the template
+/// is this process's, named so that the next process reaps it.
+#[test]
+fn clusters_are_copies_of_one_initdb_and_independent() {
+    let (a, b) = (PostgresServer::start(), PostgresServer::start());
+    a.psql("CREATE TABLE only_in_a (x int)");
+    assert_eq!(a.psql("SELECT count(*) FROM pg_tables WHERE tablename = 'only_in_a'"), "1");
+    assert_eq!(b.psql("SELECT count(*) FROM pg_tables WHERE tablename = 'only_in_a'"), "0");
+    let template = std::env::temp_dir().join(format!("dlock-pg-{}-template", std::process::id()));
+    assert!(template.join("data").join("PG_VERSION").exists(), "no template at {}", template.display());
+}
