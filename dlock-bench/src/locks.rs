@@ -117,7 +117,7 @@ pub(crate) struct DlockLock {
 impl DlockLock {
     /// `slots` keys named `name` with the part 0, 1, … .
     pub(crate) fn new(locker: Locker, name: &str, slots: usize) -> Result<Self> {
-        let keys = (0..slots).map(|i| locker.key(name).part(i as u64).build()).collect::<dlock_core::Result<_>>()?;
+        let keys = slot_keys(&locker, name, slots)?;
         Ok(DlockLock { locker, keys, mode: LockMode::Exclusive })
     }
 
@@ -128,8 +128,18 @@ impl DlockLock {
     }
 
     fn key(&self, slot: usize) -> Result<&LockKey> {
-        self.keys.get(slot).ok_or_else(|| BenchError::Invariant(format!("no lock slot {slot}")))
+        slot_key(&self.keys, slot)
     }
+}
+
+/// `slots` keys named `name` with the part 0, 1, … .
+pub(crate) fn slot_keys(locker: &Locker, name: &str, slots: usize) -> Result<Vec<LockKey>> {
+    Ok((0..slots).map(|i| locker.key(name).part(i as u64).build()).collect::<dlock_core::Result<_>>()?)
+}
+
+/// The key of `slot`.
+pub(crate) fn slot_key(keys: &[LockKey], slot: usize) -> Result<&LockKey> {
+    keys.get(slot).ok_or_else(|| BenchError::Invariant(format!("no lock slot {slot}")))
 }
 
 impl BenchLock for DlockLock {

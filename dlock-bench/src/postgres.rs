@@ -54,7 +54,7 @@ use crate::args::Args;
 use crate::backends::without_commands;
 use crate::env::Env;
 use crate::error::{BenchError, Result};
-use crate::locks::{BenchLock, DlockLock, LEASE};
+use crate::locks::{slot_key, slot_keys, BenchLock, DlockLock, LEASE};
 use crate::measure::{median, run_window, Sample, Timing};
 use crate::pin::Pinning;
 use crate::report::Row;
@@ -199,12 +199,11 @@ pub(crate) struct BackendLock {
 
 impl BackendLock {
     fn new(backend: Arc<PostgresBackend>, locker: &Locker, name: &str, slots: usize) -> Result<Self> {
-        let keys = (0..slots).map(|i| locker.key(name).part(i as u64).build()).collect::<dlock_core::Result<_>>()?;
-        Ok(BackendLock { backend, keys, cancel: CancellationToken::new() })
+        Ok(BackendLock { backend, keys: slot_keys(locker, name, slots)?, cancel: CancellationToken::new() })
     }
 
     fn key(&self, slot: usize) -> Result<&LockKey> {
-        self.keys.get(slot).ok_or_else(|| BenchError::Invariant(format!("no lock slot {slot}")))
+        slot_key(&self.keys, slot)
     }
 }
 

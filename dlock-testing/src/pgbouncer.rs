@@ -5,6 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::port::free_port;
+use crate::postgres::{fresh_dir, running_as_root};
 use crate::PostgresServer;
 
 /// Where `scripts/install-deps.sh` installs the PgBouncer it builds (Debian
@@ -71,8 +72,9 @@ impl PgBouncer {
         let bin = binary();
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("dlock-pgbouncer-{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create a directory for PgBouncer");
+        let uid = postgres_uid();
+        // PgBouncer, as `postgres`, writes its log there.
+        fresh_dir(&dir, uid.is_some(), "PgBouncer");
         let users = dir.join("users.txt");
         // `trust` still looks the user up in the auth file.
         std::fs::write(&users, "\"postgres\" \"\"\n").expect("write PgBouncer's auth file");
@@ -108,10 +110,8 @@ impl PgBouncer {
         .expect("write pgbouncer.ini");
         let mut cmd = Command::new(&bin);
         cmd.arg(&config).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-        if let Some(uid) = postgres_uid() {
+        if let Some(uid) = uid {
             use std::os::unix::process::CommandExt as _;
-            let out = Command::new("chown").arg("-R").arg("postgres:").arg(&dir).output();
-            assert!(out.is_ok_and(|o| o.status.success()), "chown PgBouncer's directory to `postgres`");
             cmd.uid(uid);
         }
         let child = cmd.spawn().unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
@@ -162,8 +162,7 @@ impl Drop for PgBouncer {
 /// The `postgres` user's id when we are root (PgBouncer refuses root), else
 /// `None`.
 fn postgres_uid() -> Option<u32> {
-    let me = Command::new("id").arg("-u").output().ok()?;
-    if me.stdout.trim_ascii() != b"0" {
+    if !running_as_root() {
         return None;
     }
     let out = Command::new("id").args(["-u", "postgres"]).output().expect("run `id -u postgres`");

@@ -97,14 +97,7 @@ impl PostgresServer {
         reap_orphans(&bin, as_postgres);
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("{CLUSTER_DIR}{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create a directory for the PostgreSQL cluster");
-        if as_postgres {
-            // The server's files must be its user's, and the directory must
-            // let it in.
-            let out = Command::new("chown").arg("postgres:").arg(&dir).output();
-            check(out, "chown the cluster directory to the `postgres` user (does that user exist?)");
-        }
+        fresh_dir(&dir, as_postgres, "the PostgreSQL cluster");
         let server = PostgresServer { bin, dir, port, running: false, as_postgres };
         // A copy of this process's one `initdb`: a tenth of its time, and
         // a test pass makes a hundred clusters.
@@ -286,12 +279,7 @@ fn template(bin: &std::path::Path, as_postgres: bool) -> &'static std::path::Pat
     static TEMPLATE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     TEMPLATE.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("{CLUSTER_DIR}{}-template", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create a directory for the PostgreSQL template");
-        if as_postgres {
-            let out = Command::new("chown").arg("postgres:").arg(&dir).output();
-            check(out, "chown the template directory to the `postgres` user (does that user exist?)");
-        }
+        fresh_dir(&dir, as_postgres, "the PostgreSQL template");
         // Not running: a server only to run `initdb` as the right user.
         let maker = PostgresServer { bin: bin.to_path_buf(), dir: dir.clone(), port: 0, running: false, as_postgres };
         let data = maker.data_dir();
@@ -334,7 +322,25 @@ fn server_binaries() -> PathBuf {
     }
 }
 
-fn running_as_root() -> bool {
+/// An empty directory at `dir` (what was there is deleted), the `postgres`
+/// user's when `as_postgres`: a server that runs as that user writes its
+/// files there.
+///
+/// # Panics
+///
+/// When it cannot be made or handed over; the message names `what`.
+pub(crate) fn fresh_dir(dir: &std::path::Path, as_postgres: bool, what: &str) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("create a directory for {what}: {e}"));
+    if as_postgres {
+        let out = Command::new("chown").arg("postgres:").arg(dir).output();
+        if let Err(why) = outcome(out) {
+            panic!("chown the directory of {what} to the `postgres` user (does that user exist?): {why}");
+        }
+    }
+}
+
+pub(crate) fn running_as_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|out| out.stdout.trim_ascii() == b"0")
 }
 

@@ -58,13 +58,13 @@
 //! no fencing token, and it belongs to a server session: behind a
 //! transaction-mode pooler (PgBouncer) the session is not the client's, and
 //! the lock strands on a pooled server connection that someone else uses
-//! next (`a_session_advisory_lock_strands_behind_a_transaction_pool` in
-//! tests/postgres_pooler.rs shows an unlock answering "not held" and the
-//! lock left taken). Every step here is one transaction, and its row locks end with
-//! it, so requests may go through a pooler in transaction mode, on three
-//! conditions (tests/postgres_pooler.rs runs the behavioural suites through
-//! PgBouncer 1.24 in transaction mode, and shows the first two failing
-//! without their settings):
+//! next (`a_session_advisory_lock_strands_behind_a_transaction_pool` shows
+//! an unlock answering "not held" and the lock left taken). Every step here
+//! is one transaction, and its row locks end with it, so requests may go
+//! through a pooler in transaction mode, on three conditions (`mod pooled`
+//! of tests/postgres_backend.rs runs the suites through PgBouncer 1.24 in
+//! transaction mode, and shows the first two failing without their
+//! settings):
 //!
 //! 1. The pooler must keep prepared statements (PgBouncer 1.21 and later
 //!    with `max_prepared_statements` above 0): sqlx prepares every
