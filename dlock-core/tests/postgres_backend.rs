@@ -243,6 +243,92 @@ async fn a_lease_that_runs_out_lets_the_next_in() {
     assert_eq!(next.release(&k, &me).await.expect("release"), Release::Freed);
 }
 
+/// Tokens follow the order grants are answered in, even when a first try
+/// is held up between drawing its token and writing its row: in life, a
+/// wait for a holder's release being written, or a server process
+/// descheduled; here, a trigger that waits for an advisory lock the test
+/// holds. Another owner that asks while it is held up, exclusive (its own
+/// first try) or shared (the acquire function), must not be granted a
+/// token above the one the held-up try is granted after it. (Before each
+/// grant drew under the key's advisory lock, the other owner came and
+/// went in the gap, and the held-up try was granted a smaller token after
+/// it: a storage check would have turned a lawful holder away.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_try_held_up_after_drawing_its_token_is_not_granted_below_a_later_grant() {
+    let server = PostgresServer::start();
+    server.psql(
+        "CREATE TABLE held_up (owner text PRIMARY KEY); \
+         CREATE FUNCTION hold_up() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF EXISTS (SELECT 1 FROM held_up WHERE owner = NEW.owner) THEN PERFORM pg_advisory_xact_lock(42); END IF; \
+           RETURN NEW; END $$",
+    );
+    for (i, mode) in [LockMode::Exclusive, LockMode::Shared].into_iter().enumerate() {
+        let answered = held_up_first_try(&server, LockKey::builder("dlock", "held-up").part(i), mode).await;
+        assert_eq!(answered.len(), 2, "{mode}: {answered:?}");
+        assert!(answered[0].1 < answered[1].1, "{mode}: a later grant has a smaller token: {answered:?}");
+    }
+}
+
+/// A first try at `key` held up after its token is drawn, and another
+/// owner asking in `mode` meanwhile: the grants as answered, (who, token).
+async fn held_up_first_try(
+    server: &PostgresServer,
+    key: dlock_core::KeyBuilder,
+    mode: LockMode,
+) -> Vec<(&'static str, u64)> {
+    use sqlx::Connection as _;
+    let options = || PostgresOptions::default().with_response_timeout(Duration::from_secs(10));
+    let (slow, fast) = (
+        Arc::new(PostgresBackend::connect_with(&server.url(), "dlock", options()).await.expect("connect")),
+        Arc::new(PostgresBackend::connect_with(&server.url(), "dlock", options()).await.expect("connect")),
+    );
+    // Made after the backends made their table.
+    server
+        .psql("CREATE OR REPLACE TRIGGER hold_up BEFORE INSERT ON dlock_locks FOR EACH ROW EXECUTE FUNCTION hold_up()");
+    let k = key.build().expect("key");
+    let (slow_owner, fast_owner) = (Owner::random().expect("owner"), Owner::random().expect("owner"));
+    server.psql(&format!("INSERT INTO held_up VALUES ({})", literal(slow_owner.as_str())));
+    let mut gate = sqlx::PgConnection::connect(&server.url()).await.expect("connect");
+    sqlx::query("SELECT pg_advisory_lock(42)").execute(&mut gate).await.expect("close the gate");
+    let advisory_waits = || server.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'");
+    let answered = Arc::new(Mutex::new(Vec::new()));
+    let slow_try = {
+        let (slow, k, owner, answered) = (slow.clone(), k.clone(), slow_owner.clone(), answered.clone());
+        tokio::spawn(async move {
+            let grant = slow.acquire(&request(&k, &owner, 30_000), &CancellationToken::new()).await;
+            let token = grant.expect("the held-up try is granted").fencing_token;
+            answered.lock().expect("answered").push(("held up", token));
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while advisory_waits() != "1" {
+        assert!(Instant::now() < deadline, "the first try never reached the trigger");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let other = {
+        let (fast, k, owner, answered) = (fast.clone(), k.clone(), fast_owner.clone(), answered.clone());
+        tokio::spawn(async move {
+            let wait =
+                request(&k, &owner, 30_000).with_mode(mode).with_deadline(Instant::now() + Duration::from_secs(10));
+            let grant = fast.acquire(&wait, &CancellationToken::new()).await.expect("granted in time");
+            answered.lock().expect("answered").push(("other", grant.fencing_token));
+            assert_eq!(fast.release(&k, &owner).await.expect("release"), Release::Freed);
+        })
+    };
+    // The other owner either comes and goes in the gap, or waits for the
+    // held-up try's token to be written.
+    while !other.is_finished() && advisory_waits() != "2" {
+        assert!(Instant::now() < deadline, "the other owner neither finished nor waited");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::query("SELECT pg_advisory_unlock(42)").execute(&mut gate).await.expect("open the gate");
+    slow_try.await.expect("held-up task");
+    assert_eq!(slow.release(&k, &slow_owner).await.expect("release"), Release::Freed);
+    other.await.expect("other task");
+    let answered = answered.lock().expect("answered").clone();
+    answered
+}
+
 /// The table and the sequence are durable: a lease taken before a clean
 /// stop and before a crash still holds the key afterwards, and every token
 /// granted after is greater than every token before.

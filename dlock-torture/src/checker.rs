@@ -27,7 +27,9 @@ pub(crate) struct Findings {
     /// write with a higher token had been acknowledged before they began.
     pub(crate) stale_accepted: u64,
     /// C4 on what dlock hands out: grants whose token is not above every
-    /// token granted on the key before this grant's acquire began.
+    /// token granted on the key before this grant's acquire began, or
+    /// above the token of every exclusive hold of another owner believed
+    /// before this one's was (see [`held_order`]).
     pub(crate) token_regressions: u64,
     /// The first such grant, for the report.
     pub(crate) token_regression_example: Option<String>,
@@ -91,6 +93,7 @@ struct Interval {
     first_stale: Option<u64>,
     /// How it was held: `None` exclusive, `s` shared, `p<N>` one of N permits.
     mode: Option<String>,
+    token: Option<u64>,
 }
 
 /// How many holders of `mode` a key admits beside `others` (the modes of
@@ -212,6 +215,7 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
                     lost_at: None,
                     first_stale: None,
                     mode: e.mode.clone(),
+                    token: e.token,
                 };
                 if let Some((k, old)) = open.insert(id, (key, iv)) {
                     keys.entry(k).or_default().intervals.push(old);
@@ -326,12 +330,24 @@ pub(crate) fn check(events: &[Event], finals: &HashMap<u32, KeyState>, run_end: 
         f.unfenced_lost += u64::try_from((pk.acked_u - state.unfenced).max(0)).unwrap_or(0);
         // C4 from the clients' side, not from the register's own log.
         let regressions = fencing(&pk.grants);
-        f.token_regressions += regressions.len() as u64;
+        let out_of_order = held_order(&pk.intervals);
+        // A grant both rules find counts once.
+        let mut found: HashSet<(&str, u64)> = regressions.iter().map(|(g, _)| (g.owner.as_str(), g.token)).collect();
+        found.extend(out_of_order.iter().map(|(later, _)| (later.owner.as_str(), later.token.unwrap_or(0))));
+        f.token_regressions += found.len() as u64;
         if f.token_regression_example.is_none() {
             if let Some((g, before)) = regressions.first() {
                 f.token_regression_example = Some(format!(
                     "key {key}: {} was granted token {} although {} had been granted token {} before it asked",
                     g.owner, g.token, before.owner, before.token
+                ));
+            } else if let Some((later, before)) = out_of_order.first() {
+                f.token_regression_example = Some(format!(
+                    "key {key}: {} held it with token {} after {} had held it with token {}",
+                    later.owner,
+                    later.token.unwrap_or(0),
+                    before.owner,
+                    before.token.unwrap_or(0)
                 ));
             }
         }
@@ -405,6 +421,41 @@ pub(crate) fn fencing(grants: &[Grant]) -> Vec<(&Grant, &Grant)> {
             if h.token >= g.token {
                 bad.push((g, h));
             }
+        }
+    }
+    bad
+}
+
+/// C4 by the order of holds: pairs (later, earlier) of exclusive holds of
+/// two owners, each believed for a while (its interval is not empty), the
+/// later believed from a later moment, whose tokens do not grow. A hold
+/// believed at a moment held the key on the server then (the clients'
+/// validity is a bound from below on the server's lease), and exclusive
+/// holds of a key are apart on the server, so the one believed first was
+/// granted first, however its acquire and the other's overlapped: this
+/// judges grants [`fencing`] leaves alone, those of acquires asked at
+/// once, as on a contended key.
+fn held_order(intervals: &[Interval]) -> Vec<(&Interval, &Interval)> {
+    let mut held: Vec<&Interval> =
+        intervals.iter().filter(|iv| iv.mode.is_none() && iv.token.is_some() && iv.end > iv.start).collect();
+    held.sort_by_key(|iv| iv.start);
+    // The earlier hold of the highest token, and the highest of another
+    // owner than that one's: whoever comes next is judged against the
+    // highest token of an owner other than itself.
+    let (mut best, mut other): (Option<&Interval>, Option<&Interval>) = (None, None);
+    let mut bad = Vec::new();
+    for iv in held {
+        let against = if best.is_some_and(|b| b.owner == iv.owner) { other } else { best };
+        if let Some(before) = against.filter(|b| b.token >= iv.token) {
+            bad.push((iv, before));
+        }
+        if best.is_none_or(|b| iv.token > b.token) {
+            if best.is_some_and(|b| b.owner != iv.owner) {
+                other = best;
+            }
+            best = Some(iv);
+        } else if best.is_some_and(|b| b.owner != iv.owner) && other.is_none_or(|o| iv.token > o.token) {
+            other = Some(iv);
         }
     }
     bad
@@ -640,6 +691,58 @@ mod tests {
         assert!(fencing(&[grant(0, 2, 10, "a"), grant(1, 3, 9, "b")]).is_empty());
         // Against every earlier grant, not only the last one.
         assert_eq!(fencing(&[grant(0, 1, 20, "a"), grant(2, 3, 5, "b"), grant(4, 5, 6, "c")]).len(), 2);
+    }
+
+    /// C4 by the order of holds: two acquires asked at once, the one held
+    /// later with the smaller token, is found (the rule of asking alone
+    /// does not judge them); growing tokens, shared holds, a hold never
+    /// believed and one owner's own holds are not faults.
+    #[test]
+    fn a_later_hold_with_a_smaller_token_is_found_though_asked_at_once() {
+        let ok = |t: u64, pid: u32, owner: &str, token: u64, mode: Option<&str>| Event {
+            token: Some(token),
+            mode: mode.map(str::to_owned),
+            ..e(t, pid, "acq_ok", owner)
+        };
+        let run = |tokens: (u64, u64), owners: (&str, &str), mode: Option<&str>| {
+            let events = vec![
+                e(1, 1, "acq_invoke", owners.0),
+                e(2, 2, "acq_invoke", owners.1),
+                ok(3, 1, owners.0, tokens.0, mode),
+                e(4, 1, "rel_invoke", owners.0),
+                ok(5, 2, owners.1, tokens.1, mode),
+                e(6, 2, "rel_invoke", owners.1),
+            ];
+            check(&events, &HashMap::new(), 7)
+        };
+        let f = run((9, 8), ("a", "b"), None);
+        assert_eq!(f.token_regressions, 1, "{f:?}");
+        assert!(f.token_regression_example.as_deref().is_some_and(|x| x.contains("b held it with token 8")), "{f:?}");
+        assert_eq!(run((9, 9), ("a", "b"), None).token_regressions, 1);
+        assert_eq!(run((8, 9), ("a", "b"), None).token_regressions, 0);
+        assert_eq!(run((9, 8), ("a", "b"), Some("s")).token_regressions, 0);
+        assert_eq!(run((9, 9), ("a", "a"), None).token_regressions, 0);
+        // The first hold's validity had ended before it was logged: never
+        // believed, so it orders nothing.
+        let mut events = vec![e(1, 1, "acq_invoke", "a"), e(2, 2, "acq_invoke", "b")];
+        events.push(Event { vu: Some(2), ..ok(3, 1, "a", 9, None) });
+        events.extend([e(4, 1, "rel_invoke", "a"), ok(5, 2, "b", 8, None), e(6, 2, "rel_invoke", "b")]);
+        assert_eq!(check(&events, &HashMap::new(), 7).token_regressions, 0);
+        // Against the highest token of another owner, not only the last
+        // (asking logged by neither, so both rules judge it: counted once).
+        let events = vec![
+            ok(1, 1, "a", 20, None),
+            e(2, 1, "rel_invoke", "a"),
+            ok(3, 2, "b", 21, None),
+            e(4, 2, "rel_invoke", "b"),
+            ok(5, 1, "b", 22, None),
+            e(6, 1, "rel_invoke", "b"),
+            ok(7, 2, "c", 19, None),
+            e(8, 2, "rel_invoke", "c"),
+        ];
+        let f = check(&events, &HashMap::new(), 9);
+        assert_eq!(f.token_regressions, 1, "{f:?}");
+        assert!(f.token_regression_example.as_deref().is_some_and(|x| x.contains("c was granted token 19")), "{f:?}");
     }
 
     /// The same through the history: acq_invoke/acq_ok pairs per key.

@@ -24,6 +24,9 @@ DECLARE
   own_intent boolean := false;
   refused boolean := false;
 BEGIN
+  -- Every grant of a key draws its token under this lock, held to commit
+  -- (see take.sql): grants of one key draw in the order they commit.
+  PERFORM pg_advisory_xact_lock(hashtext('{prefix_text}'), hashtext(p_key));
   -- The key's head, made when missing (free: its lease ended long ago),
   -- and locked until commit: every step on a key but take.sql runs one
   -- at a time on it, and take.sql's own write waits for it too.

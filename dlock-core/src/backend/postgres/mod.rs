@@ -19,7 +19,14 @@
 //!   it is what makes two holders impossible.
 //! * Fencing tokens come from the sequence `<prefix>_fence` (`bigint`,
 //!   `nextval` once per grant): they grow strictly, for every key of the
-//!   prefix, across modes.
+//!   prefix, across modes. Each grant of a key draws its token under a
+//!   transaction-level advisory lock on the key (the hashes of the prefix
+//!   and the key), held until it commits, so the grants of one key draw in
+//!   the order they commit: a first try that drew its token and then
+//!   waited, or was descheduled, before it wrote its row cannot be granted
+//!   below a holder that came and went in between. Being transaction-level,
+//!   the lock works through a transaction pool (unlike session advisory
+//!   locks, below).
 //! * The **first try** at an exclusive hold is one plain statement
 //!   (take.sql): `INSERT` of the head `ON CONFLICT (key) DO UPDATE … WHERE`
 //!   its lease has ended, `RETURNING` the token — the hand-written lease
@@ -27,7 +34,7 @@
 //!   nothing when the key is held.
 //! * **Every other step** (a try that found the key held, a wait, a shared
 //!   or counted mode, re-entry) is a PL/pgSQL function
-//!   (`<prefix>_acquire_v3`), one statement and so one transaction, one
+//!   (`<prefix>_acquire_v4`), one statement and so one transaction, one
 //!   round trip. It first upserts the key's head (a free one when missing)
 //!   and so holds its row lock until commit: steps on one key run one at a
 //!   time, and the first try's write waits for them too. It then reads the
@@ -188,9 +195,10 @@ const URL_VAR: &str = "DLOCK_POSTGRES_URL";
 const LISTEN_URL_VAR: &str = "DLOCK_POSTGRES_LISTEN_URL";
 /// The first key of the advisory lock ("dloc", second key 0) that makes
 /// the schema one process at a time (the fences table's too, see
-/// [`crate::fence::postgres`]); locks themselves take none.
+/// [`crate::fence::postgres`]). Grants of a key take one of their own,
+/// on the hashes of the prefix and the key (take.sql).
 const LOCK_CLASS: i32 = 0x646c_6f63;
-/// The longest prefix: the longest name made of it (`_acquire_v2`) must fit
+/// The longest prefix: the longest name made of it (`_acquire_v4`) must fit
 /// PostgreSQL's 63 bytes, or it would be cut and collide.
 const MAX_PREFIX: usize = 48;
 
@@ -330,6 +338,10 @@ struct Names {
     renew: String,
     /// Unquoted: `LISTEN` quotes it, `pg_notify` takes it as text.
     channel: String,
+    /// As given (its characters need no quoting in a string literal): the
+    /// first key of the advisory lock each grant of a key draws its token
+    /// under is its hash, so prefixes do not wait for each other.
+    prefix: String,
 }
 
 /// An error of the listen URL names its own variable.
@@ -404,10 +416,11 @@ impl Names {
             locks: format!("\"{prefix}_locks\""),
             holders: format!("\"{prefix}_holders\""),
             fence: format!("\"{prefix}_fence\""),
-            acquire: format!("\"{prefix}_acquire_v3\""),
+            acquire: format!("\"{prefix}_acquire_v4\""),
             release: format!("\"{prefix}_release_v2\""),
             renew: format!("\"{prefix}_renew_v1\""),
             channel: format!("{prefix}_released"),
+            prefix: prefix.to_owned(),
         })
     }
 
@@ -421,6 +434,7 @@ impl Names {
             .replace("{release}", &self.release)
             .replace("{renew}", &self.renew)
             .replace("{channel_text}", &self.channel)
+            .replace("{prefix_text}", &self.prefix)
     }
 }
 
