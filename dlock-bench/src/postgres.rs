@@ -11,6 +11,11 @@
 //!   * `lease` — a hand-written lease lock: `INSERT … ON CONFLICT DO UPDATE
 //!     … WHERE expires_at < now()` to take, an owner-checked `DELETE` to
 //!     give back (no fencing, no wake-ups);
+//!   * `lease-fenced` — the same lease lock handing out a fencing token the
+//!     way tokens must be drawn to follow the order of grants: `nextval`
+//!     under a transaction-level advisory lock on the key (see the backend's
+//!     take.sql). The least a fenced lease lock costs, with no wake-ups:
+//!     its ratio to `lease` is the price of the token itself;
 //!   * `advisory` — `pg_try_advisory_lock` / `pg_advisory_unlock` on one
 //!     pooled connection (a session lock: no lease, no fencing).
 //!
@@ -82,8 +87,8 @@ pub(crate) const ROUTE_TITLE: &str = "postgres: a route that inserts one row in 
 
 /// What a hand-written lock holds until it releases.
 pub(crate) enum PgHeld {
-    /// A lease row of this owner.
-    Lease { slot: usize, owner: u64 },
+    /// A lease row of this owner (in the fenced table when `fenced`).
+    Lease { slot: usize, owner: u64, fenced: bool },
     /// A session lock on this pooled connection.
     Advisory { slot: usize, conn: sqlx::pool::PoolConnection<sqlx::Postgres> },
 }
@@ -92,6 +97,8 @@ pub(crate) enum PgHeld {
 pub(crate) struct HandLock {
     pool: PgPool,
     advisory: bool,
+    /// A lease lock that draws a fencing token per grant.
+    fenced: bool,
     /// Slots are keys `<name>:<slot>` (lease) or `<base> + slot` (advisory).
     name: String,
     base: i64,
@@ -131,7 +138,23 @@ impl BenchLock for HandLock {
         }
         let owner = self.owners.fetch_add(1, Ordering::Relaxed);
         loop {
-            let taken = sqlx::query(
+            let taken = if self.fenced {
+                sqlx::query(
+                    "INSERT INTO bench_fenced (key, owner, fence, expires_at) VALUES ($1, $2, \
+                     CASE WHEN pg_advisory_xact_lock(hashtext('bench_fenced'), hashtext($1))::text = '' \
+                     THEN nextval('bench_fence') END, clock_timestamp() + $3 * interval '1 millisecond') \
+                     ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, \
+                     expires_at = EXCLUDED.expires_at WHERE bench_fenced.expires_at < clock_timestamp() RETURNING fence",
+                )
+                .bind(self.key(slot))
+                .bind(owner as i64)
+                .bind(LEASE.as_millis() as i64)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(pg)?
+                .map_or(0, |_| 1)
+            } else {
+                sqlx::query(
                 "INSERT INTO bench_lease (key, owner, expires_at) VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond') \
                  ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at \
                  WHERE bench_lease.expires_at < clock_timestamp()",
@@ -142,9 +165,10 @@ impl BenchLock for HandLock {
             .execute(&self.pool)
             .await
             .map_err(pg)?
-            .rows_affected();
+            .rows_affected()
+            };
             if taken == 1 {
-                return Ok(PgHeld::Lease { slot, owner });
+                return Ok(PgHeld::Lease { slot, owner, fenced: self.fenced });
             }
             if !wait {
                 return Err(BenchError::Invariant("an uncontended lease lock was held".into()));
@@ -155,8 +179,13 @@ impl BenchLock for HandLock {
 
     async fn release(&self, held: PgHeld) -> Result<()> {
         let freed = match held {
-            PgHeld::Lease { slot, owner } => {
-                sqlx::query("DELETE FROM bench_lease WHERE key = $1 AND owner = $2")
+            PgHeld::Lease { slot, owner, fenced } => {
+                let sql = if fenced {
+                    "DELETE FROM bench_fenced WHERE key = $1 AND owner = $2"
+                } else {
+                    "DELETE FROM bench_lease WHERE key = $1 AND owner = $2"
+                };
+                sqlx::query(sql)
                     .bind(self.key(slot))
                     .bind(owner as i64)
                     .execute(&self.pool)
@@ -240,7 +269,7 @@ impl BenchLock for BackendLock {
 /// lock that never frees its rows would look fast.
 async fn left_in_postgres(pool: &PgPool) -> Result<i64> {
     sqlx::query_scalar(
-        "SELECT (SELECT count(*) FROM bench_lease) + (SELECT count(*) FROM bench_locks WHERE expires_at > clock_timestamp()) \
+        "SELECT (SELECT count(*) FROM bench_lease) + (SELECT count(*) FROM bench_fenced) + (SELECT count(*) FROM bench_locks WHERE expires_at > clock_timestamp()) \
          + (SELECT count(*) FROM bench_holders WHERE mode <> 'i') \
          + (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 AND objsubid = 1)",
     )
@@ -287,6 +316,9 @@ async fn start(pinning: &Pinning) -> Result<Under> {
         .map_err(pg)?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS bench_lease (key text PRIMARY KEY, owner bigint NOT NULL, expires_at timestamptz NOT NULL); \
+         CREATE TABLE IF NOT EXISTS bench_fenced (key text PRIMARY KEY, owner bigint NOT NULL, fence bigint NOT NULL, \
+           expires_at timestamptz NOT NULL); \
+         CREATE SEQUENCE IF NOT EXISTS bench_fence AS bigint; \
          CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, note text NOT NULL); \
          CREATE TABLE IF NOT EXISTS bench_idem (key text PRIMARY KEY, status int, body bytea)",
     )
@@ -297,7 +329,7 @@ async fn start(pinning: &Pinning) -> Result<Under> {
 }
 
 fn hand(pool: &PgPool, advisory: bool, name: String, base: i64) -> HandLock {
-    HandLock { pool: pool.clone(), advisory, name, base, owners: AtomicU64::new(0) }
+    HandLock { pool: pool.clone(), advisory, fenced: false, name, base, owners: AtomicU64::new(0) }
 }
 
 /// Runs every round and returns the rows: the locks' (when `locks`) and
@@ -317,12 +349,13 @@ pub(crate) async fn run(env: &Env, args: &Args, locks: bool) -> Result<Vec<Row>>
 /// The uncontended and handoff rounds of every lock.
 async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
     let timing = Timing { warmup: args.warmup, duration: args.duration.max(Duration::from_millis(200)) };
-    let imps = ["dlock", "lease", "advisory", "backend"];
+    let imps = ["dlock", "lease", "advisory", "backend", "lease-fenced"];
     let mut unc: Vec<Vec<Series>> = imps
         .iter()
         .map(|imp| CONCURRENCY.iter().map(|&c| Series::new("postgres", imp, "postgres", c)).collect())
         .collect();
     let mut vs_lease: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
+    let mut fenced_vs_lease: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
     let mut hand_series: Vec<Series> =
         imps[..3].iter().map(|imp| Series::new("postgres-handoff", imp, "postgres", CONTENDERS)).collect();
     let rounds = args.uncontended_rounds.max(1);
@@ -341,6 +374,10 @@ async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
                         let lock = BackendLock::new(under.backend.clone(), &under.locker, &format!("{name}-b"), c)?;
                         uncontended::measure(lock, c, timing, None).await?
                     }
+                    4 => {
+                        let lock = HandLock { fenced: true, ..hand(&under.pool, false, name.clone(), 0) };
+                        uncontended::measure(lock, c, timing, None).await?
+                    }
                     _ => {
                         base += 1_000;
                         uncontended::measure(hand(&under.pool, true, name.clone(), base), c, timing, None).await?
@@ -351,6 +388,7 @@ async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
             }
             if ops[1] > 0.0 {
                 vs_lease[ci].push(ops[0] / ops[1]);
+                fenced_vs_lease[ci].push(ops[4] / ops[1]);
             }
         }
         let name = format!("h-r{round}");
@@ -383,6 +421,8 @@ async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
                 row.targets.push(target("ops vs lease", row.ratio.unwrap_or(0.0), false, VS_LEASE, ""));
             } else if i == 1 {
                 row.ratio = Some(1.0);
+            } else if i == 4 {
+                row.ratio = median(fenced_vs_lease[ci].iter().copied());
             }
             rows.push(without_commands(row));
         }
