@@ -3,6 +3,8 @@
 # nothing that is already there: redis-server, zookeeper (with a Java runtime),
 # postgresql, and what the `tls` feature links and its tests run.
 set -euo pipefail
+# A failure inside $(...) (fetch_pgbouncer) stops the script too.
+shopt -s inherit_errexit
 
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
@@ -37,15 +39,37 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+# PgBouncer's source into $1, as pgbouncer-<version>/: the pinned tarball,
+# checked by its SHA-256; when Debian's pool no longer has it (Debian 13
+# moved to a later upstream version), the one Debian 13 lists now, found in
+# its signed source index (InRelease, checked with the archive keyring,
+# which carries Debian 13's keys) and checked by the SHA-256 listed there.
+fetch_pgbouncer() {
+  local dir=$1 pool=http://deb.debian.org/debian
+  local version=1.24.1 sha256=da72a3aba13072876d055a3e58dd4aba4a5de4ed6148e73033185245598fd3e0
+  if ! curl -fsSL --retry 3 -o "$dir/pgbouncer.tar.gz" "$pool/pool/main/p/pgbouncer/pgbouncer_${version}.orig.tar.gz"; then
+    echo "PgBouncer $version is gone from Debian's pool: taking Debian 13's from its signed index" >&2
+    curl -fsSL --retry 3 -o "$dir/InRelease" "$pool/dists/trixie/InRelease"
+    gpgv --keyring /usr/share/keyrings/debian-archive-keyring.gpg --output "$dir/Release" "$dir/InRelease" 2>/dev/null
+    local listed
+    listed=$(awk '/^SHA256:/ {on = 1; next} /^[^ ]/ {on = 0} on && $3 == "main/source/Sources.gz" {print $1}' "$dir/Release")
+    curl -fsSL --retry 3 -o "$dir/Sources.gz" "$pool/dists/trixie/main/source/Sources.gz"
+    echo "$listed  $dir/Sources.gz" | sha256sum -c --quiet
+    # The stanza of pgbouncer: its orig tarball's SHA-256 and name.
+    read -r sha256 orig < <(gzip -dc "$dir/Sources.gz" | awk -v RS= '/(^|\n)Package: pgbouncer\n/' |
+      awk '/^Checksums-Sha256:/ {on = 1; next} /^[^ ]/ {on = 0} on && $3 ~ /\.orig\.tar\.gz$/ {print $1, $3; exit}')
+    version=${orig#pgbouncer_}
+    version=${version%.orig.tar.gz}
+    curl -fsSL --retry 3 -o "$dir/pgbouncer.tar.gz" "$pool/pool/main/p/pgbouncer/$orig"
+  fi
+  echo "$sha256  $dir/pgbouncer.tar.gz" | sha256sum -c --quiet
+  tar -xzf "$dir/pgbouncer.tar.gz" -C "$dir"
+  echo "$version"
+}
 if ! pgbouncer_ok; then
-  version=1.24.1
-  sha256=da72a3aba13072876d055a3e58dd4aba4a5de4ed6148e73033185245598fd3e0
   src=$(mktemp -d)
+  version=$(fetch_pgbouncer "$src")
   echo "building PgBouncer $version into /usr/local/bin"
-  curl -fsSL --retry 3 -o "$src/pgbouncer.tar.gz" \
-    "http://deb.debian.org/debian/pool/main/p/pgbouncer/pgbouncer_${version}.orig.tar.gz"
-  echo "$sha256  $src/pgbouncer.tar.gz" | sha256sum -c --quiet
-  tar -xzf "$src/pgbouncer.tar.gz" -C "$src"
   (
     cd "$src/pgbouncer-$version"
     ./configure -q --prefix=/usr/local --without-cares --with-pam=no >/dev/null
