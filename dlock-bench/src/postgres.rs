@@ -19,7 +19,8 @@
 //!   * `advisory` — `pg_try_advisory_lock` / `pg_advisory_unlock` on one
 //!     pooled connection (a session lock: no lease, no fencing).
 //!
-//!   Target: dlock ≥ [`VS_LEASE`] × `lease`, the median of per-round ratios.
+//!   Targets: dlock ≥ [`VS_LEASE`] × `lease` and ≥ [`VS_FENCED`] ×
+//!   `lease-fenced`, each the median of per-round ratios.
 //! * strict handoff on one key, K = 8: `dlock` (LISTEN/NOTIFY wake-ups),
 //!   `lease` (its waiters poll every millisecond: a hand-written lease lock
 //!   has no wake-up) and `advisory` (`pg_advisory_lock` waits in the server,
@@ -68,6 +69,10 @@ use crate::{handoff, uncontended};
 
 /// dlock's uncontended cycles at least this times the hand-written lease lock's.
 pub(crate) const VS_LEASE: f64 = 0.9;
+/// dlock's uncontended cycles at least this times the fenced lease lock's
+/// (`lease-fenced`): a lock that hands out tokens cannot be held to one
+/// that does not, which is what that row is for.
+pub(crate) const VS_FENCED: f64 = 0.9;
 /// The transactional idempotency route at least this times the route alone.
 pub(crate) const TX_VS_ROUTE: f64 = 0.8;
 
@@ -356,6 +361,7 @@ async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
         .collect();
     let mut vs_lease: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
     let mut fenced_vs_lease: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
+    let mut vs_fenced: Vec<Vec<f64>> = vec![Vec::new(); CONCURRENCY.len()];
     let mut hand_series: Vec<Series> =
         imps[..3].iter().map(|imp| Series::new("postgres-handoff", imp, "postgres", CONTENDERS)).collect();
     let rounds = args.uncontended_rounds.max(1);
@@ -390,6 +396,9 @@ async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
                 vs_lease[ci].push(ops[0] / ops[1]);
                 fenced_vs_lease[ci].push(ops[4] / ops[1]);
             }
+            if ops[4] > 0.0 {
+                vs_fenced[ci].push(ops[0] / ops[4]);
+            }
         }
         let name = format!("h-r{round}");
         let d =
@@ -419,6 +428,8 @@ async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
             if i == 0 {
                 row.ratio = median(vs_lease[ci].iter().copied());
                 row.targets.push(target("ops vs lease", row.ratio.unwrap_or(0.0), false, VS_LEASE, ""));
+                let floor = median(vs_fenced[ci].iter().copied()).unwrap_or(0.0);
+                row.targets.push(target("ops vs lease-fenced", floor, false, VS_FENCED, ""));
             } else if i == 1 {
                 row.ratio = Some(1.0);
             } else if i == 4 {
