@@ -110,8 +110,9 @@
 //!
 //! An uncontended exclusive cycle is two round trips and two plain
 //! statements, each its own short transaction: the first try (an `INSERT`
-//! with a `nextval`) and the release (a `DELETE`), what a hand-written
-//! lease lock costs plus the token. A try that finds the key held costs a
+//! with a `nextval` under the key's advisory lock) and the release (a
+//! `DELETE`), what a hand-written lease lock costs plus the token drawn in
+//! the order of grants (dlock-bench's `lease-fenced` row is that lock). A try that finds the key held costs a
 //! second round trip (the function), and so does a shared release.
 //! Renewals cost one function call per statement in flight, whatever the
 //! number of holds it extends (up to 512). Every grant
