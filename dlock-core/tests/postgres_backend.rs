@@ -267,6 +267,47 @@ async fn a_first_try_held_up_after_drawing_its_token_is_not_granted_below_a_late
         assert_eq!(answered.len(), 2, "{mode}: {answered:?}");
         assert!(answered[0].1 < answered[1].1, "{mode}: a later grant has a smaller token: {answered:?}");
     }
+    // The control: the first try as it was, its token drawn with no lock
+    // on the key, held up the same way, is granted below the other owner
+    // who came and went meanwhile. So the gate does reach the gap.
+    let (held_up, later) = first_try_without_the_key_lock(&server).await;
+    assert!(held_up < later, "the control did not reach the gap: held up {held_up}, later {later}");
+}
+
+/// The control of the test above: the tokens of the first try of the
+/// earlier build (its `nextval` with no lock on the key), held up by the
+/// trigger, and of another owner's first try and release meanwhile.
+async fn first_try_without_the_key_lock(server: &PostgresServer) -> (i64, i64) {
+    use sqlx::Connection as _;
+    const TAKE: &str = "INSERT INTO dlock_locks AS l (key, owner, mode, fence, expires_at) \
+        VALUES ($1, $2, 'x', nextval('\"dlock_fence\"'), clock_timestamp() + interval '30 seconds') \
+        ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, fence = excluded.fence, \
+          expires_at = excluded.expires_at WHERE l.expires_at <= clock_timestamp() \
+        RETURNING l.fence";
+    let key = "control";
+    server.psql("INSERT INTO held_up VALUES ('slow')");
+    let mut gate = sqlx::PgConnection::connect(&server.url()).await.expect("connect");
+    sqlx::query("SELECT pg_advisory_lock(42)").execute(&mut gate).await.expect("close the gate");
+    let url = server.url();
+    let slow = tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+        let fence: i64 = sqlx::query_scalar(TAKE).bind(key).bind("slow").fetch_one(&mut conn).await.expect("granted");
+        fence
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'") != "1" {
+        assert!(Instant::now() < deadline, "the control's first try never reached the trigger");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut fast = sqlx::PgConnection::connect(&server.url()).await.expect("connect");
+    let later: i64 = sqlx::query_scalar(TAKE).bind(key).bind("fast").fetch_one(&mut fast).await.expect("granted");
+    sqlx::query("DELETE FROM dlock_locks WHERE key = $1 AND owner = 'fast'")
+        .bind(key)
+        .execute(&mut fast)
+        .await
+        .expect("release");
+    sqlx::query("SELECT pg_advisory_unlock(42)").execute(&mut gate).await.expect("open the gate");
+    (slow.await.expect("held-up task"), later)
 }
 
 /// A first try at `key` held up after its token is drawn, and another
