@@ -41,8 +41,9 @@
 //!   key's holders once and decides. A refusal marks the head `awaited`
 //!   under that row lock, so a release, which deletes the head, waits for
 //!   the mark and reads it: no wake-up can fall between them.
-//! * An exclusive release is one plain `DELETE … RETURNING` of the head
-//!   (release.sql); a shared one, or one that found no such head, is the
+//! * An exclusive release is one plain `DELETE` of the head while its
+//!   lease lives (release.sql), answered by its command tag alone; a shared
+//!   one, or one that found no such head (its lease ran out), is the
 //!   function `<prefix>_release_v2`, which locks the head first and deletes
 //!   it with the last holder. Renewals are the function
 //!   `<prefix>_renew_v1`, many holds a statement (renewals asked while one
@@ -631,9 +632,34 @@ impl Db {
         Ok(self.fetch_all(make, repeat).await?.into_iter().next())
     }
 
+    /// The rows of the query `make` builds, sent again on another
+    /// connection when its answer was lost and `repeat` allows it.
+    pub(crate) async fn fetch_all<'q, F>(&self, make: F, repeat: Repeat) -> Result<Vec<PgRow>>
+    where
+        F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+    {
+        match self.send(make, repeat, Want::Rows).await? {
+            Answer::Rows(rows) => Ok(rows),
+            Answer::Changed(_) => Err(unexpected("a count where rows were asked for")),
+        }
+    }
+
+    /// How many rows the statement `make` builds changed: a statement with
+    /// no `RETURNING`, whose answer is its command tag alone (the server
+    /// projects and sends no row). Sent again as [`fetch_all`](Self::fetch_all) is.
+    pub(crate) async fn changed<'q, F>(&self, make: F, repeat: Repeat) -> Result<u64>
+    where
+        F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+    {
+        match self.send(make, repeat, Want::Changed).await? {
+            Answer::Changed(n) => Ok(n),
+            Answer::Rows(_) => Err(unexpected("rows where a count was asked for")),
+        }
+    }
+
     /// Runs the query `make` builds, again on another connection when its
     /// answer was lost and `repeat` allows it.
-    pub(crate) async fn fetch_all<'q, F>(&self, make: F, repeat: Repeat) -> Result<Vec<PgRow>>
+    async fn send<'q, F>(&self, make: F, repeat: Repeat, want: Want) -> Result<Answer>
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
@@ -641,9 +667,15 @@ impl Db {
         loop {
             tries += 1;
             let mut conn = self.conn().await?;
-            let result = tokio::time::timeout(self.response_timeout, make().fetch_all(&mut *conn)).await;
+            let request = async {
+                match want {
+                    Want::Rows => make().fetch_all(&mut *conn).await.map(Answer::Rows),
+                    Want::Changed => make().execute(&mut *conn).await.map(|done| Answer::Changed(done.rows_affected())),
+                }
+            };
+            let result = tokio::time::timeout(self.response_timeout, request).await;
             let lost = match result {
-                Ok(Ok(row)) => return Ok(row),
+                Ok(Ok(answer)) => return Ok(answer),
                 // The server answered: the statement failed, and its
                 // transaction with it.
                 Ok(Err(sqlx::Error::Database(db))) if !connection_ended(&*db) => {
@@ -672,6 +704,19 @@ impl Db {
             tracing::debug!(error = %lost, "dlock: a PostgreSQL answer was lost; asking again on another connection");
         }
     }
+}
+
+/// What a request is asked to hand back.
+#[derive(Clone, Copy)]
+enum Want {
+    Rows,
+    Changed,
+}
+
+/// A request's answer: its rows, or how many rows it changed.
+enum Answer {
+    Rows(Vec<PgRow>),
+    Changed(u64),
 }
 
 /// How many times a request that may be repeated is sent when its
@@ -1101,25 +1146,18 @@ impl Backend for PostgresBackend {
                 // Nearly always empty: a release allocates nothing to find out.
                 !uncertain.is_empty() && uncertain.remove(&(key.as_str().to_owned(), owner.as_str().to_owned()))
             };
-            let release = |sql| {
-                let query = move || sqlx::query(sql).bind(key.as_str()).bind(owner.as_str());
-                async move {
-                    Ok::<_, Error>(match self.shared.fetch(query, Repeat::Once).await? {
-                        Some(row) => Some(column::<Option<bool>>(&row, 0)?),
-                        None => None,
-                    })
-                }
+            let query = |sql| move || sqlx::query(sql).bind(key.as_str()).bind(owner.as_str());
+            // A live exclusive hold is its key's head; none deleted: the
+            // owner's hold, if any, is shared or its lease ran out (the
+            // function's to answer).
+            if !after_unknown && self.shared.changed(query(self.shared.release.as_str()), Repeat::Once).await? == 1 {
+                return Ok(Release::Freed);
+            }
+            let freed = match self.shared.fetch(query(self.shared.release_any.as_str()), Repeat::Once).await? {
+                Some(row) => column::<Option<bool>>(&row, 0)?,
+                None => None,
             };
-            // An exclusive hold is its key's head; no row: the owner held no
-            // such head, and its hold, if any, is shared (the function's).
-            let mut freed = None;
-            if !after_unknown {
-                freed = release(self.shared.release.as_str()).await?;
-            }
-            if freed.is_none() {
-                freed = release(self.shared.release_any.as_str()).await?;
-            }
-            Ok(match freed.flatten() {
+            Ok(match freed {
                 Some(true) => Release::Freed,
                 _ => Release::NotHeld,
             })
