@@ -154,10 +154,15 @@ async fn a_dead_or_hung_server_is_a_clean_error_within_a_bound() {
 
 /// A waiter of another backend (another process) is woken by the holder's
 /// release, long before the holder's lease (30 s) could end: the NOTIFY
-/// reached its listener.
+/// reached its listener. The release announces itself once: one statement
+/// frees the head and announces it (an announcement from a statement that
+/// then freed nothing, followed by the release function's own, wakes the
+/// waiter too early and costs the handoff a round of refusals).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_is_woken_by_notify_not_by_the_lease() {
     let h = postgres().await;
+    let mut heard = sqlx::postgres::PgListener::connect(&h.server.url()).await.expect("listener");
+    heard.listen("dlock_released").await.expect("listen");
     let (a, b) = (suite::Harness::client(&h).await, suite::Harness::client(&h).await);
     let k = a.key("notify").part(1).build().expect("key");
     let holder = a.acquire(&k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free");
@@ -174,6 +179,14 @@ async fn a_waiter_is_woken_by_notify_not_by_the_lease() {
     assert!(holder.release().await.expect("release"));
     let g = waiter.await.expect("waiter task").expect("woken by the release");
     assert!(released_at.elapsed() < Duration::from_secs(2), "woken late: {:?}", released_at.elapsed());
+    // Before the waiter's own release (its hold, granted to a waiting
+    // acquire, announces its end too).
+    let mut announced = 0;
+    while let Ok(Ok(Some(n))) = tokio::time::timeout(Duration::from_millis(500), heard.try_recv()).await {
+        assert_eq!(n.payload(), k.as_str());
+        announced += 1;
+    }
+    assert_eq!(announced, 1, "one release, announced {announced} times");
     assert!(g.release().await.expect("release"));
 }
 

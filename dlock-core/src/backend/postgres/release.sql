@@ -12,7 +12,11 @@
 -- WITH around it, executor nodes it starts every time (15 % more). The
 -- announcement's test is the last of the filter (the planner orders
 -- filters by cost, and this one costs most): a row of another owner, or
--- one whose lease ran out, announces nothing.
+-- one whose lease ran out, announces nothing. It must hold once it has
+-- announced (pg_notify's void is not null): a filter that announced and
+-- then refused the row would leave the head to the release function,
+-- which announces again, and the waiter, woken by the first, would be
+-- refused (a_waiter_is_woken_by_notify_not_by_the_lease counts them).
 DELETE FROM {locks} AS l
   WHERE l.key = $1 AND l.owner = $2 AND l.expires_at > clock_timestamp()
-    AND (NOT l.awaited OR pg_notify('{channel_text}', $1) IS NULL)
+    AND (NOT l.awaited OR pg_notify('{channel_text}', $1) IS NOT NULL)
