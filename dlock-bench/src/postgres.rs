@@ -90,10 +90,37 @@ pub(crate) const HANDOFF_TITLE: &str = "postgres: strict handoff on one key, K =
 pub(crate) const ROUTE_TITLE: &str = "postgres: a route that inserts one row in a transaction, in-process router, \
      16 requests at once (ratio = vs the route alone, same round)";
 
+/// Which hand-written lock a [`HandLock`] is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hand {
+    /// The lease lock of the `lease` row.
+    Lease,
+    /// The lease lock that also draws a fencing token per grant
+    /// (`lease-fenced`).
+    Fenced,
+    /// Session advisory locks (`advisory`).
+    Advisory,
+}
+
+/// The lease locks' statements: take ($1 key, $2 owner, $3 lease ms) and
+/// release ($1 key, $2 owner). The plain take answers by its command tag,
+/// the fenced one with the token, as a lock that hands tokens out must.
+const LEASE_TAKE: &str = "INSERT INTO bench_lease (key, owner, expires_at) \
+     VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond') \
+     ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at \
+     WHERE bench_lease.expires_at < clock_timestamp()";
+const LEASE_RELEASE: &str = "DELETE FROM bench_lease WHERE key = $1 AND owner = $2";
+const FENCED_TAKE: &str = "INSERT INTO bench_fenced (key, owner, fence, expires_at) VALUES ($1, $2, \
+     CASE WHEN pg_advisory_xact_lock(hashtext('bench_fenced'), hashtext($1))::text = '' \
+     THEN nextval('bench_fence') END, clock_timestamp() + $3 * interval '1 millisecond') \
+     ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, \
+     expires_at = EXCLUDED.expires_at WHERE bench_fenced.expires_at < clock_timestamp() RETURNING fence";
+const FENCED_RELEASE: &str = "DELETE FROM bench_fenced WHERE key = $1 AND owner = $2";
+
 /// What a hand-written lock holds until it releases.
 pub(crate) enum PgHeld {
-    /// A lease row of this owner (in the fenced table when `fenced`).
-    Lease { slot: usize, owner: u64, fenced: bool },
+    /// A lease row of this owner.
+    Lease { slot: usize, owner: u64 },
     /// A session lock on this pooled connection.
     Advisory { slot: usize, conn: sqlx::pool::PoolConnection<sqlx::Postgres> },
 }
@@ -101,9 +128,7 @@ pub(crate) enum PgHeld {
 /// The hand-written PostgreSQL locks.
 pub(crate) struct HandLock {
     pool: PgPool,
-    advisory: bool,
-    /// A lease lock that draws a fencing token per grant.
-    fenced: bool,
+    kind: Hand,
     /// Slots are keys `<name>:<slot>` (lease) or `<base> + slot` (advisory).
     name: String,
     base: i64,
@@ -124,7 +149,7 @@ impl BenchLock for HandLock {
     type Held = PgHeld;
 
     async fn acquire(&self, slot: usize, wait: bool) -> Result<PgHeld> {
-        if self.advisory {
+        if self.kind == Hand::Advisory {
             let mut conn = self.pool.acquire().await.map_err(pg)?;
             let id = self.base + slot as i64;
             if wait {
@@ -142,38 +167,19 @@ impl BenchLock for HandLock {
             return Ok(PgHeld::Advisory { slot, conn });
         }
         let owner = self.owners.fetch_add(1, Ordering::Relaxed);
+        let fenced = self.kind == Hand::Fenced;
         loop {
-            let taken = if self.fenced {
-                sqlx::query(
-                    "INSERT INTO bench_fenced (key, owner, fence, expires_at) VALUES ($1, $2, \
-                     CASE WHEN pg_advisory_xact_lock(hashtext('bench_fenced'), hashtext($1))::text = '' \
-                     THEN nextval('bench_fence') END, clock_timestamp() + $3 * interval '1 millisecond') \
-                     ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, \
-                     expires_at = EXCLUDED.expires_at WHERE bench_fenced.expires_at < clock_timestamp() RETURNING fence",
-                )
+            let take = sqlx::query(if fenced { FENCED_TAKE } else { LEASE_TAKE })
                 .bind(self.key(slot))
                 .bind(owner as i64)
-                .bind(LEASE.as_millis() as i64)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(pg)?
-                .map_or(0, |_| 1)
+                .bind(LEASE.as_millis() as i64);
+            let taken = if fenced {
+                take.fetch_optional(&self.pool).await.map_err(pg)?.is_some()
             } else {
-                sqlx::query(
-                "INSERT INTO bench_lease (key, owner, expires_at) VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond') \
-                 ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at \
-                 WHERE bench_lease.expires_at < clock_timestamp()",
-            )
-            .bind(self.key(slot))
-            .bind(owner as i64)
-            .bind(LEASE.as_millis() as i64)
-            .execute(&self.pool)
-            .await
-            .map_err(pg)?
-            .rows_affected()
+                take.execute(&self.pool).await.map_err(pg)?.rows_affected() == 1
             };
-            if taken == 1 {
-                return Ok(PgHeld::Lease { slot, owner, fenced: self.fenced });
+            if taken {
+                return Ok(PgHeld::Lease { slot, owner });
             }
             if !wait {
                 return Err(BenchError::Invariant("an uncontended lease lock was held".into()));
@@ -184,13 +190,8 @@ impl BenchLock for HandLock {
 
     async fn release(&self, held: PgHeld) -> Result<()> {
         let freed = match held {
-            PgHeld::Lease { slot, owner, fenced } => {
-                let sql = if fenced {
-                    "DELETE FROM bench_fenced WHERE key = $1 AND owner = $2"
-                } else {
-                    "DELETE FROM bench_lease WHERE key = $1 AND owner = $2"
-                };
-                sqlx::query(sql)
+            PgHeld::Lease { slot, owner } => {
+                sqlx::query(if self.kind == Hand::Fenced { FENCED_RELEASE } else { LEASE_RELEASE })
                     .bind(self.key(slot))
                     .bind(owner as i64)
                     .execute(&self.pool)
@@ -333,8 +334,8 @@ async fn start(pinning: &Pinning) -> Result<Under> {
     Ok(Under { _server: server, backend, locker, pool })
 }
 
-fn hand(pool: &PgPool, advisory: bool, name: String, base: i64) -> HandLock {
-    HandLock { pool: pool.clone(), advisory, fenced: false, name, base, owners: AtomicU64::new(0) }
+fn hand(pool: &PgPool, kind: Hand, name: String, base: i64) -> HandLock {
+    HandLock { pool: pool.clone(), kind, name, base, owners: AtomicU64::new(0) }
 }
 
 /// Runs every round and returns the rows: the locks' (when `locks`) and
@@ -375,18 +376,19 @@ async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
                 let i = (round + ci + turn) % imps.len();
                 let sample = match i {
                     0 => uncontended::measure(DlockLock::new(under.locker.clone(), &name, c)?, c, timing, None).await?,
-                    1 => uncontended::measure(hand(&under.pool, false, name.clone(), 0), c, timing, None).await?,
+                    1 => uncontended::measure(hand(&under.pool, Hand::Lease, name.clone(), 0), c, timing, None).await?,
                     3 => {
                         let lock = BackendLock::new(under.backend.clone(), &under.locker, &format!("{name}-b"), c)?;
                         uncontended::measure(lock, c, timing, None).await?
                     }
                     4 => {
-                        let lock = HandLock { fenced: true, ..hand(&under.pool, false, name.clone(), 0) };
+                        let lock = hand(&under.pool, Hand::Fenced, name.clone(), 0);
                         uncontended::measure(lock, c, timing, None).await?
                     }
                     _ => {
                         base += 1_000;
-                        uncontended::measure(hand(&under.pool, true, name.clone(), base), c, timing, None).await?
+                        uncontended::measure(hand(&under.pool, Hand::Advisory, name.clone(), base), c, timing, None)
+                            .await?
                     }
                 };
                 ops[i] = sample.ops_per_sec;
@@ -404,10 +406,11 @@ async fn lock_rows(under: &Under, args: &Args) -> Result<Vec<Row>> {
         let d =
             handoff::measure(DlockLock::new(under.locker.clone(), &name, 1)?, CONTENDERS, args.settle, timing, None);
         hand_series[0].samples.push(d.await?);
-        let l = handoff::measure(hand(&under.pool, false, name.clone(), 0), CONTENDERS, args.settle, timing, None);
+        let l =
+            handoff::measure(hand(&under.pool, Hand::Lease, name.clone(), 0), CONTENDERS, args.settle, timing, None);
         hand_series[1].samples.push(l.await?);
         base += 1_000;
-        let a = handoff::measure(hand(&under.pool, true, name, base), CONTENDERS, args.settle, timing, None);
+        let a = handoff::measure(hand(&under.pool, Hand::Advisory, name, base), CONTENDERS, args.settle, timing, None);
         hand_series[2].samples.push(a.await?);
         eprintln!(
             "postgres round {}/{rounds}: c=16 ops dlock {:.0}, lease {:.0}, advisory {:.0}",

@@ -299,19 +299,14 @@ async fn first_try_without_the_key_lock(server: &PostgresServer) -> (i64, i64) {
         RETURNING l.fence";
     let key = "control";
     server.psql("INSERT INTO held_up VALUES ('slow')");
-    let mut gate = sqlx::PgConnection::connect(&server.url()).await.expect("connect");
-    sqlx::query("SELECT pg_advisory_lock(42)").execute(&mut gate).await.expect("close the gate");
+    let gate = Gate::close(server).await;
     let url = server.url();
     let slow = tokio::spawn(async move {
         let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
         let fence: i64 = sqlx::query_scalar(TAKE).bind(key).bind("slow").fetch_one(&mut conn).await.expect("granted");
         fence
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while server.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'") != "1" {
-        assert!(Instant::now() < deadline, "the control's first try never reached the trigger");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    gate.until_waiting(1, || false, "the control's first try never reached the trigger").await;
     let mut fast = sqlx::PgConnection::connect(&server.url()).await.expect("connect");
     let later: i64 = sqlx::query_scalar(TAKE).bind(key).bind("fast").fetch_one(&mut fast).await.expect("granted");
     sqlx::query("DELETE FROM dlock_locks WHERE key = $1 AND owner = 'fast'")
@@ -319,8 +314,40 @@ async fn first_try_without_the_key_lock(server: &PostgresServer) -> (i64, i64) {
         .execute(&mut fast)
         .await
         .expect("release");
-    sqlx::query("SELECT pg_advisory_unlock(42)").execute(&mut gate).await.expect("open the gate");
+    gate.open().await;
     (slow.await.expect("held-up task"), later)
+}
+
+/// The trigger's gate: advisory lock 42, held by a session of the test's
+/// while it is closed. A held-up first try waits at it, its token drawn.
+struct Gate<'a> {
+    server: &'a PostgresServer,
+    session: sqlx::PgConnection,
+}
+
+impl<'a> Gate<'a> {
+    async fn close(server: &'a PostgresServer) -> Gate<'a> {
+        use sqlx::Connection as _;
+        let mut session = sqlx::PgConnection::connect(&server.url()).await.expect("connect");
+        sqlx::query("SELECT pg_advisory_lock(42)").execute(&mut session).await.expect("close the gate");
+        Gate { server, session }
+    }
+
+    /// Returns once `n` sessions wait for an advisory lock (the gate's, or
+    /// a key's that a held-up try holds), or `done` says so; fails after
+    /// 10 s with `never`.
+    async fn until_waiting(&self, n: usize, done: impl Fn() -> bool, never: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let waiting = || self.server.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'");
+        while !done() && waiting() != n.to_string() {
+            assert!(Instant::now() < deadline, "{never}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn open(mut self) {
+        sqlx::query("SELECT pg_advisory_unlock(42)").execute(&mut self.session).await.expect("open the gate");
+    }
 }
 
 /// A first try at `key` held up after its token is drawn, and another
@@ -330,7 +357,6 @@ async fn held_up_first_try(
     key: dlock_core::KeyBuilder,
     mode: LockMode,
 ) -> Vec<(&'static str, u64)> {
-    use sqlx::Connection as _;
     let options = || PostgresOptions::default().with_response_timeout(Duration::from_secs(10));
     let (slow, fast) = (
         Arc::new(PostgresBackend::connect_with(&server.url(), "dlock", options()).await.expect("connect")),
@@ -342,9 +368,7 @@ async fn held_up_first_try(
     let k = key.build().expect("key");
     let (slow_owner, fast_owner) = (Owner::random().expect("owner"), Owner::random().expect("owner"));
     server.psql(&format!("INSERT INTO held_up VALUES ({})", literal(slow_owner.as_str())));
-    let mut gate = sqlx::PgConnection::connect(&server.url()).await.expect("connect");
-    sqlx::query("SELECT pg_advisory_lock(42)").execute(&mut gate).await.expect("close the gate");
-    let advisory_waits = || server.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'");
+    let gate = Gate::close(server).await;
     let answered = Arc::new(Mutex::new(Vec::new()));
     let slow_try = {
         let (slow, k, owner, answered) = (slow.clone(), k.clone(), slow_owner.clone(), answered.clone());
@@ -354,11 +378,7 @@ async fn held_up_first_try(
             answered.lock().expect("answered").push(("held up", token));
         })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while advisory_waits() != "1" {
-        assert!(Instant::now() < deadline, "the first try never reached the trigger");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    gate.until_waiting(1, || false, "the first try never reached the trigger").await;
     let other = {
         let (fast, k, owner, answered) = (fast.clone(), k.clone(), fast_owner.clone(), answered.clone());
         tokio::spawn(async move {
@@ -371,11 +391,8 @@ async fn held_up_first_try(
     };
     // The other owner either comes and goes in the gap, or waits for the
     // held-up try's token to be written.
-    while !other.is_finished() && advisory_waits() != "2" {
-        assert!(Instant::now() < deadline, "the other owner neither finished nor waited");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    sqlx::query("SELECT pg_advisory_unlock(42)").execute(&mut gate).await.expect("open the gate");
+    gate.until_waiting(2, || other.is_finished(), "the other owner neither finished nor waited").await;
+    gate.open().await;
     slow_try.await.expect("held-up task");
     assert_eq!(slow.release(&k, &slow_owner).await.expect("release"), Release::Freed);
     other.await.expect("other task");
