@@ -14,6 +14,16 @@
 local function free_counted(key, owner)
   local s = live(key, now_ms())
   if not s.holders[owner] then
+    -- A writer granted elsewhere (by a RedLock quorum) while this node
+    -- refused it leaves its intent here: the intent goes with its release,
+    -- and the readers it kept out are woken.
+    if s.intent == owner then
+      redis.call('HDEL', key, 'i')
+      s.intent_at = 0
+      if s.w == '1' then
+        redis.call('PUBLISH', key .. ':released', 'a')
+      end
+    end
     keep_until(key, s)
     return -1
   end

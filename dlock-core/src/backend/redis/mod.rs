@@ -32,7 +32,9 @@
 //!   each try; new readers are refused while it lives, also once the last
 //!   reader left (the hash stays until the intent expires or the writer
 //!   takes the key). A writer that gives up leaves it until its wait would
-//!   have ended.
+//!   have ended; a writer's release takes it (a RedLock writer granted by
+//!   a quorum leaves it on the nodes that refused it, which would keep
+//!   readers out there for the rest of its wait).
 //! * Re-entry is counted by the engine: the server keeps one hold per key
 //!   and owner, and only a process's first acquire and last release reach
 //!   it.
