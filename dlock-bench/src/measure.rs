@@ -203,15 +203,23 @@ where
     }
     let outcome = async {
         tokio::time::sleep(timing.warmup).await;
+        // The server counts a snapshot's commands somewhere between its
+        // request and its reply, which at high concurrency waits behind
+        // the commands in flight: each edge of the window is the middle of
+        // its snapshot's round trip, so that the operations counted match
+        // the commands counted on both edges alike. (An edge taken after
+        // the first reply and before the second request shortened the
+        // operations' window only, and raised the commands per operation.)
+        let sent = clock.now_ns();
         let before = match counter {
             Some(c) => Some(c.snapshot().await?),
             None => None,
         };
-        let start = clock.now_ns();
+        let start = sent + (clock.now_ns() - sent) / 2;
         let cpu_start = process_cpu_ns();
         tokio::time::sleep(timing.duration).await;
         let cpu = process_cpu_ns().saturating_sub(cpu_start);
-        let end = clock.now_ns();
+        let sent = clock.now_ns();
         let delta = match (counter, before) {
             (Some(c), Some((before, sent_before))) => {
                 let (after, sent_after) = c.snapshot().await?;
@@ -221,6 +229,7 @@ where
             }
             _ => None,
         };
+        let end = sent + (clock.now_ns() - sent) / 2;
         Ok::<_, BenchError>((start, end, cpu, delta))
     }
     .await;

@@ -87,12 +87,16 @@ fn quick_json_run_prints_rows_for_both_benches() {
                 assert!(bound.contains(&client), "the clock floor sends 2 commands per cycle: {row}");
             }
             if imp == "redisson-peer" {
-                // Two EVALSHAs and the latch's DEL per cycle (the window's
-                // edges blur it a little); the scripts' calls on top.
-                // At c = 256 a quick window holds few cycles next to the 256
-                // in flight at its edges, so the bound is looser there.
+                // Two EVALSHAs and the latch's DEL per cycle; the scripts'
+                // calls on top. The window's edges blur it: up to `c`
+                // cycles in flight at an edge have some of their 3 commands
+                // counted, so the count may be off by 3c commands over the
+                // window's cycles (at c = 256 a quick window on a loaded
+                // machine holds only a few hundred).
                 let client = row["cmds_per_acquisition"].as_f64().unwrap_or(0.0);
-                let bound = if c == 1 { 2.5..3.5 } else { 2.0..4.0 };
+                let samples = row["samples"].as_f64().unwrap_or(0.0).max(1.0);
+                let blur = (3.0 * c as f64 / samples).max(0.5);
+                let bound = 3.0 - blur..3.0 + blur;
                 assert!(bound.contains(&client), "the peer sends 3 commands per cycle: {row}");
                 assert!(row["server_cmds_per_acquisition"].as_f64() > Some(client), "{row}");
             }
