@@ -752,3 +752,36 @@ mod pooled {
         assert_eq!(held(&server), "1", "the lock is still taken, on a pooled session");
     }
 }
+
+/// A lock cycle is its two statements' round trips and no more: the
+/// connection a request used is kept for the next one, not given back to
+/// sqlx's pool, which tests each connection given back with a round trip
+/// of its own before it lends it again. Made visible by a proxy that holds
+/// every answer 40 ms, on a pool of one connection (the listener has its
+/// own URL): 8 cycles take 16 answers, 640 ms, kept; through the pool each
+/// statement waits for the test of the one before, 32 answers, 1,280 ms
+/// (seen, with the connection given back after each request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cycle_costs_its_two_round_trips_on_a_kept_connection() {
+    let server = PostgresServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port());
+    let options = PostgresOptions::default().with_max_connections(1).with_listen_url(server.url());
+    let backend = PostgresBackend::connect_with(&url, "dlock", options).await.expect("connect");
+    let (k, cancel) = (test_key("round-trips"), CancellationToken::new());
+    let cycle = || async {
+        let owner = Owner::random().expect("owner");
+        backend.acquire(&request(&k, &owner, 30_000), &cancel).await.expect("free");
+        assert_eq!(backend.release(&k, &owner).await.expect("release"), Release::Freed);
+    };
+    cycle().await; // The statements are prepared on the connection.
+    let answer = Duration::from_millis(40);
+    proxy.set_delay(answer);
+    let started = Instant::now();
+    for _ in 0..8 {
+        cycle().await;
+    }
+    let took = started.elapsed();
+    assert!(took >= 16 * answer, "every answer was held: {took:?}");
+    assert!(took < 24 * answer, "more than the statements' round trips: {took:?} for 16 answers of {answer:?}");
+}

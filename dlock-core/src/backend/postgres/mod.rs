@@ -110,7 +110,9 @@
 //! # What it costs
 //!
 //! An uncontended exclusive cycle is two round trips and two plain
-//! statements, each its own short transaction: the first try (an `INSERT`
+//! statements, each its own short transaction, on connections kept
+//! between requests (`connections.rs`: sqlx's pool would add a round trip
+//! to each, testing the connection given back to it): the first try (an `INSERT`
 //! with a `nextval` under the key's advisory lock) and the release (a
 //! `DELETE`), what a hand-written lease lock costs plus the token drawn in
 //! the order of grants (dlock-bench's `lease-fenced` row is that lock). A try that finds the key held costs a
@@ -172,7 +174,6 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Connection as _, Executor as _, Postgres, Row as _};
 use tokio::sync::Notify;
@@ -187,7 +188,9 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
+mod connections;
 mod renewals;
+use connections::{Connections, Lent};
 use renewals::Renewals;
 
 const BACKEND: &str = "postgres";
@@ -256,7 +259,12 @@ impl PostgresOptions {
     }
 
     /// The most connections the pool opens (default 16), besides the one
-    /// that listens for releases.
+    /// that listens for releases. Lock requests take turns on at most half
+    /// of them, in the order they come, and keep those open between
+    /// requests (sqlx's pool would test each one given back with a round
+    /// trip of its own); the other half stays for the pool's other users,
+    /// such as an idempotency store made
+    /// [`from_backend`](crate::idempotency::PostgresStore::from_backend).
     pub fn with_max_connections(mut self, n: u32) -> Self {
         self.max_connections = n.max(1);
         self
@@ -501,7 +509,7 @@ impl PostgresBackend {
             uncertain: Mutex::default(),
             renew: format!("SELECT r_key, r_owner FROM {}($1, $2, $3)", names.renew),
             renewals: Renewals::default(),
-            db: Db { pool, response_timeout: options.response_timeout },
+            db: Db::keeping(pool, options.response_timeout),
             prefix: prefix.into(),
             waiters,
         };
@@ -608,13 +616,34 @@ impl std::ops::Deref for Shared {
 pub(crate) struct Db {
     pub(crate) pool: PgPool,
     pub(crate) response_timeout: Duration,
+    /// Connections kept between requests (the lock backend's pool), or
+    /// none: each request's connection goes back to the pool.
+    kept: Option<Arc<Connections>>,
 }
 
 impl Db {
-    /// A pooled connection, within the response timeout. Nothing was sent
-    /// when this fails.
-    async fn conn(&self) -> Result<PoolConnection<Postgres>> {
-        match tokio::time::timeout(self.response_timeout, self.pool.acquire()).await {
+    /// Requests on `pool`'s connections, each given back after it.
+    pub(crate) fn new(pool: PgPool, response_timeout: Duration) -> Self {
+        Db { pool, response_timeout, kept: None }
+    }
+
+    /// Requests on connections kept between them (see `connections.rs`):
+    /// for a pool of dlock's own.
+    fn keeping(pool: PgPool, response_timeout: Duration) -> Self {
+        let kept = Some(Arc::new(Connections::for_pool(&pool)));
+        Db { pool, response_timeout, kept }
+    }
+
+    /// A connection, within the response timeout. Nothing was sent when
+    /// this fails.
+    async fn conn(&self) -> Result<Lent<'_>> {
+        let lent = async {
+            match &self.kept {
+                Some(kept) => kept.lend(&self.pool).await,
+                None => self.pool.acquire().await.map(Lent::pooled),
+            }
+        };
+        match tokio::time::timeout(self.response_timeout, lent).await {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => Err(Error::backend(
                 BACKEND,
@@ -675,7 +704,10 @@ impl Db {
             };
             let result = tokio::time::timeout(self.response_timeout, request).await;
             let lost = match result {
-                Ok(Ok(answer)) => return Ok(answer),
+                Ok(Ok(answer)) => {
+                    conn.rest();
+                    return Ok(answer);
+                }
                 // The server answered: the statement failed, and its
                 // transaction with it.
                 Ok(Err(sqlx::Error::Database(db))) if !connection_ended(&*db) => {

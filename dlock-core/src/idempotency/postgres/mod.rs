@@ -272,7 +272,7 @@ impl PostgresStore {
     /// [`Error::Backend`] when the server cannot be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: PostgresOptions) -> Result<Self> {
         let connect = connect_options(url, &options)?;
-        let db = Db { pool: pool(connect, &options), response_timeout: options.response_timeout() };
+        let db = Db::new(pool(connect, &options), options.response_timeout());
         Self::on(db, prefix).await
     }
 
@@ -284,7 +284,7 @@ impl PostgresStore {
     ///
     /// As [`connect_with`](Self::connect_with).
     pub async fn with_pool(pool: PgPool, prefix: &str) -> Result<Self> {
-        let db = Db { pool, response_timeout: PostgresOptions::default().response_timeout() };
+        let db = Db::new(pool, PostgresOptions::default().response_timeout());
         Self::on(db, prefix).await
     }
 
