@@ -258,13 +258,21 @@ impl PostgresOptions {
         self.response_timeout
     }
 
-    /// The most connections the pool opens (default 16), besides the one
-    /// that listens for releases. Lock requests take turns on at most half
-    /// of them, in the order they come, and keep those open between
-    /// requests (sqlx's pool would test each one given back with a round
-    /// trip of its own); the other half stays for the pool's other users,
-    /// such as an idempotency store made
+    /// The most connections the pool opens (default 16), the one that
+    /// listens for releases included unless it has a URL of its own
+    /// ([`with_listen_url`](Self::with_listen_url)). Lock requests take
+    /// turns on at most half of them, in the order they come, and keep
+    /// those open between requests (sqlx's pool would test each one given
+    /// back with a round trip of its own); the other half stays for the
+    /// pool's other users, such as an idempotency store made
     /// [`from_backend`](crate::idempotency::PostgresStore::from_backend).
+    ///
+    /// ```
+    /// use dlock_core::backend::postgres::PostgresOptions;
+    /// // Up to 16 lock requests at once, on connections kept between them.
+    /// let opts = PostgresOptions::default().with_max_connections(32);
+    /// # let _ = opts;
+    /// ```
     pub fn with_max_connections(mut self, n: u32) -> Self {
         self.max_connections = n.max(1);
         self
