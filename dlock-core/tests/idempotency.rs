@@ -799,6 +799,43 @@ mod postgres {
         Arc::new(store.with_limits(limits))
     }
 
+    /// A request of a store on its own pool is its statement's round trip
+    /// and no more: the connection is kept for the next request, not given
+    /// back to sqlx's pool, which would test it with a round trip of its
+    /// own first. A proxy holds every answer 40 ms, on a pool of one
+    /// connection: 4 claims and their answers take 8 answers (16 with the
+    /// connection given back after each request: seen).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_request_costs_one_round_trip_on_a_kept_connection() {
+        use dlock_core::backend::postgres::PostgresOptions;
+        let server = PostgresServer::start();
+        let proxy = dlock_testing::FaultProxy::start(server.port());
+        let url = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port());
+        let options = PostgresOptions::default().with_max_connections(1);
+        let store = PostgresStore::connect_with(&url, "kept", options).await.expect("connect");
+        let (fp, answer) = (fingerprint(&["POST", "/pay"]), StoredResponse::new(201, vec![], b"paid".to_vec()));
+        let request = |key: String| {
+            let (store, fp, answer) = (&store, &fp, &answer);
+            async move {
+                let terms = ClaimTerms::new(Duration::from_secs(30));
+                let Begin::New(claim) = store.begin("alice", &key, fp, terms).await.expect("begin") else {
+                    panic!("a new key is claimed")
+                };
+                assert!(store.complete(&claim, answer).await.expect("complete"));
+            }
+        };
+        request("warm".into()).await; // The statements are prepared on the connection.
+        let delay = Duration::from_millis(40);
+        proxy.set_delay(delay);
+        let started = tokio::time::Instant::now();
+        for i in 0..4 {
+            request(format!("k{i}")).await;
+        }
+        let took = started.elapsed();
+        assert!(took >= 8 * delay, "every answer was held: {took:?}");
+        assert!(took < 12 * delay, "more than the statements' round trips: {took:?} for 8 answers of {delay:?}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn postgres_store() {
         let server = PostgresServer::start();

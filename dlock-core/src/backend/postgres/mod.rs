@@ -637,7 +637,7 @@ impl Db {
 
     /// Requests on connections kept between them (see `connections.rs`):
     /// for a pool of dlock's own.
-    fn keeping(pool: PgPool, response_timeout: Duration) -> Self {
+    pub(crate) fn keeping(pool: PgPool, response_timeout: Duration) -> Self {
         let kept = Some(Arc::new(Connections::for_pool(&pool)));
         Db { pool, response_timeout, kept }
     }

@@ -264,6 +264,13 @@ impl PostgresStore {
     /// functions of `prefix` (`<prefix>_idem_keys`, `<prefix>_idem_tokens`)
     /// when they are missing.
     ///
+    /// The pool is the store's own: its requests keep their connections
+    /// between them, as the lock backend's do (sqlx's pool would test each
+    /// one given back with a round trip of its own), on at most half of
+    /// `options`' connections; the other half stays for the transactions
+    /// begun on [`pool`](Self::pool). A store on the application's pool
+    /// ([`with_pool`](Self::with_pool)) gives each back.
+    ///
     /// # Errors
     ///
     /// [`Error::Config`] naming `DLOCK_POSTGRES_URL` for a URL that does not
@@ -272,7 +279,7 @@ impl PostgresStore {
     /// [`Error::Backend`] when the server cannot be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: PostgresOptions) -> Result<Self> {
         let connect = connect_options(url, &options)?;
-        let db = Db::new(pool(connect, &options), options.response_timeout());
+        let db = Db::keeping(pool(connect, &options), options.response_timeout());
         Self::on(db, prefix).await
     }
 
