@@ -84,7 +84,7 @@ impl Connections {
             Some(k) => (k.conn, k.taken),
             None => (pool.acquire().await?, now),
         };
-        Ok(Lent { conn, taken, home: Some((self, turn)) })
+        Ok(Lent { conn, taken, home: Some(self), _turn: turn })
     }
 
     fn rest(&self, conn: PoolConnection<Postgres>, taken: Instant) {
@@ -102,24 +102,25 @@ impl Connections {
 pub(crate) struct Lent<'a> {
     conn: PoolConnection<Postgres>,
     taken: Instant,
-    /// Where it rests, and the request's turn; `None` for a connection of
-    /// the pool's own (a store on a pool it does not keep connections of).
-    home: Option<(&'a Connections, Option<SemaphorePermit<'a>>)>,
+    /// Where it rests; `None` for a connection of the pool's own (a store
+    /// on a pool it does not keep connections of).
+    home: Option<&'a Connections>,
+    /// The request's turn, which ends after the connection is at rest, so
+    /// that the next request finds it there.
+    _turn: Option<SemaphorePermit<'a>>,
 }
 
 impl<'a> Lent<'a> {
     /// A connection of the pool, given back to it after each request.
     pub(crate) fn pooled(conn: PoolConnection<Postgres>) -> Self {
-        Lent { conn, taken: Instant::now(), home: None }
+        Lent { conn, taken: Instant::now(), home: None, _turn: None }
     }
 
     /// The request read its answer: the connection is at rest, and the
     /// next request may have it as it is.
     pub(crate) fn rest(self) {
-        let Lent { conn, taken, home } = self;
-        // The turn ends after the connection is at rest, so that the next
-        // request finds it there.
-        if let Some((home, _turn)) = home {
+        let Lent { conn, taken, home, _turn } = self;
+        if let Some(home) = home {
             home.rest(conn, taken);
         }
     }

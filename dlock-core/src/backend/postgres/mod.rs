@@ -174,6 +174,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use futures_util::TryStreamExt as _;
 use sqlx::postgres::{PgArguments, PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Connection as _, Executor as _, Postgres, Row as _};
 use tokio::sync::Notify;
@@ -675,10 +676,7 @@ impl Db {
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
-        match self.send(make, repeat, Want::Rows).await? {
-            Answer::Rows(rows) => Ok(rows),
-            Answer::Changed(_) => Err(unexpected("a count where rows were asked for")),
-        }
+        Ok(self.send(make, repeat).await?.rows)
     }
 
     /// How many rows the statement `make` builds changed: a statement with
@@ -688,15 +686,12 @@ impl Db {
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
-        match self.send(make, repeat, Want::Changed).await? {
-            Answer::Changed(n) => Ok(n),
-            Answer::Rows(_) => Err(unexpected("rows where a count was asked for")),
-        }
+        Ok(self.send(make, repeat).await?.changed)
     }
 
     /// Runs the query `make` builds, again on another connection when its
     /// answer was lost and `repeat` allows it.
-    async fn send<'q, F>(&self, make: F, repeat: Repeat, want: Want) -> Result<Answer>
+    async fn send<'q, F>(&self, make: F, repeat: Repeat) -> Result<Reply>
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
@@ -704,17 +699,24 @@ impl Db {
         loop {
             tries += 1;
             let mut conn = self.conn().await?;
+            // The rows and the command tag of one answer: what fetch_all
+            // and execute each read of it, alone.
             let request = async {
-                match want {
-                    Want::Rows => make().fetch_all(&mut *conn).await.map(Answer::Rows),
-                    Want::Changed => make().execute(&mut *conn).await.map(|done| Answer::Changed(done.rows_affected())),
+                let mut reply = Reply::default();
+                let mut steps = (&mut *conn).fetch_many(make());
+                while let Some(step) = steps.try_next().await? {
+                    match step {
+                        sqlx::Either::Left(done) => reply.changed += done.rows_affected(),
+                        sqlx::Either::Right(row) => reply.rows.push(row),
+                    }
                 }
+                Ok::<_, sqlx::Error>(reply)
             };
             let result = tokio::time::timeout(self.response_timeout, request).await;
             let lost = match result {
-                Ok(Ok(answer)) => {
+                Ok(Ok(reply)) => {
                     conn.rest();
-                    return Ok(answer);
+                    return Ok(reply);
                 }
                 // The server answered: the statement failed, and its
                 // transaction with it.
@@ -746,17 +748,11 @@ impl Db {
     }
 }
 
-/// What a request is asked to hand back.
-#[derive(Clone, Copy)]
-enum Want {
-    Rows,
-    Changed,
-}
-
-/// A request's answer: its rows, or how many rows it changed.
-enum Answer {
-    Rows(Vec<PgRow>),
-    Changed(u64),
+/// A request's answer: its rows, and how many rows it changed.
+#[derive(Default)]
+struct Reply {
+    rows: Vec<PgRow>,
+    changed: u64,
 }
 
 /// How many times a request that may be repeated is sent when its
