@@ -70,7 +70,7 @@ pub use json_body::JsonBody;
 pub use lock::LockLayer;
 pub use rejection::{Rejection, DEFAULT_DUPLICATE_CODE, DEFAULT_DUPLICATE_MESSAGE};
 pub use render::{RenderRejections, Rendered};
-pub use request::{FencingToken, HeldLock, LockOutcome, RequestOwner};
+pub use request::{FencingToken, HeldLock, HeldLocks, LockOutcome, RequestOwner};
 
 /// The README's Rust blocks, compiled and run as doctests of this crate.
 #[cfg(doctest)]

@@ -41,7 +41,8 @@ pub const fn permits(policy: Policy, n: u32) -> Policy {
 
 use crate::pipeline::acquire::{self, acquire_for_request};
 use crate::pipeline::refusal::Refusal;
-use crate::request::{FencingToken, HeldLock, RequestOwner};
+use crate::pipeline::until_commit::UntilCommit;
+use crate::request::{FencingToken, HeldLock, HeldLocks, RequestOwner};
 
 /// The hidden first extractor of a `#[lockable]` handler: the installed
 /// engine and the request's lock owner, or why there are none. It never
@@ -50,6 +51,9 @@ use crate::request::{FencingToken, HeldLock, RequestOwner};
 #[derive(Debug)]
 pub struct LockContext {
     engine: Result<(Locker, Owner), Refusal>,
+    /// Set inside an in-transaction idempotency layer: the lock ends with
+    /// the route's transaction, not with the handler.
+    until_commit: Option<UntilCommit>,
 }
 
 impl<S> FromRequestParts<S> for LockContext
@@ -59,14 +63,15 @@ where
     type Rejection = Infallible;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let until_commit = UntilCommit::of(&parts.extensions);
         let Some(locker) = crate::install::installed(&parts.extensions).map(|dlock| dlock.locker().clone()) else {
-            return Ok(LockContext { engine: Err(Refusal::no_engine()) });
+            return Ok(LockContext { engine: Err(Refusal::no_engine()), until_commit });
         };
         let engine = match RequestOwner::get_or_insert(&mut parts.extensions) {
             Ok(owner) => Ok((locker, owner)),
             Err(e) => Err(Refusal::no_owner(e)),
         };
-        Ok(LockContext { engine })
+        Ok(LockContext { engine, until_commit })
     }
 }
 
@@ -88,7 +93,7 @@ impl LockContext {
             .map_err(|e| Refusal::from_error(e, policy, None, std::time::Duration::ZERO).respond(policy))?;
         let held =
             acquire_for_request(&locker, owner, &keys, policy).await.map_err(|refusal| refusal.respond(policy))?;
-        Ok(Held { held, policy })
+        Ok(Held { held, policy, until_commit: self.until_commit })
     }
 }
 
@@ -97,14 +102,16 @@ impl LockContext {
 pub struct Held {
     held: acquire::Held,
     policy: &'static Policy,
+    until_commit: Option<UntilCommit>,
 }
 
 impl Held {
-    /// Releases the lock once the body has produced its answer, and records
-    /// the outcome in the response. A body that panics drops the guard,
-    /// which releases it in the background.
+    /// Releases the lock once the body has produced its answer (inside an
+    /// in-transaction idempotency layer: once its transaction has ended),
+    /// and records the outcome in the response. A body that panics drops
+    /// the guard, which releases it in the background.
     pub async fn finish<R: IntoResponse>(self, out: R) -> Response {
-        let outcome = self.held.release(self.policy).await;
+        let outcome = self.held.release_after_route(self.policy.clone(), self.until_commit, ()).await;
         let mut response = out.into_response();
         response.extensions_mut().insert(outcome);
         response
@@ -140,5 +147,11 @@ impl FromHeld for HeldLock {
 impl FromHeld for Option<HeldLock> {
     fn from_held(held: &Held) -> Self {
         Some(HeldLock::of(held.held.guard()))
+    }
+}
+
+impl FromHeld for HeldLocks {
+    fn from_held(held: &Held) -> Self {
+        HeldLocks::of(held.held.guards())
     }
 }

@@ -1,5 +1,5 @@
 //! What dlock leaves in a request and its response: the request's lock owner,
-//! the fencing token of the lock it holds, and the outcome for logs.
+//! the locks it holds with their fencing tokens, and the outcome for logs.
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -8,7 +8,7 @@ use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::http::request::Parts;
 use axum::http::Extensions;
 use dlock_core::backend::LostSignal;
-use dlock_core::{LockGuard, LostReason, Owner};
+use dlock_core::{LockGuard, LockKey, LostReason, Owner};
 
 use crate::rejection::Rejection;
 
@@ -19,7 +19,10 @@ use crate::rejection::Rejection;
 #[derive(Debug, Clone)]
 struct RequestLock {
     owner: Owner,
+    /// The first declared key of the innermost lock taken.
     held: Option<HeldLock>,
+    /// Every key the request holds, of every lock taken for it.
+    all: Vec<HeldLock>,
 }
 
 /// The lock owner of one request.
@@ -57,7 +60,7 @@ impl RequestOwner {
             return Ok(lock.owner.clone());
         }
         let owner = Owner::random()?;
-        extensions.insert(RequestLock { owner: owner.clone(), held: None });
+        extensions.insert(RequestLock { owner: owner.clone(), held: None, all: Vec::new() });
         Ok(owner)
     }
 
@@ -86,6 +89,11 @@ impl<S: Send + Sync> FromRequestParts<S> for RequestOwner {
 /// lock is a server misconfiguration (`500`); take `Option<FencingToken>`
 /// where the route may run without one. [`HeldLock`] gives the lock's
 /// validity and lost signal too.
+///
+/// On a route that holds several keys ([`LockLayer::also`](crate::LockLayer::also),
+/// `#[lockable(also(..))]`) it is the token of the *first declared* key.
+/// Tokens are drawn per key, so a write to the storage of another key
+/// carries that key's token: take [`HeldLocks`] and ask it by key.
 ///
 /// ```
 /// use dlock_axum::{lockable, FencingToken};
@@ -136,6 +144,7 @@ impl FencingToken {
 /// ```
 #[derive(Debug, Clone)]
 pub struct HeldLock {
+    key: LockKey,
     fencing_token: u64,
     signal: LostSignal,
 }
@@ -143,17 +152,59 @@ pub struct HeldLock {
 impl HeldLock {
     /// The lock `guard` holds.
     pub(crate) fn of(guard: &LockGuard) -> Self {
-        HeldLock { fencing_token: guard.fencing_token(), signal: guard.lost_signal() }
+        HeldLock { key: guard.key().clone(), fencing_token: guard.fencing_token(), signal: guard.lost_signal() }
     }
 
-    /// Records the lock just taken for the request of `owner`, for the
-    /// route's extractors.
-    pub(crate) fn set(self, extensions: &mut Extensions, owner: &Owner) {
+    /// Records the locks just taken for the request of `owner`, for the
+    /// route's extractors: `primary`, the first declared key, is what
+    /// [`HeldLock`] and [`FencingToken`] give; `all` are every key taken.
+    pub(crate) fn set(
+        extensions: &mut Extensions,
+        owner: &Owner,
+        primary: HeldLock,
+        all: impl Iterator<Item = HeldLock>,
+    ) {
         match extensions.get_mut::<RequestLock>() {
-            Some(lock) => lock.held = Some(self),
-            None => {
-                extensions.insert(RequestLock { owner: owner.clone(), held: Some(self) });
+            Some(lock) => {
+                lock.held = Some(primary);
+                lock.all.extend(all);
             }
+            None => {
+                extensions.insert(RequestLock { owner: owner.clone(), held: Some(primary), all: all.collect() });
+            }
+        }
+    }
+
+    /// The key this lock is on (its log id, `key().log_id()`, names it in
+    /// logs without its values).
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// Whether this lock is on the key of lock `name` with the one part
+    /// `part`, as a layer builds it (`LockLayer::new(name).path(..)`,
+    /// `.also(name)` with one field): the prefix is not compared.
+    ///
+    /// ```
+    /// # use dlock_core::{Locker, MemoryBackend};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_core::Error> {
+    /// # let locker = Locker::new(MemoryBackend::new());
+    /// # let policy = dlock_axum::lock::Policy::new("account");
+    /// # let key = locker.key("account").part(7).build()?;
+    /// # let owner = dlock_core::Owner::random()?;
+    /// # let _ = policy.run_holding(&locker, owner, key, |held| async move {
+    /// assert!(held.is("account", 7));
+    /// assert!(held.is("account", "7")); // a part is its text
+    /// assert!(!held.is("account", 8));
+    /// # }).await;
+    /// # Ok(()) }
+    /// ```
+    pub fn is(&self, name: &str, part: impl dlock_core::KeyPart) -> bool {
+        // `{` is escaped inside names and parts, so the lock's own text is
+        // everything from the last `:{` on, whatever the prefix.
+        match LockKey::builder("", name).part(part).build() {
+            Ok(probe) => self.key.as_str().ends_with(probe.as_str()),
+            Err(_) => false,
         }
     }
 
@@ -228,6 +279,99 @@ macro_rules! from_request_lock {
 
 from_request_lock!(FencingToken, "this route holds no lock, so it has no fencing token");
 from_request_lock!(HeldLock, "this route holds no lock");
+
+/// Every lock this request holds, each with its own fencing token: for a
+/// route that holds several keys ([`LockLayer::also`](crate::LockLayer::also),
+/// `#[lockable(also(..))]`) and writes the storage of more than one.
+///
+/// Fencing tokens are drawn per key: a transfer that took `account:1`
+/// early and then waited for `account:3` holds an older token than one a
+/// later transfer wrote `account:3` with. So each account's row is fenced
+/// with its own key's token, never with the first key's.
+///
+/// Behind a [`LockLayer`](crate::LockLayer) it is every key of every lock
+/// layer on the route; in a `#[lockable]` handler, the keys the macro took
+/// (the macro fills an argument of this type). Empty where the request
+/// holds no lock.
+///
+/// ```
+/// use axum::{routing::post, Router};
+/// use dlock_axum::{HeldLocks, LockLayer};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Transfer { from: u64, to: u64 }
+///
+/// async fn transfer(locks: HeldLocks, axum::Json(t): axum::Json<Transfer>) -> String {
+///     let from = locks.token("account", t.from).map(|token| token.0);
+///     let to = locks.token("account", t.to).map(|token| token.0);
+///     format!("debit under {from:?}, credit under {to:?}")
+/// }
+///
+/// let app: Router = Router::new().route(
+///     "/transfers",
+///     post(transfer).route_layer(LockLayer::new("account").json("from").also("account").json("to")),
+/// );
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct HeldLocks(Vec<HeldLock>);
+
+impl HeldLocks {
+    /// The locks `guards` hold.
+    pub(crate) fn of(guards: &[LockGuard]) -> Self {
+        HeldLocks(guards.iter().map(HeldLock::of).collect())
+    }
+
+    /// Every lock the request holds.
+    ///
+    /// ```
+    /// let ext = axum::http::Extensions::new();
+    /// assert!(dlock_axum::HeldLocks::get_all(&ext).is_empty());
+    /// ```
+    pub fn get_all(extensions: &Extensions) -> HeldLocks {
+        HeldLocks(extensions.get::<RequestLock>().map(|lock| lock.all.clone()).unwrap_or_default())
+    }
+
+    /// The lock on the key of lock `name` with the one part `part` (see
+    /// [`HeldLock::is`]), if the request holds it.
+    pub fn get(&self, name: &str, part: impl dlock_core::KeyPart) -> Option<&HeldLock> {
+        let probe = LockKey::builder("", name).part(part).build().ok()?;
+        self.0.iter().find(|held| held.key.as_str().ends_with(probe.as_str()))
+    }
+
+    /// The lock on `key`, if the request holds it: for keys of several
+    /// parts, built as the layer builds them.
+    pub fn get_key(&self, key: &LockKey) -> Option<&HeldLock> {
+        self.0.iter().find(|held| &held.key == key)
+    }
+
+    /// The fencing token of the lock on `name` with the one part `part`.
+    pub fn token(&self, name: &str, part: impl dlock_core::KeyPart) -> Option<FencingToken> {
+        self.get(name, part).map(HeldLock::fencing_token)
+    }
+
+    /// The locks, in the order they were taken (a set in key order).
+    pub fn iter(&self) -> impl Iterator<Item = &HeldLock> {
+        self.0.iter()
+    }
+
+    /// How many locks the request holds.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the request holds no lock.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for HeldLocks {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Ok(HeldLocks::get_all(&parts.extensions))
+    }
+}
 
 fn no_lock(extractor: &str, message: &'static str) -> Rejection {
     tracing::error!(

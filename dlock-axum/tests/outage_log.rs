@@ -56,17 +56,17 @@ async fn an_outage_is_one_warning_a_count_and_an_end() {
         assert_eq!(status(&app, "/pay").await, StatusCode::SERVICE_UNAVAILABLE);
     }
     let lines = logs.take_lines();
-    // The backend says once that it lost its connection (its own event, not
-    // a request's); the requests' outage is one warning more.
-    let warnings: Vec<&String> =
-        lines.iter().filter(|l| l.contains(" WARN ") && !l.contains("Redis connection lost")).collect();
+    // The backend says that it lost its connections (its own events, from
+    // `dlock_core`, not a request's; how many were logged by now depends on
+    // when its tasks ran); the requests' outage is one warning more.
+    let warnings: Vec<&String> = lines.iter().filter(|l| l.contains(" WARN dlock_axum")).collect();
     assert_eq!(warnings.len(), 2, "one warning for each service's outage, not one per request: {warnings:#?}");
     for service in ["the lock service", "the idempotency store"] {
         let told = warnings.iter().filter(|l| l.contains(&format!("{service} is unavailable"))).count();
         assert_eq!(told, 1, "{service}: {warnings:#?}");
     }
     // The backends' own "connection lost", once for each connection.
-    assert!(lines.iter().filter(|l| l.contains(" WARN ")).count() <= 4, "{lines:#?}");
+    assert!(lines.iter().filter(|l| l.contains("Redis connection lost")).count() <= 4, "{lines:#?}");
     // Each refusal is still an event, below WARN, for whoever wants them.
     let refusals = lines.iter().filter(|l| l.contains("dlock.request") && l.contains("unavailable")).count();
     assert_eq!(refusals as u64, REFUSED, "{lines:#?}");

@@ -84,7 +84,8 @@ fn from_lock(ty: &syn::Type) -> bool {
         }
     }
     let lock_type = |seg: &syn::PathSegment| {
-        matches!(seg.arguments, syn::PathArguments::None) && (seg.ident == "FencingToken" || seg.ident == "HeldLock")
+        matches!(seg.arguments, syn::PathArguments::None)
+            && (seg.ident == "FencingToken" || seg.ident == "HeldLock" || seg.ident == "HeldLocks")
     };
     match last(ty) {
         Some(seg) if lock_type(seg) => true,

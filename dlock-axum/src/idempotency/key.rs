@@ -1,8 +1,6 @@
 //! Key mode: `Idempotency-Key` with stored, replayed responses.
 
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -17,11 +15,12 @@ use dlock_core::idempotency::{fingerprint, Begin, Claim, ClaimTerms, Idempotency
 use futures_util::StreamExt;
 use tower::{Layer, Service};
 
-use super::detached::{self, Settled};
+use super::lease;
 use super::{Records, KEY_HEADER, MAX_KEY_LEN, REPLAYED_HEADER};
 use crate::caller::Caller;
 use crate::future::ResponseFuture;
 use crate::pipeline::body::{discard, read_body, BodyLimits};
+use crate::pipeline::detached::{self, CatchUnwind, Settled};
 use crate::pipeline::outage::STORE;
 use crate::rejection::Rejection;
 
@@ -479,23 +478,6 @@ fn replay(stored: StoredResponse) -> Response {
     res
 }
 
-/// Polls the route's future and turns a panic into a value, so the key can
-/// be freed before the panic goes on.
-pub(super) struct CatchUnwind<F>(pub(super) Pin<Box<F>>);
-
-impl<F: Future> Future for CatchUnwind<F> {
-    type Output = std::thread::Result<F::Output>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let fut = self.0.as_mut();
-        match std::panic::catch_unwind(AssertUnwindSafe(move || fut.poll(cx))) {
-            Ok(Poll::Pending) => Poll::Pending,
-            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
-            Err(payload) => Poll::Ready(Err(payload)),
-        }
-    }
-}
-
 impl<S> Service<Request<Body>> for Idempotent<S>
 where
     S: Service<Request<Body>> + Clone + Send + 'static,
@@ -579,15 +561,24 @@ where
     let Some(store) = store else {
         return Ok(crate::install::no_engine().into_response());
     };
-    let claim = match claimed(store.begin(&scope, &key, &fp, terms).await) {
-        Begun::Run(claim) => claim,
-        Begun::Answer(answer) => return Ok(answer),
-    };
-    let req = Request::from_parts(parts, Body::from(body));
-    // From here on the route runs on its own task: a client that hangs up
+    // From the claim on, the request runs on its own task: a client that
+    // hangs up while the claim is on its way, or while the route runs,
     // cancels neither the route nor the storing of its answer.
-    let route = inner.call(req);
-    detached::run_detached(settle(layer, store, claim, route)).await
+    detached::run_detached(move |client| async move {
+        let claim = match claimed(store.begin(&scope, &key, &fp, terms).await) {
+            Begun::Run(claim) => claim,
+            Begun::Answer(answer) => return Settled::Answer(answer),
+        };
+        if client.is_gone() {
+            // Nobody waits for the route's answer: the key is freed
+            // unrun, and its retry runs.
+            abandon(&*store, &claim).await;
+            return Settled::Answer(Rejection::idempotency_request_in_progress().into_response());
+        }
+        let route = inner.call(Request::from_parts(parts, Body::from(body)));
+        settle(layer, store, claim, route).await
+    })
+    .await
 }
 
 /// What a claim's answer leads to: run the route, or answer at once.
@@ -631,7 +622,7 @@ async fn settle<R, E>(
 where
     R: IntoResponse,
 {
-    let answered = detached::renewing(&*store, &claim, layer.lease, CatchUnwind(Box::pin(route))).await;
+    let answered = lease::renewing(&*store, &claim, layer.lease, CatchUnwind(Box::pin(route))).await;
     let response = match answered {
         Ok(Ok(res)) => res.into_response(),
         Ok(Err(e)) => {

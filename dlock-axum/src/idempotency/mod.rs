@@ -68,8 +68,8 @@ use dlock_core::idempotency::IdempotencyStore;
 use crate::caller::Caller;
 use crate::rejection::Rejection;
 
-mod detached;
 mod key;
+mod lease;
 mod token;
 #[cfg(feature = "postgres")]
 mod transaction;

@@ -13,12 +13,13 @@ use tower::{Layer, Service};
 
 use dlock_core::idempotency::{Claim, IdempotencyStore, TokenClaim};
 
-use super::detached::{self, Settled};
-use super::key::{stored_by_default, CatchUnwind};
+use super::key::stored_by_default;
+use super::lease;
 use super::{Records, TOKEN_HEADER};
 use crate::caller::Caller;
 use crate::future::ResponseFuture;
 use crate::pipeline::body::discard;
+use crate::pipeline::detached::{self, CatchUnwind, Settled};
 use crate::pipeline::outage::STORE;
 use crate::rejection::Rejection;
 
@@ -349,62 +350,85 @@ where
         let records = layer.records.in_request(&parts.extensions);
         let req = Request::from_parts(parts, body);
         ResponseFuture::new(async move {
-            let claimed = match (token, principal, &records) {
+            let asked = match (token, principal, records) {
                 (Err(refused), _, _) => Err(refused.into_response()),
                 (Ok(None), _, _) => Err(Rejection::idempotency_token_missing().into_response()),
                 (Ok(Some(_)), Some(None), _) => Err(scope_missing().into_response()),
-                (Ok(Some(_)), _, Err(refused)) => Err(refused.clone().into_response()),
-                (Ok(Some(token)), principal, Ok((store, _))) => {
-                    let principal = principal.flatten();
-                    let claimed = store.claim_token(&token, principal.as_deref(), layer.lease).await;
-                    match &claimed {
-                        Err(e) if e.is_unavailable() => STORE.refused(&e.to_string()),
-                        _ => STORE.answered(),
-                    }
-                    match claimed {
-                        Ok(TokenClaim::Claimed(claim)) => Ok((claim, store.clone())),
-                        Ok(TokenClaim::InUse) => Err(Rejection::idempotency_request_in_progress()
-                            .with_message("a request with this token is still being processed")
-                            .into_response()),
-                        Ok(TokenClaim::OutcomeUnknown) => Err(Rejection::idempotency_outcome_unknown()
-                            .with_message(
-                                "a request with this token was started but never answered; whether it ran is \
-                                 unknown: check, then fetch a new token",
-                            )
-                            .into_response()),
-                        // Unknown, and whatever a newer store answers:
-                        // never run on an answer this layer does not know.
-                        Ok(_) => Err(layer.duplicate.clone().into_response()),
-                        Err(e) => {
-                            // An outage is told once, with a count, by the outage log.
-                            if e.is_unavailable() {
-                                tracing::debug!(error = %e, "dlock: claiming an idempotency token failed");
-                            } else {
-                                tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
-                            }
-                            // `Retry-After` on a 503 comes with the rejection's response.
-                            Err(Rejection::from_lock_error(&e).into_response())
-                        }
-                    }
-                }
+                (Ok(Some(_)), _, Err(refused)) => Err(refused.into_response()),
+                (Ok(Some(token)), principal, Ok((store, _))) => Ok((token, principal.flatten(), store)),
             };
-            let (claim, store) = match claimed {
-                Ok(claimed) => claimed,
-                Err(response) => {
-                    // Refused before the route read the body: drain it
-                    // first, or a client still sending it gets a broken
-                    // pipe instead of this answer.
-                    let (parts, body) = req.into_parts();
-                    discard(&parts.headers, body, false).await;
-                    return Ok(response);
-                }
+            let (token, principal, store) = match asked {
+                Ok(asked) => asked,
+                Err(response) => return Ok(refuse(req, response).await),
             };
-            // From here on the route runs on its own task: a client that
-            // hangs up cancels neither the route nor the spending of its
-            // token, so a resubmit gets `409`, never a second run.
-            let route = inner.call(req);
-            detached::run_detached(settle(layer.spend_when, store, claim, layer.lease, route)).await
+            // From the claim on, the request runs on its own task: a client
+            // that hangs up while the claim is on its way, or while the
+            // route runs, cancels neither, so the token is spent by the
+            // route's answer or given back, never stranded half-claimed.
+            detached::run_detached(move |client| async move {
+                let claim = match claim_token(&layer, &*store, &token, principal.as_deref()).await {
+                    Ok(claim) => claim,
+                    Err(response) => return Settled::Answer(refuse(req, response).await),
+                };
+                if client.is_gone() {
+                    // Nobody waits for the route's answer: the token goes
+                    // back unspent, and its owner may submit it again.
+                    give_back(&*store, &claim).await;
+                    return Settled::Answer(Rejection::idempotency_request_in_progress().into_response());
+                }
+                let route = inner.call(req);
+                settle(layer.spend_when, store, claim, layer.lease, route).await
+            })
+            .await
         })
+    }
+}
+
+/// Answers a request refused before its route read the body: the body is
+/// drained first, or a client still sending it gets a broken pipe instead
+/// of this answer.
+async fn refuse(req: Request<Body>, response: Response) -> Response {
+    let (parts, body) = req.into_parts();
+    discard(&parts.headers, body, false).await;
+    response
+}
+
+/// Claims `token` for one run of the route, or answers why not.
+async fn claim_token(
+    layer: &TokenLayer,
+    store: &dyn IdempotencyStore,
+    token: &str,
+    principal: Option<&str>,
+) -> Result<Claim, Response> {
+    let claimed = store.claim_token(token, principal, layer.lease).await;
+    match &claimed {
+        Err(e) if e.is_unavailable() => STORE.refused(&e.to_string()),
+        _ => STORE.answered(),
+    }
+    match claimed {
+        Ok(TokenClaim::Claimed(claim)) => Ok(claim),
+        Ok(TokenClaim::InUse) => Err(Rejection::idempotency_request_in_progress()
+            .with_message("a request with this token is still being processed")
+            .into_response()),
+        Ok(TokenClaim::OutcomeUnknown) => Err(Rejection::idempotency_outcome_unknown()
+            .with_message(
+                "a request with this token was started but never answered; whether it ran is unknown: check, then \
+                 fetch a new token",
+            )
+            .into_response()),
+        // Unknown, and whatever a newer store answers: never run on an
+        // answer this layer does not know.
+        Ok(_) => Err(layer.duplicate.clone().into_response()),
+        Err(e) => {
+            // An outage is told once, with a count, by the outage log.
+            if e.is_unavailable() {
+                tracing::debug!(error = %e, "dlock: claiming an idempotency token failed");
+            } else {
+                tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
+            }
+            // `Retry-After` on a 503 comes with the rejection's response.
+            Err(Rejection::from_lock_error(&e).into_response())
+        }
     }
 }
 
@@ -417,7 +441,7 @@ async fn settle<R: IntoResponse, E>(
     lease: Duration,
     route: impl Future<Output = Result<R, E>> + Send,
 ) -> Settled<E> {
-    let response = match detached::renewing(&*store, &claim, lease, CatchUnwind(Box::pin(route))).await {
+    let response = match lease::renewing(&*store, &claim, lease, CatchUnwind(Box::pin(route))).await {
         Ok(Ok(res)) => res.into_response(),
         Ok(Err(e)) => {
             give_back(&*store, &claim).await;

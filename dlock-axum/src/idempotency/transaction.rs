@@ -7,8 +7,11 @@
 //! request's extensions (the [`Tx`] argument takes it for the handler's
 //! run), takes it back when the route has answered, stores the answer
 //! ([`PostgresStore::complete_in`]) and commits. Everything after the claim
-//! runs on a task of its own (`detached.rs`), so a client that hangs up
-//! cancels neither the route nor the commit.
+//! runs on a task of its own (`pipeline/detached.rs`), from the `BEGIN` on,
+//! so a client that hangs up cancels neither the route nor the commit, and
+//! never leaves a transaction half-begun on the application's pool. A lock
+//! the route takes inside this layer is released once the transaction has
+//! ended (`pipeline/until_commit.rs`), not when the route answers.
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
@@ -23,11 +26,12 @@ use bytes::Bytes;
 use dlock_core::idempotency::{Claim, ClaimTerms, PostgresStore};
 use sqlx::postgres::PgConnection;
 use sqlx::Postgres;
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use tokio::sync::{oneshot, Mutex, OwnedMutexGuard};
 use tower::Service;
 
-use super::detached::{self, Settled};
-use super::key::{claimed, is_stored, not_stored_record, store_error, to_record, Begun, CatchUnwind, IdempotencyLayer};
+use super::key::{claimed, is_stored, not_stored_record, store_error, to_record, Begun, IdempotencyLayer};
+use crate::pipeline::detached::{self, CatchUnwind, Settled};
+use crate::pipeline::until_commit::UntilCommit;
 use crate::rejection::Rejection;
 
 /// The transaction of a request, between the layer and the handler.
@@ -111,7 +115,10 @@ pub(super) struct Claimed {
 }
 
 /// Begins the transaction, claims the key in it, and runs the route and
-/// its settling on a task of its own.
+/// its settling, all on a task of its own: a client that hangs up while
+/// the transaction is being begun, while the claim is on its way or while
+/// the route runs cuts none of them, so no transaction is left open and no
+/// claim stranded.
 pub(super) async fn run<S>(
     layer: IdempotencyLayer,
     store: PostgresStore,
@@ -126,36 +133,67 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
 {
-    let mut tx = match begin(&store).await {
-        Ok(tx) => tx,
-        Err(e) => return Ok(store_error(&e)),
-    };
-    let Claimed { scope, key, fingerprint, terms } = &claimed_as;
-    let begun = store.begin_in(&mut tx, scope, key, fingerprint, *terms).await;
-    let claim = match claimed(begun) {
-        Begun::Run(claim) => claim,
-        // Nothing to keep: the claim's statement wrote nothing, or failed.
-        Begun::Answer(answer) => {
+    detached::run_detached(move |client| async move {
+        let mut tx = match begin(&store).await {
+            Ok(tx) => tx,
+            Err(e) => return Settled::Answer(store_error(&e)),
+        };
+        let Claimed { scope, key, fingerprint, terms } = &claimed_as;
+        let begun = store.begin_in(&mut tx, scope, key, fingerprint, *terms).await;
+        let claim = match claimed(begun) {
+            Begun::Run(claim) => claim,
+            // Nothing to keep: the claim's statement wrote nothing, or failed.
+            Begun::Answer(answer) => {
+                rollback(tx).await;
+                return Settled::Answer(answer);
+            }
+        };
+        if client.is_gone() {
+            // Nobody waits for the route's answer: the claim goes with the
+            // transaction, unrun, and its retry runs.
             rollback(tx).await;
-            return Ok(answer);
+            return Settled::Answer(Rejection::idempotency_request_in_progress().into_response());
         }
-    };
-    let slot: Slot = Arc::new(Mutex::new(tx));
-    parts.extensions.insert(TxSlot(slot.clone()));
-    let route = inner.call(Request::from_parts(parts, Body::from(body)));
-    detached::run_detached(settle(layer, store, claim, slot, route)).await
+        let slot: Slot = Arc::new(Mutex::new(tx));
+        parts.extensions.insert(TxSlot(slot.clone()));
+        let until_commit = UntilCommit::default();
+        until_commit.insert(&mut parts.extensions);
+        let route = inner.call(Request::from_parts(parts, Body::from(body)));
+        let settled = settle(layer, store, claim, slot, route).await;
+        // The locks the route took inside this layer end after its
+        // transaction, so their next holder reads what it committed.
+        until_commit.ended().await;
+        settled
+    })
+    .await
 }
 
 /// A transaction on the store's pool, within the store's bound.
+///
+/// `Pool::begin` is not cancel-safe in sqlx 0.8 on PostgreSQL: cut between
+/// sending `BEGIN` and reading its answer, it hands the connection back to
+/// the pool inside a transaction nobody will end (upstream sqlx#4393). So
+/// the begin is never cut: it runs on a task of its own, and the bound only
+/// stops waiting for it. A transaction begun after its request stopped
+/// waiting is rolled back by that task before its connection goes back.
 async fn begin(store: &PostgresStore) -> dlock_core::Result<sqlx::Transaction<'static, Postgres>> {
     let bound = store.response_timeout();
-    match tokio::time::timeout(bound, store.pool().begin()).await {
-        Ok(Ok(tx)) => Ok(tx),
-        Ok(Err(e)) => Err(dlock_core::Error::Backend {
+    let (answer, begun) = oneshot::channel();
+    let pool = store.pool().clone();
+    tokio::spawn(async move {
+        if let Err(Ok(late)) = answer.send(pool.begin().await) {
+            rollback(late).await;
+        }
+    });
+    match tokio::time::timeout(bound, begun).await {
+        Ok(Ok(Ok(tx))) => Ok(tx),
+        Ok(Ok(Err(e))) => Err(dlock_core::Error::Backend {
             backend: "postgres",
             message: format!("cannot begin the route's transaction: {e}"),
             source: Some(Box::new(e)),
         }),
+        // The runtime is shutting down under the task.
+        Ok(Err(_)) => Err(dlock_core::Error::backend("postgres", "the route's transaction was not begun")),
         Err(_) => Err(dlock_core::Error::backend("postgres", format!("no transaction within {bound:?}"))),
     }
 }

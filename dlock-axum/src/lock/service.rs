@@ -17,13 +17,18 @@ use crate::future::ResponseFuture;
 use crate::install::installed;
 use crate::pipeline::acquire::{acquire_for_request, Held};
 use crate::pipeline::body::{discard, read_body, require_json_content_type, BodyLimits};
+use crate::pipeline::detached::{run_detached, CatchUnwind, Settled};
 use crate::pipeline::refusal::Refusal;
+use crate::pipeline::until_commit::UntilCommit;
 use crate::rejection::Rejection;
 use crate::request::{HeldLock, RequestOwner};
 
 /// The service of [`LockLayer`](super::LockLayer): takes the request's lock, calls the inner
 /// service while holding it, and releases it once the inner service has
-/// answered. See the [module docs](super).
+/// answered (or, inside [`IdempotencyLayer::in_transaction`](crate::idempotency::IdempotencyLayer::in_transaction),
+/// once the route's transaction has ended). Once the inner service is
+/// called it runs to its end even if the client hangs up, so the lock
+/// covers everything the route does. See the [module docs](super).
 ///
 /// ```
 /// use axum::{routing::post, Router};
@@ -74,8 +79,10 @@ where
 
 async fn run<S>(spec: Arc<Spec>, mut inner: S, req: Request<Body>) -> Result<Response, S::Error>
 where
-    S: Service<Request<Body>>,
+    S: Service<Request<Body>> + Send + 'static,
     S::Response: IntoResponse,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
 {
     let (mut parts, body) = req.into_parts();
     let mut pending = Some(body);
@@ -92,18 +99,25 @@ where
             return Ok(refusal.respond(&spec.policy));
         }
     };
-    let req = Request::from_parts(parts, body);
-    // If this future is dropped while the inner service runs, `held` is
-    // dropped with it and its guard releases in the background.
-    let result = inner.call(req).await.map(IntoResponse::into_response);
-    let outcome = held.release(&spec.policy).await;
-    // The permit, if the layer caps holds per caller, is given back after
-    // the release.
-    drop(permit);
-    result.map(|mut response| {
-        response.extensions_mut().insert(outcome);
-        response
+    // Inside an in-transaction idempotency layer the lock lasts until the
+    // transaction has ended, not only until the route answers.
+    let until_commit = UntilCommit::of(&parts.extensions);
+    let route = inner.call(Request::from_parts(parts, body));
+    // The route runs to its end under the lock, on a task of its own: a
+    // client that hangs up does not release the lock while the route (or
+    // an idempotency layer inside, which runs it detached) still works.
+    run_detached(move |_| async move {
+        let answered = CatchUnwind(Box::pin(route)).await.map(|r| r.map(IntoResponse::into_response));
+        // The permit, if the layer caps holds per caller, is given back
+        // after the release.
+        let outcome = held.release_after_route(spec.policy.clone(), until_commit, permit).await;
+        let mut settled = Settled::of(answered);
+        if let Settled::Answer(response) = &mut settled {
+            response.extensions_mut().insert(outcome);
+        }
+        settled
     })
+    .await
 }
 
 /// A request that got its lock: the lock, the quota permit if any, the body
@@ -148,6 +162,11 @@ async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Re
         None => None,
     };
     let held = acquire_for_request(&locker, owner, keys.as_slice(), &spec.policy).await?;
-    HeldLock::of(held.guard()).set(&mut parts.extensions, held.guard().owner());
+    HeldLock::set(
+        &mut parts.extensions,
+        held.guard().owner(),
+        HeldLock::of(held.guard()),
+        held.guards().iter().map(HeldLock::of),
+    );
     Ok(Admitted { held, permit, body: pending.take().unwrap_or_default() })
 }

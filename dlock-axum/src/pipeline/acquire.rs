@@ -11,6 +11,7 @@ use dlock_core::{LockGuard, LockKey, Locker, MultiGuard, Owner};
 use super::outage;
 use super::policy::Policy;
 use super::refusal::Refusal;
+use super::until_commit::UntilCommit;
 use crate::request::LockOutcome;
 
 /// A request that holds its lock, or its locks.
@@ -190,14 +191,49 @@ impl Policy {
 }
 
 impl Held {
+    /// What the response's extensions say of this hold.
+    pub(crate) fn outcome(&self) -> LockOutcome {
+        LockOutcome::Acquired { fencing_token: self.guard().fencing_token(), waited: self.waited }
+    }
+
+    /// Every guard of the hold: the one key, or the set in key order.
+    pub(crate) fn guards(&self) -> &[LockGuard] {
+        match &self.guards {
+            Guards::One(guard) => std::slice::from_ref(guard),
+            Guards::All { set, .. } => set.guards(),
+        }
+    }
+
+    /// Releases the lock once the route has answered, or hands the release
+    /// to the route's transaction when there is one (`until_commit.rs`),
+    /// and says what happened for the response's extensions. `after` (a
+    /// quota permit) is let go after the release.
+    pub(crate) async fn release_after_route<T: Send + 'static>(
+        self,
+        policy: Policy,
+        until_commit: Option<UntilCommit>,
+        after: T,
+    ) -> LockOutcome {
+        let outcome = self.outcome();
+        let release = async move {
+            self.release(&policy).await;
+            drop(after);
+        };
+        match until_commit {
+            Some(until_commit) => until_commit.keep(Box::pin(release)),
+            None => release.await,
+        }
+        outcome
+    }
+
     /// Releases the lock once the route has answered, and says what happened
     /// for the response's extensions. A release that fails is logged: the
     /// route's work is done, and the engine retries the release in the
     /// background until it goes through or the lease runs out.
     pub(crate) async fn release(self, policy: &Policy) -> LockOutcome {
+        let outcome = self.outcome();
         let fencing_token = self.guard().fencing_token();
-        let Held { guards, waited } = self;
-        let released = match guards {
+        let released = match self.guards {
             Guards::One(guard) => guard.release().await,
             Guards::All { set, .. } => set.release().await,
         };
@@ -210,6 +246,6 @@ impl Held {
             ),
             Err(e) => tracing::warn!(lock = policy.name(), error = %e, "release failed; retried in the background"),
         }
-        LockOutcome::Acquired { fencing_token, waited }
+        outcome
     }
 }
