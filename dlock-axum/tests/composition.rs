@@ -99,6 +99,26 @@ impl Account {
 /// while its route still runs, waits on the lock and gets the stored answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lock_outside_the_idempotency_layer_covers_its_detached_route_through_a_hang_up() {
+    let (account, other, retry) = hang_up_then_debit(true).await;
+    assert_eq!(status(&other), "201", "{other}");
+    assert_eq!(status(&retry), "201", "{retry}");
+    assert!(retry.contains("idempotent-replayed: true"), "the retry waited on the lock, then replayed: {retry}");
+    assert_eq!(account.runs.load(Ordering::SeqCst), 2, "k1 once, k2 once");
+    assert_eq!(account.balance.load(Ordering::SeqCst), 980, "both debits landed: neither read under the other");
+}
+
+/// The control: the same requests with no lock lose k1's debit, so the
+/// test above reaches the gap it says it closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_the_lock_the_same_hang_up_loses_a_debit() {
+    let (account, _, _) = hang_up_then_debit(false).await;
+    assert_eq!(account.runs.load(Ordering::SeqCst), 2);
+    assert_eq!(account.balance.load(Ordering::SeqCst), 990, "k2 read under k1's gap and overwrote it");
+}
+
+/// k1 hangs up at 50 ms into its 300 ms gap; k1's retry and k2 come at
+/// 50 and 100 ms. The account, k2's answer and the retry's.
+async fn hang_up_then_debit(locked: bool) -> (Account, String, String) {
     let account = Account::default();
     account.balance.store(1000, Ordering::SeqCst);
     let a = account.clone();
@@ -110,8 +130,12 @@ async fn a_lock_outside_the_idempotency_layer_covers_its_detached_route_through_
         }
     };
     let idempotency = IdempotencyLayer::new().with_store(Arc::new(MemoryStore::new())).caller(Caller::header("x-user"));
-    let lock = LockLayer::new("account").json("account").wait(Duration::from_secs(5));
-    let app = Router::new().route("/debit", post(route).layer::<_, Infallible>(idempotency).layer(lock));
+    let route = post(route).layer::<_, Infallible>(idempotency);
+    let route = match locked {
+        true => route.layer(LockLayer::new("account").json("account").wait(Duration::from_secs(5))),
+        false => route,
+    };
+    let app = Router::new().route("/debit", route);
     let addr = serve(app.with_locker(Locker::new(MemoryBackend::new()))).await;
     let body = r#"{"account": 1}"#;
 
@@ -119,12 +143,10 @@ async fn a_lock_outside_the_idempotency_layer_covers_its_detached_route_through_
     let retry = tokio::spawn(send(addr, request("/debit", Some("k1"), body)));
     tokio::time::sleep(Duration::from_millis(50)).await;
     let other = send(addr, request("/debit", Some("k2"), body)).await;
-    assert_eq!(status(&other), "201", "{other}");
     let retry = retry.await.expect("the retry");
-    assert_eq!(status(&retry), "201", "{retry}");
-    assert!(retry.contains("idempotent-replayed: true"), "the retry waited on the lock, then replayed: {retry}");
-    assert_eq!(account.runs.load(Ordering::SeqCst), 2, "k1 once, k2 once");
-    assert_eq!(account.balance.load(Ordering::SeqCst), 980, "both debits landed: neither read under the other");
+    // Whatever the answers, every route has ended.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    (account, other, retry)
 }
 
 /// The application's tables: one account, and the rows every debit wrote.
@@ -220,39 +242,68 @@ async fn a_lockable_route_inside_an_in_transaction_layer_holds_its_lock_until_th
     debits_match_the_ledger(&server, addr, "/debit", 120).await;
 }
 
-/// W4: hundreds of clients hang up at 1–30 ms on an in-transaction route
-/// whose store is on the application's own pool. No connection stays
-/// `idle in transaction`, and an autocommit write on that pool afterwards
-/// is visible to another session.
+/// W4: hundreds of clients hang up at 1–20 ms on an in-transaction route
+/// whose store is on the application's own pool, behind a network whose
+/// answers take 10 ms (so many hang-ups land while a `BEGIN` is on its
+/// way). No connection stays `idle in transaction`, and an autocommit write
+/// on that pool afterwards is visible to another session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hang_ups_leave_no_transaction_open_on_the_applications_pool() {
     let server = PostgresServer::start();
     create_tables(&server);
+    let proxy = FaultProxy::start(server.port());
+    // Every connection the pool lends is asked whether it is inside a
+    // transaction already: one is a transaction left open by a cut `BEGIN`
+    // (inside one, `now()` is its start, earlier than the statement's).
+    let lent_in_a_transaction = Arc::new(AtomicUsize::new(0));
+    let seen = lent_in_a_transaction.clone();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
-        .connect(&server.url())
+        .before_acquire(move |conn, _| {
+            let seen = seen.clone();
+            Box::pin(async move {
+                // A simple query (one protocol message): in autocommit, its
+                // statement and its transaction start together.
+                let row = sqlx::Executor::fetch_one(conn, "SELECT now() <> statement_timestamp()").await?;
+                let open: bool = sqlx::Row::try_get(&row, 0)?;
+                if open {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok(true)
+            })
+        })
+        .connect(&format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port()))
         .await
         .expect("the application's pool");
     let store = PostgresStore::with_pool(pool.clone(), "w4").await.expect("store");
+    // Credits commute: no lock is needed for them to add up.
     let route = |mut tx: Tx| async move {
-        debit_in(&mut tx, Duration::from_millis(2)).await;
-        (StatusCode::CREATED, "debited")
+        sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = 1").execute(&mut *tx).await.expect("write");
+        sqlx::query("INSERT INTO ledger (account, amount) VALUES (1, 1)").execute(&mut *tx).await.expect("ledger");
+        (StatusCode::CREATED, "credited")
     };
+    // No lock: the requests crowd the pool, so many are cut while their
+    // `BEGIN` is on its way, the window sqlx 0.8 does not survive.
     let idempotency = IdempotencyLayer::new().caller(Caller::header("x-user")).in_transaction(store);
-    let lock = LockLayer::new("account").wait(Duration::from_secs(10));
-    let app = Router::new().route("/debit", post(route).layer::<_, Infallible>(idempotency).layer(lock));
-    let addr = serve(app.with_locker(Locker::new(MemoryBackend::new()))).await;
-    let hang_ups: Vec<_> = (0..300)
-        .map(|i| {
-            let after = Duration::from_millis(1 + (i * 7) % 30);
-            tokio::spawn(hang_up(addr, request("/debit", Some(&format!("h{i}")), "{}"), after))
-        })
-        .collect();
-    for h in hang_ups {
-        h.await.expect("a hang-up");
+    let app = Router::new().route("/credit", post(route).layer(idempotency));
+    let addr = serve(app).await;
+    proxy.set_delay(Duration::from_millis(10));
+    // Four at a time, as many as the pool has connections: each request
+    // gets one at once, and its hang-up (1–30 ms) lands anywhere in its
+    // first round trips, its `BEGIN`'s among them.
+    for wave in 0..75 {
+        let hang_ups: Vec<_> = (0..4)
+            .map(|i| {
+                let after = Duration::from_millis(1 + (wave * 4 + i) * 7 % 30);
+                tokio::spawn(hang_up(addr, request("/credit", Some(&format!("h{wave}-{i}")), "{}"), after))
+            })
+            .collect();
+        for h in hang_ups {
+            h.await.expect("a hang-up");
+        }
     }
-    // Every route that started ends within its lock's turn; then nothing is
-    // left open.
+    proxy.set_delay(Duration::ZERO);
+    // Every route that started ends; then nothing is left open.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let open = server.psql("SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'");
@@ -264,6 +315,7 @@ async fn hang_ups_leave_no_transaction_open_on_the_applications_pool() {
         assert!(Instant::now() < deadline, "{open} connections idle in transaction, {active} active");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert_eq!(lent_in_a_transaction.load(Ordering::SeqCst), 0, "connections lent inside a transaction left open");
     // Each of the pool's connections takes an autocommit write; another
     // session sees every one.
     for i in 0..8 {
