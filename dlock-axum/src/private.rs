@@ -155,3 +155,9 @@ impl FromHeld for HeldLocks {
         HeldLocks::of(held.held.guards())
     }
 }
+
+impl FromHeld for Option<HeldLocks> {
+    fn from_held(held: &Held) -> Self {
+        Some(HeldLocks::from_held(held))
+    }
+}

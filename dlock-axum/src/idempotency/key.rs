@@ -365,9 +365,23 @@ impl IdempotencyLayer {
     ///   at once, never a wait; after it: the stored answer.
     ///
     /// The hang-up rule holds: a client that hangs up cancels neither the
-    /// route nor its commit. What the handler does outside the database (a
-    /// call to a payment provider) is not rolled back: key that call on the
-    /// `Idempotency-Key` as well, as the layer's docs say.
+    /// route nor its commit, nor the `BEGIN` of its transaction (begun on
+    /// the route's own task, never cut half-way: sqlx 0.8's `Pool::begin`
+    /// is not cancel-safe and would hand the application's pool a
+    /// connection inside a transaction). What the handler does outside the
+    /// database (a call to a payment provider) is not rolled back: key that
+    /// call on the `Idempotency-Key` as well, as the layer's docs say.
+    ///
+    /// With a lock on the same route, either order holds: a
+    /// [`LockLayer`](crate::LockLayer) outside this layer releases its lock
+    /// after the commit (the route runs to its end under it, hang-up or
+    /// not); one inside it (or a `#[lockable]` handler) hands its release
+    /// to this layer, which runs it once the transaction has committed or
+    /// rolled back, so the next holder reads what it committed. A lock taken
+    /// in the handler itself (`Policy::run_locked`) ends with the handler,
+    /// before the commit: take route locks with a layer or `#[lockable]`.
+    /// The README's "A lock and idempotency on one route" compares the two
+    /// orders.
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool) -> dlock_core::Result<()> {

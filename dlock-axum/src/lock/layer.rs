@@ -204,7 +204,9 @@ impl LockLayer {
     /// A request refused because one of them is held gets the route's
     /// `409`; which key was busy is logged (as its log id), never answered.
     /// The [`FencingToken`](crate::FencingToken) and
-    /// [`HeldLock`](crate::HeldLock) the route sees are those of the first key.
+    /// [`HeldLock`](crate::HeldLock) the route sees are those of the first
+    /// key; [`HeldLocks`](crate::HeldLocks) gives every key's, for a route
+    /// that fences the storage of each (`locks.token("account", to)`).
     ///
     /// ```
     /// use axum::{routing::post, Router};

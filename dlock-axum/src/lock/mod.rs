@@ -55,9 +55,15 @@
 //!    does not wait, `409 lock_wait_timeout` once a route's wait ran out
 //!    (both with `Retry-After`), an
 //!    unreachable backend `503 lock_backend_unavailable`;
-//! 5. records the grant's [`FencingToken`](crate::FencingToken) for the
-//!    route to extract, calls the route, and releases once the route has answered
-//!    (or, when the request is dropped, in the background);
+//! 5. records the grant's [`FencingToken`](crate::FencingToken) (every
+//!    key's in [`HeldLocks`](crate::HeldLocks)) for the route to extract,
+//!    calls the route on a task of its own, and releases once the route has
+//!    answered. A client that hangs up does not cut the route, so the lock
+//!    covers everything it does, an idempotency layer inside that runs it
+//!    detached included. Inside
+//!    [`IdempotencyLayer::in_transaction`](crate::idempotency::IdempotencyLayer::in_transaction)
+//!    the release waits until the route's transaction has committed or
+//!    rolled back, so the next holder reads what it committed;
 //! 6. logs one `dlock.request` event with the outcome (the key at `DEBUG`
 //!    only) and puts the [`LockOutcome`](crate::LockOutcome) in the response
 //!    extensions.
