@@ -30,6 +30,9 @@ pub struct PostgresServer {
     running: bool,
     /// Server commands run as `postgres` through `runuser` (we are root).
     as_postgres: bool,
+    /// The processes that write WAL in the background, stopped
+    /// ([`hold_wal_writes`](Self::hold_wal_writes)).
+    held: Vec<u32>,
 }
 
 impl PostgresServer {
@@ -41,6 +44,29 @@ impl PostgresServer {
     /// does not come up within 30 s; the message says why.
     pub fn start() -> Self {
         let mut server = Self::init();
+        server.start_again();
+        server
+    }
+
+    /// Initialises a cluster with `settings` in its `postgresql.conf` (so
+    /// they hold across its restarts) and starts it:
+    /// `[("synchronous_commit", "off")]` answers commits before their WAL
+    /// is written, as many production servers are set for throughput.
+    /// Settings the harness passes at start (`fsync`, `full_page_writes`,
+    /// `listen_addresses`, the WAL sizes) are its own.
+    ///
+    /// ```no_run
+    /// let pg = dlock_testing::PostgresServer::start_with(&[("synchronous_commit", "off")]);
+    /// assert_eq!(pg.psql("SHOW synchronous_commit"), "off");
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_with(settings: &[(&str, &str)]) -> Self {
+        let mut server = Self::init();
+        let lines: String = settings.iter().map(|(name, value)| format!("{name} = '{value}'\n")).collect();
+        append(&server.data_dir().join("postgresql.conf"), &lines);
         server.start_again();
         server
     }
@@ -98,7 +124,7 @@ impl PostgresServer {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("{CLUSTER_DIR}{}-{port}", std::process::id()));
         fresh_dir(&dir, as_postgres, "the PostgreSQL cluster");
-        let server = PostgresServer { bin, dir, port, running: false, as_postgres };
+        let server = PostgresServer { bin, dir, port, running: false, as_postgres, held: Vec::new() };
         // A copy of this process's one `initdb`: a tenth of its time, and
         // a test pass makes a hundred clusters.
         let template = template(&server.bin, as_postgres);
@@ -202,10 +228,81 @@ impl PostgresServer {
         self.pg_ctl_stop("immediate");
     }
 
+    /// Stops the server's background writers of WAL and data pages (the
+    /// WAL writer, the background writer, the checkpointer: `SIGSTOP`), so
+    /// that what commits leave in the server's memory stays there: the
+    /// first half of [`crash_losing_unwritten_wal`](Self::crash_losing_unwritten_wal).
+    /// A commit under `synchronous_commit = off` then leaves its WAL
+    /// unwritten for as long as they are held; one under any other value
+    /// writes it itself before it is answered. (They are stopped rather
+    /// than killed: PostgreSQL treats the death of any of them as a crash.)
+    ///
+    /// # Panics
+    ///
+    /// When they cannot be found or stopped.
+    pub fn hold_wal_writes(&mut self) {
+        assert!(self.running && self.held.is_empty(), "hold the WAL writes of a running server, once");
+        self.held = self.wal_writers();
+        assert_eq!(self.held.len(), 3, "the WAL writer, background writer and checkpointer: {:?}", self.held);
+        assert!(signal("STOP", &self.held), "stop the WAL writers {:?}", self.held);
+    }
+
+    /// A crash of the machine under the server, as PostgreSQL's data sees
+    /// it: what commits wrote (to the operating system) stays, what they
+    /// left in the server's memory is lost. After
+    /// [`hold_wal_writes`](Self::hold_wal_writes), the held processes are
+    /// killed (`SIGKILL`), the postmaster ends every other server process
+    /// and replays the WAL written so far (crash recovery, the way a
+    /// restarted machine's server would), and this returns once the server
+    /// accepts connections again, recovered. What the server wrote to the
+    /// operating system stays (the harness runs with `fsync = off`: it
+    /// stands for what `fsync = on` would have flushed to the disk), what
+    /// it held in its own memory is lost: exactly the window a commit
+    /// answered under `synchronous_commit = off` is exposed to when the
+    /// machine crashes, every time instead of by chance.
+    ///
+    /// # Panics
+    ///
+    /// Without [`hold_wal_writes`](Self::hold_wal_writes) first, or when
+    /// the server is not back within 30 s.
+    pub fn crash_losing_unwritten_wal(&mut self) {
+        assert!(!self.held.is_empty(), "hold_wal_writes first");
+        let killed = std::mem::take(&mut self.held);
+        // One already gone (say, the test killed the server) crashes it all the same.
+        let _ = signal("KILL", &killed);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        // Recovered once a new WAL writer runs (it starts after recovery).
+        loop {
+            let writers = self.try_psql("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'");
+            if let Ok(pid) = writers {
+                if pid.parse::<u32>().is_ok_and(|pid| !killed.contains(&pid)) {
+                    return;
+                }
+            }
+            if std::time::Instant::now() > deadline {
+                let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+                panic!("PostgreSQL on port {} did not recover from the crash\nserver log:\n{log}", self.port);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// The process ids of the WAL writer, the background writer and the
+    /// checkpointer.
+    fn wal_writers(&self) -> Vec<u32> {
+        let pids = self.psql(
+            "SELECT string_agg(pid::text, ' ') FROM pg_stat_activity \
+             WHERE backend_type IN ('walwriter', 'background writer', 'checkpointer')",
+        );
+        pids.split_whitespace().filter_map(|pid| pid.parse().ok()).collect()
+    }
+
     fn pg_ctl_stop(&mut self, mode: &str) {
         if !self.running {
             return;
         }
+        // Stopped processes would not hear the postmaster's request to end.
+        let _ = signal("KILL", &std::mem::take(&mut self.held));
         let _ = self
             .command("pg_ctl")
             .args(["-w", "-t", "30", "-m", mode, "-D"])
@@ -224,15 +321,20 @@ impl PostgresServer {
     ///
     /// When `psql` fails (the server is down, the statement is wrong).
     pub fn psql(&self, sql: &str) -> String {
+        match self.try_psql(sql) {
+            Ok(stdout) => stdout,
+            Err(why) => panic!("psql `{sql}` on port {}: {why}", self.port),
+        }
+    }
+
+    /// [`psql`](Self::psql), or why it failed.
+    fn try_psql(&self, sql: &str) -> Result<String, String> {
         let out = Command::new(self.bin.join("psql"))
             .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-U", "postgres"])
             .args(["-p", &self.port.to_string(), "-d", "postgres", "-c", sql])
             .stdin(Stdio::null())
             .output();
-        match outcome(out) {
-            Ok(stdout) => stdout.trim().to_owned(),
-            Err(why) => panic!("psql `{sql}` on port {}: {why}", self.port),
-        }
+        outcome(out).map(|stdout| stdout.trim().to_owned())
     }
 }
 
@@ -264,7 +366,8 @@ fn reap_orphans(bin: &std::path::Path, as_postgres: bool) {
             continue;
         }
         // Its drop stops it (if it still runs) and deletes its directory.
-        drop(PostgresServer { bin: bin.to_path_buf(), dir: entry.path(), port: 0, running: true, as_postgres });
+        let (dir, held) = (entry.path(), Vec::new());
+        drop(PostgresServer { bin: bin.to_path_buf(), dir, port: 0, running: true, as_postgres, held });
     }
 }
 
@@ -281,7 +384,14 @@ fn template(bin: &std::path::Path, as_postgres: bool) -> &'static std::path::Pat
         let dir = std::env::temp_dir().join(format!("{CLUSTER_DIR}{}-template", std::process::id()));
         fresh_dir(&dir, as_postgres, "the PostgreSQL template");
         // Not running: a server only to run `initdb` as the right user.
-        let maker = PostgresServer { bin: bin.to_path_buf(), dir: dir.clone(), port: 0, running: false, as_postgres };
+        let maker = PostgresServer {
+            bin: bin.to_path_buf(),
+            dir: dir.clone(),
+            port: 0,
+            running: false,
+            as_postgres,
+            held: vec![],
+        };
         let data = maker.data_dir();
         let out = maker
             .command("initdb")
@@ -362,6 +472,16 @@ fn check(out: std::io::Result<Output>, what: &str) {
     if let Err(why) = outcome(out) {
         panic!("cannot set up a PostgreSQL cluster: {what} failed: {why}");
     }
+}
+
+/// Sends the signal `name` (`STOP`, `KILL`) to `pids`, through kill(1): we
+/// may be root and they the `postgres` user's. Whether every one got it.
+fn signal(name: &str, pids: &[u32]) -> bool {
+    if pids.is_empty() {
+        return true;
+    }
+    let out = Command::new("kill").arg(format!("-{name}")).args(pids.iter().map(u32::to_string)).output();
+    outcome(out).is_ok()
 }
 
 /// Appends `text` to the file at `path`.
