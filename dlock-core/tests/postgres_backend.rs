@@ -402,7 +402,10 @@ async fn held_up_first_try(
 
 /// The table and the sequence are durable: a lease taken before a clean
 /// stop and before a crash still holds the key afterwards, and every token
-/// granted after is greater than every token before.
+/// granted after is greater than every token before. (With the server's
+/// default `synchronous_commit` and a crash that keeps what the server had
+/// in memory written: tests/postgres_async_commit.rs crashes a server set
+/// to `off` inside the window where that setting loses commits.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_and_fencing_tokens_survive_a_restart_and_a_crash() {
     let mut server = PostgresServer::start();

@@ -108,8 +108,19 @@ impl LockGuard {
     /// grow as long as it has not stepped back; after a failover to a
     /// replica, as long as the new master's clock is not behind. On RedLock,
     /// while a majority of masters keeps its data, whatever the offsets of
-    /// their clocks. In process and on ZooKeeper (the node's creation zxid),
-    /// always.
+    /// their clocks. On PostgreSQL (a sequence, drawn by the grant's
+    /// statement, which commits to disk before it is answered even on a
+    /// server set to `synchronous_commit = off`): across restarts and
+    /// crashes of the server or its machine, while the disk keeps what
+    /// PostgreSQL flushed (`fsync = on`); across a failover, only to a
+    /// standby that had confirmed the grant's commit (a synchronous standby,
+    /// with `synchronous_commit` `on` or `remote_apply`). An asynchronous
+    /// standby may lack the last grants: promoted, it can grant a key that
+    /// is still held, with a token equal to its holder's, and a storage
+    /// check, which accepts a token equal to the highest it saw, refuses
+    /// neither (see "Restarts, crashes and failovers" in the docs of
+    /// `dlock_core::backend::postgres`).
+    /// In process and on ZooKeeper (the node's creation zxid), always.
     pub fn fencing_token(&self) -> u64 {
         self.fencing_token
     }

@@ -8,13 +8,31 @@
 //! at once do not race on the catalog). [`Fences::check`] runs
 //!
 //! ```sql
-//! INSERT INTO <prefix>_fences AS f (resource, token) VALUES ($1, $2)
+//! INSERT INTO <prefix>_fences AS f (resource, token)
+//!   VALUES ($1, CASE WHEN <pin> IS NOT NULL THEN $2 END)
 //! ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token
 //!   WHERE f.token <= EXCLUDED.token
 //! RETURNING f.token
 //! ```
 //!
-//! and answers [`Error::StaleToken`] when it returns no row.
+//! and answers [`Error::StaleToken`] when it returns no row. `<pin>` is
+//! `set_config('synchronous_commit', …, true)`, see below.
+//!
+//! # Durable whatever the server's `synchronous_commit`
+//!
+//! The check makes the transaction it runs in commit durably: it sets
+//! `synchronous_commit` to `on` for that transaction (`SET LOCAL`) when
+//! the server, database or role has it `off`, and leaves any other value
+//! as it is. Under `off`, PostgreSQL answers a commit before its WAL is
+//! written, and a crash in the next few hundred milliseconds forgets it:
+//! a fence forgotten lets an older holder's write through after a newer
+//! holder was told its own had committed. So a fenced transaction waits
+//! for its WAL to be written like any transaction under the default
+//! setting; the application's other transactions keep the server's. The
+//! setting is the transaction's, not the connection's, so it holds through
+//! a transaction-mode pooler (PgBouncer) too. What a crash and a failover
+//! keep is the lock backend's promise: see
+//! [`LockGuard::fencing_token`](crate::LockGuard::fencing_token).
 //!
 //! # Why it is safe under READ COMMITTED
 //!
@@ -61,6 +79,7 @@
 
 use sqlx::postgres::{PgConnection, PgPool};
 
+use crate::backend::postgres::durable;
 use crate::backend::postgres::{check_prefix, install, Objects, PostgresOptions};
 use crate::error::{Error, Result};
 
@@ -109,10 +128,13 @@ impl Fences {
         let table = format!("\"{prefix}_fences\"");
         Ok(Fences {
             create: format!("CREATE TABLE IF NOT EXISTS {table} (resource text PRIMARY KEY, token bigint NOT NULL)"),
+            // The pin in VALUES, which are computed whether the row is
+            // inserted or updates the one there.
             check: format!(
-                "INSERT INTO {table} AS f (resource, token) VALUES ($1, $2) \
+                "INSERT INTO {table} AS f (resource, token) VALUES ($1, {}) \
                  ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token WHERE f.token <= EXCLUDED.token \
-                 RETURNING f.token"
+                 RETURNING f.token",
+                durable::after_pin("$2::bigint")
             ),
             newest: format!("SELECT token FROM {table} WHERE resource = $1"),
             table,
@@ -144,8 +166,10 @@ impl Fences {
     /// transaction that then reads and writes the resource (`&mut tx`):
     /// records it as the highest token seen when it is at least as high as
     /// every earlier one (the same holder may check twice), and locks the
-    /// resource's fence until the transaction ends. Call it before reading
-    /// what you will write (see the [module](self) docs).
+    /// resource's fence until the transaction ends, and makes the
+    /// transaction commit durably even on a server with
+    /// `synchronous_commit = off`. Call it before reading what you will
+    /// write (see the [module](self) docs).
     ///
     /// # Errors
     ///

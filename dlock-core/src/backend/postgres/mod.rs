@@ -90,6 +90,10 @@
 //!    ([`PostgresOptions::with_listen_url`], `DLOCK_POSTGRES_LISTEN_URL`),
 //!    the server's or a session-mode pool's.
 //!
+//! Durability needs no pooler setting: it is set inside each statement's
+//! own transaction, not at connect (see below), and a startup parameter
+//! would not reach the server session through PgBouncer.
+//!
 //! The table, the sequence and the functions are created at connect when
 //! missing, inside a transaction that takes a fixed advisory lock first: two
 //! processes starting at once do not race on the catalog (a loser of a race
@@ -119,25 +123,57 @@
 //! second round trip (the function), and so does a shared release.
 //! Renewals cost one function call per statement in flight, whatever the
 //! number of holds it extends (up to 512). Every grant
-//! writes WAL (and a dead row for autovacuum). A contended release adds one
+//! writes WAL (and a dead row for autovacuum), and waits for it to be
+//! written before it is answered, on a server set to
+//! `synchronous_commit = off` too (see below). A contended release adds one
 //! `NOTIFY`, which wakes one waiter of the key in each listening process (all
 //! of them when readers wait).
 //!
-//! # Restarts and failovers
+//! # Restarts, crashes and failovers
 //!
-//! The table and the sequence are ordinary durable objects: a lease
-//! survives a restart or a crash of the server (it is committed before the
-//! grant is answered), its holder keeps it if it renews before it ends, and
-//! tokens keep growing (a sequence never hands out a value twice, even
-//! after a crash; it may skip some). Requests fail with
-//! [`Error::Backend`] while the server is away.
+//! The table and the sequence are ordinary durable objects, and every
+//! statement dlock answers on (a grant, a release, a renewal; the
+//! idempotency store's and [`Fences::check`](crate::fence::postgres::Fences::check)'s
+//! too) commits to disk before it is answered, **whatever the server's
+//! `synchronous_commit`**. Under `synchronous_commit = off` (for the
+//! server, a database or a role: a common throughput setting) PostgreSQL
+//! answers a commit before its WAL is written, and a crash within the next
+//! `3 × wal_writer_delay` (600 ms by default) forgets the transaction,
+//! its `nextval` with it: the next client would be granted the key while
+//! the first still holds it, **with the same fencing token**, which no
+//! fence refuses (a fence accepts a token equal to the highest it saw). So
+//! each statement sets `synchronous_commit` for its own transaction
+//! (`SET LOCAL`, inside the statement: it holds through a transaction-mode
+//! pooler, and ends with the transaction), from `off` to `on`; any other
+//! value is the operator's and is kept. dlock's statements then wait for
+//! their WAL to be written as under the default setting; the
+//! application's own keep the server's. A server that refuses the setting
+//! is refused at connect ([`Error::Config`] naming it).
+//! `tests/postgres_async_commit.rs` shows each step surviving a crash of a
+//! server set to `off`, which forgot every one of them before.
+//!
+//! What that gives, on one server: a lease survives a restart or a crash
+//! of the server or of its machine, its holder keeps it if it renews
+//! before it ends, a release and a renewal answered stay done, and tokens
+//! keep growing (a sequence never hands out a value twice; it may skip
+//! some), as long as the disk keeps what PostgreSQL flushed to it: with
+//! `fsync = off`, or a disk that acknowledges writes it has not stored, a
+//! crash of the machine can lose any of them, whatever dlock does.
+//! Requests fail with [`Error::Backend`] while the server is away.
 //!
 //! A failover to an **asynchronously** replicated standby can lose the
-//! last grants (and sequence values) that the old primary committed and
-//! had not yet shipped: a lock held there may be free on the new primary,
-//! and a token may be handed out again. Use synchronous replication
-//! (`synchronous_commit = on` with a synchronous standby) if locks must
-//! survive a failover.
+//! last grants, releases and renewals (and sequence values) that the old
+//! primary committed and had not yet shipped: a lock held there may be
+//! free on the new primary, and a token may be handed out again, to
+//! another holder, while the first still holds its lease. Pinning
+//! `synchronous_commit` does not change that: without a synchronous
+//! standby, `on` waits for the local disk only. If locks must survive a
+//! failover, make the standby you fail over to synchronous
+//! (`synchronous_standby_names`), keep `synchronous_commit` at `on` or
+//! `remote_apply` for dlock's role (`local` and `remote_write`, which the
+//! pin keeps, do not wait for the standby's disk), and promote only a
+//! standby that confirmed the commits (with `ANY n (…)`, the most
+//! advanced one).
 //!
 //! # TLS
 //!
@@ -190,6 +226,7 @@ use crate::key::LockKey;
 use crate::owner::Owner;
 
 mod connections;
+pub(crate) mod durable;
 mod renewals;
 use connections::{Connections, Lent};
 use renewals::Renewals;
@@ -454,6 +491,7 @@ impl Names {
             .replace("{renew}", &self.renew)
             .replace("{channel_text}", &self.channel)
             .replace("{prefix_text}", &self.prefix)
+            .replace("{durable}", durable::PIN)
     }
 }
 
@@ -475,8 +513,11 @@ impl PostgresBackend {
     /// # Errors
     ///
     /// [`Error::Config`] naming `DLOCK_POSTGRES_URL` for a URL that does not
-    /// parse, credentials the server refused or a user that may not create
-    /// the table; naming `DLOCK_PREFIX` for a prefix that cannot name them;
+    /// parse, credentials the server refused, a user that may not create
+    /// the table or a server that does not let dlock set
+    /// `synchronous_commit` (see [Restarts, crashes and
+    /// failovers](self#restarts-crashes-and-failovers)); naming
+    /// `DLOCK_PREFIX` for a prefix that cannot name them;
     /// [`Error::Backend`] when the server cannot be reached within the
     /// response timeout. Messages never show the password.
     pub async fn connect_with(url: &str, prefix: &str, options: PostgresOptions) -> Result<Self> {
@@ -512,11 +553,18 @@ impl PostgresBackend {
         tokio::spawn(listen(listener, waiters.clone(), pool.clone(), sweep, stop.clone()));
         let shared = Shared {
             take: names.fill(TAKE_SQL),
-            acquire: format!("SELECT r_outcome, r_fence, r_info FROM {}($1, $2, $3, $4, $5, $6)", names.acquire),
+            // The functions are called with the pin in their first argument
+            // (durable.rs): a database keeps the functions an earlier dlock
+            // made, and the pin reaches their commits all the same.
+            acquire: format!(
+                "SELECT r_outcome, r_fence, r_info FROM {}({}, $2, $3, $4, $5, $6)",
+                names.acquire,
+                durable::after_pin("$1::text")
+            ),
             release: names.fill(RELEASE_SQL),
-            release_any: format!("SELECT {}($1, $2)", names.release),
+            release_any: format!("SELECT {}({}, $2)", names.release, durable::after_pin("$1::text")),
             uncertain: Mutex::default(),
-            renew: format!("SELECT r_key, r_owner FROM {}($1, $2, $3)", names.renew),
+            renew: format!("SELECT r_key, r_owner FROM {}({}, $2, $3)", names.renew, durable::after_pin("$1::text[]")),
             renewals: Renewals::default(),
             db: Db::keeping(pool, options.response_timeout),
             prefix: prefix.into(),
@@ -961,6 +1009,8 @@ pub(crate) struct Objects {
 /// that first takes a fixed advisory lock, so two processes starting at
 /// once do not race on the catalog.
 pub(crate) async fn install(conn: &mut PgConnection, objects: &Objects, timeout: Duration) -> Result<()> {
+    // Refused here, with the setting named, rather than at every request.
+    durable::pin(conn, timeout).await?;
     let timeout = ddl_timeout(timeout);
     let mut result = within(timeout, objects.what, create_objects(conn, objects)).await;
     if let Err(Error::Backend { source: Some(source), .. }) = &result {
@@ -984,7 +1034,10 @@ fn create_objects<'a>(
     Box::pin(async move {
         let mut tx = conn.begin().await?;
         let c: &mut PgConnection = &mut tx;
-        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)").bind(LOCK_CLASS).execute(&mut *c).await?;
+        // Also for this transaction: its commit durable (a crash would
+        // otherwise forget the objects under a running process).
+        let first = format!("SELECT pg_advisory_xact_lock($1, 0), {}", durable::PIN);
+        sqlx::query(&first).bind(LOCK_CLASS).execute(&mut *c).await?;
         c.execute(sqlx::raw_sql(&objects.schema)).await?;
         // Each function is created only when missing: its name carries its
         // version, and replacing it would need the privileges of its owner.

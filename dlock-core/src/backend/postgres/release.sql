@@ -17,6 +17,9 @@
 -- then refused the row would leave the head to the release function,
 -- which announces again, and the waiter, woken by the first, would be
 -- refused (a_waiter_is_woken_by_notify_not_by_the_lease counts them).
+-- {durable} makes the delete's commit durable before it is answered
+-- (durable.rs): it never refuses a row, so wherever the planner puts it,
+-- every row deleted has passed it, and the announcement's rule holds.
 DELETE FROM {locks} AS l
-  WHERE l.key = $1 AND l.owner = $2 AND l.expires_at > clock_timestamp()
+  WHERE l.key = $1 AND l.owner = $2 AND l.expires_at > clock_timestamp() AND {durable} IS NOT NULL
     AND (NOT l.awaited OR pg_notify('{channel_text}', $1) IS NOT NULL)

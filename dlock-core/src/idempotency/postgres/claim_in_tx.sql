@@ -11,6 +11,10 @@
 -- (complete_in_tx) checks its size against them instead of reading the
 -- tally again (records of transactions in flight enter the tally after
 -- their commit either way).
+-- {durable} makes the route's transaction commit durably whatever the
+-- server's synchronous_commit (durable.rs): an answer committed, then
+-- forgotten by a crash, would run the route again on a retry. A claim
+-- that goes on to {begin} is pinned by that call too.
 -- $1 scope, $2 key, $3 fingerprint, $4 owner, $5 lease ms, $6 ttl ms,
 -- $7 the caller's cap of records.
 WITH tally AS (
@@ -21,6 +25,7 @@ INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes
   SELECT $1, $2, $3, $4, NULL, NULL, 0, clock_timestamp() + $6::bigint * interval '1 millisecond', false
     FROM tally
     WHERE set_config('idle_in_transaction_session_timeout', $5::bigint::text, true) IS NOT NULL
+      AND {durable} IS NOT NULL
       AND pg_try_advisory_xact_lock({class}, hashtext($1::text || chr(31) || $2::text))
       AND tally.records < $7::bigint
   ON CONFLICT (scope, key) DO NOTHING

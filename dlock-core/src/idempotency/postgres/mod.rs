@@ -11,6 +11,7 @@ use super::{
     token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
     TOKEN_BYTES,
 };
+use crate::backend::postgres::durable::{self, after_pin};
 use crate::backend::postgres::{
     check_prefix, column, connect_options, install, pool, within, Db, Objects, PostgresBackend, PostgresOptions, Repeat,
 };
@@ -36,10 +37,10 @@ const COMPLETE_IN_TX_SQL: &str = include_str!("complete_in_tx.sql");
 /// # Two ways to claim a key
 ///
 /// * **By its own statement** ([`IdempotencyStore::begin`]), as every store
-///   does: the record is committed at once, in progress with a lease that
-///   its request renews; the answer is stored by another statement. Between
-///   the route's writes and that statement the outcome is unknown to a
-///   retry, as with Redis.
+///   does: the record is committed at once (to disk: see below), in
+///   progress with a lease that its request renews; the answer is stored
+///   by another statement. Between the route's writes and that statement
+///   the outcome is unknown to a retry, as with Redis.
 /// * **Inside the route's transaction** ([`PostgresStore::begin_in`] and
 ///   [`PostgresStore::complete_in`] on the transaction's connection; the
 ///   HTTP face is `IdempotencyLayer::in_transaction` in dlock-axum). The
@@ -67,6 +68,25 @@ const COMPLETE_IN_TX_SQL: &str = include_str!("complete_in_tx.sql");
 /// A hash of two different keys can meet (32 bits): the only effect is a
 /// `409 in progress` for the second while the first runs, never a wrong
 /// answer, since the rows themselves are keyed on the full caller and key.
+///
+/// # On disk before it is answered
+///
+/// Every statement the store answers on (a claim, a renewal, an answer, a
+/// claim given up; a token's issue, claim, spend or return) commits to
+/// disk before it is answered, whatever the server's `synchronous_commit`:
+/// it sets it from `off` to `on` for its own transaction (`SET LOCAL`,
+/// inside the statement, so through a transaction-mode pooler too; any
+/// other value is kept). Under `off` PostgreSQL answers a commit before
+/// its WAL is written, and a crash soon after forgets it: a key answered
+/// `201` would be forgotten and its retry would run the route again, a
+/// claim forgotten would let a retry run beside the request still running,
+/// a spent token could be spent again. Inside the route's transaction
+/// ([`begin_in`](Self::begin_in)) the setting is that transaction's: its
+/// commit, the route's writes with it, is durable too, and the
+/// application's other transactions keep the server's setting. The store
+/// keeps what the lock backend keeps across a crash or a failover (an
+/// asynchronous standby may not have the last records: see the
+/// [backend's docs](crate::backend::postgres#restarts-crashes-and-failovers)).
 ///
 /// # Bounds
 ///
@@ -204,6 +224,7 @@ impl Names {
             .replace("{issue}", &self.issue)
             .replace("{claim}", &self.claim)
             .replace("{class}", &KEY_CLASS.to_string())
+            .replace("{durable}", durable::PIN)
     }
 
     fn objects(&self) -> Objects {
@@ -219,30 +240,43 @@ impl Names {
         }
     }
 
+    /// The statements, each of which pins its commit durable (see
+    /// [`PostgresStore`]'s docs): plain ones with `{durable}` in their
+    /// filter, which every row they write passes; calls of functions with
+    /// it in their first argument, evaluated before the function runs, so
+    /// that the functions an earlier dlock made in a database are pinned
+    /// too. The upkeep (`enter`, `sweep`) is not: nothing is answered on
+    /// it, and what a crash forgets of it is done again.
     fn statements(&self) -> Statements {
         let f = |sql: &str| self.fill(sql);
+        // Every function's first argument is text: the scope, or the token.
+        let first = after_pin("$1::text");
         Statements {
-            begin: f("SELECT r_outcome, r_response, r_retry_ms FROM {begin}($1, $2, $3, $4, $5, $6, $7, $8, $9)"),
+            begin: f(&format!(
+                "SELECT r_outcome, r_response, r_retry_ms FROM {{begin}}({first}, $2, $3, $4, $5, $6, $7, $8, $9)"
+            )),
             claim_in_tx: f(CLAIM_IN_TX_SQL),
-            complete: f("SELECT r_outcome, r_retry_ms FROM {complete}($1, $2, $3, $4, $5)"),
+            complete: f(&format!("SELECT r_outcome, r_retry_ms FROM {{complete}}({first}, $2, $3, $4, $5)")),
             complete_in_tx: f(COMPLETE_IN_TX_SQL),
-            abandon: f("SELECT {abandon}($1, $2, $3)"),
+            abandon: f(&format!("SELECT {{abandon}}({first}, $2, $3)")),
             enter: f("SELECT {enter}()"),
             renew_key: f("UPDATE {keys} AS k SET lease_until = clock_timestamp() + $4 * interval '1 millisecond' \
                  WHERE k.scope = $1 AND k.key = $2 AND k.owner = $3 AND k.response IS NULL \
-                 AND k.lease_until > clock_timestamp() RETURNING 1"),
-            issue: f("SELECT {issue}($1, $2, $3, $4)"),
-            claim: f("SELECT {claim}($1, $2, $3, $4)"),
+                 AND k.lease_until > clock_timestamp() AND {durable} IS NOT NULL RETURNING 1"),
+            issue: f(&format!("SELECT {{issue}}({first}, $2, $3, $4)")),
+            claim: f(&format!("SELECT {{claim}}({first}, $2, $3, $4)")),
             renew_token: f("UPDATE {tokens} AS t SET lease_until = clock_timestamp() + $3 * interval '1 millisecond' \
-                 WHERE t.token = $1 AND t.owner = $2 AND t.lease_until > clock_timestamp() RETURNING 1"),
+                 WHERE t.token = $1 AND t.owner = $2 AND t.lease_until > clock_timestamp() \
+                 AND {durable} IS NOT NULL RETURNING 1"),
             spend: f("WITH gone AS (DELETE FROM {tokens} AS t WHERE t.token = $1 AND t.owner = $2 \
                  AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() \
+                 AND {durable} IS NOT NULL \
                  RETURNING t.principal, t.token), counted AS (UPDATE {tally} AS c SET records = c.records - 1 \
                  FROM gone AS g WHERE c.pool = {token_pool}(g.principal) AND c.shard = hashtext(g.token) & 15) \
                  SELECT 1 FROM gone"),
             give_back: f("UPDATE {tokens} AS t SET owner = NULL, lease_until = NULL WHERE t.token = $1 \
                  AND t.owner = $2 AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() \
-                 RETURNING 1"),
+                 AND {durable} IS NOT NULL RETURNING 1"),
             // Never waits for a row a running transaction holds.
             sweep: f("SELECT {sweep}(NULL, 60000)"),
         }
@@ -274,8 +308,8 @@ impl PostgresStore {
     /// # Errors
     ///
     /// [`Error::Config`] naming `DLOCK_POSTGRES_URL` for a URL that does not
-    /// parse, refused credentials or a user that may not create the
-    /// tables, naming `DLOCK_PREFIX` for a prefix that cannot name them;
+    /// parse, refused credentials, a user that may not create the tables or
+    /// a server that does not let dlock set `synchronous_commit`, naming `DLOCK_PREFIX` for a prefix that cannot name them;
     /// [`Error::Backend`] when the server cannot be reached in time.
     pub async fn connect_with(url: &str, prefix: &str, options: PostgresOptions) -> Result<Self> {
         let connect = connect_options(url, &options)?;
@@ -356,8 +390,11 @@ impl PostgresStore {
     ///
     /// The claim lasts as long as the transaction; the transaction is ended
     /// by the server once it stays idle for `terms.lease()` (its
-    /// `idle_in_transaction_session_timeout`). A rollback leaves no
-    /// record: a retry runs the route again. The transaction should be
+    /// `idle_in_transaction_session_timeout`), and its commit is made
+    /// durable (its `synchronous_commit` is raised from `off` to `on`: see
+    /// [On disk before it is answered](PostgresStore#on-disk-before-it-is-answered)).
+    /// A rollback leaves no record: a retry runs the route again. The
+    /// transaction should be
     /// `READ COMMITTED` (PostgreSQL's default): under a snapshot taken
     /// before the claim, a record committed just before it is not seen,
     /// and the claim then fails on its key.
