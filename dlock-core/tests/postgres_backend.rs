@@ -519,6 +519,27 @@ async fn the_environment_names_the_backend() {
     assert!(!text.contains("s3cret"), "{text}");
 }
 
+/// Starting logs no notices (issue 37): the DDL that makes the lock
+/// table, the idempotency tables and the fences table when missing tells
+/// of every object it finds made (`… already exists, skipping`), and of
+/// the index an earlier build made that it drops when there (`index
+/// "dlock_idem_keys_pending" does not exist, skipping`); sqlx logged each
+/// at INFO, at every start of every process. The first start and the
+/// next, on the same database.
+#[tokio::test]
+async fn a_start_logs_no_notices() {
+    let server = PostgresServer::start();
+    let (logs, _guard) = dlock_testing::capture_logs();
+    for _ in 0..2 {
+        let backend = PostgresBackend::connect(&server.url(), "dlock").await.expect("connect");
+        let store = dlock_core::idempotency::PostgresStore::from_backend(&backend).await.expect("store");
+        dlock_core::fence::postgres::Fences::new("dlock").expect("prefix").create(store.pool()).await.expect("fences");
+    }
+    let notices: Vec<String> =
+        logs.take_lines().into_iter().filter(|line| line.contains("sqlx::postgres::notice")).collect();
+    assert!(notices.is_empty(), "{notices:#?}");
+}
+
 /// A lock table left by an earlier dlock, keyed on `(key, owner)`, is
 /// refused at connect with an error naming it, not at every acquire.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1035,8 +1035,10 @@ fn create_objects<'a>(
         let mut tx = conn.begin().await?;
         let c: &mut PgConnection = &mut tx;
         // Also for this transaction: its commit durable (a crash would
-        // otherwise forget the objects under a running process).
-        let first = format!("SELECT pg_advisory_xact_lock($1, 0), {}", durable::PIN);
+        // otherwise forget the objects under a running process), and no
+        // notices: `… IF NOT EXISTS` tells of every object it finds made,
+        // which sqlx logs at every start.
+        let first = format!("SELECT pg_advisory_xact_lock($1, 0), {}, {QUIET}", durable::PIN);
         sqlx::query(&first).bind(LOCK_CLASS).execute(&mut *c).await?;
         c.execute(sqlx::raw_sql(&objects.schema)).await?;
         // Each function is created only when missing: its name carries its
@@ -1051,6 +1053,10 @@ fn create_objects<'a>(
         tx.commit().await
     })
 }
+
+/// Keeps the DDL's notices ("relation … already exists, skipping") from
+/// the client for its transaction; warnings and errors still come.
+const QUIET: &str = "set_config('client_min_messages', 'warning', true)";
 
 /// Wakes the waiters of this process when a release is announced; every
 /// minute, deletes the rows whose lease ended long ago (holders that never
