@@ -147,22 +147,37 @@ impl Error {
 
     /// The service may have carried out the request that failed: it was
     /// sent, and its answer was lost (a response timeout, a connection that
-    /// dropped while it was in flight). A connection refused, or down
-    /// before the request was sent, did nothing. The engine undoes an
-    /// acquire that failed this way.
-    /// The PostgreSQL backend marks such an error with a source of its own.
+    /// dropped while it was in flight), on this try or an earlier one of
+    /// the same request. A connection refused, or down before the request
+    /// was sent, did nothing. The engine undoes an acquire that failed this
+    /// way.
+    ///
+    /// A backend marks such an error when it builds it ([`MayHaveRun`]),
+    /// so this module knows no backend's error types.
     pub(crate) fn outcome_unknown(&self) -> bool {
         let Error::Backend { source: Some(source), .. } = self else { return false };
-        #[cfg(feature = "redis")]
-        if source.downcast_ref::<redis::RedisError>().is_some_and(crate::backend::redis::may_have_run) {
+        if source.is::<MayHaveRun>() {
             return true;
         }
         #[cfg(feature = "postgres")]
         if source.is::<crate::backend::postgres::MayHaveRun>() {
             return true;
         }
-        let _ = source;
         false
+    }
+
+    /// This error, marked as one whose request may have been carried out
+    /// ([`outcome_unknown`](Self::outcome_unknown)): for a retry loop whose
+    /// earlier try may have run, whatever its last try failed with. An
+    /// error that is not [`Error::Backend`] is a definite answer and stays
+    /// as it is.
+    pub(crate) fn may_have_run(self) -> Error {
+        match self {
+            Error::Backend { backend, message, source } if !matches!(&source, Some(s) if s.is::<MayHaveRun>()) => {
+                Error::Backend { backend, message, source: Some(Box::new(MayHaveRun(source))) }
+            }
+            other => other,
+        }
     }
 
     /// How long until the same request may succeed, when that is known: what
@@ -250,3 +265,41 @@ impl std::error::Error for RefusedFor {}
 
 /// `Result` with dlock's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The source of an [`Error::Backend`] whose request may have been carried
+/// out: it was sent and its answer was lost, on the last try or an earlier
+/// one ([`Error::outcome_unknown`]). It wraps the error's own source, if any.
+#[derive(Debug)]
+pub(crate) struct MayHaveRun(pub(crate) Option<Box<dyn std::error::Error + Send + Sync>>);
+
+impl std::fmt::Display for MayHaveRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(e) => write!(f, "{e} (it may have been carried out)"),
+            None => f.write_str("the answer was lost (it may have been carried out)"),
+        }
+    }
+}
+
+impl std::error::Error for MayHaveRun {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mark_that_a_request_may_have_run_survives_its_retry_and_keeps_the_message() {
+        let refused = Error::backend("redis", "cannot reach Redis: connection refused");
+        assert!(!refused.outcome_unknown(), "refused before it was sent: it did nothing");
+        let marked = refused.may_have_run();
+        assert!(marked.outcome_unknown(), "an earlier try of the same request may have run");
+        assert_eq!(marked.to_string(), "redis backend unavailable: cannot reach Redis: connection refused");
+        assert!(marked.may_have_run().outcome_unknown(), "marking twice keeps one mark");
+        let busy = Error::Busy { key: "k".into() }.may_have_run();
+        assert!(!busy.outcome_unknown(), "a definite answer stays one");
+    }
+}

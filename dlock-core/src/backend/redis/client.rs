@@ -44,10 +44,21 @@ impl Client {
 
     /// A failed command as an error; a broken connection may mean a
     /// restarted server, which the quarantine hears of first.
+    ///
+    /// On a cluster, a connection that broke, refused or timed out may
+    /// follow a try that was sent: redis-rs sends a command once more on
+    /// its own after an I/O error (`retries`), and the error it returns is
+    /// the last try's. So such an error is marked "may have run", and an
+    /// acquire that ends in it is undone like one whose answer was lost.
     pub(crate) fn failed(&self, e: redis::RedisError) -> Error {
-        match &self.restart {
+        let resent = self.is_cluster() && super::lost_connection(&e);
+        let error = match &self.restart {
             Some(guard) => guard.failed(e),
             None => redis_error(e),
+        };
+        match resent {
+            true => error.may_have_run(),
+            false => error,
         }
     }
 

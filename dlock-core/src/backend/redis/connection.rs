@@ -572,7 +572,12 @@ pub(crate) fn redis_error(e: redis::RedisError) -> Error {
     } else {
         e.to_string()
     };
-    Error::Backend { backend: "redis", message, source: Some(Box::new(e)) }
+    let unanswered = may_have_run(&e);
+    let error = Error::Backend { backend: "redis", message, source: Some(Box::new(e)) };
+    match unanswered {
+        true => error.may_have_run(),
+        false => error,
+    }
 }
 
 /// Refuses a server older than Redis 7.0 at start-up: the lock scripts
