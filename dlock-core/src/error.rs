@@ -156,14 +156,7 @@ impl Error {
     /// so this module knows no backend's error types.
     pub(crate) fn outcome_unknown(&self) -> bool {
         let Error::Backend { source: Some(source), .. } = self else { return false };
-        if source.is::<MayHaveRun>() {
-            return true;
-        }
-        #[cfg(feature = "postgres")]
-        if source.is::<crate::backend::postgres::MayHaveRun>() {
-            return true;
-        }
-        false
+        source.is::<MayHaveRun>()
     }
 
     /// This error, marked as one whose request may have been carried out

@@ -195,10 +195,14 @@
 //! connection (both are safe to repeat: an acquire joins the hold it may
 //! have taken): once after a timeout, up to three times when connections
 //! fail at once (a pool's connections all die with a server restart, and
-//! each is found dead only when used). When the last try fails too, the
-//! error says the outcome is unknown ([`Error::Backend`] whose source marks
-//! it), and the engine releases the key in the background, owner-checked
-//! (see [`Locker`](crate::Locker)). That release is the function
+//! each is found dead only when used). Once a try's answer was lost, every
+//! later failure of the same acquire says the outcome is unknown
+//! ([`Error::Backend`] whose source marks it), whatever it failed with: a
+//! resend whose answer is lost too, one that cannot connect, one the
+//! server refuses, or the acquire function after a resent first try found
+//! the key held (perhaps by the first try's own grant). The engine then
+//! releases the key in the background, owner-checked (see
+//! [`Locker`](crate::Locker)). That release is the function
 //! (`<prefix>_release_v2`), whose upsert of the key's head waits for a
 //! write of it still running on the server (the lost acquire's insert or
 //! update), so it lands after it. A release is sent once: a second would
@@ -226,9 +230,11 @@ use crate::key::LockKey;
 use crate::owner::Owner;
 
 mod connections;
+mod doubt;
 pub(crate) mod durable;
 mod renewals;
 use connections::{Connections, Lent};
+use doubt::Doubt;
 use renewals::Renewals;
 
 const BACKEND: &str = "postgres";
@@ -586,10 +592,19 @@ impl PostgresBackend {
         self.shared.waiters.count(key.as_str())
     }
 
-    /// One try on the server: the first at an exclusive hold is a plain
-    /// insert of the key's head (take.sql), and only when that finds the
-    /// key held, the acquire function.
-    async fn try_once(&self, req: &AcquireRequest, awaited: bool) -> Result<Attempt> {
+    /// One try on the server (see [`try_on_server`](Self::try_on_server)).
+    /// `doubt` is the acquire's, across its tries: once any statement of it
+    /// may have run, its every failure says so, and the engine's undo of it
+    /// is the release that waits for it.
+    async fn try_once(&self, req: &AcquireRequest, awaited: bool, doubt: &Doubt) -> Result<Attempt> {
+        let result = self.try_on_server(req, awaited, doubt).await;
+        result.map_err(|e| self.lost_acquire(req, doubt.mark(e)))
+    }
+
+    /// The first try at an exclusive hold is a plain insert of the key's
+    /// head (take.sql), and only when that finds the key held, the acquire
+    /// function.
+    async fn try_on_server(&self, req: &AcquireRequest, awaited: bool, doubt: &Doubt) -> Result<Attempt> {
         let sent = Instant::now();
         if !awaited && req.mode == LockMode::Exclusive {
             let take = || {
@@ -599,15 +614,12 @@ impl PostgresBackend {
                     .bind(millis(req.lease).max(1))
             };
             // Safe to send twice: the second finds the first's head, live,
-            // and says "held"; the function that follows joins it.
-            match self.shared.fetch(take, Repeat::Safe).await {
-                Ok(Some(row)) => {
-                    let fence =
-                        u64::try_from(column::<i64>(&row, 0)?).map_err(|_| unexpected("a negative fencing token"))?;
-                    return Ok(Attempt::Acquired(Grant::until(fence, sent + req.lease)));
-                }
-                Ok(None) => {}
-                Err(e) => return Err(self.lost_acquire(req, e)),
+            // and says "held"; the function that follows joins it (and when
+            // that fails, `doubt` says the first may have been granted).
+            if let Some(row) = self.shared.fetch_doubting(take, Repeat::Safe, doubt).await? {
+                let fence =
+                    u64::try_from(column::<i64>(&row, 0)?).map_err(|_| unexpected("a negative fencing token"))?;
+                return Ok(Attempt::Acquired(Grant::until(fence, sent + req.lease)));
             }
         }
         let wait_ms = req.deadline.map_or(0, |deadline| millis(deadline.saturating_duration_since(sent)));
@@ -620,10 +632,7 @@ impl PostgresBackend {
                 .bind(awaited)
                 .bind(wait_ms)
         };
-        let row = match self.shared.fetch(query, Repeat::Safe).await {
-            Ok(row) => row.ok_or_else(|| unexpected("no row"))?,
-            Err(e) => return Err(self.lost_acquire(req, e)),
-        };
+        let row = self.shared.fetch_doubting(query, Repeat::Safe, doubt).await?.ok_or_else(|| unexpected("no row"))?;
         let (outcome, fence, info): (i32, i64, String) =
             (column(&row, 0)?, column(&row, 1)?, column::<Option<String>>(&row, 2)?.unwrap_or_default());
         match outcome {
@@ -637,8 +646,8 @@ impl PostgresBackend {
         }
     }
 
-    /// `e`, after an acquire's request failed: when its answer was lost,
-    /// the engine's undo of it must be the release that waits for it.
+    /// `e`, after an acquire's request failed: when it may have run, the
+    /// engine's undo of it must be the release that waits for it.
     fn lost_acquire(&self, req: &AcquireRequest, e: Error) -> Error {
         if e.outcome_unknown() {
             let mut uncertain = self.shared.uncertain.lock().unwrap_or_else(|p| p.into_inner());
@@ -715,7 +724,17 @@ impl Db {
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
-        Ok(self.fetch_all(make, repeat).await?.into_iter().next())
+        self.fetch_doubting(make, repeat, &Doubt::default()).await
+    }
+
+    /// [`fetch`](Self::fetch) as one step of a request of several
+    /// statements: a lost answer is noted in `doubt`, and once it holds
+    /// one, every error carries it.
+    async fn fetch_doubting<'q, F>(&self, make: F, repeat: Repeat, doubt: &Doubt) -> Result<Option<PgRow>>
+    where
+        F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+    {
+        Ok(self.send(make, repeat, doubt).await?.rows.into_iter().next())
     }
 
     /// The rows of the query `make` builds, sent again on another
@@ -724,7 +743,7 @@ impl Db {
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
-        Ok(self.send(make, repeat).await?.rows)
+        Ok(self.send(make, repeat, &Doubt::default()).await?.rows)
     }
 
     /// How many rows the statement `make` builds changed: a statement with
@@ -734,19 +753,22 @@ impl Db {
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
-        Ok(self.send(make, repeat).await?.changed)
+        Ok(self.send(make, repeat, &Doubt::default()).await?.changed)
     }
 
     /// Runs the query `make` builds, again on another connection when its
-    /// answer was lost and `repeat` allows it.
-    async fn send<'q, F>(&self, make: F, repeat: Repeat) -> Result<Reply>
+    /// answer was lost and `repeat` allows it. Once a try's answer was lost
+    /// (noted in `doubt`), the request may have run, whatever a later try
+    /// fails with: a resend that cannot connect or that the server refuses
+    /// did nothing itself, and its error carries the mark all the same.
+    async fn send<'q, F>(&self, make: F, repeat: Repeat, doubt: &Doubt) -> Result<Reply>
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
         let mut tries = 0;
         loop {
             tries += 1;
-            let mut conn = self.conn().await?;
+            let mut conn = self.conn().await.map_err(|e| doubt.mark(e))?;
             // The rows and the command tag of one answer: what fetch_all
             // and execute each read of it, alone.
             let request = async {
@@ -769,7 +791,7 @@ impl Db {
                 // The server answered: the statement failed, and its
                 // transaction with it.
                 Ok(Err(sqlx::Error::Database(db))) if !connection_ended(&*db) => {
-                    return Err(not_sent(sqlx::Error::Database(db)))
+                    return Err(doubt.mark(not_sent(sqlx::Error::Database(db))))
                 }
                 Ok(Err(e)) => LostAnswer::Failed(e),
                 Err(_) => LostAnswer::TimedOut(self.response_timeout),
@@ -777,6 +799,7 @@ impl Db {
             // Its state is unknown (an answer may still be on its way).
             conn.close_on_drop();
             drop(conn);
+            doubt.answer_lost();
             // A pool keeps connections that died with a server restart
             // until a request finds them dead, each at once: those are
             // worth a few tries. A timeout costs the whole bound: one more.
@@ -785,11 +808,7 @@ impl Db {
                 LostAnswer::TimedOut(_) => 2,
             };
             if repeat == Repeat::Once || tries >= limit {
-                return Err(Error::Backend {
-                    backend: BACKEND,
-                    message: lost.to_string(),
-                    source: Some(Box::new(MayHaveRun(lost))),
-                });
+                return Err(lost.into_error().may_have_run());
             }
             tracing::debug!(error = %lost, "dlock: a PostgreSQL answer was lost; asking again on another connection");
         }
@@ -830,24 +849,16 @@ impl std::fmt::Display for LostAnswer {
     }
 }
 
-/// The source of an [`Error::Backend`] whose request was sent and whose
-/// answer was lost: it may have been carried out
-/// ([`Error::outcome_unknown`]).
-#[derive(Debug)]
-pub(crate) struct MayHaveRun(LostAnswer);
-
-impl std::fmt::Display for MayHaveRun {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} (it may have been carried out)", self.0)
-    }
-}
-
-impl std::error::Error for MayHaveRun {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match &self.0 {
-            LostAnswer::Failed(e) => Some(e),
+impl LostAnswer {
+    /// The error it is, its connection's error as the source; the caller
+    /// marks it as one whose request may have run.
+    fn into_error(self) -> Error {
+        let message = self.to_string();
+        let source: Option<Box<dyn std::error::Error + Send + Sync>> = match self {
+            LostAnswer::Failed(e) => Some(Box::new(e)),
             LostAnswer::TimedOut(_) => None,
-        }
+        };
+        Error::Backend { backend: BACKEND, message, source }
     }
 }
 
@@ -1214,14 +1225,20 @@ impl Backend for PostgresBackend {
 
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>> {
         let waiters = &self.shared.waiters;
-        Box::pin(acquire_loop(
-            req,
-            cancel,
-            || waiters.count(req.key.as_str()) > 0,
-            move |awaited| self.try_once(req, awaited),
-            // Listening since connect: registering is local.
-            move || std::future::ready(waiters.register(req.key.as_str(), req.mode)),
-        ))
+        Box::pin(async move {
+            // One for the whole acquire: a try that found the key held
+            // after an earlier one's answer was lost is the same request.
+            let doubt = Doubt::default();
+            acquire_loop(
+                req,
+                cancel,
+                || waiters.count(req.key.as_str()) > 0,
+                |awaited| self.try_once(req, awaited, &doubt),
+                // Listening since connect: registering is local.
+                move || std::future::ready(waiters.register(req.key.as_str(), req.mode)),
+            )
+            .await
+        })
     }
 
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>> {
