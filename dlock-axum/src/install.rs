@@ -145,11 +145,36 @@ pub(crate) fn no_engine() -> Rejection {
 
 /// A readiness probe: asks every server the installed runtime uses whether
 /// it answers now ([`DlockRuntime::readiness`]: the lock backend, with a
-/// Redis restart quarantine counted as not ready, and the idempotency
-/// store). `200` when all do, else `503`, with a JSON body saying which:
+/// Redis restart quarantine counted as not ready, the idempotency store,
+/// and each store added with [`DlockRuntime::also_check`]). `200` when all
+/// do, else `503`, with a JSON body saying which:
 ///
 /// ```json
 /// {"ready": false, "checks": [{"part": "locks", "backend": "redis", "ok": false, "problem": "…"}]}
+/// ```
+///
+/// It asks the runtime's stores, not a layer's: a route whose records live
+/// in a store it was given (`IdempotencyLayer::in_transaction` on the
+/// application's database, or `with_store`) is checked once that
+/// store is the runtime's ([`DlockRuntime::with_idempotency_store`]) or
+/// added beside it:
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn demo(app_pool: sqlx::PgPool) -> Result<(), dlock_core::Error> {
+/// use std::sync::Arc;
+/// use axum::{routing::{get, post}, Router};
+/// use dlock_axum::{idempotency::IdempotencyLayer, LockerExt};
+/// use dlock_core::idempotency::PostgresStore;
+///
+/// let wallet = PostgresStore::with_pool(app_pool, "wallet").await?;
+/// // `/ready` now fails while the wallet's database does not answer.
+/// let dlock = dlock_axum::from_env().await?.with_idempotency_store(Arc::new(wallet.clone()));
+/// let app: Router = Router::new()
+///     .route("/transfers", post(|| async { "done" }).layer(IdempotencyLayer::new().in_transaction(wallet)))
+///     .route("/ready", get(dlock_axum::ready))
+///     .with_locker(dlock);
+/// # Ok(()) }
 /// ```
 ///
 /// No lock is taken and nothing is written, so an orchestrator may call it

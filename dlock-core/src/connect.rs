@@ -20,7 +20,7 @@ impl Config {
     /// |---|---|
     /// | `memory` | this process, unless `DLOCK_IDEMPOTENCY_REDIS_URL` is set |
     /// | `redis` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same Redis as the locks, over the same connection |
-    /// | `postgres` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same database as the locks, on the same pool ([`PostgresStore`](crate::idempotency::PostgresStore)) |
+    /// | `postgres` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same database as the locks, on the same pool ([`PostgresStore`](crate::idempotency::PostgresStore)), its tables made when it is first asked for a record |
     /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset: none, unless `DLOCK_IDEMPOTENCY_LOCAL=1` keeps them in this process |
     ///
     /// Without a place for records, the locks work and every request that
@@ -28,6 +28,15 @@ impl Config {
     /// `DLOCK_IDEMPOTENCY_REDIS_URL` ([`DlockRuntime::idempotency_store`]):
     /// records in each process would let a duplicate sent to two instances
     /// run on both, and nothing would say so. That is logged at start-up too.
+    ///
+    /// A service whose idempotency routes keep their records in a store of
+    /// their own (`IdempotencyLayer::in_transaction` on
+    /// [`PostgresStore::with_pool`](crate::idempotency::PostgresStore::with_pool))
+    /// hands it to the runtime with
+    /// [`DlockRuntime::with_idempotency_store`] (the runtime's own store is
+    /// then dropped, having made nothing), or, beside the runtime's, with
+    /// [`DlockRuntime::also_check`]: the readiness probe then asks the
+    /// store the routes use.
     ///
     /// For Redis the servers are checked now: each must answer, be Redis 7
     /// or newer and let the ACL user subscribe to the lock channels.
@@ -81,8 +90,9 @@ impl Config {
         #[cfg(feature = "postgres")]
         if let (BackendKind::Postgres { url, listen_url }, None) = (&self.backend, &self.idempotency_redis_url) {
             let backend = Arc::new(postgres_backend(url, listen_url.as_deref(), &self.prefix).await?);
-            let store = crate::idempotency::PostgresStore::from_backend(&backend)
-                .await
+            // Its tables on first use: an application whose routes keep
+            // their records in a store of their own never uses this one.
+            let store = crate::idempotency::PostgresStore::on_first_use(&backend)
                 .map_err(at("DLOCK_POSTGRES_URL", url))?
                 .with_limits(self.idempotency_limits);
             let locker = Locker::with_options(backend, self.locker_options())?;

@@ -30,6 +30,9 @@ use crate::Locker;
 pub struct DlockRuntime {
     locker: Locker,
     idempotency: Records,
+    /// Stores routes use beside the runtime's, each with the name its
+    /// readiness check goes by ([`also_check`](Self::also_check)).
+    also_checked: Vec<(&'static str, Arc<dyn IdempotencyStore>)>,
     max_body_bytes: usize,
     body_read_timeout: Duration,
     idempotency_ttl: Duration,
@@ -53,9 +56,11 @@ impl std::fmt::Debug for DlockRuntime {
             Records::Store(store) => store.name(),
             Records::Refused { var, .. } => var,
         };
+        let also: Vec<_> = self.also_checked.iter().map(|(part, store)| (part, store.name())).collect();
         f.debug_struct("DlockRuntime")
             .field("locks", &self.locker.backend_name())
             .field("idempotency", &records)
+            .field("also_checked", &also)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("body_read_timeout", &self.body_read_timeout)
             .field("idempotency_ttl", &self.idempotency_ttl)
@@ -88,6 +93,7 @@ impl DlockRuntime {
         DlockRuntime {
             locker,
             idempotency: Records::Store(Arc::new(MemoryStore::new())),
+            also_checked: Vec::new(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
             idempotency_ttl: DEFAULT_IDEMPOTENCY_TTL,
@@ -108,13 +114,25 @@ impl DlockRuntime {
         DlockRuntime {
             locker,
             idempotency,
+            also_checked: Vec::new(),
             max_body_bytes: config.max_body_bytes,
             body_read_timeout: config.body_read_timeout,
             idempotency_ttl: config.idempotency_ttl,
         }
     }
 
-    /// Replaces where idempotency records and tokens live.
+    /// Replaces where idempotency records and tokens live: for the layers
+    /// not given a store of their own, and for [`readiness`](Self::readiness)
+    /// (and so dlock-axum's `ready`).
+    ///
+    /// An application whose idempotency routes keep their records in a
+    /// store of their own, such as `IdempotencyLayer::in_transaction` on a
+    /// [`PostgresStore::with_pool`](crate::idempotency::PostgresStore::with_pool)
+    /// of its database, hands that store here, so that the readiness probe
+    /// asks the database its routes use. The store it replaces is dropped;
+    /// with `DLOCK_BACKEND=postgres` that one made no tables, since it makes
+    /// them on its first use. A store used beside this one (tokens here,
+    /// keys there) goes to [`also_check`](Self::also_check) instead.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -125,6 +143,29 @@ impl DlockRuntime {
     /// ```
     pub fn with_idempotency_store(mut self, store: Arc<dyn IdempotencyStore>) -> Self {
         self.idempotency = Records::Store(store);
+        self
+    }
+
+    /// Adds a store that routes use beside the runtime's own (one they were
+    /// given with `in_transaction` or `with_store`) to
+    /// [`readiness`](Self::readiness), as a check of its own named `part`:
+    /// the probe then fails while that store's server does not answer,
+    /// though the runtime's answers. Records and tokens stay where they
+    /// were; for one store in all, see
+    /// [`with_idempotency_store`](Self::with_idempotency_store).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::sync::Arc;
+    /// use dlock_core::{idempotency::MemoryStore, DlockRuntime, Locker, MemoryBackend};
+    /// let payments = Arc::new(MemoryStore::new()); // e.g. PostgresStore::with_pool(app_pool, "payments")
+    /// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new())).also_check("payments records", payments);
+    /// let parts: Vec<_> = dlock.readiness().await.checks().iter().map(|c| c.part()).collect();
+    /// assert_eq!(parts, ["locks", "idempotency", "payments records"]);
+    /// # }
+    /// ```
+    pub fn also_check(mut self, part: &'static str, store: Arc<dyn IdempotencyStore>) -> Self {
+        self.also_checked.push((part, store));
         self
     }
 
@@ -209,9 +250,12 @@ impl DlockRuntime {
 
     /// Asks every server this runtime uses whether it answers now: the lock
     /// backend (for Redis: reachable and not in its restart quarantine;
-    /// RedLock: a majority of masters; ZooKeeper: a live session) and the
-    /// idempotency store, when there is one. Cheap enough for a readiness probe: one round trip
-    /// per server, no lock taken.
+    /// RedLock: a majority of masters; ZooKeeper: a live session), the
+    /// idempotency store, when there is one, and each store added with
+    /// [`also_check`](Self::also_check). Cheap enough for a readiness
+    /// probe: one round trip per server, all at once, no lock taken and
+    /// nothing written (a PostgreSQL store that has not made its tables
+    /// yet does not make them for it).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -222,12 +266,22 @@ impl DlockRuntime {
     /// # }
     /// ```
     pub async fn readiness(&self) -> Readiness {
-        let mut checks = vec![ReadinessCheck::of("locks", self.locker.backend_name(), self.locker.ready().await)];
         // A configuration without records is a service that only locks:
         // ready, and told at start-up (and per request) what records need.
-        if let Records::Store(store) = &self.idempotency {
-            checks.push(ReadinessCheck::of("idempotency", store.name(), store.ready().await));
-        }
+        let runtime_store = match &self.idempotency {
+            Records::Store(store) => Some(("idempotency", store)),
+            Records::Refused { .. } => None,
+        };
+        let stores = runtime_store.into_iter().chain(self.also_checked.iter().map(|(part, store)| (*part, store)));
+        // At once: a probe's time is the slowest server's, not their sum.
+        let (locks, stores) = tokio::join!(
+            self.locker.ready(),
+            futures_util::future::join_all(
+                stores.map(|(part, store)| async move { ReadinessCheck::of(part, store.name(), store.ready().await) })
+            )
+        );
+        let mut checks = vec![ReadinessCheck::of("locks", self.locker.backend_name(), locks)];
+        checks.extend(stores);
         Readiness { checks }
     }
 }
@@ -267,8 +321,9 @@ impl Readiness {
     }
 }
 
-/// One part of a [`Readiness`]: `locks` or `idempotency`, its backend, and
-/// the error when it did not answer.
+/// One part of a [`Readiness`]: `locks`, `idempotency` or the name a store
+/// was added with ([`DlockRuntime::also_check`]), its backend, and the
+/// error when it did not answer.
 #[derive(Debug, Clone)]
 pub struct ReadinessCheck {
     part: &'static str,
@@ -281,12 +336,13 @@ impl ReadinessCheck {
         ReadinessCheck { part, backend, problem: answer.err().map(|e| e.to_string()) }
     }
 
-    /// `locks` or `idempotency`.
+    /// `locks`, `idempotency`, or the name given to
+    /// [`DlockRuntime::also_check`].
     pub fn part(&self) -> &'static str {
         self.part
     }
 
-    /// `memory`, `redis`, `redlock` or `zookeeper`.
+    /// `memory`, `redis`, `redlock`, `zookeeper` or `postgres`.
     pub fn backend(&self) -> &'static str {
         self.backend
     }

@@ -13,10 +13,13 @@ use super::{
 };
 use crate::backend::postgres::durable::{self, after_pin};
 use crate::backend::postgres::{
-    check_prefix, column, connect_options, install, pool, within, Db, Objects, PostgresBackend, PostgresOptions, Repeat,
+    check_prefix, column, connect_options, pool, Db, Objects, PostgresBackend, PostgresOptions, Repeat,
 };
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
+
+mod tables;
+use tables::Tables;
 
 const STORE: &str = "postgres";
 /// The first key of the store's advisory locks ("dloi"): `+0` a key's
@@ -139,7 +142,10 @@ pub struct PostgresStore {
 struct Inner {
     db: Db,
     sql: Statements,
-    /// Stops the upkeep (tallies, sweeps) when the last clone goes.
+    tables: Tables,
+    /// The upkeep's (tallies, sweeps), which starts once the tables are made.
+    stop: CancellationToken,
+    /// Stops the upkeep when the last clone goes.
     _sweep: DropGuard,
 }
 
@@ -329,28 +335,69 @@ impl PostgresStore {
         Self::on(db, prefix).await
     }
 
-    /// A store on the lock backend's pool and prefix.
+    /// A store on the lock backend's pool and prefix, its tables made now
+    /// when missing. (The one [`Config::build`](crate::Config::build) keeps
+    /// beside PostgreSQL locks makes them on its first use instead.)
     ///
     /// # Errors
     ///
     /// As [`connect_with`](Self::connect_with).
     pub async fn from_backend(backend: &PostgresBackend) -> Result<Self> {
+        let store = Self::on_first_use(backend)?;
+        store.tables().await?;
+        Ok(store)
+    }
+
+    /// A store on the lock backend's pool and prefix that makes its tables
+    /// on its first use, not now: the one [`Config::build`](crate::Config::build)
+    /// keeps beside PostgreSQL locks, which a service whose routes keep
+    /// their records elsewhere never uses (see `tables.rs`). The backend
+    /// made its own tables on the same server, with the same user, at
+    /// connect: that server's checks (it answers, it takes the durability
+    /// setting, the user may create tables) are behind us.
+    pub(crate) fn on_first_use(backend: &PostgresBackend) -> Result<Self> {
         let prefix = crate::backend::Backend::prefix(backend).unwrap_or("dlock").to_owned();
-        Self::on(backend.db().clone(), &prefix).await
+        Self::lazily(backend.db().clone(), &prefix)
     }
 
     async fn on(db: Db, prefix: &str) -> Result<Self> {
+        let store = Self::lazily(db, prefix)?;
+        store.tables().await?;
+        Ok(store)
+    }
+
+    /// The store, its tables not made yet.
+    fn lazily(db: Db, prefix: &str) -> Result<Self> {
         let names = Names::for_prefix(prefix)?;
-        let mut conn =
-            within(db.response_timeout.max(Duration::from_secs(10)), "connecting", db.pool.acquire()).await?.detach();
-        let installed = install(&mut conn, &names.objects(), db.response_timeout).await;
-        let _ = sqlx::Connection::close(conn).await;
-        installed?;
-        let sql = names.statements();
         let stop = CancellationToken::new();
-        tokio::spawn(upkeep(db.pool.clone(), sql.enter.clone(), sql.sweep.clone(), stop.clone()));
-        let inner = Inner { db, sql, _sweep: stop.drop_guard() };
+        let inner = Inner {
+            db,
+            sql: names.statements(),
+            tables: Tables::new(names.objects()),
+            _sweep: stop.clone().drop_guard(),
+            stop,
+        };
         Ok(PostgresStore { inner: Arc::new(inner), limits: IdempotencyLimits::default() })
+    }
+
+    /// The store's requests, its tables made first when they are not yet
+    /// (once: afterwards this is a look at a flag).
+    async fn db(&self) -> Result<&Db> {
+        self.tables().await?;
+        Ok(&self.inner.db)
+    }
+
+    /// Makes the tables when this store has not made them yet, and starts
+    /// the upkeep on them.
+    async fn tables(&self) -> Result<()> {
+        let inner = &self.inner;
+        inner
+            .tables
+            .make(&inner.db, || {
+                let (enter, sweep) = (inner.sql.enter.clone(), inner.sql.sweep.clone());
+                tokio::spawn(upkeep(inner.db.pool.clone(), enter, sweep, inner.stop.clone()));
+            })
+            .await
     }
 
     /// Replaces the caps on live records and tokens (per caller, and the
@@ -413,6 +460,7 @@ impl PostgresStore {
     ) -> BoxFuture<'a, Result<Begin>> {
         Box::pin(async move {
             let claim = Claim::new(scope, key)?;
+            self.tables().await?;
             let first = claim_args(&self.inner.sql.claim_in_tx, &claim, fingerprint, terms)
                 .bind(count(self.limits.max_per_scope()));
             if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
@@ -443,6 +491,7 @@ impl PostgresStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
+            self.tables().await?;
             let encoded = response.encode();
             // A claim made by claim_in_tx carries its tally's bytes; one
             // the function made goes to the function.
@@ -529,7 +578,7 @@ impl PostgresStore {
         let query = || {
             sqlx::query(&self.inner.sql.issue).bind(&token).bind(principal).bind(millis(ttl).max(1)).bind(count(max))
         };
-        let row = self.inner.db.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
+        let row = self.db().await?.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
         match column::<i64>(&row, 0)? {
             0 => Ok(token),
             retry_ms => Err(Error::IdempotencyFull {
@@ -544,7 +593,7 @@ impl PostgresStore {
     where
         F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
     {
-        Ok(!self.inner.db.fetch_all(make, repeat).await?.is_empty())
+        Ok(!self.db().await?.fetch_all(make, repeat).await?.is_empty())
     }
 }
 
@@ -637,6 +686,8 @@ impl IdempotencyStore for PostgresStore {
         STORE
     }
 
+    /// The server answers; its tables, when not made yet, are not made
+    /// for a probe.
     fn ready(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
             self.inner.db.fetch(|| sqlx::query("SELECT 1"), Repeat::Safe).await?;
@@ -670,7 +721,7 @@ impl IdempotencyStore for PostgresStore {
                     .bind(claim.owner())
                     .bind(millis(lease).max(1))
             };
-            let row = match self.inner.db.fetch(query, Repeat::Once).await {
+            let row = match self.db().await?.fetch(query, Repeat::Once).await {
                 Ok(row) => row.ok_or_else(|| unexpected("no row"))?,
                 Err(e) => {
                     if e.outcome_unknown() {
@@ -712,7 +763,7 @@ impl IdempotencyStore for PostgresStore {
         Box::pin(async move {
             let claim = Claim::new(scope, key)?;
             let query = || self.begin_query(&claim, fingerprint, terms, false);
-            match self.inner.db.fetch(query, Repeat::Once).await {
+            match self.db().await?.fetch(query, Repeat::Once).await {
                 Ok(Some(row)) => self.begun(&row, claim),
                 Ok(None) => Err(unexpected("no row")),
                 Err(e) => {
@@ -749,8 +800,8 @@ impl IdempotencyStore for PostgresStore {
         Box::pin(async move {
             let encoded = response.encode();
             let row = self
-                .inner
-                .db
+                .db()
+                .await?
                 .fetch(|| self.complete_query(&self.inner.sql.complete, claim, &encoded), Repeat::Once)
                 .await?
                 .ok_or_else(|| unexpected("no row"))?;
@@ -762,7 +813,7 @@ impl IdempotencyStore for PostgresStore {
         Box::pin(async move {
             let query =
                 || sqlx::query(&self.inner.sql.abandon).bind(claim.scope()).bind(claim.key()).bind(claim.owner());
-            let row = self.inner.db.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
+            let row = self.db().await?.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
             Ok(column::<Option<bool>>(&row, 0)?.unwrap_or(false))
         })
     }
