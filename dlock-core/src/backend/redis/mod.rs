@@ -117,7 +117,7 @@ pub(crate) use tls::RedisTls;
 
 pub(crate) use client::Client;
 pub(crate) use connection::RedisConnection;
-pub(crate) use connection::{lost_connection, may_have_run, redis_error, Conn};
+pub(crate) use connection::{lost_connection, redis_error, Conn};
 pub(crate) use restart::RestartGuard;
 use script::{acquire_call, acquire_reply, lock_scripts, release_call, Reply, ScriptCall};
 use subscriber::Subscriber;
