@@ -67,6 +67,10 @@ async fn redis() -> Redis {
 
 backend_suite!(redis());
 primitives_suite!(redis());
+mod withdrawal {
+    use super::*;
+    primitives_suite!(@tests redis(); a_writer_that_hangs_up_lets_readers_in);
+}
 
 /// A release publishes only when an acquire found the lock held and waits:
 /// uncontended cycles cost the server no PUBLISH.

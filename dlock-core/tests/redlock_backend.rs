@@ -87,6 +87,10 @@ async fn redlock() -> RedLock {
 
 backend_suite!(redlock());
 primitives_suite!(redlock(), one_permit_only);
+mod withdrawal {
+    use super::*;
+    primitives_suite!(@tests redlock(); a_writer_that_hangs_up_lets_readers_in);
+}
 
 #[tokio::test]
 async fn an_even_number_of_nodes_is_a_config_error() {

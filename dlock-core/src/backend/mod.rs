@@ -41,7 +41,8 @@
 //! while a request may be in flight: it runs it on its own task and passes a
 //! [`CancellationToken`] that fires when the caller gave up. A backend selects
 //! on it only while it *waits*, and returns [`Error::Cancelled`]; the engine
-//! releases any grant that nobody is left to receive.
+//! releases any grant that nobody is left to receive, and has the backend
+//! take back what the wait left for others to see ([`Backend::withdraw`]).
 //!
 //! # Plugging in a new backend
 //!
@@ -233,7 +234,12 @@ impl AcquireRequest {
 /// * [`Shared`](LockMode::Shared): the read side of a read-write lock. Any
 ///   number of shared holders at once, none while an exclusive holder has
 ///   the key. A writer that waits is not starved: once it waits, new
-///   readers wait behind it (writer preference).
+///   readers wait behind it (writer preference), until it is granted or
+///   its wait ends. On Redis, RedLock, ZooKeeper and in process, a writer
+///   whose caller goes (an HTTP request that hung up, a dropped acquire
+///   future) or whose acquire fails mid-wait stops keeping readers out at
+///   once, and the readers it kept out are woken ([`Backend::withdraw`]);
+///   on PostgreSQL it keeps them out until its wait would have ended.
 /// * [`Permits`](LockMode::Permits): one of `limit` permits of a
 ///   semaphore. The first holder fixes `limit` for as long as anyone holds
 ///   or waits for the key; asking with another is
@@ -501,6 +507,28 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
         let _ = (key, owner);
         None
+    }
+
+    /// Takes back what the waits of `req` left on the service for others to
+    /// see (a writer's intent that keeps new readers out), now that it ended without a
+    /// grant before its deadline: cancelled (its caller went, e.g. an HTTP
+    /// request that hung up) or failed. Left there, it would keep readers
+    /// out until the wait would have ended.
+    ///
+    /// Only what `req.owner` left, never a hold, and it wakes the waiters
+    /// what it takes back kept out. The engine sends it on a task of its
+    /// own once [`acquire`](Backend::acquire) returned (after its last
+    /// command was answered, so it lands after it), once, keeping the
+    /// owner's turn on the key until it is answered; an acquire whose
+    /// outcome is unknown is released as well, after it. What a failed
+    /// withdrawal leaves ends with the wait it bounded.
+    ///
+    /// The default does nothing: for a backend whose waits leave nothing
+    /// behind, or take it with them (in process, a waiter's registration;
+    /// ZooKeeper, its node).
+    fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
+        let _ = req;
+        Box::pin(std::future::ready(Ok(())))
     }
 }
 

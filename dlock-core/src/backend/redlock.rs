@@ -48,7 +48,9 @@
 //!   the Redis backend does, and any majority of readers shares a node with
 //!   any majority of a writer, where one of them is refused. A waiting
 //!   writer's intent (writer preference) is recorded on the nodes it
-//!   reaches. [`LockMode::Permits`] with a limit of 2 or more is refused
+//!   reaches, and taken back from every node when it leaves without the
+//!   key before its wait ends ([`Backend::withdraw`]) or releases it.
+//!   [`LockMode::Permits`] with a limit of 2 or more is refused
 //!   with [`Error::InvalidArgument`]: a node counts only the holders that
 //!   reached it, and a permit needs only a majority, so with 3 masters and
 //!   2 permits, clients granted on nodes {1,2}, {2,3} and {1,3} each hold a
@@ -624,6 +626,30 @@ impl Backend for RedLockBackend {
 
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>> {
         Box::pin(self.release_on_all(key, owner))
+    }
+
+    /// On every node, as a release: a writer's intent is on each node
+    /// that refused it.
+    fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if req.mode != LockMode::Exclusive {
+                return Ok(());
+            }
+            let answers = self
+                .on_all(
+                    self.node_timeout,
+                    |_, node| {
+                        let (key, owner) = (req.key.clone(), req.owner.clone());
+                        async move { node.withdraw_on_server(&key, &owner).await }
+                    },
+                    |_, _| false,
+                )
+                .await;
+            match answers.len() >= self.quorum() {
+                true => Ok(()),
+                false => Err(self.unavailable(answers.len())),
+            }
+        })
     }
 }
 

@@ -316,7 +316,8 @@ pub(super) struct AcquireTurn {
     id: Option<HoldId>,
 }
 
-/// The turn of a last release while it is on its way (or retried): dropped,
+/// The turn of a last release while it is on its way (or retried), or of
+/// the undo of a first acquire that returned no grant: dropped,
 /// it forgets the hold and wakes the acquires of the key that wait. It goes
 /// with the release until the service answered or the release was given
 /// up, also when the caller stopped waiting for it, so no acquire overtakes
@@ -616,11 +617,13 @@ impl Table {
 }
 
 impl AcquireTurn {
-    /// The first acquire failed in a way that leaves its outcome unknown
-    /// (its answer timed out, or the connection broke while it was in
-    /// flight): the service may have granted it. The turn becomes the turn
-    /// of an owner-checked release, which, bounded by the lease, ends at
-    /// `valid_until`.
+    /// The first acquire returned no grant but may have left something on
+    /// the service: its outcome is unknown (its answer timed out, or the
+    /// connection broke while it was in flight), so the service may have
+    /// granted it, or its wait ended early and left what waits leave (a
+    /// writer's intent). The turn becomes the turn of what goes after it,
+    /// owner-checked (a withdrawal, a release), which ends at `valid_until`
+    /// (the lease for a release, the wait for a withdrawal).
     pub(super) fn undo(mut self, valid_until: Instant) -> Option<ReleaseTurn> {
         let id = self.id.take()?;
         let hold = self.holds.table().slots.get_mut(id).map(|hold| hold.phase = Phase::Releasing { retrying: true });

@@ -418,9 +418,7 @@ impl Locker {
             match result {
                 Ok(grant) => Ok(granted(&engine, turn, grant, req, renew)),
                 Err(e) => {
-                    if e.outcome_unknown() {
-                        undo(&engine, turn, req);
-                    }
+                    undo(&engine, turn, req, e.outcome_unknown());
                     Err(e)
                 }
             }
@@ -430,18 +428,55 @@ impl Locker {
     }
 }
 
-/// An acquire whose outcome is unknown (its answer timed out, or the
-/// connection broke while it was in flight) may still have been granted:
-/// an owner-checked release goes after it in the background, retried while
-/// the service cannot be reached until the lease ends, so that such a grant
-/// does not keep the key for a whole lease. Sent on the same connection
-/// after the acquire, it lands after it. An acquire refused before it was
-/// sent (a dead server) did nothing and is not undone. (A quorum that
-/// failed is undone by RedLock itself, node by node.)
-fn undo(engine: &Arc<Engine>, turn: AcquireTurn, req: AcquireRequest) {
-    let Some(turn) = turn.undo(Instant::now() + req.lease) else { return };
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(release_last(engine.clone(), req.key, req.owner, turn));
+/// What an acquire that returned no grant may have left on the service
+/// goes after it in the background, on the turn of its key and owner (no
+/// acquire of the same owner is sent until it landed):
+///
+/// * a wait that ended before its deadline (cancelled: the caller went; or
+///   failed) is withdrawn ([`Backend::withdraw`]): a writer's intent would
+///   keep readers out until the wait would have ended (30 s for an HTTP
+///   request that hung up at once). One try: what a failed one leaves ends with the wait.
+///   A wait that ran to its deadline left nothing that outlives it.
+/// * an acquire whose outcome is unknown (its answer timed out, or the
+///   connection broke while it was in flight) may still have been granted:
+///   an owner-checked release goes after it, retried while the service
+///   cannot be reached until the lease ends, so that such a grant does not
+///   keep the key for a whole lease. An acquire refused before it was sent
+///   (a dead server) did nothing and is not undone. (A quorum that failed
+///   is undone by RedLock itself, node by node.)
+///
+/// Sent on the same connection after the acquire, each lands after it.
+fn undo(engine: &Arc<Engine>, turn: AcquireTurn, req: AcquireRequest, outcome_unknown: bool) {
+    let now = Instant::now();
+    let left_early = req.deadline.is_some_and(|deadline| now < deadline);
+    let until = match (outcome_unknown, req.deadline) {
+        (true, _) => now + req.lease,
+        (false, Some(deadline)) if left_early => deadline,
+        // Nothing to undo: the turn ends here.
+        _ => return,
+    };
+    let Some(turn) = turn.undo(until) else { return };
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    let engine = engine.clone();
+    runtime.spawn(async move {
+        if left_early {
+            withdraw(&engine, &req).await;
+        }
+        if outcome_unknown {
+            drop(release_last(engine, req.key, req.owner, turn).await);
+        }
+    });
+}
+
+/// [`Backend::withdraw`] for `req`, logged.
+async fn withdraw(engine: &Engine, req: &AcquireRequest) {
+    match engine.backend.withdraw(req).await {
+        Ok(()) => tracing::debug!(key = %req.key.log_id(), "dlock.withdraw"),
+        Err(e) => tracing::warn!(
+            key = %req.key.log_id(),
+            error = %e,
+            "dlock.withdraw failed; what the wait left ends with its wait"
+        ),
     }
 }
 

@@ -104,6 +104,76 @@ pub(crate) async fn a_writer_that_gives_up_lets_readers_in<H: Harness>(h: &H) {
     reader.release().await.expect("release");
 }
 
+/// Review 2026-12-07 A1: a waiting writer keeps new readers out; when its
+/// caller goes (a request that hung up: its acquire future is dropped) it
+/// takes that back at once. A reader that waits behind it is let in
+/// within moments, not when the writer's wait (30 s) would have ended,
+/// and nothing of the writer is left on the service.
+///
+/// Not in [`primitives_suite!`](crate::primitives_suite): a backend's file
+/// expands it once the backend withdraws (`primitives_suite!(@tests ..;
+/// a_writer_that_hangs_up_lets_readers_in)`).
+pub(crate) async fn a_writer_that_hangs_up_lets_readers_in<H: Harness>(h: &H) {
+    const WRITER_WAIT: Duration = Duration::from_secs(30);
+    let clients = [h.client().await, h.client().await, h.client().await, h.client().await];
+    let [holder, writing, newcomer, waiting] = &clients;
+    let k = key(holder, "rw-hang-up");
+    let long = || shared().with_lease(Duration::from_secs(30));
+    let reader = holder.acquire(&k, long()).await.expect("reader");
+    let writer = {
+        let (writing, k) = (writing.clone(), k.clone());
+        tokio::spawn(async move {
+            let opts = AcquireOptions::new().with_wait(WRITER_WAIT).with_lease(Duration::from_secs(30));
+            writing.acquire(&k, opts).await
+        })
+    };
+    until_parked(h, &k).await;
+    // Control: once the writer's claim landed (the try after it parked),
+    // a new reader is refused. Readers let in before that go at once.
+    let claimed_by = Instant::now() + Duration::from_secs(5);
+    loop {
+        match newcomer.acquire(&k, shared()).await {
+            Err(e) if e.is_contention() => break,
+            Err(e) => panic!("a new reader: {e:?}"),
+            Ok(early) => {
+                early.release().await.expect("release");
+                assert!(Instant::now() < claimed_by, "the waiting writer never kept a reader out");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+    // A reader that waits parks behind the writer.
+    let parked = h.parked(&k).await;
+    let late_reader = {
+        let (waiting, k) = (waiting.clone(), k.clone());
+        tokio::spawn(async move { waiting.acquire(&k, long().with_wait(Duration::from_secs(20))).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while h.parked(&k).await <= parked {
+        assert!(Instant::now() < deadline, "the late reader never parked");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let err = newcomer.acquire(&k, shared()).await.expect_err("still kept out while the writer waits");
+    assert!(err.is_contention(), "{err:?}");
+
+    // The writer's caller goes: its acquire future is dropped mid-wait.
+    let hung_up = Instant::now();
+    writer.abort();
+    assert!(writer.await.expect_err("aborted").is_cancelled(), "the writer was still waiting");
+    let late = tokio::time::timeout(Duration::from_secs(5), late_reader)
+        .await
+        .unwrap_or_else(|_| {
+            panic!("the waiting reader was still kept out 5 s after the writer left (its wait: {WRITER_WAIT:?})")
+        })
+        .expect("reader task")
+        .expect("the waiting reader is let in");
+    let waited = hung_up.elapsed();
+    assert!(waited < Duration::from_secs(3), "let in {waited:?} after the writer left");
+    newcomer.acquire(&k, shared()).await.expect("new readers share again").release().await.expect("release");
+    assert!(late.release().await.expect("release") && reader.release().await.expect("release"));
+    until_no_lock_keys(h).await;
+}
+
 /// A holder of a shared lock may not turn it into an exclusive one (two
 /// readers doing so would wait for each other); a writer may read.
 pub(crate) async fn an_upgrade_is_refused_and_a_writer_may_read<H: Harness>(h: &H) {
@@ -449,6 +519,9 @@ impl Backend for PermitOfOneBackend {
     }
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
         self.0.release_now(key, owner)
+    }
+    fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.0.withdraw(&Self::rewrite(req)).await })
     }
 }
 

@@ -9,23 +9,36 @@
 -- lock's fencing token needs no keeping: the high-water mark the acquire
 -- advanced is above it. Returns 0 when freed, -1 when not held by this
 -- owner.
+-- With `only_waits`, free takes back only what the waits of `owner` left
+-- (a writer's intent), never a hold: the
+-- withdrawal of an acquire that ended without a grant (cancelled, failed)
+-- before its wait did. Returns 0 when it took something back, else -1.
+
+-- Takes back what the waits of `owner` left in counted key `s`: its
+-- intent, whose end wakes the readers it kept out. Returns whether there
+-- was any.
+local function withdraw(key, s, owner)
+  local withdrew = false
+  if s.intent == owner then
+    redis.call('HDEL', key, 'i')
+    s.intent_at = 0
+    withdrew = true
+    if s.w == '1' then
+      redis.call('PUBLISH', key .. ':released', 'a')
+    end
+  end
+  return withdrew
+end
 
 -- free() on a counted key: the rare path.
-local function free_counted(key, owner)
+local function free_counted(key, owner, only_waits)
   local s = live(key, now_ms())
-  if not s.holders[owner] then
-    -- A writer granted elsewhere (by a RedLock quorum) while this node
-    -- refused it leaves its intent here: the intent goes with its release,
-    -- and the readers it kept out are woken.
-    if s.intent == owner then
-      redis.call('HDEL', key, 'i')
-      s.intent_at = 0
-      if s.w == '1' then
-        redis.call('PUBLISH', key .. ':released', 'a')
-      end
-    end
+  if only_waits or not s.holders[owner] then
+    -- A waiter granted elsewhere (by a RedLock quorum) while this node
+    -- refused it leaves its intent here: it goes with its release.
+    local withdrew = withdraw(key, s, owner)
     keep_until(key, s)
-    return -1
+    return (only_waits and withdrew) and 0 or -1
   end
   redis.call('HDEL', key, owner)
   s.holders[owner] = nil
@@ -54,13 +67,17 @@ local function free_alone(key, lock, owner)
   return 0
 end
 
-local function free(key, owner)
+local function free(key, owner, only_waits)
   local lock = redis.pcall('GET', key)
   if not lock then
     return -1
   end
   if wrong_type(lock) then
-    return free_counted(key, owner)
+    return free_counted(key, owner, only_waits)
+  end
+  -- A string is held by one holder, and keeps no waiter's intent.
+  if only_waits then
+    return -1
   end
   -- The token is digits only, so the first ':' ends it, `w` follows and the
   -- owner is the rest from two bytes later: plain finds, no pattern, no copy.

@@ -31,10 +31,12 @@
 //!   (`i` = its expiry, bounded by its remaining wait, and its owner) on
 //!   each try; new readers are refused while it lives, also once the last
 //!   reader left (the hash stays until the intent expires or the writer
-//!   takes the key). A writer that gives up leaves it until its wait would
-//!   have ended; a writer's release takes it (a RedLock writer granted by
-//!   a quorum leaves it on the nodes that refused it, which would keep
-//!   readers out there for the rest of its wait).
+//!   takes the key). A writer that leaves without the key before its wait
+//!   ends (its caller went, its acquire failed) takes it back at once (the
+//!   engine's [`Backend::withdraw`]: the release script with `w`, which
+//!   touches no hold), and so does a writer's release (a RedLock writer
+//!   granted by a quorum leaves it on the nodes that refused it); either
+//!   wakes the readers it kept out.
 //! * Re-entry is counted by the engine: the server keeps one hold per key
 //!   and owner, and only a process's first acquire and last release reach
 //!   it.
@@ -119,7 +121,7 @@ pub(crate) use client::Client;
 pub(crate) use connection::RedisConnection;
 pub(crate) use connection::{lost_connection, redis_error, Conn};
 pub(crate) use restart::RestartGuard;
-use script::{acquire_call, acquire_reply, lock_scripts, release_call, Reply, ScriptCall};
+use script::{acquire_call, acquire_reply, lock_scripts, release_call, withdraw_call, Reply, ScriptCall};
 use subscriber::Subscriber;
 
 /// Locks in one Redis server.
@@ -249,6 +251,14 @@ impl RedisBackend {
         let left: i64 = self.client.invoke(&release_call(&lock_scripts().release, key, owner)).await?;
         Ok(if left == 0 { Release::Freed } else { Release::NotHeld })
     }
+
+    /// Takes back what the waits of `owner` left on `key` on the server (a
+    /// writer's intent; never a hold), waking the
+    /// readers an intent kept out. Whether there was any.
+    pub(crate) async fn withdraw_on_server(&self, key: &LockKey, owner: &Owner) -> Result<bool> {
+        let left: i64 = self.client.invoke(&withdraw_call(&lock_scripts().release, key, owner)).await?;
+        Ok(left == 0)
+    }
 }
 
 /// An acquire script's reply for one lock, sent at `sent`.
@@ -354,6 +364,17 @@ impl Backend for RedisBackend {
 
     fn ready(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(self.client.ready())
+    }
+
+    /// A writer's intent; a waiting reader or permit leaves nothing, and
+    /// costs no round trip.
+    fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if req.mode != LockMode::Exclusive {
+                return Ok(());
+            }
+            self.withdraw_on_server(&req.key, &req.owner).await.map(drop)
+        })
     }
 }
 

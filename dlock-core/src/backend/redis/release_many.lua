@@ -3,6 +3,6 @@
 -- Returns per lock 0 when freed, -1 when not held by that owner.
 local out = {}
 for i, key in ipairs(KEYS) do
-  out[i] = free(key, ARGV[i])
+  out[i] = free(key, ARGV[i], false)
 end
 return out

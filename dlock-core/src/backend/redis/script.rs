@@ -149,6 +149,14 @@ pub(crate) fn release_call<'a>(script: &'a Script, key: &LockKey, owner: &Owner)
     call
 }
 
+/// The one-key release script's call that takes back only what the waits
+/// of `owner` left on `key` (`release.lua` with `w`: a withdrawal).
+pub(crate) fn withdraw_call<'a>(script: &'a Script, key: &LockKey, owner: &Owner) -> ScriptCall<'a> {
+    let mut call = ScriptCall::new(script, &[key.as_str()], 2);
+    call.arg(owner.as_str()).arg("w");
+    call
+}
+
 /// A lock script's answer for one key: at most three integers, kept
 /// inline, since every lock operation gets one.
 #[derive(Clone, Copy, PartialEq, Eq)]
