@@ -11,9 +11,18 @@
 //!   after the restart, tokens keep growing. Promised safe. Each crash also
 //!   has a probe: a lock the harness holds across it must be refused to
 //!   another client after the restart.
+//! * `restart` again, on a server set to `synchronous_commit = off` (a
+//!   common throughput setting, which answers a commit before its WAL is
+//!   written), crashed as a machine would crash under it: the WAL writers
+//!   are held for a moment under load (the probe's grant among what is
+//!   committed meanwhile) and then killed, so crash recovery loses every
+//!   commit that did not write its own WAL. dlock pins its statements'
+//!   commits durable (backend/postgres/durable.rs): promised safe all the
+//!   same. The first row's clean crash keeps what the server had in memory
+//!   and cannot tell (review 2026-12-07, E2).
 //!
-//! Both rows check C6 on the table: no live lease row once every worker has
-//! ended.
+//! Every row checks C6 on the table: no live lease row once every worker
+//! has ended.
 
 use std::time::Duration;
 
@@ -28,7 +37,11 @@ use crate::rng::Rng;
 use crate::scenario::{config, describe, finish, kill_holders, resource_server, spawn_workers, workers_started, Size};
 
 pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
-    Ok(vec![kill_client(size, seed).await?, restart(size, seed).await?])
+    Ok(vec![
+        kill_client(size, seed).await?,
+        restart(size, seed, Crash::Immediate).await?,
+        restart(size, seed, Crash::LosingUnwrittenWal).await?,
+    ])
 }
 
 /// Live lease rows left in the workers' table (their prefix is `torture`):
@@ -72,10 +85,57 @@ async fn kill_client(size: Size, seed: u64) -> Result<Report, String> {
     Ok(r)
 }
 
-async fn restart(size: Size, seed: u64) -> Result<Report, String> {
-    let mut pg = tokio::task::spawn_blocking(PostgresServer::start).await.map_err(|e| format!("Postgres: {e}"))?;
+/// How a restart row brings the server down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Crash {
+    /// `pg_ctl stop -m immediate`, then start, on a server with the default
+    /// settings: what the server wrote (to the operating system) stays.
+    Immediate,
+    /// On a server set to `synchronous_commit = off`: the WAL writers held
+    /// for [`WAL_HELD`] under load, then killed (recovery follows at once).
+    LosingUnwrittenWal,
+}
+
+/// How long the WAL writers are held before the crash: the asynchronous
+/// commit window (at most `3 × wal_writer_delay`, 600 ms by default), which
+/// the workers' grants and releases fall into.
+const WAL_HELD: Duration = Duration::from_millis(400);
+
+impl Crash {
+    fn server(self) -> PostgresServer {
+        match self {
+            Crash::Immediate => PostgresServer::start(),
+            Crash::LosingUnwrittenWal => PostgresServer::start_with(&[("synchronous_commit", "off")]),
+        }
+    }
+
+    /// Before the probe's grant: nothing, or the WAL writers held.
+    fn prepare(self, pg: &mut PostgresServer) {
+        if self == Crash::LosingUnwrittenWal {
+            pg.hold_wal_writes();
+        }
+    }
+
+    /// Down, and back.
+    fn crash(self, pg: &mut PostgresServer) {
+        match self {
+            Crash::Immediate => {
+                pg.crash();
+                pg.start_again();
+            }
+            Crash::LosingUnwrittenWal => pg.crash_losing_unwritten_wal(),
+        }
+    }
+}
+
+async fn restart(size: Size, seed: u64, crash: Crash) -> Result<Report, String> {
+    let mut pg = tokio::task::spawn_blocking(move || crash.server()).await.map_err(|e| format!("Postgres: {e}"))?;
     let (res_server, resource) = resource_server().await?;
-    let mut run = Run::new("postgres-restart").map_err(|e| e.to_string())?;
+    let run_name = match crash {
+        Crash::Immediate => "postgres-restart",
+        Crash::LosingUnwrittenWal => "postgres-async-crash",
+    };
+    let mut run = Run::new(run_name).map_err(|e| e.to_string())?;
     let restarts = size.pick(2u64, 10);
     let mut cfg = config("postgres", vec![pg.url()], &res_server, seed);
     cfg.lease_ms = 5000;
@@ -97,14 +157,15 @@ async fn restart(size: Size, seed: u64) -> Result<Report, String> {
         // it (a table that lost its rows would grant it to the next asker).
         let key = format!("probe-{i}");
         let holder = probe_locker(&pg).await?;
+        tokio::task::block_in_place(|| crash.prepare(&mut pg));
         let held =
             holder.acquire(&probe_key(&holder, &key)?, probe_lease()).await.map_err(|e| format!("probe: {e}"))?;
+        if crash == Crash::LosingUnwrittenWal {
+            sleep(WAL_HELD).await;
+        }
         run.log("kill", None);
         let down = tokio::time::Instant::now();
-        tokio::task::block_in_place(|| {
-            pg.crash();
-            pg.start_again();
-        });
+        tokio::task::block_in_place(|| crash.crash(&mut pg));
         run.log("restart", None);
         longest = longest.max(down.elapsed());
         done += 1;
@@ -116,11 +177,21 @@ async fn restart(size: Size, seed: u64) -> Result<Report, String> {
         }
         drop(held);
     }
-    let mut r = Report::new("postgres", "postgres (crash and restart)", seed);
+    let (row, fault) = match crash {
+        Crash::Immediate => ("postgres (crash and restart)", "pg_ctl stop -m immediate, then start".to_owned()),
+        Crash::LosingUnwrittenWal => (
+            "postgres (OS crash, asynchronous commit)",
+            format!(
+                "synchronous_commit = off; WAL writers held {} ms under load, then killed (recovery loses what \
+                 commits left unwritten)",
+                WAL_HELD.as_millis()
+            ),
+        ),
+    };
+    let mut r = Report::new("postgres", row, seed);
     r.expected_safe = true;
     r.faults = done;
-    r.fault_kind =
-        format!("pg_ctl stop -m immediate, then start (longest outage {} ms), leases 5 s", longest.as_millis());
+    r.fault_kind = format!("{fault} (longest outage {} ms), leases 5 s", longest.as_millis());
     describe(&mut r, procs, &cfg);
     let findings = finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(20)).await?;
     r.note(format!(
