@@ -1385,3 +1385,80 @@ async fn the_watchdog_renews_shared_holds_and_permits() {
     assert!(b.acquire(&sem, in_mode(LockMode::permits(1))).await.expect_err("still taken").is_contention());
     assert!(reader.release().await.expect("release") && permit.release().await.expect("release"));
 }
+
+/// The field `field` of counted key `key` on `server`, if any.
+fn hash_field(server: &RedisServer, key: &LockKey, field: &str) -> Option<String> {
+    redis::cmd("HGET").arg(key.as_str()).arg(field).query(&mut server.connection()).expect("HGET")
+}
+
+/// Review 2026-12-07 D4: a semaphore's limit is fixed while anyone holds
+/// *or waits for* its key. A waiter for one of 2 permits keeps the key a
+/// semaphore of 2 once its holders are gone: a newcomer asking for one of 3
+/// is told so (`ModeConflict`), and the waiter gets its permit. (Before, the
+/// key was free once the holders left: the newcomer took it as a semaphore
+/// of 3, and the waiter was told that *its* limit did not fit.) A waiter
+/// that gives up takes its place back at once: then the next holder fixes
+/// a new limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_semaphore_keeps_its_limit_against_a_newcomer() {
+    let server = RedisServer::start();
+    // The waiter's process reaches the server through a proxy that can hold
+    // its bytes: the holders leave and the newcomer comes before the waiter
+    // hears of it, whatever the scheduling.
+    let proxy = FaultProxy::start(server.port());
+    let holders = locker_for(&server.url(), 300).await;
+    let w = locker_for(&format!("redis://127.0.0.1:{}", proxy.port()), 300).await;
+    let k = holders.key("sem-waiter").part(1).build().expect("key");
+    let two = || in_mode(LockMode::permits(2));
+    let three = || in_mode(LockMode::permits(3));
+    // Its try after parking has landed once it marked the key awaited.
+    let until_awaited = || async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while hash_field(&server, &k, "w").as_deref() != Some("1") {
+            assert!(Instant::now() < deadline, "the waiter never tried after parking");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    let spawn_waiter = || {
+        let (w, k) = (w.clone(), k.clone());
+        tokio::spawn(async move { w.acquire(&k, two().with_wait(Duration::from_secs(20))).await })
+    };
+
+    let (p1, p2) = (holders.acquire(&k, two()).await.expect("free"), holders.acquire(&k, two()).await.expect("second"));
+    let waiter = spawn_waiter();
+    until_awaited().await;
+    proxy.hold();
+    assert!(p1.release().await.expect("release") && p2.release().await.expect("release"));
+    let newcomer = holders.acquire(&k, three()).await;
+    proxy.heal();
+    match newcomer {
+        Err(dlock_core::Error::ModeConflict { reason, .. }) => {
+            assert!(reason.contains("semaphore of 2 permits") && reason.contains("one of 3"), "{reason}");
+        }
+        other => panic!("newcomer (3 permits) while a waiter for one of 2 waits: {other:?}"),
+    }
+    let g = waiter.await.expect("waiter task");
+    let g = g.expect("the waiter keeps its limit and gets its permit");
+    assert!(g.release().await.expect("release"));
+
+    // A waiter that gives up takes its place back with it.
+    let (p1, p2) = (holders.acquire(&k, two()).await.expect("free"), holders.acquire(&k, two()).await.expect("second"));
+    let waiter = spawn_waiter();
+    until_awaited().await;
+    let gave_up = Instant::now();
+    waiter.abort();
+    assert!(waiter.await.expect_err("aborted").is_cancelled(), "the waiter was still waiting");
+    assert!(p1.release().await.expect("release") && p2.release().await.expect("release"));
+    let newcomer = loop {
+        match holders.acquire(&k, three()).await {
+            Ok(g) => break g,
+            Err(dlock_core::Error::ModeConflict { .. }) if gave_up.elapsed() < Duration::from_secs(3) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(e) => panic!("{:?} after the waiter gave up (its wait: 20 s): {e:?}", gave_up.elapsed()),
+        }
+    };
+    assert!(newcomer.release().await.expect("release"));
+    let keys: Vec<String> = redis::cmd("KEYS").arg("dlock:*}").query(&mut server.connection()).expect("KEYS");
+    assert!(keys.is_empty(), "nothing of the waiters is left: {keys:?}");
+}

@@ -241,9 +241,25 @@ impl AcquireRequest {
 ///   once, and the readers it kept out are woken ([`Backend::withdraw`]);
 ///   on PostgreSQL it keeps them out until its wait would have ended.
 /// * [`Permits`](LockMode::Permits): one of `limit` permits of a
-///   semaphore. The first holder fixes `limit` for as long as anyone holds
-///   or waits for the key; asking with another is
-///   [`Error::ModeConflict`].
+///   semaphore. The first holder fixes `limit`; asking with another is
+///   [`Error::ModeConflict`], not contention. How long it stays fixed
+///   depends on the backend:
+///   - Redis (one server, Sentinel, Cluster): while anyone holds the key
+///     *or waits for one of its permits*. A waiter that found the key a
+///     semaphore of its limit keeps that limit, also once every holder is
+///     gone, until it is granted, gives up (cancelled or failed: its place
+///     is withdrawn at once), or its wait would have ended (a waiter whose
+///     process died). A waiter that found the key held exclusive keeps
+///     nothing.
+///   - RedLock: only `limit` 1 (larger semaphores are refused, see
+///     [`Backend::supports`]), kept on each node as on Redis.
+///   - ZooKeeper: while anyone holds or waits for the key: every
+///     contender's node is in one line, and a request whose mode does not
+///     fit any node ahead of it is the conflict.
+///   - In process ([`MemoryBackend`](crate::MemoryBackend)) and PostgreSQL:
+///     while anyone *holds* the key. A waiter fixes nothing: once the
+///     holders are gone, a newcomer with another limit takes the key, and
+///     the waiter is then the one told [`Error::ModeConflict`].
 ///
 /// Every hold, whatever its mode, has its own lease (or watchdog), fencing
 /// token and lost signal. The enum is `#[non_exhaustive]` so that a backend
@@ -510,10 +526,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     }
 
     /// Takes back what the waits of `req` left on the service for others to
-    /// see (a writer's intent that keeps new readers out), now that it ended without a
+    /// see (a writer's intent that keeps new readers out, a waiting permit's
+    /// place that keeps the semaphore's limit), now that it ended without a
     /// grant before its deadline: cancelled (its caller went, e.g. an HTTP
     /// request that hung up) or failed. Left there, it would keep readers
-    /// out until the wait would have ended.
+    /// out, or a limit fixed, until the wait would have ended.
     ///
     /// Only what `req.owner` left, never a hold, and it wakes the waiters
     /// what it takes back kept out. The engine sends it on a task of its
@@ -548,7 +565,7 @@ pub(crate) fn mode_conflict(req: &AcquireRequest, held: LockMode) -> Error {
     let reason = match (held, req.mode) {
         (LockMode::Permits { limit: held }, LockMode::Permits { limit: asked }) => format!(
             "it is a semaphore of {held} permits, and was asked for as one of {asked}: the first holder \
-             fixes the limit while anyone holds the key"
+             fixes the limit while anyone holds the key (on some backends, also while anyone waits for it)"
         ),
         (LockMode::Exclusive, asked) => format!("this owner holds it exclusive, not as {asked}"),
         (held, asked) => format!("it is held as {held}, and was asked for as {asked}"),

@@ -628,11 +628,11 @@ impl Backend for RedLockBackend {
         Box::pin(self.release_on_all(key, owner))
     }
 
-    /// On every node, as a release: a writer's intent is on each node
-    /// that refused it.
+    /// On every node, as a release: a writer's intent (or a permit's
+    /// place) is on each node that refused it.
     fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            if req.mode != LockMode::Exclusive {
+            if req.mode == LockMode::Shared {
                 return Ok(());
             }
             let answers = self

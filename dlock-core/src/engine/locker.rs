@@ -434,8 +434,9 @@ impl Locker {
 ///
 /// * a wait that ended before its deadline (cancelled: the caller went; or
 ///   failed) is withdrawn ([`Backend::withdraw`]): a writer's intent would
-///   keep readers out until the wait would have ended (30 s for an HTTP
-///   request that hung up at once). One try: what a failed one leaves ends with the wait.
+///   keep readers out, a waiting permit's place would keep the semaphore's
+///   limit, until the wait would have ended (30 s for an HTTP request that
+///   hung up at once). One try: what a failed one leaves ends with the wait.
 ///   A wait that ran to its deadline left nothing that outlives it.
 /// * an acquire whose outcome is unknown (its answer timed out, or the
 ///   connection broke while it was in flight) may still have been granted:

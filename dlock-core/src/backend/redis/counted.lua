@@ -6,10 +6,13 @@
 -- hash under the lock's own name (same slot): `m` its mode
 -- ('s' shared, 'p<N>' one of N permits), `w` '1' once someone waited for
 -- it, `i` a waiting writer's intent '<until ms>:<owner>' (new readers wait
--- behind it), and one field per holder, its owner (32 hex digits, so never
--- one of those one-letter names) = '<fence>:<until ms>', in server time.
--- The key expires (PEXPIREAT) with the latest of those; expired holders and
--- intents are dropped by whichever operation finds them next.
+-- behind it), one field per holder, its owner (32 hex digits, so never
+-- one of those one-letter names) = '<fence>:<until ms>', and one per
+-- waiting permit, '~<owner>' = '<until ms>': its place, which keeps the
+-- key a semaphore of its limit while it waits, also once nobody holds it.
+-- Times are server time. The key expires (PEXPIREAT) with the latest of
+-- those; expired holders, intents and places are dropped by whichever
+-- operation finds them next.
 -- An exclusive lock is a string: a command for strings on a hash fails
 -- with WRONGTYPE, which is how the exclusive path learns, at no cost to
 -- itself, that it met a counted key.
@@ -33,13 +36,14 @@ local function wrong_type(reply)
   return false
 end
 
--- The live state of counted key `key` at `now`, its expired holders and
--- intent deleted: {mode, w, intent (owner), intent_at, n (live holders),
--- holders (owner -> {fence text, until}), first, last (their earliest and
--- latest until)}.
+-- The live state of counted key `key` at `now`, its expired holders,
+-- intent and places deleted: {mode, w, intent (owner), intent_at, n (live
+-- holders), holders (owner -> {fence text, until}), first, last (their
+-- earliest and latest until), waiting (owner -> until, the places of
+-- waiting permits), waits_until (the latest of those, 0 when none)}.
 local function live(key, now)
   local flat = redis.call('HGETALL', key)
-  local s = {n = 0, holders = {}, intent_at = 0, first = nil, last = 0}
+  local s = {n = 0, holders = {}, intent_at = 0, first = nil, last = 0, waiting = {}, waits_until = 0}
   local dead = {}
   for i = 1, #flat, 2 do
     local f, v = flat[i], flat[i + 1]
@@ -47,6 +51,14 @@ local function live(key, now)
       s.mode = v
     elseif f == 'w' then
       s.w = v
+    elseif string.byte(f, 1) == 126 then
+      local at = tonumber(v)
+      if not at or at <= now then
+        dead[#dead + 1] = f
+      else
+        s.waiting[string.sub(f, 2)] = at
+        s.waits_until = math.max(s.waits_until, at)
+      end
     else
       local a, b = string.match(v, '^(%d+):(.*)$')
       local at = f == 'i' and tonumber(a) or tonumber(b)
@@ -68,10 +80,10 @@ local function live(key, now)
   return s
 end
 
--- Sets the key's expiry to the latest of its holders and intent; deletes
--- it when neither is left. Returns whether it is still there.
+-- Sets the key's expiry to the latest of its holders, intent and places;
+-- deletes it when none is left. Returns whether it is still there.
 local function keep_until(key, s)
-  local last = math.max(s.last, s.intent_at)
+  local last = math.max(s.last, s.intent_at, s.waits_until)
   if last == 0 then
     redis.call('DEL', key)
     return false
@@ -80,3 +92,18 @@ local function keep_until(key, s)
   return true
 end
 
+
+-- Drops the place `owner` kept as a waiting permit of counted key `key`,
+-- if it has one: it was granted, or gave up. Returns whether it had one.
+local function unqueue(key, s, owner)
+  if not s.waiting[owner] then
+    return false
+  end
+  redis.call('HDEL', key, '~' .. owner)
+  s.waiting[owner] = nil
+  s.waits_until = 0
+  for _, at in pairs(s.waiting) do
+    s.waits_until = math.max(s.waits_until, at)
+  end
+  return true
+end

@@ -10,15 +10,15 @@
 -- advanced is above it. Returns 0 when freed, -1 when not held by this
 -- owner.
 -- With `only_waits`, free takes back only what the waits of `owner` left
--- (a writer's intent), never a hold: the
+-- (a writer's intent, a waiting permit's place), never a hold: the
 -- withdrawal of an acquire that ended without a grant (cancelled, failed)
 -- before its wait did. Returns 0 when it took something back, else -1.
 
 -- Takes back what the waits of `owner` left in counted key `s`: its
--- intent, whose end wakes the readers it kept out. Returns whether there
--- was any.
+-- intent, whose end wakes the readers it kept out, and its place. Returns
+-- whether there was any.
 local function withdraw(key, s, owner)
-  local withdrew = false
+  local withdrew = unqueue(key, s, owner)
   if s.intent == owner then
     redis.call('HDEL', key, 'i')
     s.intent_at = 0
@@ -35,7 +35,7 @@ local function free_counted(key, owner, only_waits)
   local s = live(key, now_ms())
   if only_waits or not s.holders[owner] then
     -- A waiter granted elsewhere (by a RedLock quorum) while this node
-    -- refused it leaves its intent here: it goes with its release.
+    -- refused it leaves its intent or place here: they go with its release.
     local withdrew = withdraw(key, s, owner)
     keep_until(key, s)
     return (only_waits and withdrew) and 0 or -1
@@ -75,7 +75,7 @@ local function free(key, owner, only_waits)
   if wrong_type(lock) then
     return free_counted(key, owner, only_waits)
   end
-  -- A string is held by one holder, and keeps no waiter's intent.
+  -- A string is held by one holder, and keeps no waiter's intent or place.
   if only_waits then
     return -1
   end

@@ -15,18 +15,20 @@
 //!   A second holder, or a writer that waits for a reader, turns the key
 //!   into a hash under the same name, so in the same cluster slot
 //!   (`counted.lua`): `m` the mode (fixed by the first holder while anyone
-//!   holds it: another limit is [`Error::ModeConflict`] naming both), `w` =
-//!   `1` once someone waited, `i` a waiting writer's intent, and one field
-//!   per holder, its owner = `<fence>:<expiry in server ms>`. The key
-//!   expires with the latest holder (or intent); expired holders are
-//!   dropped by the next operation that reads the hash, and the hash turns
-//!   back into a string when it is taken again with nobody left in it. The
-//!   same scripts serve every kind: the exclusive path runs its `SET NX GET`
-//!   (and release and renew their `GET`) as `redis.pcall`, and only a
-//!   `WRONGTYPE` answer, a hash, takes the counted path, so an exclusive
-//!   cycle costs what it did. On a hash an operation costs `TIME`,
-//!   `HGETALL` and an `HSET` or `HDEL` with a `PEXPIREAT`: O(holders) per
-//!   operation. Tokens of every grant come from the one high-water mark.
+//!   holds it or waits for one of its permits: another limit is
+//!   [`Error::ModeConflict`] naming both), `w` = `1` once someone waited,
+//!   `i` a waiting writer's intent, one field per holder, its owner =
+//!   `<fence>:<expiry in server ms>`, and one per waiting permit,
+//!   `~<owner>` = the end of its wait. The key expires with the latest
+//!   holder, intent or wait; expired ones are dropped by the next operation
+//!   that reads the hash, and the hash turns back into a string when it is
+//!   taken again with nobody left in it. The same scripts serve every kind:
+//!   the exclusive path runs its `SET NX GET` (and release and renew their
+//!   `GET`) as `redis.pcall`, and only a `WRONGTYPE` answer, a hash, takes
+//!   the counted path, so an exclusive cycle costs what it did. On a hash
+//!   an operation costs `TIME`, `HGETALL` and an `HSET` or `HDEL` with a
+//!   `PEXPIREAT`: O(holders and waiting permits) per operation. Tokens of
+//!   every grant come from the one high-water mark.
 //! * Writer preference: a writer that waits for readers records an intent
 //!   (`i` = its expiry, bounded by its remaining wait, and its owner) on
 //!   each try; new readers are refused while it lives, also once the last
@@ -37,6 +39,14 @@
 //!   touches no hold), and so does a writer's release (a RedLock writer
 //!   granted by a quorum leaves it on the nodes that refused it); either
 //!   wakes the readers it kept out.
+//! * A semaphore's limit: a permit that waits records its place (`~<owner>`,
+//!   bounded by its remaining wait) on each try that finds every permit
+//!   taken (the one permit of a semaphore of one, a string, becomes a hash
+//!   for it). While a place lives the key stays a semaphore of that
+//!   limit, also once nobody holds it: another limit, an exclusive or a
+//!   shared request is [`Error::ModeConflict`], and the waiter gets its
+//!   permit. A grant takes the waiter's place; so does a withdrawal or a
+//!   release, as for an intent.
 //! * Re-entry is counted by the engine: the server keeps one hold per key
 //!   and owner, and only a process's first acquire and last release reach
 //!   it.
@@ -253,7 +263,7 @@ impl RedisBackend {
     }
 
     /// Takes back what the waits of `owner` left on `key` on the server (a
-    /// writer's intent; never a hold), waking the
+    /// writer's intent, a waiting permit's place; never a hold), waking the
     /// readers an intent kept out. Whether there was any.
     pub(crate) async fn withdraw_on_server(&self, key: &LockKey, owner: &Owner) -> Result<bool> {
         let left: i64 = self.client.invoke(&withdraw_call(&lock_scripts().release, key, owner)).await?;
@@ -366,11 +376,11 @@ impl Backend for RedisBackend {
         Box::pin(self.client.ready())
     }
 
-    /// A writer's intent; a waiting reader or permit leaves nothing, and
-    /// costs no round trip.
+    /// A writer's intent and a waiting permit's place; a waiting reader
+    /// leaves nothing, and costs no round trip.
     fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            if req.mode != LockMode::Exclusive {
+            if req.mode == LockMode::Shared {
                 return Ok(());
             }
             self.withdraw_on_server(&req.key, &req.owner).await.map(drop)

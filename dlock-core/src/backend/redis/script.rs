@@ -126,8 +126,10 @@ pub(crate) fn acquire_call<'a>(
 }
 
 /// One acquire's arguments, in the order both acquire scripts take them:
-/// owner, lease in ms, awaited, mode, and how long a waiting writer may
-/// still wait (what bounds the intent that holds new readers back).
+/// owner, lease in ms, awaited, mode, and how long a waiting writer or
+/// permit may still wait (what bounds the intent that holds new readers
+/// back, and the place that keeps a semaphore's limit; readers record
+/// nothing).
 pub(crate) fn acquire_args(call: &mut ScriptCall<'_>, req: &AcquireRequest, awaited: bool) {
     call.arg(req.owner.as_str()).arg(lease_ms(req.lease)).arg(if awaited { "1" } else { "0" });
     match req.mode {
@@ -136,7 +138,9 @@ pub(crate) fn acquire_args(call: &mut ScriptCall<'_>, req: &AcquireRequest, awai
         LockMode::Exclusive => call.arg("x"),
     };
     let wait = match (req.mode, req.deadline) {
-        (LockMode::Exclusive, Some(deadline)) if awaited => deadline.saturating_duration_since(Instant::now()),
+        (LockMode::Exclusive | LockMode::Permits { .. }, Some(deadline)) if awaited => {
+            deadline.saturating_duration_since(Instant::now())
+        }
         _ => Duration::ZERO,
     };
     call.arg(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));

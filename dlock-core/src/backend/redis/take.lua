@@ -11,7 +11,8 @@
 -- `token`, or joins the hold `owner` has already (same token, the lease
 -- extended, never shortened), or finds it held by others. `mode` is 'x'
 -- exclusive, 's' shared or 'p<N>' one of N permits; `wait` is how long a
--- waiting writer may still wait, which bounds the intent it records.
+-- waiting writer or permit may still wait, which bounds the intent or the
+-- place it records.
 -- With `w` = '1' the lock is marked awaited, held or granted (a winning
 -- waiter may have others parked behind it in its process, which only its
 -- release will wake; an acquire that found it held asks the holder's
@@ -52,7 +53,8 @@ end
 -- found by an acquire of `owner` in `mode`: joined, refused, a conflict,
 -- or (a second reader, a second permit) the key becomes a hash of both
 -- holders. A writer that waits turns it into a hash too, to record the
--- intent that keeps new readers out (counted.lua).
+-- intent that keeps new readers out, and so does a permit that waits for
+-- the one permit, to record its place (counted.lua).
 local function held_alone(key, fence, flag, holder, token, w, owner, lease, mode, wait)
   local m, waited = string.sub(flag, 2), string.sub(flag, 1, 1)
   if holder == owner and mode == m then
@@ -65,8 +67,8 @@ local function held_alone(key, fence, flag, holder, token, w, owner, lease, mode
     return 3, mode_code(m)
   end
   local grants = mode ~= 'x' and holder ~= owner and m ~= 'p1'
-  local intent = mode == 'x' and w == '1' and tonumber(wait) > 0
-  if not grants and not intent then
+  local waits = not grants and w == '1' and tonumber(wait) > 0
+  if not grants and not waits then
     if w == '1' and waited ~= '1' then
       redis.call('SET', key, fence .. ':1' .. m .. ':' .. holder, 'KEEPTTL')
     end
@@ -84,8 +86,11 @@ local function held_alone(key, fence, flag, holder, token, w, owner, lease, mode
     return 1, token
   end
   local until_at = now + tonumber(wait)
-  redis.call('HSET', key, 'm', m, 'w', aw, holder, string.format('%s:%d', fence, first), 'i',
-    string.format('%d:%s', until_at, owner))
+  local field, value = 'i', string.format('%d:%s', until_at, owner)
+  if mode ~= 'x' then
+    field, value = '~' .. owner, string.format('%d', until_at)
+  end
+  redis.call('HSET', key, 'm', m, 'w', aw, holder, string.format('%s:%d', fence, first), field, value)
   redis.call('PEXPIREAT', key, math.max(first, until_at))
   return 0, first - now
 end
@@ -108,9 +113,11 @@ local function take_hash(key, token, w, owner, lease, mode, wait)
   local now = now_ms()
   local at = now + tonumber(lease)
   local s = live(key, now)
-  -- Nobody holds it (and no writer keeps readers out): free for any mode,
-  -- and held by one, so a string again.
-  if s.n == 0 and (mode ~= 's' or not s.intent) then
+  -- Nobody holds it, and nobody waits in a way that fixes its mode: free
+  -- for any mode, and held by one, so a string again. A writer's intent
+  -- keeps it a read-write key (readers wait behind it, and permits do not
+  -- fit), a waiting permit's place a semaphore of its limit.
+  if s.n == 0 and s.waits_until == 0 and (mode == 'x' or not s.intent) then
     redis.call('DEL', key)
     local waited = (w == '1' or s.w == '1') and '1' or '0'
     local flag = mode == 'x' and (waited == '1' and '2' or '0') or waited .. mode
@@ -153,8 +160,17 @@ local function take_hash(key, token, w, owner, lease, mode, wait)
     return refused(s.intent_at - now)
   end
   if held > 0 and s.n >= held then
+    -- A permit that waits keeps its place, and with it the key's limit,
+    -- until its wait ends (or it is granted, or withdraws it: free.lua).
+    if w == '1' and tonumber(wait) > 0 then
+      local until_at = now + tonumber(wait)
+      redis.call('HSET', key, '~' .. owner, string.format('%d', until_at))
+      s.waits_until = math.max(s.waits_until, until_at)
+      keep_until(key, s)
+    end
     return refused(s.first - now)
   end
+  unqueue(key, s, owner)
   if w == '1' and s.w ~= '1' then
     redis.call('HSET', key, owner, string.format('%s:%d', token, at), 'w', '1')
   else
