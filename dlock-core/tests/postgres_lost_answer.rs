@@ -12,6 +12,11 @@
 //! retry one way; then another client, straight to the server, must get
 //! the key within a few seconds. Before the fix both failed: the other
 //! client was refused (`Busy`) until the lease ended.
+//!
+//! The idempotency store sends its claims once (a second claim would find
+//! the first's record and answer "in progress"): a claim whose answer was
+//! lost returns at once with the mark, and is given back. The last test
+//! holds it to that.
 
 #![cfg(feature = "postgres")]
 
@@ -20,6 +25,7 @@ use std::time::Duration;
 
 use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
 use dlock_core::backend::Backend;
+use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, PostgresStore};
 use dlock_core::{LockKey, Locker, LockerOptions};
 use dlock_testing::{FaultProxy, PostgresServer};
 use tokio::time::Instant;
@@ -125,4 +131,39 @@ async fn pg_an_acquire_whose_retry_is_refused_by_the_server_does_not_block_the_k
     assert!(format!("{err:?}").contains("dlock_locks"), "refused by the server: {err:?}");
 
     another_client_gets(&server, &key, &format!("{err:?}")).await;
+}
+
+/// A key claimed through the store whose answer comes 700 ms late
+/// (timeout 300 ms) is given back: another client's claim of it is new
+/// within moments, not `InProgress` for the claim's 20 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_store_claim_whose_answer_was_lost_is_given_back() {
+    let server = PostgresServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let options = PostgresOptions::default().with_response_timeout(Duration::from_millis(300));
+    let lossy = PostgresStore::connect_with(&proxied(&proxy), "dlock", options).await.expect("store");
+    let terms = ClaimTerms::new(Duration::from_secs(20));
+    // A claim first: the next goes out on a kept connection.
+    assert!(matches!(lossy.begin("alice", "warm-up", "fp", terms).await, Ok(Begin::New(_))));
+
+    proxy.set_delay(Duration::from_millis(700));
+    let err = lossy.begin("alice", "k", "fp", terms).await.expect_err("its answer is late");
+    assert!(err.is_unavailable(), "{err:?}");
+    let claimed = server.psql("SELECT count(*) FROM dlock_idem_keys WHERE key = 'k' AND owner IS NOT NULL");
+    assert_eq!(claimed, "1", "the claim committed: {err:?}");
+    proxy.set_delay(Duration::ZERO);
+
+    let other = PostgresStore::connect(&server.url(), "dlock").await.expect("store");
+    let started = Instant::now();
+    loop {
+        match other.begin("alice", "k", "fp", terms).await.expect("claim") {
+            Begin::New(_) => break,
+            Begin::InProgress if started.elapsed() < PROMPTLY => sleep_a_little().await,
+            begun => panic!("after {:?}: {begun:?}; the lost claim failed with {err:?}", started.elapsed()),
+        }
+    }
+}
+
+async fn sleep_a_little() {
+    tokio::time::sleep(Duration::from_millis(100)).await;
 }
