@@ -792,6 +792,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "postgres")]
     #[test]
     fn the_postgres_listen_url_is_read_with_its_backend_only() {
         let c = cfg(&[("DLOCK_BACKEND", "postgres"), ("DLOCK_POSTGRES_LISTEN_URL", "postgres://db:5432/app")]);
