@@ -383,6 +383,14 @@ impl IdempotencyLayer {
     /// The README's "A lock and idempotency on one route" compares the two
     /// orders.
     ///
+    /// `/ready` ([`ready`](crate::ready)) asks the runtime's stores, not this
+    /// layer's: hand this store to the runtime with
+    /// `DlockRuntime::with_idempotency_store(Arc::new(store.clone()))`, so
+    /// that it checks the database the routes use (and the layers without a
+    /// transaction keep their records there too), or add it with
+    /// `DlockRuntime::also_check("records", Arc::new(store.clone()))` when the
+    /// runtime's own store is used as well.
+    ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool) -> dlock_core::Result<()> {
     /// use axum::{routing::post, Router};
