@@ -43,6 +43,10 @@ async fn memory() -> Memory {
 
 backend_suite!(memory());
 primitives_suite!(memory());
+mod waiters {
+    use super::*;
+    primitives_suite!(@tests memory(); a_waiting_semaphore_keeps_its_limit_against_a_newcomer);
+}
 
 use dlock_core::{AcquireOptions, Error, LostReason, Owner};
 use suite::Harness as _;

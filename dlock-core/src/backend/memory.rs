@@ -75,12 +75,21 @@ struct Slot {
     writers: usize,
 }
 
-/// The holders of a key taken in a mode that admits several.
+/// The holders of a key taken in a mode that admits several, and the
+/// places of the waiters that keep a semaphore's limit.
 #[derive(Debug)]
 struct Counted {
     /// Shared, or permits of a fixed limit.
     mode: LockMode,
     holders: Vec<Holder>,
+    /// The waiters for a permit that found every permit of this limit
+    /// taken, with the end of their wait: while one is here the key stays a
+    /// semaphore of this limit, also with nobody holding it (issue 38 item
+    /// 5, as on Redis). A grant takes the waiter's place, and so does the
+    /// end of its acquire (its [`Registration`] dropped: cancelled, failed
+    /// or timed out); the end of its wait bounds a place whose acquire
+    /// future was leaked.
+    places: Vec<(Owner, Instant)>,
 }
 
 #[derive(Debug)]
@@ -128,16 +137,24 @@ impl Slot {
         self.waiters == 0 && self.live_holder(now).is_none() && self.live_counted(now).is_none()
     }
 
-    /// The holders that share the key, whose leases have not run out;
-    /// `None` when there are none.
+    /// The holders that share the key, whose leases have not run out, and
+    /// the places of waiters whose wait has not ended; `None` when there
+    /// are neither.
     fn live_counted(&mut self, now: Instant) -> Option<&mut Counted> {
         if let Some(counted) = self.counted.as_mut() {
             counted.holders.retain(|h| h.expires_at.is_none_or(|at| at > now));
-            if counted.holders.is_empty() {
-                self.counted = None;
-            }
+            counted.places.retain(|(_, until)| *until > now);
         }
+        self.forget_counted_if_empty();
         self.counted.as_deref_mut()
+    }
+
+    /// Drops the counted mode once nobody holds the key and no waiter
+    /// keeps its limit.
+    fn forget_counted_if_empty(&mut self) {
+        if self.counted.as_ref().is_some_and(|c| c.holders.is_empty() && c.places.is_empty()) {
+            self.counted = None;
+        }
     }
 
     /// The holder whose lease has not run out.
@@ -166,7 +183,9 @@ impl MemoryBackend {
     /// on the spot gets, since nothing here can outlive the guard that would
     /// renew it. A hold of the same owner (the engine asks again only once
     /// its own hold lapsed) is joined: same token, its lease extended.
-    fn take(&self, req: &AcquireRequest, until_released: bool) -> std::result::Result<Grant, Refusal> {
+    /// `awaited`: the request waits (a try after it registered); a permit
+    /// that finds every permit taken then records its place.
+    fn take(&self, req: &AcquireRequest, until_released: bool, awaited: bool) -> std::result::Result<Grant, Refusal> {
         let now = Instant::now();
         let mut state = self.state();
         let state = &mut *state;
@@ -193,6 +212,10 @@ impl MemoryBackend {
                 return Err(match (counted.mode, req.mode) {
                     // A writer waits for the readers.
                     (LockMode::Shared, LockMode::Exclusive) => Refusal::Held(counted.next_expiry(now)),
+                    (held, asked) if counted.holders.is_empty() => Refusal::Conflict(Error::mode_conflict(
+                        &req.key,
+                        format!("a waiter for {held} keeps its limit, and it was asked for as {asked}"),
+                    )),
                     (held, asked) => Refusal::Conflict(Error::mode_conflict(
                         &req.key,
                         format!("it is held as {held}, and was asked for as {asked}"),
@@ -210,8 +233,15 @@ impl MemoryBackend {
                 mode => mode.limit().is_some_and(|limit| counted.holders.len() >= limit as usize),
             };
             if full {
+                if let (true, LockMode::Permits { .. }, Some(until)) = (awaited, req.mode, req.deadline) {
+                    if !counted.places.iter().any(|(o, _)| *o == req.owner) {
+                        counted.places.push((req.owner.clone(), until));
+                    }
+                }
                 return Err(Refusal::Held(counted.next_expiry(now)));
             }
+            // Granted: a waiter's place goes with its wait.
+            counted.places.retain(|(o, _)| *o != req.owner);
         } else if req.mode == LockMode::Shared && writers > 0 {
             // Free, but a writer waits for it: readers queue behind it.
             return Err(Refusal::Held(None));
@@ -227,21 +257,24 @@ impl MemoryBackend {
         let holder = Holder { owner: req.owner.clone(), fence, expires_at, watcher };
         match req.mode {
             LockMode::Exclusive => slot.holder = Some(holder),
-            mode => {
-                slot.counted.get_or_insert_with(|| Box::new(Counted { mode, holders: Vec::new() })).holders.push(holder)
-            }
+            mode => slot
+                .counted
+                .get_or_insert_with(|| Box::new(Counted { mode, holders: Vec::new(), places: Vec::new() }))
+                .holders
+                .push(holder),
         }
         Ok(grant)
     }
 
-    fn register(&self, key: &LockKey, mode: LockMode) -> Registration<'_> {
+    fn register(&self, req: &AcquireRequest) -> Registration<'_> {
         let mut state = self.state();
-        let slot = state.slots.entry_ref(key).or_default();
+        let slot = state.slots.entry_ref(&req.key).or_default();
         slot.waiters += 1;
-        let writer = mode == LockMode::Exclusive;
+        let writer = req.mode == LockMode::Exclusive;
         slot.writers += usize::from(writer);
         let notify = slot.notify.get_or_insert_with(Default::default).clone();
-        Registration { backend: self, key: key.clone(), notify, writer }
+        let permit = matches!(req.mode, LockMode::Permits { .. }).then(|| req.owner.clone());
+        Registration { backend: self, key: req.key.clone(), notify, writer, permit }
     }
 
     /// Drops the map entry of `key` if it is [idle](Slot::idle).
@@ -262,10 +295,11 @@ impl MemoryBackend {
                 let mut watchers: Vec<Option<LostSignal>> =
                     slot.live_holder(now).map(|h| h.watcher.take()).into_iter().collect();
                 if let Some(counted) = slot.live_counted(now) {
-                    watchers.extend(counted.holders.iter_mut().map(|h| h.watcher.take()));
+                    watchers.extend(counted.holders.drain(..).map(|mut h| h.watcher.take()));
                 }
+                // The waiters still wait, and their places keep the limit.
                 slot.holder = None;
-                slot.counted = None;
+                slot.forget_counted_if_empty();
                 slot.wake_all();
                 (!watchers.is_empty(), watchers)
             }
@@ -332,6 +366,9 @@ struct Registration<'a> {
     notify: Arc<Notify>,
     /// It counts among the slot's waiting writers.
     writer: bool,
+    /// The owner of a waiting permit, whose place (if its tries recorded
+    /// one) goes when the wait ends.
+    permit: Option<Owner>,
 }
 
 impl AsRef<Notify> for Registration<'_> {
@@ -345,6 +382,10 @@ impl Drop for Registration<'_> {
         let mut state = self.backend.state();
         if let Some(slot) = state.slots.get_mut(&self.key) {
             slot.waiters = slot.waiters.saturating_sub(1);
+            if let (Some(owner), Some(counted)) = (&self.permit, slot.counted.as_mut()) {
+                counted.places.retain(|(o, _)| o != owner);
+                slot.forget_counted_if_empty();
+            }
             if self.writer {
                 slot.writers = slot.writers.saturating_sub(1);
                 // The last waiting writer gave up or got in: the readers it
@@ -382,17 +423,17 @@ impl Backend for MemoryBackend {
             // Always ready, so it spends the task's cooperative budget like
             // tokio's own primitives: a loop that only locks and unlocks
             // in-process keys still lets the other tasks of its worker run.
-            move |_| async move {
+            move |awaited| async move {
                 tokio::task::coop::consume_budget().await;
                 // A grant after a wait keeps its lease, as it always did:
                 // only an answer on the spot is held until released.
-                match self.take(req, false) {
+                match self.take(req, false, awaited) {
                     Ok(grant) => Ok(Attempt::Acquired(grant)),
                     Err(Refusal::Held(retry_in)) => Ok(Attempt::Held { retry_in }),
                     Err(Refusal::Conflict(e)) => Err(e),
                 }
             },
-            move || std::future::ready(self.register(&req.key, req.mode)),
+            move || std::future::ready(self.register(req)),
         ))
     }
 
@@ -422,7 +463,7 @@ impl Backend for MemoryBackend {
     }
 
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
-        Some(self.take(req, req.until_released).map_err(|refusal| match refusal {
+        Some(self.take(req, req.until_released, false).map_err(|refusal| match refusal {
             Refusal::Held(_) => Error::Busy { key: req.key.to_string() },
             Refusal::Conflict(e) => e,
         }))
@@ -453,9 +494,7 @@ impl MemoryBackend {
                     Some(at) => {
                         counted.holders.swap_remove(at);
                         let mode = counted.mode;
-                        if counted.holders.is_empty() {
-                            slot.counted = None;
-                        }
+                        slot.forget_counted_if_empty();
                         slot.wake_after_release(mode);
                         Release::Freed
                     }

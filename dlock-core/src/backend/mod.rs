@@ -256,10 +256,13 @@ impl AcquireRequest {
 ///   - ZooKeeper: while anyone holds or waits for the key: every
 ///     contender's node is in one line, and a request whose mode does not
 ///     fit any node ahead of it is the conflict.
-///   - In process ([`MemoryBackend`](crate::MemoryBackend)) and PostgreSQL:
-///     while anyone *holds* the key. A waiter fixes nothing: once the
-///     holders are gone, a newcomer with another limit takes the key, and
-///     the waiter is then the one told [`Error::ModeConflict`].
+///   - In process ([`MemoryBackend`](crate::MemoryBackend)): as on Redis,
+///     while anyone holds the key or waits for one of its permits. A
+///     waiter's place goes when its acquire ends (granted, cancelled,
+///     dropped, failed or timed out).
+///   - PostgreSQL: while anyone *holds* the key. A waiter fixes nothing:
+///     once the holders are gone, a newcomer with another limit takes the
+///     key, and the waiter is then the one told [`Error::ModeConflict`].
 ///
 /// Every hold, whatever its mode, has its own lease (or watchdog), fencing
 /// token and lost signal. The enum is `#[non_exhaustive]` so that a backend

@@ -240,6 +240,119 @@ pub(crate) async fn a_semaphore_keeps_its_limit<H: Harness>(h: &H) {
     b.acquire(&k, permit(5)).await.expect("nobody holds it: a new limit").release().await.expect("release");
 }
 
+/// Issue 38 item 5 (review 2026-12-07 D4): a semaphore's limit is fixed
+/// while anyone holds *or waits for* its key. A waiter for one of 2 permits
+/// keeps the key a semaphore of 2 once its holders are gone: a newcomer
+/// asking for one of 3, or for the key exclusive, is told so
+/// (`ModeConflict`), and the waiter gets its permit. (Without a waiter's
+/// place, the key was free once the holders left: the newcomer took it as a
+/// semaphore of 3, and the waiter was told that *its* limit did not fit.) A
+/// waiter that gives up takes its place back: then the next holder fixes a
+/// new limit.
+///
+/// The waiter runs on a runtime of its own that the test stops polling
+/// ([`Frozen`]) while the holders leave and the newcomer comes, so the
+/// waiter cannot take the freed permit first, whatever the scheduling; the
+/// harness's [`parked`](Harness::parked) must count it once its place is
+/// recorded (the try after it parked).
+///
+/// Not in [`primitives_suite!`](crate::primitives_suite): a backend's file
+/// expands it once the backend keeps a waiter's limit (`primitives_suite!(@tests ..;
+/// a_waiting_semaphore_keeps_its_limit_against_a_newcomer)`).
+pub(crate) async fn a_waiting_semaphore_keeps_its_limit_against_a_newcomer<H: Harness>(h: &H) {
+    let (holders, waiting, newcomer) = (h.client().await, h.client().await, h.client().await);
+    let k = key(&holders, "sem-waiter");
+    let two = || permit(2).with_lease(Duration::from_secs(30));
+    let three = || permit(3).with_lease(Duration::from_secs(30));
+
+    let (p1, p2) = (holders.acquire(&k, two()).await.expect("free"), holders.acquire(&k, two()).await.expect("second"));
+    let waiter = {
+        let (waiting, k) = (waiting.clone(), k.clone());
+        Frozen::spawn(async move {
+            let g = waiting.acquire(&k, two().with_wait(Duration::from_secs(20))).await?;
+            g.release().await.map(|_| ())
+        })
+    };
+    until_parked(h, &k).await;
+    waiter.freeze();
+    assert!(p1.release().await.expect("release") && p2.release().await.expect("release"));
+    let taken = newcomer.acquire(&k, three()).await;
+    let exclusive = newcomer.try_acquire(&k).await;
+    waiter.thaw();
+    match taken {
+        Err(Error::ModeConflict { .. }) => {}
+        other => panic!("newcomer (3 permits) while a waiter for one of 2 waits: {other:?}"),
+    }
+    match exclusive {
+        Err(Error::ModeConflict { .. }) => {}
+        other => panic!("newcomer (exclusive) while a waiter for one of 2 waits: {other:?}"),
+    }
+    waiter.join().expect("the waiter keeps its limit and gets its permit");
+
+    // A waiter that gives up takes its place back with it.
+    let (p1, p2) = (holders.acquire(&k, two()).await.expect("free"), holders.acquire(&k, two()).await.expect("second"));
+    let waiter = {
+        let (waiting, k) = (waiting.clone(), k.clone());
+        tokio::spawn(async move { waiting.acquire(&k, two().with_wait(Duration::from_secs(20))).await })
+    };
+    until_parked(h, &k).await;
+    let gave_up = Instant::now();
+    waiter.abort();
+    assert!(waiter.await.expect_err("aborted").is_cancelled(), "the waiter was still waiting");
+    assert!(p1.release().await.expect("release") && p2.release().await.expect("release"));
+    let g = loop {
+        match newcomer.acquire(&k, three()).await {
+            Ok(g) => break g,
+            Err(Error::ModeConflict { .. }) if gave_up.elapsed() < Duration::from_secs(3) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(e) => panic!("{:?} after the waiter gave up (its wait: 20 s): {e:?}", gave_up.elapsed()),
+        }
+    };
+    assert!(g.release().await.expect("release"));
+    until_no_lock_keys(h).await;
+}
+
+/// A future run on a current-thread runtime of its own, on a thread of its
+/// own, which the test can stop polling: [`freeze`](Self::freeze) blocks
+/// that thread with a task of the same runtime (so it returns once the
+/// future is idle between two polls), [`thaw`](Self::thaw) lets it go on.
+/// A waiter frozen this way hears of no release until thawed.
+struct Frozen {
+    runtime: tokio::runtime::Handle,
+    thread: std::thread::JoinHandle<Result<()>>,
+    thaw: std::sync::Mutex<Option<std::sync::mpsc::Sender<()>>>,
+}
+
+impl Frozen {
+    fn spawn(task: impl std::future::Future<Output = Result<()>> + Send + 'static) -> Self {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+        let handle = runtime.handle().clone();
+        let thread = std::thread::spawn(move || runtime.block_on(task));
+        Frozen { runtime: handle, thread, thaw: std::sync::Mutex::new(None) }
+    }
+
+    fn freeze(&self) {
+        let (frozen_tx, frozen) = std::sync::mpsc::channel();
+        let (thaw, thawed) = std::sync::mpsc::channel::<()>();
+        self.runtime.spawn(async move {
+            let _ = frozen_tx.send(());
+            let _ = thawed.recv();
+        });
+        frozen.recv_timeout(Duration::from_secs(10)).expect("the waiter's runtime never went idle");
+        *self.thaw.lock().expect("thaw") = Some(thaw);
+    }
+
+    fn thaw(&self) {
+        drop(self.thaw.lock().expect("thaw").take());
+    }
+
+    fn join(self) -> Result<()> {
+        self.thaw();
+        self.thread.join().expect("the waiter's thread")
+    }
+}
+
 /// A permit whose holder vanished comes back when its lease runs out.
 pub(crate) async fn a_lost_holders_permit_comes_back_after_its_lease<H: Harness>(h: &H) {
     let (a, b) = (h.client().await, h.client().await);
