@@ -35,14 +35,72 @@ use dlock_core::idempotency::fingerprint;
 /// hash is stored or counted. A header, a cookie, a function's answer and
 /// [`Caller::shared`] never name the same caller, whatever their values.
 ///
+/// # A caller comes from the app's authentication
+///
+/// Every caller has caps of its own: live idempotency records and bound
+/// tokens per caller
+/// ([`IdempotencyLimits`](dlock_core::idempotency::IdempotencyLimits)),
+/// holds per caller ([`LockLayer::max_holds_per`](crate::LockLayer::max_holds_per)).
+/// So name the caller by what the app *verified*: the user id of a JWT
+/// whose signature it checked, the account of a session it looked up.
+/// Never by a value a client can make up unchecked: each made-up value is
+/// a new caller with fresh caps, and a script that sends a new one per
+/// request is held back only by the store's total, which it then fills for
+/// everyone (`503 idempotency_store_full`).
+///
+/// A header or a cookie ([`Caller::header`], [`Caller::cookie`], and the
+/// idempotency layers' default, the `Authorization` header) is only as good
+/// as what verified it: sound when the app's authentication runs *before*
+/// the dlock layer and refuses a credential it did not verify (or a trusted
+/// proxy sets the header and drops the client's own), a free pass when
+/// nothing checks it. It also names a credential, not a user: a user whose
+/// token is renewed becomes another caller, and a retry sent with the new
+/// token is another scope than its first try. The verified user id, read
+/// with [`Caller::from_fn`] from what the authentication put in the
+/// request's extensions, has neither flaw:
+///
+/// ```
+/// use axum::{extract::Request, http::StatusCode, middleware::{self, Next}, response::Response};
+/// use axum::{routing::post, Router};
+/// use dlock_axum::{idempotency::IdempotencyLayer, Caller};
+///
+/// /// The subject of a token the app verified.
+/// #[derive(Clone)]
+/// struct UserId(String);
+///
+/// /// The app's authentication: a request whose token does not verify
+/// /// never reaches the routes, so it never makes a record.
+/// async fn authenticate(mut req: Request, next: Next) -> Result<Response, StatusCode> {
+///     let token = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+///     let user = token.and_then(verify_jwt).ok_or(StatusCode::UNAUTHORIZED)?;
+///     req.extensions_mut().insert(user);
+///     Ok(next.run(req).await)
+/// }
+/// # fn verify_jwt(token: &str) -> Option<UserId> { token.strip_prefix("Bearer ").map(|s| UserId(s.to_owned())) }
+///
+/// let by_user = Caller::from_fn(|parts| parts.extensions.get::<UserId>().map(|u| u.0.clone()));
+/// let app: Router = Router::new()
+///     .route("/pay", post(|| async { "paid" }))
+///     .layer(IdempotencyLayer::new().caller(by_user))
+///     // The outer layer runs first: authentication, then the records.
+///     .layer(middleware::from_fn(authenticate));
+/// ```
+///
+/// Should the layers be put the other way round, the function finds no
+/// user and every request with an `Idempotency-Key` is refused
+/// (`400 idempotency_scope_missing`), never pooled or given a caller of the
+/// client's choosing.
+///
 /// ```
 /// use dlock_axum::Caller;
 ///
 /// #[derive(Clone)]
 /// struct UserId(u64); // put in the extensions by the app's auth layer
 ///
+/// // Sound behind an auth layer (or proxy) that checks these values first.
 /// let by_api_key = Caller::header("x-api-key");
 /// let by_session = Caller::cookie("session");
+/// // Sound by construction: what the auth layer verified.
 /// let by_user = Caller::from_fn(|parts| parts.extensions.get::<UserId>().map(|u| u.0.to_string()));
 /// ```
 #[derive(Clone)]
@@ -75,12 +133,14 @@ impl Caller {
     /// hashed: the credential itself is never stored. A request without it,
     /// or with it empty or blank, has no caller.
     ///
-    /// For idempotency a credential header is a sound caller: a client can
-    /// only reach the records of a credential it holds. For a
-    /// [lock cap](crate::LockLayer::max_holds_per) it is not, unless a
-    /// trusted proxy sets the header from the identity it authenticated and
-    /// drops the client's own: a client that chooses the value gets a fresh
-    /// cap for each value it makes up.
+    /// A client can only reach the records of a credential it holds, so
+    /// one caller is never answered with another's response. But the caps
+    /// count per value: unless the app's authentication refuses a value it
+    /// did not verify before this caller is read (or a trusted proxy sets
+    /// the header and drops the client's own), a client that makes up a
+    /// value per request gets fresh caps (records, bound tokens, lock
+    /// holds) for each. See [A caller comes from the app's
+    /// authentication](Caller#a-caller-comes-from-the-apps-authentication).
     ///
     /// ```
     /// use dlock_axum::{idempotency::IdempotencyLayer, Caller};
@@ -110,8 +170,9 @@ impl Caller {
     }
 
     /// Whatever the request says, read by `f`: typically the user id an
-    /// auth layer put in the extensions. `None` is no caller. The answer is
-    /// kept as it is (not hashed): return an id, not a secret.
+    /// auth layer put in the extensions, the caller this type is best
+    /// named by (a value the app verified). `None` is no caller. The answer
+    /// is kept as it is (not hashed): return an id, not a secret.
     ///
     /// ```
     /// use dlock_axum::{Caller, LockLayer};
@@ -140,7 +201,8 @@ impl Caller {
         Caller(Kind::Shared)
     }
 
-    /// The `Authorization` header: the idempotency layers' default.
+    /// The `Authorization` header: the idempotency layers' default. As
+    /// [`Caller::header`], only as good as what verified it.
     pub(crate) fn authorization() -> Self {
         Caller(Kind::Header(header::AUTHORIZATION))
     }
