@@ -98,6 +98,10 @@ async fn postgres() -> Postgres {
 
 backend_suite!(postgres());
 primitives_suite!(postgres());
+mod withdrawal {
+    use super::*;
+    primitives_suite!(@tests postgres(); a_writer_that_hangs_up_lets_readers_in);
+}
 
 fn request(key: &LockKey, owner: &Owner, lease_ms: u64) -> AcquireRequest {
     AcquireRequest::new(key.clone(), owner.clone(), Duration::from_millis(lease_ms))
@@ -717,6 +721,7 @@ mod pooled {
         primitives_suite!(@tests pooled();
             readers_share_and_exclude_a_writer,
             a_waiting_writer_is_not_starved_by_new_readers,
+            a_writer_that_hangs_up_lets_readers_in,
             readers_and_writers_never_overlap,
             a_multi_key_lock_takes_all_or_none,
             a_semaphore_admits_its_limit_and_wakes_a_waiter,

@@ -235,11 +235,11 @@ impl AcquireRequest {
 ///   number of shared holders at once, none while an exclusive holder has
 ///   the key. A writer that waits is not starved: once it waits, new
 ///   readers wait behind it (writer preference), until it is granted or
-///   its wait ends. On Redis, RedLock, ZooKeeper and in process, a writer
-///   whose caller goes (an HTTP request that hung up, a dropped acquire
-///   future) or whose acquire fails mid-wait stops keeping readers out at
-///   once, and the readers it kept out are woken ([`Backend::withdraw`]);
-///   on PostgreSQL it keeps them out until its wait would have ended.
+///   its wait ends. On every backend of this crate, a writer whose caller
+///   goes (an HTTP request that hung up, a dropped acquire future) or
+///   whose acquire fails mid-wait stops keeping readers out at once, and
+///   the readers it kept out are woken ([`Backend::withdraw`]; on
+///   PostgreSQL, its intent row is deleted and its end announced).
 /// * [`Permits`](LockMode::Permits): one of `limit` permits of a
 ///   semaphore. The first holder fixes `limit`; asking with another is
 ///   [`Error::ModeConflict`], not contention. How long it stays fixed

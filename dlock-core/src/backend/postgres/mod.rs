@@ -44,7 +44,7 @@
 //! * An exclusive release is one plain `DELETE` of the head while its
 //!   lease lives (release.sql), answered by its command tag alone; a shared
 //!   one, or one that found no such head (its lease ran out), is the
-//!   function `<prefix>_release_v2`, which locks the head first and deletes
+//!   function `<prefix>_release_v3`, which locks the head first and deletes
 //!   it with the last holder. Renewals are the function
 //!   `<prefix>_renew_v1`, many holds a statement (renewals asked while one
 //!   is in flight go out together); it locks the heads of shared holds
@@ -58,8 +58,12 @@
 //!   intent row in `<prefix>_holders` (mode `i`, owner `~<owner>`) that
 //!   lives until its wait would end; while one lives, new readers are
 //!   refused (and told to try again when it ends). The writer's grant
-//!   deletes it; a writer cancelled mid-wait leaves it until its wait would
-//!   have ended.
+//!   deletes it, and so does a writer that leaves without the key before
+//!   its wait ends (its caller went, its acquire failed): the engine's
+//!   [`Backend::withdraw`] is the release function told to take back only
+//!   what the owner's waits left, never a hold, under the head's row lock
+//!   like every step on the key; it announces the intent's end when a
+//!   waiter was refused, so the readers it kept out try again at once.
 //!
 //! **No session advisory locks.** `pg_advisory_lock` would need no table,
 //! but it has no lease (a hung holder keeps it while its connection lives),
@@ -203,7 +207,7 @@
 //! the key held (perhaps by the first try's own grant). The engine then
 //! releases the key in the background, owner-checked (see
 //! [`Locker`](crate::Locker)). That release is the function
-//! (`<prefix>_release_v2`), whose upsert of the key's head waits for a
+//! (`<prefix>_release_v3`), whose upsert of the key's head waits for a
 //! write of it still running on the server (the lost acquire's insert or
 //! update), so it lands after it. A release is sent once: a second would
 //! answer "not held" for a hold the first freed. A connection whose request failed that way is
@@ -380,7 +384,7 @@ struct Shared {
     acquire: String,
     /// The release of an exclusive hold (release.sql).
     release: String,
-    /// The release of any hold (release_any.sql).
+    /// The release of any hold, or the withdrawal of a wait (release_any.sql).
     release_any: String,
     /// `(key, owner)` of acquires whose answer was lost: their release
     /// (the engine's undo) must wait for a write of the key still running.
@@ -479,7 +483,7 @@ impl Names {
             holders: format!("\"{prefix}_holders\""),
             fence: format!("\"{prefix}_fence\""),
             acquire: format!("\"{prefix}_acquire_v4\""),
-            release: format!("\"{prefix}_release_v2\""),
+            release: format!("\"{prefix}_release_v3\""),
             renew: format!("\"{prefix}_renew_v1\""),
             channel: format!("{prefix}_released"),
             prefix: prefix.to_owned(),
@@ -568,7 +572,8 @@ impl PostgresBackend {
                 durable::after_pin("$1::text")
             ),
             release: names.fill(RELEASE_SQL),
-            release_any: format!("SELECT {}({}, $2)", names.release, durable::after_pin("$1::text")),
+            // $3: only what the waits of the owner left (a withdrawal).
+            release_any: format!("SELECT {}({}, $2, $3)", names.release, durable::after_pin("$1::text")),
             uncertain: Mutex::default(),
             renew: format!("SELECT r_key, r_owner FROM {}({}, $2, $3)", names.renew, durable::after_pin("$1::text[]")),
             renewals: Renewals::default(),
@@ -644,6 +649,20 @@ impl PostgresBackend {
             3 => Err(mode_conflict(req, parse_mode(&info).ok_or_else(|| unexpected("an unknown mode"))?)),
             _ => Err(unexpected("an unknown outcome")),
         }
+    }
+
+    /// The release function (release_any.sql): frees the owner's hold of
+    /// `key`, whatever its mode, or with `only_waits` takes back what its
+    /// waits left there and never a hold. Whether it did. A release is sent
+    /// once (a second would answer "not held" for a hold the first freed);
+    /// a withdrawal may be sent again (a second finds nothing to take).
+    async fn release_any(&self, key: &LockKey, owner: &Owner, only_waits: bool) -> Result<bool> {
+        let query = || sqlx::query(&self.shared.release_any).bind(key.as_str()).bind(owner.as_str()).bind(only_waits);
+        let repeat = if only_waits { Repeat::Safe } else { Repeat::Once };
+        Ok(match self.shared.fetch(query, repeat).await? {
+            Some(row) => column::<Option<bool>>(&row, 0)?.unwrap_or(false),
+            None => false,
+        })
     }
 
     /// `e`, after an acquire's request failed: when it may have run, the
@@ -1265,14 +1284,21 @@ impl Backend for PostgresBackend {
             if !after_unknown && self.shared.changed(query(self.shared.release.as_str()), Repeat::Once).await? == 1 {
                 return Ok(Release::Freed);
             }
-            let freed = match self.shared.fetch(query(self.shared.release_any.as_str()), Repeat::Once).await? {
-                Some(row) => column::<Option<bool>>(&row, 0)?,
-                None => None,
-            };
-            Ok(match freed {
-                Some(true) => Release::Freed,
-                _ => Release::NotHeld,
+            Ok(match self.release_any(key, owner, false).await? {
+                true => Release::Freed,
+                false => Release::NotHeld,
             })
+        })
+    }
+
+    /// A writer's intent; a waiting reader leaves nothing, and costs no
+    /// round trip.
+    fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if req.mode != LockMode::Exclusive {
+                return Ok(());
+            }
+            self.release_any(&req.key, &req.owner, true).await.map(drop)
         })
     }
 
