@@ -1,6 +1,7 @@
 -- Prepended to every idempotency script. KEYS[first..] are pools: hashes
--- that count the live records (or tokens) of one caller, or of all, and
--- their bytes, by the time they expire. A pool's fields:
+-- that count the live records (or tokens) of one caller, or of all (on a
+-- Redis Cluster, of one shard of all: redis/layout.rs), and their bytes, by
+-- the time they expire. A pool's fields:
 --   `t`     "count:bytes" of what it counts;
 --   `o`     the earliest end among its buckets, `m` the latest;
 --   `<end>` "count:bytes" of the entries that expire by `end` (ms of this

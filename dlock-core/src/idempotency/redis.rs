@@ -1,33 +1,31 @@
-//! The Redis store.
+//! The Redis store. Where each entry and pool lives, on one server and on
+//! a Cluster: [`layout`].
 //!
-//! * A fresh token is the key `prefix:idem:t:{<token>}`, its value the
+//! * A fresh token is the key `prefix:idem:t:<home>:<token>`, its value the
 //!   bucket its pools count it in (ledger.lua), with its TTL; consuming it
 //!   is one `DEL` in a script, and only the caller whose `DEL` counted 1
 //!   proceeds. A token claimed by a running request is renamed to
-//!   `prefix:idem:tu:{<token>}` (its TTL goes with it) with the value
+//!   `prefix:idem:tu:<home>:<token>` (its TTL goes with it) with the value
 //!   `<owner>:<lease end>:<bucket>`, so no `DEL` of the fresh name can take
 //!   it meanwhile; its owner renews the lease, returns it (renamed back) or
 //!   spends it (one `DEL` of the claimed name), and a claim whose lease ran
-//!   out answers "outcome unknown". The braces keep both names in one Redis
-//!   Cluster slot. A token bound to a caller is `prefix:idem:t:{<sha1>}:<token>`
-//!   (and `tu:`), in the slot of the caller's hash, with the caller's pool;
-//!   an unbound one is `prefix:idem:t:{anon}:<token>`, in the slot of the
-//!   unbound tokens' pool, so that pool is enforced on a Cluster too.
-//! * A key record is one string `prefix:idem:r:{<sha1(scope)>}:<sha1(scope, key)>`:
+//!   out answers "outcome unknown". The home of a token bound to a caller
+//!   is in the slot of the caller's pools; an unbound one's is `{anon}`,
+//!   the slot of the unbound tokens' pool, so that pool is enforced on a
+//!   Cluster too.
+//! * A key record is one string `prefix:idem:r:<tag>:<sha1(scope, key)>`:
 //!   state, fingerprint, owner and lease end while in progress, the bucket
 //!   and bytes its pools count, and the encoded response once completed
 //!   (record.lua). It lives the claim terms' TTL from its claim. Begin,
 //!   renew, complete and abandon are one Lua script each, touching only this
 //!   key and its pools, so they are atomic and run on the one node of a
-//!   Redis Cluster that owns the scope's slot.
-//! * **Pools** ([`IdempotencyLimits`], ledger.lua): a hash per caller
-//!   (`prefix:idem:rp:{<sha1(scope)>}`, `prefix:idem:tp:{<sha1(principal)>}`),
-//!   one in total (`prefix:idem:rp:all`, `prefix:idem:tp:all`) and one for
-//!   unbound tokens (`prefix:idem:tp:{anon}`) count live entries and their
+//!   Redis Cluster that owns the slot.
+//! * **Pools** ([`IdempotencyLimits`], ledger.lua): a hash per caller, one
+//!   for the total (on a Cluster, one per shard of the total, in the
+//!   shard's slot) and one for unbound tokens count live entries and their
 //!   bytes by when they expire, two commands to read and two to change
-//!   whatever they hold. On Redis Cluster the totals cannot be reached from a
-//!   script on another slot, so only the per-caller pools and the unbound
-//!   one hold there (a warning says so at start-up).
+//!   whatever they hold. Every deployment is bounded in total, records and
+//!   bytes.
 //!
 //! Scope and key are hashed into the Redis key so that any bytes a client
 //! sends give a short, fixed-shape key that no other `(scope, key)` can reach.
@@ -36,19 +34,40 @@
 //! from the hashes and sorted sets of earlier versions (`k:`, `kn:`, `tn:`):
 //! a store of this version never meets one of another type, which would be
 //! an error (`WRONGTYPE`) on every request for it; the old keys expire.
+//!
+//! **Upgrading a Cluster.** On Redis Cluster this version keeps a caller's
+//! records and bound tokens in the slot of its shard, no longer of its own
+//! hash: new names, which never meet the old ones (a shard's tag is never a
+//! 40-digit hash), so no bump of the prefix is needed. The store does not
+//! look for a record under its old name. The old and the new name of a key
+//! are in different slots, so no script can read one and claim the other
+//! at once: during a rolling upgrade an old instance would claim the old
+//! name, a new one the new name, and both would run the route whatever the
+//! new one read first; and the read would cost every claim a command on
+//! another node, for as long as the code is kept, to cover one TTL of old
+//! records. So a Cluster deployment is upgraded as onto an empty store:
+//! stop every instance of the earlier version first; a key answered before
+//! the upgrade runs again if it is retried after it (once), a bound token
+//! issued before it is unknown (fetched again), and the old keys expire
+//! within their TTL. One server and Sentinel keep their names, and unbound
+//! tokens theirs everywhere.
 
 use std::time::Duration;
 
 use redis::Script;
 
 use super::{
-    fingerprint, token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse,
-    TokenClaim, TOKEN_BYTES,
+    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
+    TOKEN_BYTES,
 };
 use crate::backend::redis::script::ScriptCall;
 use crate::backend::redis::{lease_ms, Client, RedisBackend, RedisOptions};
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
+
+mod layout;
+
+use layout::{Layout, Pool};
 
 /// The pools' helpers, prepended to every script (ledger.lua).
 const LEDGER: &str = include_str!("ledger.lua");
@@ -76,10 +95,10 @@ pub struct RedisStore {
     /// configured, hears of every failed command here too, and no key is
     /// claimed from a server that may have lost its records.
     client: Client,
-    prefix: String,
+    /// Where records, tokens and pools live: one server's names, or a
+    /// Cluster's shards.
+    layout: Layout,
     limits: IdempotencyLimits,
-    /// Whether the total pools are counted: not on Redis Cluster.
-    total: bool,
     begin: Script,
     renew: Script,
     complete: Script,
@@ -93,21 +112,8 @@ pub struct RedisStore {
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStore")
-            .field("prefix", &self.prefix)
-            .field("limits", &self.limits)
-            .field("total", &self.total)
-            .finish_non_exhaustive()
+        f.debug_struct("RedisStore").field("layout", &self.layout).field("limits", &self.limits).finish_non_exhaustive()
     }
-}
-
-/// A pool that counts an entry (ledger.lua), its caps, and whether it is
-/// one caller's.
-struct Pool {
-    key: String,
-    max: u64,
-    max_bytes: u64,
-    per_scope: bool,
 }
 
 /// A script's keys: `first`, then the pools', in the order its `KEYS`
@@ -162,21 +168,13 @@ impl RedisStore {
     /// when locks and records live in the same Redis.
     pub fn from_backend(backend: &RedisBackend) -> Self {
         let client = backend.client().clone();
-        let total = !client.is_cluster();
-        if !total {
-            tracing::warn!(
-                "dlock: idempotency records on Redis Cluster: DLOCK_IDEMPOTENCY_MAX_RECORDS and DLOCK_IDEMPOTENCY_MAX_BYTES \
-                 are not enforced (one count cannot span every slot); the per-caller caps and the unbound tokens' pool \
-                 are, and maxmemory with `noeviction` bounds the rest"
-            );
-        }
+        let layout = Layout::new(backend.key_prefix(), client.is_cluster());
         let counting = |script: &str| Script::new(&format!("{LEDGER}{script}"));
         let on_records = |script: &str| Script::new(&format!("{LEDGER}{RECORD}{script}"));
         RedisStore {
             client,
-            prefix: backend.key_prefix().to_owned(),
+            layout,
             limits: IdempotencyLimits::default(),
-            total,
             begin: on_records(include_str!("begin.lua")),
             renew: on_records(include_str!("renew_claim.lua")),
             complete: on_records(include_str!("complete.lua")),
@@ -205,37 +203,6 @@ impl RedisStore {
         self
     }
 
-    /// The pools that count an entry of kind `kind` (`rp` records, `tp`
-    /// bound tokens) of the caller hashed to `tag`: the caller's, and the
-    /// total where one can be counted (not on Redis Cluster).
-    fn caller_pools(&self, kind: &str, tag: &str) -> Vec<Pool> {
-        let l = &self.limits;
-        let mut pools = vec![Pool {
-            key: format!("{}:idem:{kind}:{{{tag}}}", self.prefix),
-            max: l.max_per_scope(),
-            max_bytes: l.max_bytes_per_scope(),
-            per_scope: true,
-        }];
-        if self.total {
-            let key = format!("{}:idem:{kind}:all", self.prefix);
-            pools.push(Pool { key, max: l.max_records(), max_bytes: l.max_bytes(), per_scope: false });
-        }
-        pools
-    }
-
-    /// The pools that count a token bound to the caller hashed to `tag`, or
-    /// (none) an unbound one: the unbound tokens' pool of their own.
-    fn token_pools(&self, tag: Option<&str>) -> Vec<Pool> {
-        match tag {
-            Some(tag) => self.caller_pools("tp", tag),
-            None => {
-                let key = format!("{}:idem:tp:{{anon}}", self.prefix);
-                let max = self.limits.max_unbound_tokens();
-                vec![Pool { key, max, max_bytes: u64::MAX >> 11, per_scope: false }]
-            }
-        }
-    }
-
     /// The refusal for the `i`-th (1-based) of `pools` being full.
     fn full(pools: &[Pool], i: i64, ms: i64) -> Error {
         let per_scope = usize::try_from(i - 1).ok().and_then(|i| pools.get(i)).is_some_and(|p| p.per_scope);
@@ -245,8 +212,7 @@ impl RedisStore {
     /// Issues a token, bound to `principal` or not.
     async fn issue(&self, principal: Option<&str>, ttl: Duration) -> Result<String> {
         let token = crate::owner::random_hex::<TOKEN_BYTES>()?;
-        let tag = principal.map(|p| fingerprint(&[p]));
-        let pools = self.token_pools(tag.as_deref());
+        let pools = self.layout.token_pools(principal, &self.limits);
         let name = self.token_names(&token, principal).0;
         let keys = keys_and_pools(&[&name], &pools);
         let mut call = ScriptCall::new(&self.issue_token, &keys, 1 + 2 * pools.len());
@@ -262,18 +228,13 @@ impl RedisStore {
 
     /// The fresh and the claimed name of `token`, bound to `principal` or not.
     fn token_names(&self, token: &str, principal: Option<&str>) -> (String, String) {
-        let tag = match principal {
-            Some(p) => format!("{{{}}}:{token}", fingerprint(&[p])),
-            None => format!("{{anon}}:{token}"),
-        };
-        (format!("{}:idem:t:{tag}", self.prefix), format!("{}:idem:tu:{tag}", self.prefix))
+        self.layout.token_names(token, principal)
     }
 
     /// Deletes a token's `name` (the claimed one: only if `owner` holds it)
     /// and takes it out of its pools, in one step.
     async fn spend(&self, name: String, principal: Option<&str>, owner: &str) -> Result<bool> {
-        let tag = principal.map(|p| fingerprint(&[p]));
-        let pools = self.token_pools(tag.as_deref());
+        let pools = self.layout.token_pools(principal, &self.limits);
         let keys = keys_and_pools(&[&name], &pools);
         let mut call = ScriptCall::new(&self.spend_token, &keys, 1);
         call.arg(owner);
@@ -309,9 +270,7 @@ impl RedisStore {
 
     /// The record's key and its pools.
     fn record(&self, scope: &str, key: &str) -> (String, Vec<Pool>) {
-        let tag = fingerprint(&[scope]);
-        let id = fingerprint(&[scope, key]);
-        (format!("{}:idem:r:{{{tag}}}:{id}", self.prefix), self.caller_pools("rp", &tag))
+        self.layout.record(scope, key, &self.limits)
     }
 }
 
