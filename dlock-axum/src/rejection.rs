@@ -73,6 +73,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 429 | `lock_permits_exhausted` | 2403 | the route admits at most N requests at once per key (a semaphore: `#[lockable(permits = N)]`, [`LockLayer::permits`](crate::LockLayer::permits)), all N are running, and the route's wait ran out (transient: `Retry-After`) |
 /// | 429 | `idempotency_scope_full` | 2402 | the caller already has the most live idempotency records (or tokens) the store keeps per caller (transient: `Retry-After` until its oldest expires) |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
+/// | 501 | `lock_mode_unsupported` | 2902 | the route's lock mode (a semaphore of several permits) cannot be kept by the lock backend this instance runs on (RedLock): the route is not served here, the rest of the service is (permanent) |
 /// | 503 | `lock_backend_unavailable` | 2501 | the lock service cannot be reached: fail closed (transient: `Retry-After`) |
 /// | 503 | `idempotency_store_full` | 2502 | the idempotency store holds the most live records (or tokens) it keeps in all (transient: `Retry-After` until the oldest expires) |
 /// | 503 | `idempotency_not_committed` | 2503 | the route ran inside its transaction and the transaction did not commit: nothing it wrote was kept (transient: retry with the same `Idempotency-Key`) |
@@ -256,6 +257,15 @@ rejections! {
         "lock service unavailable, please retry later", Some(1));
     /// The service is misconfigured (no engine installed, invalid options).
     misconfigured => (INTERNAL_SERVER_ERROR, "lock_misconfigured", 2901, "the lock service is misconfigured", None);
+    /// The route takes its lock in a mode the lock backend cannot keep (a
+    /// semaphore of several permits on RedLock:
+    /// [`Locker::supports`](dlock_core::Locker::supports) says so at
+    /// start-up). A service that would rather serve its other routes than
+    /// refuse to start answers this on that route alone, with a message
+    /// saying why. `501`, not `503`: nothing will change until the service
+    /// runs on another backend, so there is no `Retry-After`.
+    lock_mode_unsupported => (NOT_IMPLEMENTED, "lock_mode_unsupported", 2902,
+        "this route's lock cannot be kept by the lock service this instance runs on", None);
 }
 
 impl Rejection {
@@ -561,6 +571,7 @@ mod tests {
             ("idempotency_store_full", 503),
             ("idempotency_not_committed", 503),
             ("lock_misconfigured", 500),
+            ("lock_mode_unsupported", 501),
         ];
         let all: Vec<Rejection> = ALL.iter().map(|f| f()).collect();
         assert_eq!(all.len(), expect.len());

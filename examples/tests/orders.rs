@@ -106,6 +106,11 @@ impl Orders {
     /// Starts the binary on a free port with `env` and waits until
     /// `/health` answers.
     async fn start(env: &[(&str, &str)]) -> Orders {
+        Orders::start_logged(env).await.0
+    }
+
+    /// [`start`](Self::start), and the lines it logged until it listened.
+    async fn start_logged(env: &[(&str, &str)]) -> (Orders, Vec<String>) {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_orders"));
         cmd.env("ORDERS_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "info")
@@ -123,20 +128,20 @@ impl Orders {
         }
         let mut child = cmd.spawn().expect("start the orders binary");
         let stdout = child.stdout.take().expect("piped stdout");
+        // Killed on drop from here on, even if it never says where it listens.
+        let mut orders = Orders { child, addr: String::new() };
         // The log line names the port the OS picked; the rest of the log is
         // shown with ORDERS_TEST_LOG set, so a failing test can tell why.
         let echo = std::env::var_os("ORDERS_TEST_LOG").is_some().then_some("orders");
-        let addr = tokio::task::spawn_blocking(move || {
-            dlock_testing::announced_address(stdout, Duration::from_secs(30), echo)
-        })
-        .await
-        .expect("join")
-        .unwrap_or_else(|e| panic!("orders: {e}"));
-        let orders = Orders { child, addr };
+        let (addr, startup) = tokio::task::spawn_blocking(move || start_up_log(stdout, Duration::from_secs(30), echo))
+            .await
+            .expect("join")
+            .unwrap_or_else(|e| panic!("orders: {e}"));
+        orders.addr = addr;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             match request(&orders.addr, "GET", "/health", None).await {
-                Ok(r) if r.status == 200 => return orders,
+                Ok(r) if r.status == 200 => return (orders, startup),
                 other => {
                     assert!(Instant::now() < deadline, "orders /health not ready within 30 s: {other:?}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -144,6 +149,44 @@ impl Orders {
             }
         }
     }
+}
+
+/// What the service logs once it listens: `… listening on http://ADDR …`.
+const LISTENING: &str = "listening on http://";
+
+/// Reads the service's `stdout` until it logs that it listens: the address
+/// and every line until then. A thread keeps draining the pipe afterwards
+/// (so the service never blocks on a full pipe), echoing each line to stderr
+/// with `[name]` when `echo` is set (as `dlock_testing::announced_address`,
+/// which keeps no lines).
+fn start_up_log(
+    stdout: std::process::ChildStdout,
+    timeout: Duration,
+    echo: Option<&'static str>,
+) -> Result<(String, Vec<String>), String> {
+    use std::io::{BufRead, BufReader};
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut tx, mut lines) = (Some(tx), Vec::new());
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(name) = echo {
+                eprintln!("[{name}] {line}");
+            }
+            if tx.is_none() {
+                continue;
+            }
+            let addr = line.split(LISTENING).nth(1).map(|rest| rest.split_whitespace().next().unwrap_or_default());
+            let addr = addr.map(str::to_owned);
+            lines.push(line);
+            if let Some(addr) = addr {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send((addr, std::mem::take(&mut lines)));
+                }
+            }
+        }
+    });
+    rx.recv_timeout(timeout)
+        .map_err(|_| format!("the service did not log `{LISTENING}…` within {timeout:?} (it may have failed to start)"))
 }
 
 impl Drop for Orders {
@@ -698,4 +741,64 @@ async fn postgres_a_unique_index_places_one_order_per_request_id() {
     // Another request id is another order.
     let other = json!({"request_id": "req-2", "product": {"id": 603}, "quantity": 2});
     assert_eq!(request(&b.addr, "POST", "/db/orders", Some(&other)).await.expect("answered").status, 201);
+}
+
+/// Issue 37: RedLock cannot keep the export route's semaphore of two
+/// permits. The service starts anyway, says so once at start-up (a `WARN`
+/// naming the route and the backend), answers that route alone with
+/// `501 lock_mode_unsupported` as Problem Details saying why, and serves
+/// every other route, locked ones included, on the RedLock set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redlock_only_the_export_route_is_refused() {
+    let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let urls = nodes.iter().map(RedisServer::url).collect::<Vec<_>>().join(",");
+    // Idempotency records (the order tokens) on a Redis of their own.
+    let records = RedisServer::start();
+    let records_url = records.url();
+    let env = [
+        ("DLOCK_BACKEND", "redlock"),
+        ("DLOCK_REDLOCK_URLS", urls.as_str()),
+        ("DLOCK_IDEMPOTENCY_REDIS_URL", &records_url),
+    ];
+    let (orders, startup) = Orders::start_logged(&env).await;
+    let addr = orders.addr.as_str();
+
+    let warned: Vec<&String> = startup.iter().filter(|l| l.contains(" WARN ") && l.contains("/export")).collect();
+    assert_eq!(warned.len(), 1, "one WARN about the export route: {startup:#?}");
+    assert!(warned[0].contains("POST /users/{user}/export") && warned[0].contains("redlock"), "{}", warned[0]);
+    let health = request(addr, "GET", "/health", None).await.expect("health");
+    assert_eq!(health.json, json!({"status": "ok", "backend": "redlock"}));
+
+    let export = request(addr, "POST", "/users/alice/export", None).await.expect("POST");
+    assert_eq!(export.status, 501, "{}", export.json);
+    assert_eq!(export.header("content-type"), Some("application/problem+json"));
+    assert_eq!(export.header("retry-after"), None, "permanent: only another backend serves it");
+    assert_eq!(
+        (export.json["error"].as_str(), export.json["code"].as_u64(), export.json["status"].as_u64()),
+        (Some("lock_mode_unsupported"), Some(2902), Some(501))
+    );
+    let detail = export.json["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("redlock") && detail.contains("2 exports"), "{detail}");
+    let get = request(addr, "GET", "/users/alice/export", None).await.expect("GET");
+    assert_eq!((get.status, get.json["error"].as_str()), (405, Some("method_not_allowed")));
+
+    // Every other route, on the RedLock set: a sale behind `LockLayer`, a
+    // transfer holding two accounts, an order spending its token.
+    let put = request(addr, "PUT", "/products/5", Some(&json!({"stock": 3}))).await.expect("PUT");
+    assert_eq!(put.status, 200, "{}", put.json);
+    let sale = request(addr, "POST", "/stock/reduce", Some(&json!({"product_id": 5, "quantity": 1}))).await;
+    assert_eq!(sale.map(|r| (r.status, r.json)), Ok((200, json!({"product_id": 5, "remaining": 2}))));
+    for id in [1, 2] {
+        let put = request(addr, "PUT", &format!("/accounts/{id}"), Some(&json!({"balance": 100}))).await;
+        assert_eq!(put.map(|r| r.status), Ok(200));
+    }
+    let transfer =
+        request(addr, "POST", "/transfers", Some(&json!({"from": 1, "to": 2, "amount": 30}))).await.expect("POST");
+    assert_eq!(transfer.status, 200, "{}", transfer.json);
+    assert_eq!(transfer.json["to"]["balance"], 130);
+    let token = request(addr, "GET", "/idempotency/token", None).await.expect("token");
+    let token = token.json["token"].as_str().expect("a token").to_owned();
+    let order = json!({"product": {"id": 5}, "quantity": 1});
+    let placed = request(addr, "POST", &format!("/orders?token={token}"), Some(&order)).await.expect("POST");
+    assert_eq!(placed.status, 201, "{}", placed.json);
 }

@@ -1,12 +1,11 @@
-//! Accounts, transfers and exports: issue 26's lock modes from HTTP.
+//! Accounts and transfers: issue 26's multi-key locks from HTTP.
 //!
 //! * `POST /transfers` holds **both** accounts as one multi-key set
 //!   (`#[lockable(.., also(..))]`): taken all or none, in one global order,
 //!   so a transfer 1→2 and a transfer 2→1 at the same time never deadlock,
 //!   and no other transfer or deposit on either account runs meanwhile.
-//! * `POST /users/{user}/export` is a semaphore (`permits = 2`): at most
-//!   two exports of one user at once; the third is
-//!   `429 lock_permits_exhausted` with `Retry-After`.
+//!
+//! The exports, a semaphore, are in `export.rs`.
 
 use std::time::Duration;
 
@@ -110,13 +109,4 @@ pub(crate) async fn transfer(State(app): State<App>, JsonBody(t): JsonBody<Trans
         "from": {"id": t.from, "balance": from_balance - t.amount},
         "to": {"id": t.to, "balance": to_balance + t.amount},
     })))
-}
-
-/// `POST /users/{user}/export` → `{"user": user, "export": "done"}` after
-/// `ORDERS_EXPORT_MS` of work. At most two exports of one user run at once
-/// (a semaphore): the third is `429 lock_permits_exhausted`.
-#[lockable(key = "export", fields = ["user"], permits = 2, wait_ms = 0)]
-pub(crate) async fn export(State(app): State<App>, Path(user): Path<String>) -> Json<Value> {
-    tokio::time::sleep(app.export_time).await;
-    Json(json!({"user": user, "export": "done"}))
 }

@@ -52,7 +52,9 @@
 //!   2→1 at once never deadlock); `409 insufficient_funds`
 //! * `POST /users/{user}/export` → `{"user":..,"export":"done"}`; `#[lockable(permits = 2)]`:
 //!   at most two exports of one user at once, the third `429 lock_permits_exhausted`
-//!   with `Retry-After`
+//!   with `Retry-After`; on a lock backend that cannot keep a semaphore
+//!   (`DLOCK_BACKEND=redlock`) the service starts with a `WARN` naming the
+//!   route, and the route answers `501 lock_mode_unsupported` (`export.rs`)
 //! * `GET /idempotency/token` → `{"token": "...", "expires_in_secs": n}`
 //! * `POST /payments` with `Idempotency-Key: K` and `Authorization` (the
 //!   caller, whose records the key belongs to: `400 idempotency_scope_missing`
@@ -96,6 +98,7 @@ use serde_json::{json, Value};
 use tracing_subscriber::EnvFilter;
 
 mod accounts;
+mod export;
 mod extract;
 mod model;
 #[cfg(feature = "postgres")]
@@ -146,11 +149,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let orders_redis_url = non_empty_env("ORDERS_REDIS_URL");
     let dlock = payments::services(&config, orders_redis_url.as_deref()).await?;
     let (locker, idem) = (dlock.locker().clone(), dlock.idempotency_store()?.clone());
-    // The export route is a semaphore of two: a backend that cannot keep one
-    // (RedLock) is refused here, naming why, not at the first export.
-    locker
-        .supports(dlock_core::backend::LockMode::permits(2))
-        .map_err(|e| format!("POST /users/{{user}}/export: {e}"))?;
     let store = match (&orders_redis_url, non_empty_env("ORDERS_POSTGRES_URL")) {
         (Some(_), Some(_)) => return Err("ORDERS_REDIS_URL and ORDERS_POSTGRES_URL: set one store, not both".into()),
         (Some(url), None) => Store::redis(url).await?,
@@ -280,7 +278,9 @@ fn router(app: App, dlock: DlockRuntime) -> Router {
         .route("/orders", post(create_order))
         .route("/accounts/{id}", get(accounts::get_account).put(accounts::put_account))
         .route("/transfers", post(accounts::transfer))
-        .route("/users/{user}/export", post(accounts::export))
+        // A semaphore; on a backend that cannot keep one (RedLock), a `501`
+        // said at start-up, and every other route still served.
+        .route("/users/{user}/export", export::route(&app.locker))
         .merge(payments::routes(app.payment_lease, app.charges_unguarded, app.store.clone(), app.token_rate.clone()))
         // A path or method this service does not serve answers in the same
         // shape as every other refusal (axum's own are empty bodies).
