@@ -59,9 +59,9 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 400 | `lock_key_field_duplicated` | 2009 | a query parameter or header of the lock key is sent more than once |
 /// | 400 | `lock_caller_missing` | 2011 | the route caps the locks of each caller, and the request does not name its caller |
 /// | 408 | `request_timeout` | 2303 | the body did not arrive within the body-read timeout |
-/// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request (transient: `Retry-After`) |
+/// | 409 | `duplicate_submission` | 2101 (configurable) | the lock is held by another request (transient: `Retry-After` the lease, see below) |
 /// | 409 | `idempotency_request_in_progress` | 2102 | the same `Idempotency-Key` is still being processed (transient: `Retry-After`) |
-/// | 409 | `lock_wait_timeout` | 2103 | the route waits for its lock, and it stayed held for the whole wait (transient: `Retry-After`) |
+/// | 409 | `lock_wait_timeout` | 2103 | the route waits for its lock, and it stayed held for the whole wait (transient: `Retry-After` the lease, see below) |
 /// | 409 | `idempotency_token_unknown` | 2104 | the one-time token is unknown, expired or already used (permanent: fetch a new token) |
 /// | 409 | `lock_token_stale` | 2105 | the storage refused the route's write: its lock's lease ran out and another holder wrote with a newer fencing token ([`Error::StaleToken`](dlock_core::Error::StaleToken), from [`dlock_core::fence`]); nothing was changed (transient: `Retry-After`) |
 /// | 413 | `payload_too_large` | 2301 | the body is larger than the most bytes read to derive a key |
@@ -70,7 +70,7 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 409 | `idempotency_response_not_stored` | 2202 | the request with this `Idempotency-Key` ran, but its response could not be kept (too large, or its body failed) (permanent) |
 /// | 409 | `idempotency_outcome_unknown` | 2203 | the request with this `Idempotency-Key` (or one-time token) was claimed by an instance that neither answered nor gave it back before its lease ran out: whether it ran is unknown (permanent: check, then use a new key) |
 /// | 429 | `too_many_locks` | 2401 | the caller already holds the most locks a layer allows at once (transient: `Retry-After`) |
-/// | 429 | `lock_permits_exhausted` | 2403 | the route admits at most N requests at once per key (a semaphore: `#[lockable(permits = N)]`, [`LockLayer::permits`](crate::LockLayer::permits)), all N are running, and the route's wait ran out (transient: `Retry-After`) |
+/// | 429 | `lock_permits_exhausted` | 2403 | the route admits at most N requests at once per key (a semaphore: `#[lockable(permits = N)]`, [`LockLayer::permits`](crate::LockLayer::permits)), all N are running, and the route's wait ran out (transient: `Retry-After` the lease, see below) |
 /// | 429 | `idempotency_scope_full` | 2402 | the caller already has the most live idempotency records (or tokens) the store keeps per caller (transient: `Retry-After` until its oldest expires) |
 /// | 500 | `lock_misconfigured` | 2901 | the service is misconfigured (no lock engine installed, bad config) |
 /// | 501 | `lock_mode_unsupported` | 2902 | the route's lock mode (a semaphore of several permits) cannot be kept by the lock backend this instance runs on (RedLock): the route is not served here, the rest of the service is (permanent) |
@@ -78,9 +78,22 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 503 | `idempotency_store_full` | 2502 | the idempotency store holds the most live records (or tokens) it keeps in all (transient: `Retry-After` until the oldest expires) |
 /// | 503 | `idempotency_not_committed` | 2503 | the route ran inside its transaction and the transaction did not commit: nothing it wrote was kept (transient: retry with the same `Idempotency-Key`) |
 ///
-/// A transient refusal carries `Retry-After: 1` ([`Rejection::retry_after`]):
+/// A transient refusal carries `Retry-After` ([`Rejection::retry_after`]):
 /// the same request may succeed later. A permanent one carries none: the
-/// request must change first.
+/// request must change first. The seconds:
+///
+/// * a busy lock (`duplicate_submission`, `lock_wait_timeout`,
+///   `lock_permits_exhausted`, as [`LockLayer`](crate::LockLayer) and
+///   `#[lockable]` answer them): the route's lease, else the watchdog lease
+///   (`DLOCK_LEASE_MS`, default 30 s), in whole seconds rounded up. That is
+///   how long the lock may still last: a live holder releases it when its
+///   request ends (a client may retry sooner), but a holder whose instance
+///   died (`kill -9`) keeps it until its lease runs out, and a client told
+///   `1` would poll all that time. A shorter `DLOCK_LEASE_MS` frees a dead
+///   holder's locks sooner, at the cost of a renewal every third of it;
+/// * a full idempotency store, a restart quarantine: the time until a
+///   record expires or the quarantine ends;
+/// * everything else: 1 (nothing bounds when it ends, and a retry is cheap).
 ///
 /// Every refusal dlock makes is marked: its response carries the
 /// [`Rejection`] in its extensions, with [`Rejection::is_dlock`] `true`, so a
@@ -139,8 +152,9 @@ macro_rules! rejections {
 
 rejections! {
     /// The lock is held by another request (a route that does not wait for
-    /// it). Transient: `Retry-After: 1`. Its message and code can be changed
-    /// per handler or layer (the seed's `@Lockable(failMsg, failCode)`).
+    /// it). Transient: `Retry-After: 1` here; the lock layers say the lease
+    /// (see [`Rejection`]). Its message and code can be changed per handler
+    /// or layer (the seed's `@Lockable(failMsg, failCode)`).
     duplicate_submission => (CONFLICT, "duplicate_submission", 2101, "duplicate submission, please retry later", Some(1));
     /// A request with the same `Idempotency-Key` is still being processed.
     /// Transient: `Retry-After: 1`.
@@ -148,7 +162,8 @@ rejections! {
         "a request with this idempotency key is still being processed", Some(1));
     /// The route waits for its lock (a queue), and the lock stayed held for
     /// the whole wait: nothing was duplicated, the queue was too long.
-    /// Transient: `Retry-After: 1`.
+    /// Transient: `Retry-After: 1` here; the lock layers say the lease (see
+    /// [`Rejection`]).
     lock_wait_timeout => (CONFLICT, "lock_wait_timeout", 2103,
         "the lock stayed held for as long as this route waits, please retry later", Some(1));
     /// The one-time token is unknown, expired or already used. Permanent: a
@@ -226,7 +241,8 @@ rejections! {
     /// The route is a semaphore (at most N requests at once per key:
     /// `#[lockable(permits = N)]`, [`LockLayer::permits`](crate::LockLayer::permits)),
     /// its N permits were all taken for the whole of its wait, and the
-    /// request did not run. Transient: `Retry-After: 1`.
+    /// request did not run. Transient: `Retry-After: 1` here; the lock
+    /// layers say the lease (see [`Rejection`]).
     permits_exhausted => (TOO_MANY_REQUESTS, "lock_permits_exhausted", 2403,
         "this route is already running as many requests at once as it allows, please retry later", Some(1));
     /// The caller already has as many live idempotency records (or bound
@@ -481,7 +497,7 @@ impl Rejection {
 
 /// `Retry-After` seconds for `left`: whole seconds, rounded up (a retry
 /// sooner would be refused again), at least 1.
-fn whole_seconds(left: std::time::Duration) -> u32 {
+pub(crate) fn whole_seconds(left: std::time::Duration) -> u32 {
     let seconds = left.as_millis().div_ceil(1000).clamp(1, u128::from(u32::MAX));
     u32::try_from(seconds).unwrap_or(u32::MAX)
 }

@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use std::time::Duration;
 
 use dlock_core::backend::LockMode;
-use dlock_core::AcquireOptions;
+use dlock_core::{AcquireOptions, Locker};
 
 /// The name, timing and duplicate-answer of one lock of a request: what
 /// [`LockLayer`](crate::LockLayer) and `#[lockable]` are configured with,
@@ -166,6 +166,20 @@ impl Policy {
         &self.name
     }
 
+    /// The longest a holder of this route's lock keeps it without renewing
+    /// it: the route's fixed lease, else `locker`'s watchdog lease
+    /// (`DLOCK_LEASE_MS`, default 30 s). A holder whose instance died
+    /// (`kill -9`, a lost host) renews nothing, so its lock lasts at most
+    /// this long after the refusal: what a busy refusal's `Retry-After`
+    /// says ([`Refusal::lasting_at_most`](super::refusal::Refusal::lasting_at_most)).
+    ///
+    /// `max_hold` does not shorten it: it stops renewals, and the last
+    /// renewal still lasts a lease.
+    #[cfg_attr(not(test), expect(dead_code, reason = "called by acquire_for_request once it is wired (issue 37)"))]
+    pub(crate) fn holder_lease(&self, locker: &Locker) -> Duration {
+        self.lease.unwrap_or_else(|| locker.options().watchdog_lease())
+    }
+
     /// The acquire options of a request taken as `owner`.
     pub(crate) fn options(&self, owner: dlock_core::Owner) -> AcquireOptions {
         let mut opts = AcquireOptions::new().with_owner(owner).with_mode(self.mode);
@@ -197,5 +211,18 @@ mod tests {
         built.message = Some("busy".into());
         built.code = Some(9);
         assert_eq!(FROM_MACRO, built);
+    }
+
+    #[test]
+    fn a_holder_keeps_the_fixed_lease_else_the_watchdog_lease() {
+        let options = dlock_core::LockerOptions::default().with_watchdog_lease(Duration::from_millis(4_500));
+        let backend: std::sync::Arc<dyn dlock_core::backend::Backend> =
+            std::sync::Arc::new(dlock_core::MemoryBackend::new());
+        let locker = Locker::with_options(backend, options).expect("valid options");
+        assert_eq!(Policy::new("a").holder_lease(&locker), Duration::from_millis(4_500));
+        let fixed = Policy::new("a").with_lease(Duration::from_secs(7)).with_max_hold(Duration::from_secs(60));
+        assert_eq!(fixed.holder_lease(&locker), Duration::from_secs(7));
+        let default = Locker::new(dlock_core::MemoryBackend::new());
+        assert_eq!(Policy::new("a").holder_lease(&default), dlock_core::DEFAULT_LEASE);
     }
 }

@@ -28,7 +28,7 @@ use axum::response::{IntoResponse, Response};
 use dlock_core::LockKey;
 
 use super::policy::Policy;
-use crate::rejection::Rejection;
+use crate::rejection::{whole_seconds, Rejection};
 use crate::request::LockOutcome;
 
 /// A request refused before its route ran: the answer, the outcome for the
@@ -113,6 +113,28 @@ impl Refusal {
         Refusal { rejection, outcome, key, cause: Some(err.to_string().into()), in_outage: false }
     }
 
+    /// A refusal for a busy lock (`409 duplicate_submission`, `409
+    /// lock_wait_timeout`, `429 lock_permits_exhausted`) says in
+    /// `Retry-After` how long the lock may still last: `lease`, the longest
+    /// its holder keeps it without renewing it ([`Policy::holder_lease`]),
+    /// in whole seconds rounded up, at least 1. Other refusals keep theirs.
+    ///
+    /// Why the lease and not 1: a holder that is alive releases when its
+    /// request ends, and the retry is let in then; a holder whose instance
+    /// died (`kill -9`) keeps the lock until its lease runs out (30 s by
+    /// default, `DLOCK_LEASE_MS`), and a client told `1` polls all that
+    /// time. The lease is the bound that holds in both cases. The holder's
+    /// own lease is not known to the refused request: this is the route's,
+    /// which is the holder's when every route of a lock name takes it with
+    /// the same lease.
+    #[cfg_attr(not(test), expect(dead_code, reason = "called by acquire_for_request once it is wired (issue 37)"))]
+    pub(crate) fn lasting_at_most(mut self, lease: Duration) -> Self {
+        if matches!(self.outcome, LockOutcome::Busy { .. }) {
+            self.rejection = self.rejection.with_retry_after(Some(whole_seconds(lease)));
+        }
+        self
+    }
+
     /// Marks a refusal the outage log counted: its own event is then `DEBUG`.
     pub(crate) fn during_outage(mut self, in_outage: bool) -> Self {
         self.in_outage = in_outage;
@@ -161,5 +183,53 @@ impl Refusal {
         let mut response = rejection.into_response();
         response.extensions_mut().insert(outcome);
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dlock_core::Error;
+
+    fn retry_after(refusal: Refusal) -> Option<u32> {
+        refusal.rejection.retry_after()
+    }
+
+    /// A busy lock's refusal says the lease in whole seconds, rounded up;
+    /// on a semaphore route too.
+    #[test]
+    fn a_busy_refusal_says_how_long_the_lock_may_last() {
+        let busy = || Error::Busy { key: "dlock:{k}".into() };
+        let timeout = || Error::Timeout { key: "dlock:{k}".into(), waited: Duration::from_secs(5) };
+        let (mutex, semaphore) =
+            (Policy::new("k"), Policy::new("k").with_mode(dlock_core::backend::LockMode::permits(2)));
+        for (lease, seconds) in [(30_000, 30), (2_500, 3), (1, 1), (0, 1), (5_000, 5)] {
+            let lease = Duration::from_millis(lease);
+            for (err, policy, error) in [
+                (busy(), &mutex, "duplicate_submission"),
+                (timeout(), &mutex, "lock_wait_timeout"),
+                (busy(), &semaphore, "lock_permits_exhausted"),
+                (timeout(), &semaphore, "lock_permits_exhausted"),
+            ] {
+                let refusal = Refusal::from_error(err, policy, None, Duration::ZERO).lasting_at_most(lease);
+                assert_eq!(refusal.rejection.error(), error);
+                assert_eq!(retry_after(refusal), Some(seconds), "{error} for a lease of {lease:?}");
+            }
+        }
+    }
+
+    /// Refusals that are not about a held lock keep their `Retry-After`.
+    #[test]
+    fn other_refusals_keep_theirs() {
+        let lease = Duration::from_secs(30);
+        let policy = Policy::new("k");
+        let down = Refusal::from_error(Error::backend("redis", "down"), &policy, None, Duration::ZERO);
+        assert_eq!(retry_after(down.lasting_at_most(lease)), Some(1));
+        let invalid = Refusal::from_error(Error::InvalidKey("long".into()), &policy, None, Duration::ZERO);
+        assert_eq!(retry_after(invalid.lasting_at_most(lease)), None);
+        let over = Refusal::over_quota(Rejection::too_many_locks(), None);
+        assert_eq!(retry_after(over.lasting_at_most(lease)), Some(1));
+        let missing = Refusal::invalid(Rejection::missing_field("json field `id`"));
+        assert_eq!(retry_after(missing.lasting_at_most(lease)), None);
     }
 }
