@@ -50,6 +50,7 @@ use std::time::Duration;
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
+mod canonical;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -60,6 +61,7 @@ mod redis;
 pub use self::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
+pub use canonical::{canonical_body, canonical_json};
 pub use memory::MemoryStore;
 
 /// Random bytes in a token: 128 bits, shown as 32 hex characters.
@@ -585,6 +587,9 @@ fn len32(n: usize) -> u32 {
 /// SHA-1 is enough here: the fingerprint only tells one caller's retries
 /// apart from a different request under the same key in the caller's own
 /// scope; a collision could only replay the caller's own response.
+///
+/// A JSON body goes in as its [`canonical_body`], so that key order and
+/// whitespace do not make a retry another request.
 ///
 /// ```
 /// use dlock_core::idempotency::fingerprint;
