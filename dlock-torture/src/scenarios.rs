@@ -58,7 +58,7 @@ pub(crate) const ALL: &[Scenario] = &[
     Scenario { name: "pg-fence", faults: true, start: |size, seed| Box::pin(pg_fence::run(size, seed)) },
     Scenario { name: "pg-idempotency", faults: true, start: |size, seed| Box::pin(pg_idempotency::run(size, seed)) },
     Scenario { name: "primitives", faults: true, start: |size, seed| Box::pin(primitives::run(size, seed)) },
-    Scenario { name: "idempotency-storm", faults: true, start: |size, seed| Box::pin(one_row(storm::run(size, seed))) },
+    Scenario { name: "idempotency-storm", faults: true, start: |size, seed| Box::pin(storm::run(size, seed)) },
 ];
 
 /// The scenario called `name`.

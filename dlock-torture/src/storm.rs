@@ -8,10 +8,28 @@
 //! instance, and no key in progress past its lease: afterwards every key is
 //! retried on the survivor until it answers 2xx.
 //!
+//! The idempotency records live behind a proxy that, for a tenth of the
+//! storm from its middle, delivers the store's answers late
+//! ([`hang_up::SLOW`]); meanwhile clients of keys of their own hang up at
+//! random moments, some while their claim is in flight, then retry until
+//! the key settles ([`hang_up`]): no such key may run twice or be left
+//! claimed by nobody, and a run in which no hang-up landed while its claim
+//! was in flight tested nothing and fails. A second row, the twin ([`twin`]), does the same with the claim
+//! awaited in the request's own future (the old layer): its stranded claims
+//! must be caught. Some token requests hang up too; their tokens are
+//! checked for double spending (`orders` claims a token in its handler, so
+//! a hang-up may leave it claimed, as its docs say).
+//!
 //! The `orders` binary is looked up next to this one (`cargo test` and
 //! `cargo build --workspace` put it there; for `cargo run --bin
 //! dlock-torture` run `cargo build --bin orders` first), or at
 //! `DLOCK_TORTURE_ORDERS_BIN`. Missing, the row fails.
+
+mod hang_up;
+mod moment;
+mod record;
+mod tokens;
+mod twin;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -20,7 +38,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dlock_testing::RedisServer;
+use dlock_testing::{FaultProxy, RedisServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
@@ -33,6 +51,16 @@ use crate::scenario::Size;
 const LEASE: Duration = Duration::from_millis(3000);
 /// Slack past the lease for the survivor to answer a freed key.
 const MARGIN: Duration = Duration::from_millis(3000);
+/// The storm's schedule runs over `0..SPAN`; a tenth of it from its
+/// middle, `SLOW_FROM..SLOW_TO`, with the store's answers
+/// [`hang_up::SLOW`] late and the hang-ups in it. In the middle, so that a
+/// hung-up key's retries overlap the rest of the storm and the wait for the
+/// keys A died with.
+const SPAN: u64 = 1_000_000;
+const SLOW_FROM: u64 = SPAN / 2;
+const SLOW_TO: u64 = SLOW_FROM + SPAN / 10;
+/// The order every token request places.
+const ORDER_BODY: &str = r#"{"product": {"id": 9}, "quantity": 1}"#;
 
 fn orders_binary() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("DLOCK_TORTURE_ORDERS_BIN") {
@@ -66,7 +94,7 @@ async fn request(addr: &str, method: &str, path: &str, key: Option<&str>, body: 
     if let Some(k) = key {
         // One caller: `orders` scopes its Idempotency-Key records by the
         // `Authorization` header and refuses a request without one.
-        head.push_str(&format!("idempotency-key: {k}\r\nauthorization: Bearer storm\r\n"));
+        head.push_str(&format!("idempotency-key: {k}\r\nauthorization: {}\r\n", record::CALLER));
     }
     head.push_str("\r\n");
     let exchange = async {
@@ -106,7 +134,14 @@ struct Orders {
 }
 
 impl Orders {
-    async fn start(bin: &PathBuf, redis_url: &str, charges_unguarded: bool) -> Result<Orders, String> {
+    /// An instance on `redis_url`, its idempotency records reached at
+    /// `records_url` (the storm's proxy to the same Redis).
+    async fn start(
+        bin: &PathBuf,
+        redis_url: &str,
+        records_url: &str,
+        charges_unguarded: bool,
+    ) -> Result<Orders, String> {
         let mut child = Command::new(bin)
             .env("ORDERS_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "info")
@@ -114,12 +149,14 @@ impl Orders {
             .env("DLOCK_BACKEND", "redis")
             .env("DLOCK_REDIS_URL", redis_url)
             .env("ORDERS_REDIS_URL", redis_url)
+            .env("DLOCK_IDEMPOTENCY_REDIS_URL", records_url)
+            .env("DLOCK_PREFIX", record::PREFIX)
+            .env("DLOCK_IDEMPOTENCY_TTL_SECS", record::TTL.as_secs().to_string())
             // The token rate per address is not what this storm measures.
             .env("ORDERS_TOKEN_RATE", "100000")
             .env("ORDERS_PAYMENT_LEASE_MS", LEASE.as_millis().to_string())
             .env_remove("ORDERS_UNLOCKED")
             .env("ORDERS_CHARGES_UNGUARDED", if charges_unguarded { "1" } else { "0" })
-            .env_remove("DLOCK_IDEMPOTENCY_REDIS_URL")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -155,6 +192,11 @@ impl Drop for Orders {
 enum Job {
     Pay(u32),
     Token(u32),
+    /// A token request to B whose client hangs up this long after sending.
+    TokenHangUp(u32, Duration),
+    /// Hang-up client `j` of `orders`' own claim, or of the twin's.
+    HangUp(usize),
+    Twin(usize),
 }
 
 #[derive(Debug, Default)]
@@ -164,6 +206,13 @@ struct Tally {
     replays: u64,
     in_progress_409: u64,
     duplicate_409: u64,
+    /// Token requests answered `409` in progress: the token is claimed by a
+    /// request still running, or by one whose client hung up.
+    token_in_progress: u64,
+    /// Token requests whose client hung up (to B, while the store is
+    /// slow), and what their retries were answered.
+    token_hang_ups: u64,
+    token_retry: tokens::Retried,
     killed_errors: u64,
     survivor_errors: u64,
     other: HashMap<u16, u64>,
@@ -188,8 +237,10 @@ struct Tally {
     sample: Option<String>,
 }
 
-pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
-    storm(size, seed, false).await
+/// The storm's row and its twin's ([`twin`]).
+pub(crate) async fn run(size: Size, seed: u64) -> Result<Vec<Report>, String> {
+    let (real, twin) = storm(size, seed, false).await?;
+    Ok(std::iter::once(real).chain(twin).collect())
 }
 
 /// The negative control of `checker-self-test`: the same storm with
@@ -197,10 +248,11 @@ pub(crate) async fn run(size: Size, seed: u64) -> Result<Report, String> {
 /// (`ORDERS_CHARGES_UNGUARDED=1`); the storm's checks must catch duplicates
 /// running twice.
 pub(crate) async fn run_unguarded(size: Size, seed: u64) -> Result<Report, String> {
-    storm(size, seed, true).await
+    storm(size, seed, true).await.map(|(r, _)| r)
 }
 
-async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String> {
+/// The storm; with the route guarded, its hang-ups and the twin's row too.
+async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<(Report, Option<Report>), String> {
     let mut r = if unguarded {
         let mut r = Report::new("checker-self-test", "broken-no-idempotency", seed);
         r.tokens_promised = false;
@@ -216,7 +268,7 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
         Ok(b) => b,
         Err(e) => {
             r.fail(e);
-            return Ok(r);
+            return Ok((r, None));
         }
     };
     let (keys, dups, tokens, inflight) =
@@ -228,10 +280,32 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
 
     let redis = RedisServer::start();
     let url = redis.url();
-    let a = Arc::new(Mutex::new(Some(Orders::start(&bin, &url, unguarded).await?)));
-    let b = Orders::start(&bin, &url, unguarded).await?;
+    // The records reached through a proxy, which answers late while the
+    // hang-ups run; locks, stock and charge counters straight.
+    let proxy = FaultProxy::try_start(redis.port()).map_err(|e| format!("the records' proxy: {e}"))?;
+    let records_url = format!("redis://127.0.0.1:{}", proxy.port());
+    let a = Arc::new(Mutex::new(Some(Orders::start(&bin, &url, &records_url, unguarded).await?)));
+    let b = Orders::start(&bin, &url, &records_url, unguarded).await?;
     let a_addr = a.lock().map_err(|_| "poisoned")?.as_ref().map(|o| o.addr.clone()).unwrap_or_default();
     let b_addr = b.addr.clone();
+    let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
+    let mut conn = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
+    let hang_ups = !unguarded;
+    // Dating claims and the twin's claims rest on the layer's naming, proved
+    // on one request before the storm (`record::check`, `Twin::check`).
+    let (dating, twin_check, twin) = if hang_ups {
+        let probe = hang_up::Client::new(seed, "probe", 0, Duration::ZERO);
+        let answer = request(&b_addr, "POST", "/charges", Some(&probe.key), &probe.body).await?;
+        if answer.status != 201 {
+            return Err(format!("the probe charge: {} {}", answer.status, answer.body));
+        }
+        let dating = record::check(&mut conn, &probe.key).await;
+        let twin = twin::Twin::connect(&records_url, LEASE).await?;
+        let twin_check = twin.check(&probe.key, &probe.body).await;
+        (dating, twin_check, Some(Arc::new(twin)))
+    } else {
+        (Ok(()), Ok(()), None)
+    };
     let stock = request(&b_addr, "PUT", "/products/9", None, &format!(r#"{{"stock": {}}}"#, tokens * 10)).await?;
     if stock.status != 200 {
         return Err(format!("PUT /products/9: {} {}", stock.status, stock.body));
@@ -251,14 +325,34 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
     // the storm, and when A dies.
     let mut rng = Rng::new(seed);
     let mut jobs: Vec<(u64, Job, bool)> = Vec::new();
-    let span = 1_000_000u64;
+    let span = SPAN;
+    let slow = |at: u64| (SLOW_FROM..SLOW_TO).contains(&at);
+    let after = |rng: &mut Rng| Duration::from_micros(rng.below(hang_up::LATEST_HANG_UP.as_micros() as u64));
     for _ in 0..dups {
         for i in 0..keys {
             jobs.push((u64::from(i) * span / u64::from(keys) + rng.below(span / 20), Job::Pay(i), rng.chance(0.5)));
         }
         for t in 0..tokens {
-            jobs.push((u64::from(t) * span / u64::from(tokens) + rng.below(span / 20), Job::Token(t), rng.chance(0.5)));
+            let at = u64::from(t) * span / u64::from(tokens) + rng.below(span / 20);
+            let (to_a, hang_up) = (rng.chance(0.5), rng.chance(0.5));
+            let job = if hang_ups && slow(at) && !to_a && hang_up {
+                Job::TokenHangUp(t, after(&mut rng))
+            } else {
+                Job::Token(t)
+            };
+            jobs.push((at, job, to_a));
         }
+    }
+    // Hang-up clients of keys of their own, spread over the slow tenth,
+    // to B: the kill and the hang-ups do not excuse each other.
+    let n_hang_ups = if hang_ups { size.pick(24u32, 100) } else { 0 };
+    let real: Arc<Vec<hang_up::Client>> =
+        Arc::new((0..n_hang_ups).map(|j| hang_up::Client::new(seed, "hup", j, after(&mut rng))).collect());
+    let twins: Arc<Vec<hang_up::Client>> =
+        Arc::new((0..n_hang_ups).map(|j| hang_up::Client::new(seed, "twin", j, after(&mut rng))).collect());
+    for j in 0..n_hang_ups as usize {
+        jobs.push((SLOW_FROM + rng.below(SLOW_TO - SLOW_FROM), Job::HangUp(j), false));
+        jobs.push((SLOW_FROM + rng.below(SLOW_TO - SLOW_FROM), Job::Twin(j), false));
     }
     jobs.sort_by_key(|j| j.0);
     let total = jobs.len() as u64;
@@ -279,8 +373,27 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
     // row's fault, counted once A is reaped, not because it was sent.
     let mut reaped_mid_storm = false;
     let mut handles = Vec::with_capacity(jobs.len());
-    for (_, job, to_a) in jobs {
+    let (mut real_handles, mut twin_handles) = (Vec::new(), Vec::new());
+    let clients = hang_up::Storm {
+        b: b_addr.clone(),
+        redis: conn.clone(),
+        done: done.clone(),
+        hung: Arc::new(AtomicU64::new(0)),
+        lease: LEASE,
+    };
+    let hang_up_clients = 2 * u64::from(n_hang_ups);
+    // The store answers late from the slow tenth on, until every hang-up
+    // client has hung up.
+    let mut slowed = false;
+    for (at, job, to_a) in jobs {
         let permit = gate.clone().acquire_owned().await.map_err(|e| e.to_string())?;
+        if hang_ups && slow(at) && !slowed {
+            proxy.set_delay(hang_up::SLOW);
+            slowed = true;
+        } else if slowed && at >= SLOW_TO && clients.hung.load(Ordering::SeqCst) >= hang_up_clients {
+            proxy.set_delay(Duration::ZERO);
+            slowed = false;
+        }
         if done.load(Ordering::SeqCst) >= kill_after {
             let mut k = killed_at.lock().map_err(|_| "poisoned")?;
             if k.is_none() {
@@ -290,6 +403,45 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
                 }
                 *k = Some(Instant::now());
             }
+        }
+        match job {
+            Job::HangUp(j) => {
+                let run = hang_up::run(hang_up::Front::Orders, real[j].clone(), clients.clone(), permit);
+                real_handles.push((j, tokio::spawn(run)));
+                continue;
+            }
+            Job::Twin(j) => {
+                let Some(twin) = &twin else { continue };
+                let front = hang_up::Front::Twin(twin.clone());
+                let run = hang_up::run(front, twins[j].clone(), clients.clone(), permit);
+                twin_handles.push((j, tokio::spawn(run)));
+                continue;
+            }
+            Job::TokenHangUp(k, after) => {
+                let (b, tally, done, tokens) = (b_addr.clone(), tally.clone(), done.clone(), token_list.clone());
+                handles.push(tokio::spawn(async move {
+                    let Some(token) = tokens.get(k as usize) else { return };
+                    let path = format!("/orders?token={token}");
+                    let sent = hang_up::send_and_hang_up(&b, &path, None, ORDER_BODY, after).await;
+                    done.fetch_add(1, Ordering::SeqCst);
+                    drop(permit);
+                    tokio::time::sleep(tokens::RETRY_AFTER).await;
+                    let answer = tokens::ask(&b, token).await;
+                    let Ok(mut t) = tally.lock() else { return };
+                    t.requests += 2;
+                    t.token_hang_ups += 1;
+                    if let Err(e) = sent {
+                        t.survivor_errors += 1;
+                        t.sample.get_or_insert(e);
+                    }
+                    if matches!(&answer, Ok(rep) if rep.status == 201) {
+                        t.token_created[k as usize] += 1;
+                    }
+                    t.token_retry.file(k, answer);
+                }));
+                continue;
+            }
+            Job::Pay(_) | Job::Token(_) => {}
         }
         let (addr, tally, done, tokens) =
             (if to_a { a_addr.clone() } else { b_addr.clone() }, tally.clone(), done.clone(), token_list.clone());
@@ -309,15 +461,9 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
                     .await
                 }
                 Job::Token(t) => {
-                    request(
-                        &addr,
-                        "POST",
-                        &format!("/orders?token={}", tokens[t as usize]),
-                        None,
-                        r#"{"product": {"id": 9}, "quantity": 1}"#,
-                    )
-                    .await
+                    request(&addr, "POST", &format!("/orders?token={}", tokens[t as usize]), None, ORDER_BODY).await
                 }
+                Job::TokenHangUp(..) | Job::HangUp(_) | Job::Twin(_) => return,
             };
             done.fetch_add(1, Ordering::SeqCst);
             drop(permit);
@@ -366,6 +512,11 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
                 {
                     t.duplicate_409 += 1
                 }
+                (Job::Token(_), Ok(rep))
+                    if rep.status == 409 && rep.body.contains("idempotency_request_in_progress") =>
+                {
+                    t.token_in_progress += 1
+                }
                 (_, Ok(rep)) => {
                     *t.other.entry(rep.status).or_default() += 1;
                     t.sample.get_or_insert(format!("{} {}", rep.status, rep.body));
@@ -376,6 +527,13 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
     for h in handles {
         h.await.map_err(|e| e.to_string())?;
     }
+    // Every hang-up client hangs up within a connect, its wait and a
+    // claim's answer (the twin's); then the store may answer on time.
+    let hung_by = Instant::now() + Duration::from_secs(10);
+    while slowed && clients.hung.load(Ordering::SeqCst) < hang_up_clients && Instant::now() < hung_by {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.set_delay(Duration::ZERO);
     let storm_s = started.elapsed().as_secs_f64();
     let killed = killed_at.lock().map_err(|_| "poisoned")?.unwrap_or_else(Instant::now);
     if let Some(mut o) = a.lock().map_err(|_| "poisoned")?.take() {
@@ -434,12 +592,24 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
         }
     }
 
+    // The hung-up keys' retries have gone on meanwhile; each client's
+    // outcome at its own index (they were sent in time order).
+    let (mut real_outcomes, mut twin_outcomes) = (Vec::new(), Vec::new());
+    for (handles, outcomes) in [(real_handles, &mut real_outcomes), (twin_handles, &mut twin_outcomes)] {
+        for (j, h) in handles {
+            outcomes.push((j, h.await.map_err(|e| e.to_string())?));
+        }
+        outcomes.sort_by_key(|(j, _)| *j);
+    }
+    let real_outcomes: Vec<hang_up::Outcome> = real_outcomes.into_iter().map(|(_, o)| o).collect();
+    let twin_outcomes: Vec<hang_up::Outcome> = twin_outcomes.into_iter().map(|(_, o)| o).collect();
+
     // Runs per logical charge: the counter `POST /charges` increments.
-    let mut conn = redis.connection();
     let names: Vec<String> = (0..keys).map(|i| format!("orders:charges:ord_{i}")).collect();
-    let runs: Vec<Option<u64>> = redis::cmd("MGET").arg(&names).query(&mut conn).map_err(|e| e.to_string())?;
-    let runs: Vec<u64> = runs.into_iter().map(Option::unwrap_or_default).collect();
+    let runs = counts(&mut conn, &names).await?;
     let missing = runs.iter().filter(|&&n| n == 0).count();
+    let real_runs = counts(&mut conn, &real.iter().map(hang_up::Client::runs_key).collect::<Vec<_>>()).await?;
+    let twin_runs = counts(&mut conn, &twins.iter().map(hang_up::Client::runs_key).collect::<Vec<_>>()).await?;
     let product = request(&b_addr, "GET", "/products/9", None, "").await?;
     let sold = serde_json::from_str::<serde_json::Value>(&product.body)
         .ok()
@@ -468,11 +638,15 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
             crash_window += 1;
         }
     }
+    // The hung-up keys: the route run once per key, whatever the moment.
+    let hung = hang_up::Tally::of(&real, &real_outcomes, &real_runs);
+    pay_double += hung.extra_runs;
+    doubled.extend(hung.doubled.iter().cloned());
     let token_double: u64 = t.token_created.iter().map(|&n| u64::from(n.saturating_sub(1))).sum();
     let tokens_spent = t.token_created.iter().filter(|&&n| n > 0).count();
     let sold_double = sold.saturating_sub(u64::from(tokens));
     let doubles = pay_double + token_double + sold_double;
-    r.operations = t.requests + retry_requests;
+    r.operations = t.requests + retry_requests + hung.requests;
     r.lost_updates = doubles;
     r.overlaps = doubles;
     r.recovery_max_ms = Some(recovery.as_secs_f64() * 1000.0);
@@ -495,7 +669,35 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
         if !caught {
             r.fail("the storm's checks did not catch duplicates running without IdempotencyLayer");
         }
-        return Ok(r);
+        return Ok((r, None));
+    }
+    r.note(format!(
+        "store answers {:?} late over a tenth of the storm; {}; token requests hung up {}, each token asked once more {:?} later: {} spent, {} still claimed (by a hung-up request or a running one), {} spent by that retry; {} x 409 in progress to other token requests",
+        hang_up::SLOW,
+        hung.note("hang-ups"),
+        t.token_hang_ups,
+        tokens::RETRY_AFTER,
+        t.token_retry.spent,
+        t.token_retry.claimed,
+        t.token_retry.fresh.len(),
+        t.token_in_progress,
+    ));
+    r.faults += hung.in_flight;
+    r.residual_keys = Some(hung.unsettled.len() as u64);
+    if let Err(e) = &dating {
+        r.fail(format!("cannot date the hang-ups against their claims: {e}"));
+    }
+    hang_up::judge(&mut r, &hung);
+    if let Some(other) = t.token_retry.other.first() {
+        // A refusal is no double spend: the order's lock still held by A's
+        // kill (`lock_wait_timeout`), say.
+        r.note(format!(
+            "hung-up tokens asked once more answered otherwise {} time(s), first {other}",
+            t.token_retry.other.len()
+        ));
+    }
+    if t.token_retry.fives > 0 {
+        r.fail(format!("{} 5xx answer(s) to hung-up tokens' retries", t.token_retry.fives));
     }
     if doubles > 0 {
         r.fail(format!(
@@ -537,7 +739,19 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<Report, String>
             t.cut_by_kill
         ));
     }
-    Ok(r)
+    let twin_hung = hang_up::Tally::of(&twins, &twin_outcomes, &twin_runs);
+    let twin_row = twin::row(seed, &twin_hung, twin_check.and(dating));
+    Ok((r, Some(twin_row)))
+}
+
+/// The counters at `names` (0 where unset), read straight from Redis.
+async fn counts(conn: &mut redis::aio::MultiplexedConnection, names: &[String]) -> Result<Vec<u64>, String> {
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let got: Vec<Option<u64>> =
+        redis::cmd("MGET").arg(names).query_async(conn).await.map_err(|e| format!("MGET: {e}"))?;
+    Ok(got.into_iter().map(Option::unwrap_or_default).collect())
 }
 
 impl Tally {
