@@ -235,6 +235,22 @@ fn every_other_scenario_holds_its_promises() {
         .find(|r| r["scenario"] == "redlock-restart" && r["expected_safe"] == false)
         .expect("redlock-restart without quarantine");
     assert!(n(unsafe_redlock, "overlaps") > 0, "{unsafe_redlock}");
+    // T9 with hang-ups (issue 38 item 7): no hung-up key left claimed, and
+    // some hung up while their claim was in flight (the kill is one fault,
+    // each such hang-up another; the row fails itself without one); the
+    // twin whose claim is awaited in the request's future stranded keys.
+    let storm = rows
+        .iter()
+        .find(|r| r["scenario"] == "idempotency-storm" && r["expected_safe"] == true)
+        .expect("idempotency-storm row");
+    assert_eq!(storm["residual_keys"], 0, "a hung-up key was left claimed: {storm}");
+    assert!(storm["notes"].as_str().is_some_and(|n| n.contains("while it was in flight")), "{storm}");
+    let twin = rows
+        .iter()
+        .find(|r| r["scenario"] == "idempotency-storm" && r["expected_safe"] == false)
+        .expect("idempotency-storm twin row");
+    assert_eq!(twin["caught"], true, "the stranded-claim check missed the twin: {twin}");
+    assert!(n(twin, "residual_keys") > 0 && n(twin, "faults") > 0, "{twin}");
     // T5e and T6a: their own figures, not only the shared columns.
     let renewal = rows.iter().find(|r| r["scenario"] == "renewal-failure").expect("renewal-failure row");
     assert_eq!(renewal["silent_losses"], 0, "{renewal}");
