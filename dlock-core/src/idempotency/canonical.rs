@@ -1,34 +1,7 @@
-//! The canonical form of a JSON request body, so that the fingerprint of an
-//! idempotent request ([`fingerprint`](super::fingerprint)) is the same for
-//! every spelling of the same JSON: a client that re-serialises its object
-//! for the retry (another key order, other whitespace, `"\u00e9"` for
-//! `"é"`) gets the stored answer, not `422 idempotency_key_mismatch`.
-//!
-//! The canonical form:
-//!
-//! * no whitespace outside strings;
-//! * the members of every object in order of their keys' UTF-8 bytes (that
-//!   is, of their code points), at every depth; arrays keep their order;
-//! * strings as their characters, with only `"`, `\` and the control
-//!   characters escaped (`\n`, `\r`, `\t`, `\b`, `\f`, else `\u00XX`), so
-//!   `"\u00e9"`, `"\u00E9"` and `"é"` are one string, as are `"\/"` and `"/"`;
-//! * **numbers exactly as written**. `1` and `1.0`, `100` and `1e2`, `0` and
-//!   `-0` stay apart. A number is not read as an `f64` (or as serde_json's
-//!   `Value`, which keeps integers beyond 64 bits and every fraction as an
-//!   `f64`): that would make `12345678901234567890123` and
-//!   `12345678901234567890124`, or `0.1` and `0.10000000000000000001`,
-//!   one fingerprint, and replay one request's answer for another. A client
-//!   that re-serialises the same value writes its numbers the same way each
-//!   time (serde_json, `JSON.stringify`, Jackson do), so its retry still
-//!   matches; one that writes `1.0` the first time and `1` the second is
-//!   told the key was used for another request, as before.
-//!
-//! A body that is not exactly one JSON value by RFC 8259 — not UTF-8, an
-//! unpaired surrogate escape, trailing bytes — has no canonical form, nor
-//! has an object with a key twice (parsers disagree on which value counts:
-//! two such bodies are one request only byte for byte), nor a value nested
-//! deeper than 128 arrays and objects. Such a body is fingerprinted as its bytes
-//! ([`canonical_body`]).
+//! The canonical form of a JSON request body ([`canonical_json`]), so that
+//! the fingerprint of an idempotent request is the same for every spelling
+//! of the same JSON. The rules and their reasons are on [`canonical_json`]
+//! (this module is private; its two functions are re-exported).
 //!
 //! The parser is this file's own (no JSON crate in dlock-core): one pass,
 //! no `f64`, bounded recursion; a value's canonical text is copied once per
@@ -40,9 +13,9 @@ use std::borrow::Cow;
 /// serde_json's default recursion limit): bounds the parser's recursion.
 const MAX_DEPTH: usize = 128;
 
-/// The bytes the fingerprint covers for `body`: its canonical JSON when the
-/// request declares a JSON body (`json`, from its `Content-Type`) and the
-/// body is one JSON value, else the body as it is.
+/// The bytes the fingerprint covers for `body`: its [`canonical_json`] when
+/// the request declares a JSON body (`json`, from its `Content-Type`) and
+/// the body has a canonical form, else the body as it is.
 ///
 /// ```
 /// use dlock_core::idempotency::canonical_body;
@@ -61,9 +34,35 @@ pub fn canonical_body(body: &[u8], json: bool) -> Cow<'_, [u8]> {
     }
 }
 
-/// The canonical form of `body` (see the [module docs](self)), or `None`
-/// when it has none: not one JSON value, a key twice in an object, nested
-/// deeper than 128 arrays and objects.
+/// The canonical form of the JSON `body`, or `None` when it has none: the
+/// same bytes for every spelling of the same JSON, so that a client that
+/// re-serialises its object for a retry (another key order, other
+/// whitespace, `"\u00e9"` for `"é"`) is fingerprinted as the same request
+/// ([`fingerprint`](super::fingerprint)), not `422 idempotency_key_mismatch`.
+///
+/// * No whitespace outside strings.
+/// * The members of every object in order of their keys' UTF-8 bytes (that
+///   is, of their code points), at every depth; arrays keep their order.
+/// * Strings as their characters, with only `"`, `\` and the control
+///   characters escaped (`\n`, `\r`, `\t`, `\b`, `\f`, else `\u00XX`): `"\u00e9"`,
+///   `"\u00E9"` and `"é"` are one string, as are `"\/"` and `"/"`. No Unicode
+///   normalisation: `"e\u0301"` is not `"é"`.
+/// * **Numbers exactly as written**: `1` and `1.0`, `100` and `1e2`, `0` and
+///   `-0` stay apart. A number is not read as an `f64` (nor as serde_json's
+///   `Value`, which keeps integers beyond 64 bits and every fraction as an
+///   `f64`): that would make `12345678901234567890123` and
+///   `12345678901234567890124`, or `0.1` and `0.10000000000000000001`, one
+///   fingerprint, and replay one request's answer for another. A client
+///   that re-serialises the same value writes its numbers the same way each
+///   time (serde_json, `JSON.stringify`, Jackson do), so its retry still
+///   matches; one that writes `1.0` the first time and `1` the second is
+///   told the key was used for another request, as before.
+///
+/// `None` for a body that is not exactly one JSON value by RFC 8259 (not
+/// UTF-8, an unpaired surrogate escape, trailing bytes), for an object with
+/// a key twice (parsers disagree on which value counts, so two such bodies
+/// are one request only byte for byte), and for a value nested deeper than
+/// 128 arrays and objects: [`canonical_body`] then fingerprints the bytes.
 ///
 /// ```
 /// use dlock_core::idempotency::canonical_json;
