@@ -223,7 +223,7 @@ async fn a_lock_refusal_inside_is_not_replayed_to_the_retry_it_invites() {
     let held = locker.try_acquire(&key).await.expect("free");
     let (s, h, b) = send(&app, pay(Some("l"), "{}")).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::CONFLICT, "duplicate_submission"));
-    assert_eq!(h["retry-after"], "1");
+    assert_eq!(h["retry-after"], "30", "the watchdog lease: how long the lock may last");
     held.release().await.expect("release");
     let (s, h, _) = send(&app, pay(Some("l"), "{}")).await;
     assert_eq!(s, StatusCode::CREATED);

@@ -181,13 +181,14 @@ async fn busy_and_wait_timeout_are_told_apart_and_both_say_retry_after() {
     let go = tokio::time::timeout(LONG, entered.recv()).await.expect("first request runs").expect("channel");
 
     let res = app.clone().oneshot(post_json("/r", r#"{"product_id": 1}"#)).await.expect("infallible");
-    assert_eq!(res.headers()["retry-after"], "1");
+    // The watchdog lease (30 s): how long the lock may last if its holder died.
+    assert_eq!(res.headers()["retry-after"], "30");
     let v = assert_rejection(res, 409, "duplicate_submission").await;
     assert_eq!(v["code"], 4242);
 
     let res = queue.oneshot(post_json("/r", r#"{"product_id": 1}"#)).await.expect("infallible");
     assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })));
-    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(res.headers()["retry-after"], "30");
     assert_eq!(dlock_axum::Rejection::of(&res).map(|r| r.is_dlock()), Some(true));
     let v = assert_rejection(res, 409, "lock_wait_timeout").await;
     assert_eq!(v["code"], 2103, "a wait that ran out keeps its own code: {v}");
@@ -768,7 +769,7 @@ async fn shared_requests_run_together_and_keep_an_exclusive_one_out() {
 
     let res = refused(send("/write")).await;
     assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })));
-    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(res.headers()["retry-after"], "30", "the watchdog lease");
     assert_rejection(res, 409, "duplicate_submission").await;
 
     let _ = (a.go.send(()), b.go.send(()));
@@ -810,7 +811,7 @@ async fn a_semaphore_admits_n_at_once_and_answers_the_next_429() {
     for path in ["/export", "/export-waiting"] {
         let res = refused(as_user(path, "u1")).await;
         assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })), "{path}");
-        assert_eq!(res.headers()["retry-after"], "1", "{path}");
+        assert_eq!(res.headers()["retry-after"], "30", "{path}: the watchdog lease");
         let v = assert_rejection(res, 429, "lock_permits_exhausted").await;
         assert_eq!(v["code"], 2403, "{path}: {v}");
     }

@@ -233,7 +233,7 @@ async fn one_hook_renders_every_refusal_as_problem_details() {
         assert_eq!(dlock_axum::Rejection::of(&res).map(|r| r.error().to_owned()).as_deref(), Some(error), "{uri}");
         if uri.contains("at-once") || uri.contains("waiting") {
             assert!(matches!(res.extensions().get::<LockOutcome>(), Some(LockOutcome::Busy { .. })), "{uri}");
-            assert_eq!(res.headers()["retry-after"], "1", "{uri}");
+            assert_eq!(res.headers()["retry-after"], "30", "{uri}: the watchdog lease");
         }
         let v: Value =
             serde_json::from_slice(&res.into_body().collect().await.expect("body").to_bytes()).expect("json");

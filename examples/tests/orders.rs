@@ -534,7 +534,8 @@ async fn a_third_concurrent_export_is_429() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let third = request(addr, "POST", "/users/alice/export", None).await.expect("POST");
     assert_eq!(third.status, 429, "{}", third.json);
-    assert_eq!(third.header("retry-after"), Some("1"));
+    // The watchdog lease (`DLOCK_LEASE_MS`, 30 s): how long the permits may last.
+    assert_eq!(third.header("retry-after"), Some("30"));
     assert_eq!(third.header("content-type"), Some("application/problem+json"));
     assert_eq!(
         (third.json["error"].as_str(), third.json["code"].as_u64()),

@@ -90,6 +90,13 @@ pub fn stored_by_default(response: &Response) -> bool {
 /// * The request is fingerprinted (method, path with query, body; the body
 ///   is read up to `max_body_bytes`, `413 payload_too_large` beyond, by the
 ///   same reader and with the same answer as [`LockLayer`](crate::LockLayer)'s).
+///   A body whose `Content-Type` is JSON (`application/json`,
+///   `application/*+json`) is fingerprinted in its canonical form
+///   ([`canonical_json`](dlock_core::idempotency::canonical_json)): keys
+///   sorted, no whitespace, strings by their characters, numbers as
+///   written. So a client that re-serialises its object for the retry is
+///   the same request; `1` and `1.0` are not. Any other body, or one that
+///   is not valid JSON or has a key twice, is compared byte for byte.
 /// * The first request claims `(caller, key)` atomically with an in-progress
 ///   record, runs the route and stores status, the [`DEFAULT_STORED_HEADERS`]
 ///   and the body for the TTL. The claim's lease (default 10 s,
@@ -566,7 +573,14 @@ where
         Err(rejection) => return Ok(rejection.into_response()),
     };
     let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    let fp = fingerprint(&[parts.method.as_str().as_bytes(), path.as_bytes(), &body]);
+    let fp = fingerprint(&[
+        parts.method.as_str().as_bytes(),
+        path.as_bytes(),
+        &dlock_core::idempotency::canonical_body(
+            &body,
+            crate::pipeline::body::require_json_content_type(&parts.headers).is_ok(),
+        ),
+    ]);
     let Some(scope) = layer.caller.of(&parts) else {
         return Ok(Rejection::idempotency_scope_missing().into_response());
     };

@@ -94,7 +94,9 @@ pub(crate) async fn acquire_for_request(
                 outage::LOCKS.answered();
             }
             let busy = busy_key(&e, keys);
-            Err(Refusal::from_error(e, policy, busy, waited).during_outage(unavailable))
+            Err(Refusal::from_error(e, policy, busy, waited)
+                .during_outage(unavailable)
+                .lasting_at_most(policy.holder_lease(locker)))
         }
     }
 }

@@ -175,7 +175,6 @@ impl Policy {
     ///
     /// `max_hold` does not shorten it: it stops renewals, and the last
     /// renewal still lasts a lease.
-    #[cfg_attr(not(test), expect(dead_code, reason = "called by acquire_for_request once it is wired (issue 37)"))]
     pub(crate) fn holder_lease(&self, locker: &Locker) -> Duration {
         self.lease.unwrap_or_else(|| locker.options().watchdog_lease())
     }

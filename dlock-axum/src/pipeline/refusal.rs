@@ -127,7 +127,6 @@ impl Refusal {
     /// own lease is not known to the refused request: this is the route's,
     /// which is the holder's when every route of a lock name takes it with
     /// the same lease.
-    #[cfg_attr(not(test), expect(dead_code, reason = "called by acquire_for_request once it is wired (issue 37)"))]
     pub(crate) fn lasting_at_most(mut self, lease: Duration) -> Self {
         if matches!(self.outcome, LockOutcome::Busy { .. }) {
             self.rejection = self.rejection.with_retry_after(Some(whole_seconds(lease)));

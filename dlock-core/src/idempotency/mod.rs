@@ -104,9 +104,9 @@ pub const TOKEN_BYTES: usize = 16;
 /// records and 64 MiB of answers per caller, a million records and 1 GiB
 /// in all, 100 000 unbound tokens. Size Redis's `maxmemory` above the bytes
 /// total plus about 200 bytes per record, or lower the caps. On Redis
-/// Cluster the totals of records and bound tokens cannot be counted (one
-/// count cannot span every slot): the per-caller caps and the unbound pool
-/// hold there.
+/// Cluster each total is split into 16 pools, one per slot group of
+/// callers, whose caps add up to it: one pool may refuse before the total
+/// is reached.
 ///
 /// ```
 /// use dlock_core::idempotency::{IdempotencyLimits, MemoryStore};
