@@ -475,14 +475,27 @@ async fn create_order(
     let ProductRef { id } = product;
     // The token is claimed, and spent only if the order ran to a result (an
     // order, or `409 sold_out`); a 5xx (store down) gives it back for the
-    // retry: the rule `TokenLayer` follows.
-    let claim = payments::claim_token(&app.idem, &token).await?;
-    let response = place_order(&app, owner, id, quantity).await.into_response();
-    // Decided before the await: a `Response` is not `Sync`, so a reference
-    // to it would make this handler's future not `Send`.
-    let ran_to_result = stored_by_default(&response);
-    payments::settle_token(&app.idem, &claim, ran_to_result).await;
-    Ok(response)
+    // retry: the rule `TokenLayer` follows. Claim, order and settling run on
+    // a task of their own, as `TokenLayer` runs them: a client that hangs up
+    // while the claim is on its way, or mid-order, leaves neither a token
+    // claimed for its lease nor an order half-placed.
+    let placed = tokio::spawn(async move {
+        let claim = payments::claim_token(&app.idem, &token).await?;
+        let response = place_order(&app, owner, id, quantity).await.into_response();
+        // Decided before the await: a `Response` is not `Sync`, so a
+        // reference to it would make this future not `Send`.
+        let ran_to_result = stored_by_default(&response);
+        payments::settle_token(&app.idem, &claim, ran_to_result).await;
+        Ok::<Response, AppError>(response)
+    });
+    match placed.await {
+        Ok(answered) => answered,
+        // The task panicked (a bug) or the runtime is shutting down.
+        Err(e) => {
+            tracing::error!(error = %e, "the order's task ended without an answer");
+            Err(Rejection::backend_unavailable().into())
+        }
+    }
 }
 
 async fn place_order(app: &App, owner: Owner, id: ProductId, quantity: i64) -> Result<Response, AppError> {

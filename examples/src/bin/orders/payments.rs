@@ -53,8 +53,8 @@ const ORDER_LEASE: Duration = Duration::from_secs(30);
 /// `409 idempotency_token_unknown` once spent or when never issued,
 /// `409 idempotency_outcome_unknown` when the instance that claimed it died
 /// before it answered). An order takes well under `ORDER_LEASE`, so the
-/// claim is not renewed; a client that hangs up mid-order leaves the token
-/// claimed (spent: never run twice).
+/// claim is not renewed. The handler claims, orders and settles on a task
+/// of its own, so a client that hangs up does not leave the token claimed.
 pub(crate) async fn claim_token(idem: &Arc<dyn IdempotencyStore>, token: &str) -> Result<Claim, Rejection> {
     let claim = idem.claim_token(token, None, ORDER_LEASE).await.map_err(|e| {
         tracing::warn!(error = %e, "idempotency store unavailable");
