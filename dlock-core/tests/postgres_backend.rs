@@ -57,10 +57,11 @@ impl suite::Harness for Postgres {
     }
 
     async fn delete_behind_back(&self, key: &LockKey) {
-        // The key's head, and its holders when it is held by permits.
+        // The key's head, and its holders when it is held by permits (not
+        // what waiters left: owner '~<owner>').
         let k = literal(key.as_str());
         let deleted = self.server.psql(&format!(
-            "WITH h AS (DELETE FROM dlock_holders WHERE key = {k} AND mode <> 'i' RETURNING 1), \
+            "WITH h AS (DELETE FROM dlock_holders WHERE key = {k} AND left(owner, 1) <> '~' RETURNING 1), \
              l AS (DELETE FROM dlock_locks WHERE key = {k} RETURNING owner) \
              SELECT (SELECT count(*) FROM l WHERE owner <> '') + (SELECT count(*) FROM h)"
         ));
@@ -76,9 +77,9 @@ impl suite::Harness for Postgres {
     }
 }
 
-/// Keys with a holder whose lease has not ended: a live exclusive head, or
-/// a live shared head with a live holder (writers' intents and expired
-/// rows hold nothing).
+/// Keys with a holder whose lease has not ended, or a waiter's place: a
+/// live exclusive head, or a live shared head with a live holder or
+/// place (writers' intents and expired rows hold nothing).
 fn live_keys(server: &PostgresServer) -> usize {
     let n = server.psql(
         "SELECT count(*) FROM dlock_locks AS l WHERE l.expires_at > clock_timestamp() AND (l.owner <> '' OR EXISTS \
@@ -98,9 +99,12 @@ async fn postgres() -> Postgres {
 
 backend_suite!(postgres());
 primitives_suite!(postgres());
-mod withdrawal {
+mod waiters {
     use super::*;
-    primitives_suite!(@tests postgres(); a_writer_that_hangs_up_lets_readers_in);
+    primitives_suite!(@tests postgres();
+        a_writer_that_hangs_up_lets_readers_in,
+        a_waiting_semaphore_keeps_its_limit_against_a_newcomer,
+    );
 }
 
 fn request(key: &LockKey, owner: &Owner, lease_ms: u64) -> AcquireRequest {
@@ -502,6 +506,69 @@ async fn survive_each(mut server: PostgresServer, outages: &[Outage]) {
         let renewed = backend.renew(key, &holder, Duration::from_secs(60)).await.expect("renew after the restarts");
         assert!(matches!(renewed, Renewal::Held { .. }), "{renewed:?}");
         assert_eq!(backend.release(key, &holder).await.expect("release"), Release::Freed);
+    }
+}
+
+/// A waiting permit's place keeps the semaphore's limit until its wait
+/// would have ended, and no longer: a waiter whose process died (here an
+/// acquire dropped past the engine, which sends no withdrawal) fixes the
+/// limit for the rest of its wait, against another limit and the key
+/// asked exclusive; then the key is free for any limit. A permit that
+/// waits for a key held exclusive keeps no place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_place_nobody_withdraws_ends_with_its_wait() {
+    let server = PostgresServer::start();
+    let backend = connect(&server.url()).await;
+    let cancel = CancellationToken::new();
+    let k = test_key("sem-place");
+    let owners: Vec<Owner> = (0..4).map(|_| Owner::random().expect("owner")).collect();
+    let two = |o: &Owner| request(&k, o, 30_000).with_mode(LockMode::permits(2));
+    let places = || server.psql("SELECT count(*) FROM dlock_holders WHERE left(owner, 1) = '~'");
+    let awaited = || server.psql(&format!("SELECT awaited FROM dlock_locks WHERE key = {}", literal(k.as_str())));
+    for o in &owners[..2] {
+        backend.acquire(&two(o), &cancel).await.expect("a free permit");
+    }
+    let wait = Duration::from_secs(3);
+    let started = Instant::now();
+    vanish_once(&backend, &two(&owners[2]).with_deadline(started + wait), || places() == "1").await;
+    for o in &owners[..2] {
+        assert_eq!(backend.release(&k, o).await.expect("release"), Release::Freed);
+    }
+    let three = request(&k, &owners[3], 30_000).with_mode(LockMode::permits(3));
+    let exclusive = request(&k, &owners[3], 30_000);
+    for (req, what) in [(&three, "3 permits"), (&exclusive, "exclusive")] {
+        match backend.acquire(req, &cancel).await {
+            Err(Error::ModeConflict { reason, .. }) => assert!(reason.contains("2 permits"), "{reason}"),
+            other => panic!("{what} while a place for one of 2 lives ({:?} of its wait): {other:?}", started.elapsed()),
+        }
+    }
+    tokio::time::sleep_until(started + wait + Duration::from_millis(50)).await;
+    backend.acquire(&three, &cancel).await.expect("the place ended with its wait: a new limit");
+    assert_eq!(backend.release(&k, &owners[3]).await.expect("release"), Release::Freed);
+
+    backend.acquire(&exclusive, &cancel).await.expect("free");
+    // Its try after parking marks the head awaited.
+    let waiting = two(&owners[2]).with_deadline(Instant::now() + Duration::from_secs(5));
+    vanish_once(&backend, &waiting, || awaited() == "t").await;
+    assert_eq!(places(), "0", "a permit waiting for an exclusive hold keeps no place");
+    assert_eq!(backend.release(&k, &owners[3]).await.expect("release"), Release::Freed);
+    assert_eq!(live_keys(&server), 0);
+}
+
+/// Runs `req` on `backend` until `seen` says its tries have landed, then
+/// drops it mid-wait, past the engine: as a process that died would, it
+/// withdraws nothing.
+async fn vanish_once(backend: &PostgresBackend, req: &AcquireRequest, seen: impl Fn() -> bool) {
+    let cancel = CancellationToken::new();
+    let acquire = backend.acquire(req, &cancel);
+    tokio::pin!(acquire);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seen() {
+        tokio::select! {
+            r = &mut acquire => panic!("the waiter stopped waiting: {r:?}"),
+            _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+        }
+        assert!(Instant::now() < deadline, "the waiter's tries never landed");
     }
 }
 

@@ -260,9 +260,11 @@ impl AcquireRequest {
 ///     while anyone holds the key or waits for one of its permits. A
 ///     waiter's place goes when its acquire ends (granted, cancelled,
 ///     dropped, failed or timed out).
-///   - PostgreSQL: while anyone *holds* the key. A waiter fixes nothing:
-///     once the holders are gone, a newcomer with another limit takes the
-///     key, and the waiter is then the one told [`Error::ModeConflict`].
+///   - PostgreSQL: as on Redis, while anyone holds the key or waits for
+///     one of its permits. A waiter that found every permit of its limit
+///     taken keeps a place (a row beside the holders') until it is granted,
+///     gives up (withdrawn at once), or its wait would have ended; one that
+///     found the key held exclusive keeps nothing.
 ///
 /// Every hold, whatever its mode, has its own lease (or watchdog), fencing
 /// token and lost signal. The enum is `#[non_exhaustive]` so that a backend

@@ -3,7 +3,13 @@
 -- (1, token, mode) granted; (2, token, mode) joined the owner's own hold;
 -- (0, 0, ms) held by others, the first of their leases (or a writer's
 -- intent that keeps readers out) ends in ms; (3, 0, mode) held in a mode
--- that does not fit the one asked for.
+-- that does not fit the one asked for (or kept in it by waiting permits).
+-- What waits leave in {holders} has the owner '~' || the waiter's: a
+-- writer's intent (mode 'i'), which keeps new readers out, and a waiting
+-- permit's place (its mode, 'p<N>'), which keeps the key a semaphore of N
+-- while it waits, also once nobody holds it. Each lives until its wait
+-- would end; a grant deletes the owner's, and so does a withdrawal
+-- (release_any.sql).
 CREATE OR REPLACE FUNCTION {acquire}(p_key text, p_owner text, p_lease_ms bigint, p_mode text,
                                      p_awaited boolean, p_wait_ms bigint)
 RETURNS TABLE (r_outcome int, r_fence bigint, r_info text)
@@ -21,7 +27,10 @@ DECLARE
   first_end timestamptz;
   intent_end timestamptz;
   expired boolean := false;
-  own_intent boolean := false;
+  own_wait boolean := false;
+  places text;
+  places_end timestamptz;
+  place_end timestamptz;
   refused boolean := false;
 BEGIN
   -- Every grant of a key draws its token under this lock, held to commit
@@ -45,18 +54,20 @@ BEGIN
       mine_fence := h.fence;
     END IF;
   END IF;
-  -- The holders of a shared key, and writers' intents (of any key): one
-  -- read of the key's rows (a hot key's index holds many dead versions of
-  -- them: every scan of it pays for those), decided here.
+  -- The holders of a shared key, writers' intents (of any key) and
+  -- waiting permits' places: one read of the key's rows (a hot key's index
+  -- holds many dead versions of them: every scan of it pays for those),
+  -- decided here. What this owner's own waits left fixes nothing for it.
   FOR r IN SELECT l.owner, l.mode, l.fence, l.expires_at FROM {holders} AS l WHERE l.key = p_key LOOP
     IF r.expires_at <= t_now THEN
       expired := true;
+    ELSIF r.owner = '~' || p_owner THEN
+      own_wait := true;
     ELSIF r.mode = 'i' THEN
-      IF r.owner = '~' || p_owner THEN
-        own_intent := true;
-      ELSE
-        intent_end := greatest(intent_end, r.expires_at);
-      END IF;
+      intent_end := greatest(intent_end, r.expires_at);
+    ELSIF left(r.owner, 1) = '~' THEN
+      places := r.mode;
+      places_end := greatest(places_end, r.expires_at);
     ELSIF head_live AND h.owner = '' THEN
       IF r.owner = p_owner THEN
         mine_mode := r.mode;
@@ -73,7 +84,12 @@ BEGIN
   END LOOP;
   IF expired THEN
     DELETE FROM {holders} AS l WHERE l.key = p_key
-      AND (l.expires_at <= t_now OR (l.mode <> 'i' AND NOT (head_live AND h.owner = '')));
+      AND (l.expires_at <= t_now OR (left(l.owner, 1) <> '~' AND NOT (head_live AND h.owner = '')));
+  END IF;
+  -- Nobody holds it, and a permit waits for it: a semaphore of that limit,
+  -- for a newcomer as for the waiter.
+  IF held IS NULL THEN
+    held := places;
   END IF;
   IF mine_mode IS NOT NULL THEN
     -- The engine asks again for a key it holds only after it gave its hold
@@ -117,22 +133,30 @@ BEGIN
     first_end := intent_end;
   END IF;
   IF refused THEN
-    -- Marked under the head's row lock: a release waits for it, reads it
-    -- and announces itself.
-    IF p_awaited AND NOT h.awaited THEN
-      UPDATE {locks} AS l SET awaited = true WHERE l.key = p_key;
-    END IF;
-    -- A writer that will wait records its intent, bounded by its wait.
-    IF p_mode = 'x' AND p_wait_ms > 0 THEN
+    -- A writer that will wait records its intent, and a permit that will
+    -- wait for every permit of its limit its place, bounded by its wait.
+    IF p_wait_ms > 0 AND (p_mode = 'x' OR (p_mode LIKE 'p%' AND held = p_mode)) THEN
+      place_end := t_now + p_wait_ms * interval '1 millisecond';
       INSERT INTO {holders} AS l (key, owner, mode, fence, expires_at)
-        VALUES (p_key, '~' || p_owner, 'i', 0, t_now + p_wait_ms * interval '1 millisecond')
-        ON CONFLICT (key, owner) DO UPDATE SET expires_at = greatest(l.expires_at, excluded.expires_at);
+        VALUES (p_key, '~' || p_owner, CASE WHEN p_mode = 'x' THEN 'i' ELSE p_mode END, 0, place_end)
+        ON CONFLICT (key, owner) DO UPDATE
+          SET mode = excluded.mode, expires_at = greatest(l.expires_at, excluded.expires_at);
+      IF p_mode = 'x' THEN
+        place_end := NULL;
+      END IF;
+    END IF;
+    -- Marked under the head's row lock: a release waits for it, reads it
+    -- and announces itself. A head lives as long as its places: the first
+    -- try at an exclusive hold (take.sql) looks at the head alone.
+    IF (p_awaited AND NOT h.awaited) OR place_end > h.expires_at THEN
+      UPDATE {locks} AS l SET awaited = l.awaited OR p_awaited, expires_at = greatest(l.expires_at, place_end)
+        WHERE l.key = p_key;
     END IF;
     RETURN QUERY SELECT 0, 0::bigint,
       ceil(greatest(extract(epoch FROM first_end - t_now), 0) * 1000)::bigint::text;
     RETURN;
   END IF;
-  IF own_intent THEN
+  IF own_wait THEN
     DELETE FROM {holders} AS l WHERE l.key = p_key AND l.owner = '~' || p_owner;
   END IF;
   IF p_mode = 'x' THEN
@@ -144,10 +168,12 @@ BEGIN
     INSERT INTO {holders} (key, owner, mode, fence, expires_at)
       VALUES (p_key, p_owner, p_mode, nextval('{fence_text}'), t_exp)
       RETURNING fence INTO r_fence;
-    -- A shared head lives as long as its longest holder; a new one starts
-    -- with this holder, unawaited unless this grant's process has waiters.
-    IF held IS NULL THEN
-      UPDATE {locks} AS l SET owner = '', mode = p_mode, fence = 0, expires_at = t_exp, awaited = p_awaited
+    -- A shared head lives as long as its longest holder or place; a new
+    -- one starts with this holder, unawaited unless this grant's process
+    -- has waiters (or other permits wait for it).
+    IF holders = 0 THEN
+      UPDATE {locks} AS l SET owner = '', mode = p_mode, fence = 0, expires_at = greatest(t_exp, places_end),
+          awaited = p_awaited OR (places IS NOT NULL AND head_live AND l.awaited)
         WHERE l.key = p_key;
     ELSE
       UPDATE {locks} AS l SET expires_at = greatest(l.expires_at, t_exp), awaited = l.awaited OR p_awaited

@@ -34,7 +34,7 @@
 //!   nothing when the key is held.
 //! * **Every other step** (a try that found the key held, a wait, a shared
 //!   or counted mode, re-entry) is a PL/pgSQL function
-//!   (`<prefix>_acquire_v4`), one statement and so one transaction, one
+//!   (`<prefix>_acquire_v5`), one statement and so one transaction, one
 //!   round trip. It first upserts the key's head (a free one when missing)
 //!   and so holds its row lock until commit: steps on one key run one at a
 //!   time, and the first try's write waits for them too. It then reads the
@@ -64,6 +64,17 @@
 //!   what the owner's waits left, never a hold, under the head's row lock
 //!   like every step on the key; it announces the intent's end when a
 //!   waiter was refused, so the readers it kept out try again at once.
+//! * A semaphore keeps its limit for its waiters too: a permit that will
+//!   wait and finds every permit of its limit taken records its **place**,
+//!   a row in `<prefix>_holders` (mode `p<N>`, owner `~<owner>`) that lives
+//!   until its wait would end, and the key's head lives at least as long.
+//!   While a place lives, the key is a semaphore of that limit also with
+//!   nobody holding it: a request for another limit, a shared or an
+//!   exclusive one is [`Error::ModeConflict`], one of the same limit is
+//!   granted a free permit. The waiter's grant deletes its place, and so
+//!   do its withdrawal (as for an intent) and its release; an expired one
+//!   goes with the next step on the key. A permit that found the key held
+//!   exclusive keeps no place.
 //!
 //! **No session advisory locks.** `pg_advisory_lock` would need no table,
 //! but it has no lease (a hung holder keeps it while its connection lives),
@@ -251,7 +262,7 @@ const LISTEN_URL_VAR: &str = "DLOCK_POSTGRES_LISTEN_URL";
 /// [`crate::fence::postgres`]). Grants of a key take one of their own,
 /// on the hashes of the prefix and the key (take.sql).
 const LOCK_CLASS: i32 = 0x646c_6f63;
-/// The longest prefix: the longest name made of it (`_acquire_v4`) must fit
+/// The longest prefix: the longest name made of it (`_acquire_v5`) must fit
 /// PostgreSQL's 63 bytes, or it would be cut and collide.
 const MAX_PREFIX: usize = 48;
 
@@ -482,7 +493,7 @@ impl Names {
             locks: format!("\"{prefix}_locks\""),
             holders: format!("\"{prefix}_holders\""),
             fence: format!("\"{prefix}_fence\""),
-            acquire: format!("\"{prefix}_acquire_v4\""),
+            acquire: format!("\"{prefix}_acquire_v5\""),
             release: format!("\"{prefix}_release_v3\""),
             renew: format!("\"{prefix}_renew_v1\""),
             channel: format!("{prefix}_released"),
@@ -1291,11 +1302,11 @@ impl Backend for PostgresBackend {
         })
     }
 
-    /// A writer's intent; a waiting reader leaves nothing, and costs no
-    /// round trip.
+    /// A writer's intent or a waiting permit's place; a waiting reader
+    /// leaves nothing, and costs no round trip.
     fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            if req.mode != LockMode::Exclusive {
+            if req.mode == LockMode::Shared {
                 return Ok(());
             }
             self.release_any(&req.key, &req.owner, true).await.map(drop)
