@@ -73,6 +73,8 @@ pub use render::{RenderRejections, Rendered};
 pub use request::{FencingToken, HeldLock, HeldLocks, LockOutcome, RequestOwner};
 
 /// The README's Rust blocks, compiled and run as doctests of this crate.
-#[cfg(doctest)]
+/// Some use the `postgres` feature (`in_transaction`, `PostgresStore`), so
+/// they are run with it (`--all-features`, as the README's test command).
+#[cfg(all(doctest, feature = "postgres"))]
 #[doc = include_str!("../../README.md")]
 mod readme {}
