@@ -51,11 +51,12 @@ impl Config {
     /// let dlock = dlock_core::Config::default().build().await?;
     /// assert_eq!(dlock.locker().backend_name(), "memory");
     ///
-    /// let zookeeper_locks_only = dlock_core::Config::from_lookup(|var| match var {
-    ///     "DLOCK_BACKEND" => Some("zookeeper".into()),
+    /// let redis_locks = dlock_core::Config::from_lookup(|var| match var {
+    ///     "DLOCK_BACKEND" => Some("redis".into()),
+    ///     "DLOCK_REDIS_URL" => Some("redis://127.0.0.1:6379".into()),
     ///     _ => None,
     /// })?;
-    /// # let _ = zookeeper_locks_only;
+    /// # let _ = redis_locks;
     /// # Ok(()) }
     /// ```
     ///
