@@ -32,6 +32,7 @@ const SETTLE_SQL: &str = include_str!("settle.sql");
 const TOKENS_SQL: &str = include_str!("tokens.sql");
 const CLAIM_IN_TX_SQL: &str = include_str!("claim_in_tx.sql");
 const COMPLETE_IN_TX_SQL: &str = include_str!("complete_in_tx.sql");
+const TALLY_SQL: &str = include_str!("tally.sql");
 
 /// The PostgreSQL store: idempotency records and one-time tokens in two
 /// tables of the application's own database, so that a route's writes and
@@ -93,27 +94,45 @@ const COMPLETE_IN_TX_SQL: &str = include_str!("complete_in_tx.sql");
 ///
 /// # Bounds
 ///
-/// Records and tokens live on disk, not in a lock server's memory. The
-/// caps of [`IdempotencyLimits`] that a store can keep per pool hold here:
-/// records, bytes of answers and bound tokens **per caller**, and the pool
-/// of unbound tokens. The totals of records and of bytes are not enforced.
+/// Records and tokens live on disk, not in a lock server's memory. Every
+/// cap of [`IdempotencyLimits`] holds here: records, bytes of answers and
+/// bound tokens **per caller and in total**, and the pool of unbound
+/// tokens. The total is what keeps a client that makes up a caller per
+/// request (each with fresh caps of its own) from growing the tables
+/// without bound: past it, a new key or bound token is refused with
+/// [`Error::IdempotencyFull`] `{ per_scope: false, .. }` (`503` over
+/// HTTP), and so is an answer whose bytes do not fit.
 ///
 /// A claim does not count its caller's records: it reads the caller's
 /// **tally** (`<prefix>_idem_tally`, 16 rows per pool, so concurrent
 /// claims of one caller rarely meet on one), which every step that adds,
 /// completes or deletes a record or token keeps in the same transaction.
-/// A tally may still count what expired and was not swept yet: at the cap,
-/// the pool's expired rows are swept and its live ones counted exactly
-/// before a refusal, so only a caller at its cap pays for a count. A claim
-/// inside a transaction touches no tally row (none stays locked while its
-/// route runs or commits, and the request pays no statement for it): each
-/// store enters the committed ones in their callers' tallies every second,
-/// in one statement. Its answer is checked against the caller's byte cap
-/// by the tally as its claim read it, not read again. So the caller's cap
-/// may be passed by what it runs at once plus what it committed in the
-/// last second. Expired rows are also
-/// deleted by a sweep every minute, and a claim of an expired key
-/// overwrites it.
+/// The totals are pools of the same tally (every caller's records and
+/// their bytes; every bound token), kept with each caller's pool by the
+/// one function that changes the tally, which locks its rows in one
+/// order. A tally may still count what expired and was not swept yet: at
+/// the caller's cap, the caller's expired rows are swept and its live ones
+/// counted exactly before a refusal, so only a caller at its cap pays for
+/// a count; at the total, what expired is read (through the expiry index)
+/// and discounted before a refusal. A claim inside a transaction touches
+/// no tally row (none stays locked while its route runs or commits, and
+/// the request pays no statement for it): each store enters the committed
+/// ones in their callers' tallies every second, in one statement. Its
+/// answer is checked against the byte caps by the tally as its claim read
+/// it, not read again. So the caller's cap may be passed by what it runs
+/// at once plus what it committed in the last second.
+///
+/// The total is checked by those reads alone, with no lock: claims of one
+/// caller outside transactions wait for each other so that its cap holds
+/// exactly, but claims of all callers waiting for each other would make
+/// the store one claim at a time. The bound it keeps: the records in all
+/// are at most the total plus the claims running at that moment (each may
+/// find room for one more), plus the claims inside transactions in flight
+/// and those committed in the last second; the bytes in all, the total
+/// plus the answers being stored at that moment (and those of the last
+/// second, inside transactions); the bound tokens in all, the total plus
+/// the issues running at that moment. Expired rows are also deleted by a
+/// sweep every minute, and a claim of an expired key overwrites it.
 ///
 /// ```no_run
 /// # async fn demo() -> dlock_core::Result<()> {
@@ -179,8 +198,10 @@ struct Names {
     keys: String,
     tokens: String,
     tally: String,
+    tally_add: String,
     sweep: String,
-    sweep_tokens: String,
+    expired: String,
+    expired_tokens: String,
     token_pool: String,
     begin: String,
     complete: String,
@@ -198,15 +219,20 @@ impl Names {
             keys: q("idem_keys"),
             tokens: q("idem_tokens"),
             tally: q("idem_tally"),
-            sweep: q("ik_sweep_v1"),
-            sweep_tokens: q("tk_sweep_v1"),
-            token_pool: q("tk_pool_v1"),
-            begin: q("ik_begin_v1"),
-            complete: q("ik_done_v1"),
-            abandon: q("ik_drop_v1"),
-            enter: q("ik_enter_v1"),
-            issue: q("tk_issue_v1"),
-            claim: q("tk_claim_v1"),
+            // v2: the tally keeps the totals ({tally_add}); a function is
+            // made only when missing, so its version is in its name, and
+            // the functions of a file made again are all renamed with it.
+            tally_add: q("ik_tally_v1"),
+            sweep: q("ik_sweep_v2"),
+            expired: q("ik_expired_v1"),
+            expired_tokens: q("tk_expired_v1"),
+            token_pool: q("tk_pool_v2"),
+            begin: q("ik_begin_v2"),
+            complete: q("ik_done_v2"),
+            abandon: q("ik_drop_v2"),
+            enter: q("ik_enter_v2"),
+            issue: q("tk_issue_v2"),
+            claim: q("tk_claim_v2"),
         })
     }
 
@@ -217,11 +243,15 @@ impl Names {
             .replace("{keys_todo}", &index(&self.keys, "todo"))
             .replace("{keys_pending}", &index(&self.keys, "pending"))
             .replace("{tokens_pool}", &index(&self.tokens, "pool"))
+            // "ex", not "exp": 63 bytes with the longest prefix.
+            .replace("{tokens_expiry}", &index(&self.tokens, "ex"))
             .replace("{keys}", &self.keys)
             .replace("{tokens}", &self.tokens)
             .replace("{tally}", &self.tally)
-            .replace("{sweep_tokens}", &self.sweep_tokens)
+            .replace("{tally_add}", &self.tally_add)
             .replace("{sweep}", &self.sweep)
+            .replace("{expired}", &self.expired)
+            .replace("{expired_tokens}", &self.expired_tokens)
             .replace("{token_pool}", &self.token_pool)
             .replace("{begin}", &self.begin)
             .replace("{complete}", &self.complete)
@@ -238,6 +268,7 @@ impl Names {
             what: "creating the idempotency tables",
             schema: self.fill(SCHEMA_SQL),
             functions: vec![
+                (self.tally_add.clone(), self.fill(TALLY_SQL)),
                 (self.begin.clone(), self.fill(BEGIN_SQL)),
                 // Each file makes several; it is run when its first is missing.
                 (self.complete.clone(), self.fill(SETTLE_SQL)),
@@ -259,27 +290,26 @@ impl Names {
         let first = after_pin("$1::text");
         Statements {
             begin: f(&format!(
-                "SELECT r_outcome, r_response, r_retry_ms FROM {{begin}}({first}, $2, $3, $4, $5, $6, $7, $8, $9)"
+                "SELECT r_outcome, r_response, r_retry_ms FROM {{begin}}({first}, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
             )),
             claim_in_tx: f(CLAIM_IN_TX_SQL),
-            complete: f(&format!("SELECT r_outcome, r_retry_ms FROM {{complete}}({first}, $2, $3, $4, $5)")),
+            complete: f(&format!("SELECT r_outcome, r_retry_ms FROM {{complete}}({first}, $2, $3, $4, $5, $6)")),
             complete_in_tx: f(COMPLETE_IN_TX_SQL),
             abandon: f(&format!("SELECT {{abandon}}({first}, $2, $3)")),
             enter: f("SELECT {enter}()"),
             renew_key: f("UPDATE {keys} AS k SET lease_until = clock_timestamp() + $4 * interval '1 millisecond' \
                  WHERE k.scope = $1 AND k.key = $2 AND k.owner = $3 AND k.response IS NULL \
                  AND k.lease_until > clock_timestamp() AND {durable} IS NOT NULL RETURNING 1"),
-            issue: f(&format!("SELECT {{issue}}({first}, $2, $3, $4)")),
+            issue: f(&format!("SELECT r_outcome, r_retry_ms FROM {{issue}}({first}, $2, $3, $4, $5)")),
             claim: f(&format!("SELECT {{claim}}({first}, $2, $3, $4)")),
             renew_token: f("UPDATE {tokens} AS t SET lease_until = clock_timestamp() + $3 * interval '1 millisecond' \
                  WHERE t.token = $1 AND t.owner = $2 AND t.lease_until > clock_timestamp() \
                  AND {durable} IS NOT NULL RETURNING 1"),
             spend: f("WITH gone AS (DELETE FROM {tokens} AS t WHERE t.token = $1 AND t.owner = $2 \
                  AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() \
-                 AND {durable} IS NOT NULL \
-                 RETURNING t.principal, t.token), counted AS (UPDATE {tally} AS c SET records = c.records - 1 \
-                 FROM gone AS g WHERE c.pool = {token_pool}(g.principal) AND c.shard = hashtext(g.token) & 15) \
-                 SELECT 1 FROM gone"),
+                 AND {durable} IS NOT NULL RETURNING t.principal, t.token) \
+                 SELECT {tally_add}(ARRAY[{token_pool}(g.principal)], ARRAY[hashtext(g.token) & 15], \
+                 ARRAY[-1::bigint], ARRAY[0::bigint]) FROM gone AS g"),
             give_back: f("UPDATE {tokens} AS t SET owner = NULL, lease_until = NULL WHERE t.token = $1 \
                  AND t.owner = $2 AND t.principal IS NOT DISTINCT FROM $3 AND t.expires_at > clock_timestamp() \
                  AND {durable} IS NOT NULL RETURNING 1"),
@@ -400,8 +430,9 @@ impl PostgresStore {
             .await
     }
 
-    /// Replaces the caps on live records and tokens (per caller, and the
-    /// unbound tokens' pool: see [`PostgresStore`]).
+    /// Replaces the caps on live records, their bytes and tokens (per
+    /// caller and in total, and the unbound tokens' pool: see
+    /// [`PostgresStore`]).
     pub fn with_limits(mut self, limits: IdempotencyLimits) -> Self {
         self.limits = limits;
         self
@@ -448,8 +479,9 @@ impl PostgresStore {
     ///
     /// # Errors
     ///
-    /// [`Error::IdempotencyFull`] at the caller's cap; [`Error::Backend`]
-    /// when the statement fails (the transaction is then to be rolled back).
+    /// [`Error::IdempotencyFull`] at the caller's cap (`per_scope: true`) or
+    /// the store's total; [`Error::Backend`] when the statement fails (the
+    /// transaction is then to be rolled back).
     pub fn begin_in<'a>(
         &'a self,
         conn: &'a mut PgConnection,
@@ -462,12 +494,13 @@ impl PostgresStore {
             let claim = Claim::new(scope, key)?;
             self.tables().await?;
             let first = claim_args(&self.inner.sql.claim_in_tx, &claim, fingerprint, terms)
-                .bind(count(self.limits.max_per_scope()));
+                .bind(count(self.limits.max_per_scope()))
+                .bind(count(self.limits.max_records()));
             if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
                 // The tally's bytes as the claim read them, for the answer's
                 // first try (complete_in_tx).
-                let tally_bytes: i64 = column(&row, 3)?;
-                return self.begun(&row, claim.with_memo(tally_bytes.to_string()));
+                let read = TallyBytes { caller: column(&row, 3)?, total: column(&row, 4)? };
+                return self.begun(&row, claim.with_memo(read.memo()));
             }
             let row = self.in_tx(self.begin_query(&claim, fingerprint, terms, true).fetch_one(conn)).await?;
             self.begun(&row, claim)
@@ -482,7 +515,8 @@ impl PostgresStore {
     /// # Errors
     ///
     /// [`Error::IdempotencyFull`] when the answer's bytes do not fit the
-    /// caller's cap (nothing stored: store a smaller answer, or roll back);
+    /// caller's cap or the store's total (nothing stored: store a smaller
+    /// answer, or roll back);
     /// [`Error::Backend`] when the statement fails.
     pub fn complete_in<'a>(
         &'a self,
@@ -495,8 +529,11 @@ impl PostgresStore {
             let encoded = response.encode();
             // A claim made by claim_in_tx carries its tally's bytes; one
             // the function made goes to the function.
-            if let Ok(tally_bytes) = claim.memo.parse::<i64>() {
-                let first = self.complete_query(&self.inner.sql.complete_in_tx, claim, &encoded).bind(tally_bytes);
+            if let Some(read) = TallyBytes::from_memo(&claim.memo) {
+                let first = self
+                    .complete_query(&self.inner.sql.complete_in_tx, claim, &encoded)
+                    .bind(read.caller)
+                    .bind(read.total);
                 if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
                     return completed(&row);
                 }
@@ -535,10 +572,11 @@ impl PostgresStore {
             .bind(terms.runs_again_after_lease())
             .bind(in_tx)
             .bind(count(self.limits.max_per_scope()))
+            .bind(count(self.limits.max_records()))
     }
 
     /// `sql` (`complete`, or its first try `complete_in_tx`, which takes
-    /// one more) bound for `claim` and its encoded answer.
+    /// two more) bound for `claim`, its encoded answer and the byte caps.
     fn complete_query<'q>(
         &'q self,
         sql: &'q str,
@@ -551,6 +589,7 @@ impl PostgresStore {
             .bind(claim.owner())
             .bind(encoded)
             .bind(count(self.limits.max_bytes_per_scope()))
+            .bind(count(self.limits.max_bytes()))
     }
 
     fn begun(&self, row: &PgRow, claim: Claim) -> Result<Begin> {
@@ -564,7 +603,8 @@ impl PostgresStore {
             }
             3 => Begin::Mismatch,
             4 => Begin::OutcomeUnknown,
-            5 => return Err(full(column(row, 2)?)),
+            5 => return Err(full(true, column(row, 2)?)),
+            6 => return Err(full(false, column(row, 2)?)),
             other => return Err(unexpected(&format!("begin answered {other}"))),
         })
     }
@@ -575,16 +615,22 @@ impl PostgresStore {
             Some(_) => self.limits.max_per_scope(),
             None => self.limits.max_unbound_tokens(),
         };
+        // Bound tokens are counted in total too, with the records' cap.
         let query = || {
-            sqlx::query(&self.inner.sql.issue).bind(&token).bind(principal).bind(millis(ttl).max(1)).bind(count(max))
+            sqlx::query(&self.inner.sql.issue)
+                .bind(&token)
+                .bind(principal)
+                .bind(millis(ttl).max(1))
+                .bind(count(max))
+                .bind(count(self.limits.max_records()))
         };
         let row = self.db().await?.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
-        match column::<i64>(&row, 0)? {
+        match column::<i32>(&row, 0)? {
             0 => Ok(token),
-            retry_ms => Err(Error::IdempotencyFull {
-                per_scope: principal.is_some(),
-                retry_after: Duration::from_millis(u64::try_from(retry_ms).unwrap_or(1)),
-            }),
+            // The unbound tokens' pool is no caller's.
+            5 => Err(full(principal.is_some(), column(&row, 1)?)),
+            6 => Err(full(false, column(&row, 1)?)),
+            other => Err(unexpected(&format!("issue answered {other}"))),
         }
     }
 
@@ -618,13 +664,37 @@ fn completed(row: &PgRow) -> Result<bool> {
     match column::<i32>(row, 0)? {
         1 => Ok(true),
         0 => Ok(false),
-        5 => Err(full(column(row, 1)?)),
+        5 => Err(full(true, column(row, 1)?)),
+        6 => Err(full(false, column(row, 1)?)),
         other => Err(unexpected(&format!("complete answered {other}"))),
     }
 }
 
-fn full(retry_ms: i64) -> Error {
-    Error::IdempotencyFull { per_scope: true, retry_after: Duration::from_millis(u64::try_from(retry_ms).unwrap_or(1)) }
+/// The refusal of a full store: the caller's cap (`per_scope`) or the
+/// store's total, `retry_ms` before its oldest entry expires.
+fn full(per_scope: bool, retry_ms: i64) -> Error {
+    Error::IdempotencyFull { per_scope, retry_after: Duration::from_millis(u64::try_from(retry_ms).unwrap_or(1)) }
+}
+
+/// The bytes of a caller's tally and of the total, as a claim inside a
+/// transaction read them (claim_in_tx.sql), kept in its claim's memo for
+/// the first try of its answer (complete_in_tx.sql).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TallyBytes {
+    caller: i64,
+    total: i64,
+}
+
+impl TallyBytes {
+    fn memo(self) -> String {
+        format!("{}:{}", self.caller, self.total)
+    }
+
+    /// `None` for a claim made otherwise (its memo is empty).
+    fn from_memo(memo: &str) -> Option<Self> {
+        let (caller, total) = memo.split_once(':')?;
+        Some(TallyBytes { caller: caller.parse().ok()?, total: total.parse().ok()? })
+    }
 }
 
 fn unexpected(what: &str) -> Error {
@@ -826,20 +896,39 @@ mod tests {
     #[test]
     fn placeholders_are_all_filled_and_names_fit() {
         let names = Names::for_prefix(&"p".repeat(48)).expect("valid");
-        for sql in [SCHEMA_SQL, BEGIN_SQL, SETTLE_SQL, TOKENS_SQL, CLAIM_IN_TX_SQL, COMPLETE_IN_TX_SQL] {
+        for sql in [SCHEMA_SQL, BEGIN_SQL, SETTLE_SQL, TOKENS_SQL, CLAIM_IN_TX_SQL, COMPLETE_IN_TX_SQL, TALLY_SQL] {
             let filled = names.fill(sql);
-            for placeholder in ["{keys", "{tokens", "{class", "{tally", "{sweep", "{token_pool", "{begin", "{complete"]
+            for placeholder in
+                ["{keys", "{tokens", "{class", "{tally", "{sweep", "{expired", "{token_pool", "{begin", "{complete"]
             {
                 assert!(!filled.contains(placeholder), "{placeholder} in {filled}");
             }
         }
         // PostgreSQL cuts names at 63 bytes: two would then collide.
-        for name in
-            [&names.keys, &names.tokens, &names.begin, &names.complete, &names.abandon, &names.issue, &names.claim]
-        {
+        for name in [
+            &names.keys,
+            &names.tokens,
+            &names.begin,
+            &names.complete,
+            &names.abandon,
+            &names.issue,
+            &names.claim,
+            &names.expired,
+            &names.expired_tokens,
+            &names.tally_add,
+        ] {
             assert!(name.len() - 2 <= 63, "{name}");
         }
         assert!(names.fill("{keys_expiry}").len() - 2 <= 63);
         assert!(names.fill("{keys_todo}").len() - 2 <= 63);
+        assert!(names.fill("{tokens_expiry}").len() - 2 <= 63);
+    }
+
+    #[test]
+    fn a_claims_tally_bytes_round_trip_through_its_memo() {
+        let read = TallyBytes { caller: 56, total: 1 << 40 };
+        assert_eq!(TallyBytes::from_memo(&read.memo()), Some(read));
+        assert_eq!(TallyBytes::from_memo(""), None);
+        assert_eq!(TallyBytes::from_memo("56"), None);
     }
 }

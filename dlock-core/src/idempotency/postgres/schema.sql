@@ -46,13 +46,18 @@ CREATE TABLE IF NOT EXISTS {tokens} (
   expires_at timestamptz NOT NULL
 );
 CREATE INDEX IF NOT EXISTS {tokens_pool} ON {tokens} (principal, expires_at);
+-- What expired, across pools: the bound tokens' total discounts it.
+CREATE INDEX IF NOT EXISTS {tokens_expiry} ON {tokens} (expires_at);
 -- What each pool holds, so that a claim reads a few rows instead of
 -- counting its caller's records: pool 'k:<scope>' (records and the bytes
 -- of their answers), 't:<principal>' (bound tokens), 'u' (unbound
 -- tokens), in 16 shards by key so that concurrent claims of one caller
--- rarely wait for each other. A tally may count what expired and was not
--- swept yet (never less than what lives, but for claims in flight inside
--- transactions): at the cap, the pool is counted exactly before a refusal.
+-- rarely wait for each other; and the totals, 'k' (every caller's records
+-- and bytes) and 't' (every bound token), shard by shard, which
+-- {tally_add} keeps with every change of a caller's pool. A tally may
+-- count what expired and was not swept yet (never less than what lives,
+-- but for claims in flight inside transactions): at a cap, what expired
+-- is discounted before a refusal.
 CREATE TABLE IF NOT EXISTS {tally} (
   pool text NOT NULL,
   shard int NOT NULL,
@@ -60,3 +65,16 @@ CREATE TABLE IF NOT EXISTS {tally} (
   bytes bigint NOT NULL DEFAULT 0,
   PRIMARY KEY (pool, shard)
 );
+-- The totals of a tally an earlier build kept without them: its callers'
+-- pools summed, shard by shard, once (no row of a total yet: the check
+-- gates the scan, so a start pays for it only then).
+INSERT INTO {tally} (pool, shard, records, bytes)
+  SELECT 'k', t.shard, sum(t.records), sum(t.bytes) FROM {tally} AS t
+    WHERE t.pool LIKE 'k:%' AND NOT EXISTS (SELECT 1 FROM {tally} AS a WHERE a.pool = 'k')
+    GROUP BY t.shard
+  ON CONFLICT (pool, shard) DO NOTHING;
+INSERT INTO {tally} (pool, shard, records, bytes)
+  SELECT 't', t.shard, sum(t.records), sum(t.bytes) FROM {tally} AS t
+    WHERE t.pool LIKE 't:%' AND NOT EXISTS (SELECT 1 FROM {tally} AS a WHERE a.pool = 't')
+    GROUP BY t.shard
+  ON CONFLICT (pool, shard) DO NOTHING;
