@@ -796,8 +796,7 @@ async fn unbound_tokens_are_capped_on_a_redis_cluster() {
     store.issue_bound_token("alice", Duration::from_secs(60)).await.expect("a bound token");
 }
 
-/// The PostgreSQL store runs the same suite; its caps are per caller (and
-/// the unbound tokens' pool), not in total (see its module docs).
+/// The PostgreSQL store runs the same suite, its totals included.
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;
@@ -850,8 +849,8 @@ mod postgres {
     async fn postgres_store() {
         let server = PostgresServer::start();
         suite(store(&server, "t", IdempotencyLimits::default()).await).await;
-        caps(store(&server, "caps", small()).await, false).await;
-        byte_caps(&store(&server, "bytes", small_bytes()).await, false).await;
+        caps(store(&server, "caps", small()).await, true).await;
+        byte_caps(&store(&server, "bytes", small_bytes()).await, true).await;
         // The pools count what lives: k1, b1, d1 (records), u2 and u3 (unbound).
         let live = |table: &str| server.psql(&format!("SELECT count(*) FROM {table} WHERE expires_at > now()"));
         assert_eq!(live("caps_idem_keys"), "3", "records");
@@ -899,13 +898,14 @@ mod postgres {
     /// Runs the batch that enters committed records in the tallies (each
     /// store runs it every second), and answers how many it entered.
     fn enter(server: &PostgresServer, prefix: &str) -> String {
-        server.psql(&format!("SELECT \"{prefix}_ik_enter_v1\"()"))
+        server.psql(&format!("SELECT \"{prefix}_ik_enter_v2\"()"))
     }
 
     /// The tallies count exactly the rows there are (expired ones included
     /// until they are swept), and the bytes of their answers; a row of a
     /// transaction that did not enter the tally yet counts as what it
-    /// carries (what an expired row it overwrote still has there).
+    /// carries (what an expired row it overwrote still has there). The
+    /// totals ('k' records, 't' bound tokens) are their callers' pools summed.
     fn tallies_match(server: &PostgresServer, prefix: &str) {
         let rows = server.psql(&format!(
             "SELECT (SELECT coalesce(sum(CASE WHEN counted THEN 1 ELSE carried_records END), 0) FROM {prefix}_idem_keys) \
@@ -915,9 +915,19 @@ mod postgres {
         let tally = server.psql(&format!(
             "SELECT coalesce(sum(records) FILTER (WHERE pool LIKE 'k:%'), 0) || ':' \
              || coalesce(sum(bytes) FILTER (WHERE pool LIKE 'k:%'), 0) || ':' \
-             || coalesce(sum(records) FILTER (WHERE pool NOT LIKE 'k:%'), 0) FROM {prefix}_idem_tally"
+             || coalesce(sum(records) FILTER (WHERE pool LIKE 't:%' OR pool = 'u'), 0) FROM {prefix}_idem_tally"
         ));
         assert_eq!(tally, rows, "{prefix}: the tally (records:bytes:tokens) against the rows");
+        let totals = server.psql(&format!(
+            "SELECT coalesce(sum(records) FILTER (WHERE pool = 'k'), 0) || ':' \
+             || coalesce(sum(bytes) FILTER (WHERE pool = 'k'), 0) || ':' \
+             || coalesce(sum(records) FILTER (WHERE pool = 't'), 0) || ' = ' \
+             || coalesce(sum(records) FILTER (WHERE pool LIKE 'k:%'), 0) || ':' \
+             || coalesce(sum(bytes) FILTER (WHERE pool LIKE 'k:%'), 0) || ':' \
+             || coalesce(sum(records) FILTER (WHERE pool LIKE 't:%'), 0) FROM {prefix}_idem_tally"
+        ));
+        let (kept, summed) = totals.split_once(" = ").expect("two sides");
+        assert_eq!(kept, summed, "{prefix}: the totals (records:bytes:bound tokens) against the callers' pools");
     }
 
     /// A claim inside a transaction enters its caller's tally after its
@@ -972,7 +982,7 @@ mod postgres {
         assert!(store.complete_in(&mut tx, &claim, &done).await.expect("complete"));
         tx.commit().await.expect("commit");
         tokio::time::sleep(Duration::from_millis(200)).await;
-        server.psql("SELECT \"tally_ik_sweep_v1\"(NULL, 0)");
+        server.psql("SELECT \"tally_ik_sweep_v2\"(NULL, 0)");
         assert_eq!(server.psql("SELECT count(*) FROM tally_idem_keys WHERE scope = 'fred'"), "1", "f1 lives, f2 swept");
         tallies_match(&server, "tally");
     }
@@ -1065,7 +1075,7 @@ mod postgres {
                  ALTER FUNCTION \"plain_ik_done_{from}\" RENAME TO \"plain_ik_done_{to}\""
             ))
         };
-        rename("v1", "away");
+        rename("v2", "away");
         let done = StoredResponse::new(201, vec![], b"made".to_vec());
         for key in ["p1", "p2"] {
             let mut tx = store.pool().begin().await.expect("begin");
@@ -1073,7 +1083,7 @@ mod postgres {
             assert!(store.complete_in(&mut tx, &claim, &done).await.expect("a plain answer"));
             tx.commit().await.expect("commit");
         }
-        rename("away", "v1");
+        rename("away", "v2");
         assert_eq!(store.begin("paula", "p2", "fp", terms).await.expect("replay"), Begin::Completed(done));
         enter(&server, "plain");
         tallies_match(&server, "plain");
