@@ -6,7 +6,8 @@
 //!
 //! Over `axum::serve`, because hyper dropping the request's future when
 //! its client goes away is the point: `oneshot` never does that. The same
-//! app and scenario as `shared_hang_up.rs` (Redis), kept here so that each
+//! app and scenario for `shared_hang_up.rs` (Redis) and
+//! `shared_hang_up_postgres.rs`, kept here so that each
 //! backend's file only says which locker it runs on.
 
 use std::io::{Read, Write};
