@@ -24,11 +24,19 @@ pub enum Switch {
     /// holder with the same token (`backend/redis/batch.rs`).
     BatchRepeatsToken,
     /// A semaphore admits one holder more than its limit (ZooKeeper's turn
-    /// rule counts one contender too few, `backend/zookeeper/node.rs`).
+    /// rule counts one contender too few, `backend/zookeeper/node.rs`;
+    /// Redis's acquire script counts one holder too few, `take.lua`).
     PermitsOverLimit,
     /// A reader takes a read-write lock however many writers are ahead of
-    /// it (ZooKeeper's turn rule ignores them, `backend/zookeeper/node.rs`).
+    /// it (ZooKeeper's turn rule ignores them, `backend/zookeeper/node.rs`;
+    /// Redis's acquire script ignores a waiting writer's intent,
+    /// `take.lua`).
     ReadersPassWriters,
+    /// A writer that leaves without the key never takes its intent back
+    /// (Redis and RedLock: [`Backend::withdraw`](crate::backend::Backend::withdraw)
+    /// does nothing, `backend/redis/mod.rs`): the readers it kept out wait
+    /// until its wait would have ended.
+    IntentNeverWithdrawn,
 }
 
 static ON: AtomicU32 = AtomicU32::new(0);
@@ -109,6 +117,28 @@ mod tests {
         assert_eq!(broken, vec![1, 7, 1, 1, 7, 1, 0, 30, 0, 1, 8, 2]);
         assert_eq!(keep_turn(5), Some(5), "off unless a harness turns it on");
     }
+}
+
+/// The Redis acquire scripts' `take.lua` with [`Switch::PermitsOverLimit`]
+/// (a semaphore full at one holder more than its limit) and
+/// [`Switch::ReadersPassWriters`] (a reader never refused for a waiting
+/// writer's intent) applied when on. Panics when the text a switch edits
+/// is gone from the script, so an edit of the script cannot turn a switch
+/// into a silent no-op.
+#[cfg(feature = "redis")]
+pub(crate) fn take_script(take: &str) -> String {
+    let mut s = take.to_owned();
+    let edits = [
+        (Switch::PermitsOverLimit, "if held > 0 and s.n >= held then", "if held > 0 and s.n > held then"),
+        (Switch::ReadersPassWriters, "if held == 0 and s.intent and s.intent ~= owner then", "if false then"),
+    ];
+    for (switch, from, to) in edits {
+        assert!(s.contains(from), "take.lua no longer holds `{from}`, which {switch:?} edits");
+        if is_on(switch) {
+            s = s.replace(from, to);
+        }
+    }
+    s
 }
 
 /// [`Switch::PermitsOverLimit`]: the limit the turn rule applies.

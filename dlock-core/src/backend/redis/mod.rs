@@ -266,6 +266,10 @@ impl RedisBackend {
     /// writer's intent, a waiting permit's place; never a hold), waking the
     /// readers an intent kept out. Whether there was any.
     pub(crate) async fn withdraw_on_server(&self, key: &LockKey, owner: &Owner) -> Result<bool> {
+        #[cfg(feature = "broken-variants")]
+        if crate::broken_variants::is_on(crate::broken_variants::Switch::IntentNeverWithdrawn) {
+            return Ok(false);
+        }
         let left: i64 = self.client.invoke(&withdraw_call(&lock_scripts().release, key, owner)).await?;
         Ok(left == 0)
     }

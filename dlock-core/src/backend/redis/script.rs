@@ -53,13 +53,19 @@ pub(crate) struct LockScripts {
     pub(crate) raise_mark: Script,
 }
 
-static LOCK_SCRIPTS: LazyLock<LockScripts> = LazyLock::new(|| LockScripts {
-    acquire: Script::new(&format!("{CLOCK}{COUNTED}{TAKE}{}", include_str!("acquire.lua"))),
-    acquire_many: Script::new(&format!("{CLOCK}{COUNTED}{TAKE}{}", include_str!("acquire_many.lua"))),
-    release: Script::new(&format!("{COUNTED}{FREE}{}", include_str!("release.lua"))),
-    release_many: Script::new(&format!("{COUNTED}{FREE}{}", include_str!("release_many.lua"))),
-    renew: Script::new(&format!("{COUNTED}{}", include_str!("renew.lua"))),
-    raise_mark: Script::new(&format!("{CLOCK}{}", include_str!("raise_mark.lua"))),
+static LOCK_SCRIPTS: LazyLock<LockScripts> = LazyLock::new(|| {
+    #[cfg(feature = "broken-variants")]
+    let take = crate::broken_variants::take_script(TAKE);
+    #[cfg(not(feature = "broken-variants"))]
+    let take = TAKE;
+    LockScripts {
+        acquire: Script::new(&format!("{CLOCK}{COUNTED}{take}{}", include_str!("acquire.lua"))),
+        acquire_many: Script::new(&format!("{CLOCK}{COUNTED}{take}{}", include_str!("acquire_many.lua"))),
+        release: Script::new(&format!("{COUNTED}{FREE}{}", include_str!("release.lua"))),
+        release_many: Script::new(&format!("{COUNTED}{FREE}{}", include_str!("release_many.lua"))),
+        renew: Script::new(&format!("{COUNTED}{}", include_str!("renew.lua"))),
+        raise_mark: Script::new(&format!("{CLOCK}{}", include_str!("raise_mark.lua"))),
+    }
 });
 
 /// The lock scripts, built once per process.
