@@ -91,6 +91,13 @@ pub(crate) struct Report {
     /// recovery pass (the route's writes and its answer torn apart).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) torn: Option<u64>,
+    /// `primitives` `rw` rows: readers granted past a writer waiting behind
+    /// readers, and readers kept out over the bound after a writer that
+    /// waited gave up (`crate::preference`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) readers_passed: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) readers_kept_out: Option<u64>,
     pub(crate) notes: String,
     /// The row's timeline picture (`--timelines`), when one was drawn.
     #[serde(skip_serializing_if = "Option::is_none")]

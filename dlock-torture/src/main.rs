@@ -35,6 +35,7 @@ mod pause;
 mod pg_fence;
 mod pg_idempotency;
 mod postgres;
+mod preference;
 mod primitives;
 mod redlock;
 mod redlock_skew;

@@ -49,6 +49,24 @@ pub(crate) const ALL: &[OwnBug] = &[
         backend: "zookeeper",
         control: "primitives",
     },
+    OwnBug {
+        name: "broken-redis-permits-over-limit",
+        switch: Switch::PermitsOverLimit,
+        backend: "redis",
+        control: "primitives",
+    },
+    OwnBug {
+        name: "broken-redis-readers-pass-writers",
+        switch: Switch::ReadersPassWriters,
+        backend: "redis",
+        control: "primitives",
+    },
+    OwnBug {
+        name: "broken-redis-intent-never-withdrawn",
+        switch: Switch::IntentNeverWithdrawn,
+        backend: "redis",
+        control: "primitives",
+    },
 ];
 
 /// The broken mechanism called `name`.

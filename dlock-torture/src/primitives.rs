@@ -7,10 +7,15 @@
 //! of the holds believed then: never more than 2 permit holders of a key,
 //! never a writer beside anyone (`checker::admits`). The semaphore row must also have reached its limit
 //! (two permit holders at once somewhere), or it tested nothing; killed
-//! holders' permits must come back (orphan recovery). Their broken twins,
-//! `broken-permits-over-limit` and `broken-readers-pass-writers` (dlock's
-//! own ZooKeeper turn rule broken by a switch, see [`crate::own_bugs`]),
-//! run the same workload in `checker-self-test` and must be caught.
+//! holders' permits must come back (orphan recovery). A `rw` row also
+//! judges writer preference and withdrawn intents ([`crate::preference`]):
+//! half its writers are given up 50 to 250 ms into their wait, and it must
+//! have seen a writer wait behind readers and one give up there. Their
+//! broken twins (dlock's own ZooKeeper turn rule or Redis acquire script
+//! broken by a switch, see [`crate::own_bugs`]: permits over the limit,
+//! readers passing a waiting writer, on Redis also an intent never
+//! withdrawn) run the same workload in `checker-self-test` and must be
+//! caught.
 
 use std::time::Duration;
 
@@ -85,8 +90,11 @@ pub(crate) async fn row(scenario: &str, backend: &str, mode: &str, size: Size, s
     cfg.lease_ms = 500;
     cfg.session_ms = 1000;
     cfg.wait_ms = 3000;
-    (cfg.cs_min_ms, cfg.cs_max_ms) = (5, 30);
+    // Readers hold long enough for a writer to wait behind them, and to be
+    // given up there (`cancel_writers`), for the preference checks.
+    (cfg.cs_min_ms, cfg.cs_max_ms) = if mode == "rw" { (20, 300) } else { (5, 30) };
     cfg.duration_ms = kills * 1200 + 2000;
+    cfg.cancel_writers = mode == "rw";
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
     let mut rng = Rng::new(seed);
@@ -105,6 +113,10 @@ pub(crate) async fn row(scenario: &str, backend: &str, mode: &str, size: Size, s
     let findings = finish(&mut run, &mut r, &resource, cfg.keys, Duration::from_secs(15)).await?;
     if !broken {
         judge_reach(&mut r, mode, findings.most_holders);
+    }
+    if mode == "rw" {
+        let found = crate::preference::check(&run.events()?, cfg.wait_ms * 1_000_000, cfg.lease_ms * 1_000_000);
+        crate::preference::judge(&mut r, &found);
     }
     Ok(r)
 }

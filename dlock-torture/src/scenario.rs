@@ -61,6 +61,7 @@ pub(crate) fn config_on(backend: &str, urls: Vec<String>, resource: String, seed
         node_timeout_ms: 0,
         reuse_owner: false,
         mode: String::new(),
+        cancel_writers: false,
         seed,
     }
 }

@@ -79,14 +79,26 @@ pub(crate) struct WorkerConfig {
     /// may hold a key together, so their writes would race by design.
     #[serde(default)]
     pub(crate) mode: String,
+    /// Half the writers of `rw` are given up 50 to 250 ms into their wait
+    /// (their acquire future dropped, as when an HTTP request hangs up),
+    /// logged `acq_fail` `cancelled`: the readers a withdrawn intent kept
+    /// out must then be let in (`crate::preference`). Only the first task
+    /// of each process writes then (see `next_mode`).
+    #[serde(default)]
+    pub(crate) cancel_writers: bool,
     pub(crate) seed: u64,
 }
 
 impl WorkerConfig {
     /// The mode of the next section, drawn from `rng` for `rw`.
-    fn next_mode(&self, rng: &mut Rng) -> Result<LockMode, String> {
+    fn next_mode(&self, task: u32, rng: &mut Rng) -> Result<LockMode, String> {
         match self.mode.as_str() {
             "" => Ok(LockMode::Exclusive),
+            // Writers few enough that one given up often leaves no other
+            // writer about, which is when a stale intent shows: only the
+            // first task of each process writes, a third of the time.
+            "rw" if self.cancel_writers && task == 0 && rng.below(3) == 0 => Ok(LockMode::Exclusive),
+            "rw" if self.cancel_writers => Ok(LockMode::Shared),
             "rw" if rng.below(4) == 0 => Ok(LockMode::Exclusive),
             "rw" => Ok(LockMode::Shared),
             other => match other.strip_prefix("permits:").and_then(|n| n.parse().ok()) {
@@ -286,15 +298,21 @@ async fn one_op(
     let owner = format!("{}-{task}-{seq}", std::process::id());
     // The op id the set registers take: unique in the run (pids differ).
     let op_id = owner.clone();
-    history.log(&Event { owner: Some(owner.clone()), ..ev("acq_invoke", task, key) });
     let wait = Duration::from_millis(cfg.wait_ms);
-    let mode = match cfg.next_mode(rng) {
+    let mode = match cfg.next_mode(task, rng) {
         Ok(mode) => mode,
         Err(e) => {
+            history.log(&Event { owner: Some(owner.clone()), ..ev("acq_invoke", task, key) });
             history.log(&Event { res: Some(e), ..ev("acq_fail", task, key) });
             return;
         }
     };
+    // The mode asked for (`x` exclusive), so the history shows who waited
+    // as a writer (`crate::preference`).
+    let asked = Some(mode_label(mode).unwrap_or_else(|| "x".into()));
+    history.log(&Event { owner: Some(owner.clone()), mode: asked.clone(), ..ev("acq_invoke", task, key) });
+    let give_up = (cfg.cancel_writers && mode == LockMode::Exclusive && rng.below(2) == 0)
+        .then(|| Duration::from_millis(50 + rng.below(201)));
     let mut left_us = None;
     let acquired: Result<Option<(Hold, Option<u64>, String)>, String> = match client {
         Client::Dlock(locker) => {
@@ -311,15 +329,21 @@ async fn one_op(
                 None => opts,
             };
             let opts = if cfg.watchdog { opts } else { opts.with_lease(Duration::from_millis(cfg.lease_ms)) };
-            match locker.acquire(&lock_key, opts).await {
-                Ok(g) => {
+            let acquire = locker.acquire(&lock_key, opts);
+            let outcome = match give_up {
+                Some(after) => tokio::time::timeout(after, acquire).await.map_err(|_| ()),
+                None => Ok(acquire.await),
+            };
+            match outcome {
+                Err(()) => Err("cancelled".to_owned()),
+                Ok(Ok(g)) => {
                     left_us = Some(validity_left_us(g.valid_until()));
                     let vu = (!cfg.watchdog).then(|| instant_to_ns(g.valid_until()));
                     let owner = g.owner().as_str().to_owned();
                     Ok(Some((Hold::Dlock(g), vu, owner)))
                 }
-                Err(e) if e.is_contention() => Ok(None),
-                Err(e) => Err(error_kind(&e)),
+                Ok(Err(e)) if e.is_contention() => Ok(None),
+                Ok(Err(e)) => Err(error_kind(&e)),
             }
         }
         Client::Broken(b) => match b.acquire(key, &owner, Instant::now() + wait, rng).await {
@@ -334,11 +358,15 @@ async fn one_op(
     let (hold, vu, owner) = match acquired {
         Ok(Some(h)) => h,
         Ok(None) => {
-            history.log(&Event { res: Some("timeout".into()), ..ev("acq_fail", task, key) });
+            history.log(&Event { res: Some("timeout".into()), mode: asked, ..ev("acq_fail", task, key) });
+            return;
+        }
+        Err(kind) if kind == "cancelled" && give_up.is_some() => {
+            history.log(&Event { res: Some(kind), mode: asked, ..ev("acq_fail", task, key) });
             return;
         }
         Err(kind) => {
-            history.log(&Event { res: Some(kind), ..ev("acq_fail", task, key) });
+            history.log(&Event { res: Some(kind), mode: asked, ..ev("acq_fail", task, key) });
             // A dead server answers at once; do not spin on it.
             sleep(Duration::from_millis(5 + rng.below(20))).await;
             return;

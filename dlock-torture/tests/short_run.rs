@@ -107,7 +107,14 @@ fn the_checker_catches_every_broken_lock_and_draws_it() {
     let broken = listed("--list-broken");
     // dlock's own mechanisms broken by a dlock-core switch, not only locks
     // the harness wrote.
-    for own in ["broken-quarantine-opens-early", "broken-retry-ignores-turn", "broken-batch-repeats-token"] {
+    for own in [
+        "broken-quarantine-opens-early",
+        "broken-retry-ignores-turn",
+        "broken-batch-repeats-token",
+        "broken-redis-permits-over-limit",
+        "broken-redis-readers-pass-writers",
+        "broken-redis-intent-never-withdrawn",
+    ] {
         assert!(broken.iter().any(|b| b == own), "{own} missing from --list-broken: {broken:?}");
     }
     let dir = std::env::temp_dir().join(format!("dlock-torture-short-run-{}", std::process::id()));
@@ -118,12 +125,31 @@ fn the_checker_catches_every_broken_lock_and_draws_it() {
     let extra =
         [std::ffi::OsStr::new("--timelines"), dir.as_os_str(), std::ffi::OsStr::new("--markdown"), md.as_os_str()];
     let rows = short(&first, &extra);
+    // The real read-write locks: no reader passed a writer waiting behind
+    // readers, none was kept out once such a writer gave up (each row
+    // fails itself when it saw neither happen).
+    for backend in ["zookeeper (rw)", "redis (rw)", "postgres (rw)"] {
+        let row = rows
+            .iter()
+            .find(|r| r["scenario"] == "primitives" && r["backend"] == backend)
+            .unwrap_or_else(|| panic!("primitives {backend} missing"));
+        assert!(row["readers_passed"].is_u64() && row["readers_kept_out"].is_u64(), "not judged: {row}");
+        assert_eq!((n(row, "readers_passed"), n(row, "readers_kept_out")), (0, 0), "{row}");
+    }
     for variant in broken.iter().map(String::as_str) {
         let row = rows
             .iter()
             .find(|r| r["scenario"] == "checker-self-test" && r["backend"] == variant)
             .unwrap_or_else(|| panic!("self-test of {variant} missing"));
         assert_eq!(row["caught"], true, "the checker missed {variant}: {row}");
+        // Redis's own read-write lock broken: no overlap, only the
+        // preference checks see it (`preference.rs`).
+        if variant == "broken-redis-readers-pass-writers" {
+            assert!(n(row, "readers_passed") > 0, "{row}");
+        }
+        if variant == "broken-redis-intent-never-withdrawn" {
+            assert!(n(row, "readers_kept_out") > 0, "{row}");
+        }
         if variant == "broken-retry-ignores-turn" {
             // Its bug shows as an overlap or as a token handed out twice,
             // whichever the run's timing gives (see `self_test::must_fire`).
