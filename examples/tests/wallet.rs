@@ -594,3 +594,32 @@ async fn hang_ups_leave_no_transaction_open_on_the_app_pool() {
         stop_all(instances).await;
     }
 }
+
+/// W5: `/ready` asks the database the transfers' records live in (the
+/// wallet hands its store to the runtime), not a store of the runtime's
+/// own: `503` while that database is down, `200` once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ready_checks_the_database_the_transfers_use() {
+    let mut pg = database();
+    let dlock = runtime(Locks::Postgres(&pg)).await;
+    let instance = Instance::start(&pg.url(), dlock, WalletConfig::default()).await;
+    let ready = http::send(instance.addr, &http::request("GET", "/ready", &[], "")).await;
+    assert_eq!(ready.status, 200, "{:?}", ready.json);
+    let parts: Vec<&str> =
+        ready.json["checks"].as_array().into_iter().flatten().filter_map(|c| c["part"].as_str()).collect();
+    assert!(parts.contains(&"idempotency"), "the wallet's store is checked: {:?}", ready.json);
+    pg.stop();
+    let down = http::send(instance.addr, &http::request("GET", "/ready", &[], "")).await;
+    assert_eq!(down.status, 503, "{:?}", down.json);
+    pg.start_again();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let back = http::send(instance.addr, &http::request("GET", "/ready", &[], "")).await;
+        if back.status == 200 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not ready again: {:?}", back.json);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    instance.stop().await;
+}

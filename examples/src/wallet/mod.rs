@@ -14,8 +14,9 @@
 //!   (refusals before the work: not stored, the corrected retry runs).
 //! * `PUT /accounts/{id}` `{"balance": n}` seeds an account (one
 //!   autocommit statement, under the account's lock); `GET /accounts/{id}`.
-//! * `GET /ready`: the lock service, and the application's database, where
-//!   the idempotency records of `/transfers` live.
+//! * `GET /ready` (`dlock_axum::ready`): the lock service, and the
+//!   application's database, where the idempotency records of `/transfers`
+//!   live (handed to the runtime with `with_idempotency_store`).
 //!
 //! Every refusal is RFC 9457 Problem Details.
 //!
@@ -180,6 +181,10 @@ impl Wallet {
         let fences = Fences::new(PREFIX)?;
         fences.create(&pool).await?;
         let store = PostgresStore::with_pool(pool.clone(), PREFIX).await?;
+        // The records live where the transfers' transactions are, so the
+        // runtime's readiness (`/ready`) asks that database, and the
+        // runtime makes no records of its own elsewhere.
+        let dlock = dlock.with_idempotency_store(Arc::new(store.clone()));
         let app = App { pool, dlock, fences: Arc::new(fences), config: Arc::new(config) };
         Ok(Wallet { app, store })
     }
@@ -191,7 +196,7 @@ impl Wallet {
             .route("/transfers", self.transfers())
             .route("/accounts/{id}", get(accounts::get_account))
             .route("/accounts/{id}", put(accounts::put_account).route_layer(account_lock))
-            .route("/ready", get(accounts::ready))
+            .route("/ready", get(dlock_axum::ready))
             .fallback(error::route_not_found)
             .method_not_allowed_fallback(error::method_not_allowed)
             .layer(RenderRejections::problem_details())
