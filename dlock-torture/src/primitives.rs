@@ -95,6 +95,11 @@ pub(crate) async fn row(scenario: &str, backend: &str, mode: &str, size: Size, s
     (cfg.cs_min_ms, cfg.cs_max_ms) = if mode == "rw" { (20, 300) } else { (5, 30) };
     cfg.duration_ms = kills * 1200 + 2000;
     cfg.cancel_writers = mode == "rw";
+    if backend == "broken-redis-intent-never-withdrawn" {
+        // A stale intent shows only when a writer gives up with readers
+        // waiting and no other writer about: give it twice the time.
+        cfg.duration_ms *= 2;
+    }
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
     let mut rng = Rng::new(seed);

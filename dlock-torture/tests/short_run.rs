@@ -161,6 +161,8 @@ fn the_checker_catches_every_broken_lock_and_draws_it() {
                 | "broken-release-forgets"
                 | "broken-redlock-max-over-quorum"
                 | "broken-fence-check-outside-tx"
+                | "broken-redis-readers-pass-writers"
+                | "broken-redis-intent-never-withdrawn"
         ) {
             assert!(row["overlaps"].as_u64().unwrap_or(0) > 0, "{row}");
         }
