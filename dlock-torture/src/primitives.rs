@@ -97,8 +97,8 @@ pub(crate) async fn row(scenario: &str, backend: &str, mode: &str, size: Size, s
     cfg.cancel_writers = mode == "rw";
     if backend == "broken-redis-intent-never-withdrawn" {
         // A stale intent shows only when a writer gives up with readers
-        // waiting and no other writer about: give it twice the time.
-        cfg.duration_ms *= 2;
+        // waiting and no other writer about: give it three times the time.
+        cfg.duration_ms *= 3;
     }
     let procs = 3;
     spawn_workers(&mut run, &cfg, procs)?;
