@@ -3,5 +3,6 @@
 //! database, one lock service); each binary only wires environment
 //! variables to its library.
 
+pub mod shutdown;
 #[cfg(feature = "postgres")]
 pub mod wallet;

@@ -64,7 +64,7 @@ async fn main() -> Result<(), Error> {
     let wallet = Wallet::new(pool, dlock, config.clone()).await?;
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(backend, ?order, fenced = config.fenced, "wallet listening on http://{}", listener.local_addr()?);
-    axum::serve(listener, wallet.router()).with_graceful_shutdown(shutdown()).await?;
+    axum::serve(listener, wallet.router()).with_graceful_shutdown(dlock_examples::shutdown::signal()).await?;
     tracing::info!("wallet stopped");
     Ok(())
 }
@@ -80,29 +80,4 @@ fn flag(var: &str) -> Result<bool, String> {
         Some("1") => Ok(true),
         Some(other) => Err(format!("{var}: expected 1 or 0, got `{other}`")),
     }
-}
-
-/// Ctrl-C or SIGTERM: requests in flight finish (and transfers commit).
-async fn shutdown() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
-    tracing::info!("shutting down: finishing requests in flight");
 }
