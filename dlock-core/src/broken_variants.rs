@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub enum Switch {
     /// The restart quarantine of a missing data marker ends at once: the
     /// first client to find the marker missing sets it again and grants
-    /// (`backend/redis/restart.rs`, the quarantine script told 0 µs).
+    /// (`redis/restart.rs`, the quarantine script told 0 µs).
     QuarantineOpensEarly,
     /// A release retried in the background gives its owner's turn up at
     /// once, so an acquire of the same key and owner can join the hold on
@@ -25,17 +25,19 @@ pub enum Switch {
     BatchRepeatsToken,
     /// A semaphore admits one holder more than its limit (ZooKeeper's turn
     /// rule counts one contender too few, `backend/zookeeper/node.rs`;
-    /// Redis's acquire script counts one holder too few, `take.lua`).
+    /// Redis's acquire script and PostgreSQL's acquire function count one
+    /// holder too few, `take.lua`, `acquire.sql`).
     PermitsOverLimit,
     /// A reader takes a read-write lock however many writers are ahead of
     /// it (ZooKeeper's turn rule ignores them, `backend/zookeeper/node.rs`;
-    /// Redis's acquire script ignores a waiting writer's intent,
-    /// `take.lua`).
+    /// Redis's acquire script and PostgreSQL's acquire function ignore a
+    /// waiting writer's intent, `take.lua`, `acquire.sql`).
     ReadersPassWriters,
     /// A writer that leaves without the key never takes its intent back
-    /// (Redis and RedLock: [`Backend::withdraw`](crate::backend::Backend::withdraw)
-    /// does nothing, `backend/redis/mod.rs`): the readers it kept out wait
-    /// until its wait would have ended.
+    /// (Redis, RedLock and PostgreSQL:
+    /// [`Backend::withdraw`](crate::backend::Backend::withdraw) does
+    /// nothing, `backend/redis/mod.rs`, `backend/postgres/mod.rs`): the
+    /// readers it kept out wait until its wait would have ended.
     IntentNeverWithdrawn,
 }
 
@@ -122,18 +124,47 @@ mod tests {
 /// The Redis acquire scripts' `take.lua` with [`Switch::PermitsOverLimit`]
 /// (a semaphore full at one holder more than its limit) and
 /// [`Switch::ReadersPassWriters`] (a reader never refused for a waiting
-/// writer's intent) applied when on. Panics when the text a switch edits
-/// is gone from the script, so an edit of the script cannot turn a switch
-/// into a silent no-op.
+/// writer's intent) applied when on.
 #[cfg(feature = "redis")]
 pub(crate) fn take_script(take: &str) -> String {
-    let mut s = take.to_owned();
-    let edits = [
-        (Switch::PermitsOverLimit, "if held > 0 and s.n >= held then", "if held > 0 and s.n > held then"),
-        (Switch::ReadersPassWriters, "if held == 0 and s.intent and s.intent ~= owner then", "if false then"),
-    ];
-    for (switch, from, to) in edits {
-        assert!(s.contains(from), "take.lua no longer holds `{from}`, which {switch:?} edits");
+    edit(
+        "take.lua",
+        take,
+        &[
+            (Switch::PermitsOverLimit, "if held > 0 and s.n >= held then", "if held > 0 and s.n > held then"),
+            (Switch::ReadersPassWriters, "if held == 0 and s.intent and s.intent ~= owner then", "if false then"),
+        ],
+    )
+}
+
+/// PostgreSQL's acquire function (`acquire.sql`) with the same two
+/// switches applied when on: a semaphore full at one holder more than its
+/// limit, a reader never refused for a writer's intent.
+#[cfg(feature = "postgres")]
+pub(crate) fn acquire_function(sql: &str) -> String {
+    edit(
+        "acquire.sql",
+        sql,
+        &[
+            (
+                Switch::PermitsOverLimit,
+                "refused := holders >= substr(p_mode, 2)::bigint;",
+                "refused := holders > substr(p_mode, 2)::bigint;",
+            ),
+            (Switch::ReadersPassWriters, "refused := intent_end IS NOT NULL;", "refused := false;"),
+            (Switch::ReadersPassWriters, "ELSIF p_mode = 's' AND intent_end IS NOT NULL THEN", "ELSIF false THEN"),
+        ],
+    )
+}
+
+/// `text` with each `(switch, from, to)` edit made whose switch is on.
+/// Panics when the text an edit replaces is gone from `file`, so an edit of
+/// the script cannot turn a switch into a silent no-op.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+fn edit(file: &str, text: &str, edits: &[(Switch, &str, &str)]) -> String {
+    let mut s = text.to_owned();
+    for &(switch, from, to) in edits {
+        assert!(s.contains(from), "{file} no longer holds `{from}`, which {switch:?} edits");
         if is_on(switch) {
             s = s.replace(from, to);
         }

@@ -2,14 +2,14 @@
 
 use std::time::Duration;
 
-use crate::backend::redact;
-#[cfg(feature = "redis")]
-use crate::backend::redis::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
 pub use crate::backend::zookeeper_auth::ZooKeeperAuth;
 use crate::backend::zookeeper_auth::AUTH_VAR;
 use crate::engine::{LockerOptions, DEFAULT_LEASE};
 use crate::error::{Error, Result};
 use crate::key::validate_prefix;
+use crate::redact::redact;
+#[cfg(feature = "redis")]
+use crate::redis::tls::{check_url_supported, RedisTls, CA_FILE_VAR, CLIENT_CERT_VAR, CLIENT_KEY_VAR};
 
 /// Which coordination service holds the locks. Its `Debug` hides the
 /// passwords in URLs.
@@ -36,19 +36,16 @@ pub enum BackendKind {
         connect: String,
         /// The session timeout: the lease of every lock.
         session_timeout: Duration,
-        /// Digest credentials; with them the lock nodes can be changed and
-        /// deleted only by clients with the same credentials. `None`: the
-        /// nodes are open to every client of the ensemble.
+        /// Digest credentials; `None`: the nodes are open to every client.
         auth: Option<ZooKeeperAuth>,
     },
-    /// PostgreSQL (`DLOCK_BACKEND=postgres`, `DLOCK_POSTGRES_URL`, cargo
-    /// feature `postgres`): a lease table, see `dlock_core::backend::postgres`.
+    /// PostgreSQL (`DLOCK_BACKEND=postgres`, `DLOCK_POSTGRES_URL`, feature
+    /// `postgres`).
     Postgres {
         /// `postgres://user:password@host:port/database`.
         url: String,
-        /// Where the connection that listens for releases goes, when not
-        /// to `url` (`DLOCK_POSTGRES_LISTEN_URL`; see
-        /// `PostgresOptions::with_listen_url`).
+        /// Where the release listener connects, if not to `url`
+        /// (`DLOCK_POSTGRES_LISTEN_URL`).
         listen_url: Option<String>,
     },
 }
@@ -119,21 +116,12 @@ impl BackendKind {
 /// | `DLOCK_REDIS_CA_FILE` | PEM CA to verify `rediss://` servers with (feature `tls`) | the system trust store |
 /// | `DLOCK_REDIS_CLIENT_CERT_FILE`, `DLOCK_REDIS_CLIENT_KEY_FILE` | PEM client certificate and PKCS#8 key for `tls-auth-clients yes` (feature `tls`) | none |
 ///
-/// A backend's own variable (`DLOCK_REDIS_URL`, `DLOCK_REDLOCK_URLS`,
-/// `DLOCK_ZOOKEEPER*`, `DLOCK_POSTGRES_URL`) set while `DLOCK_BACKEND` is not is an error naming
-/// it, not a silent fallback to in-process locks; one of another backend
-/// than `DLOCK_BACKEND` names is ignored with a warning.
-///
-/// A `DLOCK_*` variable that is none of these is a warning naming the
-/// closest known one ([`Config::from_env`]): `DLOCK_REDIS_URI` would
-/// otherwise leave the default `127.0.0.1:6379` in place without a word. A
-/// backend whose cargo feature is off is the first error reported.
-///
-/// An empty variable counts as unset. The TLS files apply to every
-/// `rediss://` URL (lock backend, RedLock masters, idempotency store); they
-/// are read and parsed here, so a missing or malformed file is an error
-/// naming its variable. Without the `tls` feature a `rediss://` URL or a TLS
-/// file is an error that says to enable it.
+/// A backend's own variable set while `DLOCK_BACKEND` is unset is an error
+/// naming it, not a silent fallback to in-process locks; one of a backend
+/// other than the named one is a warning. An unknown `DLOCK_*` variable is
+/// a warning naming the closest known one. An empty variable counts as
+/// unset. The TLS files apply to every `rediss://` URL and are parsed here;
+/// without the `tls` feature they are an error that says to enable it.
 ///
 /// ```
 /// use dlock_core::{BackendKind, Config};
@@ -182,23 +170,19 @@ pub struct Config {
     /// Where idempotency records live when it is not the lock backend's
     /// Redis (`DLOCK_IDEMPOTENCY_REDIS_URL`).
     pub idempotency_redis_url: Option<String>,
-    /// CA and client certificate for `rediss://` connections
-    /// (`DLOCK_REDIS_CA_FILE`, `DLOCK_REDIS_CLIENT_CERT_FILE`,
-    /// `DLOCK_REDIS_CLIENT_KEY_FILE`); `None`: the system trust store.
+    /// CA and client certificate for `rediss://` (`DLOCK_REDIS_*_FILE`);
+    /// `None`: the system trust store.
     #[cfg(feature = "redis")]
     pub redis_tls: Option<RedisTls>,
     /// No grants from a Redis that restarted or lost its data until it has
     /// been up this long (`DLOCK_RESTART_QUARANTINE_MS`; zero: off).
     pub restart_quarantine: Duration,
-    /// Whether idempotency records may stay in each process with the
-    /// `redlock` and `zookeeper` backends when `idempotency_redis_url` is
-    /// unset (`DLOCK_IDEMPOTENCY_LOCAL=1`). Off, that is a start-up error
-    /// (see [`Config::build`]): a duplicate sent to two
-    /// instances would run on both.
+    /// Whether records may stay in each process with `redlock` and
+    /// `zookeeper` and no records Redis (`DLOCK_IDEMPOTENCY_LOCAL=1`; see
+    /// [`Config::build`]).
     pub allow_local_idempotency: bool,
-    /// Caps on live idempotency records and tokens, per caller and in all
-    /// (`DLOCK_IDEMPOTENCY_MAX_PER_SCOPE`, `DLOCK_IDEMPOTENCY_MAX_RECORDS`);
-    /// the stores this configuration builds enforce them.
+    /// Caps on live idempotency records and tokens
+    /// (`DLOCK_IDEMPOTENCY_MAX_*`), for the stores this configuration builds.
     pub idempotency_limits: crate::idempotency::IdempotencyLimits,
 }
 
@@ -245,16 +229,10 @@ impl std::fmt::Debug for Config {
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const DEFAULT_POSTGRES_URL: &str = "postgres://127.0.0.1:5432/postgres";
 
-/// The variables that configure one backend, with that backend.
-///
-/// One of them set while `DLOCK_BACKEND` is not is a configuration error
-/// rather than a hint to pick that backend: a URL left in the environment
-/// by an earlier deployment would otherwise switch backends just as
-/// silently as the in-process fallback ignored it, variables of two
-/// backends would leave the choice to the order of this list, and the
-/// mistake costs one line to fix at start-up, while a silent fallback to
-/// in-process locks costs every lock its meaning with N instances and
-/// passes every single-instance test.
+/// The variables that configure one backend, with that backend. One set
+/// without `DLOCK_BACKEND` is an error, not a hint: a leftover URL must not
+/// switch backends silently, and a silent in-process fallback would pass
+/// every single-instance test.
 const BACKEND_VARS: [(&str, &str); 7] = [
     ("DLOCK_REDIS_URL", "redis"),
     ("DLOCK_REDLOCK_URLS", "redlock"),
@@ -470,8 +448,8 @@ impl Config {
 
     /// The Redis connection options of this configuration (TLS material).
     #[cfg(feature = "redis")]
-    pub fn redis_options(&self) -> crate::backend::redis::RedisOptions {
-        let options = crate::backend::redis::RedisOptions::default().with_restart_quarantine(self.restart_quarantine);
+    pub fn redis_options(&self) -> crate::redis::RedisOptions {
+        let options = crate::redis::RedisOptions::default().with_restart_quarantine(self.restart_quarantine);
         match &self.redis_tls {
             Some(tls) => options.with_tls(tls.clone()),
             None => options,
@@ -534,10 +512,8 @@ const KNOWN: [&str; 25] = [
 ];
 
 /// `Some` for a `DLOCK_*` name this configuration does not read, with the
-/// known name closest to it when one is close enough to be a typo (three
-/// edits, or a third of its letters): `DLOCK_REDIS_URI` → `DLOCK_REDIS_URL`,
-/// `DLOCK_WAIT` → `DLOCK_WAIT_MS`.
-/// dlock's own test tools (`DLOCK_TORTURE_*`) are not judged.
+/// closest known name when it looks like a typo (`DLOCK_REDIS_URI` →
+/// `DLOCK_REDIS_URL`). `DLOCK_TORTURE_*` is not judged.
 fn unknown_variable(name: &str) -> Option<Option<&'static str>> {
     if !name.starts_with("DLOCK_") || KNOWN.contains(&name) || name.starts_with("DLOCK_TORTURE_") {
         return None;
@@ -579,8 +555,7 @@ fn number(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Op
         .transpose()
 }
 
-/// A whole number of at least 1: a cap of 0 would refuse everything, which
-/// is never what a typo meant.
+/// A whole number of at least 1 (a cap of 0 would refuse everything).
 fn positive(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<u64>> {
     match number(get, var)? {
         Some(0) => Err(Error::config(var, "must be at least 1")),
@@ -588,8 +563,7 @@ fn positive(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<
     }
 }
 
-/// `1`/`true`/`yes` or `0`/`false`/`no`; anything else is an error rather
-/// than "off", so a typo does not quietly keep the default.
+/// `1`/`true`/`yes` or `0`/`false`/`no`; anything else is an error.
 fn flag(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<bool>> {
     get(var)
         .map(|v| match v.to_ascii_lowercase().as_str() {
@@ -683,8 +657,7 @@ mod tests {
         assert!(printed.contains("redis://***@h4:6379"), "{printed}");
     }
 
-    /// `DLOCK_REDIS_URL` alone, the natural first guess, used to give
-    /// in-process locks without a word: N instances that share nothing.
+    /// `DLOCK_REDIS_URL` alone used to give in-process locks silently.
     #[test]
     fn a_backend_variable_without_a_backend_is_an_error_naming_it() {
         for (var, val, backend) in [
@@ -701,8 +674,7 @@ mod tests {
             assert!(text.contains(&format!("DLOCK_BACKEND={backend}")), "{text} should say which backend");
             assert!(!text.contains("pw"), "{text} must not show the password");
         }
-        // Named, the backend takes its variables; `memory` chosen on purpose
-        // ignores them (with a warning).
+        // `memory` chosen on purpose ignores them, with a warning.
         let c = cfg(&[("DLOCK_BACKEND", "redis"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:6379")]).expect("redis");
         assert_eq!(c.backend, BackendKind::Redis { url: "redis://10.0.0.1:6379".into() });
         let c = cfg(&[("DLOCK_BACKEND", "memory"), ("DLOCK_REDIS_URL", "redis://10.0.0.1:6379")]).expect("memory");
@@ -770,8 +742,7 @@ mod tests {
         }
     }
 
-    /// Every variable read is in `KNOWN`: one missing there would be
-    /// warned about as unknown while it works.
+    /// Every variable read is in `KNOWN`, or it would be warned about.
     #[test]
     fn every_variable_read_is_known() {
         let read = std::cell::RefCell::new(Vec::new());
@@ -815,8 +786,7 @@ mod tests {
         assert!(e.to_string().contains("DLOCK_BODY_READ_TIMEOUT_MS"), "{e}");
     }
 
-    /// Without the feature, the backend is the first thing said, before
-    /// what its records would need.
+    /// Without the feature, that is said first.
     #[cfg(not(feature = "zookeeper"))]
     #[test]
     fn a_backend_without_its_feature_is_the_first_error() {

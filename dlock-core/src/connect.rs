@@ -1,15 +1,15 @@
-//! Connecting what a [`Config`] names: the lock backend and the idempotency
-//! store, one [`DlockRuntime`], with the start-up checks of the servers they
-//! use. Reading `DLOCK_*` is `config.rs`, which does no I/O.
+//! Connecting what a [`Config`] names into one [`DlockRuntime`], with the
+//! start-up checks of its servers (`config.rs` does no I/O).
 
 use std::sync::Arc;
 
 use crate::backend::memory::MemoryBackend;
-use crate::backend::{redact, Backend};
+use crate::backend::Backend;
 use crate::config::{BackendKind, Config};
 use crate::engine::Locker;
 use crate::error::{Error, Result};
 use crate::idempotency::{IdempotencyStore, MemoryStore};
+use crate::redact::redact;
 use crate::runtime::DlockRuntime;
 
 impl Config {
@@ -23,28 +23,19 @@ impl Config {
     /// | `postgres` | `DLOCK_IDEMPOTENCY_REDIS_URL` if set, else the same database as the locks, on the same pool ([`PostgresStore`](crate::idempotency::PostgresStore)), its tables made when it is first asked for a record |
     /// | `redlock`, `zookeeper` | `DLOCK_IDEMPOTENCY_REDIS_URL`; unset: none, unless `DLOCK_IDEMPOTENCY_LOCAL=1` keeps them in this process |
     ///
-    /// Without a place for records, the locks work and every request that
-    /// needs records is refused, its error naming
-    /// `DLOCK_IDEMPOTENCY_REDIS_URL` ([`DlockRuntime::idempotency_store`]):
-    /// records in each process would let a duplicate sent to two instances
-    /// run on both, and nothing would say so. That is logged at start-up too.
+    /// Without a place for records the locks work, and every request that
+    /// needs records is refused naming `DLOCK_IDEMPOTENCY_REDIS_URL`
+    /// ([`DlockRuntime::idempotency_store`]): records in each process would
+    /// let a duplicate sent to two instances run on both. Routes with a
+    /// store of their own hand it over with
+    /// [`DlockRuntime::with_idempotency_store`] or
+    /// [`DlockRuntime::also_check`].
     ///
-    /// A service whose idempotency routes keep their records in a store of
-    /// their own (`IdempotencyLayer::in_transaction` on
-    /// [`PostgresStore::with_pool`](crate::idempotency::PostgresStore::with_pool))
-    /// hands it to the runtime with
-    /// [`DlockRuntime::with_idempotency_store`] (the runtime's own store is
-    /// then dropped, having made nothing), or, beside the runtime's, with
-    /// [`DlockRuntime::also_check`]: the readiness probe then asks the
-    /// store the routes use.
-    ///
-    /// For Redis the servers are checked now: each must answer, be Redis 7
-    /// or newer and let the ACL user subscribe to the lock channels.
-    /// Records in the lock keyspace of a Redis whose `maxmemory-policy`
-    /// evicts keys are refused (a flood of records would evict held locks:
-    /// point `DLOCK_IDEMPOTENCY_REDIS_URL` at another instance or database,
-    /// or use `noeviction`); a records Redis that keeps nothing over a
-    /// restart is a warning.
+    /// Redis servers are checked now (they answer, are Redis 7 or newer,
+    /// let the ACL user subscribe to the lock channels). Records in the lock
+    /// keyspace of a Redis whose `maxmemory-policy` evicts are refused (they
+    /// would evict held locks); a records Redis that persists nothing is a
+    /// warning.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -91,24 +82,20 @@ impl Config {
         #[cfg(feature = "postgres")]
         if let (BackendKind::Postgres { url, listen_url }, None) = (&self.backend, &self.idempotency_redis_url) {
             let backend = Arc::new(postgres_backend(url, listen_url.as_deref(), &self.prefix).await?);
-            // Its tables on first use: an application whose routes keep
-            // their records in a store of their own never uses this one.
+            // Tables on first use: routes may keep records elsewhere.
             let store = crate::idempotency::PostgresStore::on_first_use(&backend)
                 .map_err(at("DLOCK_POSTGRES_URL", url))?
                 .with_limits(self.idempotency_limits);
             let locker = Locker::with_options(backend, self.locker_options())?;
             return Ok(DlockRuntime::from_parts(locker, Ok(Arc::new(store)), self));
         }
-        // The records first: a refusal of their configuration needs no
-        // connection, and a records Redis that cannot be reached is reported
-        // as such, not after the locks' connection.
+        // The records first, so a records Redis down is reported as such.
         let records = self.connect_records().await?;
         let locker = self.connect_locks().await?;
         Ok(DlockRuntime::from_parts(locker, records, self))
     }
 
-    /// The backend and where it is, for the start-up log line: URLs with
-    /// their passwords hidden, the ZooKeeper user without its password.
+    /// The backend and where it is, for the start-up line, passwords hidden.
     pub(crate) fn backend_summary(&self) -> String {
         match &self.backend {
             BackendKind::Memory => "memory (this process only)".into(),
@@ -187,10 +174,8 @@ impl Config {
         Locker::with_options(backend, self.locker_options())
     }
 
-    /// The idempotency store of this configuration on a connection of its
-    /// own; `Err` inside: the configuration keeps no records (see
-    /// [`build`](Self::build)), which is not a start-up error, with the
-    /// variable and the reason a request for records is told.
+    /// The idempotency store on a connection of its own; `Err` inside: no
+    /// records (not a start-up error), with the variable and the reason.
     async fn connect_records(&self) -> Result<std::result::Result<Arc<dyn IdempotencyStore>, (&'static str, String)>> {
         let url = match (&self.idempotency_redis_url, &self.backend) {
             (Some(url), _) => Some(url.as_str()),
@@ -241,10 +226,8 @@ impl Config {
     }
 }
 
-/// An error of connecting to the server `var` names at `address`, saying so:
-/// "cannot reach Redis" alone does not tell the lock Redis from the
-/// records' one. A configuration error is moved to `var` (the Redis client
-/// names `DLOCK_REDIS_URL` for every URL it is given).
+/// An error of connecting to the server `var` names at `address`, saying
+/// which (a configuration error is moved to `var`).
 #[cfg(any(feature = "redis", feature = "zookeeper", feature = "postgres"))]
 fn at<'a>(var: &'static str, address: &'a str) -> impl FnOnce(Error) -> Error + 'a {
     move |e| match e {
@@ -286,9 +269,8 @@ enum Beside {
 }
 
 /// Whether `records` (a Redis URL) is where a lock URL is: the same string,
-/// or the same host, port and database once parsed (`localhost` is
-/// `127.0.0.1`). Cluster and Sentinel URLs count as one place only when
-/// written the same.
+/// or the same host, port and database once parsed (Cluster and Sentinel
+/// URLs only when written the same).
 #[cfg(feature = "redis")]
 fn beside(records: &str, lock: &str) -> Beside {
     use redis::IntoConnectionInfo;
@@ -317,11 +299,9 @@ fn beside(records: &str, lock: &str) -> Beside {
 
 #[cfg(feature = "redis")]
 impl Config {
-    /// Refuses idempotency records in the lock keyspace of a Redis whose
-    /// `maxmemory-policy` evicts keys: a flood of records would then evict
-    /// held locks. `noeviction` is allowed (the caps keep the records from
-    /// filling it); a policy that cannot be read (`CONFIG` refused by an
-    /// ACL) is a warning, and the caps are what is left.
+    /// Refuses records in the lock keyspace of a Redis whose
+    /// `maxmemory-policy` evicts (a flood would evict held locks); a policy
+    /// that cannot be read is a warning, and the caps are what is left.
     async fn check_records_beside_locks(
         &self,
         store: &crate::idempotency::RedisStore,
@@ -385,9 +365,8 @@ impl Config {
     }
 }
 
-/// Warns when the records' Redis keeps nothing over a restart (neither an
-/// append-only file nor RDB snapshots): it would come back empty, and every
-/// key completed before would run its route again.
+/// Warns when the records' Redis persists nothing: back empty, every key
+/// completed before would run its route again.
 #[cfg(feature = "redis")]
 async fn warn_without_persistence(store: &crate::idempotency::RedisStore) {
     match store.persists().await {
@@ -427,9 +406,7 @@ mod tests {
         assert_eq!(at("redis+cluster://a:1,b:2", "redis+cluster://a:1"), Beside::Apart);
     }
 
-    /// With RedLock or ZooKeeper and no shared store, each instance would
-    /// keep its own records and a duplicate sent to two would run twice:
-    /// no records then (the locks still work), unless allowed.
+    /// RedLock or ZooKeeper with no shared store: no records, unless allowed.
     #[tokio::test]
     async fn records_in_each_process_need_to_be_allowed() {
         let redlock = [("DLOCK_BACKEND", "redlock"), ("DLOCK_REDLOCK_URLS", "redis://a,redis://b,redis://c")];
@@ -455,9 +432,8 @@ mod tests {
         assert_eq!(store.name(), "memory");
     }
 
-    /// A refused configuration leaves the locks working; the runtime names
-    /// the variable to whoever asks for records, and its readiness leaves
-    /// them out rather than failing a service that only locks.
+    /// A refused configuration leaves the locks working and ready; asking
+    /// for records names the variable.
     #[tokio::test]
     async fn a_runtime_without_records_names_the_variable() {
         let mut config = cfg(&[]);
@@ -471,8 +447,7 @@ mod tests {
         assert_eq!(readiness.checks().iter().map(|c| c.part()).collect::<Vec<_>>(), ["locks"]);
     }
 
-    /// Which Redis failed, and where: the lock Redis and the records' one
-    /// told apart, the password hidden.
+    /// Which Redis failed, and where, the password hidden.
     #[test]
     fn connection_errors_name_the_variable_and_the_address() {
         let e = at("DLOCK_IDEMPOTENCY_REDIS_URL", "redis://app:s3cret@10.0.0.9:6380/1")(Error::backend(

@@ -4,21 +4,11 @@ use std::time::Duration;
 
 /// Everything that can go wrong when taking, keeping or giving back a lock.
 ///
-/// The variants fall in three classes, each with a classification method, so
-/// that callers (and the HTTP layer) can map them without matching on every
-/// variant:
-///
-/// * contention — the lock is held by someone else: [`Error::is_contention`]
-///   ([`Error::Busy`], [`Error::Timeout`]);
-/// * the coordination service failed or could not be reached:
-///   [`Error::is_unavailable`] ([`Error::Backend`], [`Error::QuorumUnavailable`]);
-/// * the program or its environment is wrong: [`Error::is_misconfigured`]
-///   ([`Error::Config`], [`Error::InvalidKey`], [`Error::InvalidArgument`],
-///   [`Error::ModeConflict`]);
-/// * the storage refused a write fenced by a token a newer holder has
-///   overtaken: [`Error::is_stale`] ([`Error::StaleToken`]).
-///
-/// [`Error::Internal`] is none of these: dlock itself broke a rule it keeps.
+/// Classify with [`is_contention`](Error::is_contention) (the lock is
+/// held), [`is_unavailable`](Error::is_unavailable) (the service failed:
+/// fail closed), [`is_misconfigured`](Error::is_misconfigured) and
+/// [`is_stale`](Error::is_stale) (a fenced write refused), rather than
+/// matching every variant. [`Error::Internal`] is none of these: a dlock bug.
 ///
 /// ```
 /// use dlock_core::Error;
@@ -95,13 +85,9 @@ pub enum Error {
         /// What does not fit, for people.
         reason: String,
     },
-    /// The storage refused a write (or a fenced read) because a newer holder
-    /// of the lock has already used the resource with a higher fencing
-    /// token: this holder's lease ran out (a pause, a slow network) and the
-    /// lock was granted again. Nothing was written; the caller must not
-    /// treat its work as done. Made by the helpers of [`fence`](crate::fence),
-    /// which check the token inside the storage, so the refusal holds even
-    /// when the holder never noticed it lost the lock.
+    /// The storage ([`fence`](crate::fence)) refused a write or fenced read:
+    /// a newer holder has used the resource with a higher token, since this
+    /// holder's lease ran out. Nothing was written; the work is not done.
     #[error("fencing token {token} is stale for `{resource}`: token {newest} has already been used")]
     StaleToken {
         /// The fenced resource, as named by the caller.
@@ -112,19 +98,17 @@ pub enum Error {
         newest: u64,
     },
     /// dlock broke a rule of its own (a future polled after it finished, a
-    /// stored record it cannot read back); a bug to report, not a state of
-    /// the service or of the caller's program.
+    /// stored record it cannot read back): a bug to report.
     #[error("internal error: {0}")]
     Internal(String),
     /// The acquiring future was dropped before it finished; only seen by
     /// backends, never by a caller of [`Locker::acquire`](crate::Locker::acquire).
     #[error("acquire cancelled")]
     Cancelled,
-    /// An idempotency store holds as many live records (or tokens) as its
-    /// [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits) allow:
-    /// for this caller (`per_scope`), or in total. Nothing was stored; the
-    /// same request may succeed once `retry_after` has passed and the
-    /// oldest record expired.
+    /// An idempotency store is at its
+    /// [`IdempotencyLimits`](crate::idempotency::IdempotencyLimits), for this
+    /// caller (`per_scope`) or in total. Nothing was stored; retry after
+    /// `retry_after`.
     #[error("idempotency store full ({}): retry after {retry_after:?}", if *per_scope { "this caller's records" } else { "all records" })]
     IdempotencyFull {
         /// The caller's cap was reached (else the store's total cap).
@@ -145,25 +129,17 @@ impl Error {
         matches!(self, Error::Backend { .. } | Error::QuorumUnavailable { .. })
     }
 
-    /// The service may have carried out the request that failed: it was
-    /// sent, and its answer was lost (a response timeout, a connection that
-    /// dropped while it was in flight), on this try or an earlier one of
-    /// the same request. A connection refused, or down before the request
-    /// was sent, did nothing. The engine undoes an acquire that failed this
-    /// way.
-    ///
-    /// A backend marks such an error when it builds it ([`MayHaveRun`]),
-    /// so this module knows no backend's error types.
+    /// The failed request was sent and its answer lost, on this try or an
+    /// earlier one, so it may have been carried out (the engine undoes such
+    /// an acquire). Backends mark it ([`MayHaveRun`]).
     pub(crate) fn outcome_unknown(&self) -> bool {
         let Error::Backend { source: Some(source), .. } = self else { return false };
         source.is::<MayHaveRun>()
     }
 
-    /// This error, marked as one whose request may have been carried out
-    /// ([`outcome_unknown`](Self::outcome_unknown)): for a retry loop whose
-    /// earlier try may have run, whatever its last try failed with. An
-    /// error that is not [`Error::Backend`] is a definite answer and stays
-    /// as it is.
+    /// This error, marked [`outcome_unknown`](Self::outcome_unknown) (only
+    /// an [`Error::Backend`]: the others are definite answers).
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
     pub(crate) fn may_have_run(self) -> Error {
         match self {
             Error::Backend { backend, message, source } if !matches!(&source, Some(s) if s.is::<MayHaveRun>()) => {
@@ -173,12 +149,9 @@ impl Error {
         }
     }
 
-    /// How long until the same request may succeed, when that is known: what
-    /// is left of a Redis restart quarantine (an [`Error::Backend`] made by
-    /// [`Error::unavailable_for`]), or when the oldest record of a full
-    /// idempotency store expires ([`Error::IdempotencyFull`]). `None` for an
-    /// outage nobody can time, and for errors a retry cannot mend. dlock-axum
-    /// sends it as `Retry-After`.
+    /// How long until the same request may succeed, when known: a restart
+    /// quarantine's rest ([`Error::unavailable_for`]) or a full store's
+    /// ([`Error::IdempotencyFull`]). dlock-axum sends it as `Retry-After`.
     ///
     /// ```
     /// use std::time::Duration;
@@ -259,9 +232,8 @@ impl std::error::Error for RefusedFor {}
 /// `Result` with dlock's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// The source of an [`Error::Backend`] whose request may have been carried
-/// out: it was sent and its answer was lost, on the last try or an earlier
-/// one ([`Error::outcome_unknown`]). It wraps the error's own source, if any.
+/// The source of an [`Error::Backend`] whose request may have run
+/// ([`Error::outcome_unknown`]), wrapping the error's own source.
 #[derive(Debug)]
 pub(crate) struct MayHaveRun(pub(crate) Option<Box<dyn std::error::Error + Send + Sync>>);
 

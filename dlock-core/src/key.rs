@@ -1,11 +1,6 @@
-//! Lock keys that cannot collide.
-//!
-//! A key is `prefix:{name:part1:part2…}`. The name and every part are escaped
-//! so that a value containing the separator (or a brace, or a slash) can never
-//! produce the same key as another tuple of values: `("a:b", "c")` and
-//! `("a", "b:c")` give different keys. The braces are a Redis Cluster hash
-//! tag, so the lock and its companion keys (release channel; in a cluster,
-//! the slot's fencing high-water mark) live in one slot.
+//! Lock keys that cannot collide: `prefix:{name:part1:part2…}`, every part
+//! escaped, so `("a:b", "c")` and `("a", "b:c")` differ. The braces are a
+//! Redis Cluster hash tag, keeping a lock's companion keys in its slot.
 
 use std::fmt;
 
@@ -15,9 +10,8 @@ use crate::error::{Error, Result};
 /// hashed, so two keys are equal exactly when their inputs are.
 pub const MAX_KEY_LEN: usize = 1024;
 
-/// Text that stands for "no value" (`None`). It contains a `%` not followed by
-/// two hex digits, which escaping never produces, so it cannot collide with
-/// any string, including `"None"`, `"null"` or `""`.
+/// Text for `None`: a `%` without two hex digits, which escaping never
+/// produces, so it equals no string.
 const NONE_PART: &str = "%N";
 
 /// A fully built, escaped lock key.
@@ -29,8 +23,7 @@ const NONE_PART: &str = "%N";
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LockKey {
-    // Shared: a key is cloned into the guard, the watchdog and the backend's
-    // tables for every acquire.
+    // Shared: a key is cloned several times per acquire.
     full: std::sync::Arc<str>,
 }
 
@@ -47,20 +40,56 @@ impl LockKey {
         KeyBuilder { full }
     }
 
+    /// A key from the text a backend stores it as (`prefix:{name:parts}`,
+    /// as [`as_str`](Self::as_str) writes it and a listing returns it), for
+    /// an operator who copied it from one.
+    ///
+    /// ```
+    /// use dlock_core::LockKey;
+    /// let key = LockKey::builder("dlock", "order.create").part("a:b").build()?;
+    /// assert_eq!(LockKey::parse(key.as_str())?, key);
+    /// assert!(LockKey::parse("dlock:order.create").is_err(), "no braces");
+    /// # Ok::<(), dlock_core::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] for text no builder makes.
+    pub fn parse(text: &str) -> Result<LockKey> {
+        let invalid = |why: &str| Error::InvalidKey(format!("`{}` is no lock key: {why}", KeyLogId(text)));
+        if text.len() > MAX_KEY_LEN {
+            return Err(invalid("longer than MAX_KEY_LEN"));
+        }
+        let (prefix, rest) = text.split_once(":{").ok_or_else(|| invalid("it has no `:{`"))?;
+        validate_prefix(prefix).map_err(|e| invalid(&e.to_string()))?;
+        let inner = rest.strip_suffix('}').ok_or_else(|| invalid("it does not end with `}`"))?;
+        if inner.is_empty() || inner.contains(['{', '}']) || inner.starts_with(':') {
+            return Err(invalid("its name is empty or holds a brace"));
+        }
+        Ok(LockKey { full: text.into() })
+    }
+
     /// The key as stored in the backend.
     pub fn as_str(&self) -> &str {
         &self.full
     }
 
-    /// The key as logs write it: the lock's name and a short hash of the
-    /// whole key, `order.create#1a2b3c4d5e6f`.
+    /// The lock's name, as escaped in the key: `order.create` for
+    /// `dlock:{order.create:42}`. Metrics label by it, never by the parts.
     ///
-    /// A key's parts are often request values — account ids, one-time
-    /// tokens — that do not belong in logs; the name is the developer's.
-    /// The hash (the first 12 hex digits of a SHA-1 of the key) is the same
-    /// in every process, so the lines of one key can be matched across
-    /// instances; a guessable value (a small id) can still be found by
-    /// hashing candidates, a secret one (a token) cannot.
+    /// ```
+    /// use dlock_core::LockKey;
+    /// let key = LockKey::builder("dlock", "order.create").part(42).build().unwrap();
+    /// assert_eq!(key.name(), "order.create");
+    /// ```
+    pub fn name(&self) -> &str {
+        name_of(&self.full)
+    }
+
+    /// The key as logs write it: the lock's name and a short hash of the
+    /// whole key (`order.create#1a2b3c4d5e6f`), since parts are often
+    /// request values. The hash is the same in every process; a guessable
+    /// value (a small id) can still be found by hashing candidates.
     ///
     /// ```
     /// use dlock_core::LockKey;
@@ -80,13 +109,16 @@ pub struct KeyLogId<'a>(&'a str);
 
 impl fmt::Display for KeyLogId<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The escaped name runs from the first `{` to the first `:` or `}`:
-        // escaping leaves neither inside a name or a part.
-        let inner = self.0.split_once('{').map_or(self.0, |(_, rest)| rest);
-        let name = inner.split([':', '}']).next().unwrap_or_default();
+        let name = name_of(self.0);
         let digest = sha1_smol::Sha1::from(self.0).digest().to_string();
         write!(f, "{name}#{}", &digest[..12])
     }
+}
+
+/// The escaped name of a full key: from the first `{` to the first `:` or `}`.
+fn name_of(full: &str) -> &str {
+    let inner = full.split_once('{').map_or(full, |(_, rest)| rest);
+    inner.split([':', '}']).next().unwrap_or_default()
 }
 
 impl fmt::Debug for KeyLogId<'_> {
@@ -153,8 +185,7 @@ impl KeyBuilder {
 }
 
 thread_local! {
-    /// The text buffer of the last key built on this thread, kept for the
-    /// next: a key then costs one allocation (its shared text), not two.
+    /// The last key's text buffer on this thread, kept: one allocation a key.
     static BUFFER: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
 }
 
@@ -178,21 +209,11 @@ impl Drop for KeyBuilder {
 
 /// A value that can be one part of a lock key.
 ///
-/// A part is written as text and escaped, so that no two different tuples of
-/// parts give the same key. Implemented for
-///
-/// * strings (`str`, `String`, `Cow<str>`), escaped;
-/// * integers, as their decimal text; `bool` as `true`/`false`; `char`;
-/// * IP addresses (`IpAddr`, `Ipv4Addr`, `Ipv6Addr`), as their text;
-/// * `Option<T>`: `None` is a part of its own that equals no string, not even
-///   `"None"`, `"null"` or `""`;
-/// * references, `Box<T>`, `Rc<T>` and `Arc<T>`, as the value they hold;
-/// * `uuid::Uuid` with the `uuid` feature, as its lowercase hyphenated text.
-///
-/// Two values give the same part exactly when their texts are equal: the
-/// integer `7` and the string `"7"` are one part (so a JSON body may send an
-/// id either way). Implement it for your own id types by writing their text
-/// through [`escape_into`].
+/// Written as escaped text, for strings, integers, `bool`, `char`, IP
+/// addresses, `uuid::Uuid` (feature `uuid`), references and smart pointers
+/// to these, and `Option<T>` (`None` equals no string, not even `"None"`).
+/// Equal texts are one part: `7` and `"7"` are the same. Implement it for
+/// your own ids through [`escape_into`].
 ///
 /// ```
 /// use dlock_core::{KeyPart, escape_into};
@@ -210,9 +231,7 @@ pub trait KeyPart {
 /// characters as `%XX`. The mapping is injective and its output never
 /// contains the separator.
 pub fn escape_into(raw: &str, out: &mut String) {
-    // Every escaped character is ASCII, so the text between two of them is
-    // copied as one slice: the slice bounds sit next to ASCII bytes, which
-    // are always character boundaries.
+    // Escaped characters are ASCII, so runs between them copy as slices.
     let mut start = 0;
     for (i, &b) in raw.as_bytes().iter().enumerate() {
         if matches!(b, b'%' | b':' | b'{' | b'}' | b'/' | 0..=0x1f | 0x7f) {
@@ -259,8 +278,7 @@ macro_rules! integer_part {
     ($($t:ty),*) => {$(
         impl KeyPart for $t {
             fn write_part(&self, out: &mut String) {
-                // Digits and a sign never need escaping; itoa writes what
-                // `Display` writes, without the formatting machinery.
+                // Digits and a sign need no escaping; itoa is `Display`'s text.
                 out.push_str(itoa::Buffer::new().format(*self));
             }
         }
@@ -332,8 +350,8 @@ impl KeyPart for uuid::Uuid {
     }
 }
 
-/// Checks a key namespace (`DLOCK_PREFIX`): braces form the Redis hash tag
-/// and `/` separates ZooKeeper paths, so neither may appear in it.
+/// Checks a key namespace (`DLOCK_PREFIX`): no braces (the hash tag) and
+/// no `/` (ZooKeeper paths).
 pub(crate) fn validate_prefix(prefix: &str) -> Result<()> {
     if prefix.is_empty() {
         return Err(Error::config("DLOCK_PREFIX", "must not be empty"));

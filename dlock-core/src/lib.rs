@@ -1,16 +1,10 @@
 //! dlock-core: distributed locks for services that must not do the same work
-//! twice.
-//!
-//! * [`Locker`] takes a lock through a [`Backend`](backend::Backend) (in process, Redis, …) and
-//!   returns a [`LockGuard`] with a fencing token and a lost-lock signal.
-//! * Waiting is event-driven: a waiter sleeps until a release is announced or
-//!   the holder's lease runs out.
-//! * Watchdog mode renews the lease every lease/3 while the guard lives.
-//! * The same [`Owner`] re-entering a lock it holds is counted.
-//! * [`LockKey`]s escape every part, so user input cannot make two keys equal.
-//! * [`Config::from_env`] reads the `DLOCK_*` variables; [`Config::build`]
-//!   connects what they name, a [`DlockRuntime`]: the engine, the
-//!   idempotency store and their settings.
+//! twice. A [`Locker`] takes a lock through a [`Backend`](backend::Backend)
+//! (in process, Redis, RedLock, ZooKeeper, PostgreSQL) and returns a
+//! [`LockGuard`] with a fencing token and a lost-lock signal; waits are
+//! woken by events, and watchdog mode renews the lease while the guard
+//! lives. [`Config::from_env`] reads `DLOCK_*`, and [`Config::build`]
+//! connects a [`DlockRuntime`]. Guide: `docs/core-api.md`.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -36,15 +30,24 @@ mod error;
 pub mod fence;
 pub mod idempotency;
 mod key;
+pub mod metrics;
 mod owner;
+#[cfg(feature = "postgres")]
+mod postgres;
+mod redact;
+#[cfg(feature = "redis")]
+mod redis;
 mod runtime;
 #[cfg(feature = "test-support")]
 pub mod test_support;
 
 pub use backend::lost::LostReason;
 pub use backend::memory::MemoryBackend;
+pub use backend::{LockMode, LostSignal};
 pub use config::{BackendKind, Config, ZooKeeperAuth};
-pub use engine::{AcquireOptions, LockGuard, Locker, LockerOptions, MultiGuard, DEFAULT_LEASE};
+pub use engine::{
+    AcquireOptions, ForceUnlock, Listing, LockGuard, Locker, LockerOptions, MultiGuard, DEFAULT_LEASE, MAX_PAGE,
+};
 pub use error::{Error, Result};
 pub use key::{escape_into, KeyBuilder, KeyLogId, KeyPart, LockKey, MAX_KEY_LEN};
 pub use owner::Owner;
@@ -53,4 +56,4 @@ pub use runtime::{
 };
 
 #[cfg(feature = "redis")]
-pub use backend::redis::tls::RedisTls;
+pub use redis::RedisTls;

@@ -44,6 +44,14 @@ impl Owner {
         Ok(Owner(digits))
     }
 
+    /// The owner whose token a backend stored as `text` (32 hex digits),
+    /// for an operator's forced release; `None` for any other text.
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn from_token(text: &str) -> Option<Owner> {
+        let digits: [u8; 32] = text.as_bytes().try_into().ok()?;
+        digits.iter().all(u8::is_ascii_hexdigit).then_some(Owner(digits))
+    }
+
     /// The token as sent to the backend.
     pub fn as_str(&self) -> &str {
         // Only ASCII hex digits are ever stored, so this never falls back.
@@ -51,20 +59,16 @@ impl Owner {
     }
 }
 
-/// Draws per thread between two reseeds from the OS: a system call per
-/// token costed a lock cycle more than the rest of the client side did.
+/// Draws per thread between reseeds from the OS (`docs/performance.md`).
 const RESEED_AFTER: u32 = 4096;
 
 thread_local! {
     static RNG: RefCell<Option<(StdRng, u32)>> = const { RefCell::new(None) };
 }
 
-/// `N` random bytes from a ChaCha12 CSPRNG (rand's `StdRng`) kept per
-/// thread and seeded from the OS random source, as lower-case hex.
-///
-/// A process that forks and keeps using dlock in the child without `exec`
-/// would share the parent's stream; a tokio runtime does not survive a fork,
-/// so that does not happen in practice.
+/// `N` random bytes from a per-thread ChaCha12 CSPRNG seeded from the OS,
+/// as lower-case hex. (A forked child would share the stream, but a tokio
+/// runtime does not survive a fork.)
 pub(crate) fn random_hex<const N: usize>() -> Result<String> {
     let bytes = random_bytes::<N>()?;
     let mut digits = vec![0u8; 2 * N];

@@ -7,15 +7,10 @@ use crate::error::{Error, Result};
 use crate::idempotency::{IdempotencyStore, MemoryStore};
 use crate::Locker;
 
-/// dlock, connected: the lock engine, the idempotency store and the
-/// settings the HTTP face takes from the same configuration.
-///
-/// [`Config::build`](crate::Config::build) makes one from `DLOCK_*`
-/// (sharing one Redis connection between locks and records where they live
-/// in the same Redis); dlock-axum's `with_locker` installs it in every
-/// request, where the layers, `#[lockable]` and handlers find it. A bare
-/// [`Locker`] converts into one with records in this process and the
-/// default settings, for tests and single-process tools.
+/// dlock, connected: the lock engine, the idempotency store and the HTTP
+/// settings of one configuration. [`Config::build`](crate::Config::build)
+/// makes one; dlock-axum's `with_dlock` installs it in every request. A bare
+/// [`Locker`] converts into one with records in this process.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -28,10 +23,16 @@ use crate::Locker;
 /// ```
 #[derive(Clone)]
 pub struct DlockRuntime {
+    // One reference count per clone: the HTTP layers clone the runtime into
+    // every request (several counts cost an in-process route ~100 ns).
+    parts: Arc<Parts>,
+}
+
+#[derive(Clone)]
+struct Parts {
     locker: Locker,
     idempotency: Records,
-    /// Stores routes use beside the runtime's, each with the name its
-    /// readiness check goes by ([`also_check`](Self::also_check)).
+    /// Stores added with [`also_check`](Self::also_check), by name.
     also_checked: Vec<(&'static str, Arc<dyn IdempotencyStore>)>,
     max_body_bytes: usize,
     body_read_timeout: Duration,
@@ -42,8 +43,7 @@ pub struct DlockRuntime {
 #[derive(Clone)]
 enum Records {
     Store(Arc<dyn IdempotencyStore>),
-    /// Refused by the configuration (`var`, `reason`): a request that needs
-    /// records gets this error, and the readiness probe says so.
+    /// Refused by the configuration: a request that needs records gets it.
     Refused {
         var: &'static str,
         reason: String,
@@ -52,18 +52,18 @@ enum Records {
 
 impl std::fmt::Debug for DlockRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let records = match &self.idempotency {
+        let records = match &self.parts.idempotency {
             Records::Store(store) => store.name(),
             Records::Refused { var, .. } => var,
         };
-        let also: Vec<_> = self.also_checked.iter().map(|(part, store)| (part, store.name())).collect();
+        let also: Vec<_> = self.parts.also_checked.iter().map(|(part, store)| (part, store.name())).collect();
         f.debug_struct("DlockRuntime")
-            .field("locks", &self.locker.backend_name())
+            .field("locks", &self.parts.locker.backend_name())
             .field("idempotency", &records)
             .field("also_checked", &also)
-            .field("max_body_bytes", &self.max_body_bytes)
-            .field("body_read_timeout", &self.body_read_timeout)
-            .field("idempotency_ttl", &self.idempotency_ttl)
+            .field("max_body_bytes", &self.parts.max_body_bytes)
+            .field("body_read_timeout", &self.parts.body_read_timeout)
+            .field("idempotency_ttl", &self.parts.idempotency_ttl)
             .finish()
     }
 }
@@ -91,16 +91,18 @@ impl DlockRuntime {
     /// ```
     pub fn new(locker: Locker) -> Self {
         DlockRuntime {
-            locker,
-            idempotency: Records::Store(Arc::new(MemoryStore::new())),
-            also_checked: Vec::new(),
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
-            idempotency_ttl: DEFAULT_IDEMPOTENCY_TTL,
+            parts: Arc::new(Parts {
+                locker,
+                idempotency: Records::Store(Arc::new(MemoryStore::new())),
+                also_checked: Vec::new(),
+                max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+                body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
+                idempotency_ttl: DEFAULT_IDEMPOTENCY_TTL,
+            }),
         }
     }
 
-    /// The runtime a configuration connected (see [`Config::build`](crate::Config::build));
+    /// The runtime [`Config::build`](crate::Config::build) connected;
     /// `idempotency`: the store, or the variable and reason that refused one.
     pub(crate) fn from_parts(
         locker: Locker,
@@ -112,27 +114,23 @@ impl DlockRuntime {
             Err((var, reason)) => Records::Refused { var, reason },
         };
         DlockRuntime {
-            locker,
-            idempotency,
-            also_checked: Vec::new(),
-            max_body_bytes: config.max_body_bytes,
-            body_read_timeout: config.body_read_timeout,
-            idempotency_ttl: config.idempotency_ttl,
+            parts: Arc::new(Parts {
+                locker,
+                idempotency,
+                also_checked: Vec::new(),
+                max_body_bytes: config.max_body_bytes,
+                body_read_timeout: config.body_read_timeout,
+                idempotency_ttl: config.idempotency_ttl,
+            }),
         }
     }
 
-    /// Replaces where idempotency records and tokens live: for the layers
-    /// not given a store of their own, and for [`readiness`](Self::readiness)
-    /// (and so dlock-axum's `ready`).
-    ///
-    /// An application whose idempotency routes keep their records in a
-    /// store of their own, such as `IdempotencyLayer::in_transaction` on a
+    /// Replaces where idempotency records and tokens live, for the layers
+    /// given no store of their own and for [`readiness`](Self::readiness):
+    /// hand it the store your routes use (say, a
     /// [`PostgresStore::with_pool`](crate::idempotency::PostgresStore::with_pool)
-    /// of its database, hands that store here, so that the readiness probe
-    /// asks the database its routes use. The store it replaces is dropped;
-    /// with `DLOCK_BACKEND=postgres` that one made no tables, since it makes
-    /// them on its first use. A store used beside this one (tokens here,
-    /// keys there) goes to [`also_check`](Self::also_check) instead.
+    /// of your database). A store used beside this one goes to
+    /// [`also_check`](Self::also_check) instead.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -142,17 +140,13 @@ impl DlockRuntime {
     /// assert!(dlock.idempotency_store().is_ok());
     /// ```
     pub fn with_idempotency_store(mut self, store: Arc<dyn IdempotencyStore>) -> Self {
-        self.idempotency = Records::Store(store);
+        Arc::make_mut(&mut self.parts).idempotency = Records::Store(store);
         self
     }
 
-    /// Adds a store that routes use beside the runtime's own (one they were
-    /// given with `in_transaction` or `with_store`) to
-    /// [`readiness`](Self::readiness), as a check of its own named `part`:
-    /// the probe then fails while that store's server does not answer,
-    /// though the runtime's answers. Records and tokens stay where they
-    /// were; for one store in all, see
-    /// [`with_idempotency_store`](Self::with_idempotency_store).
+    /// Adds a store routes use beside the runtime's own to
+    /// [`readiness`](Self::readiness), as a check named `part`. Records and
+    /// tokens stay where they were.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -165,7 +159,7 @@ impl DlockRuntime {
     /// # }
     /// ```
     pub fn also_check(mut self, part: &'static str, store: Arc<dyn IdempotencyStore>) -> Self {
-        self.also_checked.push((part, store));
+        Arc::make_mut(&mut self.parts).also_checked.push((part, store));
         self
     }
 
@@ -178,13 +172,12 @@ impl DlockRuntime {
     /// assert_eq!(dlock.max_body_bytes(), 1024);
     /// ```
     pub fn with_max_body_bytes(mut self, limit: usize) -> Self {
-        self.max_body_bytes = limit;
+        Arc::make_mut(&mut self.parts).max_body_bytes = limit;
         self
     }
 
-    /// Replaces how long a request body may take to arrive, from the first
-    /// read to the last byte (`DLOCK_BODY_READ_TIMEOUT_MS`, default 30 s):
-    /// a client that sends slowly or stops cannot hold a task for ever.
+    /// Replaces how long a request body may take to arrive, first read to
+    /// last byte (`DLOCK_BODY_READ_TIMEOUT_MS`, default 30 s).
     ///
     /// ```
     /// use std::time::Duration;
@@ -193,7 +186,7 @@ impl DlockRuntime {
     /// assert_eq!(dlock.body_read_timeout(), Duration::from_secs(5));
     /// ```
     pub fn with_body_read_timeout(mut self, timeout: Duration) -> Self {
-        self.body_read_timeout = timeout;
+        Arc::make_mut(&mut self.parts).body_read_timeout = timeout;
         self
     }
 
@@ -207,13 +200,13 @@ impl DlockRuntime {
     /// assert_eq!(dlock.idempotency_ttl(), Duration::from_secs(60));
     /// ```
     pub fn with_idempotency_ttl(mut self, ttl: Duration) -> Self {
-        self.idempotency_ttl = ttl;
+        Arc::make_mut(&mut self.parts).idempotency_ttl = ttl;
         self
     }
 
     /// The lock engine.
     pub fn locker(&self) -> &Locker {
-        &self.locker
+        &self.parts.locker
     }
 
     /// Where idempotency records and tokens live.
@@ -221,12 +214,10 @@ impl DlockRuntime {
     /// # Errors
     ///
     /// [`Error::Config`] naming the variable when the configuration keeps
-    /// no records: `redlock` or `zookeeper` locks without
-    /// `DLOCK_IDEMPOTENCY_REDIS_URL` (and without `DLOCK_IDEMPOTENCY_LOCAL=1`),
-    /// where records in each process would let a duplicate sent to two
-    /// instances run on both.
+    /// no records (`redlock` or `zookeeper` locks without
+    /// `DLOCK_IDEMPOTENCY_REDIS_URL`; see [`Config::build`](crate::Config::build)).
     pub fn idempotency_store(&self) -> Result<&Arc<dyn IdempotencyStore>> {
-        match &self.idempotency {
+        match &self.parts.idempotency {
             Records::Store(store) => Ok(store),
             Records::Refused { var, reason } => Err(Error::config(var, reason.clone())),
         }
@@ -234,28 +225,24 @@ impl DlockRuntime {
 
     /// The most request body bytes read unless a layer says otherwise.
     pub fn max_body_bytes(&self) -> usize {
-        self.max_body_bytes
+        self.parts.max_body_bytes
     }
 
     /// How long a request body may take to arrive.
     pub fn body_read_timeout(&self) -> Duration {
-        self.body_read_timeout
+        self.parts.body_read_timeout
     }
 
     /// How long idempotency tokens and stored responses live unless a layer
     /// says otherwise.
     pub fn idempotency_ttl(&self) -> Duration {
-        self.idempotency_ttl
+        self.parts.idempotency_ttl
     }
 
-    /// Asks every server this runtime uses whether it answers now: the lock
-    /// backend (for Redis: reachable and not in its restart quarantine;
-    /// RedLock: a majority of masters; ZooKeeper: a live session), the
-    /// idempotency store, when there is one, and each store added with
-    /// [`also_check`](Self::also_check). Cheap enough for a readiness
-    /// probe: one round trip per server, all at once, no lock taken and
-    /// nothing written (a PostgreSQL store that has not made its tables
-    /// yet does not make them for it).
+    /// Asks every server this runtime uses whether it answers now (the lock
+    /// backend, the idempotency store if any, each store added with
+    /// [`also_check`](Self::also_check)): one round trip per server, all at
+    /// once, no lock taken and nothing written.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -266,21 +253,21 @@ impl DlockRuntime {
     /// # }
     /// ```
     pub async fn readiness(&self) -> Readiness {
-        // A configuration without records is a service that only locks:
-        // ready, and told at start-up (and per request) what records need.
-        let runtime_store = match &self.idempotency {
+        // A configuration without records only locks: still ready.
+        let runtime_store = match &self.parts.idempotency {
             Records::Store(store) => Some(("idempotency", store)),
             Records::Refused { .. } => None,
         };
-        let stores = runtime_store.into_iter().chain(self.also_checked.iter().map(|(part, store)| (*part, store)));
-        // At once: a probe's time is the slowest server's, not their sum.
+        let stores =
+            runtime_store.into_iter().chain(self.parts.also_checked.iter().map(|(part, store)| (*part, store)));
+        // At once: the slowest server's time, not their sum.
         let (locks, stores) = tokio::join!(
-            self.locker.ready(),
+            self.parts.locker.ready(),
             futures_util::future::join_all(
                 stores.map(|(part, store)| async move { ReadinessCheck::of(part, store.name(), store.ready().await) })
             )
         );
-        let mut checks = vec![ReadinessCheck::of("locks", self.locker.backend_name(), locks)];
+        let mut checks = vec![ReadinessCheck::of("locks", self.parts.locker.backend_name(), locks)];
         checks.extend(stores);
         Readiness { checks }
     }
@@ -321,9 +308,8 @@ impl Readiness {
     }
 }
 
-/// One part of a [`Readiness`]: `locks`, `idempotency` or the name a store
-/// was added with ([`DlockRuntime::also_check`]), its backend, and the
-/// error when it did not answer.
+/// One part of a [`Readiness`]: its name, its backend, and the error when
+/// it did not answer.
 #[derive(Debug, Clone)]
 pub struct ReadinessCheck {
     part: &'static str,

@@ -34,6 +34,14 @@ pub fn zookeeper_lock_path(backend: &ZooKeeperBackend, key: &LockKey) -> String 
     backend.lock_path(key)
 }
 
+/// The acquires of this PostgreSQL backend (its process) parked waiting
+/// for `key` now, so a test can wait for a waiter to park instead of
+/// sleeping.
+#[cfg(feature = "postgres")]
+pub fn postgres_waiters(backend: &crate::backend::postgres::PostgresBackend, key: &LockKey) -> usize {
+    backend.waiters(key)
+}
+
 /// The acquires of this Redis backend (its process) waiting for `key` now:
 /// a waiter counts from before its first try after subscribing, so a
 /// release after a test saw it counted wakes it or is seen by that try.

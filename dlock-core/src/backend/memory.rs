@@ -11,7 +11,7 @@
 //! [`GrantLease::UntilReleased`](super::GrantLease::UntilReleased). Its
 //! holder lives in this process and its guard's drop always gives it back,
 //! so there is nothing for a watchdog to renew; the grant's [`LostSignal`]
-//! tells the guard at once when [`MemoryBackend::force_unlock`] takes the
+//! tells the guard at once when an operator's forced unlock takes the
 //! lock from it.
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,9 +23,10 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::signal::never_after;
-use super::wait::{acquire_loop, Attempt};
+use super::wait::{acquire_loop, Attempt, Freed, Parked};
 use super::{
-    AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, LostReason, LostSignal, Release, Renewal,
+    AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Holder as BackendHolder, KeyPage, ListQuery,
+    LockMode, LockState, LostReason, LostSignal, Release, Renewal,
 };
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -67,12 +68,9 @@ struct Slot {
     /// The holders that share the key (shared holds or permits), boxed:
     /// most keys are only ever taken exclusively.
     counted: Option<Box<Counted>>,
-    /// Made by the first waiter: most keys are never waited for.
-    notify: Option<Arc<Notify>>,
-    waiters: usize,
-    /// How many of the waiters want it exclusive: while one does, new
-    /// shared holders wait behind it (writer preference).
-    writers: usize,
+    /// The acquires waiting for it. While one of them wants it exclusive,
+    /// new shared holders wait behind it (writer preference).
+    parked: Parked,
 }
 
 /// The holders of a key taken in a mode that admits several, and the
@@ -104,37 +102,10 @@ struct Holder {
 }
 
 impl Slot {
-    /// Wakes one waiter, if anyone ever waited here.
-    fn wake_one(&self) {
-        if let Some(notify) = &self.notify {
-            notify.notify_one();
-        }
-    }
-
-    /// Wakes every waiter: what a freed key does when the waiters may want
-    /// different modes (several readers may go at once, and a reader woken
-    /// in a writer's place would let the wake-up go to waste).
-    fn wake_all(&self) {
-        if let Some(notify) = &self.notify {
-            notify.notify_waiters();
-        }
-    }
-
-    /// Wakes whoever a freed exclusive hold or permit lets in.
-    fn wake_after_release(&self, mode: LockMode) {
-        match mode {
-            // One permit or one exclusive hold freed: one waiter can take it,
-            // unless readers wait too (an exclusive release lets them all in).
-            LockMode::Permits { .. } => self.wake_one(),
-            LockMode::Exclusive if self.writers == self.waiters => self.wake_one(),
-            _ => self.wake_all(),
-        }
-    }
-
     /// Nobody holds or waits for it: its map entry can go, so that one-off
     /// keys do not accumulate.
     fn idle(&mut self, now: Instant) -> bool {
-        self.waiters == 0 && self.live_holder(now).is_none() && self.live_counted(now).is_none()
+        self.parked.waiters == 0 && self.live_holder(now).is_none() && self.live_counted(now).is_none()
     }
 
     /// The holders that share the key, whose leases have not run out, and
@@ -206,7 +177,7 @@ impl MemoryBackend {
                 false => Err(Refusal::Held(h.expires_at.map(|at| at - now))),
             };
         }
-        let writers = slot.writers;
+        let writers = slot.parked.writers;
         if let Some(counted) = slot.live_counted(now) {
             if !counted.mode.is_compatible_with(req.mode) {
                 return Err(match (counted.mode, req.mode) {
@@ -269,12 +240,9 @@ impl MemoryBackend {
     fn register(&self, req: &AcquireRequest) -> Registration<'_> {
         let mut state = self.state();
         let slot = state.slots.entry_ref(&req.key).or_default();
-        slot.waiters += 1;
-        let writer = req.mode == LockMode::Exclusive;
-        slot.writers += usize::from(writer);
-        let notify = slot.notify.get_or_insert_with(Default::default).clone();
+        let notify = slot.parked.park(req.mode);
         let permit = matches!(req.mode, LockMode::Permits { .. }).then(|| req.owner.clone());
-        Registration { backend: self, key: req.key.clone(), notify, writer, permit }
+        Registration { backend: self, key: req.key.clone(), notify, mode: req.mode, permit }
     }
 
     /// Drops the map entry of `key` if it is [idle](Slot::idle).
@@ -284,34 +252,84 @@ impl MemoryBackend {
         }
     }
 
-    /// Frees `key` whoever holds it, as an operator would (Redisson's
-    /// `forceUnlock`). Returns whether it was held. A guard holding it until
-    /// released sees the loss at once; one with a lease, at its next renewal.
-    pub fn force_unlock(&self, key: &LockKey) -> bool {
+    /// Who holds `key`, and how many acquires wait for it.
+    fn state_of(&self, key: &LockKey) -> LockState {
         let now = Instant::now();
         let mut state = self.state();
-        let (held, watcher) = match state.slots.get_mut(key) {
-            Some(slot) => {
-                let mut watchers: Vec<Option<LostSignal>> =
-                    slot.live_holder(now).map(|h| h.watcher.take()).into_iter().collect();
-                if let Some(counted) = slot.live_counted(now) {
-                    watchers.extend(counted.holders.drain(..).map(|mut h| h.watcher.take()));
-                }
-                // The waiters still wait, and their places keep the limit.
-                slot.holder = None;
-                slot.forget_counted_if_empty();
-                slot.wake_all();
-                (!watchers.is_empty(), watchers)
+        let mut out = LockState::new(key.clone()).with_waiting(0);
+        let Some(slot) = state.slots.get_mut(key) else { return out };
+        let shown = |h: &Holder, mode: LockMode| {
+            let holder = BackendHolder::new(h.owner.as_str(), mode, h.fence);
+            match h.expires_at {
+                Some(at) => holder.with_time_left(at.saturating_duration_since(now)),
+                None => holder,
             }
-            None => (false, Vec::new()),
         };
+        if let Some(h) = slot.live_holder(now) {
+            out.holders.push(shown(h, LockMode::Exclusive));
+        }
+        let mut places = 0;
+        if let Some(counted) = slot.live_counted(now) {
+            out.holders.extend(counted.holders.iter().map(|h| shown(h, counted.mode)));
+            places = counted.places.len() as u64;
+        }
+        out.holders.sort_by_key(|h| h.fencing_token);
+        // A waiting writer's intent keeps readers out; a permit's place, the limit.
+        out.with_waiting(slot.parked.waiters as u64).with_intents(places + slot.parked.writers as u64)
+    }
+
+    /// Frees the hold of the owner whose token is `handle`, whoever holds
+    /// it, as an operator would (Redisson's `forceUnlock`), and wakes the
+    /// waiters. A guard holding it until released sees the loss at once;
+    /// one with a lease, at its next renewal.
+    fn force_free(&self, key: &LockKey, handle: &str) -> Release {
+        let now = Instant::now();
+        let mut state = self.state();
+        let mut freed: Option<Holder> = None;
+        if let Some(slot) = state.slots.get_mut(key) {
+            if slot.live_holder(now).is_some_and(|h| h.owner.as_str() == handle) {
+                freed = slot.holder.take();
+            } else if let Some(counted) = slot.live_counted(now) {
+                if let Some(i) = counted.holders.iter().position(|h| h.owner.as_str() == handle) {
+                    freed = Some(counted.holders.swap_remove(i));
+                }
+            }
+            if freed.is_some() {
+                // The waiters still wait, and their places keep the limit.
+                slot.forget_counted_if_empty();
+                slot.parked.wake(Freed::All);
+            }
+        }
         Self::forget_if_idle(&mut state, key, now);
         drop(state);
-        for watcher in watcher.into_iter().flatten() {
-            tracing::warn!(key = %key.log_id(), reason = %LostReason::Stolen, "dlock.lost");
-            watcher.lose(LostReason::Stolen);
+        match freed {
+            Some(mut holder) => {
+                if let Some(watcher) = holder.watcher.take() {
+                    tracing::warn!(key = %key.log_id(), reason = %LostReason::Stolen, "dlock.lost");
+                    watcher.lose(LostReason::Stolen);
+                }
+                Release::Freed
+            }
+            None => Release::NotHeld,
         }
-        held
+    }
+
+    /// The keys held or waited for that start with `query.starts_with`, in
+    /// order, after the cursor (the last key of the page before).
+    fn keys(&self, query: &ListQuery) -> KeyPage {
+        let now = Instant::now();
+        let mut state = self.state();
+        let after = query.cursor.as_deref().unwrap_or("");
+        let mut keys: Vec<LockKey> = state
+            .slots
+            .iter_mut()
+            .filter(|(k, _)| k.as_str().starts_with(&query.starts_with) && k.as_str() > after)
+            .filter_map(|(k, slot)| (!slot.idle(now)).then(|| k.clone()))
+            .collect();
+        keys.sort_unstable();
+        let next = (keys.len() > query.limit).then(|| keys[query.limit - 1].as_str().to_owned());
+        keys.truncate(query.limit);
+        KeyPage::new(keys, next)
     }
 
     /// How many keys the table currently tracks (held or waited for).
@@ -334,7 +352,7 @@ impl MemoryBackend {
     /// can wait for a waiter to park instead of sleeping and hoping.
     #[doc(hidden)]
     pub fn waiters(&self, key: &LockKey) -> usize {
-        self.state().slots.get(key).map_or(0, |slot| slot.waiters)
+        self.state().slots.get(key).map_or(0, |slot| slot.parked.waiters)
     }
 }
 
@@ -364,8 +382,7 @@ struct Registration<'a> {
     backend: &'a MemoryBackend,
     key: LockKey,
     notify: Arc<Notify>,
-    /// It counts among the slot's waiting writers.
-    writer: bool,
+    mode: LockMode,
     /// The owner of a waiting permit, whose place (if its tries recorded
     /// one) goes when the wait ends.
     permit: Option<Owner>,
@@ -381,18 +398,15 @@ impl Drop for Registration<'_> {
     fn drop(&mut self) {
         let mut state = self.backend.state();
         if let Some(slot) = state.slots.get_mut(&self.key) {
-            slot.waiters = slot.waiters.saturating_sub(1);
+            slot.parked.leave(self.mode);
             if let (Some(owner), Some(counted)) = (&self.permit, slot.counted.as_mut()) {
                 counted.places.retain(|(o, _)| o != owner);
                 slot.forget_counted_if_empty();
             }
-            if self.writer {
-                slot.writers = slot.writers.saturating_sub(1);
-                // The last waiting writer gave up or got in: the readers it
-                // held back may try again.
-                if slot.writers == 0 && slot.waiters > 0 {
-                    slot.wake_all();
-                }
+            // The last waiting writer gave up or got in: the readers it held
+            // back may try again.
+            if self.mode == LockMode::Exclusive && slot.parked.writers == 0 && slot.parked.waiters > 0 {
+                slot.parked.wake(Freed::All);
             }
         }
         MemoryBackend::forget_if_idle(&mut state, &self.key, Instant::now());
@@ -472,6 +486,18 @@ impl Backend for MemoryBackend {
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
         Some(Ok(self.release_in_table(key, owner)))
     }
+
+    fn inspect<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, Result<LockState>> {
+        Box::pin(std::future::ready(Ok(self.state_of(key))))
+    }
+
+    fn list<'a>(&'a self, query: &'a ListQuery) -> BoxFuture<'a, Result<KeyPage>> {
+        Box::pin(std::future::ready(Ok(self.keys(query))))
+    }
+
+    fn force_unlock<'a>(&'a self, key: &'a LockKey, holder: &'a BackendHolder) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(std::future::ready(Ok(self.force_free(key, holder.handle()))))
+    }
 }
 
 impl MemoryBackend {
@@ -486,7 +512,7 @@ impl MemoryBackend {
         let release = match slot.live_holder(now) {
             Some(h) if &h.owner == owner => {
                 slot.holder = None;
-                slot.wake_after_release(LockMode::Exclusive);
+                slot.parked.wake(Freed::Hold);
                 Release::Freed
             }
             _ => match slot.live_counted(now) {
@@ -495,7 +521,7 @@ impl MemoryBackend {
                         counted.holders.swap_remove(at);
                         let mode = counted.mode;
                         slot.forget_counted_if_empty();
-                        slot.wake_after_release(mode);
+                        slot.parked.wake(Freed::release_of(mode));
                         Release::Freed
                     }
                     None => Release::NotHeld,

@@ -1,70 +1,21 @@
-//! The seam between the lock engine and a coordination service.
-//!
-//! One object-safe trait, [`Backend`], fits the five services dlock ships:
-//!
-//! * in process ([`MemoryBackend`](crate::MemoryBackend)): a map and a `Notify` per key;
-//! * one Redis: the lease is the key's TTL, Lua scripts make every step atomic,
-//!   pub/sub wakes waiters;
-//! * RedLock over N masters: `acquire` fans out and counts a quorum, the
-//!   grant is valid until lease − elapsed − drift;
-//! * ZooKeeper: `acquire` creates an ephemeral sequential node and watches its
-//!   predecessor; the lease is the session, whose loss the backend reports
-//!   through the grant's [`LostSignal`] rather than a failed renewal;
-//! * PostgreSQL (feature `postgres`): a lease table whose rows expire on
-//!   the server clock, PL/pgSQL functions make every step atomic,
-//!   `LISTEN/NOTIFY` wakes waiters, a sequence gives the fencing tokens.
-//!
-//! # What a backend answers
-//!
-//! The engine sends an [`AcquireRequest`]; the backend answers a [`Grant`]
-//! that says how long it holds ([`GrantLease::Until`] an instant, renewed by
-//! the engine's watchdog through [`Backend::renew`] in watchdog mode, or
-//! [`GrantLease::UntilReleased`] for a hold that cannot outlive this
-//! process) and, when the backend can notice a loss on its own (a session
-//! expiring, an operator forcing a lock free), the [`LostSignal`] it will
-//! mark. The guard watches that one signal whatever the backend; there is no
-//! other path from a backend to a guard.
-//!
-//! Re-entry is the engine's: it keeps one hold per key and owner however
-//! many guards share it, and calls [`Backend::acquire`] only for the first
-//! and [`Backend::release`] only for the last. A backend holds a key for an
-//! owner once, and never counts.
-//!
-//! A backend that can answer without I/O (the in-process table) implements
-//! [`Backend::try_acquire_now`] and [`Backend::release_now`]: the engine
-//! tries them first for every backend, which spares in-process locks a
-//! boxed future, a cancellation token and a clock read.
-//!
-//! # Cancellation
-//!
-//! The engine guarantees that it never drops a backend's `acquire` future
-//! while a request may be in flight: it runs it on its own task and passes a
-//! [`CancellationToken`] that fires when the caller gave up. A backend selects
-//! on it only while it *waits*, and returns [`Error::Cancelled`]; the engine
-//! releases any grant that nobody is left to receive, and has the backend
-//! take back what the wait left for others to see ([`Backend::withdraw`]).
+//! The seam between the lock engine and a coordination service: the
+//! object-safe [`Backend`] trait, the [`AcquireRequest`] the engine sends
+//! and the [`Grant`] a backend answers. Re-entry, waits, several keys and
+//! cancellation are the engine's; what a backend must keep, and why, is in
+//! `docs/core-design.md`.
 //!
 //! # Plugging in a new backend
 //!
-//! Implement [`Backend`] for a type of yours and hand it to
-//! [`Locker::new`](crate::Locker::new); nothing in the engine names a
-//! concrete backend. Build answers with [`Grant::until`] or
-//! [`Grant::until_released`] (plus [`Grant::with_lost_signal`]), and wait for
-//! a held key with an event (a release announced, a lease running out), not
-//! by polling. Check the owner on renew and release, make each step atomic
-//! on the service, and answer a [`LockMode`] you do not support with
-//! [`Error::InvalidArgument`] (see [`Backend::supports`]). A backend that names things of its own after
-//! the key prefix (Redis channels, ZooKeeper nodes) takes the prefix when it
-//! connects and reports it through [`Backend::prefix`], so the engine can
-//! refuse a configuration where the two differ. The PostgreSQL backend is
-//! such a plug-in: one folder here, `postgres/`, plus a
-//! [`BackendKind`](crate::BackendKind) variant so that `DLOCK_BACKEND` names it.
+//! Implement [`Backend`] and hand it to [`Locker::new`](crate::Locker::new).
+//! Make each step atomic on the service, check the owner on renew and
+//! release, wait for an event (a release, a lease's end) rather than poll,
+//! and refuse a [`LockMode`] you do not keep with
+//! [`Error::InvalidArgument`] ([`Backend::supports`]).
 //!
 //! ```
 //! use std::time::Duration;
-//! use dlock_core::backend::{
-//!     AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal,
-//! };
+//! use dlock_core::backend::{AcquireRequest, Backend, BoxFuture, Grant, LockMode, Release, Renewal};
+//! use tokio_util::sync::CancellationToken;
 //! use dlock_core::{Error, LockKey, Locker, Owner, Result};
 //!
 //! /// Grants every lock at once, to show the shape (a real backend asks a service).
@@ -104,44 +55,34 @@
 //! guard.release().await?;
 //! # Ok(()) }
 //! ```
-//!
-//! # Modes: read-write locks and semaphores
-//!
-//! [`AcquireRequest::mode`] says how the key is to be shared: exclusive, a
-//! shared (read) hold, or one of N permits ([`LockMode`]). A backend stores
-//! the mode with the hold, as it stores the owner, so that `renew` and
-//! `release` by key and owner stay the same for every mode; every grant
-//! still carries a fencing token that grows per key, across modes. The
-//! first holder of a key fixes what it is: a request that does not fit
-//! (another number of permits, permits on a read-write key) is
-//! [`Error::ModeConflict`], not contention. A backend that does not keep a
-//! mode refuses it with [`Error::InvalidArgument`] (RedLock refuses
-//! semaphores of more than one permit: majorities cannot count holders).
-//!
-//! Several keys at once need nothing of a backend: the engine takes each key
-//! in one global order through this same trait
-//! ([`Locker::acquire_all`](crate::Locker::acquire_all)).
-//!
-//! The guard side needs nothing new: every hold has a fencing token, a
-//! [`GrantLease`] and a [`LostSignal`].
 
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
 use tokio::time::Instant;
-pub use tokio_util::sync::CancellationToken;
+pub(crate) use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
+// Where the PostgreSQL backend and its client layer take it from.
+#[cfg(feature = "postgres")]
+pub(crate) use crate::redact::redact;
 
 // Exported at the crate root only (`dlock_core::MemoryBackend`).
 pub(crate) mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+// The type the idempotency store is made on (`PostgresStore::from_backend`).
+#[cfg(feature = "postgres")]
+pub(crate) use postgres::PostgresBackend;
 #[cfg(feature = "redis")]
 pub mod redis;
+// The type the idempotency store is made on (`RedisStore::from_backend`).
+#[cfg(feature = "redis")]
+pub(crate) use redis::RedisBackend;
+mod inspect;
 #[cfg(feature = "redis")]
 pub mod redlock;
 pub(crate) mod signal;
@@ -153,17 +94,15 @@ pub(crate) mod zookeeper_auth;
 // match on it as much as backends report it.
 pub(crate) mod lost;
 
+pub(crate) use inspect::under_name;
+pub use inspect::{Holder, HolderId, KeyPage, ListQuery, LockState};
 pub(crate) use lost::LostReason;
 pub use signal::LostSignal;
 
 /// A boxed, `Send` future: what the object-safe [`Backend`] methods return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// One request to take a lock.
-///
-/// Built by the engine; a backend reads it. Marked `#[non_exhaustive]` so
-/// that what later primitives need (a shared mode, a number of permits)
-/// arrives as a new field with a default, not as a break of every backend.
+/// One request to take a lock, built by the engine and read by a backend.
 ///
 /// ```
 /// use std::time::Duration;
@@ -181,24 +120,49 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub struct AcquireRequest {
     /// The lock.
     pub key: LockKey,
-    /// Who asks. The engine counts re-entry: it sends one acquire per key
-    /// and owner at a time, and none while it holds the key for that owner,
-    /// except after its hold was lost (then a hold of the same owner that
-    /// the service still has is joined, same token).
+    /// Who asks. The engine sends one acquire per key and owner at a time,
+    /// and none while it holds the key for that owner, unless its hold was
+    /// lost (a hold the service still has for the owner is then joined).
     pub owner: Owner,
     /// How long the grant lives unless renewed (Redis TTL); ignored by
     /// session-based backends.
     pub lease: Duration,
     /// Give up at this instant; `None` means try exactly once.
     pub deadline: Option<Instant>,
-    /// The caller's guard keeps the lock for as long as it lives (watchdog
-    /// mode, no `max_hold`), so the engine would renew the lease without
-    /// end. A backend whose holds cannot outlive this process (the
-    /// in-process table) may then answer [`GrantLease::UntilReleased`] and
-    /// spare the renewals; every other backend ignores it.
+    /// The guard keeps the lock while it lives (watchdog mode, no
+    /// `max_hold`): a backend whose holds cannot outlive this process may
+    /// answer [`GrantLease::UntilReleased`]; others ignore it.
     pub until_released: bool,
     /// How the lock is shared; see [`LockMode`].
     pub mode: LockMode,
+}
+
+/// One renewal of a [`Backend::renew_many`] batch.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RenewRequest {
+    /// The lock.
+    pub key: LockKey,
+    /// Who holds it.
+    pub owner: Owner,
+    /// The lease to extend it to, from now.
+    pub lease: Duration,
+}
+
+impl RenewRequest {
+    /// A renewal of `owner`'s hold of `key` to `lease`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dlock_core::{backend::RenewRequest, LockKey, Owner};
+    /// let key = LockKey::builder("dlock", "orders").part(7).build()?;
+    /// let req = RenewRequest::new(key, Owner::random()?, Duration::from_secs(30));
+    /// assert_eq!(req.lease, Duration::from_secs(30));
+    /// # Ok::<(), dlock_core::Error>(())
+    /// ```
+    pub fn new(key: LockKey, owner: Owner, lease: Duration) -> Self {
+        RenewRequest { key, owner, lease }
+    }
 }
 
 impl AcquireRequest {
@@ -219,8 +183,7 @@ impl AcquireRequest {
         self
     }
 
-    /// Says that the caller would keep the lock until it releases it (see
-    /// [`until_released`](Self::until_released)).
+    /// Sets [`until_released`](Self::until_released).
     pub fn with_until_released(mut self, until_released: bool) -> Self {
         self.until_released = until_released;
         self
@@ -231,45 +194,18 @@ impl AcquireRequest {
 ///
 /// * [`Exclusive`](LockMode::Exclusive): one holder at a time; also the
 ///   write side of a read-write lock.
-/// * [`Shared`](LockMode::Shared): the read side of a read-write lock. Any
-///   number of shared holders at once, none while an exclusive holder has
-///   the key. A writer that waits is not starved: once it waits, new
-///   readers wait behind it (writer preference), until it is granted or
-///   its wait ends. On every backend of this crate, a writer whose caller
-///   goes (an HTTP request that hung up, a dropped acquire future) or
-///   whose acquire fails mid-wait stops keeping readers out at once, and
-///   the readers it kept out are woken ([`Backend::withdraw`]; on
-///   PostgreSQL, its intent row is deleted and its end announced).
-/// * [`Permits`](LockMode::Permits): one of `limit` permits of a
-///   semaphore. The first holder fixes `limit`; asking with another is
-///   [`Error::ModeConflict`], not contention. How long it stays fixed
-///   depends on the backend:
-///   - Redis (one server, Sentinel, Cluster): while anyone holds the key
-///     *or waits for one of its permits*. A waiter that found the key a
-///     semaphore of its limit keeps that limit, also once every holder is
-///     gone, until it is granted, gives up (cancelled or failed: its place
-///     is withdrawn at once), or its wait would have ended (a waiter whose
-///     process died). A waiter that found the key held exclusive keeps
-///     nothing.
-///   - RedLock: only `limit` 1 (larger semaphores are refused, see
-///     [`Backend::supports`]), kept on each node as on Redis.
-///   - ZooKeeper: while anyone holds or waits for the key: every
-///     contender's node is in one line, and a request whose mode does not
-///     fit any node ahead of it is the conflict.
-///   - In process ([`MemoryBackend`](crate::MemoryBackend)): as on Redis,
-///     while anyone holds the key or waits for one of its permits. A
-///     waiter's place goes when its acquire ends (granted, cancelled,
-///     dropped, failed or timed out).
-///   - PostgreSQL: as on Redis, while anyone holds the key or waits for
-///     one of its permits. A waiter that found every permit of its limit
-///     taken keeps a place (a row beside the holders') until it is granted,
-///     gives up (withdrawn at once), or its wait would have ended; one that
-///     found the key held exclusive keeps nothing.
+/// * [`Shared`](LockMode::Shared): the read side. Shared holders share the
+///   key; an exclusive one excludes them. Writers are preferred: once a
+///   writer waits, new readers wait behind it, and a writer that gives up
+///   its wait lets them in at once ([`Backend::withdraw`]).
+/// * [`Permits`](LockMode::Permits): one of `limit` permits of a semaphore.
+///   The first holder fixes `limit` (on most backends also while anyone
+///   waits for a permit: `docs/backends.md`); another limit is
+///   [`Error::ModeConflict`], not contention. RedLock keeps only `limit` 1.
 ///
-/// Every hold, whatever its mode, has its own lease (or watchdog), fencing
-/// token and lost signal. The enum is `#[non_exhaustive]` so that a backend
-/// outside this crate must already answer a mode it does not know, with
-/// [`Error::InvalidArgument`], rather than grant it as something else.
+/// Every hold has its own lease (or watchdog), fencing token and lost
+/// signal. `#[non_exhaustive]`: a backend outside this crate must refuse a
+/// mode it does not know with [`Error::InvalidArgument`].
 ///
 /// ```
 /// use dlock_core::backend::LockMode;
@@ -299,9 +235,8 @@ impl LockMode {
         LockMode::Permits { limit }
     }
 
-    /// Whether holders of `self` and of `other` (other owners) may hold
-    /// one key at the same time: shared with shared, and permits of the
-    /// same semaphore (up to its limit).
+    /// Whether holders of `self` and of `other` (other owners) may share a
+    /// key: shared with shared, permits of the same limit.
     pub fn is_compatible_with(self, other: LockMode) -> bool {
         match (self, other) {
             (LockMode::Shared, LockMode::Shared) => true,
@@ -310,8 +245,7 @@ impl LockMode {
         }
     }
 
-    /// How many holders of this mode a key admits at once (`None`: any
-    /// number, for shared holders).
+    /// How many holders of this mode a key admits (`None`: any number).
     pub fn limit(self) -> Option<u32> {
         match self {
             LockMode::Exclusive => Some(1),
@@ -320,8 +254,7 @@ impl LockMode {
         }
     }
 
-    /// `Ok` for a mode a caller may ask for: permits need a limit of at
-    /// least one.
+    /// `Ok` unless it is zero permits.
     pub(crate) fn validate(self) -> Result<()> {
         match self {
             LockMode::Permits { limit: 0 } => {
@@ -331,9 +264,8 @@ impl LockMode {
         }
     }
 
-    /// What the same owner may ask for while it holds the key in `self`:
-    /// the same mode again, or a shared hold under its exclusive one (a
-    /// writer may read). `Err` says why not.
+    /// What the owner holding the key in `self` may ask for again: the same
+    /// mode, or shared under its exclusive hold.
     pub(crate) fn reentry(self, asked: LockMode, key: &LockKey) -> Result<()> {
         match (self, asked) {
             (held, asked) if held == asked => Ok(()),
@@ -363,13 +295,11 @@ impl std::fmt::Display for LockMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum GrantLease {
-    /// Until this instant, measured on this machine from before the request
-    /// was sent. The engine's watchdog renews it in watchdog mode; the
-    /// guard's lost signal fires when it passes unrenewed.
+    /// Until this instant, measured here from before the request was sent;
+    /// renewed by the watchdog in watchdog mode.
     Until(Instant),
-    /// Until the guard releases it: the hold cannot outlive this process,
-    /// so there is nothing to renew. Only an answer to a request with
-    /// [`AcquireRequest::until_released`] set.
+    /// Until the guard releases it (the hold cannot outlive this process);
+    /// only for a request with [`AcquireRequest::until_released`] set.
     UntilReleased,
 }
 
@@ -393,17 +323,14 @@ pub enum GrantLease {
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Grant {
-    /// Strictly greater than the token of every earlier grant of this key.
-    /// A re-entrant grant returns the token of the hold it joins.
+    /// Greater than every earlier grant's of this key (a re-entrant grant:
+    /// the token of the hold it joins).
     pub fencing_token: u64,
     /// How long it is ours.
     pub lease: GrantLease,
-    /// The signal the backend marks when it learns, outside of renewals,
-    /// that the grant is gone (a ZooKeeper session expired, an operator
-    /// forced the in-process lock free); the guard watches it. `None`: the
-    /// backend learns of losses only when a renewal fails, and the engine
-    /// makes the guard's signal itself. The engine sets the signal's
-    /// `valid_until` from [`lease`](Self::lease).
+    /// The signal the backend marks when it learns of a loss outside of
+    /// renewals (a session expired, a forced unlock). `None`: only renewals
+    /// tell, and the engine makes the signal.
     pub lost: Option<LostSignal>,
 }
 
@@ -458,9 +385,8 @@ pub enum Release {
 
 /// A coordination service that can grant, renew and release leases.
 ///
-/// Implementations must make every step atomic on the service, check the
-/// owner on renew and release, and wait for wake-ups without polling at a
-/// fixed interval. See the module docs for the cancellation contract.
+/// Every step atomic on the service, the owner checked on renew and
+/// release, waits woken by events (see the [module](self) docs).
 pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// `memory`, `redis`, `redlock`, `zookeeper` or `postgres`.
     fn name(&self) -> &'static str;
@@ -469,41 +395,41 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     ///
     /// Returns [`Error::Busy`] when `req.deadline` is `None` and the key is
     /// held, [`Error::Timeout`] when the deadline passes, and
-    /// [`Error::Cancelled`] when `cancel` fires during a wait.
+    /// [`Error::Cancelled`] when `cancel` fires during a wait. The engine
+    /// never drops this future while a command may be in flight: select on
+    /// `cancel` only while waiting.
     fn acquire<'a>(&'a self, req: &'a AcquireRequest, cancel: &'a CancellationToken) -> BoxFuture<'a, Result<Grant>>;
 
     /// Extends our lease on `key` to `lease` from now, if we still hold it.
     fn renew<'a>(&'a self, key: &'a LockKey, owner: &'a Owner, lease: Duration) -> BoxFuture<'a, Result<Renewal>>;
+
+    /// Renews the watchdog's due holds of one tick, one answer per hold in
+    /// order. The default sends concurrent [`renew`](Self::renew)s; a
+    /// backend that can renew many in one request overrides it.
+    fn renew_many<'a>(&'a self, holds: &'a [RenewRequest]) -> BoxFuture<'a, Vec<Result<Renewal>>> {
+        Box::pin(futures_util::future::join_all(holds.iter().map(|h| self.renew(&h.key, &h.owner, h.lease))))
+    }
 
     /// Frees `key` if `owner` holds it (the engine sends only the last
     /// release of its holds).
     fn release<'a>(&'a self, key: &'a LockKey, owner: &'a Owner) -> BoxFuture<'a, Result<Release>>;
 
     /// Whether a grant could be asked for now, for a readiness probe: one
-    /// cheap round trip to the service, no lock taken. An error says why
-    /// not (unreachable, no quorum, a restart quarantine with the time it
-    /// has left). Required, so that a backend never reports ready by default.
+    /// cheap round trip, no lock taken; an error says why not. Required, so
+    /// that no backend is ready by default.
     fn ready(&self) -> BoxFuture<'_, Result<()>>;
 
-    /// One attempt answered on the spot, for a backend that needs no I/O for
-    /// it (the in-process table): what [`acquire`](Backend::acquire) with no
-    /// deadline would return, whatever `req.deadline` says. `None` (the
-    /// default): only `acquire` can tell.
-    ///
-    /// The engine tries this first for every backend and calls `acquire`
-    /// only when it returns `None`, or contention for a caller that waits,
-    /// sparing in-process locks the boxed future and cancellation token an
-    /// attempt that may suspend needs.
+    /// One attempt answered without I/O (the in-process table): what
+    /// [`acquire`](Backend::acquire) with no deadline would return. `None`
+    /// (the default): only `acquire` can tell. The engine tries it first.
     fn try_acquire_now(&self, req: &AcquireRequest) -> Option<Result<Grant>> {
         let _ = req;
         None
     }
 
-    /// Whether this backend keeps holds of `mode`, asked before any lock is
-    /// taken (a route's configuration checked at start-up): `Err` says why
-    /// not, as [`acquire`](Backend::acquire) would. The default keeps only
-    /// [`LockMode::Exclusive`], so a backend written before modes existed
-    /// refuses them here rather than granting a weaker lock.
+    /// Whether this backend keeps holds of `mode`, asked at start-up; `Err`
+    /// says why not. The default keeps only [`LockMode::Exclusive`], so an
+    /// older backend refuses other modes rather than grant a weaker lock.
     fn supports(&self, mode: LockMode) -> Result<()> {
         match mode {
             LockMode::Exclusive => Ok(()),
@@ -513,58 +439,68 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         }
     }
 
-    /// The key namespace the backend was connected for, when it keeps one
-    /// of its own (the Redis channels it subscribes to, the ZooKeeper node
-    /// its locks live under); `None` (the default) when any key will do.
-    /// [`Locker::new`](crate::Locker::new) takes it, and
-    /// [`Locker::with_options`](crate::Locker::with_options) refuses
-    /// options with another, so the prefix is given once.
+    /// The key namespace the backend was connected for, when it names
+    /// things of its own after it (Redis channels, ZooKeeper nodes); `None`
+    /// (the default) when any key will do. [`Locker::new`](crate::Locker::new)
+    /// takes it; [`Locker::with_options`](crate::Locker::with_options)
+    /// refuses another.
     fn prefix(&self) -> Option<&str> {
         None
     }
 
-    /// [`release`](Backend::release) answered on the spot, for a backend
-    /// that needs no I/O for it; `None` (the default) when it cannot be.
+    /// [`release`](Backend::release) answered without I/O; `None` (the
+    /// default) when it cannot be.
     fn release_now(&self, key: &LockKey, owner: &Owner) -> Option<Result<Release>> {
         let _ = (key, owner);
         None
     }
 
-    /// Takes back what the waits of `req` left on the service for others to
-    /// see (a writer's intent that keeps new readers out, a waiting permit's
-    /// place that keeps the semaphore's limit), now that it ended without a
-    /// grant before its deadline: cancelled (its caller went, e.g. an HTTP
-    /// request that hung up) or failed. Left there, it would keep readers
-    /// out, or a limit fixed, until the wait would have ended.
-    ///
-    /// Only what `req.owner` left, never a hold, and it wakes the waiters
-    /// what it takes back kept out. The engine sends it on a task of its
-    /// own once [`acquire`](Backend::acquire) returned (after its last
-    /// command was answered, so it lands after it), once, keeping the
-    /// owner's turn on the key until it is answered; an acquire whose
-    /// outcome is unknown is released as well, after it. What a failed
-    /// withdrawal leaves ends with the wait it bounded.
-    ///
-    /// The default does nothing: for a backend whose waits leave nothing
-    /// behind, or take it with them (in process, a waiter's registration;
-    /// ZooKeeper, its node).
+    /// Takes back what the wait of `req` left for others to see (a
+    /// writer's intent that keeps readers out, a waiting permit's place),
+    /// now that it ended early without a grant (cancelled or failed). Only
+    /// what `req.owner` left, never a hold; it wakes the waiters that kept
+    /// out. Sent once, after [`acquire`](Backend::acquire) returned. The
+    /// default does nothing, for waits that leave nothing behind.
     fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
         let _ = req;
         Box::pin(std::future::ready(Ok(())))
     }
-}
 
-/// `url` with its user and password replaced by `***`:
-/// `redis://***@host:6379/0`. Every URL dlock prints goes through here.
-pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => format!("{}://***@{}", &url[..scheme], &url[at + 1..]),
-        _ => url.to_owned(),
+    /// Who holds `key` now, for an operator: each live holder's mode,
+    /// fencing token and time left, and what the backend knows of its
+    /// waiters. Reads only. The default says this backend cannot tell.
+    fn inspect<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, Result<LockState>> {
+        let _ = key;
+        Box::pin(std::future::ready(Err(cannot(self.name(), "inspect"))))
+    }
+
+    /// One page of the keys held (or waited for) whose text starts with
+    /// `query.starts_with`, bounded by `query.limit`, without blocking the
+    /// service (Redis `SCAN` on every master, never `KEYS`). The default
+    /// says this backend cannot list.
+    fn list<'a>(&'a self, query: &'a ListQuery) -> BoxFuture<'a, Result<KeyPage>> {
+        let _ = query;
+        Box::pin(std::future::ready(Err(cannot(self.name(), "list"))))
+    }
+
+    /// Frees `holder`'s hold of `key` ([`inspect`](Backend::inspect) found
+    /// it) for an operator, whoever holds it: waiters are woken, the next
+    /// grant's fencing token is above the freed one's, and the holder
+    /// learns of its loss no later than its next renewal.
+    /// [`Release::NotHeld`] when it held the key no longer. The default
+    /// says this backend cannot.
+    fn force_unlock<'a>(&'a self, key: &'a LockKey, holder: &'a Holder) -> BoxFuture<'a, Result<Release>> {
+        let _ = (key, holder);
+        Box::pin(std::future::ready(Err(cannot(self.name(), "force_unlock"))))
     }
 }
 
-/// The error for `req` finding its key held in `held`, naming both modes
-/// (for permits, both limits).
+/// The error of an operator's call that `backend` does not answer.
+fn cannot(backend: &str, what: &'static str) -> Error {
+    Error::invalid_argument(what, format!("the {backend} backend does not implement it"))
+}
+
+/// The error for `req` finding its key held in `held`, naming both modes.
 #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
 pub(crate) fn mode_conflict(req: &AcquireRequest, held: LockMode) -> Error {
     let reason = match (held, req.mode) {

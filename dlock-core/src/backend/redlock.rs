@@ -71,16 +71,19 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::redis::script::{lock_scripts, ScriptCall};
-use super::redis::subscriber::Registration;
-use super::redis::{
-    mode_conflict, prefix_fence_key, redis_error, release_channel, NodeAttempt, RedisBackend, RedisOptions,
-};
+use super::redis::script::{lock_scripts, NodeAttempt};
+use super::redis::subscriber::Subscription;
+use super::redis::{prefix_fence_key, release_channel, RedisBackend};
+use super::wait::{self, Waiters};
 use super::wait::{acquire_loop, Attempt};
-use super::{contention, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
+use super::{
+    contention, mode_conflict, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Holder, KeyPage,
+    ListQuery, LockMode, LockState, Release, Renewal,
+};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
+use crate::redis::{redis_error, RedisOptions, ScriptCall};
 
 /// How long one node may take to answer one step.
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
@@ -100,11 +103,9 @@ pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 pub struct RedLockBackend {
     nodes: Vec<Arc<RedisBackend>>,
     node_timeout: Duration,
-    /// One wake-up per lock channel, shared by every node's subscriber and
-    /// every local waiter of that lock: each node's subscriber keeps the
-    /// first `Notify` it is given for a channel, so all waiters must bring
-    /// the same one or later waiters sleep on a `Notify` nobody signals.
-    wakeups: Mutex<HashMap<String, std::sync::Weak<Notify>>>,
+    /// The acquires of this process parked per lock channel, woken by a
+    /// release announced on any node (every node's subscriber wakes them).
+    waiters: Arc<Waiters>,
     /// Local contenders of a key queue here (FIFO) and only the head of the
     /// queue competes on the masters: waiters of one process racing each
     /// other for a quorum would split the votes and back off again and again.
@@ -210,7 +211,9 @@ impl RedLockBackend {
                 format!("needs an odd number of at least 3 Redis URLs, got {}", urls.len()),
             ));
         }
-        let connecting = urls.iter().map(|url| RedisBackend::connect_with(url.as_ref(), prefix, options.clone()));
+        let waiters = Arc::new(Waiters::default());
+        let connecting =
+            urls.iter().map(|url| RedisBackend::connect_waking(url.as_ref(), prefix, options.clone(), waiters.clone()));
         let on_node = |i: usize| {
             move |e| match e {
                 Error::Backend { message, source, .. } => Error::Backend {
@@ -240,7 +243,7 @@ impl RedLockBackend {
         for (i, loaded) in join_all(nodes.iter().map(load_raise)).await.into_iter().enumerate() {
             loaded.map_err(on_node(i))?;
         }
-        Ok(RedLockBackend { nodes, node_timeout, wakeups: Mutex::default(), turns: Mutex::default() })
+        Ok(RedLockBackend { nodes, node_timeout, waiters, turns: Mutex::default() })
     }
 
     fn quorum(&self) -> usize {
@@ -459,20 +462,9 @@ impl RedLockBackend {
         turn
     }
 
-    async fn register(&self, key: &LockKey) -> SharedRegistration {
+    async fn register(&self, key: &LockKey, mode: LockMode) -> SharedRegistration {
         let channel = release_channel(key);
-        let notify = {
-            let mut wakeups = self.wakeups.lock().unwrap_or_else(|p| p.into_inner());
-            wakeups.retain(|_, w| w.strong_count() > 0);
-            match wakeups.get(&channel).and_then(std::sync::Weak::upgrade) {
-                Some(notify) => notify,
-                None => {
-                    let notify = Arc::new(Notify::new());
-                    wakeups.insert(channel.clone(), Arc::downgrade(&notify));
-                    notify
-                }
-            }
-        };
+        let wait = self.waiters.register(&channel, mode);
         // A release that succeeds reaches a quorum of nodes and announces
         // itself on each; any two quorums share a node. So once a quorum of
         // our subscriptions is confirmed, every successful release is heard,
@@ -483,9 +475,8 @@ impl RedLockBackend {
             .nodes
             .iter()
             .map(|n| {
-                let (subscriber, channel, notify) = (n.subscriber.clone(), channel.clone(), notify.clone());
-                Box::pin(async move { subscriber.register_shared(channel, Some(notify)).await })
-                    as BoxFuture<'static, _>
+                let (subscriber, channel) = (n.subscriber.clone(), channel.clone());
+                Box::pin(async move { subscriber.subscribe(channel).await }) as BoxFuture<'static, _>
             })
             .collect();
         let mut confirmed = Vec::with_capacity(self.nodes.len());
@@ -495,21 +486,21 @@ impl RedLockBackend {
                 None => break,
             }
         }
-        SharedRegistration { notify, _confirmed: confirmed, _pending: pending }
+        SharedRegistration { wait, _confirmed: confirmed, _pending: pending }
     }
 }
 
-/// Registrations on every node feeding one `Notify`; dropping it
-/// unregisters on every node, confirmed or not.
+/// A waiter parked once and subscribed on every node; dropping it
+/// unsubscribes on every node, confirmed or not.
 struct SharedRegistration {
-    notify: Arc<Notify>,
-    _confirmed: Vec<Registration>,
-    _pending: FuturesUnordered<BoxFuture<'static, Registration>>,
+    wait: wait::Registration,
+    _confirmed: Vec<Subscription>,
+    _pending: FuturesUnordered<BoxFuture<'static, Subscription>>,
 }
 
 impl AsRef<Notify> for SharedRegistration {
     fn as_ref(&self) -> &Notify {
-        &self.notify
+        self.wait.as_ref()
     }
 }
 
@@ -583,15 +574,13 @@ impl Backend for RedLockBackend {
                     }
                 }
             };
-            // Every node's subscriber counts the key's waiters alike.
-            let others_wait =
-                || self.nodes.first().is_some_and(|n| n.subscriber.waited_on(|| release_channel(&req.key)));
+            let others_wait = || self.waiters.waited_on(|| release_channel(&req.key));
             acquire_loop(
                 req,
                 cancel,
                 others_wait,
                 move |awaited| self.try_once(req, awaited),
-                move || self.register(&req.key),
+                move || self.register(&req.key, req.mode),
             )
             .await
         })
@@ -628,6 +617,20 @@ impl Backend for RedLockBackend {
         Box::pin(self.release_on_all(key, owner))
     }
 
+    fn inspect<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, Result<LockState>> {
+        Box::pin(self.inspect_on_all(key))
+    }
+
+    fn list<'a>(&'a self, query: &'a ListQuery) -> BoxFuture<'a, Result<KeyPage>> {
+        Box::pin(self.list_on_all(query))
+    }
+
+    /// Freed on a majority, or refused: a release on fewer masters than a
+    /// quorum answers [`Error::QuorumUnavailable`].
+    fn force_unlock<'a>(&'a self, key: &'a LockKey, holder: &'a Holder) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(async move { self.release_on_all(key, &holder.owner()?).await })
+    }
+
     /// On every node, as a release: a writer's intent (or a permit's
     /// place) is on each node that refused it.
     fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
@@ -654,6 +657,85 @@ impl Backend for RedLockBackend {
 }
 
 impl RedLockBackend {
+    /// Who holds `key` on a majority: a holder is shown when a quorum of
+    /// the masters that answered hold it for it, with the time a quorum of
+    /// them still give it. Each master granted its own token, and the
+    /// holder's is the highest of the quorum that answered it first, which
+    /// no master recorded: the token shown is the lowest it can be (the
+    /// quorum-th lowest of theirs), a floor of the holder's.
+    async fn inspect_on_all(&self, key: &LockKey) -> Result<LockState> {
+        let answers = self
+            .on_all(
+                self.node_timeout,
+                |_, node| {
+                    let key = key.clone();
+                    async move { node.inspect_on_server(&key).await }
+                },
+                |_, _| false,
+            )
+            .await;
+        if answers.len() < self.quorum() {
+            return Err(self.unavailable(answers.len()));
+        }
+        let mut seen: HashMap<String, Vec<Holder>> = HashMap::new();
+        let mut state = LockState::new(key.clone());
+        for (_, node) in answers {
+            state.intents = state.intents.max(node.intents);
+            for h in node.holders {
+                seen.entry(h.handle().to_owned()).or_default().push(h);
+            }
+        }
+        for (_, mut copies) in seen {
+            if copies.len() < self.quorum() {
+                continue;
+            }
+            let mut tokens: Vec<u64> = copies.iter().map(|h| h.fencing_token).collect();
+            tokens.sort_unstable();
+            let fence = tokens[self.quorum() - 1];
+            // Longest first: the quorum-th is what a majority still gives it.
+            copies.sort_by_key(|h| std::cmp::Reverse(h.time_left));
+            let left = copies[self.quorum() - 1].time_left;
+            let first = &copies[0];
+            let mut holder = Holder::new(first.handle(), first.mode, fence).with_on_nodes(copies.len() as u32);
+            holder.time_left = left;
+            state.holders.push(holder);
+        }
+        state.holders.sort_by_key(|h| h.fencing_token);
+        Ok(state)
+    }
+
+    /// One page of the keys on the masters, one master after another: the
+    /// cursor is `<master>/<its cursor>`. A key held on several masters
+    /// may be listed once for each.
+    async fn list_on_all(&self, query: &ListQuery) -> Result<KeyPage> {
+        let bad = || Error::invalid_argument("cursor", "not a cursor of this listing");
+        let (mut at, mut inner) = match query.cursor.as_deref() {
+            None => (0, None),
+            Some(c) => {
+                let (i, rest) = c.split_once('/').ok_or_else(bad)?;
+                (i.parse::<usize>().map_err(|_| bad())?, Some(rest.to_owned()))
+            }
+        };
+        let mut keys: Vec<LockKey> = Vec::new();
+        while let Some(node) = self.nodes.get(at) {
+            let mut q = ListQuery::new(query.starts_with.clone(), query.limit);
+            q.cursor = inner.take();
+            let page = node.list_on_server(&q).await?;
+            keys.extend(page.keys);
+            match page.next {
+                Some(next) => inner = Some(next),
+                None => at += 1,
+            }
+            if keys.len() >= query.limit {
+                break;
+            }
+        }
+        keys.sort_unstable();
+        keys.dedup();
+        let next = self.nodes.get(at).map(|_| format!("{at}/{}", inner.unwrap_or_else(|| "0".to_owned())));
+        Ok(KeyPage::new(keys, next))
+    }
+
     /// Frees the key on every node where `owner` holds it.
     async fn release_on_all(&self, key: &LockKey, owner: &Owner) -> Result<Release> {
         // Release waits for every node (bounded by the node timeout): it is

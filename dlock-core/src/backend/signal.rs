@@ -1,6 +1,4 @@
-//! [`LostSignal`]: whether a held lock may still be ours, shared by its
-//! guard, the engine's watchdog, the backend that granted it and anyone the
-//! holder hands it to.
+//! [`LostSignal`]: whether a held lock may still be ours.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -9,39 +7,29 @@ use tokio::time::{sleep_until, Instant};
 
 use super::LostReason;
 
-/// Watches one held lock: tells whether it may no longer be ours, and why.
-///
-/// A [`LockGuard`](crate::LockGuard) owns the lock; a `LostSignal` only
-/// watches it, so a request handler (or a task it spawned) can keep one to
-/// stop its work when the lock goes, without being able to release it.
-/// Cloning is one reference count.
-///
-/// The lock counts as lost when a renewal or the backend reported it gone
-/// ([`lose`](Self::lose)), or when [`valid_until`](Self::valid_until)
-/// passed without a renewal moving it: after that instant another client
-/// may hold the key.
+/// Watches one held lock without owning it: whether it may no longer be
+/// ours, and why. Lost once reported gone ([`lose`](Self::lose)) or once
+/// [`valid_until`](Self::valid_until) passed unrenewed. Cloning is one
+/// reference count.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
-/// use dlock_core::{Locker, LostReason, MemoryBackend};
-/// let backend = std::sync::Arc::new(MemoryBackend::new());
-/// let locker = Locker::with_options(backend.clone(), Default::default())?;
+/// use dlock_core::{ForceUnlock, Locker, LostReason, MemoryBackend};
+/// let locker = Locker::new(MemoryBackend::new());
 /// let key = locker.key("report").part(7).build()?;
 /// let guard = locker.try_acquire(&key).await?;
 ///
 /// let signal = guard.lost_signal();
 /// let watcher = tokio::spawn(async move { signal.lost().await });
 ///
-/// backend.force_unlock(&key); // an operator takes the lock away
+/// locker.force_unlock(&key, ForceUnlock::all("stuck")).await?; // an operator takes the lock away
 /// assert_eq!(watcher.await.expect("watcher"), LostReason::Stolen);
 /// assert!(guard.is_lost());
 /// # Ok(()) }
 /// ```
 ///
-/// A backend that learns of a loss on its own (a session expiring, an
-/// operator's forced unlock) makes the signal itself, hands it back in its
-/// [`Grant`](crate::backend::Grant) and calls [`lose`](Self::lose) when it
-/// finds the lock gone:
+/// A backend that learns of losses itself hands one back in its
+/// [`Grant`](crate::backend::Grant) and calls [`lose`](Self::lose):
 ///
 /// ```
 /// use dlock_core::LostReason;
@@ -59,19 +47,15 @@ pub struct LostSignal {
     inner: Arc<Inner>,
 }
 
-/// Lighter than a `watch` channel, which allocates an eight-way notifier per
-/// lock and wakes all eight when its sender drops: a cost every short
-/// in-process lock would pay, though only renewals and losses change the
-/// state.
+/// Lighter than a `watch` channel (`docs/performance.md`).
 struct Inner {
     state: Mutex<Terms>,
     changed: Notify,
 }
 
 /// What a signal knows: until when the lock is ours, what it means when that
-/// passes unrenewed, and the verdict once given. The engine keeps a hold's
-/// terms inline until someone asks for its signal (most short holds are
-/// released unasked), and the signal it then makes starts from them.
+/// passes unrenewed, and the verdict once given (kept inline by the engine
+/// until someone asks for the signal).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Terms {
     valid_until: Instant,
@@ -88,7 +72,7 @@ impl Terms {
         self.lost.is_some() || Instant::now() >= self.valid_until
     }
 
-    fn reason(&self) -> Option<LostReason> {
+    pub(crate) fn reason(&self) -> Option<LostReason> {
         self.lost.or_else(|| (Instant::now() >= self.valid_until).then(|| self.expiry.reason(self.valid_until)))
     }
 
@@ -140,8 +124,7 @@ impl Expiry {
 }
 
 /// Why a renewed lease ran out: `max_hold` stopped the renewals (the lease
-/// reached `renew_until`), or they failed. The watchdog decides the same way
-/// from the same instants.
+/// reached `renew_until`), or they failed.
 pub(crate) fn renewed_lease_expired(renew_until: Option<Instant>, valid_until: Instant) -> LostReason {
     if renew_until.is_some_and(|until| valid_until >= until) {
         LostReason::MaxHoldExceeded
@@ -164,10 +147,8 @@ impl std::fmt::Debug for LostSignal {
 }
 
 impl LostSignal {
-    /// A signal for a lock that is ours until `valid_until` unless renewed;
-    /// when that instant passes unrenewed it reports
-    /// [`LostReason::LeaseExpired`]. A lock held until released takes
-    /// [`until_released`](Self::until_released).
+    /// A signal for a lock that is ours until `valid_until` unless renewed
+    /// (then [`LostReason::LeaseExpired`]).
     pub fn new(valid_until: Instant) -> Self {
         Self::with_expiry(valid_until, Expiry::Lease)
     }
@@ -187,10 +168,8 @@ impl LostSignal {
         LostSignal { inner: Arc::new(Inner { state: Mutex::new(terms), changed: Notify::new() }) }
     }
 
-    /// Sets the terms of a grant on the signal its backend made: until when
-    /// the lock is ours (the grant's lease says), and what it means when that
-    /// passes unrenewed (the engine knows whether its watchdog renews it, the
-    /// backend does not). A verdict already given stands.
+    /// Sets a grant's terms on the signal its backend made (only the engine
+    /// knows whether it renews it). A verdict already given stands.
     pub(crate) fn set_terms(&self, valid_until: Instant, expiry: Expiry) {
         self.state().set_terms(valid_until, expiry);
         self.inner.changed.notify_waiters();
@@ -214,13 +193,11 @@ impl LostSignal {
         s.reason()
     }
 
-    /// Resolves when the lock may no longer be ours: a renewal found the key
-    /// gone or owned by someone else, renewals failed until the lease ran
-    /// out, a fixed lease ran out, or the backend lost it (a session
-    /// expired, an operator forced it free).
-    ///
-    /// It fires no later than the moment another client could take the key,
-    /// and never on a transient error that a later renewal repairs.
+    /// Resolves when the lock may no longer be ours: a renewal found it gone
+    /// or someone else's, renewals failed until the lease ran out, a fixed
+    /// lease ran out, or the backend lost it (a session expired, a forced
+    /// unlock). No later than another client could take the key, and never
+    /// on a transient error that a later renewal repairs.
     ///
     /// # Cancellation safety
     ///
@@ -236,8 +213,7 @@ impl LostSignal {
             if let Some(reason) = s.lost {
                 return reason;
             }
-            // Only a renewal moves `valid_until`; if none came in time the
-            // lease is gone, whatever became of the watchdog.
+            // Only a renewal moves `valid_until`, whatever the watchdog does.
             tokio::select! {
                 _ = &mut changed => {}
                 _ = sleep_until(s.valid_until) => return s.expiry.reason(s.valid_until),
@@ -245,22 +221,17 @@ impl LostSignal {
         }
     }
 
-    /// Marks the lock lost and wakes every [`lost`](Self::lost). The first
-    /// verdict stands (the watchdog may have seen the lease end before a
-    /// session watcher saw the session go); returns whether this one was
-    /// the first.
+    /// Marks the lock lost and wakes every [`lost`](Self::lost); returns
+    /// whether this verdict was the first (the first stands).
     pub fn lose(&self, reason: LostReason) -> bool {
         let first = self.state().lose(reason);
         self.inner.changed.notify_waiters();
         first
     }
 
-    /// A renewal succeeded: the lock is now ours until `valid_until`.
-    ///
-    /// A renewal that comes after the lock was reported lost, or after
-    /// `valid_until` passed, changes nothing: another client may have held
-    /// the key in between, and whoever saw [`is_lost`](Self::is_lost) once
-    /// must never see the lock come back. The first verdict stands.
+    /// A renewal succeeded: the lock is now ours until `valid_until`. After
+    /// a loss, or once `valid_until` passed, it changes nothing: a lock seen
+    /// lost never comes back.
     pub fn renewed(&self, valid_until: Instant) {
         if self.state().renewed(valid_until) {
             self.inner.changed.notify_waiters();
@@ -268,8 +239,7 @@ impl LostSignal {
     }
 
     fn state(&self) -> MutexGuard<'_, Terms> {
-        // Every update is one assignment: a panic elsewhere cannot leave it
-        // half-done, so a poisoned lock is still right.
+        // Every update is one assignment: a poisoned lock is still right.
         self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 }

@@ -1,15 +1,6 @@
-//! [`Locker::acquire_all`]: several locks taken all or none, and the
-//! [`MultiGuard`] that holds them.
-//!
-//! The keys are taken one at a time through the same acquire as a single
-//! lock, in one global order (the bytes of the full key), so two callers
-//! asking for overlapping sets in different orders never wait for each
-//! other in a cycle: whoever holds the lowest key they share goes first.
-//! This is Redisson's `MultiLock` and Curator's `InterProcessMultiLock`,
-//! with the order made explicit. It needs nothing of a backend, so it works
-//! the same on every one, and on Redis Cluster the keys may live on
-//! different nodes. A key that cannot be had undoes the ones taken before
-//! it; a cancelled call drops the guards it holds, which release them.
+//! [`Locker::acquire_all`]: several locks taken all or none, one at a time
+//! in one global order (the bytes of the full key), so overlapping sets
+//! never deadlock; and the [`MultiGuard`] that holds them.
 
 use std::time::Duration;
 
@@ -23,13 +14,11 @@ use crate::key::LockKey;
 use crate::owner::Owner;
 
 /// Several locks held together, each with its own fencing token and lost
-/// signal. Dropping it releases every one in the background;
-/// [`release`](Self::release) releases them and says whether all were
-/// still held.
+/// signal; dropping it releases them in the background.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
-/// use dlock_core::backend::LockMode;
+/// use dlock_core::LockMode;
 /// use dlock_core::{AcquireOptions, Locker, MemoryBackend};
 /// let locker = Locker::new(MemoryBackend::new());
 /// let from = locker.key("account").part(1).build()?;
@@ -97,10 +86,9 @@ impl MultiGuard {
 impl Locker {
     /// Takes every key in `keys`, each in its mode, all or none.
     ///
-    /// One owner holds them all (`opts`' owner, or a fresh one), and one
-    /// wait covers the whole set: `opts`' wait runs from the call, not per
-    /// key. `opts`' mode is not used; each key says its own. A key named
-    /// twice in the same mode is taken once.
+    /// One owner holds them all, and `opts`' wait covers the whole set;
+    /// each key says its own mode. A key named twice in one mode is taken
+    /// once.
     ///
     /// # Errors
     ///
@@ -111,9 +99,7 @@ impl Locker {
     ///
     /// # Cancellation safety
     ///
-    /// Dropping the future leaves none of the keys held: the guards taken
-    /// so far are dropped with it, which releases them, and the acquire in
-    /// flight is cancellation-safe as [`Locker::acquire`] is.
+    /// Dropping the future leaves none of the keys held.
     pub async fn acquire_all<'k>(
         &self,
         keys: impl IntoIterator<Item = (&'k LockKey, LockMode)>,

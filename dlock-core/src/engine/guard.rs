@@ -12,23 +12,14 @@ use super::Engine;
 use crate::backend::{AcquireRequest, LostReason, LostSignal, Release};
 use crate::error::Result;
 use crate::key::LockKey;
+use crate::metrics::{Op, Stopwatch};
 use crate::owner::Owner;
 
-/// A held lock.
-///
-/// * [`fencing_token`](Self::fencing_token) is greater than that of every
-///   earlier grant of the key (on the conditions it lists): hand it to the
-///   storage you protect so it can refuse writes from a holder whose lease
-///   already ran out.
-/// * [`lost`](Self::lost) resolves when the lock may no longer be ours.
-/// * [`release`](Self::release) gives it back and says whether we still held
-///   it. Dropping an unreleased guard releases it in the background.
-///
-/// In watchdog mode the engine's watchdog renews the lease every lease/3
-/// until the guard is released or dropped. A backend may grant a
-/// watchdog-mode lock with no lease at all (the in-process backend does for
-/// a lock taken on the spot): it is held until the guard lets it go, nothing
-/// renews it, and [`valid_until`](Self::valid_until) is decades away.
+/// A held lock: hand its [`fencing_token`](Self::fencing_token) to the
+/// storage you protect, watch [`lost`](Self::lost), and
+/// [`release`](Self::release) it (dropping it releases in the background).
+/// In watchdog mode the lease is renewed every lease/3 while the guard
+/// lives; an in-process lock taken on the spot has no lease to renew.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -71,8 +62,7 @@ impl std::fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
-    /// The guard of one share of a hold. `watchdog`: the acquire asked for
-    /// watchdog mode (the engine renews the hold while such a guard lives).
+    /// The guard of one share of a hold; `watchdog`: renewed while it lives.
     pub(crate) fn new(engine: Arc<Engine>, req: AcquireRequest, joined: Joined, watchdog: bool) -> Self {
         LockGuard {
             engine,
@@ -101,26 +91,18 @@ impl LockGuard {
     }
 
     /// The grant's fencing token: greater than the token of every grant of
-    /// this key returned before this acquire began (re-entries of one hold
-    /// share its token), while the backend keeps its high-water mark. On
-    /// one Redis or a Sentinel master, after the mark was lost (a restart
-    /// without persistence, a flush) tokens come from the server clock and
-    /// grow as long as it has not stepped back; after a failover to a
-    /// replica, as long as the new master's clock is not behind. On RedLock,
-    /// while a majority of masters keeps its data, whatever the offsets of
-    /// their clocks. On PostgreSQL (a sequence, drawn by the grant's
-    /// statement, which commits to disk before it is answered even on a
-    /// server set to `synchronous_commit = off`): across restarts and
-    /// crashes of the server or its machine, while the disk keeps what
-    /// PostgreSQL flushed (`fsync = on`); across a failover, only to a
-    /// standby that had confirmed the grant's commit (a synchronous standby,
-    /// with `synchronous_commit` `on` or `remote_apply`). An asynchronous
-    /// standby may lack the last grants: promoted, it can grant a key that
-    /// is still held, with a token equal to its holder's, and a storage
-    /// check, which accepts a token equal to the highest it saw, refuses
-    /// neither (see "Restarts, crashes and failovers" in the docs of
-    /// `dlock_core::backend::postgres`).
-    /// In process and on ZooKeeper (the node's creation zxid), always.
+    /// this key returned before this acquire began (re-entries share it),
+    /// on these conditions:
+    ///
+    /// * in process and on ZooKeeper (the node's creation zxid): always;
+    /// * one Redis or Sentinel: while it keeps its high-water mark, else
+    ///   (a restart without persistence, a failover) while the server's
+    ///   clock has not stepped back;
+    /// * RedLock: while a majority of masters keeps its data;
+    /// * PostgreSQL: across restarts and crashes while the disk keeps what
+    ///   was flushed; across a failover only to a synchronous standby (an
+    ///   asynchronous one may grant a held key with its holder's token,
+    ///   which no fence refuses: `docs/postgres-design.md`).
     pub fn fencing_token(&self) -> u64 {
         self.fencing_token
     }
@@ -130,9 +112,7 @@ impl LockGuard {
         self.signal().valid_until()
     }
 
-    /// Whether the lock is in watchdog mode: kept for as long as the guard
-    /// lives, its lease renewed by the engine's watchdog, or, where the
-    /// backend granted it until released, with no lease to renew.
+    /// Whether the lock is kept for as long as the guard lives (watchdog mode).
     pub fn is_watchdog(&self) -> bool {
         self.watchdog
     }
@@ -142,12 +122,9 @@ impl LockGuard {
         self.signal().is_lost()
     }
 
-    /// Resolves when the lock may no longer be ours: a renewal found the key
-    /// gone or owned by someone else, renewals failed until the lease ran out,
-    /// a fixed lease ran out, or the backend's session expired.
-    ///
-    /// It fires no later than the moment another client could take the key,
-    /// and never on a transient error that a later renewal repairs.
+    /// Resolves when the lock may no longer be ours (see
+    /// [`LostSignal::lost`](crate::LostSignal::lost)): no later than another
+    /// client could take the key, never on an error a renewal repairs.
     ///
     /// # Cancellation safety
     ///
@@ -156,9 +133,8 @@ impl LockGuard {
         self.signal().lost().await
     }
 
-    /// A handle that watches this lock without owning it: hand it to the
-    /// work the lock protects, which can then stop when the lock is lost,
-    /// while the guard alone decides when to release.
+    /// A handle that watches this lock without owning it, for the work it
+    /// protects.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -187,10 +163,8 @@ impl LockGuard {
     /// # Errors
     ///
     /// [`Error::Backend`](crate::Error::Backend) when the service cannot be
-    /// reached. The release is then retried in the background (with a
-    /// backoff, until it goes through, the service says the lock is no longer
-    /// ours, or the lease runs out), so a short outage does not keep the key
-    /// held for the rest of a long lease.
+    /// reached; the release is then retried in the background until it
+    /// goes through or the lease runs out.
     pub async fn release(mut self) -> Result<bool> {
         self.released = true;
         let turn = match self.engine.holds.leave(self.hold, self.watchdog, self.engine.backend.as_ref()) {
@@ -226,13 +200,13 @@ impl Drop for LockGuard {
     }
 }
 
-/// Sends the last release of a hold, keeping its turn until it lands. When
-/// the service cannot be reached and the lease bounds the retries, retries
-/// in the background with the turn, so that no acquire of the same owner
-/// joins the hold on the service only for the retry to delete it.
+/// Sends the last release of a hold, keeping its turn until it lands (also
+/// through retries, so no acquire of the owner joins a hold about to go).
 pub(super) async fn release_last(engine: Arc<Engine>, key: LockKey, owner: Owner, turn: ReleaseTurn) -> Result<bool> {
     let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
+    let stopwatch = Stopwatch::start();
     let result = engine.backend.release(&key, &owner).await;
+    engine.meters.op(Op::Release, stopwatch);
     if let Err(e) = &result {
         let until = turn.valid_until.filter(|_| e.is_unavailable());
         let retried = until.is_some();
@@ -251,17 +225,14 @@ pub(super) async fn release_last(engine: Arc<Engine>, key: LockKey, owner: Owner
     result.map(|r| r == Release::Freed)
 }
 
-/// The first pause before a failed release is tried again; doubled up to
-/// [`RELEASE_RETRY_MAX_DELAY`], so a service that is back is found within
-/// half a second.
+/// The first pause before a failed release is retried, doubled up to the
+/// max: a service that is back is found within half a second.
 const RELEASE_RETRY_MIN_DELAY: Duration = Duration::from_millis(50);
 const RELEASE_RETRY_MAX_DELAY: Duration = Duration::from_millis(500);
 
-/// Retries a release that could not reach the service, until it goes
-/// through, the service answers otherwise (the lock is no longer ours, or
-/// an error that a retry will not cure), or the lease ends at `until`:
-/// after that the key is free by itself, and a retry could only find
-/// someone else's lock (which the backend refuses to release).
+/// Retries a release that could not reach the service until it goes
+/// through, is answered otherwise, or the lease ends at `until` (the key is
+/// then free anyway).
 async fn retry_release(engine: Arc<Engine>, key: LockKey, owner: Owner, until: Instant, turn: ReleaseTurn) {
     // Ends with this task: acquires of the key and owner wait until then.
     let _turn = turn;
@@ -276,7 +247,10 @@ async fn retry_release(engine: Arc<Engine>, key: LockKey, owner: Owner, until: I
         }
         tokio::time::sleep(delay).await;
         attempts += 1;
-        match tokio::time::timeout_at(until, engine.backend.release(&key, &owner)).await {
+        let stopwatch = Stopwatch::start();
+        let released = tokio::time::timeout_at(until, engine.backend.release(&key, &owner)).await;
+        engine.meters.op(Op::Release, stopwatch);
+        match released {
             Err(_) => {
                 tracing::warn!(key = %key.log_id(), attempts, "dlock.release not retried further: the lease ended");
                 return;

@@ -29,6 +29,7 @@
 //! the lock on the service, but each process counts its own holds, and the
 //! first last-release in any of them frees the lock for all.
 
+use std::collections::BTreeSet;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -38,25 +39,23 @@ use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::watchdog::{Renewing, Schedule};
 use crate::backend::signal::{Expiry, Terms};
 use crate::backend::{AcquireRequest, Backend, Grant, GrantLease, LockMode, LostReason, LostSignal, Release};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
+use crate::metrics::{HoldMeter, LockMeter};
 use crate::owner::Owner;
 
-/// Names one hold: a slot of the table plus the slot's generation, so that
-/// a stale id (a guard of a hold long gone, a late renewal answer) never
-/// reaches the hold filed in its slot after it.
+/// Names one hold: a slot plus its generation, so a stale id never reaches
+/// a later hold of the same slot.
 pub(super) type HoldId = u64;
 
 /// The holds of one engine, with the schedule of their renewals.
 #[derive(Default)]
 pub(crate) struct Holds {
     table: Mutex<Table>,
-    /// Wakes the acquires that wait for a first acquire or a last release of
-    /// their key and owner to end. One for the table: such waits are rare,
-    /// and a phase change nobody waits for then costs no wake-up.
+    /// Wakes the acquires waiting for a first acquire or last release to
+    /// end: one for the table, since such waits are rare.
     settled: Notify,
     /// Wakes the watchdog's task.
     pub(super) wake: Notify,
@@ -65,15 +64,11 @@ pub(crate) struct Holds {
 #[derive(Default)]
 pub(super) struct Table {
     slots: Slots,
-    /// The current hold of each key and owner (not the detached ones),
-    /// filed under the hash of its key and owner and compared with the
-    /// hold's own: no copy of either is kept here, an acquire looks its
-    /// pair up by reference, and a hold leaves by its id and the hash it
-    /// keeps, without hashing its key again.
+    /// The current hold of each key and owner, filed under their hash: no
+    /// copy of either is kept here.
     current: HashTable<HoldId>,
-    /// Hashes `current`'s pairs: foldhash, seeded per process. Every
-    /// acquire and release looks its key up there, and the random seed
-    /// keeps keys that come from requests from being chosen to collide.
+    /// Hashes `current`'s pairs, seeded per process so that keys from
+    /// requests cannot be chosen to collide.
     hasher: foldhash::fast::RandomState,
     pub(super) schedule: Schedule,
 }
@@ -94,19 +89,18 @@ impl Hold {
             detached: false,
             awaited: false,
             renewing: None,
+            meter: HoldMeter::none(),
         }
     }
 
-    /// Makes this hold the backend's `grant`; returns when a grant with a
-    /// lease was granted (measured from before the request was sent), for
-    /// its renewals (`None`: nothing renews it).
-    fn take(&mut self, grant: Grant, req: &AcquireRequest, renew: Option<Renew>) -> Option<Instant> {
+    /// Makes this hold the backend's `grant`; returns when it was granted,
+    /// for its renewals (`None`: nothing renews it).
+    fn take(&mut self, grant: Grant, req: &AcquireRequest, renew: Option<Renew>, meter: &LockMeter) -> Option<Instant> {
+        self.meter = meter.held();
         let valid_until = grant.valid_until();
         let (watch, granted_at) = match (grant.lost, grant.lease) {
             (lost, GrantLease::Until(at)) => {
-                // The backend measured the lease from before its request was
-                // sent: the grant is at least that old, and no clock read is
-                // needed.
+                // Measured from before the request: no clock read needed.
                 let granted_at = renew.map(|_| at.checked_sub(req.lease).unwrap_or_else(Instant::now));
                 let expiry = match (renew, granted_at) {
                     (Some(Renew { max_hold, .. }), Some(granted_at)) => {
@@ -133,11 +127,9 @@ impl Hold {
         granted_at
     }
 
-    /// The backend renewed this hold until `valid_until`, answering a
-    /// renewal for `lease` sent at `sent` (the watchdog's, or that of an
-    /// acquire joining a hold short of lease). Its end moves forward, never
-    /// back, and never past `sent + lease`: the backend measures from its
-    /// own send, and the hold keeps only what our clock can vouch for.
+    /// The backend renewed this hold until `valid_until`, for `lease` sent
+    /// at `sent`. Its end moves forward only, and never past `sent + lease`:
+    /// only what our clock can vouch for.
     pub(super) fn renewed(&mut self, sent: Instant, lease: Duration, valid_until: Instant) {
         let valid_until = valid_until.min(sent + lease);
         if let Some(at) = self.valid_until.as_mut() {
@@ -164,22 +156,22 @@ pub(super) struct Hold {
     token: u64,
     /// Whether it may be lost, shared by every guard of the hold.
     pub(super) watch: Watch,
-    /// The end of the lease as granted or renewed; `None`: held until
-    /// released (the backend's own terms, [`GrantLease::UntilReleased`]).
+    /// The end of the lease; `None`: [`GrantLease::UntilReleased`].
     pub(super) valid_until: Option<Instant>,
     detached: bool,
     /// An acquire waits for this hold's phase to change.
     awaited: bool,
     /// Renewed by the watchdog while a watchdog-mode guard holds it.
     pub(super) renewing: Option<Renewing>,
+    /// Its time held and its end, for the metrics.
+    meter: HoldMeter,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Acquiring,
     Held,
-    /// `retrying`: the first try could not reach the service, and a retry in
-    /// the background keeps the turn until it lands or the lease ends.
+    /// `retrying`: a background retry keeps the turn.
     Releasing {
         retrying: bool,
     },
@@ -193,6 +185,77 @@ pub(super) struct Renew {
     pub(super) max_hold: Option<Duration>,
 }
 
+/// The renewals' side of the table.
+#[derive(Default)]
+pub(crate) struct Schedule {
+    /// `(instant, hold)`: when each renewed hold next needs attention.
+    pub(super) due: BTreeSet<(Instant, HoldId)>,
+    /// Holds filed since the task last looked, moved into `due` when it
+    /// wakes: a short hold costs a push, not an ordered insert and remove.
+    pub(super) pending: Vec<HoldId>,
+    /// Holds renewed now.
+    pub(super) filed: usize,
+    /// Whether a task serves this schedule.
+    pub(super) running: bool,
+    /// When the task wakes if nothing earlier is filed.
+    pub(super) sleeping_until: Option<Instant>,
+}
+
+impl Schedule {
+    /// Stops renewing `hold`, filed as `id`; a renewal already sent
+    /// completes, and its answer is ignored.
+    #[inline]
+    pub(super) fn stop_renewing(&mut self, id: HoldId, hold: &mut Hold) {
+        // Inlined: most holds are never renewed, and every release asks.
+        if hold.renewing.is_some() {
+            self.stop(id, hold);
+        }
+    }
+
+    pub(super) fn stop(&mut self, id: HoldId, hold: &mut Hold) {
+        let Some(renewing) = hold.renewing.take() else { return };
+        if let Some(valid_until) = hold.valid_until {
+            // Its guards that remain have fixed leases: what passes now is one.
+            if !hold.watch.is_lost() {
+                hold.watch.set_terms(valid_until, Expiry::Lease);
+            }
+        }
+        self.filed -= 1;
+        if renewing.in_due {
+            self.due.remove(&(renewing.filed_at, id));
+        }
+    }
+}
+
+/// How one hold is renewed.
+pub(crate) struct Renewing {
+    pub(super) lease: Duration,
+    /// The watchdog-mode guards of the hold.
+    pub(super) guards: u32,
+    /// No renewal is sent from this instant on (the latest `max_hold`).
+    pub(super) renew_until: Option<Instant>,
+    pub(super) next_renewal: Instant,
+    pub(super) in_flight: bool,
+    pub(super) filed_at: Instant,
+    /// Filed in `due` under `filed_at` (else still in `pending`).
+    pub(super) in_due: bool,
+}
+
+impl Renewing {
+    pub(super) fn may_renew(&self) -> bool {
+        self.renew_until.is_none_or(|until| self.next_renewal < until)
+    }
+
+    /// The next instant this hold needs the task (renewal or lease end).
+    pub(super) fn attention(&self, valid_until: Instant) -> Instant {
+        if self.in_flight || !self.may_renew() {
+            valid_until
+        } else {
+            self.next_renewal.min(valid_until)
+        }
+    }
+}
+
 /// What the watchdog's task needs after a change of the schedule.
 #[must_use]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,14 +267,9 @@ pub(super) enum Kick {
     Wake,
 }
 
-/// Whether a hold may be lost, as its guards see it.
-///
-/// The signal is made when first asked for (a guard's `lost`, `is_lost`,
-/// `valid_until` or `lost_signal`), or by the backend: an uncontended
-/// in-process cycle is a few hundred nanoseconds, and the allocation and
-/// reference counts of a signal nobody watches were a tenth of it. Until
-/// then the terms kept here are the signal's, and whoever makes it starts
-/// from them, so a guard sees the same verdicts either way.
+/// Whether a hold may be lost, as its guards see it: its terms, until a
+/// guard or the backend asks for a signal, which starts from them (most
+/// short holds are released unasked; `docs/performance.md`).
 pub(super) enum Watch {
     /// The first acquire is on its way: no terms yet.
     Pending,
@@ -220,6 +278,15 @@ pub(super) enum Watch {
 }
 
 impl Watch {
+    /// Why it is lost, if it is.
+    fn reason(&self) -> Option<LostReason> {
+        match self {
+            Watch::Pending => None,
+            Watch::Terms(terms) => terms.reason(),
+            Watch::Signal(signal) => signal.reason(),
+        }
+    }
+
     pub(super) fn is_lost(&self) -> bool {
         match self {
             Watch::Pending => false,
@@ -280,19 +347,15 @@ pub(crate) struct Joined {
 pub(super) enum Enter<'a> {
     /// Joined a hold of this process.
     Joined(Joined),
-    /// The first acquire of this key and owner: ask the backend. The turn
-    /// goes with the attempt; dropping it unanswered frees the turn.
+    /// The first acquire of this key and owner: ask the backend, with the turn.
     First(AcquireTurn),
-    /// A hold with less than half the requested lease left: the backend is
-    /// to renew it before the acquire joins it.
+    /// Less than half the requested lease left: renew, then join.
     Extend(HoldId),
-    /// The first acquire or the last release of this key and owner is on
-    /// its way: wait for it, then look again.
+    /// A first acquire or last release is on its way: wait, then look again.
     Wait(Notified<'a>),
     /// The same, for a caller that does not wait.
     Busy,
-    /// The backend answered on the spot: held by another owner (or an
-    /// error), and the caller does not wait.
+    /// Refused on the spot (held, or an error), for a caller that does not wait.
     Refused(Error),
 }
 
@@ -300,8 +363,7 @@ pub(super) enum Enter<'a> {
 pub(super) enum Leave {
     /// Other guards of this process still hold it; whether it is lost.
     Others { lost: bool },
-    /// The last guard of the hold: release it on the service, keeping the
-    /// turn until the release lands or is given up.
+    /// The last guard: release on the service, with the turn.
     Last(ReleaseTurn),
     /// The hold was lost and replaced: nothing to send.
     Detached,
@@ -316,39 +378,33 @@ pub(super) struct AcquireTurn {
     id: Option<HoldId>,
 }
 
-/// The turn of a last release while it is on its way (or retried), or of
-/// the undo of a first acquire that returned no grant: dropped,
-/// it forgets the hold and wakes the acquires of the key that wait. It goes
-/// with the release until the service answered or the release was given
-/// up, also when the caller stopped waiting for it, so no acquire overtakes
-/// a release still on its way and none waits for one that never lands.
+/// The turn of a last release on its way (or retried), or of the undo of a
+/// first acquire that got no grant: dropped, it forgets the hold and wakes
+/// the acquires that wait. It stays with the release until it is answered
+/// or given up, so no acquire overtakes it.
 pub(super) struct ReleaseTurn {
     holds: Arc<Holds>,
     id: HoldId,
-    /// The end of the lease, which bounds retries; `None`: held until
-    /// released, not retried.
+    /// The end of the lease, which bounds retries (`None`: not retried).
     pub(super) valid_until: Option<Instant>,
 }
 
 impl Holds {
     pub(super) fn table(&self) -> MutexGuard<'_, Table> {
-        // Every change under this lock is a field or an entry: a panic
-        // elsewhere leaves it consistent.
+        // Every change is a field or an entry: poisoning leaves it consistent.
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Looks an acquire up: joins a live hold, takes the first turn, or
-    /// says what to wait for. `waits`: the caller waits for a held key.
-    ///
-    /// A first acquire is tried on the spot, under the table's lock, when
-    /// the backend can answer without I/O ([`Backend::try_acquire_now`]):
-    /// an in-process lock costs one look-up here, not two.
+    /// Looks an acquire up: joins a live hold, takes the first turn (tried
+    /// on the spot under the lock when the backend can:
+    /// [`Backend::try_acquire_now`]), or says what to wait for.
     pub(super) fn enter(
         self: &Arc<Self>,
         req: &AcquireRequest,
         waits: bool,
         renew: Option<Renew>,
         backend: &dyn Backend,
+        meter: &LockMeter,
     ) -> (Enter<'_>, Kick) {
         let mut guard = self.table();
         let table = &mut *guard;
@@ -367,14 +423,13 @@ impl Holds {
                     Some(Err(e)) if !(waits && e.is_contention()) => return (Enter::Refused(e), Kick::Nothing),
                     Some(Err(_)) | None => None,
                 };
-                // Filed first, then granted where it lies: a hold is large,
-                // and one made aside would be copied in.
+                // Filed first, then granted in place: a hold is large.
                 let (new, hold) = table.slots.insert_with(|| Hold::acquiring(req, hash));
                 vacant.insert(new);
                 let Some(grant) = grant else {
                     return (Enter::First(AcquireTurn { holds: self.clone(), id: Some(new) }), Kick::Nothing);
                 };
-                let granted_at = hold.take(grant, req, renew);
+                let granted_at = hold.take(grant, req, renew, meter);
                 (new, table.join(new, renew, granted_at))
             }
             Entry::Occupied(entry) => {
@@ -400,12 +455,11 @@ impl Holds {
                     }
                 }
                 if hold.watch.is_lost() {
-                    // Lost: its guards were told. The next hold is a new one, and
-                    // theirs send nothing when they go.
+                    // Lost: the next hold is a new one; its guards send nothing.
                     hold.detached = true;
                     entry.remove();
                     drop(guard);
-                    return self.enter(req, waits, renew, backend);
+                    return self.enter(req, waits, renew, backend, meter);
                 }
                 if hold.valid_until.is_some_and(|at| at < Instant::now() + req.lease / 2) {
                     return (Enter::Extend(current), Kick::Nothing);
@@ -426,6 +480,7 @@ impl Holds {
         grant: Grant,
         req: &AcquireRequest,
         renew: Option<Renew>,
+        meter: &LockMeter,
     ) -> (Joined, Kick) {
         let id = turn.id.take();
         let mut guard = self.table();
@@ -437,7 +492,7 @@ impl Holds {
             let state = grant.lost.unwrap_or_else(LostSignal::until_released);
             return (Joined { id: HoldId::MAX, token: grant.fencing_token, state: Some(state) }, Kick::Nothing);
         };
-        let granted_at = hold.take(grant, req, renew);
+        let granted_at = hold.take(grant, req, renew, meter);
         let awaited = std::mem::take(&mut hold.awaited);
         let kick = table.join(id, renew, granted_at);
         let joined = table.joined(id);
@@ -451,9 +506,8 @@ impl Holds {
         }
     }
 
-    /// The backend renewed hold `id` until `valid_until` (for `lease`, asked
-    /// at `sent`) for an acquire that joins it; `None` when it is no longer
-    /// the hold to join (look again).
+    /// The backend renewed hold `id` for an acquire that joins it; `None`
+    /// when it is no longer the hold to join.
     pub(super) fn extended(
         &self,
         id: HoldId,
@@ -471,8 +525,7 @@ impl Holds {
         (table.joined(id), kick)
     }
 
-    /// The backend says hold `id` is gone: its guards lose it, and the next
-    /// acquire starts a new hold.
+    /// Hold `id` is gone: its guards lose it; the next acquire starts anew.
     pub(super) fn lost(&self, id: HoldId, reason: LostReason) {
         let mut table = self.table();
         let table = &mut *table;
@@ -488,8 +541,8 @@ impl Holds {
     }
 
     /// One guard of hold `id` goes; `renewed`: it was in watchdog mode. The
-    /// last one is released on the spot, under the table's lock, when the
-    /// backend can do that without I/O ([`Backend::release_now`]).
+    /// last one is released on the spot when the backend can
+    /// ([`Backend::release_now`]).
     pub(super) fn leave(self: &Arc<Self>, id: HoldId, renewed: bool, backend: &dyn Backend) -> Leave {
         let mut guard = self.table();
         let table = &mut *guard;
@@ -541,8 +594,7 @@ impl Holds {
     pub(super) fn signal(&self, id: HoldId) -> LostSignal {
         let signal = self.table().slots.get_mut(id).and_then(|hold| hold.watch.signal());
         signal.unwrap_or_else(|| {
-            // Not reachable: a guard's hold stays in the table while the
-            // guard lives. Should it not, the guard must not count on it.
+            // Not reachable: a guard's hold stays while the guard lives.
             let lost = LostSignal::new(Instant::now());
             lost.lose(LostReason::Stolen);
             lost
@@ -559,8 +611,7 @@ impl Holds {
 impl Table {
     /// The hash `current` files the hold of `key` and `owner` under.
     fn hash(&self, key: &LockKey, owner: &Owner) -> u64 {
-        // The key's bytes with no end marker: what follows them, an owner,
-        // always has the same length, so no two pairs hash the same bytes.
+        // No end marker needed: an owner always has the same length.
         let mut hasher = self.hasher.build_hasher();
         hasher.write(key.as_str().as_bytes());
         owner.hash(&mut hasher);
@@ -580,10 +631,8 @@ impl Table {
         self.slots.remove(id);
     }
 
-    /// One more guard joins hold `id`, renewed by the watchdog when `renew`
-    /// says so and the hold has a lease.
-    /// `granted_at`: when the hold's lease was granted or renewed; `None`
-    /// for a hold with no lease.
+    /// One more guard joins hold `id`, renewed when `renew` says so and the
+    /// hold has a lease granted or renewed at `granted_at`.
     fn join(&mut self, id: HoldId, renew: Option<Renew>, granted_at: Option<Instant>) -> Kick {
         let Some(hold) = self.slots.get_mut(id) else { return Kick::Nothing };
         hold.guards += 1;
@@ -607,8 +656,7 @@ impl Table {
         self.slots.get_mut(id)
     }
 
-    /// Stops renewing hold `id`. A renewal already sent completes, and its
-    /// answer is ignored.
+    /// Stops renewing hold `id` (an answer already on its way is ignored).
     pub(super) fn stop_renewing(&mut self, id: HoldId) {
         if let Some(hold) = self.slots.get_mut(id) {
             self.schedule.stop_renewing(id, hold);
@@ -617,13 +665,9 @@ impl Table {
 }
 
 impl AcquireTurn {
-    /// The first acquire returned no grant but may have left something on
-    /// the service: its outcome is unknown (its answer timed out, or the
-    /// connection broke while it was in flight), so the service may have
-    /// granted it, or its wait ended early and left what waits leave (a
-    /// writer's intent). The turn becomes the turn of what goes after it,
-    /// owner-checked (a withdrawal, a release), which ends at `valid_until`
-    /// (the lease for a release, the wait for a withdrawal).
+    /// The first acquire returned no grant but may have left something (an
+    /// unknown outcome, a writer's intent): the turn becomes that of the
+    /// undo that goes after it, which ends at `valid_until`.
     pub(super) fn undo(mut self, valid_until: Instant) -> Option<ReleaseTurn> {
         let id = self.id.take()?;
         let hold = self.holds.table().slots.get_mut(id).map(|hold| hold.phase = Phase::Releasing { retrying: true });
@@ -640,8 +684,8 @@ impl Drop for AcquireTurn {
 }
 
 impl ReleaseTurn {
-    /// The release is retried in the background: until it ends, acquires
-    /// of the key and owner that do not wait are told it is busy.
+    /// The release is retried in the background (acquires that do not wait
+    /// are told it is busy meanwhile).
     pub(super) fn retrying(&self) {
         if let Some(hold) = self.holds.table().slots.get_mut(self.id) {
             hold.phase = Phase::Releasing { retrying: true };
@@ -655,8 +699,7 @@ impl Drop for ReleaseTurn {
     }
 }
 
-/// The table's storage: a slab, since a hold is filed and forgotten once
-/// per first acquire.
+/// The table's storage: a slab (a hold is filed once per first acquire).
 #[derive(Default)]
 struct Slots {
     slots: Vec<(u32, Option<Hold>)>,
@@ -665,8 +708,7 @@ struct Slots {
 }
 
 impl Slots {
-    /// Files the hold `make` makes, made in its slot where the compiler
-    /// allows (a hold is large).
+    /// Files the hold `make` makes, in its slot (a hold is large).
     #[inline]
     fn insert_with(&mut self, make: impl FnOnce() -> Hold) -> (HoldId, &mut Hold) {
         self.len += 1;
@@ -699,12 +741,16 @@ impl Slots {
         }
     }
 
-    /// Drops hold `id` where it lies: a hold is large, and moving it out
-    /// to drop it cost a copy per release.
+    /// Drops hold `id` in place: moving it out cost a copy per release.
     fn remove(&mut self, id: HoldId) {
         let (generation, index) = ((id >> 32) as u32, id as u32);
         match self.slots.get_mut(index as usize) {
-            Some((g, hold @ Some(_))) if *g == generation => *hold = None,
+            Some((g, slot @ Some(_))) if *g == generation => {
+                if let Some(hold) = slot {
+                    hold.meter.end(|| hold.watch.reason());
+                }
+                *slot = None;
+            }
             _ => return,
         }
         self.free.push(index);
@@ -713,12 +759,13 @@ impl Slots {
 }
 
 #[cfg(test)]
+// Without the feature `metrics` the meter is a unit struct; with it, not.
+#[allow(clippy::default_constructed_unit_structs)]
 pub(super) mod tests {
     use super::*;
     use crate::backend::{BoxFuture, CancellationToken, Renewal};
 
-    /// A backend that answers nothing on the spot, as a remote one: the
-    /// table's own logic is what these tests see.
+    /// A backend that answers nothing on the spot, as a remote one.
     #[derive(Debug)]
     pub(in crate::engine) struct Remote;
 
@@ -746,7 +793,7 @@ pub(super) mod tests {
     }
 
     fn first(holds: &Arc<Holds>, req: &AcquireRequest) -> AcquireTurn {
-        match holds.enter(req, false, None, &Remote).0 {
+        match holds.enter(req, false, None, &Remote, &LockMeter::default()).0 {
             Enter::First(turn) => turn,
             _ => panic!("the first acquire goes to the backend"),
         }
@@ -758,16 +805,24 @@ pub(super) mod tests {
         let lease = Duration::from_secs(30);
         let req = request(lease);
         let turn = first(&holds, &req);
-        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::Busy), "a first acquire is on its way");
-        let (outer, _) = holds.granted(turn, Grant::until(7, Instant::now() + lease), &req, None);
-        let Enter::Joined(inner) = holds.enter(&req, false, None, &Remote).0 else { panic!("a re-entry joins") };
+        assert!(
+            matches!(holds.enter(&req, false, None, &Remote, &LockMeter::default()).0, Enter::Busy),
+            "a first acquire is on its way"
+        );
+        let (outer, _) =
+            holds.granted(turn, Grant::until(7, Instant::now() + lease), &req, None, &LockMeter::default());
+        let Enter::Joined(inner) = holds.enter(&req, false, None, &Remote, &LockMeter::default()).0 else {
+            panic!("a re-entry joins")
+        };
         assert_eq!((outer.token, inner.token), (7, 7));
         assert!(matches!(holds.leave(inner.id, false, &Remote), Leave::Others { lost: false }));
         let Leave::Last(turn) = holds.leave(outer.id, false, &Remote) else { panic!("the last release") };
-        let Enter::Wait(landed) = holds.enter(&req, true, None, &Remote).0 else { panic!("waits for the release") };
+        let Enter::Wait(landed) = holds.enter(&req, true, None, &Remote, &LockMeter::default()).0 else {
+            panic!("waits for the release")
+        };
         drop(turn);
         tokio::time::timeout(Duration::from_secs(5), landed).await.expect("the landed release wakes the waiter");
-        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::First(_)));
+        assert!(matches!(holds.enter(&req, false, None, &Remote, &LockMeter::default()).0, Enter::First(_)));
         assert_eq!(holds.len(), 0, "nothing outlives its guards and turns");
     }
 
@@ -776,14 +831,25 @@ pub(super) mod tests {
         let holds = Arc::new(Holds::default());
         let lease = Duration::from_secs(30);
         let req = request(lease);
-        let (held, _) = holds.granted(first(&holds, &req), Grant::until(7, Instant::now() + lease), &req, None);
+        let (held, _) = holds.granted(
+            first(&holds, &req),
+            Grant::until(7, Instant::now() + lease),
+            &req,
+            None,
+            &LockMeter::default(),
+        );
         let Leave::Last(turn) = holds.leave(held.id, false, &Remote) else { panic!("the last release") };
         turn.retrying();
-        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::Busy), "a retried release is in the way");
-        let Enter::Wait(landed) = holds.enter(&req, true, None, &Remote).0 else { panic!("a waiting acquire waits") };
+        assert!(
+            matches!(holds.enter(&req, false, None, &Remote, &LockMeter::default()).0, Enter::Busy),
+            "a retried release is in the way"
+        );
+        let Enter::Wait(landed) = holds.enter(&req, true, None, &Remote, &LockMeter::default()).0 else {
+            panic!("a waiting acquire waits")
+        };
         drop(turn);
         tokio::time::timeout(Duration::from_secs(5), landed).await.expect("the retry's end wakes it");
-        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::First(_)));
+        assert!(matches!(holds.enter(&req, false, None, &Remote, &LockMeter::default()).0, Enter::First(_)));
     }
 
     #[tokio::test]
@@ -791,10 +857,22 @@ pub(super) mod tests {
         let holds = Arc::new(Holds::default());
         let lease = Duration::from_secs(30);
         let req = request(lease);
-        let (old, _) = holds.granted(first(&holds, &req), Grant::until(7, Instant::now() + lease), &req, None);
+        let (old, _) = holds.granted(
+            first(&holds, &req),
+            Grant::until(7, Instant::now() + lease),
+            &req,
+            None,
+            &LockMeter::default(),
+        );
         holds.lost(old.id, LostReason::Stolen);
         assert!(holds.signal(old.id).is_lost());
-        let (new, _) = holds.granted(first(&holds, &req), Grant::until(9, Instant::now() + lease), &req, None);
+        let (new, _) = holds.granted(
+            first(&holds, &req),
+            Grant::until(9, Instant::now() + lease),
+            &req,
+            None,
+            &LockMeter::default(),
+        );
         assert_eq!(new.token, 9);
         assert!(matches!(holds.leave(old.id, false, &Remote), Leave::Detached), "the old hold's release sends nothing");
         assert!(matches!(holds.leave(new.id, false, &Remote), Leave::Last(_)));
@@ -806,8 +884,8 @@ pub(super) mod tests {
         let lease = Duration::from_secs(30);
         let req = request(lease);
         let short = Instant::now() + Duration::from_secs(10);
-        let (held, _) = holds.granted(first(&holds, &req), Grant::until(7, short), &req, None);
-        let Enter::Extend(id) = holds.enter(&req, false, None, &Remote).0 else {
+        let (held, _) = holds.granted(first(&holds, &req), Grant::until(7, short), &req, None, &LockMeter::default());
+        let Enter::Extend(id) = holds.enter(&req, false, None, &Remote, &LockMeter::default()).0 else {
             panic!("less than half the lease left")
         };
         assert_eq!(id, held.id);
@@ -827,9 +905,11 @@ pub(super) mod tests {
         let lease = Duration::from_secs(30);
         let req = request(lease);
         let short = Instant::now() + Duration::from_secs(10);
-        let (outer, _) = holds.granted(first(&holds, &req), Grant::until(7, short), &req, None);
+        let (outer, _) = holds.granted(first(&holds, &req), Grant::until(7, short), &req, None, &LockMeter::default());
         assert!(outer.state.is_none(), "nobody asked for it yet");
-        let Enter::Extend(id) = holds.enter(&req, false, None, &Remote).0 else { panic!("short of lease") };
+        let Enter::Extend(id) = holds.enter(&req, false, None, &Remote, &LockMeter::default()).0 else {
+            panic!("short of lease")
+        };
         let now = Instant::now();
         let (inner, _) = holds.extended(id, now, lease, now + lease, None);
         let inner = inner.expect("joins");
@@ -837,7 +917,8 @@ pub(super) mod tests {
         assert!(a.valid_until() > short, "made from the renewed terms");
         holds.lost(outer.id, LostReason::Stolen);
         assert_eq!((a.reason(), b.reason()), (Some(LostReason::Stolen), Some(LostReason::Stolen)));
-        let (early, _) = holds.granted(first(&holds, &req), Grant::until(9, now + lease), &req, None);
+        let (early, _) =
+            holds.granted(first(&holds, &req), Grant::until(9, now + lease), &req, None, &LockMeter::default());
         holds.lost(early.id, LostReason::Stolen);
         assert_eq!(holds.signal(early.id).reason(), Some(LostReason::Stolen), "the verdict came before the signal");
     }
@@ -847,11 +928,11 @@ pub(super) mod tests {
         let holds = Arc::new(Holds::default());
         let req = request(Duration::from_secs(30));
         let turn = first(&holds, &req);
-        let Enter::Wait(settled) = holds.enter(&req, true, None, &Remote).0 else {
+        let Enter::Wait(settled) = holds.enter(&req, true, None, &Remote, &LockMeter::default()).0 else {
             panic!("waits for the first acquire")
         };
         drop(turn);
         tokio::time::timeout(Duration::from_secs(5), settled).await.expect("woken");
-        assert!(matches!(holds.enter(&req, false, None, &Remote).0, Enter::First(_)));
+        assert!(matches!(holds.enter(&req, false, None, &Remote, &LockMeter::default()).0, Enter::First(_)));
     }
 }

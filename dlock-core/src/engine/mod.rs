@@ -1,35 +1,25 @@
-//! The lock engine: what turns a backend's grants into held locks.
-//!
-//! * [`Locker`] (`locker.rs`) takes a lock through the [`Backend`] seam,
-//!   answering on the spot when the backend can and waiting otherwise, and
-//!   hands out a [`LockGuard`];
-//! * [`LockGuard`] (`guard.rs`) owns one held lock: its fencing token, its
-//!   [`LostSignal`](crate::LostSignal) and its release;
-//! * [`Locker::acquire_all`] (`all.rs`) takes several keys all or none, in
-//!   one global order, and hands out a [`MultiGuard`];
-//! * the holds (`holds.rs`) are every lock this process holds, once per key
-//!   and owner: re-entry is counted there, and only a first acquire and a
-//!   last release reach the backend;
-//! * the watchdog (`watchdog.rs`) renews every hold granted until an
-//!   instant in watchdog mode, one task per engine, scheduling the same
-//!   holds.
-//!
-//! The engine depends on the seam (`backend/`), never the other way round:
-//! a backend knows nothing of guards or of the watchdog.
+//! The lock engine: [`Locker`] takes locks through the [`Backend`] seam and
+//! hands out [`LockGuard`]s ([`MultiGuard`]s for several keys); the holds
+//! (`holds.rs`) count re-entry, and one watchdog task per engine
+//! (`watchdog.rs`) renews them. A backend knows nothing of guards or of the
+//! watchdog.
 
 use std::sync::Arc;
 
 use crate::backend::Backend;
+use crate::metrics::Meters;
 
 mod all;
 mod guard;
 mod holds;
+mod inspect;
 mod locker;
 mod see_through;
 mod watchdog;
 
 pub use all::MultiGuard;
 pub use guard::LockGuard;
+pub use inspect::{ForceUnlock, Listing, MAX_PAGE};
 pub use locker::{AcquireOptions, Locker, LockerOptions, DEFAULT_LEASE};
 
 use holds::Holds;
@@ -39,10 +29,13 @@ pub(crate) struct Engine {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) options: LockerOptions,
     pub(crate) holds: Arc<Holds>,
+    /// What it records through the `metrics` facade (nothing without the feature).
+    pub(crate) meters: Meters,
 }
 
 impl Engine {
     fn new(backend: Arc<dyn Backend>, options: LockerOptions) -> Arc<Self> {
-        Arc::new(Engine { backend, options, holds: Arc::default() })
+        let meters = Meters::new(backend.name());
+        Arc::new(Engine { backend, options, holds: Arc::default(), meters })
     }
 }

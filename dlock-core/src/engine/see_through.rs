@@ -1,11 +1,6 @@
 //! [`SeeThrough`]: a future run inline on the caller's task, and finished on
-//! a task of its own when the caller gives up on it.
-//!
-//! A command already sent is not undone by dropping its future: an acquire
-//! still in flight may be granted, a release still queued may land after a
-//! later acquire of the same owner. So the engine never drops a backend's
-//! future while a command may be in flight. Running inline until the caller
-//! goes spares the common path a task spawn and a cross-thread wake-up.
+//! a task of its own when the caller gives up on it, since a command already
+//! sent is not undone by dropping its future.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,112 +1,22 @@
 //! The watchdog: one task per [`Locker`](crate::Locker) renews every hold
-//! kept in watchdog mode, like Redisson's shared timer, instead of a task per
-//! guard.
-//!
-//! The schedule indexes the engine's holds (`holds.rs`) by the instant each
-//! needs attention: its next renewal, or the end of its lease when no
-//! renewal may be sent. A hold starts being renewed when its first
-//! watchdog-mode guard joins it and stops when the last one goes. Starting
-//! is a push on a list the task sorts into the schedule when it wakes, and
-//! stopping a field cleared, under the table's one lock: no task spawn, no
-//! wake-up, nothing to cancel per request. The task sleeps until the
-//! earliest instant in the schedule and is woken only when a hold is filed
-//! earlier than that, or when many wait to be sorted.
-//!
-//! Nothing here can lose a lock silently: a guard reads its hold's
-//! `valid_until`, which only a successful renewal moves forward, so if this
-//! task stops (its runtime shut down) the guard's lost signal still fires
-//! when the lease it can vouch for ends; the next hold filed starts a new
-//! task, which adopts every hold still filed.
+//! kept in watchdog mode (Redisson's shared timer), sleeping until the
+//! earliest instant of the schedule in `holds.rs`. Filing and unfiling a
+//! hold spawns and wakes nothing. If the task stops, guards still lose
+//! their locks when the leases they can vouch for end; the next hold filed
+//! starts a new task. More: `docs/core-design.md`.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::time::{sleep_until, Instant};
 
-use super::holds::{Hold, HoldId, Kick, Renew, Table};
+use super::holds::{Hold, HoldId, Kick, Renew, Renewing, Table};
 use super::Engine;
 use crate::backend::signal::{renewed_lease_expired, Expiry};
-use crate::backend::{LostReason, Renewal};
+use crate::backend::{LostReason, RenewRequest, Renewal};
 use crate::error::Result;
-
-/// The renewals' side of the table.
-#[derive(Default)]
-pub(crate) struct Schedule {
-    /// `(instant, hold)`: when each renewed hold next needs attention.
-    due: BTreeSet<(Instant, HoldId)>,
-    /// Holds filed since the task last looked. Most stop being renewed
-    /// (their request ended) long before they need attention; the task
-    /// moves the rest into `due` when it wakes, so a short hold costs a push
-    /// here instead of an ordered insert and remove.
-    pending: Vec<HoldId>,
-    /// Holds renewed now.
-    filed: usize,
-    /// Whether a task serves this schedule.
-    running: bool,
-    /// When the task wakes if nothing earlier is filed.
-    sleeping_until: Option<Instant>,
-}
-
-impl Schedule {
-    /// Stops renewing `hold`, filed as `id` (the caller has it in hand,
-    /// see [`Table::stop_renewing`]). A renewal already sent completes, and
-    /// its answer is ignored.
-    #[inline]
-    pub(super) fn stop_renewing(&mut self, id: HoldId, hold: &mut Hold) {
-        // Inlined for this check: most holds are never renewed, and every
-        // release asks.
-        if hold.renewing.is_some() {
-            self.stop(id, hold);
-        }
-    }
-
-    fn stop(&mut self, id: HoldId, hold: &mut Hold) {
-        let Some(renewing) = hold.renewing.take() else { return };
-        if let Some(valid_until) = hold.valid_until {
-            // Its guards that remain have fixed leases: what passes now is one.
-            if !hold.watch.is_lost() {
-                hold.watch.set_terms(valid_until, Expiry::Lease);
-            }
-        }
-        self.filed -= 1;
-        if renewing.in_due {
-            self.due.remove(&(renewing.filed_at, id));
-        }
-    }
-}
-
-/// How one hold is renewed.
-pub(crate) struct Renewing {
-    lease: Duration,
-    /// The watchdog-mode guards of the hold.
-    pub(super) guards: u32,
-    /// No renewal is sent at or after this instant: the latest `max_hold`
-    /// of its guards allows (`None`: no limit).
-    renew_until: Option<Instant>,
-    next_renewal: Instant,
-    in_flight: bool,
-    filed_at: Instant,
-    /// Filed in `due` under `filed_at` (else still in `pending`).
-    in_due: bool,
-}
-
-impl Renewing {
-    fn may_renew(&self) -> bool {
-        self.renew_until.is_none_or(|until| self.next_renewal < until)
-    }
-
-    /// The next instant this hold needs the task: its renewal, or the end
-    /// of the lease when no renewal is coming.
-    fn attention(&self, valid_until: Instant) -> Instant {
-        if self.in_flight || !self.may_renew() {
-            valid_until
-        } else {
-            self.next_renewal.min(valid_until)
-        }
-    }
-}
+use crate::metrics::{Op, Stopwatch};
 
 /// How early a renewal may go out with others that are due: a thirtieth
 /// of its lease, and no more than this.
@@ -248,14 +158,12 @@ impl Drop for Serving {
     }
 }
 
-type RenewalResult = (HoldId, Instant, Result<Renewal>);
-
 async fn run(mut serving: Serving) {
     let engine = serving.engine.clone();
     let mut in_flight = FuturesUnordered::new();
     loop {
         let now = Instant::now();
-        let mut to_send = Vec::new();
+        let (mut ids, mut to_send) = (Vec::new(), Vec::new());
         let deadline = {
             let mut table = engine.holds.table();
             table.drain_pending();
@@ -273,14 +181,13 @@ async fn run(mut serving: Serving) {
                     table.lease_ended(id);
                     continue;
                 }
-                // Due, or nearly (a renewal goes out with those due now when
-                // it is due within a thirtieth of its lease: they share a
-                // script call), and still valid. Else a stale entry of a hold
-                // filed again, which `file` puts back in place.
+                // Due, or within a thirtieth of its lease (one batch), and
+                // still valid; else a stale entry, which `file` puts back.
                 let early = (renewing.lease / 30).min(RENEW_EARLY_MAX);
                 if !renewing.in_flight && renewing.may_renew() && now + early >= renewing.next_renewal {
                     renewing.in_flight = true;
-                    to_send.push((id, hold.key.clone(), hold.owner.clone(), renewing.lease));
+                    ids.push(id);
+                    to_send.push(RenewRequest::new(hold.key.clone(), hold.owner.clone(), renewing.lease));
                 }
                 looked_at.push(id);
             }
@@ -298,19 +205,40 @@ async fn run(mut serving: Serving) {
             table.schedule.sleeping_until = deadline;
             deadline
         };
-        for (id, key, owner, lease) in to_send {
+        if !to_send.is_empty() {
+            // The tick's renewals go down as one batch.
             let backend = engine.backend.clone();
             in_flight.push(async move {
                 let sent = Instant::now();
-                let result = backend.renew(&key, &owner, lease).await;
-                (id, sent, result)
+                let results = backend.renew_many(&to_send).await;
+                (ids, sent, results)
             });
         }
         // Without a deadline only an answer or a newly filed hold can matter.
         let sleep = sleep_until(deadline.unwrap_or_else(|| now + Duration::from_secs(3600)));
         tokio::select! {
             biased;
-            Some(answer) = in_flight.next(), if !in_flight.is_empty() => settle(&engine, answer),
+            Some((ids, sent, results)) = in_flight.next(), if !in_flight.is_empty() => {
+                engine.meters.op(Op::Renew, Stopwatch::at(sent));
+                let (mut renewed, mut failed, mut lost) = (0, 0, 0);
+                for result in &results {
+                    match result {
+                        Ok(Renewal::Held { .. }) => renewed += 1,
+                        Ok(Renewal::Lost) => lost += 1,
+                        Err(_) => failed += 1,
+                    }
+                }
+                // Holds a backend left unanswered failed their renewal.
+                let (asked, answered) = (ids.len(), results.len());
+                engine.meters.renewals(renewed, failed + asked.saturating_sub(answered) as u64, lost);
+                let mut results = results.into_iter();
+                for id in ids {
+                    let result = results.next().unwrap_or_else(|| {
+                        Err(crate::Error::Internal(format!("the backend answered {answered} of {asked} renewals")))
+                    });
+                    settle(&engine, (id, sent, result));
+                }
+            }
             _ = engine.holds.wake.notified() => {}
             _ = sleep => {}
         }
@@ -318,7 +246,7 @@ async fn run(mut serving: Serving) {
 }
 
 /// Applies a renewal's answer to its hold, if it is still renewed.
-fn settle(engine: &Engine, (id, sent, result): RenewalResult) {
+fn settle(engine: &Engine, (id, sent, result): (HoldId, Instant, Result<Renewal>)) {
     let mut table = engine.holds.table();
     let Some(hold) = table.get_mut(id) else { return };
     let Some(renewing) = hold.renewing.as_mut() else { return };
@@ -330,9 +258,7 @@ fn settle(engine: &Engine, (id, sent, result): RenewalResult) {
             let lease = renewing.lease;
             // A renewed hold always has a lease (`Table::renew` files no other).
             if hold.valid_until.is_some_and(|current| Instant::now() >= current) {
-                // Too late: the lease ran out before the answer came, and
-                // another holder may have been granted meanwhile. The first
-                // verdict stands.
+                // Too late: the lease ran out first. The verdict stands.
                 table.lease_ended(id);
                 return;
             }
@@ -374,9 +300,16 @@ mod tests {
         let hold = |i: u64| {
             let key = LockKey::builder("t", "k").part(i).build().expect("key");
             let req = AcquireRequest::new(key, Owner::random().expect("owner"), lease);
-            let Enter::First(turn) = engine.holds.enter(&req, false, None, &Remote).0 else { panic!("first") };
-            let (joined, kick) =
-                engine.holds.granted(turn, crate::backend::Grant::until(1, Instant::now() + lease), &req, renew);
+            let Enter::First(turn) = engine.holds.enter(&req, false, None, &Remote, &Default::default()).0 else {
+                panic!("first")
+            };
+            let (joined, kick) = engine.holds.granted(
+                turn,
+                crate::backend::Grant::until(1, Instant::now() + lease),
+                &req,
+                renew,
+                &Default::default(),
+            );
             engine.kick(kick);
             joined.id
         };

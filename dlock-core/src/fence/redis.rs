@@ -1,20 +1,11 @@
-//! Fencing of a Redis value: every access carries the holder's token, and
-//! one script compares it with the highest token seen for the value, kept
-//! in the companion key `<key>:fence` ([`fence_key`]).
-//!
-//! [`get`] and [`set`] both refuse a token below the highest seen with
-//! [`Error::StaleToken`], and both raise it. The read raises it too, on
-//! purpose: otherwise a new holder could read, a stale holder then write,
-//! and the new holder write back a value computed from the state before
-//! that write, losing it although every write carried its token. With a
-//! fenced read, the stale write is refused once the new holder has read.
-//!
-//! A read-modify-write is therefore `get` then `set`, both with the token
-//! of the lock you hold. Every writer of the value must go through [`set`].
-//!
-//! On a Redis Cluster the two keys must share a hash slot: put a hash tag
-//! in the key (`shop:{product:42}`; its companion `shop:{product:42}:fence`
-//! has the same tag).
+//! Fencing of a Redis value: [`get`] and [`set`] each run one script that
+//! compares the holder's token with the highest seen for the value (kept in
+//! [`fence_key`]), refuse a lower one with [`Error::StaleToken`], and raise
+//! it. The read raises it too: a stale holder's write is then refused once
+//! a newer holder has read. A read-modify-write is `get` then `set` with
+//! the token of the lock you hold, and every writer goes through [`set`].
+//! On a Redis Cluster put a hash tag in the key (`shop:{product:42}`) so
+//! that it and its fence share a slot.
 
 use redis::aio::ConnectionLike;
 use redis::{Script, ToRedisArgs};

@@ -1,11 +1,6 @@
-//! The canonical form of a JSON request body ([`canonical_json`]), so that
-//! the fingerprint of an idempotent request is the same for every spelling
-//! of the same JSON. The rules and their reasons are on [`canonical_json`]
-//! (this module is private; its two functions are re-exported).
-//!
-//! The parser is this file's own (no JSON crate in dlock-core): one pass,
-//! no `f64`, bounded recursion; a value's canonical text is copied once per
-//! object it is nested in, to sort members.
+//! The canonical form of a JSON request body ([`canonical_json`]), with a
+//! parser of its own (no JSON crate in dlock-core): one pass, no `f64`,
+//! bounded recursion.
 
 use std::borrow::Cow;
 
@@ -48,21 +43,13 @@ pub fn canonical_body(body: &[u8], json: bool) -> Cow<'_, [u8]> {
 ///   `"\u00E9"` and `"é"` are one string, as are `"\/"` and `"/"`. No Unicode
 ///   normalisation: `"e\u0301"` is not `"é"`.
 /// * **Numbers exactly as written**: `1` and `1.0`, `100` and `1e2`, `0` and
-///   `-0` stay apart. A number is not read as an `f64` (nor as serde_json's
-///   `Value`, which keeps integers beyond 64 bits and every fraction as an
-///   `f64`): that would make `12345678901234567890123` and
-///   `12345678901234567890124`, or `0.1` and `0.10000000000000000001`, one
-///   fingerprint, and replay one request's answer for another. A client
-///   that re-serialises the same value writes its numbers the same way each
-///   time (serde_json, `JSON.stringify`, Jackson do), so its retry still
-///   matches; one that writes `1.0` the first time and `1` the second is
-///   told the key was used for another request, as before.
+///   `-0` stay apart. Read as `f64`, `0.1` and `0.10000000000000000001`
+///   would be one fingerprint, and replay one request's answer for another;
+///   serialisers write the same value the same way each time.
 ///
-/// `None` for a body that is not exactly one JSON value by RFC 8259 (not
-/// UTF-8, an unpaired surrogate escape, trailing bytes), for an object with
-/// a key twice (parsers disagree on which value counts, so two such bodies
-/// are one request only byte for byte), and for a value nested deeper than
-/// 128 arrays and objects: [`canonical_body`] then fingerprints the bytes.
+/// `None` for a body that is not exactly one JSON value by RFC 8259, for
+/// an object with a key twice (parsers disagree on which counts), and past
+/// 128 levels of nesting: [`canonical_body`] then fingerprints the bytes.
 ///
 /// ```
 /// use dlock_core::idempotency::canonical_json;
@@ -72,8 +59,7 @@ pub fn canonical_body(body: &[u8], json: bool) -> Cow<'_, [u8]> {
 /// assert_eq!(canonical_json(b"{"), None);
 /// ```
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    // Checked once, so that the strings' raw bytes may be copied as they
-    // are: every byte sequence the parser copies is whole characters.
+    // Checked once, so raw runs of bytes copy as whole characters.
     std::str::from_utf8(body).ok()?;
     let mut parser = Parser { input: body, pos: 0, out: Vec::with_capacity(body.len()) };
     parser.skip_whitespace();
@@ -150,8 +136,7 @@ impl Parser<'_> {
     }
 
     /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`, copied as
-    /// written. What follows it is the caller's to check (`01` is `0`, then
-    /// a `1` no container accepts).
+    /// written; what follows is the caller's to check.
     fn number(&mut self) -> Parsed {
         let start = self.pos;
         if self.peek() == Some(b'-') {
@@ -198,8 +183,7 @@ impl Parser<'_> {
         self.expect(b'"')?;
         let mut s = String::new();
         loop {
-            // A run of plain bytes is copied whole: the input is UTF-8 and
-            // the run ends at an ASCII byte, so it is whole characters.
+            // A run of plain bytes ends at an ASCII byte: whole characters.
             let run = self.pos;
             while matches!(self.peek(), Some(b) if b != b'"' && b != b'\\' && b >= 0x20) {
                 self.pos += 1;
@@ -285,8 +269,7 @@ impl Parser<'_> {
         }
     }
 
-    /// An object: each member's value is written to `out`, taken off it,
-    /// and the members written back in key order.
+    /// An object, its members written back in key order.
     fn object(&mut self, depth: usize) -> Parsed {
         if depth > MAX_DEPTH {
             return Err(NoCanonicalForm);
@@ -517,9 +500,7 @@ mod tests {
         })
     }
 
-    /// How a client may write a value: `order` picks each object's member
-    /// order, `spaces` adds whitespace, `escape` escapes every character
-    /// of its strings as `\uXXXX`.
+    /// How a client may write a value: member order, whitespace, escapes.
     fn write(v: &Json, order: u64, spaces: bool, escape: bool, out: &mut String) {
         let ws = if spaces { " \n" } else { "" };
         let string = |s: &str, out: &mut String| {

@@ -1,8 +1,6 @@
-//! The in-process store: one mutex-protected map. Every live record and
-//! token is also in a [`Ledger`] ordered by expiry (records, bound tokens,
-//! and unbound tokens in a pool of their own), so what expired is dropped
-//! from the front at each call (never a scan of the whole map) and the caps
-//! count exactly what lives, and the bytes of the stored answers.
+//! The in-process store: one mutex-protected map, with every live entry in
+//! a [`Ledger`] by expiry, so what expired is dropped from the front (no
+//! scan) and the caps count exactly what lives.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
@@ -11,8 +9,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
-    TOKEN_BYTES,
+    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, RecordState, RecordView,
+    StoredResponse, TokenClaim, Usage, TOKEN_BYTES,
 };
 use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
@@ -24,7 +22,7 @@ use crate::error::{Error, Result};
 /// use std::time::Duration;
 /// use dlock_core::idempotency::{IdempotencyStore, MemoryStore, TokenClaim};
 /// let store = MemoryStore::new();
-/// let t = store.issue_token(Duration::from_secs(1)).await?;
+/// let t = store.issue_token(None, Duration::from_secs(1)).await?;
 /// let TokenClaim::Claimed(claim) = store.claim_token(&t, None, Duration::from_secs(1)).await? else { panic!("fresh") };
 /// assert!(store.spend_token(&claim).await?);
 /// assert!(!matches!(store.claim_token(&t, None, Duration::from_secs(1)).await?, TokenClaim::Claimed(_)), "spent");
@@ -48,8 +46,7 @@ struct Inner {
     record_ledger: Ledger,
 }
 
-/// What lives, by expiry: in all, and per scope, with each entry's bytes.
-/// An entry is `(scope, id)`.
+/// What lives, by expiry, in all and per scope; an entry is `(scope, id)`.
 #[derive(Debug, Default)]
 struct Ledger {
     all: BTreeSet<(Instant, Option<String>, String, u64)>,
@@ -109,7 +106,7 @@ impl Ledger {
     }
 
     /// Whether `n` more entries of `bytes` more bytes of `scope` fit; else
-    /// the refusal, with the time until the oldest counted entry expires.
+    /// the refusal.
     fn room(&self, caps: Caps, scope: Option<&str>, n: u64, bytes: u64, now: Instant) -> Result<()> {
         let full = |per_scope: bool, oldest: Option<Instant>| Error::IdempotencyFull {
             per_scope,
@@ -132,16 +129,17 @@ impl Ledger {
 #[derive(Debug)]
 struct Token {
     expires: Instant,
-    /// Claimed by a running request ([`IdempotencyStore::claim_token`]):
-    /// its owner, and when its lease ends unless renewed.
+    /// Claimed by a running request: its owner and lease end.
     claimed: Option<(String, Instant)>,
-    /// The caller it is bound to ([`IdempotencyStore::issue_bound_token`]).
+    /// The caller it is bound to ([`IdempotencyStore::issue_token`]).
     principal: Option<String>,
 }
 
 #[derive(Debug)]
 struct Record {
     fingerprint: String,
+    /// When its request claimed it, for an operator.
+    claimed: Instant,
     expires: Instant,
     /// The bytes of its answer, as the ledger counts them.
     bytes: u64,
@@ -159,9 +157,8 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store with the default [`IdempotencyLimits`]. It needs no
-    /// key prefix: nothing here is shared with another process or another
-    /// store.
+    /// An empty store with the default [`IdempotencyLimits`] (no prefix:
+    /// nothing is shared).
     pub fn new() -> Self {
         MemoryStore::default()
     }
@@ -229,6 +226,25 @@ impl MemoryStore {
     }
 }
 
+impl Record {
+    /// As an operator sees it at `now`.
+    fn view(&self, scope: &str, key: &str, now: Instant) -> RecordView {
+        let state = match &self.state {
+            State::Completed(response) => RecordState::Completed { status: response.status },
+            State::InProgress { lease_until, .. } if *lease_until > now => {
+                RecordState::InProgress { lease_left: Some(*lease_until - now) }
+            }
+            State::InProgress { .. } => RecordState::OutcomeUnknown,
+        };
+        let view = RecordView::new(scope, key, state, self.bytes, self.expires.saturating_duration_since(now))
+            .with_age(now.saturating_duration_since(self.claimed));
+        match &self.state {
+            State::InProgress { owner, .. } => view.claimed_by(owner.clone()),
+            State::Completed(_) => view,
+        }
+    }
+}
+
 impl Inner {
     fn purge(&mut self, now: Instant) {
         for (_, token) in self.token_ledger.expired(now).into_iter().chain(self.unbound_ledger.expired(now)) {
@@ -248,8 +264,7 @@ impl Inner {
     }
 }
 
-/// Whether `token` is held by `claim`: claimed by its owner, bound to its
-/// principal.
+/// Whether `token` is held by `claim` (owner and principal).
 fn holds(token: &Token, claim: &Claim) -> bool {
     token.principal.as_deref() == claim.principal()
         && token.claimed.as_ref().is_some_and(|(owner, _)| *owner == claim.owner)
@@ -264,12 +279,8 @@ impl IdempotencyStore for MemoryStore {
         Box::pin(async { Ok(()) })
     }
 
-    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(async move { self.issue(None, ttl) })
-    }
-
-    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(async move { self.issue(Some(principal), ttl) })
+    fn issue_token<'a>(&'a self, principal: Option<&'a str>, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(async move { self.issue(principal, ttl) })
     }
 
     fn claim_token<'a>(
@@ -347,18 +358,19 @@ impl IdempotencyStore for MemoryStore {
                         let claim = Claim::new(scope, key)?;
                         owner.clone_from(&claim.owner);
                         *lease_until = now + terms.lease();
+                        r.claimed = now;
                         Begin::New(claim)
                     }
                 });
             }
-            // Only a new record counts against the caps: a retry of one
-            // that exists was answered above, at the cap too.
+            // Only a new record counts against the caps.
             inner.record_ledger.room(self.record_caps(), Some(scope), 1, 0, now)?;
             let claim = Claim::new(scope, key)?;
             let expires = now + terms.ttl();
             inner.record_ledger.add(expires, Some(scope), key, 0);
             let state = State::InProgress { owner: claim.owner.clone(), lease_until: now + terms.lease() };
-            inner.records.insert(id, Record { fingerprint: fingerprint.to_owned(), expires, bytes: 0, state });
+            let record = Record { fingerprint: fingerprint.to_owned(), claimed: now, expires, bytes: 0, state };
+            inner.records.insert(id, record);
             Ok(Begin::New(claim))
         })
     }
@@ -422,6 +434,48 @@ impl IdempotencyStore for MemoryStore {
                 }
             }
             Ok(ours)
+        })
+    }
+
+    fn inspect_record<'a>(&'a self, scope: &'a str, key: &'a str) -> BoxFuture<'a, Result<Option<RecordView>>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let inner = self.lock(now)?;
+            let id = (scope.to_owned(), key.to_owned());
+            Ok(inner.records.get(&id).filter(|r| r.expires > now).map(|r| r.view(scope, key, now)))
+        })
+    }
+
+    fn stuck_records(&self, limit: usize) -> BoxFuture<'_, Result<Vec<RecordView>>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let inner = self.lock(now)?;
+            let mut stuck: Vec<RecordView> = inner
+                .records
+                .iter()
+                .map(|((scope, key), r)| r.view(scope, key, now))
+                .filter(RecordView::is_stuck)
+                .collect();
+            // The longest stuck first.
+            stuck.sort_by_key(|v| std::cmp::Reverse(v.age));
+            stuck.truncate(limit);
+            Ok(stuck)
+        })
+    }
+
+    fn usage<'a>(&'a self, scope: Option<&'a str>) -> BoxFuture<'a, Result<Usage>> {
+        Box::pin(async move {
+            let inner = self.lock(Instant::now())?;
+            let (ledger, caps) = (&inner.record_ledger, self.record_caps());
+            Ok(match scope {
+                Some(scope) => Usage::new(
+                    ledger.scopes.get(scope).map_or(0, |s| s.len() as u64),
+                    ledger.scope_bytes.get(scope).copied().unwrap_or(0),
+                    caps.per_scope,
+                    caps.bytes_per_scope,
+                ),
+                None => Usage::new(ledger.all.len() as u64, ledger.bytes, caps.all, caps.bytes),
+            })
         })
     }
 }

@@ -1,29 +1,20 @@
 //! Request idempotency stores: one-time tokens and `Idempotency-Key` records.
 //!
-//! * **Tokens** — [`IdempotencyStore::issue_token`] makes a 128-bit token from
-//!   the OS CSPRNG that lives for a TTL. A request
-//!   [`claim_token`](IdempotencyStore::claim_token)s it in one atomic step,
-//!   so of any number of concurrent submits exactly one gets the claim (never
-//!   GET-then-write: two callers could both see it fresh), and then either
-//!   [`spend_token`](IdempotencyStore::spend_token)s it (its route ran to a
-//!   result) or [`return_token`](IdempotencyStore::return_token)s it (the
-//!   route did not run, or failed).
-//! * **Keys** — [`IdempotencyStore::begin`] claims `(scope, key)` atomically
-//!   and answers [`Begin::New`] (run the handler), [`Begin::InProgress`],
-//!   [`Begin::Completed`] (the stored response), [`Begin::Mismatch`] (same
-//!   key, other request) or [`Begin::OutcomeUnknown`]. The in-progress record
-//!   carries a lease that its request [`renew`](IdempotencyStore::renew)s
-//!   while the route runs, so a claim whose instance died is settled when
-//!   the lease ends ([`ClaimTerms`]): the key then answers "outcome unknown"
-//!   (or runs again, if the route chose that). [`IdempotencyStore::complete`]
-//!   stores the response for a TTL and [`IdempotencyStore::abandon`] frees the
-//!   key. Both check the [`Claim`]'s owner, so a request whose claim was taken
-//!   over cannot overwrite the record of the request that took it.
+//! * **Tokens**: [`issue_token`](IdempotencyStore::issue_token), then one
+//!   atomic [`claim_token`](IdempotencyStore::claim_token) per request (of
+//!   concurrent submits exactly one gets it), then
+//!   [`spend_token`](IdempotencyStore::spend_token) or
+//!   [`return_token`](IdempotencyStore::return_token).
+//! * **Keys**: [`begin`](IdempotencyStore::begin) claims `(scope, key)` and
+//!   answers a [`Begin`]; the claim's lease is renewed while the route runs
+//!   ([`ClaimTerms`]), then [`complete`](IdempotencyStore::complete) stores
+//!   the response or [`abandon`](IdempotencyStore::abandon) frees the key,
+//!   both owner-checked ([`Claim`]).
 //!
-//! [`MemoryStore`] serves one process; [`RedisStore`] shares records between
-//! instances (single server, Cluster or Sentinel URLs, as the lock backend).
-//! Both bound what lives, per caller and in total ([`IdempotencyLimits`]).
-//! [`Config::build`](crate::Config::build) picks one.
+//! [`MemoryStore`] serves one process, [`RedisStore`] and `PostgresStore`
+//! share records between instances; each is bounded by
+//! [`IdempotencyLimits`]. [`Config::build`](crate::Config::build) picks one;
+//! `docs/idempotency.md` has the guarantees.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> dlock_core::Result<()> {
@@ -31,7 +22,7 @@
 //! use std::time::Duration;
 //!
 //! let store = MemoryStore::new();
-//! let token = store.issue_token(Duration::from_secs(60)).await?;
+//! let token = store.issue_token(None, Duration::from_secs(60)).await?;
 //! let TokenClaim::Claimed(claim) = store.claim_token(&token, None, Duration::from_secs(10)).await? else { unreachable!() };
 //! assert!(matches!(store.claim_token(&token, None, Duration::from_secs(10)).await?, TokenClaim::InUse));
 //! assert!(store.spend_token(&claim).await?); // the request ran to a result: spent
@@ -51,6 +42,7 @@ use crate::backend::BoxFuture;
 use crate::error::{Error, Result};
 
 mod canonical;
+mod inspect;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -62,51 +54,23 @@ pub use self::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
 pub use canonical::{canonical_body, canonical_json};
+pub use inspect::{release_claim, RecordState, RecordView, Usage};
 pub use memory::MemoryStore;
 
 /// Random bytes in a token: 128 bits, shown as 32 hex characters.
 pub const TOKEN_BYTES: usize = 16;
 
-/// How much a store keeps: live records and tokens, and the bytes of the
-/// stored answers, per caller and in total.
+/// How much a store keeps, per caller (the key's scope) and in total: live
+/// records, bytes of stored answers, bound tokens, and a pool of its own for
+/// unbound tokens, so that no client can fill the server the locks need.
 ///
-/// Without a bound, any client that can send an `Idempotency-Key` (or fetch
-/// a token) makes a record that lives for the TTL (24 hours by default):
-/// enough of them fill the Redis the records live in, and a full Redis
-/// refuses every lock (`noeviction`) or evicts held ones (`volatile-*`). So
-/// a store counts what lives:
-///
-/// * **records** of one caller (the scope of a key) up to
-///   [`max_per_scope`](Self::max_per_scope), and in all up to
-///   [`max_records`](Self::max_records): a new key beyond either is refused
-///   ([`Error::IdempotencyFull`]: `429` or `503` over HTTP, with
-///   `Retry-After`);
-/// * the **bytes** of their stored answers, per caller up to
-///   [`max_bytes_per_scope`](Self::max_bytes_per_scope) and in all up to
-///   [`max_bytes`](Self::max_bytes): an answer that does not fit is refused
-///   by [`IdempotencyStore::complete`] (the HTTP layer then delivers it and
-///   keeps a "not stored" record instead);
-/// * **tokens bound to a caller**, per caller and in total, apart from the
-///   records, with the same two counts;
-/// * **unbound tokens** (issued to callers nobody identified) in a pool of
-///   their own, [`max_unbound_tokens`](Self::max_unbound_tokens): a flood
-///   of anonymous token requests fills that pool only, never the records
-///   or the tokens of identified callers. On Redis Cluster this pool lives
-///   in one slot, so it is enforced there too.
-///
-/// A record or token that is already there is still answered at the cap (a
-/// retry is replayed), and an abandoned, consumed or spent one stops
-/// counting at once; one that expires stops counting within a 64th of its
-/// TTL on Redis (the counts are never below what lives), at once in memory.
-///
-/// The defaults (`DLOCK_IDEMPOTENCY_MAX_PER_SCOPE`, `…_MAX_RECORDS`,
-/// `…_MAX_BYTES_PER_SCOPE`, `…_MAX_BYTES`, `…_MAX_UNBOUND_TOKENS`): 10 000
-/// records and 64 MiB of answers per caller, a million records and 1 GiB
-/// in all, 100 000 unbound tokens. Size Redis's `maxmemory` above the bytes
-/// total plus about 200 bytes per record, or lower the caps. On Redis
-/// Cluster each total is split into 16 pools, one per slot group of
-/// callers, whose caps add up to it: one pool may refuse before the total
-/// is reached.
+/// A new key or token beyond a cap is [`Error::IdempotencyFull`] (`429` or
+/// `503` over HTTP, with `Retry-After`); an answer beyond the byte caps is
+/// refused by [`IdempotencyStore::complete`]. What is already stored is
+/// still answered at the cap. Defaults: 10 000 records and 64 MiB per
+/// caller, a million records and 1 GiB in all, 100 000 unbound tokens
+/// (`DLOCK_IDEMPOTENCY_MAX_*`). How each store counts, and how to size
+/// Redis for them: `docs/idempotency.md`.
 ///
 /// ```
 /// use dlock_core::idempotency::{IdempotencyLimits, MemoryStore};
@@ -196,9 +160,7 @@ impl IdempotencyLimits {
     }
 }
 
-/// A store of one-time tokens and idempotency-key records.
-///
-/// Dyn-compatible: the HTTP layer holds an `Arc<dyn IdempotencyStore>`.
+/// A store of one-time tokens and idempotency-key records; dyn-compatible.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -211,29 +173,20 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
     fn name(&self) -> &'static str;
 
     /// Whether the store answers now, for a readiness probe: one cheap
-    /// round trip, nothing written. An error says why not.
+    /// round trip, nothing written.
     fn ready(&self) -> BoxFuture<'_, Result<()>>;
 
-    /// Issues a fresh token that can be consumed once within `ttl`;
-    /// [`Error::IdempotencyFull`] when the store holds as many tokens as its
-    /// [`IdempotencyLimits`] allow.
-    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>>;
+    /// Issues a token usable once within `ttl`, bound to `principal` when
+    /// given (only a claim naming it takes the token).
+    /// [`Error::IdempotencyFull`] at the [`IdempotencyLimits`].
+    fn issue_token<'a>(&'a self, principal: Option<&'a str>, ttl: Duration) -> BoxFuture<'a, Result<String>>;
 
-    /// Issues a fresh token bound to `principal` (a caller: a hashed
-    /// credential, a user id): only a claim naming the same principal takes it.
-    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>>;
-
-    /// Claims a fresh `token` for a request about to run, atomically: of any
-    /// number of concurrent callers exactly one gets [`TokenClaim::Claimed`],
-    /// the others [`TokenClaim::InUse`] until it is spent or returned. The
-    /// token keeps its TTL; the claim holds for `lease` unless
-    /// [`renew`](Self::renew)ed, and a claim whose lease ran out (its
-    /// instance died) is never returned: the token then answers
-    /// [`TokenClaim::OutcomeUnknown`] (it counts as spent). `principal` is
-    /// the caller a token was bound to ([`issue_bound_token`](Self::issue_bound_token)),
-    /// `None` for an unbound one; a token bound to another principal is
-    /// [`TokenClaim::Unknown`]. A claim whose answer was lost (a timeout) is
-    /// given back by the store itself, owner-checked, in the background.
+    /// Claims a fresh `token` atomically: of concurrent callers exactly one
+    /// gets [`TokenClaim::Claimed`], the others [`TokenClaim::InUse`]. The
+    /// claim holds for `lease` unless [`renew`](Self::renew)ed; once that
+    /// runs out the token answers [`TokenClaim::OutcomeUnknown`] (spent). A
+    /// token bound to another `principal` is [`TokenClaim::Unknown`]. A
+    /// claim whose answer was lost is given back in the background.
     fn claim_token<'a>(
         &'a self,
         token: &'a str,
@@ -241,28 +194,19 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
         lease: Duration,
     ) -> BoxFuture<'a, Result<TokenClaim>>;
 
-    /// Spends a token this caller claimed. `Ok(false)` when it was no
-    /// longer its claim (it expired).
+    /// Spends a claimed token; `Ok(false)` when it was no longer this claim's.
     fn spend_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>>;
 
-    /// Gives a token this caller claimed back, fresh, with the rest of its
-    /// TTL, so that a retry can use it. `Ok(false)` when it could not be (it
-    /// is no longer this claim's, or it expired).
+    /// Gives a claimed token back, fresh, for a retry; `Ok(false)` when it
+    /// is no longer this claim's or expired.
     fn return_token<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>>;
 
-    /// Claims `key` within `scope` for a request whose `fingerprint` is given,
-    /// with an in-progress record on the [`ClaimTerms`]: it lives for their
-    /// TTL, and its claim for their lease unless [`renew`](Self::renew)ed. A
-    /// key that has a record is answered from it (an in-progress one whose
-    /// lease ran out: [`Begin::OutcomeUnknown`], or claimed afresh when the
-    /// terms say [`run_again_after_lease`](ClaimTerms::run_again_after_lease));
-    /// a new one beyond the [`IdempotencyLimits`] of `scope` or of the store
-    /// is [`Error::IdempotencyFull`] (nothing is stored).
-    ///
-    /// A store whose answer was lost (a timeout, a broken connection) gives
-    /// a claim that may have been made back by itself, owner-checked, in the
-    /// background: the key is not blocked for a lease by a request that was
-    /// told to retry.
+    /// Claims `key` within `scope` for a request with this `fingerprint`,
+    /// on the [`ClaimTerms`]. A key that has a record is answered from it (a
+    /// claim whose lease ran out: [`Begin::OutcomeUnknown`], unless the terms
+    /// [`run_again_after_lease`](ClaimTerms::run_again_after_lease)); a new
+    /// one beyond the [`IdempotencyLimits`] is [`Error::IdempotencyFull`]. A
+    /// claim whose answer was lost is given back in the background.
     fn begin<'a>(
         &'a self,
         scope: &'a str,
@@ -271,30 +215,50 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
         terms: ClaimTerms,
     ) -> BoxFuture<'a, Result<Begin>>;
 
-    /// Extends a claim's lease — of a key ([`begin`](Self::begin)) or of a
-    /// token ([`claim_token`](Self::claim_token)) — to `lease` from now,
-    /// while its route runs. `Ok(false)` when the claim is no longer ours or
-    /// its lease has already run out (a retry may have been told the outcome
-    /// is unknown).
-    ///
-    /// The default (for stores that cannot) answers `Ok(false)`: such a
-    /// claim keeps the lease [`begin`](Self::begin) gave it.
+    /// Extends a claim's lease (of a key or a token) to `lease` from now.
+    /// `Ok(false)` when it is no longer ours or already ran out. The default
+    /// answers `Ok(false)`.
     fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> BoxFuture<'a, Result<bool>> {
         let _ = (claim, lease);
         Box::pin(async { Ok(false) })
     }
 
-    /// Stores the response of a claimed key; the record keeps the TTL its
-    /// [`ClaimTerms`] gave it (it lives that long from its claim).
-    /// `Ok(false)` when the claim is no longer ours (its lease ran out and
-    /// another request took it over); [`Error::IdempotencyFull`] when the
-    /// answer's bytes do not fit the [`IdempotencyLimits`] (nothing is
-    /// stored and the claim stays: store a smaller answer, or abandon it).
+    /// Stores the response of a claimed key, for the TTL of its
+    /// [`ClaimTerms`]. `Ok(false)` when the claim is no longer ours;
+    /// [`Error::IdempotencyFull`] when the answer does not fit the
+    /// [`IdempotencyLimits`] (the claim stays: store less, or abandon it).
     fn complete<'a>(&'a self, claim: &'a Claim, response: &'a StoredResponse) -> BoxFuture<'a, Result<bool>>;
 
-    /// Frees a claimed key so that a retry runs again. `Ok(false)` when the
-    /// claim is no longer ours.
+    /// Frees a claimed key for a retry; `Ok(false)` when no longer ours.
     fn abandon<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<bool>>;
+
+    /// The record of `(scope, key)` for an operator: its state, size and
+    /// time left; `None` when there is none. Reads only. The default says
+    /// this store cannot tell.
+    fn inspect_record<'a>(&'a self, scope: &'a str, key: &'a str) -> BoxFuture<'a, Result<Option<RecordView>>> {
+        let _ = (scope, key);
+        Box::pin(std::future::ready(Err(cannot(self.name(), "inspect_record"))))
+    }
+
+    /// Up to `limit` records stuck past their claim's lease ("outcome
+    /// unknown"), for an operator to check and [`release_claim`]. The
+    /// default says this store cannot list them.
+    fn stuck_records(&self, limit: usize) -> BoxFuture<'_, Result<Vec<RecordView>>> {
+        let _ = limit;
+        Box::pin(std::future::ready(Err(cannot(self.name(), "stuck_records"))))
+    }
+
+    /// What `scope` keeps against its caps, or with `None` the whole
+    /// store against the totals. The default says this store cannot tell.
+    fn usage<'a>(&'a self, scope: Option<&'a str>) -> BoxFuture<'a, Result<Usage>> {
+        let _ = scope;
+        Box::pin(std::future::ready(Err(cannot(self.name(), "usage"))))
+    }
+}
+
+/// The error of an operator's call that `store` does not answer.
+fn cannot(store: &str, what: &'static str) -> Error {
+    Error::invalid_argument(what, format!("the {store} idempotency store does not implement it"))
 }
 
 /// The answer of [`IdempotencyStore::claim_token`].
@@ -304,7 +268,7 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
 /// use std::time::Duration;
 /// use dlock_core::idempotency::{IdempotencyStore, MemoryStore, TokenClaim};
 /// let (store, lease) = (MemoryStore::new(), Duration::from_secs(10));
-/// let token = store.issue_token(Duration::from_secs(60)).await?;
+/// let token = store.issue_token(None, Duration::from_secs(60)).await?;
 /// let TokenClaim::Claimed(claim) = store.claim_token(&token, None, lease).await? else { unreachable!() };
 /// assert_eq!(store.claim_token(&token, None, lease).await?, TokenClaim::InUse);
 /// assert!(store.return_token(&claim).await?); // the route failed: usable again
@@ -313,7 +277,7 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
 /// assert_eq!(store.claim_token(&token, None, lease).await?, TokenClaim::Unknown);
 ///
 /// // Bound to a caller: nobody else takes it.
-/// let mine = store.issue_bound_token("alice", Duration::from_secs(60)).await?;
+/// let mine = store.issue_token(Some("alice"), Duration::from_secs(60)).await?;
 /// assert_eq!(store.claim_token(&mine, Some("bob"), lease).await?, TokenClaim::Unknown);
 /// assert!(matches!(store.claim_token(&mine, Some("alice"), lease).await?, TokenClaim::Claimed(_)));
 /// # Ok(()) }
@@ -334,10 +298,6 @@ pub enum TokenClaim {
 }
 
 /// The answer of [`IdempotencyStore::begin`].
-///
-/// `#[non_exhaustive]`: a later store may answer more (a record kept without
-/// its response, say), so a caller outside this crate keeps an arm for what
-/// it does not know.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Begin {
@@ -349,24 +309,17 @@ pub enum Begin {
     Completed(StoredResponse),
     /// The key was used with a different fingerprint.
     Mismatch,
-    /// The request that claimed the key neither completed nor gave it back
-    /// before its lease ran out (its instance died, or its store stalled):
-    /// whether its work ran is unknown. Final for the record's TTL: the
-    /// client must check what happened and use a new key.
+    /// The claim's lease ran out unsettled (its instance died): whether its
+    /// work ran is unknown. Final for the record's TTL: check, then use a
+    /// new key.
     OutcomeUnknown,
 }
 
-/// How long a claim made by [`IdempotencyStore::begin`] lasts, and what a
-/// retry gets once it has run out without an answer.
-///
-/// * `lease` — how long the claim holds without a renewal: the layer renews
-///   it while the route runs, so this bounds how long a dead instance's
-///   claim answers "in progress", not how long a route may take.
-/// * `ttl` — how long the record lives (default 24 h, as a stored answer):
-///   a claim whose lease ran out answers [`Begin::OutcomeUnknown`] that long.
-/// * after the lease — [`Begin::OutcomeUnknown`] by default (exactly once
-///   over "at least once": the work may have run); or, for a route whose
-///   work is itself idempotent, [`run_again_after_lease`](Self::run_again_after_lease).
+/// How long a claim of [`IdempotencyStore::begin`] lasts unrenewed
+/// (`lease`: how long a dead instance's claim answers "in progress"), how
+/// long its record lives (`ttl`, default 24 h), and what a retry gets after
+/// the lease: [`Begin::OutcomeUnknown`], or a new run with
+/// [`run_again_after_lease`](Self::run_again_after_lease).
 ///
 /// ```
 /// use std::time::Duration;
@@ -383,8 +336,7 @@ pub struct ClaimTerms {
 }
 
 impl ClaimTerms {
-    /// A claim that holds for `lease` unless renewed, in a record that lives
-    /// 24 hours.
+    /// A claim of `lease`, in a record that lives 24 hours.
     pub fn new(lease: Duration) -> Self {
         ClaimTerms { lease, ttl: Duration::from_secs(24 * 3600), run_again: false }
     }
@@ -395,8 +347,8 @@ impl ClaimTerms {
         self
     }
 
-    /// A claim whose lease ran out is taken afresh by the next request,
-    /// which runs the route again.
+    /// A claim whose lease ran out is taken afresh, for a route whose work
+    /// is itself idempotent.
     pub fn run_again_after_lease(mut self) -> Self {
         self.run_again = true;
         self
@@ -437,8 +389,7 @@ pub struct Claim {
     key: String,
     owner: String,
     of: Of,
-    /// What the store that made the claim needs to settle it (the Redis
-    /// store: the stored fingerprint and the record's pool bucket).
+    /// What the store needs to settle it (Redis: fingerprint and bucket).
     memo: String,
 }
 
@@ -467,6 +418,13 @@ impl Claim {
             of,
             memo: String::new(),
         })
+    }
+
+    /// The claim of `owner`, as the store recorded it: for an operator's
+    /// release of a claim whose request is gone.
+    fn owned_by(mut self, owner: String) -> Self {
+        self.owner = owner;
+        self
     }
 
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -525,7 +483,7 @@ impl StoredResponse {
     }
 
     /// A self-delimiting binary form: status, header count, length-prefixed
-    /// names and values, then the body (no serde in dlock-core).
+    /// names and values, then the body.
     pub fn encode(&self) -> Vec<u8> {
         let size = 6 + self.headers.iter().map(|(n, v)| 8 + n.len() + v.len()).sum::<usize>() + self.body.len();
         let mut out = Vec::with_capacity(size);
@@ -581,15 +539,9 @@ fn len32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// A fingerprint of request parts (e.g. method, path, body): SHA-1 over the
-/// length-prefixed parts, so `["ab", "c"]` and `["a", "bc"]` differ.
-///
-/// SHA-1 is enough here: the fingerprint only tells one caller's retries
-/// apart from a different request under the same key in the caller's own
-/// scope; a collision could only replay the caller's own response.
-///
-/// A JSON body goes in as its [`canonical_body`], so that key order and
-/// whitespace do not make a retry another request.
+/// A fingerprint of request parts (method, path, [`canonical_body`]): SHA-1
+/// over the length-prefixed parts. SHA-1 suffices: a collision could only
+/// replay the caller's own response under its own key.
 ///
 /// ```
 /// use dlock_core::idempotency::fingerprint;
@@ -606,14 +558,9 @@ pub fn fingerprint<P: AsRef<[u8]>>(parts: &[P]) -> String {
     h.digest().to_string()
 }
 
-/// Gives `claim` back in the background (abandons a key's, returns a
-/// token's) after the answer to the request that made it was lost (a
-/// timeout, a broken connection), until the store answers or the claim's
-/// `lease` ends, so that the key or token is not blocked for a lease by a
-/// request that was told to retry. Owner-checked: a claim that was never
-/// made, or was taken over, is left alone. Each store sends it where it
-/// lands after the claim (the Redis store: on the claim's connection; the
-/// PostgreSQL store: behind the key's advisory lock).
+/// Gives back, in the background and owner-checked, a claim whose answer
+/// was lost, retried until the store answers or `lease` ends: the request
+/// was told to retry, so the key must not stay blocked for a lease.
 #[cfg(any(feature = "redis", feature = "postgres"))]
 fn give_back_later<S: IdempotencyStore + Clone>(store: &S, claim: Claim, lease: Duration) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
@@ -642,8 +589,7 @@ fn give_back_later<S: IdempotencyStore + Clone>(store: &S, claim: Claim, lease: 
     });
 }
 
-/// Whether `token` has the shape of one we issue (32 lower-case hex), so
-/// that junk never reaches the store as a key.
+/// Whether `token` has the shape we issue (32 lower-case hex).
 pub(crate) fn token_well_formed(token: &str) -> bool {
     token.len() == TOKEN_BYTES * 2 && token.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }

@@ -1,69 +1,21 @@
-//! The Redis store. Where each entry and pool lives, on one server and on
-//! a Cluster: [`layout`].
-//!
-//! * A fresh token is the key `prefix:idem:t:<home>:<token>`, its value the
-//!   bucket its pools count it in (ledger.lua), with its TTL; consuming it
-//!   is one `DEL` in a script, and only the caller whose `DEL` counted 1
-//!   proceeds. A token claimed by a running request is renamed to
-//!   `prefix:idem:tu:<home>:<token>` (its TTL goes with it) with the value
-//!   `<owner>:<lease end>:<bucket>`, so no `DEL` of the fresh name can take
-//!   it meanwhile; its owner renews the lease, returns it (renamed back) or
-//!   spends it (one `DEL` of the claimed name), and a claim whose lease ran
-//!   out answers "outcome unknown". The home of a token bound to a caller
-//!   is in the slot of the caller's pools; an unbound one's is `{anon}`,
-//!   the slot of the unbound tokens' pool, so that pool is enforced on a
-//!   Cluster too.
-//! * A key record is one string `prefix:idem:r:<tag>:<sha1(scope, key)>`:
-//!   state, fingerprint, owner and lease end while in progress, the bucket
-//!   and bytes its pools count, and the encoded response once completed
-//!   (record.lua). It lives the claim terms' TTL from its claim. Begin,
-//!   renew, complete and abandon are one Lua script each, touching only this
-//!   key and its pools, so they are atomic and run on the one node of a
-//!   Redis Cluster that owns the slot.
-//! * **Pools** ([`IdempotencyLimits`], ledger.lua): a hash per caller, one
-//!   for the total (on a Cluster, one per shard of the total, in the
-//!   shard's slot) and one for unbound tokens count live entries and their
-//!   bytes by when they expire, two commands to read and two to change
-//!   whatever they hold. Every deployment is bounded in total, records and
-//!   bytes.
-//!
-//! Scope and key are hashed into the Redis key so that any bytes a client
-//! sends give a short, fixed-shape key that no other `(scope, key)` can reach.
-//!
-//! The records (`r:`) and pools (`rp:`, `tp:`) have names of their own, apart
-//! from the hashes and sorted sets of earlier versions (`k:`, `kn:`, `tn:`):
-//! a store of this version never meets one of another type, which would be
-//! an error (`WRONGTYPE`) on every request for it; the old keys expire.
-//!
-//! **Upgrading a Cluster.** On Redis Cluster this version keeps a caller's
-//! records and bound tokens in the slot of its shard, no longer of its own
-//! hash: new names, which never meet the old ones (a shard's tag is never a
-//! 40-digit hash), so no bump of the prefix is needed. The store does not
-//! look for a record under its old name. The old and the new name of a key
-//! are in different slots, so no script can read one and claim the other
-//! at once: during a rolling upgrade an old instance would claim the old
-//! name, a new one the new name, and both would run the route whatever the
-//! new one read first; and the read would cost every claim a command on
-//! another node, for as long as the code is kept, to cover one TTL of old
-//! records. So a Cluster deployment is upgraded as onto an empty store:
-//! stop every instance of the earlier version first; a key answered before
-//! the upgrade runs again if it is retried after it (once), a bound token
-//! issued before it is unknown (fetched again), and the old keys expire
-//! within their TTL. One server and Sentinel keep their names, and unbound
-//! tokens theirs everywhere.
+//! The Redis store: each token and key record is one key (its name a hash
+//! of scope and key, so no client bytes reach Redis's keyspace), changed by
+//! one Lua script per step together with its pools ([`IdempotencyLimits`]),
+//! so every step is atomic and runs on the one Cluster node that owns the
+//! slot. Where each entry and pool lives: [`layout`]; why, and upgrading a
+//! Cluster deployment: `docs/core-design.md`, `docs/operations.md`.
 
 use std::time::Duration;
 
 use redis::Script;
 
 use super::{
-    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
-    TOKEN_BYTES,
+    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, RecordState, RecordView,
+    StoredResponse, TokenClaim, Usage, TOKEN_BYTES,
 };
-use crate::backend::redis::script::ScriptCall;
-use crate::backend::redis::{lease_ms, Client, RedisBackend, RedisOptions};
-use crate::backend::BoxFuture;
+use crate::backend::{BoxFuture, RedisBackend};
 use crate::error::{Error, Result};
+use crate::redis::{lease_ms, Client, RedisOptions, ScriptCall};
 
 mod layout;
 
@@ -81,7 +33,7 @@ const RECORD: &str = include_str!("record.lua");
 /// # async fn demo() -> dlock_core::Result<()> {
 /// use dlock_core::idempotency::{IdempotencyStore, RedisStore};
 /// let store = RedisStore::connect("redis://127.0.0.1:6400/1", "dlock").await?;
-/// let token = store.issue_token(std::time::Duration::from_secs(60)).await?;
+/// let token = store.issue_token(None, std::time::Duration::from_secs(60)).await?;
 /// let claim = match store.claim_token(&token, None, std::time::Duration::from_secs(10)).await? {
 ///     dlock_core::idempotency::TokenClaim::Claimed(claim) => claim,
 ///     other => panic!("a fresh token is claimed: {other:?}"),
@@ -91,12 +43,9 @@ const RECORD: &str = include_str!("record.lua");
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    /// The lock backend's client: its restart quarantine, when one is
-    /// configured, hears of every failed command here too, and no key is
-    /// claimed from a server that may have lost its records.
+    /// The lock backend's client, so its restart quarantine covers records.
     client: Client,
-    /// Where records, tokens and pools live: one server's names, or a
-    /// Cluster's shards.
+    /// Where records, tokens and pools live.
     layout: Layout,
     limits: IdempotencyLimits,
     begin: Script,
@@ -108,6 +57,8 @@ pub struct RedisStore {
     claim_token: Script,
     renew_token: Script,
     return_token: Script,
+    /// Reads a record for an operator.
+    inspect: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -116,8 +67,7 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// A script's keys: `first`, then the pools', in the order its `KEYS`
-/// expects them.
+/// A script's keys: `first`, then the pools'.
 fn keys_and_pools<'a>(first: &[&'a str], pools: &'a [Pool]) -> Vec<&'a str> {
     first.iter().copied().chain(pools.iter().map(|p| p.key.as_str())).collect()
 }
@@ -184,6 +134,7 @@ impl RedisStore {
             claim_token: counting(include_str!("claim_token.lua")),
             renew_token: counting(include_str!("renew_token.lua")),
             return_token: Script::new(include_str!("return_token.lua")),
+            inspect: Script::new(include_str!("inspect_record.lua")),
         }
     }
 
@@ -242,8 +193,7 @@ impl RedisStore {
         Ok(removed == 1)
     }
 
-    /// The `maxmemory-policy` of the server the records live on; an error
-    /// when it cannot be read (`CONFIG` refused by an ACL, say).
+    /// The records server's `maxmemory-policy` (an error if `CONFIG` is refused).
     pub(crate) async fn maxmemory_policy(&self) -> Result<String> {
         let reply: Vec<String> = self.client.query(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy")).await?;
         match reply.as_slice() {
@@ -252,9 +202,8 @@ impl RedisStore {
         }
     }
 
-    /// Whether the server the records live on keeps them over a restart:
-    /// an append-only file, or RDB snapshots. An error when it cannot be
-    /// read (`CONFIG` refused by an ACL, say).
+    /// Whether the records server persists (AOF or RDB; an error if
+    /// `CONFIG` is refused).
     pub(crate) async fn persists(&self) -> Result<bool> {
         let config = |name: &'static str| async move {
             let reply: Vec<String> = self.client.query(redis::cmd("CONFIG").arg("GET").arg(name)).await?;
@@ -283,12 +232,8 @@ impl IdempotencyStore for RedisStore {
         Box::pin(self.client.ready())
     }
 
-    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(async move { self.issue(None, ttl).await })
-    }
-
-    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(async move { self.issue(Some(principal), ttl).await })
+    fn issue_token<'a>(&'a self, principal: Option<&'a str>, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(async move { self.issue(principal, ttl).await })
     }
 
     fn claim_token<'a>(
@@ -354,11 +299,9 @@ impl IdempotencyStore for RedisStore {
         Box::pin(async move {
             let claim = Claim::new(scope, key)?;
             let (record, pools) = self.record(scope, key);
-            // The record's fields are separated by `|`: a fingerprint is
-            // stored as its own hash, whatever bytes it holds.
+            // Stored hashed: the record's fields are separated by `|`.
             let fingerprint = super::fingerprint(&[fingerprint]);
-            // The script checks the data marker itself, as the lock's
-            // acquire does: no round trip of its own per claim.
+            // The script checks the data marker: no round trip of its own.
             let marker = self.client.marker();
             let keys = keys_and_pools(&[&record, marker.unwrap_or(&record)], &pools);
             let mut call = ScriptCall::new(&self.begin, &keys, 6 + 2 * pools.len());
@@ -371,8 +314,7 @@ impl IdempotencyStore for RedisStore {
                 Ok(reply) => reply,
                 Err(e) => {
                     if e.outcome_unknown() {
-                        // Redis may run the claim when it answers again:
-                        // the request is told to retry, so give it back.
+                        // Redis may still run it: the request retries, so give it back.
                         super::give_back_later(self, claim, terms.lease());
                     }
                     return Err(e);
@@ -453,4 +395,69 @@ impl IdempotencyStore for RedisStore {
             Ok(done == 1)
         })
     }
+
+    fn inspect_record<'a>(&'a self, scope: &'a str, key: &'a str) -> BoxFuture<'a, Result<Option<RecordView>>> {
+        Box::pin(async move {
+            let (record, _) = self.record(scope, key);
+            let reply: Vec<Vec<u8>> =
+                self.client.invoke(&ScriptCall::new(&self.inspect, &[record.as_str()], 0)).await?;
+            record_view(scope, key, &reply)
+        })
+    }
+
+    /// Each caller's pool (ledger.lua's `t`: its count and bytes), or
+    /// every total's summed.
+    fn usage<'a>(&'a self, scope: Option<&'a str>) -> BoxFuture<'a, Result<Usage>> {
+        Box::pin(async move {
+            let pools = match scope {
+                Some(scope) => {
+                    let (_, pools) = self.record(scope, "");
+                    pools.into_iter().filter(|p| p.per_scope).map(|p| p.key).collect()
+                }
+                None => self.layout.record_totals(),
+            };
+            let (mut records, mut bytes) = (0u64, 0u64);
+            for pool in &pools {
+                let t: Option<String> = self.client.query(redis::cmd("HGET").arg(pool).arg("t")).await?;
+                let (n, b) = t.as_deref().and_then(|t| t.split_once(':')).unwrap_or(("0", "0"));
+                records += n.parse::<i64>().ok().and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
+                bytes += b.parse::<i64>().ok().and_then(|b| u64::try_from(b).ok()).unwrap_or(0);
+            }
+            let l = &self.limits;
+            Ok(match scope {
+                Some(_) => Usage::new(records, bytes, l.max_per_scope(), l.max_bytes_per_scope()),
+                None => Usage::new(records, bytes, l.max_records(), l.max_bytes()),
+            })
+        })
+    }
+}
+
+/// `inspect_record.lua`'s reply: the record `state|fingerprint|owner|lease
+/// end|bucket|bytes|response` (record.lua) as an operator sees it.
+fn record_view(scope: &str, key: &str, reply: &[Vec<u8>]) -> Result<Option<RecordView>> {
+    let bad = || Error::backend("redis", "an idempotency record dlock did not write");
+    let number = |b: &[u8]| std::str::from_utf8(b).ok().and_then(|t| t.parse::<i64>().ok());
+    let (Some(now), Some(ttl), Some(value)) = (reply.first(), reply.get(1), reply.get(2)) else {
+        return Ok(None);
+    };
+    let (now, ttl) = (number(now).ok_or_else(bad)?, number(ttl).ok_or_else(bad)?);
+    let mut parts = value.splitn(7, |b| *b == b'|');
+    let (Some(state), Some(_fp), Some(owner), Some(lease), Some(_bucket), Some(bytes), Some(response)) =
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(bad());
+    };
+    let (lease, bytes) = (number(lease).ok_or_else(bad)?, number(bytes).ok_or_else(bad)?);
+    let left = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    let state = match state {
+        b"c" => RecordState::Completed { status: StoredResponse::decode(response)?.status },
+        b"p" if lease > now => RecordState::InProgress { lease_left: Some(left(lease - now)) },
+        b"p" => RecordState::OutcomeUnknown,
+        _ => return Err(bad()),
+    };
+    let view = RecordView::new(scope, key, state, u64::try_from(bytes).unwrap_or(0), left(ttl));
+    Ok(Some(match state {
+        RecordState::Completed { .. } => view,
+        _ => view.claimed_by(String::from_utf8_lossy(owner).into_owned()),
+    }))
 }

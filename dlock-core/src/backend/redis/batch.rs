@@ -1,7 +1,7 @@
 //! Lock operations of many tasks gathered into shared script calls: the
-//! one batcher of the Redis backend, for acquires, releases and the
-//! watchdog's renewals, each kind in a queue of its own with its own
-//! [`Policy`].
+//! one batcher of the Redis backend, for acquires and releases, each kind
+//! in a queue of its own; and the watchdog's renewals of a tick, which come
+//! already gathered ([`renew_all`]).
 //!
 //! A client that sends every lock operation as a script call of its own
 //! pays the client side of a request (a redis-rs request, a reply to parse,
@@ -21,10 +21,9 @@
 //!   there, and a batch saves it little: most of a lock's server work is per
 //!   key), 256 fastest in batches (their client work halves). A lone caller
 //!   waits for nothing.
-//! * Renewals never go alone: the watchdog renews every due hold of a tick
-//!   at once, and one task sends them, many per call, one call at a time.
-//!   A renewal waits for no other caller to be polled, and a caller that
-//!   stops waiting strands no one queued behind it.
+//! * Renewals are not queued: the watchdog hands the backend every due hold
+//!   of a tick at once (`Backend::renew_many`), sent as one call per
+//!   [`MAX_BATCH`] holds.
 //!
 //! Not for Redis Cluster (one call may only touch one slot) nor RedLock
 //! nodes (whose per-node timeout a queue would eat into).
@@ -34,33 +33,22 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::script::{acquire_args, acquire_call, acquire_reply, lock_scripts, release_call, Reply, ScriptCall};
-use super::Client;
+use super::script::{acquire_args, acquire_call, acquire_reply, lock_scripts, release_call, Reply};
 use crate::backend::AcquireRequest;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
+use crate::redis::{Client, ScriptCall};
 
 /// Keys per script call: bounds how long one call keeps the server busy.
 const MAX_BATCH: usize = 128;
 
-/// How one kind of operation goes out.
-#[derive(Debug, Clone, Copy)]
-struct Policy {
-    /// Operations sent alone at once, each in a call of its own, before
-    /// they start to queue.
-    alone: usize,
-    /// Batch calls in flight at once.
-    drains: usize,
-}
-
-impl Policy {
-    /// Two batch calls keep the server busy while the client handles the
-    /// other's answers.
-    const LOCKS: Policy = Policy { alone: 16, drains: 2 };
-    /// One call at a time, whatever queued behind it in the next.
-    const RENEWALS: Policy = Policy { alone: 0, drains: 1 };
-}
+/// Acquires (or releases) sent alone at once, each in a call of its own,
+/// before they start to queue.
+const ALONE: usize = 16;
+/// Batch calls of one kind in flight at once: two keep the server busy
+/// while the client handles the other's answers.
+const DRAINS: usize = 2;
 
 /// A script's answer for one key, and when the call carrying it was sent.
 pub(crate) type Answer = Result<(Reply, Instant)>;
@@ -72,7 +60,7 @@ pub(crate) enum Op {
     Renew { key: LockKey, owner: Owner, lease_ms: u64 },
 }
 
-/// The kinds of operation, each with a queue and a policy of its own.
+/// The kinds of operation; acquires and releases each have a queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Acquire = 0,
@@ -97,15 +85,6 @@ impl Op {
     }
 }
 
-impl Kind {
-    fn policy(self) -> Policy {
-        match self {
-            Kind::Acquire | Kind::Release => Policy::LOCKS,
-            Kind::Renew => Policy::RENEWALS,
-        }
-    }
-}
-
 /// What the calls need of the backend.
 #[derive(Clone)]
 pub(crate) struct Calls {
@@ -114,10 +93,10 @@ pub(crate) struct Calls {
     pub(crate) mark: String,
 }
 
-/// The queues of acquires, releases and renewals. Cheap to clone.
+/// The queues of acquires and releases. Cheap to clone.
 #[derive(Clone, Default)]
 pub(crate) struct Batcher {
-    queues: [Arc<Mutex<Queue>>; 3],
+    queues: [Arc<Mutex<Queue>>; 2],
 }
 
 #[derive(Default)]
@@ -136,20 +115,22 @@ fn lock(queue: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
 
 impl Batcher {
     /// Runs `op` in a script call of its kind and returns its reply: alone
-    /// and at once while fewer than its policy's `alone` of its kind are in
-    /// flight and no batch is being sent; else in a batch call.
+    /// and at once while fewer than [`ALONE`] of its kind are in flight and
+    /// no batch is being sent; else in a batch call. A renewal goes alone
+    /// (the watchdog's come gathered, through [`renew_all`]).
     pub(crate) async fn run(&self, calls: &Calls, op: Op) -> Answer {
-        let policy = op.kind().policy();
-        let queue = &self.queues[op.kind() as usize];
+        let Some(queue) = self.queues.get(op.kind() as usize) else {
+            return send_one(calls, &op).await;
+        };
         let route = {
             let mut q = lock(queue);
-            if q.draining == 0 && q.alone < policy.alone {
+            if q.draining == 0 && q.alone < ALONE {
                 q.alone += 1;
                 Route::Alone(op)
             } else {
                 let (tx, rx) = oneshot::channel();
                 q.waiting.push((op, tx));
-                let start_drain = q.draining < policy.drains;
+                let start_drain = q.draining < DRAINS;
                 if start_drain {
                     q.draining += 1;
                 }
@@ -233,6 +214,19 @@ async fn drain(queue: Arc<Mutex<Queue>>, calls: Calls) {
             let _ = reply.send(answer);
         }
     }
+}
+
+/// Renews each of `holds` (`(key, owner, lease in ms)`), [`MAX_BATCH`] to a
+/// script call; one answer per hold, in order.
+pub(crate) async fn renew_all(calls: &Calls, holds: impl Iterator<Item = (LockKey, Owner, u64)>) -> Vec<Answer> {
+    let ops: Vec<Op> = holds.map(|(key, owner, lease_ms)| Op::Renew { key, owner, lease_ms }).collect();
+    let mut answers = Vec::with_capacity(ops.len());
+    let mut ops = ops.into_iter().peekable();
+    while ops.peek().is_some() {
+        let batch: Vec<Op> = ops.by_ref().take(MAX_BATCH).collect();
+        answers.extend(send(calls, batch).await);
+    }
+    answers
 }
 
 /// One script call for `op` alone, with the one-key script.

@@ -1,137 +1,61 @@
-//! The single-Redis backend.
+//! The single-Redis lock backend, [`RedisBackend`], on the Redis client
+//! layer (`crate::redis`: connections, the restart quarantine, script
+//! calls).
 //!
 //! * A lock is a string `prefix:{name:parts}` = `<token>:<w>:<owner>`
-//!   (fencing token, `1` when an acquire waits for the release, owner); its
-//!   TTL is the lease. Release deletes it: a key locked once leaves nothing
-//!   behind, so the server's memory follows the locks held now. An
-//!   uncontended cycle costs the server five commands in two script calls:
-//!   `TIME`, `SET mark GET`, `SET key NX PX GET` to take it, `GET`, `DEL`
-//!   to give it back.
-//! * A read lock or a permit held alone is a string like an exclusive
-//!   lock, `<token>:<w><mode>:<owner>` (`0s`, `1p3`: the mode, `s` or
-//!   `p<N>` for N permits, after the awaited flag), so an uncontended read
-//!   or permit cycle costs the same five commands (`dlock-bench --bench
-//!   primitives` measures its Redis CPU against the exclusive cycle's).
-//!   A second holder, or a writer that waits for a reader, turns the key
-//!   into a hash under the same name, so in the same cluster slot
-//!   (`counted.lua`): `m` the mode (fixed by the first holder while anyone
-//!   holds it or waits for one of its permits: another limit is
-//!   [`Error::ModeConflict`] naming both), `w` = `1` once someone waited,
-//!   `i` a waiting writer's intent, one field per holder, its owner =
-//!   `<fence>:<expiry in server ms>`, and one per waiting permit,
-//!   `~<owner>` = the end of its wait. The key expires with the latest
-//!   holder, intent or wait; expired ones are dropped by the next operation
-//!   that reads the hash, and the hash turns back into a string when it is
-//!   taken again with nobody left in it. The same scripts serve every kind:
-//!   the exclusive path runs its `SET NX GET` (and release and renew their
-//!   `GET`) as `redis.pcall`, and only a `WRONGTYPE` answer, a hash, takes
-//!   the counted path, so an exclusive cycle costs what it did. On a hash
-//!   an operation costs `TIME`, `HGETALL` and an `HSET` or `HDEL` with a
-//!   `PEXPIREAT`: O(holders and waiting permits) per operation. Tokens of
-//!   every grant come from the one high-water mark.
-//! * Writer preference: a writer that waits for readers records an intent
-//!   (`i` = its expiry, bounded by its remaining wait, and its owner) on
-//!   each try; new readers are refused while it lives, also once the last
-//!   reader left (the hash stays until the intent expires or the writer
-//!   takes the key). A writer that leaves without the key before its wait
-//!   ends (its caller went, its acquire failed) takes it back at once (the
-//!   engine's [`Backend::withdraw`]: the release script with `w`, which
-//!   touches no hold), and so does a writer's release (a RedLock writer
-//!   granted by a quorum leaves it on the nodes that refused it); either
-//!   wakes the readers it kept out.
-//! * A semaphore's limit: a permit that waits records its place (`~<owner>`,
-//!   bounded by its remaining wait) on each try that finds every permit
-//!   taken (the one permit of a semaphore of one, a string, becomes a hash
-//!   for it). While a place lives the key stays a semaphore of that
-//!   limit, also once nobody holds it: another limit, an exclusive or a
-//!   shared request is [`Error::ModeConflict`], and the waiter gets its
-//!   permit. A grant takes the waiter's place; so does a withdrawal or a
-//!   release, as for an intent.
-//! * Re-entry is counted by the engine: the server keeps one hold per key
-//!   and owner, and only a process's first acquire and last release reach
-//!   it.
-//! * Tokens are `max(high-water mark + 1, server time in µs)`; the mark is
-//!   one key per prefix, `prefix:fence` (one per hash slot in a cluster, see
-//!   `high_water.rs`), so tokens grow strictly per key, and keep growing
-//!   when the mark is lost in a restart, lags on a promoted replica or is
-//!   deleted.
-//! * Acquire, renew and release are one Lua script each (EVALSHA), with the
-//!   owner checked inside the script (held by the same owner: the acquire
-//!   joins the hold, same token). A refused acquire returns the holder's
-//!   remaining TTL in the same call. Renewals queued while a renew call is
-//!   in flight go out together in the next call, many locks per script
-//!   (one per lock in a cluster, whose locks live in many slots); so do
-//!   acquires and releases on a single server or Sentinel master, past 16
-//!   in flight (`batch.rs`).
-//! * Release publishes on `prefix:{name:parts}:released` when `w` says
-//!   someone waits (uncontended releases skip it); waiters of this process
-//!   share one subscriber connection (see `subscriber.rs`). The payload `a`
-//!   wakes every local waiter instead of one: sent when readers waited for
-//!   an exclusive hold (`w` = `2`) or a reader leaves a read-write lock.
-//!   A counted key's `w` stays set while the hash lives, so a busy
-//!   semaphore that was once waited for announces every release.
+//!   (fencing token, whether someone waits, owner), its TTL the lease;
+//!   release deletes it, so a key locked once leaves nothing behind. A
+//!   second holder (shared, permits), a writer waiting for readers or a
+//!   permit waiting for its turn turns it into a hash under the same name
+//!   (`counted.lua`), back into a string when it is taken again with
+//!   nobody left in it. A key held in one mode and asked for in another is
+//!   [`Error::ModeConflict`](crate::Error::ModeConflict).
+//! * Acquire, renew and release are one Lua script each (`script.rs`), the
+//!   owner checked inside; a refused acquire returns the holder's remaining
+//!   TTL. On a single server or Sentinel master, the operations of many
+//!   tasks share script calls (`batch.rs`).
+//! * Tokens are `max(high-water mark + 1, server time in µs)`
+//!   (`high_water.rs`): they grow strictly per key, also when the mark is
+//!   lost.
+//! * A release announces itself on `prefix:{name:parts}:released` when
+//!   someone waits; the waiters of a process share one subscriber
+//!   connection (`subscriber.rs`).
+//! * Re-entry is counted by the engine: only a process's first acquire and
+//!   last release reach the server.
 //!
-//! All commands go through one multiplexed connection with connect and
-//! response timeouts, so a dead server gives an error, never a hang. A
-//! background task keeps it up (`connection.rs`): it notices a server
-//! that went away within 250 ms and reconnects with a backoff capped at
-//! 250 ms, so while the server is away requests fail at once, and the first
-//! request after it is back finds a live connection. How each of the
-//! topologies below is connected and checked is `connect.rs`.
-//!
-//! **Redis Cluster**: a URL `redis+cluster://host1:port1,host2:port2,…`
-//! (seed nodes, `user:password@` before the first host; `rediss+cluster://`
-//! for TLS, verified against the system trust store) uses redis-rs's async cluster connection. Every key of one
-//! lock shares a hash tag, so each script runs on the one node that owns the
-//! lock's slot; release announcements are ordinary `PUBLISH`es, which a
-//! cluster forwards to every node, so the waiters of a process subscribe on
-//! one connection to the first seed node. A node that is down makes the
-//! locks of its slots fail with a backend error; the others keep working.
-//!
-//! **Redis Sentinel**: `redis+sentinel://[user:password@]host:port,…/master`
-//! asks the Sentinels for the master, and asks again when the connection
-//! fails or the server answers `READONLY` (it was demoted by a failover);
-//! the subscriber follows to the new master. Replication is asynchronous, so
-//! a failover can lose a lock that the old master granted: Sentinel buys
-//! availability, not safety.
-//!
-//! **TLS** (feature `tls`): `rediss://` connects with TLS (redis-rs over
-//! native-tls, i.e. the system OpenSSL), verifying the server against the
-//! system trust store or the CA of [`RedisOptions::with_tls`]; the same
-//! material serves the subscriber connection. A handshake that fails at
-//! start-up is an [`Error::Config`] that says it is a TLS/certificate
-//! problem. Without the feature a `rediss://` URL is refused at start-up.
+//! URLs name one server (`redis://`, `rediss://` with the feature `tls`),
+//! a Sentinel-watched master (`redis+sentinel://…/master`: a failover can
+//! lose a lock the old master granted) or a cluster (`redis+cluster://…`).
+//! `docs/redis-design.md` has the whole design: the hash's fields, writer
+//! preference, a semaphore's limit, each topology, TLS.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub(crate) use super::mode_conflict;
 use super::wait::{acquire_loop, Attempt};
-use super::{redact, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
-use crate::error::{Error, Result};
+use super::{
+    mode_conflict, AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Holder, KeyPage, ListQuery, LockMode,
+    LockState, Release, RenewRequest, Renewal,
+};
+use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
+use crate::redis::{lease_ms, redis_error, starts_with_glob, Client, ScriptCall};
 
 mod batch;
-mod client;
 mod connect;
-mod connection;
 mod high_water;
-mod restart;
+mod inspect;
 pub(crate) mod script;
 pub(crate) mod subscriber;
-pub(crate) mod tls;
 
-pub use connect::RedisOptions;
-pub(crate) use tls::RedisTls;
+pub use crate::redis::RedisOptions;
 
-pub(crate) use client::Client;
-pub(crate) use connection::RedisConnection;
-pub(crate) use connection::{lost_connection, redis_error, Conn};
-pub(crate) use restart::RestartGuard;
-use script::{acquire_call, acquire_reply, lock_scripts, release_call, withdraw_call, Reply, ScriptCall};
+use script::{
+    acquire_call, acquire_reply, lock_scripts, marker_gone, node_attempt, release_call, withdraw_call, NodeAttempt,
+};
 use subscriber::Subscriber;
 
 /// Locks in one Redis server.
@@ -239,11 +163,6 @@ impl RedisBackend {
     }
 }
 
-/// The acquire scripts' answer when the data marker is gone.
-fn marker_gone((reply, _): &(Reply, Instant)) -> bool {
-    reply.as_slice() == [2]
-}
-
 impl RedisBackend {
     /// [`release_on_server`](Self::release_on_server) through the
     /// batcher, where there is one.
@@ -273,29 +192,30 @@ impl RedisBackend {
         let left: i64 = self.client.invoke(&withdraw_call(&lock_scripts().release, key, owner)).await?;
         Ok(left == 0)
     }
-}
 
-/// An acquire script's reply for one lock, sent at `sent`.
-fn node_attempt(reply: &[i64], sent: Instant, lease: Duration) -> Result<NodeAttempt> {
-    Ok(match reply {
-        // Held in a mode that does not fit the one asked for: -1 exclusive,
-        // 0 shared, N one of N permits.
-        [3, held] => NodeAttempt::Conflict {
-            held: match u32::try_from(*held) {
-                Ok(0) => LockMode::Shared,
-                Ok(limit) => LockMode::Permits { limit },
-                Err(_) => LockMode::Exclusive,
-            },
-        },
-        // The third value tells a fresh grant (1) from one that joined a
-        // hold of the same owner (2), which keeps its token: either is ours.
-        [1, token, _] => NodeAttempt::Granted { grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + lease) },
-        // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
-        [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
-        [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
-        [0, _] => NodeAttempt::Held { retry_in: None },
-        other => return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}"))),
-    })
+    /// Who holds `key` on the server (`inspect.lua`).
+    pub(crate) async fn inspect_on_server(&self, key: &LockKey) -> Result<LockState> {
+        let reply: Vec<String> =
+            self.client.invoke(&ScriptCall::new(&lock_scripts().inspect, &[key.as_str()], 0)).await?;
+        inspect::lock_state(key, &reply)
+    }
+
+    /// One page of the server's lock keys starting with `query.starts_with`
+    /// (`SCAN` on every master), in the cursor of `scan.rs`.
+    pub(crate) async fn list_on_server(&self, query: &ListQuery) -> Result<KeyPage> {
+        let glob = starts_with_glob(&query.starts_with);
+        let (found, next) = self.client.scan_page(&glob, query.cursor.as_deref(), query.limit).await?;
+        let mut keys: Vec<LockKey> = found.iter().filter_map(|k| inspect::listed_lock(k, &self.prefix)).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        Ok(KeyPage::new(keys, next))
+    }
+
+    /// Frees `holder`'s hold on the server: its release, sent for it (the
+    /// owner checked inside, waiters told on the lock's channel).
+    pub(crate) async fn force_unlock_on_server(&self, key: &LockKey, holder: &Holder) -> Result<Release> {
+        self.release_on_server(key, &holder.owner()?).await
+    }
 }
 
 /// Where the acquire script keeps the last fencing token it granted.
@@ -305,22 +225,6 @@ enum HighWater {
     Prefix(String),
     /// One key per hash slot (a cluster script may only touch its lock's slot).
     PerSlot,
-}
-
-/// One node's answer to an acquire.
-#[derive(Debug)]
-pub(crate) enum NodeAttempt {
-    Granted {
-        grant: Grant,
-    },
-    Held {
-        retry_in: Option<Duration>,
-    },
-    /// Held (by others, or by this owner) in `held`, which does not fit the
-    /// mode asked for: a mistake of the program, not contention.
-    Conflict {
-        held: LockMode,
-    },
 }
 
 impl Backend for RedisBackend {
@@ -343,7 +247,7 @@ impl Backend for RedisBackend {
             cancel,
             || self.subscriber.waited_on(|| release_channel(&req.key)),
             move |awaited| self.try_once(req, awaited),
-            move || self.subscriber.register(release_channel(&req.key)),
+            move || self.subscriber.register(release_channel(&req.key), req.mode),
         ))
     }
 
@@ -365,10 +269,25 @@ impl Backend for RedisBackend {
                     (extended == [1], sent)
                 }
             };
-            Ok(match extended {
-                true => Renewal::Held { valid_until: sent + lease },
-                false => Renewal::Lost,
-            })
+            Ok(renewal(extended, sent, lease))
+        })
+    }
+
+    /// The tick's renewals in shared script calls; on a cluster, one call
+    /// per lock (a call touches one slot).
+    fn renew_many<'a>(&'a self, holds: &'a [RenewRequest]) -> BoxFuture<'a, Vec<Result<Renewal>>> {
+        Box::pin(async move {
+            let Some((_, calls)) = &self.batch else {
+                return futures_util::future::join_all(holds.iter().map(|h| self.renew(&h.key, &h.owner, h.lease)))
+                    .await;
+            };
+            let asked = holds.iter().map(|h| (h.key.clone(), h.owner.clone(), lease_ms(h.lease)));
+            let answers = batch::renew_all(calls, asked).await;
+            answers
+                .into_iter()
+                .zip(holds)
+                .map(|(answer, h)| answer.map(|(reply, sent)| renewal(reply.as_slice() == [1], sent, h.lease)))
+                .collect()
         })
     }
 
@@ -389,6 +308,18 @@ impl Backend for RedisBackend {
             }
             self.withdraw_on_server(&req.key, &req.owner).await.map(drop)
         })
+    }
+
+    fn inspect<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, Result<LockState>> {
+        Box::pin(self.inspect_on_server(key))
+    }
+
+    fn list<'a>(&'a self, query: &'a ListQuery) -> BoxFuture<'a, Result<KeyPage>> {
+        Box::pin(self.list_on_server(query))
+    }
+
+    fn force_unlock<'a>(&'a self, key: &'a LockKey, holder: &'a Holder) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(self.force_unlock_on_server(key, holder))
     }
 }
 
@@ -417,19 +348,10 @@ pub(crate) fn release_channel(key: &LockKey) -> String {
     format!("{key}:released")
 }
 
-/// A duration as whole milliseconds for `PX` / `PEXPIRE`, at least 1 (0 is
-/// an error there).
-pub(crate) fn lease_ms(lease: Duration) -> u64 {
-    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::redact;
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(redact("redis://user:secret@host:6379/0"), "redis://***@host:6379/0");
-        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+/// A renewal's answer: extended from when it was sent, or lost.
+fn renewal(extended: bool, sent: Instant, lease: Duration) -> Renewal {
+    match extended {
+        true => Renewal::Held { valid_until: sent + lease },
+        false => Renewal::Lost,
     }
 }

@@ -4,31 +4,19 @@
 //! shares with its many-key twin (`take.lua`, `free.lua`; `clock.lua` for
 //! the scripts that make tokens; `counted.lua`, how a key with several
 //! holders is kept, for every script that touches a lock), as Lua cannot
-//! import.
-//!
-//! [`ScriptCall`] is a script called by its SHA1, the command written once:
-//! every script of the Redis backends and of the Redis idempotency store
-//! goes out this way.
-//!
-//! redis-rs's `ScriptInvocation` keeps every key and argument in a vector
-//! of its own and copies them all into the `EVALSHA` it sends: seven
-//! allocations for an acquire and four for a release that a lock cycle does
-//! not need, on a path every request takes (and a stored response copied
-//! twice). [`ScriptCall`] writes the command in place. A server that does not know the script (`NOSCRIPT`: it
-//! restarted or was flushed) gets it loaded and the same command again, as
-//! `ScriptInvocation` does.
+//! import. Every call goes out as a [`ScriptCall`].
 
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind, ToRedisArgs};
+use redis::Script;
 use tokio::time::Instant;
 
-use super::lease_ms;
-use crate::backend::{AcquireRequest, LockMode};
+use crate::backend::{AcquireRequest, Grant, LockMode};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
+use crate::redis::{lease_ms, ScriptCall};
 
 /// The server clock as token text, prepended to the scripts that make
 /// tokens.
@@ -51,6 +39,8 @@ pub(crate) struct LockScripts {
     pub(crate) renew: Script,
     /// RedLock's write-back of a granted token to a node's high-water mark.
     pub(crate) raise_mark: Script,
+    /// Reads a lock for an operator.
+    pub(crate) inspect: Script,
 }
 
 static LOCK_SCRIPTS: LazyLock<LockScripts> = LazyLock::new(|| {
@@ -65,50 +55,13 @@ static LOCK_SCRIPTS: LazyLock<LockScripts> = LazyLock::new(|| {
         release_many: Script::new(&format!("{COUNTED}{FREE}{}", include_str!("release_many.lua"))),
         renew: Script::new(&format!("{COUNTED}{}", include_str!("renew.lua"))),
         raise_mark: Script::new(&format!("{CLOCK}{}", include_str!("raise_mark.lua"))),
+        inspect: Script::new(include_str!("inspect.lua")),
     }
 });
 
 /// The lock scripts, built once per process.
 pub(crate) fn lock_scripts() -> &'static LockScripts {
     &LOCK_SCRIPTS
-}
-
-/// One `EVALSHA` of a script: its keys, then its arguments.
-pub(crate) struct ScriptCall<'a> {
-    script: &'a Script,
-    cmd: Cmd,
-}
-
-impl<'a> ScriptCall<'a> {
-    /// A call of `script` on `keys` (its `KEYS`); [`arg`](Self::arg) adds
-    /// its `ARGV` in order. `args` is how many will come, to size the
-    /// command once.
-    pub(crate) fn new(script: &'a Script, keys: &[&str], args: usize) -> Self {
-        let bytes = 64 + keys.iter().map(|k| k.len() + 16).sum::<usize>() + 48 * args;
-        let mut cmd = Cmd::with_capacity(3 + keys.len() + args, bytes);
-        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
-        for key in keys {
-            cmd.arg(*key);
-        }
-        ScriptCall { script, cmd }
-    }
-
-    /// Adds the next argument (`ARGV[i]`).
-    pub(crate) fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
-        self.cmd.arg(arg);
-        self
-    }
-
-    /// Sends the call; on `NOSCRIPT`, loads the script and sends it again.
-    pub(crate) async fn invoke<T: FromRedisValue>(&self, conn: &mut impl redis::aio::ConnectionLike) -> RedisResult<T> {
-        match self.cmd.query_async(conn).await {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.script.load_async(conn).await?;
-                self.cmd.query_async(conn).await
-            }
-            answered => answered,
-        }
-    }
 }
 
 /// The one-key acquire script's call (`acquire.lua`) for `req` with the
@@ -212,17 +165,46 @@ pub(crate) fn acquire_reply(reply: redis::Value) -> Result<Reply> {
     parsed.map_err(|e| Error::backend("redis", format!("unexpected reply from the acquire script: {e}")))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// The acquire scripts' answer when the data marker is gone.
+pub(super) fn marker_gone((reply, _): &(Reply, Instant)) -> bool {
+    reply.as_slice() == [2]
+}
 
-    #[test]
-    fn keys_come_before_the_arguments_as_evalsha_wants() {
-        let script = Script::new("return 1");
-        let mut call = ScriptCall::new(&script, &["k1", "k2"], 2);
-        call.arg("owner").arg(30_000u64);
-        let packed = String::from_utf8(call.cmd.get_packed_command()).expect("text");
-        let words: Vec<&str> = packed.split("\r\n").filter(|w| !w.starts_with('*') && !w.starts_with('$')).collect();
-        assert_eq!(words[..7], ["EVALSHA", script.get_hash(), "2", "k1", "k2", "owner", "30000"]);
-    }
+/// An acquire script's reply for one lock, sent at `sent`.
+pub(super) fn node_attempt(reply: &[i64], sent: Instant, lease: Duration) -> Result<NodeAttempt> {
+    Ok(match reply {
+        // Held in a mode that does not fit the one asked for: -1 exclusive,
+        // 0 shared, N one of N permits.
+        [3, held] => NodeAttempt::Conflict {
+            held: match u32::try_from(*held) {
+                Ok(0) => LockMode::Shared,
+                Ok(limit) => LockMode::Permits { limit },
+                Err(_) => LockMode::Exclusive,
+            },
+        },
+        // The third value tells a fresh grant (1) from one that joined a
+        // hold of the same owner (2), which keeps its token: either is ours.
+        [1, token, _] => NodeAttempt::Granted { grant: Grant::until(u64::try_from(*token).unwrap_or(0), sent + lease) },
+        // PTTL: -2 gone since (try again now), -1 no TTL (wait for a release).
+        [0, -2] => NodeAttempt::Held { retry_in: Some(Duration::ZERO) },
+        [0, ms] if *ms >= 0 => NodeAttempt::Held { retry_in: Some(Duration::from_millis(*ms as u64)) },
+        [0, _] => NodeAttempt::Held { retry_in: None },
+        other => return Err(Error::backend("redis", format!("unexpected reply from the acquire script: {other:?}"))),
+    })
+}
+
+/// One node's answer to an acquire.
+#[derive(Debug)]
+pub(crate) enum NodeAttempt {
+    Granted {
+        grant: Grant,
+    },
+    Held {
+        retry_in: Option<Duration>,
+    },
+    /// Held (by others, or by this owner) in `held`, which does not fit the
+    /// mode asked for: a mistake of the program, not contention.
+    Conflict {
+        held: LockMode,
+    },
 }

@@ -1,10 +1,11 @@
 //! One shared pub/sub connection for all waiters of a process.
 //!
-//! A single actor task owns the connection and a table `channel -> (Notify,
-//! waiters)`. The first local waiter of a key subscribes to its release
-//! channel, the last one to leave unsubscribes; a release message wakes one
-//! local waiter (the one that will take the lock), not all of them, unless
-//! its payload says every waiter may go (see [`wake`]). Because
+//! A single actor task owns the connection and a table of the channels it
+//! subscribes to. The first local waiter of a key subscribes to its release
+//! channel, the last one to leave unsubscribes; a release message wakes the
+//! key's waiters in the process's [`Waiters`] by the one wake rule: one
+//! (the one that will take the lock), unless its payload says every waiter
+//! may go (see [`freed`]). Because
 //! one task sends every (un)subscribe in order, an unsubscribe can never
 //! overtake a later subscribe of the same channel. The actor does not wait
 //! for a confirmation before sending the next command: on a slow server
@@ -19,8 +20,7 @@
 //! holder's TTL runs out.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -29,76 +29,51 @@ use futures_util::{FutureExt, StreamExt};
 use redis::aio::{PubSubSink, PubSubStream};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
+use crate::backend::wait::{self, Freed, Waiters};
+use crate::backend::LockMode;
 use crate::error::{Error, Result};
+use crate::redis::redis_error;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 enum Command {
-    Register { channel: String, shared: Option<Arc<Notify>>, reply: oneshot::Sender<Arc<Notify>> },
-    Unregister { channel: String },
+    Subscribe { channel: String, reply: oneshot::Sender<()> },
+    Unsubscribe { channel: String },
 }
 
 /// Handle to the actor; dropping every handle stops it.
 #[derive(Debug, Clone)]
 pub(crate) struct Subscriber {
     commands: mpsc::UnboundedSender<Command>,
-    /// Registrations alive, counted by the callers (the actor's own table is
-    /// its task's alone), for [`Subscriber::waited_on`].
-    waiting: Arc<Waiting>,
+    /// The acquires its messages wake (RedLock's nodes share one).
+    waiters: Arc<Waiters>,
 }
 
-/// Registrations alive: in all, and per channel.
-#[derive(Debug, Default)]
-struct Waiting {
-    /// Lets the common answer, "nobody waits", skip the lock.
-    total: AtomicUsize,
-    per_channel: Mutex<HashMap<String, usize>>,
-}
-
-impl Waiting {
-    fn channels(&self) -> MutexGuard<'_, HashMap<String, usize>> {
-        // Every change under this lock is one count.
-        self.per_channel.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn add(&self, channel: &str) {
-        *self.channels().entry(channel.to_owned()).or_default() += 1;
-        self.total.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn remove(&self, channel: &str) {
-        let mut channels = self.channels();
-        if let Some(n) = channels.get_mut(channel) {
-            *n -= 1;
-            if *n == 0 {
-                channels.remove(channel);
-            }
-            self.total.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
-
-/// A waiter's registration: notified when the key may have come free.
-/// Dropping it unregisters.
-pub(crate) struct Registration {
-    notify: Arc<Notify>,
+/// A channel subscribed to for one waiter; dropping it unsubscribes when
+/// it is the channel's last.
+pub(crate) struct Subscription {
     channel: String,
     commands: mpsc::UnboundedSender<Command>,
-    waiting: Arc<Waiting>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let channel = std::mem::take(&mut self.channel);
+        let _ = self.commands.send(Command::Unsubscribe { channel });
+    }
+}
+
+/// A waiter parked in the registry and subscribed to its key's channel:
+/// notified when the key may have come free. Dropping it unregisters.
+pub(crate) struct Registration {
+    wait: wait::Registration,
+    _subscription: Subscription,
 }
 
 impl AsRef<Notify> for Registration {
     fn as_ref(&self) -> &Notify {
-        &self.notify
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        let channel = std::mem::take(&mut self.channel);
-        self.waiting.remove(&channel);
-        let _ = self.commands.send(Command::Unregister { channel });
+        self.wait.as_ref()
     }
 }
 
@@ -108,7 +83,11 @@ impl Subscriber {
     ///
     /// The actor reconnects to whatever server `client` names at the time
     /// (Sentinel moves it to the new master after a failover).
-    pub(crate) async fn start(client: watch::Receiver<redis::Client>, probe_channel: &str) -> Result<Self> {
+    pub(crate) async fn start(
+        client: watch::Receiver<redis::Client>,
+        probe_channel: &str,
+        waiters: Arc<Waiters>,
+    ) -> Result<Self> {
         let first = client.borrow().clone();
         let (mut sink, stream) = connect(&first).await?;
         // Subscribing is what needs the ACL channel permission; check it now.
@@ -122,13 +101,14 @@ impl Subscriber {
                     ),
                 )
             } else {
-                super::redis_error(e)
+                redis_error(e)
             }
         })?;
         let _ = sink.unsubscribe(probe_channel).await;
         let (tx, rx) = mpsc::unbounded_channel();
         let actor = Actor {
             client,
+            waiters: waiters.clone(),
             commands: rx,
             channels: HashMap::new(),
             conn: Some((sink, stream)),
@@ -137,83 +117,71 @@ impl Subscriber {
             confirmations: FuturesUnordered::new(),
         };
         tokio::spawn(actor.run());
-        Ok(Subscriber { commands: tx, waiting: Arc::default() })
+        Ok(Subscriber { commands: tx, waiters })
     }
 
     /// Whether a task of this process waits on `channel` now (built only
     /// when some task waits on any).
     pub(crate) fn waited_on(&self, channel: impl FnOnce() -> String) -> bool {
-        self.waiting.total.load(Ordering::Relaxed) > 0 && self.waiting.channels().contains_key(&channel())
+        self.waiters.waited_on(channel)
     }
 
     /// How many waiters of this process are registered on `channel`.
     #[cfg(feature = "test-support")]
     pub(crate) fn waiters(&self, channel: &str) -> usize {
-        self.waiting.channels().get(channel).copied().unwrap_or(0)
+        self.waiters.count(channel)
     }
 
-    /// Registers a waiter for `channel`, subscribing if it is the first.
-    pub(crate) async fn register(&self, channel: String) -> Registration {
-        self.register_shared(channel, None).await
+    /// Parks a waiter in `mode` on `channel`, subscribing if it is the
+    /// channel's first; resolves once the subscription is confirmed.
+    pub(crate) async fn register(&self, channel: String, mode: LockMode) -> Registration {
+        let wait = self.waiters.register(&channel, mode);
+        Registration { wait, _subscription: self.subscribe(channel).await }
     }
 
-    /// Registers a waiter whose wake-ups go to `shared` when this is the
-    /// channel's first waiter (RedLock passes one `Notify` per key to every
-    /// node, so a release on any node wakes the key's waiters). Resolves once
-    /// the subscription is confirmed (at once without a connection: the
-    /// waiter then wakes at the holder's TTL, or when the actor reconnects).
+    /// Subscribes to `channel` for one more waiter (parked by the caller in
+    /// this subscriber's [`Waiters`]). Resolves once the subscription is
+    /// confirmed (at once without a connection: the waiter then wakes at
+    /// the holder's TTL, or when the actor reconnects).
     ///
-    /// Dropping the future after its first poll still unregisters.
-    pub(crate) async fn register_shared(&self, channel: String, shared: Option<Arc<Notify>>) -> Registration {
+    /// Dropping the future after its first poll still unsubscribes.
+    pub(crate) async fn subscribe(&self, channel: String) -> Subscription {
         let (reply, answer) = oneshot::channel();
-        self.waiting.add(&channel);
-        let _ = self.commands.send(Command::Register { channel: channel.clone(), shared, reply });
+        let _ = self.commands.send(Command::Subscribe { channel: channel.clone(), reply });
         // The actor counts this waiter from now on; if we are dropped before
-        // the answer, the registration's `Drop` uncounts it.
-        let mut registration = Registration {
-            notify: Arc::default(),
-            channel,
-            commands: self.commands.clone(),
-            waiting: self.waiting.clone(),
-        };
-        if let Ok(notify) = answer.await {
-            registration.notify = notify;
-        }
-        registration
+        // the answer, the subscription's `Drop` uncounts it.
+        let subscription = Subscription { channel, commands: self.commands.clone() };
+        let _ = answer.await;
+        subscription
     }
 }
 
-/// Wakes the waiters a release announcement lets in: all of them when its
-/// payload is `a` (readers waited, or a reader left a read-write lock:
-/// several may go at once, and one woken in a writer's place would let the
-/// wake-up go to waste), else one, the one that will take the lock.
-///
-/// Every waiter has its `notified()` enabled before each try, so waking
-/// all of them misses none that a release could let in: one between two
-/// tries is about to try anyway.
-fn wake(notify: &Notify, payload: &[u8]) {
+/// What a release announcement frees: room for all when its payload is
+/// `a` (readers waited, or a reader left a read-write lock: the release
+/// script decides), else for one, the one that will take the lock.
+fn freed(payload: &[u8]) -> Freed {
     match payload {
-        b"a" => notify.notify_waiters(),
-        _ => notify.notify_one(),
+        b"a" => Freed::All,
+        _ => Freed::One,
     }
 }
 
 async fn connect(client: &redis::Client) -> Result<(PubSubSink, PubSubStream)> {
     match tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_pubsub()).await {
         Ok(Ok(pubsub)) => Ok(pubsub.split()),
-        Ok(Err(e)) => Err(super::redis_error(e)),
+        Ok(Err(e)) => Err(redis_error(e)),
         Err(_) => Err(Error::backend("redis", format!("pub/sub connection timed out after {CONNECT_TIMEOUT:?}"))),
     }
 }
 
 struct Entry {
-    notify: Arc<Notify>,
+    /// The waiters subscribed through it.
     waiters: usize,
     /// Tells this entry's subscription from an earlier one of the same
     /// channel whose confirmation may still be on its way.
     generation: u64,
     /// Waiters to answer once the subscription is confirmed.
-    unconfirmed: Vec<oneshot::Sender<Arc<Notify>>>,
+    unconfirmed: Vec<oneshot::Sender<()>>,
 }
 
 /// What a sent (un)subscribe was, for when its confirmation comes.
@@ -227,6 +195,7 @@ type Confirmation = BoxFuture<'static, (Sent, u64, redis::RedisResult<()>)>;
 
 struct Actor {
     client: watch::Receiver<redis::Client>,
+    waiters: Arc<Waiters>,
     commands: mpsc::UnboundedReceiver<Command>,
     channels: HashMap<String, Entry>,
     conn: Option<(PubSubSink, PubSubStream)>,
@@ -283,11 +252,7 @@ impl Actor {
                     self.confirmed(sent, epoch, result);
                 }
                 msg = message => match msg {
-                    Some(msg) => {
-                        if let Some(entry) = self.channels.get(msg.get_channel_name()) {
-                            wake(&entry.notify, msg.get_payload_bytes());
-                        }
-                    }
+                    Some(msg) => self.waiters.wake(msg.get_channel_name(), freed(msg.get_payload_bytes())),
                     None => self.disconnected(),
                 },
             }
@@ -296,10 +261,9 @@ impl Actor {
 
     async fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Register { channel, shared, reply } => {
+            Command::Subscribe { channel, reply } => {
                 let generation = self.generations;
                 let entry = self.channels.entry(channel.clone()).or_insert_with(|| Entry {
-                    notify: shared.unwrap_or_default(),
                     waiters: 0,
                     generation,
                     unconfirmed: Vec::new(),
@@ -310,13 +274,13 @@ impl Actor {
                     entry.unconfirmed.push(reply);
                     self.send(channel.clone(), Sent::Subscribe { channel, generation });
                 } else if entry.unconfirmed.is_empty() {
-                    let _ = reply.send(entry.notify.clone());
+                    let _ = reply.send(());
                 } else {
                     // The channel's subscription is on its way: wait with the first waiter.
                     entry.unconfirmed.push(reply);
                 }
             }
-            Command::Unregister { channel } => {
+            Command::Unsubscribe { channel } => {
                 let Some(entry) = self.channels.get_mut(&channel) else { return };
                 entry.waiters = entry.waiters.saturating_sub(1);
                 if entry.waiters == 0 {
@@ -365,7 +329,7 @@ impl Actor {
         if let Sent::Subscribe { channel, generation } = sent {
             if let Some(entry) = self.channels.get_mut(&channel).filter(|e| e.generation == generation) {
                 for reply in entry.unconfirmed.drain(..) {
-                    let _ = reply.send(entry.notify.clone());
+                    let _ = reply.send(());
                 }
             }
         }
@@ -378,10 +342,10 @@ impl Actor {
         self.epoch += 1;
         for entry in self.channels.values_mut() {
             for reply in entry.unconfirmed.drain(..) {
-                let _ = reply.send(entry.notify.clone());
+                let _ = reply.send(());
             }
-            entry.notify.notify_waiters();
         }
+        self.waiters.wake_every_key();
     }
 
     async fn resubscribe(&mut self) {
@@ -396,8 +360,6 @@ impl Actor {
             }
         }
         // Releases may have happened while we were away.
-        for entry in self.channels.values() {
-            entry.notify.notify_waiters();
-        }
+        self.waiters.wake_every_key();
     }
 }

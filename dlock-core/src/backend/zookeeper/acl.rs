@@ -1,14 +1,7 @@
-//! Who may touch the lock nodes: the ACL each node is created with, and,
-//! with credentials, the check of `/<prefix>` that makes that ACL worth
-//! having.
-//!
-//! A creator-only ACL on a lock node protects nothing if someone else may
-//! create nodes in its parent: they could make a lock's node with an ACL of
-//! their choosing and then delete every contender's node in it. So with
-//! credentials `/<prefix>` must itself be ours, and stay ours (see
-//! [`secure_root`] and [`ANCHOR`]). The credentials themselves
-//! ([`ZooKeeperAuth`]) live outside the `zookeeper` feature, for the
-//! configuration to read in every build.
+//! Who may touch the lock nodes: the ACL each node is created with and,
+//! with credentials, the check that `/<prefix>` is ours and stays ours
+//! ([`secure_root`], [`ANCHOR`]), without which a creator-only ACL on the
+//! lock nodes would protect nothing.
 
 use zookeeper_client as zk;
 
@@ -16,11 +9,9 @@ use super::error::zk_error;
 use crate::backend::zookeeper_auth::{ZooKeeperAuth, AUTH_VAR};
 use crate::error::{Error, Result};
 
-/// The child that keeps a secured `/<prefix>` from ever being empty:
-/// ZooKeeper deletes no node with children, and `/` (or the chroot) is
-/// usually open to anyone, who could otherwise delete an empty `/<prefix>`
-/// and make it again with an ACL of their own. Persistent and creator-only.
-/// No lock key can have this name: every key contains `{`.
+/// The persistent, creator-only child that keeps a secured `/<prefix>` from
+/// ever being empty, so nobody can delete it and make it again. No lock key
+/// has this name: every key contains `{`.
 const ANCHOR: &str = "_dlock_acl_anchor";
 
 /// The ACL of every node we create: all rights to the creator's identity
@@ -50,14 +41,9 @@ pub(super) fn not_allowed(dir: &str, auth: Option<&ZooKeeperAuth>) -> Error {
     )
 }
 
-/// Makes `root` (`/<prefix>`) a persistent node with the creator-only ACL
-/// if it is missing, and checks, when it was there already, that it is
-/// neither open to anyone nor closed to us: whoever may create nodes in it
-/// can create a lock's node with an ACL of their choosing and then delete
-/// every contender's node in it, and without create and delete rights of
-/// our own no lock could be taken. Persistent rather than a container, so
-/// that the server does not reap it and leave the name free for anyone.
-/// Gives it the [`ANCHOR`] child.
+/// Makes `root` (`/<prefix>`) a persistent creator-only node with the
+/// [`ANCHOR`] child if it is missing, and checks, when it was there, that
+/// it is neither open to anyone nor closed to us.
 pub(super) async fn secure_root(client: &zk::Client, root: &str, auth: &ZooKeeperAuth) -> Result<()> {
     let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::creator_all());
     match client.create(root, &[], &persistent).await {

@@ -1,12 +1,6 @@
-//! Giving up our place in a lock's line: deleting our node at once, with
-//! retries ([`delete_node`]), or in the background ([`sweep`]) when we
-//! cannot.
-//!
-//! Only our own node is ever deleted (its path is unique to one
-//! contender), and then the lock's node if that left it empty, so one-off
-//! keys do not pile up. A reply lost with the connection (ZOOKEEPER-1262)
-//! leaves the outcome of a delete unknown; a retry that finds nothing means
-//! our delete went through.
+//! Giving up our place in a lock's line: deleting our own node at once,
+//! with retries ([`delete_node`]), or in the background ([`sweep`]), and
+//! then the lock's node if that left it empty.
 
 use std::time::Duration;
 
@@ -16,13 +10,9 @@ use super::error::{answered, zk_error};
 use super::path::path_log_id;
 use crate::error::{Error, Result};
 
-/// Deletes our node (only ours: the path is unique to this contender),
-/// retrying transient failures, then the lock's node if it is empty.
-/// Returns whether the node was ours until this delete.
-///
-/// A delete whose reply was lost may have happened; the retry then finds
-/// no node, which means our own delete went through, not that the lock
-/// had been lost already.
+/// Deletes our node, retrying transient failures, then the lock's node if
+/// it is empty. Returns whether the node was ours until this delete (a
+/// retry that finds none after a lost reply: our delete went through).
 pub(super) async fn delete_node(client: &zk::Client, node: &str) -> Result<bool> {
     let mut last = None;
     let mut maybe_deleted = false;
@@ -54,12 +44,10 @@ pub(super) async fn delete_node(client: &zk::Client, node: &str) -> Result<bool>
     Err(last.map_or_else(|| Error::backend("zookeeper", "delete failed"), zk_error))
 }
 
-/// Deletes, in the background, our node under `dir` whose name starts with
-/// `name`, when we could neither find it again after a lost reply nor
-/// delete it after giving up our place. Nobody else would: it would sort
-/// ahead of every later contender for as long as our session lives, and the
-/// session outlives reconnects. Ends when the node is deleted or not there,
-/// or the session is over.
+/// Deletes, in the background, our node under `dir` starting with `name`,
+/// which we could neither find nor delete: nobody else would, and it would
+/// sort ahead of every later contender while our session lives. Ends when
+/// it is gone or the session is over.
 pub(super) async fn sweep(client: zk::Client, dir: String, name: String) {
     let mut backoff = Duration::from_millis(100);
     loop {

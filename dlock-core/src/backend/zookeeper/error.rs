@@ -1,7 +1,6 @@
-//! What a failed ZooKeeper request tells: dlock's error for it, and whether
-//! the server answered it, or the request was lost with the connection and
-//! may or may not have been applied (ZOOKEEPER-1262). Every step that
-//! retries or looks for its own effect asks [`answered`].
+//! What a failed ZooKeeper request tells: dlock's error for it, and
+//! whether the server [`answered`] it or it may have been applied unseen
+//! (ZOOKEEPER-1262).
 
 use zookeeper_client as zk;
 

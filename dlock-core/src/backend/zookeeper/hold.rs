@@ -1,14 +1,6 @@
-//! The backend's holds: one per key and owner, from the creation of its
-//! node to its release, each followed by a task of its own.
-//!
-//! Re-entry is counted by the engine, in process (as Curator does): only a
-//! first acquire creates a node, and only a last release deletes it. A hold
-//! so keeps one lost signal, that of the engine's hold, and no count.
-//!
-//! Leases are honoured as on the other backends: a hold that is neither
-//! renewed nor released by the end of its lease has its node deleted by
-//! this process ([`follow`]), so a fixed lease frees the lock even while the
-//! session lives.
+//! The backend's holds: one per key and owner (the engine counts re-entry),
+//! from the creation of its node to its release, each followed by a task
+//! ([`follow`]) that deletes the node when its lease ends unrenewed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,9 +29,8 @@ pub(super) struct Hold {
     /// The end of the lease; the hold's task deletes the node then unless
     /// it was moved by a renewal. Dropping the sender (release) ends the task.
     pub(super) expires: watch::Sender<Instant>,
-    /// The lost signal of the engine's hold, marked when the node is
-    /// deleted behind our back or the session that carries it may be over;
-    /// `None` once released (our own delete is not a loss) or told.
+    /// The engine's lost signal, marked when the node is deleted behind our
+    /// back or the session may be over; `None` once released or told.
     pub(super) signal: Option<LostSignal>,
 }
 
@@ -86,10 +77,9 @@ pub(super) fn join(holds: &Mutex<HoldMap>, id: &(LockKey, Owner), until: Instant
 }
 
 /// Follows one hold until it is released: deletes its node when its lease
-/// ends without renewal or release, and marks its guards lost when the node
-/// is deleted behind our back. One task per hold, however many guards
-/// re-enter it; the session's end reaches them through
-/// [`supervise`](super::session::supervise).
+/// ends unrenewed, and marks its guards lost when the node is deleted
+/// behind our back (a session's end reaches them through
+/// [`supervise`](super::session::supervise)).
 pub(super) async fn follow(
     client: zk::Client,
     holds: Holds,

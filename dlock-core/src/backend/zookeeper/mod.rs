@@ -1,43 +1,24 @@
 //! ZooKeeper: Apache Curator's `InterProcessMutex`, `InterProcessReadWriteLock`
-//! and semaphore recipes.
+//! and semaphore recipes, one ephemeral sequential node per contender under
+//! `/<prefix>/<key>`, served in arrival order.
 //!
-//! * A lock is a container node `/<prefix>/<key>`; each contender creates an
-//!   ephemeral sequential child in it whose name says its mode. An exclusive
-//!   contender holds the lock when its child sorts first, a shared one when
-//!   no exclusive child sorts before it, one of N permits when fewer than N
-//!   children sort before it (`node.rs`). Otherwise an exclusive or shared
-//!   contender watches only the one node it waits for (no herd effect); a
-//!   semaphore's waiters watch the line, since any holder before them may be
-//!   the one to go. Waiters are served in the order they arrived (FIFO), so
-//!   a reader that comes after a waiting writer waits behind it.
-//! * The lease is the session: the guard's lost signal fires when our node
-//!   is deleted behind our back, or as soon as the ensemble could have
-//!   expired the session, counted from our side (`session.rs`). A
-//!   disconnected session is reported distinctly, as
-//!   [`ConnectionState::Suspended`] through
-//!   [`ZooKeeperBackend::connection_state`]; its locks are ours until the
-//!   session timeout passes. After a session is lost the backend opens a new
-//!   one and goes on granting locks; a waiting acquire waits for it, within
-//!   its wait.
-//! * The fencing token is our node's creation zxid, strictly increasing per
-//!   key (across readers, writers and permits), even when the lock's node is
-//!   removed and re-created.
-//! * Release deletes only our own node, and the lock's node when that leaves
-//!   it empty, so one-off keys do not pile up. A reply lost with the
-//!   connection (ZOOKEEPER-1262) leaves no node of ours behind: we look for
-//!   it, or delete it in the background (`node.rs`, `delete.rs`).
-//! * Re-entry is counted by the engine, in process (as Curator does): only
-//!   a first acquire creates a node, and only a last release deletes it.
-//! * Leases are honoured as on the other backends: a hold neither renewed
-//!   nor released by the end of its lease has its node deleted by this
-//!   process, so a fixed lease frees the lock even while the session lives.
-//!   A crashed process loses its locks with its session.
-//! * Requests are bounded: an acquire answers within its wait plus the
-//!   response timeout, a release within the response timeout
+//! * The lease is the session: the lost signal fires when our node is
+//!   deleted behind our back, or as soon as the ensemble could have expired
+//!   the session. A disconnected session is
+//!   [`ConnectionState::Suspended`] ([`ZooKeeperBackend::connection_state`]);
+//!   its locks are ours until the session timeout passes. A lost session is
+//!   replaced, and waiting acquires wait for the new one.
+//! * The fencing token is our node's creation zxid: strictly increasing per
+//!   key, across modes, even when the lock's node is re-created.
+//! * A fixed lease frees the lock even while the session lives (this process
+//!   deletes the node); a crashed process loses its locks with its session.
+//! * An acquire answers within its wait plus the response timeout, a
+//!   release within the response timeout
 //!   ([`ZooKeeperOptions::with_response_timeout`]).
-//! * Every client of the ensemble may delete the lock nodes, and so free a
-//!   lock someone holds, unless the backend has credentials
-//!   ([`ZooKeeperOptions::with_auth`]).
+//! * Without credentials ([`ZooKeeperOptions::with_auth`]) every client of
+//!   the ensemble may delete the lock nodes, and so free a held lock.
+//!
+//! How: `docs/core-design.md`.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -47,7 +28,10 @@ use tokio::time::Instant;
 use zookeeper_client as zk;
 
 pub(crate) use super::zookeeper_auth::ZooKeeperAuth;
-use super::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, LostSignal, Release, Renewal};
+use super::{
+    AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, Holder, KeyPage, ListQuery, LockMode, LockState,
+    LostSignal, Release, Renewal,
+};
 use crate::error::{Error, Result};
 use crate::key::{validate_prefix, LockKey};
 use crate::owner::Owner;
@@ -56,6 +40,7 @@ mod acl;
 mod delete;
 mod error;
 mod hold;
+mod inspect;
 mod node;
 mod path;
 mod session;
@@ -142,38 +127,26 @@ impl ZooKeeperOptions {
         self
     }
 
-    /// How long an acquire may take past its wait (a try-once acquire: at
-    /// all), and a release at all, before it fails with [`Error::Backend`];
-    /// by default 2/3 of the session timeout, when the client itself counts
-    /// a silent server as gone. A lock node left by an attempt cut short
-    /// is deleted in the background.
-    ///
-    /// Without this bound a request could wait long: zookeeper-client holds
-    /// a request while it reconnects, until it learns the session's fate;
-    /// with the ensemble unreachable, a try-once acquire came back after 4/3
-    /// of the session timeout.
+    /// How long an acquire may take past its wait, and a release at all,
+    /// before it fails with [`Error::Backend`]; by default 2/3 of the
+    /// session timeout. Without it, zookeeper-client holds a request while
+    /// it reconnects (a try-once acquire came back after 4/3 of the session
+    /// timeout). A node left by an attempt cut short is deleted later.
     pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = Some(timeout);
         self
     }
 
     /// Authenticates every session with these digest credentials
-    /// (`DLOCK_ZOOKEEPER_AUTH`) and creates every node with the creator-only
-    /// ACL: clients without the same credentials can then neither create,
-    /// change nor delete lock nodes. Every instance that shares the locks
-    /// must use the same credentials. Without credentials every node is open
-    /// to every client of the ensemble (`world:anyone`, all rights): any of
-    /// them can delete a lock node and so free a lock someone holds.
+    /// (`DLOCK_ZOOKEEPER_AUTH`; the same on every instance) and creates every
+    /// node creator-only: other clients can then neither create, change nor
+    /// delete lock nodes. Without them every node is open to every client.
     ///
-    /// With credentials the prefix node `/<prefix>` is persistent and
-    /// checked when connecting: open to anyone, or not granting our
-    /// identity, it is a configuration error, since nodes created under it
-    /// could be taken over. It also gets a persistent creator-only child,
-    /// `_dlock_acl_anchor`, so that it is never empty and cannot be deleted
-    /// and made again by someone else. ZooKeeper's ACLs do not hide that a
-    /// lock exists (`exists` needs no right), nor stop a client that may
-    /// delete nodes in `/` from other harm there; give `/` or the chroot a
-    /// restrictive ACL too.
+    /// `/<prefix>` is then persistent, kept from being emptied by a
+    /// creator-only child `_dlock_acl_anchor`, and checked at connect: open
+    /// to anyone, or not granting us, it is a configuration error. ACLs do
+    /// not hide that a lock exists; give `/` or the chroot a restrictive ACL
+    /// too.
     ///
     /// ```
     /// use dlock_core::backend::zookeeper::ZooKeeperOptions;
@@ -262,15 +235,11 @@ impl ZooKeeperBackend {
     }
 
     /// The current session; when it is over and the request may wait, the
-    /// one the supervisor opens next, within the wait. A waiting acquire so
-    /// rides through a session's replacement instead of failing at once;
-    /// past its deadline it gets the old session, whose requests fail with
-    /// "session expired".
+    /// next one, within the wait (past it, the old one, which fails).
     async fn session_for(&self, req: &AcquireRequest, cancel: &CancellationToken) -> Result<Session> {
         let mut reported = self.state.clone();
         loop {
-            // Marked seen before looking: a session opened after this look
-            // is reported as a change below.
+            // Marked seen before looking, so a later session is a change.
             reported.borrow_and_update();
             let session = self.current();
             let Some(deadline) = req.deadline else { return Ok(session) };
@@ -304,17 +273,14 @@ impl ZooKeeperBackend {
     }
 
     /// The session's id and password, for tests that expire it from a twin
-    /// connection (the way a network partition longer than the session
-    /// timeout would). Public only in [`test_support`](crate::test_support):
-    /// it hands out a `zookeeper_client` type, whose version is not ours to promise.
+    /// connection. Public only in [`test_support`](crate::test_support).
     #[cfg(feature = "test-support")]
     pub(crate) fn session_info(&self) -> zk::SessionInfo {
         self.current().client.session().clone()
     }
 
     /// The container node of `key`. Public only in
-    /// [`test_support`](crate::test_support): it names how locks are stored
-    /// in ZooKeeper, which may change between releases.
+    /// [`test_support`](crate::test_support).
     pub(crate) fn lock_path(&self, key: &LockKey) -> String {
         path::lock_path(&self.prefix, key)
     }
@@ -334,8 +300,7 @@ impl Backend for ZooKeeperBackend {
         Ok(())
     }
 
-    /// The session is connected and the ensemble answers a read of the
-    /// locks' node within the response timeout.
+    /// The session is connected and the ensemble answers a read in time.
     fn ready(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
             match *self.state.borrow() {
@@ -370,43 +335,44 @@ impl Backend for ZooKeeperBackend {
             }
             let dir = self.lock_path(&req.key);
             let client = &session.client;
-            // Ours alone: it finds our node again after a lost reply, or
-            // after this attempt is cut short.
+            // Ours alone, to find our node again.
             let prefix = node_prefix(req.mode)?;
             let attempt = async {
                 let (node, fence) = create_node(client, &dir, &prefix, self.auth.as_ref()).await?;
-                if let Err(e) = wait_turn(client, req, &dir, &node, cancel).await {
-                    // Leave no node behind: a timeout, a cancel or an error gives up our place.
-                    if let Err(del) = delete_node(client, &node).await {
-                        tracing::warn!(
-                            error = %del,
-                            node = %path_log_id(&node),
-                            "could not delete an abandoned lock node yet; retrying in the background"
-                        );
-                        tokio::spawn(sweep(client.clone(), dir.clone(), prefix.clone()));
+                let confirmed = match wait_turn(client, req, &dir, &node, cancel).await {
+                    Ok(confirmed) => confirmed,
+                    Err(e) => {
+                        // Leave no node behind: a timeout, a cancel or an error gives up our place.
+                        if let Err(del) = delete_node(client, &node).await {
+                            tracing::warn!(
+                                error = %del,
+                                node = %path_log_id(&node),
+                                "could not delete an abandoned lock node yet; retrying in the background"
+                            );
+                            tokio::spawn(sweep(client.clone(), dir.clone(), prefix.clone()));
+                        }
+                        return Err(e);
                     }
-                    return Err(e);
-                }
-                Ok((node, fence))
+                };
+                Ok((node, fence, confirmed))
             };
             let answer_by = req.deadline.unwrap_or_else(Instant::now) + self.response_timeout;
-            let (node, fence) = match tokio::time::timeout_at(answer_by, attempt).await {
+            let (node, fence, confirmed) = match tokio::time::timeout_at(answer_by, attempt).await {
                 Ok(done) => done?,
                 Err(_) => {
-                    // A create may still land (the client sends it once it
-                    // reconnects); the sweep's later requests queue behind it.
+                    // A create may still land; the sweep queues behind it.
                     tokio::spawn(sweep(client.clone(), dir.clone(), prefix));
                     return Err(self.no_answer());
                 }
             };
-            let valid_until = Instant::now() + req.lease;
+            // From when the read that found our turn was sent (`wait_turn`).
+            let valid_until = confirmed + req.lease;
             let signal = LostSignal::new(valid_until);
             let (expires, expiry) = watch::channel(valid_until);
             let hold =
                 Hold { node: node.clone(), client: client.clone(), fence, expires, signal: Some(signal.clone()) };
             self.holds().insert(id.clone(), hold);
-            // After filing the hold: a session the supervisor gives up from
-            // now on finds it there, and one given up before is seen here.
+            // After filing the hold, so no session's end is missed.
             lose_if_session_over(&session, &req.key, &signal);
             tokio::spawn(follow(client.clone(), self.holds.clone(), id, node, expiry));
             Ok(Grant::until(fence, valid_until).with_lost_signal(signal))
@@ -437,8 +403,7 @@ impl Backend for ZooKeeperBackend {
                 match holds.get_mut(&id) {
                     None => return Ok(Release::NotHeld),
                     Some(hold) => {
-                        // Our own delete is not a loss: the hold's task must
-                        // not mark the guards when it sees the node go.
+                        // Our own delete is not a loss.
                         hold.signal = None;
                         (hold.node.clone(), hold.client.clone())
                     }
@@ -457,12 +422,31 @@ impl Backend for ZooKeeperBackend {
             match tokio::time::timeout(self.response_timeout, &mut delete).await {
                 Ok(deleted) => Ok(if deleted? { Release::Freed } else { Release::NotHeld }),
                 Err(_) => {
-                    // Run inline until cut short, then on a task of its own, so
-                    // the node is still deleted once the server answers.
+                    // Timed out: finished on a task, so the node still goes.
                     tokio::spawn(delete);
                     Err(self.no_answer())
                 }
             }
         })
+    }
+
+    fn inspect<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, Result<LockState>> {
+        Box::pin(self.bounded(self.inspect_in_ensemble(key)))
+    }
+
+    fn list<'a>(&'a self, query: &'a ListQuery) -> BoxFuture<'a, Result<KeyPage>> {
+        Box::pin(self.bounded(self.list_in_ensemble(query)))
+    }
+
+    fn force_unlock<'a>(&'a self, key: &'a LockKey, holder: &'a Holder) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(self.bounded(self.force_unlock_in_ensemble(key, holder)))
+    }
+}
+
+impl ZooKeeperBackend {
+    /// `work`, failed with [`no_answer`](Self::no_answer) past the response
+    /// timeout: a request sent while the session reconnects waits for it.
+    async fn bounded<T>(&self, work: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+        tokio::time::timeout(self.response_timeout, work).await.unwrap_or_else(|_| Err(self.no_answer()))
     }
 }

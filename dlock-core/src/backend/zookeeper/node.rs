@@ -1,12 +1,6 @@
 //! Taking a place in a lock's line: creating our ephemeral sequential node
-//! (and finding it again when the reply to the create was lost), then
-//! waiting until it sorts first.
-//!
-//! A reply lost with the connection (ZOOKEEPER-1262) leaves the outcome of
-//! a create unknown. We then look for our node by its random prefix
-//! (Curator's protection mode); a node we can neither find nor delete is
-//! left to the background [`sweep`], since no one else would delete it
-//! while our session, which survives reconnects, lives.
+//! (found again by its random prefix when the create's reply was lost, or
+//! left to [`sweep`]), then waiting for its turn.
 
 use std::time::Duration;
 
@@ -22,20 +16,12 @@ use super::path::{path_log_id, Contender};
 use crate::backend::zookeeper_auth::ZooKeeperAuth;
 use crate::backend::{contention, AcquireRequest, CancellationToken, LockMode};
 use crate::error::{Error, Result};
+use crate::key::LockKey;
 
-/// Creates our sequential node, creating the lock's container node on
-/// the way. Returns the node's path and its creation zxid, the fencing
-/// token: ZooKeeper's transaction ids only grow, for every node of the
-/// ensemble, so it is strictly increasing per key even when the lock's
-/// container node is removed and re-created (a per-parent sequence number
-/// would restart at 0).
-///
-/// A create whose reply is lost may still have happened (ZOOKEEPER-1262):
-/// every failure that is not the server's own answer is followed by a
-/// look for our node, found by the random prefix only we use, before
-/// trying again. Giving up without that look would leave a node that
-/// sorts ahead of every later contender for as long as our session
-/// lives, and the session survives the reconnect.
+/// Creates our sequential node (and the lock's container node on the way).
+/// Returns its path and creation zxid, the fencing token (a sequence number
+/// would restart when the container is re-created). A failure that is not
+/// the server's answer is followed by a look for our node before a retry.
 pub(super) async fn create_node(
     client: &zk::Client,
     dir: &str,
@@ -140,37 +126,28 @@ async fn find_node(client: &zk::Client, dir: &str, prefix: &str) -> Result<Optio
     Err(e)
 }
 
-/// Waits until `node`'s turn comes, as Curator's recipes decide it from
-/// the line of contenders (sorted by sequence, so served in the order they
-/// arrived):
+/// Waits until `node`'s turn comes, as Curator's recipes decide it from the
+/// line (in arrival order): exclusive when first, watching its predecessor;
+/// shared when no exclusive node is before it, watching the nearest one;
+/// one of N permits when fewer than N are before it, watching the line. A
+/// line whose modes cannot share the key is [`Error::ModeConflict`].
 ///
-/// * **exclusive** (`InterProcessMutex`, and the write side of
-///   `InterProcessReadWriteLock`): first in line. It watches only its
-///   immediate predecessor (no herd effect).
-/// * **shared** (the read side): no exclusive contender before it. It
-///   watches the nearest one. A reader that arrives after a waiting writer
-///   queues behind it, so writers are not starved.
-/// * **one of N permits**: fewer than N contenders before it. A node's
-///   place only moves forward (new nodes sort last), so once it holds, at
-///   most N−1 nodes are ever before it: never more than N holders. Since
-///   any of the nodes before it may be the one to go, it watches the
-///   line itself (ZooKeeper's child watch): every waiter of the key looks
-///   again at every change, as Curator's `InterProcessSemaphoreV2` waiters
-///   do on their leases.
-///
-/// A line that mixes modes that cannot share a key (permits with another
-/// mode, or another number of permits ahead of ours) is
-/// [`Error::ModeConflict`]: the first holder fixed what the key is.
+/// Returns when the read that found its turn was sent: the server saw our
+/// node, and our session alive, after that, so a grant's validity is
+/// measured from there, as the Redis backend measures it from before its
+/// request (a client paused after that read, past its lease, gets back a
+/// grant already over, not one it would believe for a lease more).
 pub(super) async fn wait_turn(
     client: &zk::Client,
     req: &AcquireRequest,
     dir: &str,
     node: &str,
     cancel: &CancellationToken,
-) -> Result<()> {
+) -> Result<Instant> {
     let started = Instant::now();
     let ours = node.rsplit('/').next().unwrap_or_default();
     loop {
+        let sent = Instant::now();
         let (children, line_watch) = match req.mode {
             LockMode::Permits { .. } => {
                 let (children, watcher) = client.list_and_watch_children(dir).await.map_err(zk_error)?;
@@ -182,8 +159,8 @@ pub(super) async fn wait_turn(
         let Some(position) = line.iter().position(|c| c.name == ours) else {
             return Err(Error::backend("zookeeper", "our lock node vanished (session expired?)"));
         };
-        let blocker = match turn(&line, position, req)? {
-            None => return Ok(()),
+        let blocker = match turn(&line, position, req.mode, &req.key)? {
+            None => return Ok(sent),
             Some(blocker) => blocker,
         };
         let Some(deadline) = req.deadline else {
@@ -212,14 +189,14 @@ pub(super) async fn wait_turn(
 /// Whether the contender at `position` holds the key: `None` when it does,
 /// else the place of the contender it waits for (for a semaphore, any
 /// before it).
-fn turn(line: &[Contender], position: usize, req: &AcquireRequest) -> Result<Option<usize>> {
+pub(super) fn turn(line: &[Contender], position: usize, mode: LockMode, key: &LockKey) -> Result<Option<usize>> {
     let ahead = &line[..position];
     let conflict = |other: &Contender| {
-        Error::mode_conflict(&req.key, format!("it is held as {}, and was asked for as {}", other.mode, req.mode))
+        Error::mode_conflict(key, format!("it is held as {}, and was asked for as {mode}", other.mode))
     };
-    match req.mode {
+    match mode {
         LockMode::Permits { limit } => {
-            if let Some(other) = ahead.iter().find(|c| c.mode != req.mode) {
+            if let Some(other) = ahead.iter().find(|c| c.mode != mode) {
                 return Err(conflict(other));
             }
             #[cfg(feature = "broken-variants")]

@@ -1,9 +1,6 @@
-//! Where a lock lives in ZooKeeper, and how its paths appear in logs.
-//!
-//! A lock is the container node `/<prefix>/<key>`; each contender's node in
-//! it is `_c_<random 128 bits>-<mode>-<seq>` (mode `lock`, `read` or
-//! `permits.<N>`). The key's text is a path here,
-//! but never a log line: logs write [`path_log_id`].
+//! Where a lock lives in ZooKeeper (`/<prefix>/<key>`, one
+//! `_c_<random>-<mode>-<seq>` node per contender), and how its paths appear
+//! in logs ([`path_log_id`], never the key's text).
 
 use crate::backend::LockMode;
 use crate::error::Result;
@@ -28,16 +25,29 @@ pub(super) fn lock_path(prefix: &str, key: &LockKey) -> String {
     path
 }
 
+/// The key whose container node under `/<prefix>` is named `name`
+/// ([`lock_path`]'s escapes undone); `None` for any other node.
+pub(super) fn key_of_dir(name: &str) -> Option<LockKey> {
+    let mut text = String::with_capacity(name.len());
+    let mut rest = name;
+    while let Some(at) = rest.find("%u") {
+        text.push_str(&rest[..at]);
+        let hex = rest.get(at + 2..at + 6)?;
+        text.push(char::from_u32(u32::from_str_radix(hex, 16).ok()?)?);
+        rest = &rest[at + 6..];
+    }
+    text.push_str(rest);
+    LockKey::parse(&text).ok()
+}
+
 /// What starts every contender's node name; nothing else in a lock's
 /// container node starts with it.
 const CONTENDER: &str = "_c_";
 
-/// The name of a new contender's node up to the sequence number ZooKeeper
-/// appends: `_c_<random 128 bits>-<mode>-`, the mode being `lock`
-/// (exclusive), `read` (shared) or `permits.<N>` (one of N permits). Ours
-/// alone, so we can find our node again by it after a lost reply (Curator's
-/// protection mode) or after an attempt is cut short; and every contender
-/// can tell from the names alone who holds the key in which mode.
+/// The name of a new contender's node up to its sequence number:
+/// `_c_<random 128 bits>-<mode>-`, the mode `lock`, `read` or `permits.<N>`.
+/// Ours alone, to find our node again (Curator's protection mode); every
+/// contender reads the modes from the names.
 pub(super) fn node_prefix(mode: LockMode) -> Result<String> {
     let mode = match mode {
         LockMode::Exclusive => "lock".to_owned(),
@@ -77,15 +87,10 @@ impl Contender {
     }
 }
 
-/// A lock directory or node path as logs write it: `zk#` and a short hash
-/// of the lock's directory, then the node's own name when there is one
-/// (`zk#1a2b3c4d5e6f/_c_…lock-0000000007`).
-///
-/// The directory is the lock key's text, and a key's parts are often
-/// request values (account ids, one-time tokens) that do not belong in
-/// logs; the node's name is ours (random hex and a sequence number). The
-/// hash is the same in every process, so the lines of one lock match
-/// across instances.
+/// A lock directory or node path as logs write it: `zk#`, a hash of the
+/// directory (the key's text, often request values), then the node's own
+/// name (`zk#1a2b3c4d5e6f/_c_…lock-0000000007`). The hash is the same in
+/// every process.
 pub(super) fn path_log_id(path: &str) -> String {
     // Only a name we made, `_c_…`, is split off as the node: the rest is
     // the key's text, whatever it holds.
@@ -115,6 +120,16 @@ mod tests {
             assert!(!logged.contains("secret") && !logged.contains("order"), "{logged}");
         }
         assert_eq!(path_log_id(&node), format!("{}/_c_0123abcd-lock-0000000007", path_log_id(&backend_dir)));
+    }
+
+    /// A listing reads a key back from its directory's name.
+    #[test]
+    fn a_directory_names_its_key() {
+        let key = LockKey::builder("dlock", "n").part("\u{85}x").build().expect("key");
+        let dir = lock_path("dlock", &key);
+        assert!(dir.contains("%u0085"), "{dir}");
+        assert_eq!(key_of_dir(dir.rsplit('/').next().expect("name")), Some(key));
+        assert_eq!(key_of_dir("_dlock_acl_anchor"), None);
     }
 
     /// A contender's mode and place are read back from the name it was

@@ -1,21 +1,8 @@
 //! The ZooKeeper session that carries every lock of this process: opening
-//! it, supervising it, and telling its holds when it may be over.
-//!
-//! The lease is the session. A disconnected ("suspended") session still
-//! holds its locks until the session timeout passes, and "passes" is
-//! counted from our side, not by waiting to hear of the expiry: a
-//! [`heartbeat`] read every quarter of the session timeout records when the
-//! last request the server answered was sent, and the lost signals fire at
-//! that instant plus the negotiated timeout (less [`expiry_margin`]), the
-//! earliest the ensemble could expire the session. Waiting for the client's
-//! own verdict would be late: cut off from every server (its leader
-//! isolated, say), it declares the session expired only after 7/5 of the
-//! timeout, while the rest of the ensemble may expire it and grant the lock
-//! after one timeout (measured in `dlock-core/tests/zookeeper_partition.rs`).
-//!
-//! After a session is lost, [`supervise`] opens a new one (with backoff) and
-//! the backend goes on granting locks; the guards of the old session have
-//! already fired `lost`.
+//! it, supervising it ([`supervise`] replaces a lost one), and telling its
+//! holds when it may be over, counted from our side: the last answered
+//! [`heartbeat`] plus the timeout, less [`expiry_margin`]. The client's own
+//! verdict would come late (`docs/core-design.md`).
 
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
@@ -152,11 +139,9 @@ pub(super) async fn open_session(
     Ok(Session { client, state, confirmed: Arc::new(Mutex::new(started)) })
 }
 
-/// Follows the current session: reports its states on the backend's channel
-/// and, when it is lost, forgets its holds (their guards have fired `lost`)
-/// and opens a new session, retrying with backoff, so that one long pause
-/// does not leave the process unable to lock for the rest of its life.
-/// Ends when the backend is dropped.
+/// Follows the current session: reports its states and, when it is lost,
+/// forgets its holds and opens a new session (with backoff). Ends when the
+/// backend is dropped.
 pub(super) async fn supervise(
     session: Weak<RwLock<Session>>,
     holds: Weak<Mutex<HoldMap>>,
@@ -261,10 +246,8 @@ async fn unanswered(confirmed: &Mutex<Instant>, allowed: Duration, told_after: O
 }
 
 /// Reads `/`'s stat every quarter of the session timeout and records when
-/// each answered read was sent (see [`Session::confirmed`]). ZooKeeper's own
-/// pings keep the session alive but are invisible to us. Holds no client
-/// between reads, so a dropped backend closes its session; ends when the
-/// backend is dropped or the session is replaced or over.
+/// each answered read was sent ([`Session::confirmed`]; ZooKeeper's own
+/// pings are invisible to us). Holds no client between reads.
 async fn heartbeat(session: Weak<RwLock<Session>>, id: zk::SessionId, confirmed: Arc<Mutex<Instant>>) {
     loop {
         let client = {

@@ -8,16 +8,16 @@ use sqlx::Postgres;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, StoredResponse, TokenClaim,
-    TOKEN_BYTES,
+    token_well_formed, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, RecordView, StoredResponse,
+    TokenClaim, Usage, TOKEN_BYTES,
 };
-use crate::backend::postgres::durable::{self, after_pin};
-use crate::backend::postgres::{
-    check_prefix, column, connect_options, pool, Db, Objects, PostgresBackend, PostgresOptions, Repeat,
-};
-use crate::backend::BoxFuture;
+use crate::backend::{BoxFuture, PostgresBackend};
 use crate::error::{Error, Result};
+use crate::postgres::durable::{self, after_pin};
+use crate::postgres::{check_prefix, column, connect_options, pool, Db, Objects, PostgresOptions, Repeat};
 
+mod begin;
+mod inspect;
 mod tables;
 use tables::Tables;
 
@@ -38,101 +38,26 @@ const TALLY_SQL: &str = include_str!("tally.sql");
 /// tables of the application's own database, so that a route's writes and
 /// its stored answer can be one transaction.
 ///
-/// # Two ways to claim a key
-///
 /// * **By its own statement** ([`IdempotencyStore::begin`]), as every store
-///   does: the record is committed at once (to disk: see below), in
-///   progress with a lease that its request renews; the answer is stored
-///   by another statement. Between the route's writes and that statement
+///   does: the record is committed at once, in progress with a lease its
+///   request renews. Between the route's writes and the answer's statement
 ///   the outcome is unknown to a retry, as with Redis.
-/// * **Inside the route's transaction** ([`PostgresStore::begin_in`] and
-///   [`PostgresStore::complete_in`] on the transaction's connection; the
-///   HTTP face is `IdempotencyLayer::in_transaction` in dlock-axum). The
-///   claim is a row inserted by that transaction, and the answer an update
-///   of it before the commit: the handler's writes and the stored answer
-///   commit together or not at all. A panic, an error, a `kill -9` of the
-///   instance or a connection that breaks rolls both back, and a retry
-///   finds no record and runs the route once more; a commit finds the
-///   answer for every retry. There is nothing in between: no "outcome
-///   unknown".
+/// * **Inside the route's transaction** ([`begin_in`](Self::begin_in) and
+///   [`complete_in`](Self::complete_in); over HTTP, dlock-axum's
+///   `IdempotencyLayer::in_transaction`): the writes and the answer commit
+///   together or not at all, so there is no "outcome unknown". A concurrent
+///   duplicate is answered "in progress" at once (a transaction-scoped
+///   advisory lock on the key), and a transaction idle longer than the
+///   claim's lease is rolled back by the server.
 ///
-/// While such a transaction runs, its row is invisible to others; what
-/// keeps a concurrent duplicate out is a transaction-scoped advisory lock
-/// on the key (class `dloi`, a hash of caller and key) that every claim
-/// *tries* first: taken means "in progress" (`409`), never a wait. The
-/// lock ends with the transaction, so it needs no lease of its own and
-/// works through any pooler. The transaction's lease is PostgreSQL's own
-/// `idle_in_transaction_session_timeout`, set for it to the claim's lease:
-/// an instance that stops (`SIGSTOP`, a hung runtime) while its
-/// transaction is open loses it after the lease, the server rolls it back,
-/// and the key is free again; the stopped instance's commit then fails. A
-/// route that keeps its transaction idle longer than the lease (a slow
-/// call to another service in the middle) must be given a longer one.
-///
-/// A hash of two different keys can meet (32 bits): the only effect is a
-/// `409 in progress` for the second while the first runs, never a wrong
-/// answer, since the rows themselves are keyed on the full caller and key.
-///
-/// # On disk before it is answered
-///
-/// Every statement the store answers on (a claim, a renewal, an answer, a
-/// claim given up; a token's issue, claim, spend or return) commits to
-/// disk before it is answered, whatever the server's `synchronous_commit`:
-/// it sets it from `off` to `on` for its own transaction (`SET LOCAL`,
-/// inside the statement, so through a transaction-mode pooler too; any
-/// other value is kept). Under `off` PostgreSQL answers a commit before
-/// its WAL is written, and a crash soon after forgets it: a key answered
-/// `201` would be forgotten and its retry would run the route again, a
-/// claim forgotten would let a retry run beside the request still running,
-/// a spent token could be spent again. Inside the route's transaction
-/// ([`begin_in`](Self::begin_in)) the setting is that transaction's: its
-/// commit, the route's writes with it, is durable too, and the
-/// application's other transactions keep the server's setting. The store
-/// keeps what the lock backend keeps across a crash or a failover (an
-/// asynchronous standby may not have the last records: see the
+/// Every statement the store answers on commits to disk before it is
+/// answered, whatever the server's `synchronous_commit`; across a crash or
+/// a failover it keeps what the lock backend keeps (see the
 /// [backend's docs](crate::backend::postgres#restarts-crashes-and-failovers)).
-///
-/// # Bounds
-///
-/// Records and tokens live on disk, not in a lock server's memory. Every
-/// cap of [`IdempotencyLimits`] holds here: records, bytes of answers and
-/// bound tokens **per caller and in total**, and the pool of unbound
-/// tokens. The total is what keeps a client that makes up a caller per
-/// request (each with fresh caps of its own) from growing the tables
-/// without bound: past it, a new key or bound token is refused with
-/// [`Error::IdempotencyFull`] `{ per_scope: false, .. }` (`503` over
-/// HTTP), and so is an answer whose bytes do not fit.
-///
-/// A claim does not count its caller's records: it reads the caller's
-/// **tally** (`<prefix>_idem_tally`, 16 rows per pool, so concurrent
-/// claims of one caller rarely meet on one), which every step that adds,
-/// completes or deletes a record or token keeps in the same transaction.
-/// The totals are pools of the same tally (every caller's records and
-/// their bytes; every bound token), kept with each caller's pool by the
-/// one function that changes the tally, which locks its rows in one
-/// order. A tally may still count what expired and was not swept yet: at
-/// the caller's cap, the caller's expired rows are swept and its live ones
-/// counted exactly before a refusal, so only a caller at its cap pays for
-/// a count; at the total, what expired is read (through the expiry index)
-/// and discounted before a refusal. A claim inside a transaction touches
-/// no tally row (none stays locked while its route runs or commits, and
-/// the request pays no statement for it): each store enters the committed
-/// ones in their callers' tallies every second, in one statement. Its
-/// answer is checked against the byte caps by the tally as its claim read
-/// it, not read again. So the caller's cap may be passed by what it runs
-/// at once plus what it committed in the last second.
-///
-/// The total is checked by those reads alone, with no lock: claims of one
-/// caller outside transactions wait for each other so that its cap holds
-/// exactly, but claims of all callers waiting for each other would make
-/// the store one claim at a time. The bound it keeps: the records in all
-/// are at most the total plus the claims running at that moment (each may
-/// find room for one more), plus the claims inside transactions in flight
-/// and those committed in the last second; the bytes in all, the total
-/// plus the answers being stored at that moment (and those of the last
-/// second, inside transactions); the bound tokens in all, the total plus
-/// the issues running at that moment. Expired rows are also deleted by a
-/// sweep every minute, and a claim of an expired key overwrites it.
+/// Every cap of [`IdempotencyLimits`] holds, per caller and in total; the
+/// total may be passed by the claims running at that moment and those
+/// committed inside transactions in the last second. How and why:
+/// `docs/postgres-design.md`.
 ///
 /// ```no_run
 /// # async fn demo() -> dlock_core::Result<()> {
@@ -161,8 +86,10 @@ pub struct PostgresStore {
 struct Inner {
     db: Db,
     sql: Statements,
+    /// An operator's reads (inspect.rs).
+    inspect: inspect::Inspect,
     tables: Tables,
-    /// The upkeep's (tallies, sweeps), which starts once the tables are made.
+    /// Stops the upkeep (tallies, sweeps), started once the tables are made.
     stop: CancellationToken,
     /// Stops the upkeep when the last clone goes.
     _sweep: DropGuard,
@@ -219,9 +146,8 @@ impl Names {
             keys: q("idem_keys"),
             tokens: q("idem_tokens"),
             tally: q("idem_tally"),
-            // v2: the tally keeps the totals ({tally_add}); a function is
-            // made only when missing, so its version is in its name, and
-            // the functions of a file made again are all renamed with it.
+            // A function is made only when missing, so its version is in
+            // its name; a file's functions are renamed together.
             tally_add: q("ik_tally_v1"),
             sweep: q("ik_sweep_v2"),
             expired: q("ik_expired_v1"),
@@ -277,13 +203,8 @@ impl Names {
         }
     }
 
-    /// The statements, each of which pins its commit durable (see
-    /// [`PostgresStore`]'s docs): plain ones with `{durable}` in their
-    /// filter, which every row they write passes; calls of functions with
-    /// it in their first argument, evaluated before the function runs, so
-    /// that the functions an earlier dlock made in a database are pinned
-    /// too. The upkeep (`enter`, `sweep`) is not: nothing is answered on
-    /// it, and what a crash forgets of it is done again.
+    /// The statements, each pinning its commit durable (`durable.rs`),
+    /// except the upkeep's (`enter`, `sweep`), which a crash only repeats.
     fn statements(&self) -> Statements {
         let f = |sql: &str| self.fill(sql);
         // Every function's first argument is text: the scope, or the token.
@@ -332,14 +253,9 @@ impl PostgresStore {
 
     /// Connects to the database at `url` and creates the tables and
     /// functions of `prefix` (`<prefix>_idem_keys`, `<prefix>_idem_tokens`)
-    /// when they are missing.
-    ///
-    /// The pool is the store's own: its requests keep their connections
-    /// between them, as the lock backend's do (sqlx's pool would test each
-    /// one given back with a round trip of its own), on at most half of
-    /// `options`' connections; the other half stays for the transactions
-    /// begun on [`pool`](Self::pool). A store on the application's pool
-    /// ([`with_pool`](Self::with_pool)) gives each back.
+    /// when they are missing. The store's requests keep at most half of
+    /// `options`' connections; the rest is for transactions begun on
+    /// [`pool`](Self::pool).
     ///
     /// # Errors
     ///
@@ -379,12 +295,9 @@ impl PostgresStore {
     }
 
     /// A store on the lock backend's pool and prefix that makes its tables
-    /// on its first use, not now: the one [`Config::build`](crate::Config::build)
-    /// keeps beside PostgreSQL locks, which a service whose routes keep
-    /// their records elsewhere never uses (see `tables.rs`). The backend
-    /// made its own tables on the same server, with the same user, at
-    /// connect: that server's checks (it answers, it takes the durability
-    /// setting, the user may create tables) are behind us.
+    /// on first use (the one [`Config::build`](crate::Config::build) keeps
+    /// beside PostgreSQL locks). The backend's connect already checked the
+    /// server and the user.
     pub(crate) fn on_first_use(backend: &PostgresBackend) -> Result<Self> {
         let prefix = crate::backend::Backend::prefix(backend).unwrap_or("dlock").to_owned();
         Self::lazily(backend.db().clone(), &prefix)
@@ -403,6 +316,7 @@ impl PostgresStore {
         let inner = Inner {
             db,
             sql: names.statements(),
+            inspect: inspect::Inspect::new(|sql| names.fill(sql)),
             tables: Tables::new(names.objects()),
             _sweep: stop.clone().drop_guard(),
             stop,
@@ -430,31 +344,26 @@ impl PostgresStore {
             .await
     }
 
-    /// Replaces the caps on live records, their bytes and tokens (per
-    /// caller and in total, and the unbound tokens' pool: see
-    /// [`PostgresStore`]).
+    /// Replaces the caps on live records, their bytes and tokens.
     pub fn with_limits(mut self, limits: IdempotencyLimits) -> Self {
         self.limits = limits;
         self
     }
 
-    /// The pool the store runs on: begin a route's transaction on it, so
-    /// that [`begin_in`](Self::begin_in) claims the key in the same
-    /// database.
+    /// The pool the store runs on: a route's transaction begun on it
+    /// ([`begin_transaction`](Self::begin_transaction)) claims its key in
+    /// the same database with [`begin_in`](Self::begin_in).
     pub fn pool(&self) -> &PgPool {
         &self.inner.db.pool
     }
 
     /// The bound of each of the store's requests (the connection's
     /// response timeout; 2 seconds on a pool of [`with_pool`](Self::with_pool)),
-    /// which also bounds a route's `BEGIN` on [`pool`](Self::pool) in
-    /// dlock-axum's `in_transaction`.
+    /// which also bounds [`begin_transaction`](Self::begin_transaction).
     ///
     /// ```no_run
     /// # async fn demo(store: dlock_core::idempotency::PostgresStore) {
-    /// let bound = store.response_timeout();
-    /// let tx = tokio::time::timeout(bound, store.pool().begin()).await;
-    /// # let _ = tx;
+    /// assert!(store.response_timeout() > std::time::Duration::ZERO);
     /// # }
     /// ```
     pub fn response_timeout(&self) -> Duration {
@@ -466,16 +375,11 @@ impl PostgresStore {
     /// route in this transaction, then [`complete_in`](Self::complete_in)
     /// and commit; anything else — roll back and answer it.
     ///
-    /// The claim lasts as long as the transaction; the transaction is ended
-    /// by the server once it stays idle for `terms.lease()` (its
-    /// `idle_in_transaction_session_timeout`), and its commit is made
-    /// durable (its `synchronous_commit` is raised from `off` to `on`: see
-    /// [On disk before it is answered](PostgresStore#on-disk-before-it-is-answered)).
-    /// A rollback leaves no record: a retry runs the route again. The
-    /// transaction should be
-    /// `READ COMMITTED` (PostgreSQL's default): under a snapshot taken
-    /// before the claim, a record committed just before it is not seen,
-    /// and the claim then fails on its key.
+    /// The claim lasts as long as the transaction, which the server ends
+    /// once it stays idle for `terms.lease()`; its commit is made durable.
+    /// A rollback leaves no record: a retry runs the route again. Use
+    /// `READ COMMITTED` (the default): under an earlier snapshot a record
+    /// committed just before the claim is not seen, and the claim fails.
     ///
     /// # Errors
     ///
@@ -497,8 +401,7 @@ impl PostgresStore {
                 .bind(count(self.limits.max_per_scope()))
                 .bind(count(self.limits.max_records()));
             if let Some(row) = self.in_tx(first.fetch_optional(&mut *conn)).await? {
-                // The tally's bytes as the claim read them, for the answer's
-                // first try (complete_in_tx).
+                // The tally's bytes as read, for complete_in_tx.
                 let read = TallyBytes { caller: column(&row, 3)?, total: column(&row, 4)? };
                 return self.begun(&row, claim.with_memo(read.memo()));
             }
@@ -527,8 +430,7 @@ impl PostgresStore {
         Box::pin(async move {
             self.tables().await?;
             let encoded = response.encode();
-            // A claim made by claim_in_tx carries its tally's bytes; one
-            // the function made goes to the function.
+            // Only a claim made by claim_in_tx carries its tally's bytes.
             if let Some(read) = TallyBytes::from_memo(&claim.memo) {
                 let first = self
                     .complete_query(&self.inner.sql.complete_in_tx, claim, &encoded)
@@ -676,9 +578,8 @@ fn full(per_scope: bool, retry_ms: i64) -> Error {
     Error::IdempotencyFull { per_scope, retry_after: Duration::from_millis(u64::try_from(retry_ms).unwrap_or(1)) }
 }
 
-/// The bytes of a caller's tally and of the total, as a claim inside a
-/// transaction read them (claim_in_tx.sql), kept in its claim's memo for
-/// the first try of its answer (complete_in_tx.sql).
+/// The tally's bytes (caller's and total) as claim_in_tx.sql read them,
+/// kept in the claim's memo for complete_in_tx.sql.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct TallyBytes {
     caller: i64,
@@ -711,10 +612,9 @@ fn count(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// Every second, enters the records committed inside transactions in
-/// their callers' tallies; every minute, deletes rows that expired over a
-/// minute ago. Neither waits for a row a running transaction holds (best
-/// effort: what one call misses, the next takes).
+/// Every second, enters the records committed inside transactions in their
+/// callers' tallies; every minute, deletes rows expired over a minute ago.
+/// Neither waits for a row a running transaction holds.
 async fn upkeep(pool: PgPool, enter: String, sweep: String, stop: CancellationToken) {
     let start = tokio::time::Instant::now();
     let mut entering = tokio::time::interval_at(start + ENTER_EVERY, ENTER_EVERY);
@@ -727,9 +627,7 @@ async fn upkeep(pool: PgPool, enter: String, sweep: String, stop: CancellationTo
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = entering.tick() => {
-                // A full batch may leave more behind: routes can commit
-                // faster than one batch a second, and the tally must keep
-                // up with them, or a caller's cap would hold late.
+                // A full batch may leave more: the tally must keep up.
                 while let Ok(Ok(ENTER_BATCH..)) =
                     tokio::time::timeout(bound, sqlx::query_scalar::<_, i64>(&enter).fetch_one(&pool)).await
                 {
@@ -756,8 +654,7 @@ impl IdempotencyStore for PostgresStore {
         STORE
     }
 
-    /// The server answers; its tables, when not made yet, are not made
-    /// for a probe.
+    /// The server answers; tables not made yet are not made for a probe.
     fn ready(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
             self.inner.db.fetch(|| sqlx::query("SELECT 1"), Repeat::Safe).await?;
@@ -765,12 +662,8 @@ impl IdempotencyStore for PostgresStore {
         })
     }
 
-    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(self.issue(None, ttl))
-    }
-
-    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        Box::pin(self.issue(Some(principal), ttl))
+    fn issue_token<'a>(&'a self, principal: Option<&'a str>, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        Box::pin(self.issue(principal, ttl))
     }
 
     fn claim_token<'a>(
@@ -886,6 +779,18 @@ impl IdempotencyStore for PostgresStore {
             let row = self.db().await?.fetch(query, Repeat::Once).await?.ok_or_else(|| unexpected("no row"))?;
             Ok(column::<Option<bool>>(&row, 0)?.unwrap_or(false))
         })
+    }
+
+    fn inspect_record<'a>(&'a self, scope: &'a str, key: &'a str) -> BoxFuture<'a, Result<Option<RecordView>>> {
+        Box::pin(self.record_in_table(scope, key))
+    }
+
+    fn stuck_records(&self, limit: usize) -> BoxFuture<'_, Result<Vec<RecordView>>> {
+        Box::pin(self.stuck_in_table(limit))
+    }
+
+    fn usage<'a>(&'a self, scope: Option<&'a str>) -> BoxFuture<'a, Result<Usage>> {
+        Box::pin(self.usage_in_tally(scope))
     }
 }
 

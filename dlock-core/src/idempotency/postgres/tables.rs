@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use tokio::sync::OnceCell;
 
-use crate::backend::postgres::{install, within, Db, Objects};
 use crate::error::Result;
+use crate::postgres::{install, within, Db, Objects};
 
 /// The objects of one prefix, and whether this store made (or found) them.
 pub(super) struct Tables {

@@ -130,6 +130,15 @@ impl Layout {
         (format!("{}:idem:r:{}:{id}", self.prefix, home.tag()), self.pools("rp", &home, limits))
     }
 
+    /// The pools that count every caller's records: the total's, or on a
+    /// Cluster each shard's.
+    pub(super) fn record_totals(&self) -> Vec<String> {
+        match self.sharded {
+            false => vec![format!("{}:idem:rp:all", self.prefix)],
+            true => SHARD_TAGS.iter().map(|tag| format!("{}:idem:rp:{{{tag}}}:all", self.prefix)).collect(),
+        }
+    }
+
     /// The fresh and the claimed name of `token`, bound to `principal` or
     /// not: one slot, so a claim can rename one to the other.
     pub(super) fn token_names(&self, token: &str, principal: Option<&str>) -> (String, String) {

@@ -1,6 +1,7 @@
-//! The command connection to Redis: one server, a cluster, or the master a
-//! set of Sentinels names; how a URL becomes a client, and how its errors
-//! read.
+//! The healing connections: one server kept up by a background task
+//! ([`RedisConnection`]), the master a set of Sentinels names, followed
+//! through a failover ([`SentinelConn`]), and [`Conn`], the one of them (or
+//! a cluster connection) that every command goes through.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,9 +10,11 @@ use redis::aio::MultiplexedConnection;
 use redis::sentinel::SentinelClient;
 use tokio::sync::watch;
 
-use super::tls::{is_tls_url, CA_FILE_VAR, CLIENT_CERT_VAR};
-use super::{redact, RedisOptions, RedisTls};
+use super::error::{connect_error, lost_connection, redis_error};
+use super::options::RedisOptions;
+use super::tls::is_tls_url;
 use crate::error::{Error, Result};
+use crate::redact::redact;
 
 /// The client for one server, with the TLS material when the URL asks for
 /// TLS.
@@ -30,7 +33,10 @@ pub(super) fn open_client(url: &str, options: &RedisOptions) -> Result<redis::Cl
                 // Unreachable in practice (custom material cannot be built
                 // without the feature), but never connect without it.
                 let _ = tls;
-                return Err(Error::config(CA_FILE_VAR, "TLS is not built into this dlock: enable the `tls` feature"));
+                return Err(Error::config(
+                    super::tls::CA_FILE_VAR,
+                    "TLS is not built into this dlock: enable the `tls` feature",
+                ));
             }
         }
     }
@@ -462,185 +468,14 @@ impl redis::aio::ConnectionLike for Conn {
     }
 }
 
-/// A wrong user or password is a configuration error naming the variable
-/// (never the password); anything else as [`redis_error`].
-pub(super) fn connect_error(url: &str, e: redis::RedisError, options: &RedisOptions) -> Error {
-    if e.kind() == redis::ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
-        return Error::config(
-            "DLOCK_REDIS_URL",
-            format!("Redis at {} refused the user or password in the URL ({:?})", redact(url), e.kind()),
-        );
-    }
-    if is_tls_url(url) {
-        if let Some(failure) = tls_failure(&e) {
-            let (var, hint) = match failure {
-                TlsFailure::Untrusted => (
-                    CA_FILE_VAR,
-                    "the server's certificate is not trusted or does not name this host: \
-                     point DLOCK_REDIS_CA_FILE at the CA that signed it",
-                ),
-                TlsFailure::ClientCertificate => (
-                    CLIENT_CERT_VAR,
-                    "the server refused this client's certificate or wants one (`tls-auth-clients yes`): \
-                     set DLOCK_REDIS_CLIENT_CERT_FILE and DLOCK_REDIS_CLIENT_KEY_FILE",
-                ),
-                TlsFailure::Other => (CA_FILE_VAR, "check the TLS set-up of client and server"),
-            };
-            return Error::config(var, format!("TLS handshake with {} failed: {hint} ({e})", redact(url)));
-        }
-        // With TLS 1.3 the server checks the client certificate after the
-        // client considers the handshake done, and its alert is lost when it
-        // resets the connection: all the client sees is the reset.
-        let has_client_cert = options.custom_tls().is_some_and(RedisTls::has_client_certificate);
-        if e.is_connection_dropped() && !e.is_connection_refusal() && !has_client_cert {
-            return Error::Backend {
-                backend: "redis",
-                message: format!(
-                    "{} closed the TLS connection right after the handshake; a server with `tls-auth-clients yes` does \
-                     this to a client without a certificate: set DLOCK_REDIS_CLIENT_CERT_FILE and \
-                     DLOCK_REDIS_CLIENT_KEY_FILE ({e})",
-                    redact(url)
-                ),
-                source: Some(Box::new(e)),
-            };
-        }
-    }
-    redis_error(e)
-}
-
-enum TlsFailure {
-    Untrusted,
-    ClientCertificate,
-    Other,
-}
-
-/// Sorts a TLS failure out of a connection error by its OpenSSL text (redis-rs
-/// wraps the native-tls error without a kind of its own).
-fn tls_failure(e: &redis::RedisError) -> Option<TlsFailure> {
-    let text = e.to_string().to_ascii_lowercase();
-    if text.contains("certificate verify failed")
-        || text.contains("unable to get local issuer")
-        || text.contains("self-signed certificate")
-        || text.contains("hostname mismatch")
-        || text.contains("ip address mismatch")
-    {
-        Some(TlsFailure::Untrusted)
-    } else if text.contains("certificate required") || text.contains("bad certificate") || text.contains("unknown ca") {
-        Some(TlsFailure::ClientCertificate)
-    } else if text.contains("ssl") || text.contains("tls") || text.contains("handshake") {
-        Some(TlsFailure::Other)
-    } else {
-        None
-    }
-}
-
-/// The connection broke, refused or timed out (rather than the server
-/// answering with an error): the server may be gone, restarted or failed over.
-pub(crate) fn lost_connection(e: &redis::RedisError) -> bool {
-    e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout()
-}
-
-/// Whether a command that failed may still have run on the server: it was
-/// sent and its answer was lost (a response timeout, a connection that
-/// broke while it was in flight). Refused, or down before it was sent (the
-/// link is reconnecting), it ran nothing.
-pub(crate) fn may_have_run(e: &redis::RedisError) -> bool {
-    let io = std::error::Error::source(e).and_then(|source| source.downcast_ref::<std::io::Error>());
-    e.is_timeout()
-        || io.is_some_and(|io| {
-            matches!(
-                io.kind(),
-                std::io::ErrorKind::BrokenPipe
-                    | std::io::ErrorKind::ConnectionReset
-                    | std::io::ErrorKind::ConnectionAborted
-                    | std::io::ErrorKind::UnexpectedEof
-                    | std::io::ErrorKind::TimedOut
-            )
-        })
-}
-
-pub(crate) fn redis_error(e: redis::RedisError) -> Error {
-    let message = if e.code() == Some("OOM") || e.to_string().contains("OOM command not allowed") {
-        format!(
-            "Redis is out of memory (maxmemory reached under `noeviction`): no new locks until memory is freed; \
-             held locks stay held and can be released: {e}"
-        )
-    } else if e.is_timeout() {
-        format!("Redis did not answer in time: {e}")
-    } else if lost_connection(&e) {
-        format!("cannot reach Redis: {e}")
-    } else {
-        e.to_string()
-    };
-    let unanswered = may_have_run(&e);
-    let error = Error::Backend { backend: "redis", message, source: Some(Box::new(e)) };
-    match unanswered {
-        true => error.may_have_run(),
-        false => error,
-    }
-}
-
-/// Refuses a server older than Redis 7.0 at start-up: the lock scripts
-/// take a lock with `SET … NX … GET` and the idempotency scripts move TTLs
-/// with `PEXPIREAT … GT`, both new in 7.0, so on an older server every
-/// acquire would fail with a script error. A server that does not let us
-/// read `INFO server` is not refused (it may still be new enough).
-pub(super) async fn require_redis_7(conn: &Conn) -> Result<()> {
-    let reply: redis::RedisResult<String> = redis::cmd("INFO").arg("server").query_async(&mut conn.clone()).await;
-    match reply {
-        Ok(info) => check_version(&info),
-        Err(e) => {
-            tracing::debug!(error = %e, "could not read the Redis version (INFO not permitted?)");
-            Ok(())
-        }
-    }
-}
-
-/// [`require_redis_7`] on an `INFO server` answer.
-fn check_version(info: &str) -> Result<()> {
-    let Some(version) = info.lines().find_map(|l| l.strip_prefix("redis_version:")).map(str::trim) else {
-        return Ok(());
-    };
-    match version.split('.').next().and_then(|major| major.parse::<u32>().ok()) {
-        Some(major) if major < 7 => Err(Error::config(
-            "DLOCK_REDIS_URL",
-            format!(
-                "the Redis server is version {version}; dlock's lock and idempotency scripts need Redis 7.0 or \
-                 newer (`SET … NX … GET`, `PEXPIREAT … GT`)"
-            ),
-        )),
-        _ => Ok(()),
-    }
-}
-
-/// `volatile-*` and `allkeys-*` policies may evict keys with a TTL — every
-/// lock is one — so a full Redis would silently free held locks.
-pub(super) async fn warn_on_evicting_policy(mut conn: RedisConnection) {
-    let reply: redis::RedisResult<Vec<String>> =
-        redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy").query_async(&mut conn).await;
-    match reply.as_deref() {
-        Ok([_, policy]) if policy.starts_with("volatile-") || policy.starts_with("allkeys-") => {
-            tracing::warn!(
-                policy = %policy,
-                "Redis maxmemory-policy may evict lock keys when memory is full, freeing held locks; use `noeviction` for the lock server"
-            );
-        }
-        Ok(_) => {}
-        Err(e) => tracing::debug!(error = %e, "could not read maxmemory-policy (CONFIG not permitted?)"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::check_version;
-    use crate::error::Error;
-
     /// Back by itself after an outage: the first command after the server
     /// returns succeeds, found by the probe, not by a command that failed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_comes_back_by_itself() {
         let mut server = dlock_testing::RedisServer::start();
-        let options = super::super::RedisOptions::default();
+        let options = super::RedisOptions::default();
         let conn = super::RedisConnection::connect(&server.url(), &options).await.expect("connect");
         let () = redis::cmd("SET").arg("k").arg("v").query_async(&mut conn.clone()).await.expect("SET");
         server.kill();
@@ -648,18 +483,5 @@ mod tests {
         server.start_again();
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         let () = redis::cmd("SET").arg("k").arg("x").query_async(&mut conn.clone()).await.expect("first SET after");
-    }
-
-    #[test]
-    fn servers_older_than_redis_7_are_refused_by_name() {
-        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
-        let refused = check_version(&info("6.2.14")).expect_err("6.2 has no SET NX GET");
-        assert!(matches!(refused, Error::Config { .. }), "{refused:?}");
-        let text = refused.to_string();
-        assert!(text.contains("DLOCK_REDIS_URL") && text.contains("6.2.14") && text.contains("7.0"), "{text}");
-        for ok in ["7.0.15", "7.2.4", "8.0.1", "10.1.0"] {
-            assert!(check_version(&info(ok)).is_ok(), "{ok}");
-        }
-        assert!(check_version("# Server\r\nuptime_in_seconds:3\r\n").is_ok(), "no version, no refusal");
     }
 }

@@ -1,81 +1,24 @@
 //! Restart quarantine: no grants from a Redis that may have lost its locks,
-//! until every lease granted before the loss has run out.
+//! until every lease granted before the loss has run out. On when
+//! `DLOCK_RESTART_QUARANTINE_MS` is set (to at least the longest lease any
+//! client uses, in every client of the server).
 //!
-//! A Redis restarted without persistence (or with `appendfsync everysec`
-//! after a crash, or flushed) has forgotten locks whose holders still
-//! believe they hold them; granting the keys again at once puts two holders
-//! in the critical section. The Redis documentation's remedy is to keep the
-//! restarted server unavailable for the longest lease. dlock enforces it in
-//! the client when `DLOCK_RESTART_QUARANTINE_MS` is set (to at least the
-//! longest lease any client uses; every client of the server should set
-//! it).
-//!
-//! * **run_id**: at the first contact, and whenever the connection was lost
-//!   or re-established since, the backend reads `INFO server`. A server
-//!   whose `run_id` is new to this client and whose uptime is below the
-//!   quarantine grants nothing until its uptime reaches it. This catches a
-//!   restart that kept the data marker (persistence on, but `everysec` may
-//!   still have lost the last writes). A server up longer than the
-//!   quarantine cannot still hold a lease granted before its restart, so it
-//!   is not quarantined for its restart.
-//! * **data marker**: a key without TTL, `prefix:{dlock-data-marker}`, that
+//! * **run_id**: whenever a restart is in doubt (first contact, a
+//!   connection lost or re-established), `INFO server` is read; a server
+//!   whose `run_id` is new and whose uptime is below the quarantine grants
+//!   nothing until its uptime reaches it.
+//! * **data marker**: `prefix:{dlock-data-marker}`, a key without TTL that
 //!   every acquire script (and the idempotency store's claim script)
-//!   checks: nothing is granted while it is missing. A flush, a restart
-//!   without persistence, or a server dlock never used all look alike: the
-//!   marker is missing. **Every missing marker is treated as a possible
-//!   flush.** The first client that finds it missing records on the server,
-//!   in `prefix:{dlock-data-marker}:quarantine`, the server time at which
-//!   the loss was first seen; every client that finds the marker missing
-//!   refuses until its quarantine has passed since that instant, and the
-//!   first one to ask after that sets the marker again. Both the start and
-//!   the end are one script each (`QUARANTINE` below), so they are atomic
-//!   with the check of the marker: a flush in between removes the record as
-//!   well, and the next client to look starts a new quarantine.
-//!
-//! So a brand-new Redis (or a first deploy of dlock against a Redis that
-//! has long been up) waits one quarantine, once, before its first grant: it
-//! cannot be told from one flushed a moment ago, whose earlier holders may
-//! still run. A server restarted without persistence waits about one
-//! quarantine too: the client that sees the new `run_id` starts the
-//! marker's quarantine at once, so it ends with the `run_id` one.
-//!
-//! **What is promised**, when every client of the server sets the
-//! quarantine to at least the longest lease any of them uses: after a loss
-//! of the data marker (a flush, a restart without persistence), nothing is
-//! granted before a full quarantine has passed since the loss was first
-//! seen by any client, whichever client saw it and whether or not the
-//! client that grants had seen the marker before. Why:
-//!
-//! 1. a grant needs the marker present when the script that grants runs;
-//! 2. after the loss, only the end script sets the marker, and only when
-//!    the record is there and its start at least a quarantine (the caller's)
-//!    back on the server clock; it deletes the record in the same step;
-//! 3. the loss removed any older record along with the marker, and a record
-//!    is written only by a script that finds the marker missing: the record
-//!    the end script reads was started after the loss, no earlier than the
-//!    first time a client saw it;
-//! 4. a lock lost was granted before the loss, so its lease (and its
-//!    holder's [`valid_until`](crate::LockGuard::valid_until), counted from
-//!    before its request) ends within the longest lease after the loss, at
-//!    or before the record's start plus any client's quarantine.
-//!
-//! A restart *with* persistence may keep a record (or lose the end script's
-//! last writes): that is the `run_id` check's, which keeps every client
-//! away from the end script until the server's uptime reaches the
-//! quarantine. Both are counted on the server's clock, as Redis counts
-//! leases (TTLs): a server clock that jumps forward shortens all three.
-//!
-//! **The gap**: a failover to a replica (Sentinel) is not seen: the replica
-//! was up long, and its marker was replicated. Persistence (`appendonly
-//! yes`, `appendfsync always`) and an ACL that refuses `FLUSHALL`/`FLUSHDB`
-//! to the clients avoid the losses altogether.
-//!
-//! The check reads `INFO server`, a `@dangerous` command: under an ACL with
-//! `-@dangerous` the user needs `+info`, which `connect` checks up front.
+//!   checks. Every missing marker is taken for a possible flush: the first
+//!   client that finds it missing records the server time in
+//!   `prefix:{dlock-data-marker}:quarantine`, every client refuses until
+//!   its quarantine has passed since then, and the first to ask after that
+//!   sets the marker again, each step one script ([`QUARANTINE`]).
 //!
 //! A quarantined acquire fails with [`Error::Backend`] (`503` over HTTP):
-//! unavailable, never unsafe. Renewals need no quarantine (they only extend
-//! a key that is still there).
+//! unavailable, never unsafe. Renewals need no quarantine. A failover to a
+//! replica is not seen. `docs/redis-design.md` has what is promised and
+//! why, and the gaps.
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -83,8 +26,9 @@ use std::time::Duration;
 use redis::Script;
 use tokio::time::Instant;
 
+use super::connection::Conn;
+use super::error::{lost_connection, redis_error};
 use super::script::ScriptCall;
-use super::{lost_connection, redis_error, Conn};
 use crate::error::{Error, Result};
 
 /// Starts, reports or ends the quarantine of a missing data marker, in one
@@ -313,7 +257,7 @@ impl RestartGuard {
     }
 
     /// At start-up: the quarantine reads `INFO server` before grants, a
-    /// `@dangerous` command that the README's ACL (`-@dangerous`) refuses;
+    /// `@dangerous` command that the ACL of `docs/backends.md` (`-@dangerous`) refuses;
     /// without this check every acquire would fail later instead.
     pub(crate) async fn check_permission(&self, conn: &Conn) -> Result<()> {
         let info: redis::RedisResult<String> = redis::cmd("INFO").arg("server").query_async(&mut conn.clone()).await;
@@ -367,8 +311,10 @@ mod tests {
     use super::*;
 
     async fn connect(server: &dlock_testing::RedisServer) -> Conn {
-        let options = super::super::RedisOptions::default();
-        Conn::Single(super::super::RedisConnection::connect(&server.url(), &options).await.expect("connect"))
+        let options = crate::redis::RedisOptions::default();
+        Conn::Single(
+            super::super::connection::RedisConnection::connect(&server.url(), &options).await.expect("connect"),
+        )
     }
 
     fn exists(server: &dlock_testing::RedisServer, key: &str) -> bool {

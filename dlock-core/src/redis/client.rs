@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use redis::FromRedisValue;
 
-use super::connection::{redis_error, Conn};
+use super::connection::Conn;
+use super::error::{lost_connection, redis_error};
 use super::restart::RestartGuard;
 use super::script::ScriptCall;
 use crate::error::{Error, Result};
@@ -51,7 +52,7 @@ impl Client {
     /// the last try's. So such an error is marked "may have run", and an
     /// acquire that ends in it is undone like one whose answer was lost.
     pub(crate) fn failed(&self, e: redis::RedisError) -> Error {
-        let resent = self.is_cluster() && super::lost_connection(&e);
+        let resent = self.is_cluster() && lost_connection(&e);
         let error = match &self.restart {
             Some(guard) => guard.failed(e),
             None => redis_error(e),

@@ -5,14 +5,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::Error;
 
-/// Whether any try of one request (an acquire's statements, each with its
-/// resends) was sent and its answer lost, so that it may have been carried
-/// out. Once set, every failure of the request carries the mark
-/// ([`Error::may_have_run`]): a resend that cannot connect, or that the
-/// server refuses, did nothing itself, but the try before it may have
-/// committed a grant, and the engine undoes only an acquire whose error
-/// says so. Without the mark, that grant (nobody holds or renews it) keeps
-/// the key for a whole lease (review 2026-12-07, L1).
+/// Whether any try of one request was sent and its answer lost. Once set,
+/// every failure of the request carries the mark
+/// ([`Error::may_have_run`]), even a resend's that did nothing itself: the
+/// engine undoes only an acquire whose error says so, and an unmarked
+/// grant would keep the key for a whole lease.
 #[derive(Debug, Default)]
 pub(crate) struct Doubt(AtomicBool);
 

@@ -1,26 +1,10 @@
 //! The connections the lock backend's requests run on, kept between
-//! requests instead of going back to sqlx's pool after each.
-//!
-//! sqlx's pool tests every connection it is given back with a `Sync`
-//! round trip before another request may have it (sqlx-core 0.8,
-//! `PoolConnection::return_to_pool`), so each request through the pool
-//! costs the server two exchanges, and a lock cycle four. A connection
-//! whose request ended with its answer read is at rest (the server said
-//! `ReadyForQuery`), so it is kept here and handed to the next request as
-//! it is: one exchange per request. (dlock-bench `--bench postgres`, 16
-//! and 64 tasks on a pool of 16: 9,558 and 9,175 cycles/s through the pool,
-//! 10,966 and 11,874 with connections kept; the hand-written lease lock,
-//! through the pool, 11,057 and 10,609.) A connection whose request failed,
-//! timed out or was dropped half-way is never kept: it is closed, or goes
-//! back to the pool, whose test is then what it is for.
-//!
-//! Requests take turns in the order they come (a fair semaphore), at most
-//! half the pool's connections at once, so that the rest stays for the
-//! pool's other users: the release listener and the sweep, an idempotency
-//! store on the same pool and the transactions it opens. Kept connections
-//! are not the pool's idle ones, so its idle timeout and lifetime do not
-//! reach them; a connection idle here for a minute, or kept longer than
-//! the pool's lifetime, is given back to it.
+//! requests: sqlx's pool would test each one given back with a round trip
+//! of its own (`docs/postgres-design.md`, "Kept connections"). Only a
+//! connection whose answer was read is kept. Requests take turns in order,
+//! on at most half the pool, the rest staying for its other users; a
+//! connection idle for a minute, or older than the pool's lifetime, goes
+//! back to the pool.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Mutex;
@@ -64,8 +48,7 @@ impl Connections {
     }
 
     /// A connection at rest, or one of `pool`'s, once it is this request's
-    /// turn. Cancellation-safe: a turn or a connection not yet handed out
-    /// goes back where it was.
+    /// turn. Cancellation-safe.
     pub(crate) async fn lend<'a>(&'a self, pool: &PgPool) -> sqlx::Result<Lent<'a>> {
         // Never closed, so never an error.
         let turn = self.turns.acquire().await.ok();
@@ -96,9 +79,9 @@ impl Connections {
     }
 }
 
-/// A connection lent to one request. [`rest`](Self::rest) once its answer
-/// is read; dropped otherwise, it goes back to the pool, which tests it
-/// (or closes it, after [`close_on_drop`](Self::close_on_drop)).
+/// A connection lent to one request: [`rest`](Self::rest) once its answer
+/// is read; dropped otherwise, it goes back to the pool (or is closed,
+/// after [`close_on_drop`](Self::close_on_drop)).
 pub(crate) struct Lent<'a> {
     conn: PoolConnection<Postgres>,
     taken: Instant,
