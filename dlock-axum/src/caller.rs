@@ -8,56 +8,21 @@ use axum::http::request::Parts;
 use axum::http::{header, HeaderName};
 use dlock_core::idempotency::fingerprint;
 
-/// Who sent a request, read from the request the way the service
-/// authenticates: by a header, a cookie or what its auth layer established.
+/// Who sent a request (a header, a cookie, or what the auth layer
+/// established): whom a key belongs to
+/// ([`IdempotencyLayer::caller`](crate::idempotency::IdempotencyLayer::caller)),
+/// a token is bound to ([`TokenLayer::caller`](crate::idempotency::TokenLayer::caller)),
+/// a lock cap counts ([`LockLayer::max_holds_per`](crate::LockLayer::max_holds_per)).
 ///
-/// One type names the caller everywhere dlock needs it:
-///
-/// * [`IdempotencyLayer::caller`](crate::idempotency::IdempotencyLayer::caller):
-///   whom an `Idempotency-Key` belongs to (default: the `Authorization`
-///   header). Keys of different callers never meet, so one caller is never
-///   answered with another's stored response.
-/// * [`TokenLayer::caller`](crate::idempotency::TokenLayer::caller) and
-///   [`bound_token_handler`](crate::idempotency::bound_token_handler): whom a
-///   one-time token is bound to.
-/// * [`LockLayer::max_holds_per`](crate::LockLayer::max_holds_per): whose
-///   holds a cap counts.
-///
-/// A request whose caller cannot be found (no such header, or an empty one;
-/// no such cookie, or an empty one; the function says `None`) has none, and
-/// is refused: `400 idempotency_scope_missing` by the idempotency layers,
-/// `400 lock_caller_missing` by a capped [`LockLayer`](crate::LockLayer).
-/// Requests without a caller are never pooled into a shared "anonymous" one
-/// behind the service's back; [`Caller::shared`] is the one explicit way to
-/// say that every request is the same caller.
-///
-/// Header and cookie values are credentials: they are hashed, and only the
-/// hash is stored or counted. A header, a cookie, a function's answer and
-/// [`Caller::shared`] never name the same caller, whatever their values.
+/// A request without one (no such header or cookie, an empty one, `None`)
+/// is refused, never pooled: [`Caller::shared`] is the explicit way. Header
+/// and cookie values are hashed; different kinds never name the same caller.
 ///
 /// # A caller comes from the app's authentication
 ///
-/// Every caller has caps of its own: live idempotency records and bound
-/// tokens per caller
-/// ([`IdempotencyLimits`](dlock_core::idempotency::IdempotencyLimits)),
-/// holds per caller ([`LockLayer::max_holds_per`](crate::LockLayer::max_holds_per)).
-/// So name the caller by what the app *verified*: the user id of a JWT
-/// whose signature it checked, the account of a session it looked up.
-/// Never by a value a client can make up unchecked: each made-up value is
-/// a new caller with fresh caps, and a script that sends a new one per
-/// request is held back only by the store's total, which it then fills for
-/// everyone (`503 idempotency_store_full`).
-///
-/// A header or a cookie ([`Caller::header`], [`Caller::cookie`], and the
-/// idempotency layers' default, the `Authorization` header) is only as good
-/// as what verified it: sound when the app's authentication runs *before*
-/// the dlock layer and refuses a credential it did not verify (or a trusted
-/// proxy sets the header and drops the client's own), a free pass when
-/// nothing checks it. It also names a credential, not a user: a user whose
-/// token is renewed becomes another caller, and a retry sent with the new
-/// token is another scope than its first try. The verified user id, read
-/// with [`Caller::from_fn`] from what the authentication put in the
-/// request's extensions, has neither flaw:
+/// Each caller has caps of its own, so name it by what the app *verified*
+/// (a checked JWT's subject), with [`Caller::from_fn`]: a value a client
+/// makes up is a fresh caller with fresh caps. See `docs/idempotency.md`.
 ///
 /// ```
 /// use axum::{extract::Request, http::StatusCode, middleware::{self, Next}, response::Response};
@@ -86,10 +51,8 @@ use dlock_core::idempotency::fingerprint;
 ///     .layer(middleware::from_fn(authenticate));
 /// ```
 ///
-/// Should the layers be put the other way round, the function finds no
-/// user and every request with an `Idempotency-Key` is refused
-/// (`400 idempotency_scope_missing`), never pooled or given a caller of the
-/// client's choosing.
+/// With the layers the other way round, the function finds no user and every
+/// keyed request is `400 idempotency_scope_missing`, never pooled.
 ///
 /// ```
 /// use dlock_axum::Caller;
@@ -129,18 +92,9 @@ impl fmt::Debug for Caller {
 }
 
 impl Caller {
-    /// The value of a request header (`Authorization`, `x-api-key`),
-    /// hashed: the credential itself is never stored. A request without it,
-    /// or with it empty or blank, has no caller.
-    ///
-    /// A client can only reach the records of a credential it holds, so
-    /// one caller is never answered with another's response. But the caps
-    /// count per value: unless the app's authentication refuses a value it
-    /// did not verify before this caller is read (or a trusted proxy sets
-    /// the header and drops the client's own), a client that makes up a
-    /// value per request gets fresh caps (records, bound tokens, lock
-    /// holds) for each. See [A caller comes from the app's
-    /// authentication](Caller#a-caller-comes-from-the-apps-authentication).
+    /// A request header (`x-api-key`), hashed; missing, empty or blank is no
+    /// caller. Sound only behind authentication that checks it: see [A caller
+    /// comes from the app's authentication](Caller#a-caller-comes-from-the-apps-authentication).
     ///
     /// ```
     /// use dlock_axum::{idempotency::IdempotencyLayer, Caller};
@@ -149,8 +103,7 @@ impl Caller {
     ///
     /// # Panics
     ///
-    /// When `name` is not a valid header name: a programming error, found
-    /// when the layer is built.
+    /// When `name` is not a valid header name.
     pub fn header(name: &str) -> Self {
         match HeaderName::from_bytes(name.as_bytes()) {
             Ok(name) => Caller(Kind::Header(name)),
@@ -169,10 +122,8 @@ impl Caller {
         Caller(Kind::Cookie(name.into()))
     }
 
-    /// Whatever the request says, read by `f`: typically the user id an
-    /// auth layer put in the extensions, the caller this type is best
-    /// named by (a value the app verified). `None` is no caller. The answer
-    /// is kept as it is (not hashed): return an id, not a secret.
+    /// The caller `f` reads, typically a user id the auth layer put in the
+    /// extensions; `None` is no caller. Not hashed: return an id, not a secret.
     ///
     /// ```
     /// use dlock_axum::{Caller, LockLayer};
@@ -187,10 +138,8 @@ impl Caller {
         Caller(Kind::Fn(Arc::new(f)))
     }
 
-    /// One caller for every request. For idempotency: any client that sends
-    /// a key another client used gets that client's stored response, so
-    /// only for a service with one caller (called by one backend of its
-    /// own). For a lock cap: one cap for all the requests of the layer.
+    /// One caller for every request: clients then share stored responses, so
+    /// only for a service with one caller; for a lock cap, one cap for all.
     ///
     /// ```
     /// use dlock_axum::{Caller, LockLayer};
@@ -201,15 +150,12 @@ impl Caller {
         Caller(Kind::Shared)
     }
 
-    /// The `Authorization` header: the idempotency layers' default. As
-    /// [`Caller::header`], only as good as what verified it.
+    /// The `Authorization` header: the idempotency layers' default.
     pub(crate) fn authorization() -> Self {
         Caller(Kind::Header(header::AUTHORIZATION))
     }
 
-    /// The caller of a request, prefixed by its kind so that a header value
-    /// and a function's answer can never be the same caller; `None` when
-    /// the request has none.
+    /// The caller of a request, prefixed by its kind so that kinds never meet.
     pub(crate) fn of(&self, parts: &Parts) -> Option<String> {
         let hashed = |kind: &str, name: &str, value: &[u8]| format!("{kind}:{name}:{}", fingerprint(&[value]));
         match &self.0 {
@@ -232,8 +178,7 @@ impl Caller {
         }
     }
 
-    /// The requests of one caller, as a refusal may name them without
-    /// naming the caller (its value may be a secret).
+    /// The requests of one caller, as a refusal names them (its value may be a secret).
     pub(crate) fn requests(&self) -> String {
         match &self.0 {
             Kind::Header(name) => format!("the requests with this {name} header"),
@@ -282,8 +227,7 @@ mod tests {
         assert_eq!(caller.of(&parts(&[])), None);
     }
 
-    /// Kinds never meet: a function that answers with what a header would
-    /// hash to, or a cookie of a header's name and value, is another caller.
+    /// Kinds never meet, whatever a function answers or a cookie is named.
     #[test]
     fn kinds_never_name_the_same_caller() {
         let req = parts(&[("session", "v"), ("cookie", "session=v")]);
@@ -302,8 +246,7 @@ mod tests {
         assert_eq!(Caller::from_fn(|_| None).of(&req), None);
     }
 
-    /// The stored form is today's: records and bound tokens written by
-    /// `Scope` are found again by `Caller`.
+    /// The stored form is unchanged: records written by `Scope` are found by `Caller`.
     #[test]
     fn the_stored_form_is_unchanged() {
         let req = parts(&[("authorization", "Bearer a"), ("cookie", "session=s")]);

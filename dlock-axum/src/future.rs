@@ -5,24 +5,44 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use axum::response::Response;
+use std::borrow::Cow;
 
-/// The future of [`RequireLock`](crate::lock::RequireLock),
-/// [`Idempotent`](crate::idempotency::Idempotent) and
-/// [`RequireToken`](crate::idempotency::RequireToken): the layer's work, then
-/// the inner service's answer; the inner service's error passes through.
-///
-/// Boxed, as axum's middleware guide allows for published middleware: the
-/// work is an `async` pipeline with several awaits. Dropping it at any point
-/// gives back what the layer took (a lock's guard releases in the
-/// background; a claimed route runs on to its answer on a task of its own).
+use axum::response::Response;
+use tracing::Span;
+
+use crate::observe::{self, Face};
+
+/// The boxed future of dlock's services ([`RequireLock`](crate::lock::RequireLock),
+/// …); dropping it gives back what the layer took.
 pub struct ResponseFuture<E> {
     inner: Pin<Box<dyn Future<Output = Result<Response, E>> + Send>>,
+    /// The request's span and what its answer is recorded as.
+    observed: Option<Observed>,
+}
+
+struct Observed {
+    face: Face,
+    name: Cow<'static, str>,
+    span: Span,
 }
 
 impl<E> ResponseFuture<E> {
+    /// A request dlock only passes on.
     pub(crate) fn new(future: impl Future<Output = Result<Response, E>> + Send + 'static) -> Self {
-        ResponseFuture { inner: Box::pin(future) }
+        ResponseFuture { inner: Box::pin(future), observed: None }
+    }
+
+    /// A request of `face` (a lock named `name`), run in its span and its
+    /// answer recorded ([`observe`]). Kept beside the boxed future, not
+    /// around it: a future wrapped in another is copied when made, and a
+    /// route's future is large.
+    pub(crate) fn observed(
+        face: Face,
+        name: Cow<'static, str>,
+        future: impl Future<Output = Result<Response, E>> + Send + 'static,
+    ) -> Self {
+        let span = observe::span(face, &name);
+        ResponseFuture { inner: Box::pin(future), observed: Some(Observed { face, name, span }) }
     }
 }
 
@@ -36,6 +56,15 @@ impl<E> Future for ResponseFuture<E> {
     type Output = Result<Response, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+        let this = &mut *self;
+        let Some(observed) = &this.observed else { return this.inner.as_mut().poll(cx) };
+        let answered = {
+            let _entered = observed.span.enter();
+            std::task::ready!(this.inner.as_mut().poll(cx))
+        };
+        if let Ok(response) = &answered {
+            observe::responded(observed.face, &observed.name, &observed.span, response);
+        }
+        Poll::Ready(answered)
     }
 }

@@ -1,10 +1,4 @@
-//! Headers that must come once, and request secrets as logs write them.
-//!
-//! A header sent twice has two values, and the code that reads it decides
-//! which counts: `HeaderMap::get` takes the first, a framework or proxy may
-//! take the last or join them. When a lock or an idempotency record is
-//! keyed on one value while the handler acts on another, the protection is
-//! gone, so a header dlock keys on is refused when it repeats.
+//! Headers that must come once (`docs/axum-design.md`), and request secrets as logs write them.
 
 use axum::http::header::AsHeaderName;
 use axum::http::{HeaderMap, HeaderValue};
@@ -15,8 +9,7 @@ use crate::rejection::Rejection;
 #[derive(Debug)]
 pub(crate) struct Repeated;
 
-/// The one value of `name`: `Ok(None)` when absent, `Err` when sent more than
-/// once (even with equal values: which one counts is then up to every reader).
+/// The one value of `name`: `Ok(None)` when absent, `Err` when repeated (even equal).
 pub(crate) fn sole(headers: &HeaderMap, name: impl AsHeaderName) -> Result<Option<&HeaderValue>, Repeated> {
     let mut values = headers.get_all(name).iter();
     let first = values.next();
@@ -37,9 +30,8 @@ pub(crate) fn sole_idempotency_key(
     })
 }
 
-/// A request secret (an `Idempotency-Key`) as logs write it: 12 hex digits
-/// of its SHA-1, the same in every process, so that the lines of one key
-/// can be matched without the key being in the log.
+/// A request secret (an `Idempotency-Key`) as logs write it: 12 hex digits of
+/// its SHA-1, the same in every process.
 pub(crate) fn log_id(secret: &str) -> String {
     let mut id = dlock_core::idempotency::fingerprint(&[secret]);
     id.truncate(12);

@@ -1,11 +1,4 @@
-//! Putting the [`DlockRuntime`] where handlers and layers find it.
-//!
-//! Configuration flows one way: `DLOCK_*` is read once, into
-//! [`Config`](dlock_core::Config); [`Config::build`](dlock_core::Config::build)
-//! (or [`from_env`]) connects it into one [`DlockRuntime`], and
-//! [`LockerExt::with_locker`] installs that in every request. No layer
-//! reads the environment, and each finds the runtime with one lookup,
-//! [`installed`].
+//! Putting the [`DlockRuntime`] where every layer finds it, with one lookup.
 
 use axum::extract::Extension;
 use axum::http::Extensions;
@@ -15,15 +8,13 @@ use dlock_core::{Config, DlockRuntime};
 
 use crate::rejection::Rejection;
 
-/// Reads the `DLOCK_*` environment variables ([`Config::from_env`]) and
-/// connects what they name ([`Config::build`]): the lock engine, the
-/// idempotency store and their settings, in one [`DlockRuntime`].
+/// Reads `DLOCK_*` ([`Config::from_env`]) and connects what it names
+/// ([`Config::build`]) into one [`DlockRuntime`].
 ///
 /// # Errors
 ///
-/// [`dlock_core::Error::Config`] naming the variable when one is malformed,
-/// [`dlock_core::Error::Backend`] naming the variable and the address when
-/// a server cannot be reached.
+/// [`dlock_core::Error::Config`] for a malformed variable,
+/// [`dlock_core::Error::Backend`] for a server that cannot be reached.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_core::Error> {
@@ -35,24 +26,17 @@ pub async fn from_env() -> Result<DlockRuntime, dlock_core::Error> {
     Config::from_env()?.build().await
 }
 
-/// Installs a [`DlockRuntime`] (or a bare [`Locker`](dlock_core::Locker),
-/// with records in this process and the default settings) into every
-/// request of a router, in one line.
+/// Installs a [`DlockRuntime`] (or a bare [`Locker`](dlock_core::Locker))
+/// into every request of a router, for the layers, `#[lockable]`, [`ready`]
+/// and handlers (`Extension<DlockRuntime>`).
 ///
-/// `#[lockable]` handlers, [`LockLayer`](crate::LockLayer),
-/// [`JsonBody`](crate::JsonBody), the [idempotency layers](crate::idempotency)
-/// and [`ready`] find it there. A handler that takes locks by hand takes it
-/// with axum's `Extension` extractor.
-///
-/// **Call it after the routes.** Like every `Router::layer`, it wraps the
-/// routes added *before* it; a route added after `.with_locker(..)` finds no
-/// engine and answers `500 lock_misconfigured` ("no lock engine installed on
-/// this route"). The same holds for `MethodRouter::with_locker`.
+/// **Call it after the routes**: like every `layer`, it wraps the routes added
+/// before it; a route added after it answers `500 lock_misconfigured`.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_core::Error> {
 /// use axum::{routing::post, Extension, Router};
-/// use dlock_axum::{DlockRuntime, LockerExt, Rejection};
+/// use dlock_axum::{DlockRuntime, DlockExt, Rejection};
 ///
 /// async fn report(Extension(dlock): Extension<DlockRuntime>) -> Result<String, Rejection> {
 ///     let key = dlock.locker().key("report").build()?;
@@ -62,22 +46,16 @@ pub async fn from_env() -> Result<DlockRuntime, dlock_core::Error> {
 ///
 /// let app: Router = Router::new()
 ///     .route("/report", post(report))
-///     .with_locker(dlock_axum::from_env().await?); // after the routes
+///     .with_dlock(dlock_axum::from_env().await?); // after the routes
 /// # Ok(()) }
 /// ```
 ///
-/// `with_locker(x)` is `.layer(Extension(DlockRuntime::from(x)))`.
-///
-/// # A `Locker` in the application state
-///
-/// Keep the runtime in your state and implement
-/// [`FromRef`](axum::extract::FromRef) so handlers can take the engine with
-/// `State<Locker>`; install the same runtime for the layers and macros
-/// before calling `with_state`:
+/// It is `.layer(Extension(DlockRuntime::from(x)))`. For `State<Locker>`,
+/// implement [`FromRef`](axum::extract::FromRef) and install the same runtime:
 ///
 /// ```
 /// use axum::{extract::{FromRef, State}, routing::get, Router};
-/// use dlock_axum::{DlockRuntime, LockerExt};
+/// use dlock_axum::{DlockRuntime, DlockExt};
 /// use dlock_core::{Locker, MemoryBackend};
 ///
 /// #[derive(Clone)]
@@ -92,35 +70,33 @@ pub async fn from_env() -> Result<DlockRuntime, dlock_core::Error> {
 /// let state = AppState { dlock: DlockRuntime::new(Locker::new(MemoryBackend::new())) };
 /// let app: Router = Router::new()
 ///     .route("/backend", get(backend))
-///     .with_locker(state.dlock.clone())
+///     .with_dlock(state.dlock.clone())
 ///     .with_state(state);
 /// ```
-pub trait LockerExt: Sized {
-    /// Adds the runtime to the extensions of every request this router (or
-    /// method router) handles: the routes added so far.
-    fn with_locker(self, dlock: impl Into<DlockRuntime>) -> Self;
+pub trait DlockExt: Sized {
+    /// Adds the runtime to every request of the routes added so far.
+    fn with_dlock(self, dlock: impl Into<DlockRuntime>) -> Self;
 }
 
-impl<S> LockerExt for Router<S>
+impl<S> DlockExt for Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    fn with_locker(self, dlock: impl Into<DlockRuntime>) -> Self {
+    fn with_dlock(self, dlock: impl Into<DlockRuntime>) -> Self {
         self.layer(Extension(dlock.into()))
     }
 }
 
-impl<S> LockerExt for MethodRouter<S>
+impl<S> DlockExt for MethodRouter<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    fn with_locker(self, dlock: impl Into<DlockRuntime>) -> Self {
+    fn with_dlock(self, dlock: impl Into<DlockRuntime>) -> Self {
         self.layer(Extension(dlock.into()))
     }
 }
 
-/// The runtime [`LockerExt::with_locker`] installed in a request: the one
-/// lookup every layer, the macro and [`ready`] make.
+/// The runtime [`DlockExt::with_dlock`] installed in a request.
 ///
 /// ```
 /// use axum::http::Extensions;
@@ -138,33 +114,27 @@ pub fn installed(extensions: &Extensions) -> Option<&DlockRuntime> {
 /// The rejection for a request that reached dlock without an installed runtime.
 pub(crate) fn no_engine() -> Rejection {
     tracing::error!(
-        "no dlock runtime in the request extensions; install one with `.with_locker(..)` after the routes that need it"
+        "no dlock runtime in the request extensions; install one with `.with_dlock(..)` after the routes that need it"
     );
     Rejection::misconfigured().with_message("no lock engine installed on this route")
 }
 
-/// A readiness probe: asks every server the installed runtime uses whether
-/// it answers now ([`DlockRuntime::readiness`]: the lock backend, with a
-/// Redis restart quarantine counted as not ready, the idempotency store,
-/// and each store added with [`DlockRuntime::also_check`]). `200` when all
-/// do, else `503`, with a JSON body saying which:
+/// A readiness probe ([`DlockRuntime::readiness`]): `200` when the installed
+/// runtime's lock backend (not in a restart quarantine), idempotency store
+/// and [`also_check`](DlockRuntime::also_check) stores all answer, else `503`:
 ///
 /// ```json
 /// {"ready": false, "checks": [{"part": "locks", "backend": "redis", "ok": false, "problem": "…"}]}
 /// ```
 ///
-/// It asks the runtime's stores, not a layer's: a route whose records live
-/// in a store it was given (`IdempotencyLayer::in_transaction` on the
-/// application's database, or `with_store`) is checked once that
-/// store is the runtime's ([`DlockRuntime::with_idempotency_store`]) or
-/// added beside it:
+/// A store given only to a layer (`in_transaction`) is checked once the runtime has it:
 ///
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
 /// # async fn demo(app_pool: sqlx::PgPool) -> Result<(), dlock_core::Error> {
 /// use std::sync::Arc;
 /// use axum::{routing::{get, post}, Router};
-/// use dlock_axum::{idempotency::IdempotencyLayer, LockerExt};
+/// use dlock_axum::{idempotency::IdempotencyLayer, DlockExt};
 /// use dlock_core::idempotency::PostgresStore;
 ///
 /// let wallet = PostgresStore::with_pool(app_pool, "wallet").await?;
@@ -173,22 +143,20 @@ pub(crate) fn no_engine() -> Rejection {
 /// let app: Router = Router::new()
 ///     .route("/transfers", post(|| async { "done" }).layer(IdempotencyLayer::new().in_transaction(wallet)))
 ///     .route("/ready", get(dlock_axum::ready))
-///     .with_locker(dlock);
+///     .with_dlock(dlock);
 /// # Ok(()) }
 /// ```
 ///
-/// No lock is taken and nothing is written, so an orchestrator may call it
-/// every few seconds. Without an installed runtime it answers
-/// `500 lock_misconfigured`.
+/// It takes no lock and writes nothing; without a runtime it is a `500`.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use axum::{body::Body, http::Request, routing::get, Router};
-/// use dlock_axum::LockerExt;
+/// use dlock_axum::DlockExt;
 /// use dlock_core::{Locker, MemoryBackend};
 /// use tower::ServiceExt;
 ///
-/// let app: Router = Router::new().route("/ready", get(dlock_axum::ready)).with_locker(Locker::new(MemoryBackend::new()));
+/// let app: Router = Router::new().route("/ready", get(dlock_axum::ready)).with_dlock(Locker::new(MemoryBackend::new()));
 /// let res = app.oneshot(Request::get("/ready").body(Body::empty()).unwrap()).await.unwrap();
 /// assert_eq!(res.status(), 200);
 /// # }
@@ -232,8 +200,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn router_with_locker_reaches_handlers() {
-        let app: Router = Router::new().route("/", get(name)).with_locker(Locker::new(MemoryBackend::new()));
+    async fn router_with_dlock_reaches_handlers() {
+        let app: Router = Router::new().route("/", get(name)).with_dlock(Locker::new(MemoryBackend::new()));
         let res = app.oneshot(Request::new(Body::empty())).await.expect("infallible");
         assert_eq!(res.status(), StatusCode::OK);
     }
@@ -246,11 +214,10 @@ mod tests {
         assert_eq!(res.headers()["content-type"], "application/json");
     }
 
-    /// The mistake the docs warn about: a route added after `with_locker`
-    /// is outside its layer.
+    /// A route added after `with_dlock` is outside its layer.
     #[tokio::test]
-    async fn a_route_added_after_with_locker_has_no_runtime() {
-        let app: Router = Router::new().with_locker(Locker::new(MemoryBackend::new())).route("/ready", get(ready));
+    async fn a_route_added_after_with_dlock_has_no_runtime() {
+        let app: Router = Router::new().with_dlock(Locker::new(MemoryBackend::new())).route("/ready", get(ready));
         let res = app.oneshot(Request::get("/ready").body(Body::empty()).expect("request")).await.expect("infallible");
         assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
     }

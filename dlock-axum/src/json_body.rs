@@ -7,8 +7,7 @@ use crate::install::installed;
 use crate::pipeline::body::{discard, read_body, require_json_content_type, BodyLimits};
 use crate::rejection::Rejection;
 
-/// A JSON request body, read and refused exactly as [`LockLayer`](crate::LockLayer)
-/// reads the body its key fields come from, with dlock's JSON rejections:
+/// A JSON body, read and refused as [`LockLayer`](crate::LockLayer) reads its key fields:
 ///
 /// | the body | answer |
 /// |---|---|
@@ -18,14 +17,13 @@ use crate::rejection::Rejection;
 /// | not JSON, or JSON that does not fit `T` (a field missing, a value of the wrong type) | `400 invalid_json`, naming the field by its path (`seat.number`) |
 /// | cannot be read | `400 request_body_unreadable` |
 ///
-/// Take it in a `#[lockable]` handler in place of `axum::Json`, so that the
-/// handler answers a bad body like a [`LockLayer`](crate::LockLayer) route
-/// does (axum's `Json` answers in plain text, with `422` for a missing field).
+/// Take it in a `#[lockable]` handler in place of `axum::Json` (plain text,
+/// `422` for a missing field) to answer a bad body as a `LockLayer` route does.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use axum::{body::Body, http::Request, routing::post, Router};
-/// use dlock_axum::{lockable, JsonBody, LockerExt};
+/// use dlock_axum::{lockable, JsonBody, DlockExt};
 /// use dlock_core::{Locker, MemoryBackend};
 /// use tower::ServiceExt;
 ///
@@ -37,7 +35,7 @@ use crate::rejection::Rejection;
 ///     format!("order for {}", order.product_id)
 /// }
 ///
-/// let app: Router = Router::new().route("/orders", post(create)).with_locker(Locker::new(MemoryBackend::new()));
+/// let app: Router = Router::new().route("/orders", post(create)).with_dlock(Locker::new(MemoryBackend::new()));
 /// let req = |body: &'static str| Request::post("/orders").header("content-type", "application/json").body(Body::from(body)).unwrap();
 /// assert_eq!(app.clone().oneshot(req(r#"{"product_id": 7}"#)).await.unwrap().status(), 200);
 /// assert_eq!(app.oneshot(req("{}")).await.unwrap().status(), 400); // invalid_json: JSON field `product_id` is missing
@@ -56,7 +54,6 @@ where
     async fn from_request(req: Request, _state: &S) -> Result<Self, Rejection> {
         let (parts, body) = req.into_parts();
         if let Err(rejection) = require_json_content_type(&parts.headers) {
-            // Drained so the client can read the 415 (see `pipeline/body.rs`).
             discard(&parts.headers, body, false).await;
             return Err(rejection);
         }
@@ -66,9 +63,7 @@ where
     }
 }
 
-/// `T` from `bytes`. A body that does not fit `T` is told apart from one
-/// that is not JSON, and its message names the field by its whole path
-/// (`seat.number`, `items[0].sku`), as serde's path does.
+/// `T` from `bytes`; a misfit is told from bad JSON and named by its path.
 fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Rejection> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| refuse(Some(e.path()), e.inner()))?;
@@ -98,8 +93,7 @@ fn refuse(path: Option<&serde_path_to_error::Path>, e: &serde_json::Error) -> Re
     Rejection::invalid_json().with_message(message)
 }
 
-/// The field a serde "missing field `x`" error names. serde has no structured
-/// form of this error; its text is stable across serde 1.x.
+/// The field a serde "missing field `x`" error names (its text is stable in serde 1.x).
 fn missing_field(e: &serde_json::Error) -> Option<String> {
     let text = e.to_string();
     let rest = text.strip_prefix("missing field `")?;
@@ -131,10 +125,7 @@ mod tests {
         extras: Vec<Seat>,
     }
 
-    /// A body that does not fit `T` is `invalid_json`, missing fields
-    /// included: the extractor cannot know which fields a lock key uses
-    /// (a key field missing from the body is `lock_key_field_missing`
-    /// where the key is read: `LockLayer::json`).
+    /// A body that does not fit `T` is `invalid_json`, a missing field included.
     #[test]
     fn a_missing_field_is_invalid_json_naming_the_field() {
         let r = parse::<Order>(b"{}").expect_err("missing");

@@ -1,8 +1,6 @@
 //! What every middleware service of this crate has alike.
 
-/// `get_ref`, `get_mut` and `into_inner` of a middleware service whose
-/// wrapped service is its field `inner` (tower-http's
-/// `define_inner_service_accessors!`).
+/// `get_ref`, `get_mut` and `into_inner` over the field `inner` (as tower-http's).
 macro_rules! inner_service_accessors {
     () => {
         /// The wrapped service.
@@ -22,9 +20,7 @@ macro_rules! inner_service_accessors {
     };
 }
 
-/// The wrapped service that was polled ready, for the request being called;
-/// a clone takes its place for the next one (tower's usual swap: the clone
-/// itself may not be ready).
+/// The wrapped service that was polled ready; a clone takes its place (tower's usual swap).
 pub(crate) fn take_ready<S: Clone>(inner: &mut S) -> S {
     let clone = inner.clone();
     std::mem::replace(inner, clone)

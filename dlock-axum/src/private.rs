@@ -1,10 +1,5 @@
-//! Runtime support for `#[lockable]`; not a public API.
-//!
-//! The macro's expansion names only items of this module, so the macro and
-//! the runtime can change together without breaking user code. Everything
-//! here is a thin adapter over the request-lock pipeline of
-//! [`LockLayer`](crate::LockLayer) (`pipeline/`): same policy type,
-//! same acquire, same refusals, same log event.
+//! Runtime support for `#[lockable]`; not a public API. The expansion names
+//! only items of this module, each a thin adapter over the pipeline.
 
 use std::convert::Infallible;
 
@@ -15,8 +10,7 @@ use dlock_core::{LockKey, Locker, Owner};
 
 pub use crate::pipeline::policy::Policy;
 
-/// The policy of a `#[lockable(...)]` attribute, in a `static` of the
-/// expansion (so nothing is built per request).
+/// The policy of a `#[lockable(...)]` attribute, in a `static` of the expansion.
 pub const fn policy(
     name: &'static str,
     wait_ms: Option<u64>,
@@ -30,13 +24,12 @@ pub const fn policy(
 
 /// `#[lockable(mode = "shared")]`: the policy taking its keys shared.
 pub const fn shared(policy: Policy) -> Policy {
-    policy.in_mode(dlock_core::backend::LockMode::Shared)
+    policy.in_mode(dlock_core::LockMode::Shared)
 }
 
-/// `#[lockable(permits = n)]`: the policy taking one of `n` permits of each
-/// key (`n` is at least 1: the macro refuses 0).
+/// `#[lockable(permits = n)]` (`n` ≥ 1: the macro refuses 0).
 pub const fn permits(policy: Policy, n: u32) -> Policy {
-    policy.in_mode(dlock_core::backend::LockMode::permits(n))
+    policy.in_mode(dlock_core::LockMode::permits(n))
 }
 
 use crate::pipeline::acquire::{self, acquire_for_request};
@@ -44,15 +37,12 @@ use crate::pipeline::refusal::Refusal;
 use crate::pipeline::until_commit::UntilCommit;
 use crate::request::{FencingToken, HeldLock, HeldLocks, RequestOwner};
 
-/// The hidden first extractor of a `#[lockable]` handler: the installed
-/// engine and the request's lock owner, or why there are none. It never
-/// rejects: a missing engine is answered by [`LockContext::acquire`], through
-/// the pipeline, with the handler's policy.
+/// The hidden first extractor of a `#[lockable]` handler: the engine and the
+/// request's lock owner. It never rejects: [`LockContext::acquire`] answers.
 #[derive(Debug)]
 pub struct LockContext {
     engine: Result<(Locker, Owner), Refusal>,
-    /// Set inside an in-transaction idempotency layer: the lock ends with
-    /// the route's transaction, not with the handler.
+    /// Set inside an in-transaction idempotency layer: the lock ends with its transaction.
     until_commit: Option<UntilCommit>,
 }
 
@@ -76,13 +66,8 @@ where
 }
 
 impl LockContext {
-    /// Builds the keys with `keys` (the expansion builds one key per
-    /// `key`/`also(..)` of the attribute, from the locker it is given, with
-    /// the field values as parts) and takes them, all or none, or answers
-    /// for the handler: `409` when one is held (with the policy's message
-    /// and code; `429` on a semaphore route), `400` for a key the request
-    /// made invalid, `503` when the lock service is down, `500` without an
-    /// engine.
+    /// Builds the keys with `keys` (one per `key`/`also(..)` of the attribute) and
+    /// takes them all or none, or answers as [`LockLayer`](crate::LockLayer) does.
     pub async fn acquire<const N: usize>(
         self,
         policy: &'static Policy,
@@ -106,10 +91,8 @@ pub struct Held {
 }
 
 impl Held {
-    /// Releases the lock once the body has produced its answer (inside an
-    /// in-transaction idempotency layer: once its transaction has ended),
-    /// and records the outcome in the response. A body that panics drops
-    /// the guard, which releases it in the background.
+    /// Releases the lock once the body has answered (inside an in-transaction
+    /// layer: once its transaction has ended) and records the outcome.
     pub async fn finish<R: IntoResponse>(self, out: R) -> Response {
         let outcome = self.held.release_after_route(self.policy.clone(), self.until_commit, ()).await;
         let mut response = out.into_response();
@@ -118,9 +101,7 @@ impl Held {
     }
 }
 
-/// An argument of a `#[lockable]` handler that comes from the lock the macro
-/// took rather than from the request: the macro fills arguments of these
-/// types after acquiring, in place of running an extractor.
+/// An argument of a `#[lockable]` handler that the macro fills from the lock it took.
 pub trait FromHeld {
     /// The argument's value for the lock `held`.
     fn from_held(held: &Held) -> Self;

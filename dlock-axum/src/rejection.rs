@@ -1,22 +1,5 @@
-//! The one rejection type of dlock-axum and its one mapping to an HTTP
-//! response.
-//!
-//! Every refusal dlock makes — a lock held by someone else, a missing key
-//! field, a body too large, a backend that cannot be reached — is a
-//! [`Rejection`]. It answers with a JSON body
-//!
-//! ```json
-//! {"error": "duplicate_submission", "code": 2101, "message": "duplicate submission, please retry later"}
-//! ```
-//!
-//! and `content-type: application/json`. `error` is a stable machine code,
-//! `code` a stable number (configurable only for `duplicate_submission`, as
-//! the `@Lockable(failCode)` of the Java starters is), `message` text for
-//! people.
-//!
-//! The cases and their codes are listed on [`Rejection`].
-//!
-//! Applications may answer their own errors in the same shape with
+//! [`Rejection`]: every refusal dlock makes, and its one HTTP answer.
+//! Applications answer their own errors in the same shape with
 //! [`Rejection::new`] (the `orders` example answers `409 sold_out` that way).
 //!
 //! ```
@@ -43,7 +26,8 @@ pub const DEFAULT_DUPLICATE_MESSAGE: &str = "duplicate submission, please retry 
 pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 
 /// A refusal with its HTTP status and JSON body
-/// `{"error": "<machine code>", "code": <number>, "message": "<text>"}`.
+/// `{"error": "<machine code>", "code": <number>, "message": "<text>"}`
+/// (`code` is configurable only for `duplicate_submission`).
 ///
 /// | status | `error` | `code` | when |
 /// |---|---|---|---|
@@ -78,29 +62,14 @@ pub const DEFAULT_DUPLICATE_CODE: u32 = 2101;
 /// | 503 | `idempotency_store_full` | 2502 | the idempotency store holds the most live records (or tokens) it keeps in all (transient: `Retry-After` until the oldest expires) |
 /// | 503 | `idempotency_not_committed` | 2503 | the route ran inside its transaction and the transaction did not commit: nothing it wrote was kept (transient: retry with the same `Idempotency-Key`) |
 ///
-/// A transient refusal carries `Retry-After` ([`Rejection::retry_after`]):
-/// the same request may succeed later. A permanent one carries none: the
-/// request must change first. The seconds:
+/// A transient refusal carries `Retry-After` ([`Rejection::retry_after`]),
+/// a permanent one none. A busy lock says the route's lease (else
+/// `DLOCK_LEASE_MS`), rounded up (why: `docs/axum-design.md`); a full store
+/// or a restart quarantine says when it ends; everything else says 1.
 ///
-/// * a busy lock (`duplicate_submission`, `lock_wait_timeout`,
-///   `lock_permits_exhausted`, as [`LockLayer`](crate::LockLayer) and
-///   `#[lockable]` answer them): the route's lease, else the watchdog lease
-///   (`DLOCK_LEASE_MS`, default 30 s), in whole seconds rounded up. That is
-///   how long the lock may still last: a live holder releases it when its
-///   request ends (a client may retry sooner), but a holder whose instance
-///   died (`kill -9`) keeps it until its lease runs out, and a client told
-///   `1` would poll all that time. A shorter `DLOCK_LEASE_MS` frees a dead
-///   holder's locks sooner, at the cost of a renewal every third of it;
-/// * a full idempotency store, a restart quarantine: the time until a
-///   record expires or the quarantine ends;
-/// * everything else: 1 (nothing bounds when it ends, and a retry is cheap).
-///
-/// Every refusal dlock makes is marked: its response carries the
-/// [`Rejection`] in its extensions, with [`Rejection::is_dlock`] `true`, so a
-/// `map_response` middleware (or an idempotency layer deciding what to
-/// store) recognises it without reading the body. A rejection an
-/// application makes with [`Rejection::new`] is marked too, with
-/// `is_dlock()` `false`.
+/// Every response carries its [`Rejection`] in its extensions
+/// ([`Rejection::of`]), so middleware recognises a refusal without reading
+/// the body; [`Rejection::is_dlock`] tells dlock's from the application's.
 ///
 /// ```
 /// use dlock_axum::Rejection;
@@ -151,31 +120,18 @@ macro_rules! rejections {
 }
 
 rejections! {
-    /// The lock is held by another request (a route that does not wait for
-    /// it). Transient: `Retry-After: 1` here; the lock layers say the lease
-    /// (see [`Rejection`]). Its message and code can be changed per handler
-    /// or layer (the seed's `@Lockable(failMsg, failCode)`).
+    /// The lock is held by another request (message and code may be set per route).
     duplicate_submission => (CONFLICT, "duplicate_submission", 2101, "duplicate submission, please retry later", Some(1));
     /// A request with the same `Idempotency-Key` is still being processed.
-    /// Transient: `Retry-After: 1`.
     idempotency_request_in_progress => (CONFLICT, "idempotency_request_in_progress", 2102,
         "a request with this idempotency key is still being processed", Some(1));
-    /// The route waits for its lock (a queue), and the lock stayed held for
-    /// the whole wait: nothing was duplicated, the queue was too long.
-    /// Transient: `Retry-After: 1` here; the lock layers say the lease (see
-    /// [`Rejection`]).
+    /// The lock stayed held for the route's whole wait.
     lock_wait_timeout => (CONFLICT, "lock_wait_timeout", 2103,
         "the lock stayed held for as long as this route waits, please retry later", Some(1));
-    /// The one-time token is unknown, expired or already used. Permanent: a
-    /// retry with the same token can never succeed; fetch a new token.
+    /// The one-time token is unknown, expired or used. Permanent: fetch a new one.
     idempotency_token_unknown => (CONFLICT, "idempotency_token_unknown", 2104,
         "the one-time token is unknown, expired or already used; fetch a new one", None);
-    /// The storage refused the route's write
-    /// ([`Error::StaleToken`](dlock_core::Error::StaleToken), from the
-    /// helpers of [`dlock_core::fence`]): the request's lock ran out (a
-    /// pause, a slow store) and another request took it and wrote with a
-    /// newer fencing token. Nothing was changed, so the same request may be
-    /// sent again. Transient: `Retry-After: 1`.
+    /// The storage refused the route's write for a newer fencing token ([`dlock_core::fence`]).
     lock_token_stale => (CONFLICT, "lock_token_stale", 2105,
         "another request took the lock after this one's lease ran out; its write was refused and nothing was changed", Some(1));
     /// A field named in the lock key is absent from the request.
@@ -184,9 +140,7 @@ rejections! {
     invalid_json => (BAD_REQUEST, "invalid_json", 2002, "the request body is not valid JSON", None);
     /// No one-time token was sent.
     idempotency_token_missing => (BAD_REQUEST, "idempotency_token_missing", 2003, "the one-time submission token is missing", None);
-    /// The one-time token was sent more than once: two `Idempotency-Token`
-    /// headers, two query parameters, or a header and a query parameter.
-    /// Taking one of them would let a proxy and the app read different tokens.
+    /// The one-time token was sent more than once.
     idempotency_token_duplicated => (BAD_REQUEST, "idempotency_token_duplicated", 2010,
         "the one-time submission token was sent more than once", None);
     /// No `Idempotency-Key` header was sent.
@@ -197,89 +151,51 @@ rejections! {
     lock_key_invalid => (BAD_REQUEST, "lock_key_invalid", 2006, "the lock key built from this request is invalid", None);
     /// The request body could not be read.
     body_unreadable => (BAD_REQUEST, "request_body_unreadable", 2007, "the request body could not be read", None);
-    /// A query parameter or header of the lock key is sent more than once:
-    /// the lock would take one value while the handler may act on another.
+    /// A query parameter or header of the key is sent more than once.
     field_duplicated => (BAD_REQUEST, "lock_key_field_duplicated", 2009,
         "a field of the lock key is sent more than once", None);
     /// The body did not arrive within the body-read timeout.
     request_timeout => (REQUEST_TIMEOUT, "request_timeout", 2303, "the request body did not arrive in time", None);
     /// The body is larger than the most bytes read to derive a key.
     payload_too_large => (PAYLOAD_TOO_LARGE, "payload_too_large", 2301, "the request body is too large", None);
-    /// The key needs fields of a JSON body and the request declares another
-    /// `Content-Type`.
+    /// The key needs JSON fields and the body's `Content-Type` is not JSON.
     unsupported_media_type => (UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", 2302,
         "the request body must be JSON (Content-Type: application/json)", None);
-    /// The request does not say which caller its `Idempotency-Key` belongs
-    /// to (the layer's [`Caller`](crate::Caller) found none).
+    /// The request names no [`Caller`](crate::Caller) for its `Idempotency-Key`.
     idempotency_scope_missing => (BAD_REQUEST, "idempotency_scope_missing", 2008,
         "the request does not name the caller its Idempotency-Key belongs to", None);
-    /// A request with this `Idempotency-Key` ran, and its response was too
-    /// large to keep for replay: the work was done, its answer is gone.
-    /// Permanent: look the result up instead of retrying.
+    /// The request with this `Idempotency-Key` ran; its response could not be kept.
     idempotency_response_not_stored => (CONFLICT, "idempotency_response_not_stored", 2202,
         "a request with this idempotency key was processed, but its response could not be kept", None);
-    /// The request that claimed this `Idempotency-Key` neither answered nor
-    /// gave the key back before its lease ran out (its instance died, or its
-    /// store stalled): whether its work ran is unknown. Permanent, without
-    /// `Retry-After`: look the result up, then use a new key.
+    /// The claim of this `Idempotency-Key` ran out unanswered: whether it ran is unknown.
     idempotency_outcome_unknown => (CONFLICT, "idempotency_outcome_unknown", 2203,
         "a request with this idempotency key was started but never answered; whether it ran is unknown: check, then use a new key", None);
     /// The same `Idempotency-Key` was used with a different payload.
     idempotency_key_mismatch => (UNPROCESSABLE_ENTITY, "idempotency_key_mismatch", 2201,
         "this idempotency key was used with a different request", None);
-    /// The route caps the locks each caller holds
-    /// ([`LockLayer::max_holds_per`](crate::LockLayer::max_holds_per)), and
-    /// the request does not name its caller (the layer's
-    /// [`Caller`](crate::Caller) found none): refused before any lock is
-    /// asked for, never counted with other callers.
+    /// The route caps each caller's locks, and the request names no caller.
     lock_caller_missing => (BAD_REQUEST, "lock_caller_missing", 2011,
         "the request does not name the caller whose locks this route counts", None);
-    /// The caller (say, the user its authentication established) already
-    /// holds as many locks through this layer as it may at once. Transient:
-    /// `Retry-After: 1`.
+    /// The caller already holds as many locks through this layer as it may.
     too_many_locks => (TOO_MANY_REQUESTS, "too_many_locks", 2401, "too many locks held at once, please retry later", Some(1));
-    /// The route is a semaphore (at most N requests at once per key:
-    /// `#[lockable(permits = N)]`, [`LockLayer::permits`](crate::LockLayer::permits)),
-    /// its N permits were all taken for the whole of its wait, and the
-    /// request did not run. Transient: `Retry-After: 1` here; the lock
-    /// layers say the lease (see [`Rejection`]).
+    /// Every permit of a semaphore route stayed taken for its whole wait.
     permits_exhausted => (TOO_MANY_REQUESTS, "lock_permits_exhausted", 2403,
         "this route is already running as many requests at once as it allows, please retry later", Some(1));
-    /// The caller already has as many live idempotency records (or bound
-    /// tokens) as the store keeps per caller
-    /// ([`IdempotencyLimits`](dlock_core::idempotency::IdempotencyLimits)):
-    /// nothing was stored, the route did not run. Transient: `Retry-After`
-    /// (from [`from_lock_error`](Self::from_lock_error): until the caller's
-    /// oldest record expires).
+    /// The caller has as many live records (or tokens) as the store keeps per caller.
     idempotency_scope_full => (TOO_MANY_REQUESTS, "idempotency_scope_full", 2402,
         "too many idempotency records are kept for this caller, please retry later", Some(1));
-    /// The idempotency store holds as many live records (or tokens) as it
-    /// keeps in all: nothing was stored, the route did not run. Transient:
-    /// `Retry-After` (from [`from_lock_error`](Self::from_lock_error): until
-    /// the oldest record expires).
+    /// The store holds as many live records (or tokens) as it keeps in all.
     idempotency_store_full => (SERVICE_UNAVAILABLE, "idempotency_store_full", 2502,
         "the idempotency store is full, please retry later", Some(1));
-    /// The route ran inside its transaction
-    /// ([`IdempotencyLayer::in_transaction`](crate::idempotency::IdempotencyLayer::in_transaction)),
-    /// and the transaction did not commit (the database refused the commit,
-    /// ended the transaction, or could not be reached): nothing the route
-    /// wrote was kept, and no answer was stored for its key. Transient:
-    /// retrying with the same `Idempotency-Key` runs it again, once.
+    /// The route's transaction did not commit: nothing it wrote was kept.
     idempotency_not_committed => (SERVICE_UNAVAILABLE, "idempotency_not_committed", 2503,
         "the request's transaction did not commit: nothing it wrote was kept; retry with the same idempotency key", Some(1));
-    /// The lock service cannot be reached; the request is refused (fail
-    /// closed). Transient: `Retry-After: 1`.
+    /// The lock service cannot be reached: the request is refused (fail closed).
     backend_unavailable => (SERVICE_UNAVAILABLE, "lock_backend_unavailable", 2501,
         "lock service unavailable, please retry later", Some(1));
     /// The service is misconfigured (no engine installed, invalid options).
     misconfigured => (INTERNAL_SERVER_ERROR, "lock_misconfigured", 2901, "the lock service is misconfigured", None);
-    /// The route takes its lock in a mode the lock backend cannot keep (a
-    /// semaphore of several permits on RedLock:
-    /// [`Locker::supports`](dlock_core::Locker::supports) says so at
-    /// start-up). A service that would rather serve its other routes than
-    /// refuse to start answers this on that route alone, with a message
-    /// saying why. `501`, not `503`: nothing will change until the service
-    /// runs on another backend, so there is no `Retry-After`.
+    /// The lock backend cannot keep the route's mode (a semaphore on RedLock).
     lock_mode_unsupported => (NOT_IMPLEMENTED, "lock_mode_unsupported", 2902,
         "this route's lock cannot be kept by the lock service this instance runs on", None);
 }
@@ -349,9 +265,7 @@ impl Rejection {
         self.retry_after
     }
 
-    /// Whether dlock made this refusal (a lock, key, token or body refusal
-    /// before the route's work), rather than the application with
-    /// [`Rejection::new`].
+    /// Whether dlock made this refusal, rather than [`Rejection::new`].
     ///
     /// ```
     /// use axum::http::StatusCode;
@@ -363,9 +277,7 @@ impl Rejection {
         self.dlock
     }
 
-    /// The rejection a response carries, if dlock or the application
-    /// answered it with a [`Rejection`]: what a `map_response` middleware
-    /// reads to recognise a refusal without parsing its body.
+    /// The rejection a response carries, for middleware that recognises refusals.
     ///
     /// ```
     /// use axum::response::IntoResponse;
@@ -399,18 +311,15 @@ impl Rejection {
 
     /// The JSON body this rejection answers with.
     pub fn body_json(&self) -> String {
-        // Written by hand so the fields keep the documented order; `Value`'s
-        // Display escapes the strings.
+        // By hand, to keep the documented field order; `Value` escapes.
         let error = serde_json::Value::from(self.error.as_ref());
         let message = serde_json::Value::from(self.message.as_ref());
         format!(r#"{{"error":{error},"code":{},"message":{message}}}"#, self.code)
     }
 
-    /// This refusal as RFC 9457 Problem Details: `application/problem+json`
-    /// with `type` (`about:blank`: the status says what happened), `title`
-    /// (the status's reason phrase), `status`, `detail` (the message), and
-    /// dlock's `error` and `code` as extension members; `Retry-After` as
-    /// [`IntoResponse`] sends it; the rejection itself in the extensions.
+    /// This refusal as RFC 9457 Problem Details (`application/problem+json`):
+    /// `type` `about:blank`, `title`, `status`, `detail` (the message), and
+    /// dlock's `error` and `code`; headers and extensions as [`IntoResponse`]'s.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -437,20 +346,10 @@ impl Rejection {
         response
     }
 
-    /// Maps an engine error: a held lock → `409 duplicate_submission`, a
-    /// wait that ran out → `409 lock_wait_timeout`, a write the storage
-    /// refused for a stale fencing token → `409 lock_token_stale`, unavailable → `503 lock_backend_unavailable` (with `Retry-After` the
-    /// time a restart quarantine has left, else 1), an invalid key →
-    /// `400 lock_key_invalid`, bad configuration or a rule dlock broke itself
-    /// ([`Error::Internal`](dlock_core::Error::Internal)) → `500 lock_misconfigured`
-    /// (a retry cannot help, so no `Retry-After`), a full idempotency store
-    /// → `429 idempotency_scope_full` (this caller's cap) or
-    /// `503 idempotency_store_full` (the total), with `Retry-After` the
-    /// seconds until the oldest record expires. Anything else is treated as
-    /// unavailable (fail closed).
-    ///
-    /// The engine's text is not copied into the body: it names keys and
-    /// servers, which clients have no business seeing. Log the error itself.
+    /// Maps an engine error to its refusal (held, waited out, stale token,
+    /// invalid key, misconfigured or [`Error::Internal`](dlock_core::Error::Internal),
+    /// a full store); anything else is `503 lock_backend_unavailable` (fail
+    /// closed). The engine's text, which names keys and servers, is not copied.
     ///
     /// ```
     /// use dlock_axum::Rejection;
@@ -484,8 +383,7 @@ impl Rejection {
         } else if err.is_misconfigured() || matches!(err, dlock_core::Error::Internal(_)) {
             Self::misconfigured()
         } else {
-            // A refusal that knows its end (a restart quarantine) says it;
-            // an outage nobody can time says 1.
+            // A refusal that knows its end (a restart quarantine) says it.
             let unavailable = Self::backend_unavailable();
             match err.retry_after() {
                 Some(left) => unavailable.with_retry_after(Some(whole_seconds(left))),
@@ -495,8 +393,7 @@ impl Rejection {
     }
 }
 
-/// `Retry-After` seconds for `left`: whole seconds, rounded up (a retry
-/// sooner would be refused again), at least 1.
+/// `Retry-After` seconds for `left`: rounded up, at least 1.
 pub(crate) fn whole_seconds(left: std::time::Duration) -> u32 {
     let seconds = left.as_millis().div_ceil(1000).clamp(1, u128::from(u32::MAX));
     u32::try_from(seconds).unwrap_or(u32::MAX)
@@ -528,11 +425,9 @@ impl IntoResponse for Rejection {
         *response.status_mut() = self.status;
         response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Some(seconds) = self.retry_after {
-            // Tells clients and proxies that a retry makes sense, and when.
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        // The marker: what the refusal was, for middleware and for the
-        // idempotency layer, without parsing the body.
+        // The marker middleware reads without parsing the body.
         response.extensions_mut().insert(self);
         response
     }
@@ -634,8 +529,7 @@ mod tests {
         assert_eq!(response.headers()[header::RETRY_AFTER], "1");
     }
 
-    /// A quarantine's refusal says the time it has left, rounded up to whole
-    /// seconds, at least 1.
+    /// A quarantine's refusal says the time it has left, rounded up, at least 1.
     #[test]
     fn a_timed_refusal_says_its_time() {
         use std::time::Duration;

@@ -1,13 +1,5 @@
-//! One rendering hook for every refusal: [`RenderRejections`].
-//!
-//! Every [`Rejection`] answer — from [`LockLayer`](crate::LockLayer),
-//! `#[lockable]`, [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer),
-//! [`TokenLayer`](crate::idempotency::TokenLayer), or the application's own
-//! `Rejection::new` — carries the rejection in its response extensions. A
-//! [`RenderRejections`] layer on the router finds it there and answers with
-//! the application's rendering instead: one hook for all of dlock's layers
-//! and the macro, as tower-http's callbacks or axum's `WithRejection` do for
-//! other errors.
+//! [`RenderRejections`]: one rendering hook for every [`Rejection`], found in
+//! its response's extensions (as axum's `WithRejection` is for other errors).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,12 +15,8 @@ use crate::rejection::Rejection;
 
 type Render = Arc<dyn Fn(&Rejection) -> Response + Send + Sync>;
 
-/// Renders every [`Rejection`] answered inside it with one function.
-///
-/// The rendered response keeps what dlock put on the original: its
-/// extensions (the [`LockOutcome`](crate::LockOutcome) and the
-/// [`Rejection`] itself, so an access log still sees them) and its
-/// `Retry-After`, unless the rendering sets its own.
+/// Renders every [`Rejection`] answered inside it with one function, keeping
+/// the original's extensions ([`LockOutcome`](crate::LockOutcome)) and `Retry-After`.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -65,10 +53,7 @@ impl RenderRejections {
         RenderRejections { render: Arc::new(render) }
     }
 
-    /// Renders as RFC 9457 Problem Details
-    /// ([`Rejection::to_problem_details`]): `application/problem+json` with
-    /// `type`, `title`, `status`, `detail`, and dlock's `error` and `code`
-    /// as extension members.
+    /// Renders as RFC 9457 Problem Details ([`Rejection::to_problem_details`]).
     ///
     /// ```
     /// use axum::{routing::post, Router};
@@ -129,8 +114,7 @@ where
     }
 }
 
-/// The response rendered by `render` if it carries a [`Rejection`], else
-/// unchanged.
+/// The response rendered by `render` if it carries a [`Rejection`].
 fn rerender(render: &Render, response: Response) -> Response {
     let Some(rejection) = Rejection::of(&response).cloned() else { return response };
     let (parts, _body) = response.into_parts();

@@ -7,15 +7,12 @@ use std::time::{Duration, Instant};
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::http::request::Parts;
 use axum::http::Extensions;
-use dlock_core::backend::LostSignal;
+use dlock_core::LostSignal;
 use dlock_core::{LockGuard, LockKey, LostReason, Owner};
 
 use crate::rejection::Rejection;
 
-/// What dlock keeps in a request's extensions: its lock owner and the lock
-/// it holds, in one entry. `http`'s extension map starts with room for
-/// three: a router's own entries plus two of ours would make it grow on
-/// every locked request.
+/// What dlock keeps in a request's extensions, in one entry (`docs/performance.md`).
 #[derive(Debug, Clone)]
 struct RequestLock {
     owner: Owner,
@@ -25,12 +22,9 @@ struct RequestLock {
     all: Vec<HeldLock>,
 }
 
-/// The lock owner of one request.
-///
-/// Every lock taken while handling a request is taken as this owner, so a
-/// nested lock on the same key (a locked handler behind a [`LockLayer`](crate::LockLayer),
-/// two layers) re-enters instead of deadlocking. A handler can extract it
-/// (it is made on first use) to take further locks as the same owner.
+/// The lock owner of one request: a nested lock on the same key (a locked
+/// handler behind a [`LockLayer`](crate::LockLayer)) re-enters instead of
+/// deadlocking. A handler extracts it to lock further as the same owner.
 ///
 /// ```
 /// use axum::http::Extensions;
@@ -49,8 +43,7 @@ struct RequestLock {
 pub struct RequestOwner(pub Owner);
 
 impl RequestOwner {
-    /// The request's owner, created (from the OS random source) and stored on
-    /// first use.
+    /// The request's owner, made (from the OS random source) on first use.
     ///
     /// # Errors
     ///
@@ -78,22 +71,10 @@ impl<S: Send + Sync> FromRequestParts<S> for RequestOwner {
     }
 }
 
-/// The fencing token of the lock this request holds, for the handler: pass
-/// it to the storage you protect so it can refuse writes from a holder whose
-/// lease already ran out.
-///
-/// It is the token of the lock a [`LockLayer`](crate::LockLayer) took for the
-/// request, or, in a `#[lockable]` handler, of the lock the macro took (the
-/// macro fills an argument of this type after acquiring; see
-/// [`lockable`](crate::lockable)). Extracting it from a request that holds no
-/// lock is a server misconfiguration (`500`); take `Option<FencingToken>`
-/// where the route may run without one. [`HeldLock`] gives the lock's
-/// validity and lost signal too.
-///
-/// On a route that holds several keys ([`LockLayer::also`](crate::LockLayer::also),
-/// `#[lockable(also(..))]`) it is the token of the *first declared* key.
-/// Tokens are drawn per key, so a write to the storage of another key
-/// carries that key's token: take [`HeldLocks`] and ask it by key.
+/// The fencing token of the request's lock ([`LockLayer`](crate::LockLayer)'s
+/// or [`lockable`](crate::lockable)'s): pass it to the storage you protect,
+/// so it refuses a holder whose lease ran out. Without a lock: `500` (take an
+/// `Option`). Of several keys, the first's: [`HeldLocks`] has the others.
 ///
 /// ```
 /// use dlock_axum::{lockable, FencingToken};
@@ -114,18 +95,9 @@ impl FencingToken {
     }
 }
 
-/// The lock this request holds, for the handler: its fencing token, how long
-/// it is valid, and its lost signal.
-///
-/// Behind a [`LockLayer`](crate::LockLayer) it is the layer's lock; in a
-/// `#[lockable]` handler it is the lock the macro took (the macro fills an
-/// argument of this type after acquiring; see [`lockable`](crate::lockable)).
-/// Extracting it where no lock is held is a `500 lock_misconfigured`; take
-/// `Option<HeldLock>` where the route may run without one.
-///
-/// Work that must not outlive the lock races [`HeldLock::lost`]; a write to
-/// storage carries [`HeldLock::fencing_token`], so the storage itself refuses
-/// a holder whose lease already ran out.
+/// The lock this request holds: its fencing token, validity and lost signal
+/// (work that must not outlive it races [`HeldLock::lost`]). Without a lock:
+/// `500 lock_misconfigured` (take an `Option`).
 ///
 /// ```
 /// use std::time::Duration;
@@ -155,9 +127,8 @@ impl HeldLock {
         HeldLock { key: guard.key().clone(), fencing_token: guard.fencing_token(), signal: guard.lost_signal() }
     }
 
-    /// Records the locks just taken for the request of `owner`, for the
-    /// route's extractors: `primary`, the first declared key, is what
-    /// [`HeldLock`] and [`FencingToken`] give; `all` are every key taken.
+    /// Records the locks just taken for the route's extractors: `primary` (the
+    /// first declared key) for [`HeldLock`] and [`FencingToken`], `all` for [`HeldLocks`].
     pub(crate) fn set(
         extensions: &mut Extensions,
         owner: &Owner,
@@ -175,15 +146,13 @@ impl HeldLock {
         }
     }
 
-    /// The key this lock is on (its log id, `key().log_id()`, names it in
-    /// logs without its values).
+    /// The key this lock is on (`key().log_id()` names it in logs without its values).
     pub fn key(&self) -> &LockKey {
         &self.key
     }
 
-    /// Whether this lock is on the key of lock `name` with the one part
-    /// `part`, as a layer builds it (`LockLayer::new(name).path(..)`,
-    /// `.also(name)` with one field): the prefix is not compared.
+    /// Whether this lock is on the key of lock `name` with the one part `part`,
+    /// as a layer builds it (`LockLayer::new(name).path(..)`), whatever the prefix.
     ///
     /// ```
     /// # use dlock_core::{Locker, MemoryBackend};
@@ -223,14 +192,12 @@ impl HeldLock {
         FencingToken(self.fencing_token)
     }
 
-    /// Until when the lock is certainly ours (renewals move it on in watchdog
-    /// mode).
+    /// Until when the lock is certainly ours (renewals move it on).
     pub fn valid_until(&self) -> Instant {
         self.signal.valid_until().into_std()
     }
 
-    /// Whether the lock was lost (a renewal found it gone, the lease ran
-    /// out, `max_hold` passed).
+    /// Whether the lock was lost (found gone, lease run out, `max_hold` passed).
     pub fn is_lost(&self) -> bool {
         self.signal.is_lost()
     }
@@ -255,8 +222,7 @@ impl HeldLock {
     }
 }
 
-/// The extractor impls of a type read from the request's lock: without a
-/// lock, a `500` that says where the lock should come from; and `Option<_>`.
+/// The extractors of a type read from the request's lock (without one, a `500`), and of `Option<_>`.
 macro_rules! from_request_lock {
     ($ty:ident, $message:literal) => {
         impl<S: Send + Sync> FromRequestParts<S> for $ty {
@@ -280,19 +246,9 @@ macro_rules! from_request_lock {
 from_request_lock!(FencingToken, "this route holds no lock, so it has no fencing token");
 from_request_lock!(HeldLock, "this route holds no lock");
 
-/// Every lock this request holds, each with its own fencing token: for a
-/// route that holds several keys ([`LockLayer::also`](crate::LockLayer::also),
-/// `#[lockable(also(..))]`) and writes the storage of more than one.
-///
-/// Fencing tokens are drawn per key: a transfer that took `account:1`
-/// early and then waited for `account:3` holds an older token than one a
-/// later transfer wrote `account:3` with. So each account's row is fenced
-/// with its own key's token, never with the first key's.
-///
-/// Behind a [`LockLayer`](crate::LockLayer) it is every key of every lock
-/// layer on the route; in a `#[lockable]` handler, the keys the macro took
-/// (the macro fills an argument of this type). Empty where the request
-/// holds no lock.
+/// Every lock this request holds ([`LockLayer::also`](crate::LockLayer::also),
+/// `#[lockable(also(..))]`), each with its own fencing token: tokens are drawn
+/// per key, so fence each row with its own key's token, never the first's.
 ///
 /// ```
 /// use axum::{routing::post, Router};
@@ -331,15 +287,13 @@ impl HeldLocks {
         HeldLocks(extensions.get::<RequestLock>().map(|lock| lock.all.clone()).unwrap_or_default())
     }
 
-    /// The lock on the key of lock `name` with the one part `part` (see
-    /// [`HeldLock::is`]), if the request holds it.
+    /// The lock on `name` with the one part `part` ([`HeldLock::is`]), if held.
     pub fn get(&self, name: &str, part: impl dlock_core::KeyPart) -> Option<&HeldLock> {
         let probe = LockKey::builder("", name).part(part).build().ok()?;
         self.0.iter().find(|held| held.key.as_str().ends_with(probe.as_str()))
     }
 
-    /// The lock on `key`, if the request holds it: for keys of several
-    /// parts, built as the layer builds them.
+    /// The lock on `key` (a key of several parts, built as the layer builds it).
     pub fn get_key(&self, key: &LockKey) -> Option<&HeldLock> {
         self.0.iter().find(|held| &held.key == key)
     }
@@ -381,11 +335,8 @@ fn no_lock(extractor: &str, message: &'static str) -> Rejection {
     Rejection::misconfigured().with_message(message)
 }
 
-/// What happened to the lock of a request; [`LockLayer`](crate::LockLayer),
-/// `#[lockable]` and [`Policy::run_locked`](crate::lock::Policy::run_locked)
-/// put it in the response extensions so an access log can print it (dlock's
-/// own `dlock.request` event, at `DEBUG`, names the key only by its
-/// [`log_id`](dlock_core::LockKey::log_id)).
+/// What happened to a request's lock, in the response extensions, for an
+/// access log ([`Policy::run_locked`](crate::lock::Policy::run_locked) too).
 ///
 /// ```
 /// use dlock_axum::LockOutcome;
@@ -408,22 +359,19 @@ pub enum LockOutcome {
     },
     /// The lock service could not be reached: `503`.
     Unavailable,
-    /// The request could not be turned into a key (missing field, bad JSON,
-    /// body too large): `4xx`, the handler did not run.
+    /// No key could be built (missing field, bad JSON, body too large): `4xx`.
     Invalid {
         /// The rejection's machine code.
         error: String,
     },
-    /// The caller already held as many locks through the layer as it
-    /// may: `429`, no lock was asked for.
+    /// The caller already held as many locks through the layer as it may: `429`.
     OverQuota,
     /// No engine installed or invalid options: `500`.
     Misconfigured,
 }
 
 impl LockOutcome {
-    /// A short word for logs: `acquired`, `busy`, `unavailable`, `invalid`,
-    /// `over_quota`, `misconfigured`.
+    /// A short word for logs (`acquired`, `busy`, `over_quota`, …).
     pub fn as_str(&self) -> &'static str {
         match self {
             LockOutcome::Acquired { .. } => "acquired",

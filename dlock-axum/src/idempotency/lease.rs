@@ -7,9 +7,8 @@ use std::time::Duration;
 use dlock_core::idempotency::{Claim, IdempotencyStore};
 use futures_util::future::{select, Either};
 
-/// Polls `route` while the claim's lease is renewed every third of `lease`,
-/// so a claim outlives a slow route but not the instance that runs it: once
-/// the instance is gone, the lease runs out within `lease`.
+/// Polls `route` while renewing the claim every third of `lease`: it outlives
+/// a slow route, not a dead instance.
 pub(super) async fn renewing<T>(
     store: &dyn IdempotencyStore,
     claim: &Claim,

@@ -1,54 +1,24 @@
-//! Request idempotency over HTTP: one-time tokens and `Idempotency-Key`.
+//! Request idempotency over HTTP: one-time tokens ([`TokenLayer`],
+//! [`token_handler`]) and `Idempotency-Key` ([`IdempotencyLayer`]); see
+//! `docs/idempotency.md`.
 //!
-//! **Token mode** (a form that must be submitted once): the client fetches a
-//! token from [`token_handler`] (`{"token": "...",
-//! "expires_in_secs": n}`) and sends it with the submit, in the header
-//! `Idempotency-Token` or a query parameter ([`TokenLayer::query_param`]).
-//! [`TokenLayer`] claims it atomically before the route runs: missing →
-//! `400 idempotency_token_missing`; unknown, expired or used →
-//! `409 idempotency_token_unknown` (permanent: fetch a new token); in use by
-//! a concurrent submit → `409 idempotency_request_in_progress`. Of any
-//! number of concurrent submits of one token, exactly one reaches the route.
-//!
-//! **One rule for tokens and keys.** A request counts — its token spent, its
-//! `Idempotency-Key` completed and replayed — only when its route ran to a
-//! result ([`stored_by_default`]). A refusal before the work (axum's
-//! extractor rejections, dlock's own refusals), a `5xx` or a panic gives the
-//! token back and frees the key, so the corrected retry runs. A client that
-//! hangs up does neither: once claimed, the route runs to its end on a task
-//! of its own, and its answer counts.
-//!
-//! Both find their store in the installed
-//! [`DlockRuntime`](dlock_core::DlockRuntime) (`DLOCK_IDEMPOTENCY_REDIS_URL`,
-//! else the lock Redis, else this process), as `LockLayer` finds the engine;
-//! `with_store` gives a layer its own.
-//!
-//! **Key mode** (IETF "The Idempotency-Key HTTP Header Field", Stripe):
-//! [`IdempotencyLayer`] — see there for the rules, the default caller and the
-//! failure policy.
-//!
-//! Both answer `503 lock_backend_unavailable` when the store cannot be reached
-//! (fail closed: never run a request whose duplicate could not be ruled out),
-//! and refuse a new key or token beyond the store's
-//! [`IdempotencyLimits`](dlock_core::idempotency::IdempotencyLimits) with
-//! `429 idempotency_scope_full` (the caller's cap) or
-//! `503 idempotency_store_full` (the total), `Retry-After` until the oldest
-//! record expires. A refusal made before the body is read drains it first,
-//! as the lock layers do, so a client still sending it reads the answer.
+//! A request counts only when its route ran to a result ([`stored_by_default`]);
+//! once claimed, it runs to its end. An unreachable store is
+//! `503 lock_backend_unavailable` (fail closed).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
 //! use axum::{body::Body, http::Request, routing::{get, post}, Router};
 //! use dlock_axum::idempotency::{token_handler, IdempotencyLayer, TokenLayer};
-//! use dlock_axum::LockerExt;
+//! use dlock_axum::DlockExt;
 //! use dlock_core::{Locker, MemoryBackend};
 //! use tower::ServiceExt;
 //!
 //! let app: Router = Router::new()
-//!     .route("/idempotency/token", get(token_handler()))
+//!     .route("/idempotency/token", get(token_handler(None)))
 //!     .route("/orders", post(|| async { "placed" }).route_layer(TokenLayer::new().query_param("token")))
 //!     .route("/payments", post(|| async { "paid" }).layer(IdempotencyLayer::new()))
-//!     .with_locker(Locker::new(MemoryBackend::new())); // records in this process
+//!     .with_dlock(Locker::new(MemoryBackend::new())); // records in this process
 //!
 //! let res = app.clone().oneshot(Request::post("/orders").body(Body::empty()).unwrap()).await.unwrap();
 //! assert_eq!(res.status(), 400); // idempotency_token_missing
@@ -70,11 +40,13 @@ use crate::rejection::Rejection;
 
 mod key;
 mod lease;
+mod settle;
 mod token;
 #[cfg(feature = "postgres")]
 mod transaction;
 
-pub use key::{stored_by_default, IdempotencyLayer, Idempotent, DEFAULT_METHODS, DEFAULT_STORED_HEADERS};
+pub use key::{IdempotencyLayer, Idempotent, DEFAULT_METHODS};
+pub use settle::{stored_by_default, DEFAULT_STORED_HEADERS};
 
 pub use token::{RequireToken, TokenLayer, TokenResponse};
 #[cfg(feature = "postgres")]
@@ -87,11 +59,9 @@ pub const KEY_HEADER: &str = "idempotency-key";
 /// The request header of token mode.
 pub const TOKEN_HEADER: &str = "idempotency-token";
 /// Longest accepted `Idempotency-Key`.
-pub const MAX_KEY_LEN: usize = 255;
+pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 
-/// Where a layer or token endpoint takes its records: its own store and TTL
-/// when given ([`IdempotencyLayer::with_store`], [`TokenLayer::with_store`]),
-/// else the installed [`DlockRuntime`](dlock_core::DlockRuntime)'s.
+/// Where a layer takes its records: its own store and TTL, else the installed runtime's.
 #[derive(Clone, Default)]
 pub(crate) struct Records {
     store: Option<Arc<dyn IdempotencyStore>>,
@@ -116,8 +86,7 @@ impl Records {
         self
     }
 
-    /// The TTL of records for one request: the one given here, else the
-    /// installed runtime's, else the default.
+    /// The TTL for one request: this one, else the runtime's, else the default.
     pub(crate) fn ttl_in_request(&self, extensions: &axum::http::Extensions) -> Duration {
         match (self.ttl, crate::install::installed(extensions)) {
             (Some(ttl), _) => ttl,
@@ -126,10 +95,8 @@ impl Records {
         }
     }
 
-    /// The store and TTL for one request: the ones given here, else the
-    /// installed runtime's. A runtime whose configuration keeps no records
-    /// (RedLock or ZooKeeper locks without `DLOCK_IDEMPOTENCY_REDIS_URL`)
-    /// refuses with `500 lock_misconfigured`, its log naming the variable.
+    /// The store and TTL for one request; a runtime without records (RedLock or
+    /// ZooKeeper without `DLOCK_IDEMPOTENCY_REDIS_URL`) is `500 lock_misconfigured`.
     pub(crate) fn in_request(
         &self,
         extensions: &axum::http::Extensions,
@@ -148,56 +115,28 @@ impl Records {
     }
 }
 
-/// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`,
-/// or `503 lock_backend_unavailable`; records in the installed runtime.
-/// Mount it where clients ask for tokens. A `HEAD` gets the headers, and no
-/// token is issued for it.
+/// A handler that issues a token: `200 {"token": "...", "expires_in_secs": n}`
+/// (`HEAD`: headers only). With a [`Caller`], tokens are bound to the
+/// request's caller ([`TokenLayer::caller`]; none: `400 idempotency_scope_missing`);
+/// with `None`, anyone may spend one.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use axum::{body::Body, http::Request, routing::get, Router};
-/// use dlock_axum::{idempotency::token_handler, LockerExt};
+/// use dlock_axum::{idempotency::token_handler, Caller, DlockExt};
 /// use dlock_core::{Locker, MemoryBackend};
 /// use tower::ServiceExt;
 /// let app: Router = Router::new()
-///     .route("/idempotency/token", get(token_handler()))
-///     .with_locker(Locker::new(MemoryBackend::new()));
-/// let res = app.oneshot(Request::get("/idempotency/token").body(Body::empty()).unwrap()).await.unwrap();
+///     .route("/idempotency/token", get(token_handler(None)))
+///     .route("/my/token", get(token_handler(Some(Caller::header("x-user")))))
+///     .with_dlock(Locker::new(MemoryBackend::new()));
+/// let res = app.clone().oneshot(Request::get("/idempotency/token").body(Body::empty()).unwrap()).await.unwrap();
+/// assert_eq!(res.status(), 200);
+/// let res = app.oneshot(Request::get("/my/token").header("x-user", "alice").body(Body::empty()).unwrap()).await.unwrap();
 /// assert_eq!(res.status(), 200);
 /// # }
 /// ```
-pub fn token_handler() -> impl Fn(Parts) -> Issued + Clone + Send + Sync + 'static {
-    issuing(None)
-}
-
-/// A handler that issues a token bound to the request's caller, as
-/// `caller` names it: only a [`TokenLayer::caller`] of the same [`Caller`],
-/// on a request of the same caller, accepts it. A request without a caller
-/// is `400 idempotency_scope_missing`.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// use axum::{body::Body, http::Request, routing::get, Router};
-/// use dlock_axum::{idempotency::bound_token_handler, Caller, LockerExt};
-/// use dlock_core::{Locker, MemoryBackend};
-/// use tower::ServiceExt;
-/// let app: Router = Router::new()
-///     .route("/token", get(bound_token_handler(Caller::header("x-user"))))
-///     .with_locker(Locker::new(MemoryBackend::new()));
-/// let res = app.oneshot(Request::get("/token").header("x-user", "alice").body(Body::empty()).unwrap()).await.unwrap();
-/// assert_eq!(res.status(), 200);
-/// # }
-/// ```
-pub fn bound_token_handler(caller: Caller) -> impl Fn(Parts) -> Issued + Clone + Send + Sync + 'static {
-    issuing(Some(caller))
-}
-
-/// The future of a token handler.
-type Issued = std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send>>;
-
-/// The token handlers: unbound tokens (`None`), or tokens bound to the
-/// request's caller, refused when it names none.
-fn issuing(caller: Option<Caller>) -> impl Fn(Parts) -> Issued + Clone + Send + Sync + 'static {
+pub fn token_handler(caller: Option<Caller>) -> impl Fn(Parts) -> Issued + Clone + Send + Sync + 'static {
     move |parts: Parts| {
         let records = Records::default().in_request(&parts.extensions);
         let principal = caller.as_ref().map(|caller| caller.of(&parts));
@@ -212,3 +151,6 @@ fn issuing(caller: Option<Caller>) -> impl Fn(Parts) -> Issued + Clone + Send + 
         })
     }
 }
+
+/// The future of a token handler.
+type Issued = std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send>>;

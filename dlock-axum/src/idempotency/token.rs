@@ -1,6 +1,5 @@
 //! Token mode: issue and consume one-time tokens.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -13,8 +12,8 @@ use tower::{Layer, Service};
 
 use dlock_core::idempotency::{Claim, IdempotencyStore, TokenClaim};
 
-use super::key::stored_by_default;
 use super::lease;
+use super::settle::{self, kept, stored_by_default, KeepWhen};
 use super::{Records, TOKEN_HEADER};
 use crate::caller::Caller;
 use crate::future::ResponseFuture;
@@ -22,10 +21,6 @@ use crate::pipeline::body::discard;
 use crate::pipeline::detached::{self, CatchUnwind, Settled};
 use crate::pipeline::outage::STORE;
 use crate::rejection::Rejection;
-
-/// Decides from the route's response whether its token is spent; see
-/// [`TokenLayer::spend_when`].
-type SpendWhen = Arc<dyn Fn(&Response) -> bool + Send + Sync>;
 
 /// The body of the token endpoint.
 ///
@@ -53,10 +48,7 @@ impl TokenResponse {
     }
 }
 
-/// The token endpoint's answer: a new token from `store`, or for `HEAD`
-/// (which axum routes to a `GET` handler) the same headers without one: a
-/// `HEAD` is a look at the endpoint, and a token stored for it would fill
-/// the store with tokens nobody received.
+/// The token endpoint's answer: a new token, or for `HEAD` the headers only (no token stored).
 pub(super) async fn issue(
     store: &Arc<dyn IdempotencyStore>,
     method: &Method,
@@ -66,11 +58,7 @@ pub(super) async fn issue(
     if method == Method::HEAD {
         return token_response(Body::empty());
     }
-    let issued = match principal {
-        Some(principal) => store.issue_bound_token(principal, ttl).await,
-        None => store.issue_token(ttl).await,
-    };
-    match issued {
+    match store.issue_token(principal, ttl).await {
         Ok(token) => {
             let body = TokenResponse { token, expires_in_secs: ttl.as_secs() }.to_json();
             token_response(Body::from(body))
@@ -86,8 +74,7 @@ pub(super) async fn issue(
     }
 }
 
-/// A token endpoint, or a route of bound tokens, that cannot name the
-/// request's caller: `idempotency_scope_missing`, speaking of the token.
+/// `idempotency_scope_missing`, speaking of a bound token.
 pub(super) fn scope_missing() -> Rejection {
     Rejection::idempotency_scope_missing().with_message("the request does not name the caller its token is bound to")
 }
@@ -103,43 +90,25 @@ fn token_response(body: Body) -> Response {
 
 /// Admits one request per one-time token.
 ///
-/// Reads the `Idempotency-Token` header, else the query parameter set with
-/// [`TokenLayer::query_param`]; a token sent more than once (two headers, two
-/// parameters, or one of each) is `400 idempotency_token_duplicated`. The token is claimed atomically before the
-/// route runs — of any number of concurrent submits exactly one runs, the
-/// others get `409 idempotency_request_in_progress` (transient) — and then:
-///
-/// * **spent** when the route ran to a result (the rule of
-///   [`stored_by_default`](super::stored_by_default), the same one that
-///   completes an `Idempotency-Key`): a later submit gets
-///   `409 idempotency_token_unknown`;
-/// * **given back**, with the rest of its TTL, when the route did not run or
-///   failed: a refusal before the work (axum's `415`/`400`/`422` extractor
-///   rejections, dlock's own refusals), a `5xx`, a panic or the inner
-///   service's error. The corrected retry can use it.
-///
-/// Once claimed, the route runs on a task of its own: a client that hangs
-/// up (hyper then drops the request) cancels neither the route nor the
-/// spending of its token, so a resubmit is refused, never run twice.
-///
-/// An instance that dies while running a request leaves its token claimed:
-/// once the claim's lease ([`TokenLayer::lease`], renewed while the route
-/// runs) has run out, a resubmit gets `409 idempotency_outcome_unknown`
-/// (final: it counts as spent, never run twice).
+/// The token (`Idempotency-Token`, or [`query_param`](TokenLayer::query_param))
+/// is claimed atomically (concurrent submits: `409 idempotency_request_in_progress`),
+/// then **spent** when the route ran to a result ([`stored_by_default`](super::stored_by_default);
+/// a resubmit: `409 idempotency_token_unknown`), else **given back**. A hang-up
+/// cannot cut the route; a dead instance's token is `409 idempotency_outcome_unknown`.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use std::sync::Arc;
 /// use axum::{body::Body, http::Request, routing::post, Router};
-/// use dlock_axum::{idempotency::TokenLayer, DlockRuntime, LockerExt};
+/// use dlock_axum::{idempotency::TokenLayer, DlockRuntime, DlockExt};
 /// use dlock_core::{Locker, MemoryBackend};
 /// use tower::ServiceExt;
 ///
 /// let dlock = DlockRuntime::new(Locker::new(MemoryBackend::new()));
 /// let app: Router = Router::new()
 ///     .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new()))
-///     .with_locker(dlock.clone());
-/// let token = dlock.idempotency_store().unwrap().issue_token(dlock.idempotency_ttl()).await.unwrap();
+///     .with_dlock(dlock.clone());
+/// let token = dlock.idempotency_store().unwrap().issue_token(None, dlock.idempotency_ttl()).await.unwrap();
 /// let submit = || Request::post("/submit").header("idempotency-token", &token).body(Body::empty()).unwrap();
 /// assert_eq!(app.clone().oneshot(submit()).await.unwrap().status(), 200);
 /// assert_eq!(app.oneshot(submit()).await.unwrap().status(), 409);
@@ -150,7 +119,8 @@ pub struct TokenLayer {
     records: Records,
     query_param: Option<String>,
     duplicate: Rejection,
-    spend_when: SpendWhen,
+    /// Whether the route's response spends its token ([`TokenLayer::spend_when`]).
+    spend_when: KeepWhen,
     /// The caller tokens are bound to; `None`: unbound tokens.
     caller: Option<Caller>,
     /// The lease of a claim, renewed while the route runs.
@@ -176,8 +146,7 @@ impl Default for TokenLayer {
 }
 
 impl TokenLayer {
-    /// Tokens from the `Idempotency-Token` header, in the store of the
-    /// installed [`DlockRuntime`](dlock_core::DlockRuntime).
+    /// Tokens from the `Idempotency-Token` header, in the installed runtime's store.
     pub fn new() -> Self {
         TokenLayer {
             records: Records::default(),
@@ -194,18 +163,15 @@ impl TokenLayer {
     /// ```
     /// use std::sync::Arc;
     /// use dlock_axum::idempotency::TokenLayer;
-    /// let layer = TokenLayer::new().with_store(Arc::new(dlock_core::idempotency::MemoryStore::new()));
+    /// let layer = TokenLayer::new().store(Arc::new(dlock_core::idempotency::MemoryStore::new()));
     /// ```
-    pub fn with_store(mut self, store: Arc<dyn IdempotencyStore>) -> Self {
+    pub fn store(mut self, store: Arc<dyn IdempotencyStore>) -> Self {
         self.records = self.records.with_store(store);
         self
     }
 
-    /// The lease of a token's claim (default 10 s): renewed every third of
-    /// it while the route runs, so a route may take longer; it is how long
-    /// a token whose instance died answers `409 idempotency_request_in_progress`
-    /// before it answers `409 idempotency_outcome_unknown` (it then counts
-    /// as spent).
+    /// The lease of a token's claim (default 10 s), renewed while the route
+    /// runs: how long a dead instance's token stays "in progress".
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
@@ -229,18 +195,14 @@ impl TokenLayer {
         self
     }
 
-    /// Accepts only tokens bound to the request's caller: issued by
-    /// [`bound_token_handler`](super::bound_token_handler) with the same
-    /// `caller`. A request without a caller is
-    /// `400 idempotency_scope_missing`; a token bound to another caller (or
-    /// to none) is `409 idempotency_token_unknown`, so a leaked token is of
-    /// no use to anyone else.
+    /// Accepts only tokens a [`token_handler`](super::token_handler) of the same
+    /// `caller` bound to the request's caller (others: `409`; no caller: `400`).
     ///
     /// ```
     /// use axum::{routing::{get, post}, Router};
-    /// use dlock_axum::{idempotency::{bound_token_handler, TokenLayer}, Caller};
+    /// use dlock_axum::{idempotency::{token_handler, TokenLayer}, Caller};
     /// let app: Router = Router::new()
-    ///     .route("/token", get(bound_token_handler(Caller::cookie("session"))))
+    ///     .route("/token", get(token_handler(Some(Caller::cookie("session")))))
     ///     .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new().caller(Caller::cookie("session"))));
     /// ```
     pub fn caller(mut self, caller: Caller) -> Self {
@@ -248,9 +210,8 @@ impl TokenLayer {
         self
     }
 
-    /// Which answers of the route spend the token (default
-    /// [`stored_by_default`](super::stored_by_default)); the others give it
-    /// back. A `5xx` always gives it back.
+    /// Which answers spend the token (default [`stored_by_default`](super::stored_by_default));
+    /// the others, and every `5xx`, give it back.
     ///
     /// ```
     /// use dlock_axum::idempotency::{stored_by_default, TokenLayer};
@@ -271,8 +232,7 @@ impl<S> Layer<S> for TokenLayer {
     }
 }
 
-/// The service of [`TokenLayer`]: consumes the request's one-time token,
-/// then calls the inner service, whose error passes through unchanged.
+/// The service of [`TokenLayer`]; the inner service's error passes through.
 ///
 /// ```
 /// use axum::{routing::post, Router};
@@ -296,9 +256,8 @@ impl RequireToken<()> {
 impl<S> RequireToken<S> {
     inner_service_accessors!();
 
-    /// The request's token: `Ok(None)` when it sent none; the refusal when
-    /// it sent more than one (two headers, two query parameters, or both,
-    /// even if equal). A header that is not text is a token no store knows.
+    /// The request's token, `None` when it sent none, refused when sent twice
+    /// (even equal). A header that is not text is a token no store knows.
     fn token(&self, req: &Request<Body>) -> Result<Option<String>, Rejection> {
         let header = crate::headers::sole(req.headers(), TOKEN_HEADER)
             .map_err(|_| Rejection::idempotency_token_duplicated())?
@@ -343,13 +302,11 @@ where
         let mut inner = take_ready(&mut self.inner);
         let token = self.token(&req);
         let layer = self.layer.clone();
-        // The caller the token must be bound to, read before the request
-        // moves into the route.
         let (parts, body) = req.into_parts();
         let principal = layer.caller.as_ref().map(|caller| caller.of(&parts));
         let records = layer.records.in_request(&parts.extensions);
         let req = Request::from_parts(parts, body);
-        ResponseFuture::new(async move {
+        ResponseFuture::observed(crate::observe::Face::Token, "token".into(), async move {
             let asked = match (token, principal, records) {
                 (Err(refused), _, _) => Err(refused.into_response()),
                 (Ok(None), _, _) => Err(Rejection::idempotency_token_missing().into_response()),
@@ -361,32 +318,27 @@ where
                 Ok(asked) => asked,
                 Err(response) => return Ok(refuse(req, response).await),
             };
-            // From the claim on, the request runs on its own task: a client
-            // that hangs up while the claim is on its way, or while the
-            // route runs, cancels neither, so the token is spent by the
-            // route's answer or given back, never stranded half-claimed.
+            // On its own task from the claim on: a hang-up never strands it half-claimed.
             detached::run_detached(move |client| async move {
                 let claim = match claim_token(&layer, &*store, &token, principal.as_deref()).await {
                     Ok(claim) => claim,
                     Err(response) => return Settled::Answer(refuse(req, response).await),
                 };
                 if client.is_gone() {
-                    // Nobody waits for the route's answer: the token goes
-                    // back unspent, and its owner may submit it again.
+                    // Nobody waits for the answer: the token goes back unspent.
                     give_back(&*store, &claim).await;
                     return Settled::Answer(Rejection::idempotency_request_in_progress().into_response());
                 }
                 let route = inner.call(req);
-                settle(layer.spend_when, store, claim, layer.lease, route).await
+                let answered = lease::renewing(&*store, &claim, layer.lease, CatchUnwind(Box::pin(route))).await;
+                settle::settle(ClaimedToken { store, claim, spend_when: layer.spend_when }, answered).await
             })
             .await
         })
     }
 }
 
-/// Answers a request refused before its route read the body: the body is
-/// drained first, or a client still sending it gets a broken pipe instead
-/// of this answer.
+/// Answers a request refused before its body was read, draining the body first.
 async fn refuse(req: Request<Body>, response: Response) -> Response {
     let (parts, body) = req.into_parts();
     discard(&parts.headers, body, false).await;
@@ -416,8 +368,7 @@ async fn claim_token(
                  fetch a new token",
             )
             .into_response()),
-        // Unknown, and whatever a newer store answers: never run on an
-        // answer this layer does not know.
+        // Unknown, or an answer this layer does not know: never run on it.
         Ok(_) => Err(layer.duplicate.clone().into_response()),
         Err(e) => {
             // An outage is told once, with a count, by the outage log.
@@ -426,46 +377,38 @@ async fn claim_token(
             } else {
                 tracing::warn!(error = %e, "dlock: claiming an idempotency token failed");
             }
-            // `Retry-After` on a 503 comes with the rejection's response.
             Err(Rejection::from_lock_error(&e).into_response())
         }
     }
 }
 
-/// Runs the route of a claimed token (renewing the claim meanwhile) and
-/// spends the token, or gives it back when the route did not run to a result.
-async fn settle<R: IntoResponse, E>(
-    spend_when: SpendWhen,
+/// A one-time token claimed for one run of its route: spent, or given back.
+struct ClaimedToken {
     store: Arc<dyn IdempotencyStore>,
     claim: Claim,
-    lease: Duration,
-    route: impl Future<Output = Result<R, E>> + Send,
-) -> Settled<E> {
-    let response = match lease::renewing(&*store, &claim, lease, CatchUnwind(Box::pin(route))).await {
-        Ok(Ok(res)) => res.into_response(),
-        Ok(Err(e)) => {
-            give_back(&*store, &claim).await;
-            return Settled::Failed(e);
-        }
-        Err(panic) => {
-            give_back(&*store, &claim).await;
-            return Settled::Panicked(panic);
-        }
-    };
-    if !response.status().is_server_error() && spend_when(&response) {
-        match store.spend_token(&claim).await {
+    spend_when: KeepWhen,
+}
+
+impl settle::Claimed for ClaimedToken {
+    fn keeps(&self, response: &Response) -> bool {
+        kept(&self.spend_when, response)
+    }
+
+    async fn abandon(self) {
+        give_back(&*self.store, &self.claim).await;
+    }
+
+    async fn keep(self, response: Response) -> Response {
+        match self.store.spend_token(&self.claim).await {
             Ok(true) => {}
-            // Claimed, and its lease ran out: it answers "outcome unknown"
-            // until its TTL ends, which counts as spent.
+            // Its lease ran out: it answers "outcome unknown" for its TTL, which counts as spent.
             Ok(false) => {
                 tracing::warn!("dlock: an idempotency token's claim ran out before it was spent; it stays claimed")
             }
             Err(e) => tracing::warn!(error = %e, "dlock: spending an idempotency token failed; it stays claimed"),
         }
-    } else {
-        give_back(&*store, &claim).await;
+        response
     }
-    Settled::Answer(response)
 }
 
 async fn give_back(store: &dyn IdempotencyStore, claim: &Claim) {

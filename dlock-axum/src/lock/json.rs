@@ -1,12 +1,6 @@
-//! Reading only the JSON fields a key needs.
-//!
-//! The whole body is still checked to be one valid JSON value, but only the
-//! objects on the way to a key field are built; every other value is skipped
-//! without allocating. The result keeps just the values on those paths, so
-//! the key is derived exactly as from the full document. A body is refused
-//! exactly when parsing it into a [`Value`] fails, nesting limit and number
-//! range included (found by the `lock_layer` fuzz target: serde_json's own
-//! `IgnoredAny` skips without either check).
+//! Reading only the JSON fields a key needs: the whole body is checked to be
+//! one valid JSON value (as a [`Value`] parse checks it), but only the values
+//! on the way to key fields are kept. Why: `docs/axum-design.md`.
 
 use std::fmt;
 
@@ -54,19 +48,16 @@ impl Want {
 /// What [`read`] kept of a JSON value.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Picked {
-    /// The value as parsed: a key field ends here, or a scalar stands where
-    /// a path goes on (the lookup then finds nothing, as in the document).
+    /// The value as parsed: a key field ends here, or a scalar blocks the path.
     Whole(Value),
-    /// An object or array on the way to key fields: slot `i` holds what was
-    /// found for the `i`-th member of its [`Want::Members`], `None` when the
-    /// document has no such member.
+    /// An object or array on the way to key fields: slot `i` for the `i`-th of
+    /// its [`Want::Members`], `None` when the document has no such member.
     Members(Vec<Option<Picked>>),
 }
 
 impl Picked {
-    /// Walks `segments` (object keys, or indices into arrays) down, finding
-    /// exactly what the same walk finds in the whole document. `want` is
-    /// what [`read`] was given: it says which slot a segment is in.
+    /// Walks `segments` down, finding exactly what the same walk finds in the
+    /// whole document; `want` is what [`read`] was given.
     pub(crate) fn lookup<'a>(&'a self, want: &Want, segments: &[String]) -> Option<&'a Value> {
         match (self, want) {
             (Picked::Whole(value), _) => lookup(value, segments),
@@ -90,11 +81,7 @@ pub(crate) fn lookup<'a>(root: &'a Value, segments: &[String]) -> Option<&'a Val
     })
 }
 
-/// Parses `body` as one JSON value and keeps what `want` names.
-///
-/// Only the wanted members are kept, in slots: no map is built and no
-/// member name is copied (a key on one top-level field costs one small
-/// allocation besides its value).
+/// Parses `body` as one JSON value and keeps, in slots, what `want` names.
 pub(crate) fn read(body: &[u8], want: &Want) -> serde_json::Result<Picked> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let picked = Pruned(want).deserialize(&mut de)?;
@@ -119,9 +106,7 @@ impl<'de> DeserializeSeed<'de> for Pruned<'_> {
     }
 }
 
-/// Visits a value on the way to key fields: objects and arrays keep only the
-/// wanted members, scalars are kept as they are (a path cannot go through
-/// them, which the lookup then reports as a missing field).
+/// Visits a value on the way to key fields, keeping only the wanted members.
 struct Members<'w>(&'w [(String, Want)]);
 
 impl Members<'_> {
@@ -215,12 +200,8 @@ impl<'de> Visitor<'de> for Members<'_> {
     }
 }
 
-/// Skips one value without keeping it. Unlike `IgnoredAny`, which
-/// serde_json skips by a fast path that neither limits nesting nor checks
-/// that numbers fit an `f64`, it goes through `deserialize_any`, so the body
-/// is held to the same rules as when parsed into a [`Value`] (128 levels,
-/// `1e400` refused): a body a route's `Json` extractor would refuse is not
-/// let through to it.
+/// Skips one value through `deserialize_any`, not `IgnoredAny`'s fast path,
+/// so nesting and number range are checked as a `Value` parse checks them.
 struct Skip;
 
 impl<'de> DeserializeSeed<'de> for Skip {
@@ -275,8 +256,7 @@ impl<'de> Visitor<'de> for Skip {
     }
 }
 
-/// An object key, compared with the wanted names without allocating (keys
-/// without escapes are borrowed from the body).
+/// An object key, compared without allocating (borrowed when it has no escapes).
 struct KeyIn<'a, 'w>(&'a Members<'w>);
 
 impl<'de> DeserializeSeed<'de> for KeyIn<'_, '_> {

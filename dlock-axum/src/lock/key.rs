@@ -11,9 +11,8 @@ use super::spec::{KeySource, Spec};
 use crate::pipeline::refusal::Refusal;
 use crate::rejection::Rejection;
 
-/// A JSON value as a key part: strings as their text, `null` as dlock's
-/// "no value" part (distinct from every string), everything else as its
-/// compact JSON text (object keys sorted, so equal objects give equal keys).
+/// A JSON value as a key part: strings as their text, `null` as dlock's "no
+/// value" part, anything else as its compact JSON text (object keys sorted).
 struct JsonPart<'a>(&'a Value);
 
 impl KeyPart for JsonPart<'_> {
@@ -21,9 +20,7 @@ impl KeyPart for JsonPart<'_> {
         match self.0 {
             Value::Null => None::<&str>.write_part(out),
             Value::String(s) => escape_into(s, out),
-            // Digits, sign, '.', 'e': nothing to escape, so no detour
-            // through a temporary string. Integers as dlock's integer parts
-            // write them (the same text as `Display`).
+            // Integers as dlock's integer parts write them, without a temporary string.
             Value::Number(n) => match (n.as_u64(), n.as_i64()) {
                 (Some(u), _) => u.write_part(out),
                 (None, Some(i)) => i.write_part(out),
@@ -53,9 +50,7 @@ impl Keys {
     }
 }
 
-/// Builds the keys of `spec` from the request: the first key, then those
-/// of [`LockLayer::also`](super::LockLayer::also), each from its parts in
-/// the declared order.
+/// Builds the first key of `spec`, then those of [`LockLayer::also`](super::LockLayer::also).
 pub(crate) async fn build_keys(
     spec: &Spec,
     locker: &Locker,
@@ -163,9 +158,7 @@ fn missing(source: &KeySource) -> Refusal {
     Refusal::invalid(Rejection::missing_field(source))
 }
 
-/// An empty or blank header or query value is no value: as the key part `""`
-/// it would put every request without one under one lock (as
-/// [`Caller::header`](crate::Caller::header) finds no caller in it).
+/// An empty or blank value is no value: as `""` it would put all such requests under one lock.
 fn is_blank(value: &[u8]) -> bool {
     value.iter().all(u8::is_ascii_whitespace)
 }
@@ -174,10 +167,7 @@ fn empty(source: &KeySource) -> Refusal {
     Refusal::invalid(Rejection::field_missing().with_message(format!("{source} is empty")))
 }
 
-/// A query parameter or header of the key sent more than once: the key
-/// would take one of the values and the handler's extractor may take another
-/// (axum's `Query<HashMap>` takes the last), so the lock would not protect
-/// what the handler acts on.
+/// A key field sent twice: the lock and the handler could read different values.
 fn duplicated(source: &KeySource) -> Refusal {
     Refusal::invalid(
         Rejection::field_duplicated().with_message(format!("{source} is sent more than once; send it once")),

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::HeaderName;
-use dlock_core::backend::LockMode;
+use dlock_core::LockMode;
 use dlock_core::Locker;
 use tower::Layer;
 
@@ -17,16 +17,13 @@ use crate::pipeline::policy::Policy;
 
 /// Locks a route on a key built from request fields; see the [module docs](crate::lock).
 ///
-/// The key is `prefix:{name:part1:part2…}` with the parts in the order they
-/// were declared, each escaped so that no two requests with different values
-/// share a key. JSON values count as text for strings and as their JSON text
-/// for numbers, booleans, objects and arrays; `null` is a value of its own,
-/// distinct from every string; a missing field is a `400`.
+/// The key is `prefix:{name:part1:part2…}`, parts escaped in declared order
+/// (JSON strings as text, other values as JSON); a missing field is a `400`.
 ///
 /// ```
 /// use std::time::Duration;
 /// use axum::{routing::post, Router};
-/// use dlock_axum::{LockLayer, LockerExt};
+/// use dlock_axum::{LockLayer, DlockExt};
 /// use dlock_core::{Locker, MemoryBackend};
 ///
 /// let layer = LockLayer::new("order.create")
@@ -39,7 +36,7 @@ use crate::pipeline::policy::Policy;
 ///     .code(4001);
 /// let app: Router = Router::new()
 ///     .route("/orders", post(|body: String| async move { body }).route_layer(layer))
-///     .with_locker(Locker::new(MemoryBackend::new()));
+///     .with_dlock(Locker::new(MemoryBackend::new()));
 /// ```
 #[derive(Clone)]
 pub struct LockLayer {
@@ -67,8 +64,7 @@ impl fmt::Debug for LockLayer {
 }
 
 impl LockLayer {
-    /// A layer for the lock called `name` (a key with no parts yet: every
-    /// request of the route takes the same lock until parts are added).
+    /// A layer for the lock `name`: one lock for the route until parts are added.
     pub fn new(name: impl Into<String>) -> Self {
         LockLayer {
             spec: Arc::new(Spec {
@@ -88,15 +84,9 @@ impl LockLayer {
         self
     }
 
-    /// Adds a field of the JSON body to the key (to the key the last
-    /// [`also`](Self::also) started, if any; so for every part). `path` may walk nested
-    /// objects and arrays: `"product.id"`, `"items.0.sku"`.
-    ///
-    /// The layer then reads the body (at most [`max_body_bytes`](Self::max_body_bytes)),
-    /// parses it once and hands the same bytes on to the route. A request
-    /// whose `Content-Type` is not JSON is refused with
-    /// `415 unsupported_media_type` before anything is read or locked (one
-    /// without `Content-Type` is read as JSON).
+    /// Adds a field of the JSON body (`"product.id"`, `"items.0.sku"`), read
+    /// once up to [`max_body_bytes`](Self::max_body_bytes) and handed on
+    /// unchanged; a `Content-Type` that is not JSON is `415`.
     pub fn json(self, path: impl Into<String>) -> Self {
         let path = path.into();
         let segments: Vec<String> = path.split('.').map(str::to_owned).collect();
@@ -106,37 +96,26 @@ impl LockLayer {
         })
     }
 
-    /// Adds a query-string parameter (percent-decoded). A request without
-    /// it, or with an empty or blank value (`?name=`), is refused with
-    /// `400 lock_key_field_missing`, as for [`header`](Self::header); one that
-    /// sends it more than once with `400 lock_key_field_duplicated`: the
-    /// key and the handler could otherwise read different values.
+    /// Adds a query parameter (percent-decoded); missing, empty or blank →
+    /// `400 lock_key_field_missing`, sent twice → `400 lock_key_field_duplicated`.
     pub fn query(self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.with(|s| s.last_parts().push(KeySource::Query(name)))
     }
 
-    /// Adds a path parameter of the route (`/items/{id}` → `path("id")`).
-    ///
-    /// Path parameters exist once the router has matched the route: put the
-    /// layer on the route (`post(handler).route_layer(..)`) or on the router
-    /// (`Router::route_layer`, which wraps each route), not around the whole
-    /// router as a service; there it answers `500 lock_misconfigured`.
+    /// Adds a path parameter (`/items/{id}` → `path("id")`); around a whole
+    /// router no route is matched yet, so that is `500 lock_misconfigured`.
     pub fn path(self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.with(|s| s.last_parts().push(KeySource::Path(name)))
     }
 
-    /// Adds a request header. A request without it, or with an empty or
-    /// blank value, is refused with `400 lock_key_field_missing` (as
-    /// [`Caller::header`](crate::Caller::header) finds no caller in it); one
-    /// that sends it more than once with `400 lock_key_field_duplicated`, as
-    /// for [`query`](Self::query).
+    /// Adds a request header; missing, empty or blank →
+    /// `400 lock_key_field_missing`, sent twice → `400 lock_key_field_duplicated`.
     ///
     /// # Panics
     ///
-    /// When `name` is not a valid header name: that is a programming error
-    /// found on start-up, like an invalid route path in axum.
+    /// When `name` is not a valid header name.
     pub fn header(self, name: &str) -> Self {
         let name = match HeaderName::from_bytes(name.as_bytes()) {
             Ok(name) => name,
@@ -145,13 +124,8 @@ impl LockLayer {
         self.with(|s| s.last_parts().push(KeySource::Header(name)))
     }
 
-    /// Takes the key in shared mode (a read lock): requests of shared routes
-    /// on one key run together, and a request that takes the key exclusively
-    /// (a [`LockLayer`] without `shared`, a `#[lockable]` without
-    /// `mode = "shared"`) runs alone. A shared request that finds the key held
-    /// exclusively (or an exclusive one that finds it shared) waits, then is
-    /// refused with the route's `409` (`duplicate_submission`, or
-    /// `lock_wait_timeout` after a wait).
+    /// Takes the key shared (a read lock): shared requests run together, an
+    /// exclusive one alone; the other mode waits, then gets the route's `409`.
     ///
     /// ```
     /// use std::time::Duration;
@@ -172,11 +146,8 @@ impl LockLayer {
         self.with(|s| s.policy.mode = LockMode::Shared)
     }
 
-    /// Lets at most `n` requests hold the key at once (a semaphore): the
-    /// `n + 1`-th waits up to [`wait`](Self::wait), then is refused with
-    /// `429 lock_permits_exhausted` and `Retry-After`. Every route that
-    /// names the same key must use the same `n` (another `n`, or an exclusive
-    /// lock on it, is `500 lock_misconfigured`).
+    /// At most `n` requests hold the key at once (a semaphore); the next waits,
+    /// then gets `429 lock_permits_exhausted`. Every route of the key uses one `n`.
     ///
     /// ```
     /// use axum::{routing::post, Router};
@@ -189,24 +160,15 @@ impl LockLayer {
     ///
     /// # Panics
     ///
-    /// When `n` is zero: a programming error found on start-up.
+    /// When `n` is zero.
     pub fn permits(self, n: u32) -> Self {
         assert!(n > 0, "LockLayer::permits: a semaphore of 0 permits would refuse every request");
         self.with(|s| s.policy.mode = LockMode::permits(n))
     }
 
-    /// Starts a further key, the lock called `name`: the parts declared
-    /// after it ([`json`](Self::json), [`query`](Self::query),
-    /// [`path`](Self::path), [`header`](Self::header)) are its parts. The
-    /// route then takes every key all or none, in one global order of keys
-    /// (so two requests naming the same keys in opposite orders never
-    /// deadlock), each in the layer's mode, within one [`wait`](Self::wait).
-    /// A request refused because one of them is held gets the route's
-    /// `409`; which key was busy is logged (as its log id), never answered.
-    /// The [`FencingToken`](crate::FencingToken) and
-    /// [`HeldLock`](crate::HeldLock) the route sees are those of the first
-    /// key; [`HeldLocks`](crate::HeldLocks) gives every key's, for a route
-    /// that fences the storage of each (`locks.token("account", to)`).
+    /// Starts a further key, `name`, with the parts declared after it. All keys
+    /// are taken or none, in one global order (no deadlock), within one wait;
+    /// [`HeldLocks`](crate::HeldLocks) has every key's token.
     ///
     /// ```
     /// use axum::{routing::post, Router};
@@ -221,8 +183,7 @@ impl LockLayer {
         self.with(|s| s.also.push(Also { name, parts: Vec::new() }))
     }
 
-    /// How long a request waits for a held lock before it is refused with
-    /// `409` (default: the engine's, `DLOCK_WAIT_MS`, 0 = try once).
+    /// How long to wait for a held lock before the `409` (default `DLOCK_WAIT_MS`).
     pub fn wait(self, wait: Duration) -> Self {
         self.with(|s| s.policy.wait = Some(wait))
     }
@@ -232,16 +193,12 @@ impl LockLayer {
         self.with(|s| s.policy.lease = Some(lease))
     }
 
-    /// In watchdog mode, stop renewing once a request has held the lock this
-    /// long, so a stuck handler cannot keep it forever (the handler can see
-    /// it through the [`FencingToken`](crate::FencingToken) its storage
-    /// refuses afterwards).
+    /// In watchdog mode, stop renewing after this long (a stuck handler's cap).
     pub fn max_hold(self, max_hold: Duration) -> Self {
         self.with(|s| s.policy.max_hold = Some(max_hold))
     }
 
-    /// The `message` of the `409 duplicate_submission` answer (a lock held
-    /// by another request; a wait that ran out is `lock_wait_timeout`).
+    /// The `message` of the `409 duplicate_submission` answer.
     pub fn message(self, message: impl Into<Cow<'static, str>>) -> Self {
         let message = message.into();
         self.with(|s| s.policy.message = Some(message))
@@ -252,35 +209,16 @@ impl LockLayer {
         self.with(|s| s.policy.code = Some(code))
     }
 
-    /// The most body bytes read to find JSON fields. A larger body is
-    /// refused with `413`. Default: the installed engine's
-    /// ([`Dlock::max_body_bytes`](crate::DlockRuntime::max_body_bytes), from
-    /// `DLOCK_MAX_BODY_BYTES` through [`Config`](dlock_core::Config); 64 KiB).
+    /// The most body bytes read for JSON fields (`413` past it; default
+    /// [`DlockRuntime::max_body_bytes`](crate::DlockRuntime::max_body_bytes)).
     pub fn max_body_bytes(self, limit: usize) -> Self {
         self.with(|s| s.max_body_bytes = Some(limit))
     }
 
-    /// At most `max` locks held at once through this layer by requests of
-    /// the same [`Caller`]. A request beyond that is refused with
-    /// `429 too_many_locks` before any lock is asked for, so one client
-    /// cannot hold thousands of renewed locks; its holds end as they are
-    /// released, or at [`max_hold`](Self::max_hold). Counted in this
-    /// process, per layer (a service with N instances allows N × `max`).
-    ///
-    /// A request without a caller (the function says `None`, the header is
-    /// missing or empty) is refused with `400 lock_caller_missing`, before
-    /// any lock is asked for: it is neither let through uncounted, which
-    /// would make leaving the caller out a way around the cap, nor counted
-    /// with every other such request, where one client could use up the
-    /// cap of all the others. Put the route behind the authentication that
-    /// names its caller.
-    ///
-    /// **Name the caller your authentication established** (an extension
-    /// its layer set, a verified token's subject) with [`Caller::from_fn`].
-    /// A client chooses its own headers: [`Caller::header`] bounds nothing
-    /// unless a trusted proxy or gateway sets that header from the identity
-    /// it authenticated and drops any value the client sent; otherwise a
-    /// client gets a fresh cap for every value it makes up.
+    /// At most `max` locks held at once through this layer per [`Caller`] (in
+    /// this process): the next is `429 too_many_locks`, one without a caller
+    /// `400 lock_caller_missing`. Name the caller your authentication verified
+    /// ([`Caller::from_fn`]); see `docs/handlers.md`.
     ///
     /// ```
     /// use std::time::Duration;
@@ -298,14 +236,14 @@ impl LockLayer {
     ///
     /// # Panics
     ///
-    /// When `max` is zero: a programming error found on start-up.
+    /// When `max` is zero.
     pub fn max_holds_per(self, max: usize, caller: Caller) -> Self {
         assert!(max > 0, "LockLayer::max_holds_per: a cap of 0 would refuse every request");
         self.with(|s| s.quota = Some(Arc::new(Quota::new(caller, max))))
     }
 
     /// Uses `locker` instead of the one installed in the request extensions.
-    pub fn with_locker(self, locker: Locker) -> Self {
+    pub fn locker(self, locker: Locker) -> Self {
         self.with(|s| s.locker = Some(locker))
     }
 }

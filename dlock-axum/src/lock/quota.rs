@@ -1,18 +1,5 @@
-//! A cap on the locks one caller holds at once through a layer.
-//!
-//! A lock held in watchdog mode costs the lock service a key and a renewal
-//! every lease/3 for as long as its request runs. Without a cap, one client
-//! that opens thousands of slow requests with distinct keys holds thousands
-//! of locks; with it, the requests beyond the cap are refused with `429`
-//! before any lock is asked for, and other callers are not affected.
-//! (`max_hold` bounds how long each of the capped holds can last.)
-//!
-//! A request without a caller is refused (`400 lock_caller_missing`), not
-//! counted: a bucket of its own per request would let leaving the caller
-//! out get around the cap, and one bucket for all of them would let one
-//! such client use up the cap of every other (and would silently turn a
-//! per-caller cap into one global cap the day a proxy stops setting the
-//! header).
+//! A cap on the locks one caller holds at once through a layer
+//! ([`LockLayer::max_holds_per`](super::LockLayer::max_holds_per); `docs/axum-design.md`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -36,12 +23,10 @@ impl Quota {
     }
 
     fn held(&self) -> MutexGuard<'_, HashMap<String, usize>> {
-        // Counts are updated by single statements; a poisoned map is intact.
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes one of the caller's holds, or says why not: the request names
-    /// no caller, or its caller is over the cap.
+    /// Takes one of the caller's holds, or says why not.
     pub(crate) fn take(self: &Arc<Self>, parts: &Parts) -> Result<Permit, NoPermit> {
         let caller = self.caller.of(parts).ok_or(NoPermit::NoCaller)?;
         let mut held = self.held();
@@ -60,8 +45,7 @@ impl Quota {
     }
 }
 
-/// One hold counted against a caller; gives it back when dropped, which
-/// covers every way a request ends (answered, refused later, dropped).
+/// One hold counted against a caller, given back on drop (however the request ends).
 #[derive(Debug)]
 pub(crate) struct Permit {
     quota: Arc<Quota>,
@@ -74,8 +58,6 @@ impl Drop for Permit {
         if let Some(count) = held.get_mut(&self.caller) {
             *count = count.saturating_sub(1);
             if *count == 0 {
-                // No entry per caller that holds nothing: the map stays as
-                // small as the set of callers holding locks right now.
                 held.remove(&self.caller);
             }
         }

@@ -23,12 +23,8 @@ use crate::pipeline::until_commit::UntilCommit;
 use crate::rejection::Rejection;
 use crate::request::{HeldLock, RequestOwner};
 
-/// The service of [`LockLayer`](super::LockLayer): takes the request's lock, calls the inner
-/// service while holding it, and releases it once the inner service has
-/// answered (or, inside [`IdempotencyLayer::in_transaction`](crate::idempotency::IdempotencyLayer::in_transaction),
-/// once the route's transaction has ended). Once the inner service is
-/// called it runs to its end even if the client hangs up, so the lock
-/// covers everything the route does. See the [module docs](super).
+/// The service of [`LockLayer`](super::LockLayer): the route runs under the
+/// request's lock, to its end even if the client hangs up; see the [module docs](super).
 ///
 /// ```
 /// use axum::{routing::post, Router};
@@ -73,7 +69,8 @@ where
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let inner = take_ready(&mut self.inner);
-        ResponseFuture::new(run(self.spec.clone(), inner, req))
+        let name = self.spec.policy.name.clone();
+        ResponseFuture::observed(crate::observe::Face::Lock, name, run(self.spec.clone(), inner, req))
     }
 }
 
@@ -89,27 +86,20 @@ where
     let Admitted { held, permit, body } = match admit(&spec, &mut parts, &mut pending).await {
         Ok(admitted) => admitted,
         Err(refusal) => {
-            // A body the layer did not read (a 409, 415, 429, 503 refused
-            // before it) is drained first, so that a client still sending it
-            // reads the answer instead of a reset connection (`body.rs`). One
-            // read already is bytes in memory: nothing to wait for.
+            // A body not read yet is drained first, so the client reads the answer.
             if let Some(body) = pending {
                 discard(&parts.headers, body, false).await;
             }
             return Ok(refusal.respond(&spec.policy));
         }
     };
-    // Inside an in-transaction idempotency layer the lock lasts until the
-    // transaction has ended, not only until the route answers.
+    // Inside an in-transaction layer the lock lasts until the transaction ends.
     let until_commit = UntilCommit::of(&parts.extensions);
     let route = inner.call(Request::from_parts(parts, body));
-    // The route runs to its end under the lock, on a task of its own: a
-    // client that hangs up does not release the lock while the route (or
-    // an idempotency layer inside, which runs it detached) still works.
+    // The route runs to its end under the lock: a hang-up does not release it.
     run_detached(move |_| async move {
         let answered = CatchUnwind(Box::pin(route)).await.map(|r| r.map(IntoResponse::into_response));
-        // The permit, if the layer caps holds per caller, is given back
-        // after the release.
+        // A quota permit is given back after the release.
         let outcome = held.release_after_route(spec.policy.clone(), until_commit, permit).await;
         let mut settled = Settled::of(answered);
         if let Settled::Answer(response) = &mut settled {
@@ -120,19 +110,16 @@ where
     .await
 }
 
-/// A request that got its lock: the lock, the quota permit if any, the body
-/// to hand on (read already when the key needed it).
+/// A request that got its lock: the lock, the quota permit, the body to hand on.
 struct Admitted {
     held: Held,
     permit: Option<Permit>,
     body: Body,
 }
 
-/// Everything before the inner call: find the engine, read the body if
-/// needed, build the key, acquire. The body to hand on stays in `pending`:
-/// as it came, or as the bytes read when the key needed them.
+/// Everything before the inner call. The body to hand on stays in `pending`:
+/// as it came, or as the bytes read for the key.
 async fn admit(spec: &Spec, parts: &mut Parts, pending: &mut Option<Body>) -> Result<Admitted, Refusal> {
-    // One look into the extensions for the engine and its body limits.
     let installed = installed(&parts.extensions);
     let limits = BodyLimits::of(installed, spec.max_body_bytes);
     let locker: Locker = match (&spec.locker, installed) {

@@ -1,5 +1,4 @@
-//! What a [`LockLayer`](super::LockLayer) was configured with: its
-//! [`Policy`] and where each part of its key comes from.
+//! What a [`LockLayer`](super::LockLayer) was configured with.
 
 use std::fmt;
 use std::sync::Arc;
@@ -41,16 +40,14 @@ impl fmt::Display for KeySource {
     }
 }
 
-/// A further key of a multi-key layer ([`LockLayer::also`](super::LockLayer::also)):
-/// its lock name and parts.
+/// A further key ([`LockLayer::also`](super::LockLayer::also)): its name and parts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Also {
     pub(crate) name: String,
     pub(crate) parts: Vec<KeySource>,
 }
 
-/// Everything a [`LockLayer`](super::LockLayer) was configured with; shared
-/// by its services.
+/// Everything a [`LockLayer`](super::LockLayer) was configured with.
 #[derive(Clone)]
 pub(crate) struct Spec {
     pub(crate) policy: Policy,
@@ -60,8 +57,7 @@ pub(crate) struct Spec {
     pub(crate) also: Vec<Also>,
     /// What of the JSON body the key needs.
     pub(crate) json_want: Want,
-    /// The layer's own body limit; `None`: the installed engine's
-    /// (`DLOCK_MAX_BODY_BYTES` through [`DlockRuntime`](crate::DlockRuntime)).
+    /// The layer's own body limit; `None`: the installed runtime's.
     pub(crate) max_body_bytes: Option<usize>,
     pub(crate) locker: Option<Locker>,
     pub(crate) quota: Option<Arc<Quota>>,
@@ -72,8 +68,7 @@ impl Spec {
         self.parts.iter().chain(self.also.iter().flat_map(|a| &a.parts)).any(|p| matches!(p, KeySource::Json { .. }))
     }
 
-    /// Where a part declared now goes: the key the last [`Also`] started,
-    /// else the first.
+    /// Where a part declared now goes: the last [`Also`]'s key, else the first.
     pub(crate) fn last_parts(&mut self) -> &mut Vec<KeySource> {
         match self.also.last_mut() {
             Some(also) => &mut also.parts,

@@ -1,6 +1,5 @@
-//! Taking a request's lock: [`acquire_for_request`], the hold it gives
-//! ([`Held`]) and its release, and [`Policy::run_locked`] for a lock taken
-//! inside a handler. A failure is the request's [`Refusal`].
+//! Taking a request's lock ([`acquire_for_request`]), the [`Held`] lock and
+//! its release, and [`Policy::run_locked`] inside a handler.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -25,8 +24,7 @@ pub(crate) struct Held {
 #[derive(Debug)]
 enum Guards {
     One(LockGuard),
-    /// `primary`: where in the set (which is in key order) the route's
-    /// first declared key is; its guard is the one the route sees.
+    /// `primary`: the route's first declared key's place in the (key-ordered) set.
     All {
         set: MultiGuard,
         primary: usize,
@@ -34,9 +32,7 @@ enum Guards {
 }
 
 impl Held {
-    /// The guard of the route's first declared key: the lock whose
-    /// [`FencingToken`](crate::FencingToken) and [`HeldLock`](crate::HeldLock)
-    /// the route sees.
+    /// The guard of the route's first declared key: the lock the route sees.
     pub(crate) fn guard(&self) -> &LockGuard {
         match &self.guards {
             Guards::One(guard) => guard,
@@ -46,22 +42,15 @@ impl Held {
     }
 }
 
-/// Takes `keys` for a request as `owner` (the request's
-/// [`RequestOwner`](crate::RequestOwner)) with the policy's mode, wait,
-/// lease and max hold, and logs the grant; a failure is the request's
-/// [`Refusal`].
-///
-/// One key is one acquire. Several are taken all or none, in key order
-/// ([`Locker::acquire_all`]), so two requests naming overlapping keys in
-/// opposite orders never deadlock; the policy's wait covers the whole set.
-/// A refusal logs the key that was busy (its log id), never in the answer.
+/// Takes `keys` as `owner` by the policy, and logs the grant; several keys
+/// all or none, in key order ([`Locker::acquire_all`]), within one wait.
 pub(crate) async fn acquire_for_request(
     locker: &Locker,
     owner: Owner,
     keys: &[LockKey],
     policy: &Policy,
 ) -> Result<Held, Refusal> {
-    // An acquire that may not wait has nothing to time: no clock is read.
+    // No clock read for an acquire that may not wait.
     let may_wait = !policy.wait.unwrap_or_else(|| locker.options().wait()).is_zero();
     let started = may_wait.then(Instant::now);
     let waited = || started.map_or(Duration::ZERO, |started| started.elapsed());
@@ -111,8 +100,7 @@ async fn acquire_set(locker: &Locker, owner: Owner, keys: &[LockKey], policy: &P
     Ok(Guards::All { set, primary })
 }
 
-/// The key a refusal is about, for its log line: the one key, or, of a
-/// set, the one the engine found busy.
+/// The key a refusal's log line names: the one key, or the busy one of a set.
 fn busy_key(err: &dlock_core::Error, keys: &[LockKey]) -> Option<LockKey> {
     match (keys, err) {
         ([key], _) => Some(key.clone()),
@@ -124,17 +112,14 @@ fn busy_key(err: &dlock_core::Error, keys: &[LockKey]) -> Option<LockKey> {
 }
 
 impl Policy {
-    /// Takes `key` as `owner` (a request's [`RequestOwner`](crate::RequestOwner),
-    /// so a lock the request already holds re-enters), runs `work` while
-    /// holding it, and releases it: the pipeline of [`LockLayer`](crate::LockLayer),
-    /// for a lock taken inside a handler.
+    /// Takes `key` as `owner` (a [`RequestOwner`](crate::RequestOwner)), runs
+    /// `work` holding it, and releases it: [`LockLayer`](crate::LockLayer)'s
+    /// pipeline, inside a handler.
     ///
     /// # Errors
     ///
-    /// The answer [`LockLayer`](crate::LockLayer) would give, with the
-    /// [`LockOutcome`] in its extensions: `409` when the lock stays held
-    /// (with this policy's message and code), `503` when the lock service is
-    /// down, `400` for an invalid key. `work` did not run.
+    /// [`LockLayer`](crate::LockLayer)'s answer (`409`, `503`, `400`), with its
+    /// [`LockOutcome`]; `work` did not run.
     ///
     /// # Cancellation safety
     ///
@@ -149,10 +134,7 @@ impl Policy {
         self.run_holding(locker, owner, key, |_| work).await
     }
 
-    /// [`run_locked`](Self::run_locked), with `work` made once the lock is
-    /// held, from the [`HeldLock`](crate::HeldLock): its fencing token for
-    /// the storage the work writes (see `dlock_core::fence`), its lost
-    /// signal.
+    /// [`run_locked`](Self::run_locked), with `work` made from the [`HeldLock`](crate::HeldLock).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -184,11 +166,28 @@ impl Policy {
         W: FnOnce(crate::HeldLock) -> F,
         F: Future,
     {
-        let held = acquire_for_request(locker, owner, std::slice::from_ref(&key), self)
-            .await
-            .map_err(|refusal| refusal.respond(self))?;
-        let out = work(crate::HeldLock::of(held.guard())).await;
-        Ok((out, held.release(self).await))
+        let span = crate::observe::span(crate::observe::Face::Lock, self.name());
+        let run = async {
+            let held = acquire_for_request(locker, owner, std::slice::from_ref(&key), self).await;
+            let held = match held {
+                Ok(held) => held,
+                Err(refusal) => {
+                    let response = refusal.respond(self);
+                    crate::observe::responded(
+                        crate::observe::Face::Lock,
+                        self.name(),
+                        &tracing::Span::current(),
+                        &response,
+                    );
+                    return Err(response);
+                }
+            };
+            let out = work(crate::HeldLock::of(held.guard())).await;
+            let outcome = held.release(self).await;
+            crate::observe::locked(&tracing::Span::current(), &outcome);
+            Ok((out, outcome))
+        };
+        tracing::Instrument::instrument(run, span).await
     }
 }
 
@@ -206,10 +205,8 @@ impl Held {
         }
     }
 
-    /// Releases the lock once the route has answered, or hands the release
-    /// to the route's transaction when there is one (`until_commit.rs`),
-    /// and says what happened for the response's extensions. `after` (a
-    /// quota permit) is let go after the release.
+    /// Releases the lock, or hands the release to the route's transaction;
+    /// `after` (a quota permit) is let go after it.
     pub(crate) async fn release_after_route<T: Send + 'static>(
         self,
         policy: Policy,
@@ -228,10 +225,7 @@ impl Held {
         outcome
     }
 
-    /// Releases the lock once the route has answered, and says what happened
-    /// for the response's extensions. A release that fails is logged: the
-    /// route's work is done, and the engine retries the release in the
-    /// background until it goes through or the lease runs out.
+    /// Releases the lock; a failed release is logged (the engine retries it).
     pub(crate) async fn release(self, policy: &Policy) -> LockOutcome {
         let outcome = self.outcome();
         let fencing_token = self.guard().fencing_token();

@@ -1,27 +1,5 @@
-//! The one bounded body reader of dlock-axum, and the one check of a JSON
-//! `Content-Type`.
-//!
-//! [`LockLayer`](crate::LockLayer) (to find key fields), [`JsonBody`](crate::JsonBody)
-//! (a `#[lockable]` handler's key fields) and
-//! [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) (the fingerprint)
-//! read a request body through [`read_body`], so the three answer an
-//! oversized, slow or broken body alike: `413 payload_too_large` naming the
-//! limit, `408 request_timeout`, `400 request_body_unreadable`.
-//!
-//! **A refused body is drained before the answer.** A client that sends its
-//! whole body before reading (Python's `http.client`, many SDKs: no
-//! `Expect: 100-continue`) is still writing when a `413` is ready. Closing
-//! the connection then makes the server's TCP stack reset it, and the client
-//! gets a broken pipe instead of the answer. So, as nginx's lingering close
-//! does, what is left of a refused body is read and thrown away first,
-//! however large it is, for a bounded time: at most [`DRAIN_MAX_TIME`] in
-//! all, and no longer than [`DRAIN_IDLE_TIME`] without a byte arriving (a
-//! client that stopped sending is answered then). Each chunk is dropped as
-//! it arrives, so refusing costs bandwidth the client pays for too, never
-//! memory. Past either bound the connection is closed (hyper closes one
-//! whose body was not read to the end). A client that asked
-//! `Expect: 100-continue` is answered at once: it has sent nothing, and
-//! reading would invite it to send.
+//! The one bounded body reader and JSON `Content-Type` check of every face; a
+//! refused body is drained before the answer (`docs/axum-design.md`).
 
 use std::time::Duration;
 
@@ -34,11 +12,9 @@ use tokio::time::Instant;
 
 use crate::rejection::Rejection;
 
-/// The longest a refused body is read and thrown away before answering
-/// (nginx's `lingering_time`).
+/// The longest a refused body is drained (nginx's `lingering_time`).
 pub(crate) const DRAIN_MAX_TIME: Duration = Duration::from_secs(30);
-/// The longest a drain waits for the next bytes of a refused body: a client
-/// that stopped sending is answered then (nginx's `lingering_timeout`).
+/// The longest a drain waits for more bytes (nginx's `lingering_timeout`).
 pub(crate) const DRAIN_IDLE_TIME: Duration = Duration::from_secs(5);
 /// The bounds of one body read: bytes and time.
 #[derive(Debug, Clone, Copy)]
@@ -48,8 +24,7 @@ pub(crate) struct BodyLimits {
 }
 
 impl BodyLimits {
-    /// The bounds of the runtime `installed` in the request, the layer's
-    /// own byte limit first; the defaults without a runtime.
+    /// The installed runtime's bounds (the layer's byte limit first), else the defaults.
     pub(crate) fn of(installed: Option<&DlockRuntime>, layer_max_bytes: Option<usize>) -> Self {
         let (max_bytes, timeout) = match installed {
             Some(dlock) => (dlock.max_body_bytes(), dlock.body_read_timeout()),
@@ -66,12 +41,8 @@ impl From<usize> for BodyLimits {
     }
 }
 
-/// Reads at most `limits.max_bytes` bytes within `limits.timeout`, refusing
-/// up front when `Content-Length` already says the body is larger. A refused
-/// body is drained first (see the module docs).
-///
-/// Most bodies arrive in one frame, which is kept as it is: no copy and no
-/// buffer list (`BodyExt::collect` makes both for every body).
+/// Reads at most `limits.max_bytes` within `limits.timeout`; a refused body
+/// is drained first. A body in one frame is kept without a copy.
 pub(crate) async fn read_body(
     headers: &HeaderMap,
     mut body: Body,
@@ -84,8 +55,7 @@ pub(crate) async fn read_body(
         discard(headers, body, false).await;
         return Err(too_large());
     }
-    // One deadline for the whole body: a sender that trickles a byte at a
-    // time cannot stretch it, as it could a timeout per frame.
+    // One deadline for the whole body: a trickling sender cannot stretch it.
     let deadline = Instant::now() + timeout;
     let mut first = Bytes::new();
     let mut joined: Option<BytesMut> = None;
@@ -94,8 +64,7 @@ pub(crate) async fn read_body(
         let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
             Ok(Some(frame)) => frame,
             Ok(None) => break,
-            // The connection is closed with the answer (the body was not
-            // read to its end): nothing is drained from a slow sender.
+            // The connection closes with the answer: nothing drained from a slow sender.
             Err(_) => {
                 return Err(Rejection::request_timeout()
                     .with_message(format!("the request body did not arrive within {} ms", timeout.as_millis())))
@@ -105,7 +74,6 @@ pub(crate) async fn read_body(
             tracing::debug!(error = %e, "dlock: reading the request body failed");
             Rejection::body_unreadable()
         })?;
-        // Trailers carry no body bytes.
         let Ok(data) = frame.into_data() else { continue };
         len += data.len();
         if len > limit {
@@ -130,13 +98,8 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
 }
 
-/// Reads and throws away what is left of a body the answer refuses, for at
-/// most [`DRAIN_MAX_TIME`] and [`DRAIN_IDLE_TIME`] without a byte, so the
-/// client can read the answer (see the module docs). `started`: some of it
-/// was read already.
-///
-/// Skipped when it cannot help: the client waits for `100 Continue` and has
-/// sent nothing (unless reading began, which sent that `100`).
+/// Drains a refused body, unless the client waits for `100 Continue` and
+/// has sent nothing. `started`: some was read (which sent that `100`).
 pub(crate) async fn discard(headers: &HeaderMap, body: Body, started: bool) {
     let expects_continue =
         headers.get(header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
@@ -146,9 +109,8 @@ pub(crate) async fn discard(headers: &HeaderMap, body: Body, started: bool) {
     drain(body, DRAIN_MAX_TIME, DRAIN_IDLE_TIME).await;
 }
 
-/// Reads `body` to its end, dropping each chunk, unless that takes more
-/// than `max_time` in all or `idle` between two chunks; whether it reached
-/// the end. However many bytes arrive, none is kept.
+/// Reads `body` to its end, dropping each chunk, within `max_time` in all and
+/// `idle` between chunks; whether it reached the end.
 async fn drain(mut body: Body, max_time: Duration, idle: Duration) -> bool {
     let deadline = Instant::now() + max_time;
     loop {
@@ -162,14 +124,8 @@ async fn drain(mut body: Body, max_time: Duration, idle: Duration) -> bool {
     }
 }
 
-/// Refuses a body whose declared `Content-Type` is not JSON
-/// (`application/json`, or any `application/*+json`), with
-/// `415 unsupported_media_type`, before anything is read or locked: axum's
-/// own `Json` would refuse it anyway, and a lock taken for a request that is
-/// then refused only makes other requests wait.
-///
-/// A request without `Content-Type` is read as JSON (`curl --data-binary`
-/// without `-H`, older clients), as dlock always did.
+/// `415 unsupported_media_type` for a declared `Content-Type` that is not
+/// JSON, before anything is read or locked; none is read as JSON.
 pub(crate) fn require_json_content_type(headers: &HeaderMap) -> Result<(), Rejection> {
     let Some(value) = headers.get(header::CONTENT_TYPE) else { return Ok(()) };
     if is_json(value.as_bytes()) {
@@ -178,11 +134,9 @@ pub(crate) fn require_json_content_type(headers: &HeaderMap) -> Result<(), Rejec
     Err(Rejection::unsupported_media_type())
 }
 
-/// `application/json` or `application/<anything>+json`, parameters allowed,
-/// case-insensitive.
+/// `application/json` or `application/*+json`, parameters allowed, any case.
 fn is_json(content_type: &[u8]) -> bool {
-    // What nearly every client sends, compared at once: this runs on every
-    // locked request, and the general case costs several hundred instructions.
+    // The common case first (see `docs/performance.md`, "Hot-path notes").
     if content_type == b"application/json" {
         return true;
     }

@@ -1,30 +1,14 @@
-//! The outage log of the request pipeline: while the lock service cannot
-//! be reached, the log says so once, then at most once an interval how many
-//! requests it refused since, and once when the service answers again:
-//! not a `WARN` line per refused request, which at production rates buries
-//! everything else. Each refusal is still its own `dlock.request` event, at
-//! `DEBUG`.
-//!
-//! | when | level | says |
-//! |---|---|---|
-//! | the first refusal | `WARN` | `the lock service is unavailable…`, `cause` |
-//! | a refusal an interval (10 s) after the last line | `WARN` | `still unavailable, N refused…`, `refused`, `down_ms`, `cause` |
-//! | the first answer after that | `INFO` | `available again…`, `refused` (in all), `down_ms` |
-//!
-//! One per process: the pipeline does not know which engine a request's
-//! lock went to, so a process with two engines, one of them down, logs the
-//! outage again each time the other one answers in between.
+//! The outage log: one `WARN` line, a count an interval, one `INFO` line at
+//! the end, not a line per request (`docs/operations.md`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// The lock service's outage log, fed by
-/// [`acquire_for_request`](super::acquire::acquire_for_request).
+/// The lock service's, fed by [`acquire_for_request`](super::acquire::acquire_for_request).
 pub(crate) static LOCKS: OutageLog = OutageLog::new("the lock service", Duration::from_secs(10));
 
-/// The idempotency store's, fed where `IdempotencyLayer` and `TokenLayer`
-/// claim a key or a token.
+/// The idempotency store's, fed where keys and tokens are claimed.
 pub(crate) static STORE: OutageLog = OutageLog::new("the idempotency store", Duration::from_secs(10));
 
 pub(crate) struct OutageLog {
@@ -61,8 +45,7 @@ impl OutageLog {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A request refused because the service could not be reached; `cause`
-    /// is the engine's error (it names servers: for the log only).
+    /// A request refused for an unreachable service; `cause` is for the log only.
     pub(crate) fn refused(&self, cause: &str) {
         let now = Instant::now();
         let mut s = self.state();
@@ -125,8 +108,7 @@ mod tests {
     use super::*;
     use dlock_testing::capture_logs;
 
-    /// One warning when it starts, one summary an interval with the count,
-    /// one line when it ends; nothing while the service answers.
+    /// One warning, one count an interval, one line at the end; nothing otherwise.
     #[test]
     fn an_outage_is_one_line_a_summary_an_interval_and_an_end() {
         let (lines, _guard) = capture_logs();

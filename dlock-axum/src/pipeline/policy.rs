@@ -1,21 +1,14 @@
-//! What a locked request asks of its lock: one type for every face.
-//!
-//! [`LockLayer`](crate::LockLayer) builds a [`Policy`] with its builder;
-//! `#[lockable]` writes one as a `static` in the expansion; a handler that
-//! locks by hand uses [`Policy::run_locked`] (in `acquire.rs`, with the
-//! pipeline it runs). Everything after that —
-//! acquire, refusal, log event, release — reads only the policy, so the
-//! faces cannot drift.
+//! What a locked request asks of its lock: one [`Policy`] for every face, so
+//! acquire, refusal, log event and release cannot drift apart.
 
 use std::borrow::Cow;
 use std::time::Duration;
 
-use dlock_core::backend::LockMode;
+use dlock_core::LockMode;
 use dlock_core::{AcquireOptions, Locker};
 
-/// The name, timing and duplicate-answer of one lock of a request: what
-/// [`LockLayer`](crate::LockLayer) and `#[lockable]` are configured with,
-/// for handlers that take a further lock by hand.
+/// The name, timing and duplicate answer of a request's lock, as
+/// [`LockLayer`](crate::LockLayer) and `#[lockable]` have it, for a lock by hand.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -44,14 +37,12 @@ pub struct Policy {
     pub(crate) message: Option<Cow<'static, str>>,
     /// `code` of that answer.
     pub(crate) code: Option<u32>,
-    /// How every key of the request is taken: exclusive (the default),
-    /// shared, or one of a semaphore's permits.
+    /// How every key of the request is taken.
     pub(crate) mode: LockMode,
 }
 
 impl Policy {
-    /// A policy with the engine's defaults for the lock `name`: its wait
-    /// (`DLOCK_WAIT_MS`), watchdog mode, dlock's duplicate answer.
+    /// A policy for the lock `name` with the engine's defaults.
     pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
         Policy {
             name: name.into(),
@@ -82,8 +73,7 @@ impl Policy {
         self
     }
 
-    /// The `message` of the `409 duplicate_submission` answer (a lock held
-    /// by another request; a wait that ran out is `lock_wait_timeout`).
+    /// The `message` of the `409 duplicate_submission` answer.
     pub fn with_message(mut self, message: impl Into<Cow<'static, str>>) -> Self {
         self.message = Some(message.into());
         self
@@ -95,16 +85,13 @@ impl Policy {
         self
     }
 
-    /// Take the request's keys in `mode`: [`LockMode::Exclusive`] (the
-    /// default), [`LockMode::Shared`] (requests in shared mode run together
-    /// and keep out an exclusive one; a shared request that finds the key
-    /// held exclusively is refused as a duplicate, `409`), or
-    /// [`LockMode::permits`]`(n)` (at most `n` requests at once; the next
-    /// is `429 lock_permits_exhausted`).
+    /// Take the request's keys in `mode`: [`LockMode::Exclusive`] (the default),
+    /// [`LockMode::Shared`] (shared requests run together; the other mode is a
+    /// `409`), or [`LockMode::permits`]`(n)` (the next is `429 lock_permits_exhausted`).
     ///
     /// ```
     /// use dlock_axum::lock::Policy;
-    /// use dlock_core::backend::LockMode;
+    /// use dlock_core::LockMode;
     ///
     /// let exports = Policy::new("report.export").with_mode(LockMode::permits(2));
     /// assert_eq!(exports.mode(), LockMode::permits(2));
@@ -119,14 +106,12 @@ impl Policy {
         self.mode
     }
 
-    /// A semaphore route: its refusal for a full key is `429
-    /// lock_permits_exhausted`, not a `409`.
+    /// A semaphore route (refused with `429`, not `409`).
     pub(crate) fn is_semaphore(&self) -> bool {
         matches!(self.mode, LockMode::Permits { .. })
     }
 
-    /// The policy of a `#[lockable(...)]` attribute (see
-    /// `__private::policy`).
+    /// The policy of a `#[lockable(...)]` attribute (`__private::policy`).
     pub(crate) const fn from_attribute(
         name: &'static str,
         wait_ms: Option<u64>,
@@ -166,15 +151,8 @@ impl Policy {
         &self.name
     }
 
-    /// The longest a holder of this route's lock keeps it without renewing
-    /// it: the route's fixed lease, else `locker`'s watchdog lease
-    /// (`DLOCK_LEASE_MS`, default 30 s). A holder whose instance died
-    /// (`kill -9`, a lost host) renews nothing, so its lock lasts at most
-    /// this long after the refusal: what a busy refusal's `Retry-After`
-    /// says ([`Refusal::lasting_at_most`](super::refusal::Refusal::lasting_at_most)).
-    ///
-    /// `max_hold` does not shorten it: it stops renewals, and the last
-    /// renewal still lasts a lease.
+    /// The longest a holder keeps the lock unrenewed: the fixed lease, else the
+    /// watchdog's ([`Refusal::lasting_at_most`](super::refusal::Refusal::lasting_at_most)).
     pub(crate) fn holder_lease(&self, locker: &Locker) -> Duration {
         self.lease.unwrap_or_else(|| locker.options().watchdog_lease())
     }

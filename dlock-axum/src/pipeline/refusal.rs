@@ -1,25 +1,6 @@
-//! [`Refusal`]: a request refused before its route ran, mapped to its
-//! [`Rejection`], and the one `dlock.request` event it logs.
-//!
-//! [`LockLayer`](crate::LockLayer), the `#[lockable]` runtime and anything
-//! else that locks a request go through [`acquire_for_request`](super::acquire::acquire_for_request) and
-//! [`Refusal::respond`], so both faces answer the same request with the same
-//! status, body and headers, and log it the same way:
-//!
-//! | outcome | level | fields |
-//! |---|---|---|
-//! | acquired, busy, invalid, over quota | `DEBUG` | `lock`, `key`, `outcome`, `status`, `error`, `waited_ms`, `fence` |
-//! | unavailable | `DEBUG` | `lock`, `outcome`, `status`, `error`, `cause` |
-//! | misconfigured | `ERROR` | `lock`, `outcome`, `status`, `error`, `cause` |
-//!
-//! An outage of the lock service is told at `WARN` by the [outage log](super::outage):
-//! once when it starts, then a count of the refused requests at most every
-//! 10 s, and at `INFO` when the service answers again; not once per request.
-//!
-//! `key` is the key's [`log_id`](dlock_core::LockKey::log_id) — the lock's
-//! name and a short hash — never the key: its parts are request values
-//! (account ids, one-time tokens). dlock-core logs keys the same way. An
-//! access log reads the [`LockOutcome`] in the response.
+//! [`Refusal`]: a request refused before its route ran, its [`Rejection`] and
+//! its one `dlock.request` event (keys by their
+//! [`log_id`](dlock_core::LockKey::log_id); fields: `docs/operations.md`).
 
 use std::borrow::Cow;
 use std::time::Duration;
@@ -31,8 +12,7 @@ use super::policy::Policy;
 use crate::rejection::{whole_seconds, Rejection};
 use crate::request::LockOutcome;
 
-/// A request refused before its route ran: the answer, the outcome for the
-/// access log, and what the log event says about it.
+/// A request refused before its route ran: the answer, the outcome, the log event.
 #[derive(Debug)]
 pub(crate) struct Refusal {
     rejection: Rejection,
@@ -40,14 +20,12 @@ pub(crate) struct Refusal {
     key: Option<LockKey>,
     /// Why, for the log only (engine errors name servers; clients never see it).
     cause: Option<Cow<'static, str>>,
-    /// Counted by the outage log, which tells the outage at `WARN`: the
-    /// request's own event is then `DEBUG`.
+    /// Counted by the outage log: the request's own event is then `DEBUG`.
     in_outage: bool,
 }
 
 impl Refusal {
-    /// A refusal of the request itself (missing field, bad JSON, body too
-    /// large), or of the service's setup when the rejection is a `5xx`.
+    /// A refusal of the request itself, or of the setup when it is a `5xx`.
     pub(crate) fn invalid(rejection: Rejection) -> Self {
         let outcome = if rejection.status().is_server_error() {
             LockOutcome::Misconfigured
@@ -60,7 +38,7 @@ impl Refusal {
     /// No engine installed where the request was locked.
     pub(crate) fn no_engine() -> Self {
         Refusal::invalid(Rejection::misconfigured().with_message("no lock engine installed on this route")).with_cause(
-            "no dlock engine in the request extensions; install one with `.with_locker(..)` after the routes that need it",
+            "no dlock engine in the request extensions; install one with `.with_dlock(..)` after the routes that need it",
         )
     }
 
@@ -80,15 +58,9 @@ impl Refusal {
         Refusal { rejection, outcome: LockOutcome::OverQuota, key, cause: None, in_outage: false }
     }
 
-    /// An engine error, mapped by [`Rejection::from_lock_error`]; a lock
-    /// found held on a route that does not wait (the seed's duplicate
-    /// submission) gets the policy's message and code. A wait that ran out
-    /// keeps `lock_wait_timeout`'s: nothing was duplicated, and the client
-    /// must be able to tell the two apart. On a semaphore route either is
-    /// `429 lock_permits_exhausted`: the route is full, nobody duplicated
-    /// anything.
-    ///
-    /// `key` is the key that was busy (for the log only), or `None`.
+    /// An engine error ([`Rejection::from_lock_error`]): a held lock gets the
+    /// policy's message and code (not a wait that ran out: clients tell them
+    /// apart), a semaphore route `429`. `key`: the busy key, for the log.
     pub(crate) fn from_error(err: dlock_core::Error, policy: &Policy, key: Option<LockKey>, waited: Duration) -> Self {
         let mut rejection = Rejection::from_lock_error(&err);
         let outcome = if err.is_contention() && policy.is_semaphore() {
@@ -113,20 +85,8 @@ impl Refusal {
         Refusal { rejection, outcome, key, cause: Some(err.to_string().into()), in_outage: false }
     }
 
-    /// A refusal for a busy lock (`409 duplicate_submission`, `409
-    /// lock_wait_timeout`, `429 lock_permits_exhausted`) says in
-    /// `Retry-After` how long the lock may still last: `lease`, the longest
-    /// its holder keeps it without renewing it ([`Policy::holder_lease`]),
-    /// in whole seconds rounded up, at least 1. Other refusals keep theirs.
-    ///
-    /// Why the lease and not 1: a holder that is alive releases when its
-    /// request ends, and the retry is let in then; a holder whose instance
-    /// died (`kill -9`) keeps the lock until its lease runs out (30 s by
-    /// default, `DLOCK_LEASE_MS`), and a client told `1` polls all that
-    /// time. The lease is the bound that holds in both cases. The holder's
-    /// own lease is not known to the refused request: this is the route's,
-    /// which is the holder's when every route of a lock name takes it with
-    /// the same lease.
+    /// A busy lock's refusal says `lease` ([`Policy::holder_lease`]) in
+    /// `Retry-After`, rounded up (why: `docs/axum-design.md`); others keep theirs.
     pub(crate) fn lasting_at_most(mut self, lease: Duration) -> Self {
         if matches!(self.outcome, LockOutcome::Busy { .. }) {
             self.rejection = self.rejection.with_retry_after(Some(whole_seconds(lease)));
@@ -146,8 +106,7 @@ impl Refusal {
         self
     }
 
-    /// Logs the request's one `dlock.request` event and answers: the
-    /// rejection's response with the [`LockOutcome`] in its extensions.
+    /// Logs the `dlock.request` event and answers, with the [`LockOutcome`].
     pub(crate) fn respond(self, policy: &Policy) -> Response {
         let Refusal { rejection, outcome, key, cause, in_outage } = self;
         let (lock, status, error) = (policy.name(), rejection.status().as_u16(), rejection.error());
@@ -194,14 +153,12 @@ mod tests {
         refusal.rejection.retry_after()
     }
 
-    /// A busy lock's refusal says the lease in whole seconds, rounded up;
-    /// on a semaphore route too.
+    /// A busy lock's refusal says the lease, rounded up; on a semaphore route too.
     #[test]
     fn a_busy_refusal_says_how_long_the_lock_may_last() {
         let busy = || Error::Busy { key: "dlock:{k}".into() };
         let timeout = || Error::Timeout { key: "dlock:{k}".into(), waited: Duration::from_secs(5) };
-        let (mutex, semaphore) =
-            (Policy::new("k"), Policy::new("k").with_mode(dlock_core::backend::LockMode::permits(2)));
+        let (mutex, semaphore) = (Policy::new("k"), Policy::new("k").with_mode(dlock_core::LockMode::permits(2)));
         for (lease, seconds) in [(30_000, 30), (2_500, 3), (1, 1), (0, 1), (5_000, 5)] {
             let lease = Duration::from_millis(lease);
             for (err, policy, error) in [

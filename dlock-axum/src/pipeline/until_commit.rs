@@ -1,14 +1,5 @@
-//! Locks held until the route's transaction has ended.
-//!
-//! Under [`IdempotencyLayer::in_transaction`](crate::idempotency::IdempotencyLayer::in_transaction)
-//! the route's writes commit after the route has answered, when the layer
-//! has stored the answer in the same transaction. A lock taken inside that
-//! layer ([`LockLayer`](crate::LockLayer) as a `route_layer`, or
-//! `#[lockable]`) would be released when the route answers, before that
-//! commit: the next holder would read what the transaction is about to
-//! overwrite. So the in-transaction layer leaves an [`UntilCommit`] in the
-//! request, and a lock that finds one hands its release to it; the layer
-//! runs those releases once its transaction has committed or rolled back.
+//! Locks held until the route's transaction has ended, so the next holder
+//! reads what it committed (`docs/axum-design.md`).
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -38,9 +29,7 @@ impl UntilCommit {
         extensions.insert(self.clone());
     }
 
-    /// Keeps `release` until [`ended`](Self::ended). Dropped unrun (the
-    /// task that settles the transaction is gone), it lets go of what it
-    /// holds as any dropped lock does: in the background.
+    /// Keeps `release` until [`ended`](Self::ended) (dropped unrun, it lets go in the background).
     pub(crate) fn keep(&self, release: BoxFuture<'static, ()>) {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).push(release);
     }
