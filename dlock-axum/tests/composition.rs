@@ -23,7 +23,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
 use dlock_axum::idempotency::{IdempotencyLayer, TokenLayer, Tx};
-use dlock_axum::{lockable, Caller, FencingToken, HeldLocks, LockLayer, LockerExt};
+use dlock_axum::{lockable, Caller, DlockExt, FencingToken, HeldLocks, LockLayer};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore, PostgresStore, RedisStore};
 use dlock_core::{Locker, MemoryBackend};
 use dlock_testing::{FaultProxy, PostgresServer, RedisServer};
@@ -129,14 +129,14 @@ async fn hang_up_then_debit(locked: bool) -> (Account, String, String) {
             (StatusCode::CREATED, "debited")
         }
     };
-    let idempotency = IdempotencyLayer::new().with_store(Arc::new(MemoryStore::new())).caller(Caller::header("x-user"));
+    let idempotency = IdempotencyLayer::new().store(Arc::new(MemoryStore::new())).caller(Caller::header("x-user"));
     let route = post(route).layer::<_, Infallible>(idempotency);
     let route = match locked {
         true => route.layer(LockLayer::new("account").json("account").wait(Duration::from_secs(5))),
         false => route,
     };
     let app = Router::new().route("/debit", route);
-    let addr = serve(app.with_locker(Locker::new(MemoryBackend::new()))).await;
+    let addr = serve(app.with_dlock(Locker::new(MemoryBackend::new()))).await;
     let body = r#"{"account": 1}"#;
 
     hang_up(addr, request("/debit", Some("k1"), body), Duration::from_millis(50)).await;
@@ -220,7 +220,7 @@ async fn a_lock_inside_an_in_transaction_layer_lasts_until_the_commit() {
     let lock = LockLayer::new("account").wait(Duration::from_secs(10));
     let idempotency = IdempotencyLayer::new().caller(Caller::header("x-user")).in_transaction(store);
     let app = Router::new().route("/debit", post(route).layer::<_, Infallible>(lock).layer(idempotency));
-    let addr = serve(app.with_locker(Locker::new(MemoryBackend::new()))).await;
+    let addr = serve(app.with_dlock(Locker::new(MemoryBackend::new()))).await;
     debits_match_the_ledger(&server, addr, "/debit", 120).await;
 }
 
@@ -238,7 +238,7 @@ async fn a_lockable_route_inside_an_in_transaction_layer_holds_its_lock_until_th
     let store = PostgresStore::connect(&server.url(), "w2m").await.expect("connect");
     let idempotency = IdempotencyLayer::new().caller(Caller::header("x-user")).in_transaction(store);
     let app = Router::new().route("/debit", post(lockable_debit).layer(idempotency));
-    let addr = serve(app.with_locker(Locker::new(MemoryBackend::new()))).await;
+    let addr = serve(app.with_dlock(Locker::new(MemoryBackend::new()))).await;
     debits_match_the_ledger(&server, addr, "/debit", 120).await;
 }
 
@@ -344,7 +344,7 @@ async fn a_multi_key_route_sees_every_keys_fencing_token() {
     }
     let lock = LockLayer::new("account").json("from").also("account").json("to");
     let app = Router::new().route("/transfer", post(route).layer(lock));
-    let addr = serve(app.with_locker(locker)).await;
+    let addr = serve(app.with_dlock(locker)).await;
     let answer = send(addr, request("/transfer", None, r#"{"from": 2, "to": 1}"#)).await;
     assert_eq!(status(&answer), "200", "{answer}");
     let body: Value = serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap_or_default()).expect("json");
@@ -367,16 +367,16 @@ fn counted(runs: Arc<AtomicUsize>) -> impl Fn() -> std::future::Ready<(StatusCod
 /// retry runs the route (once), and a one-time token is still good.
 async fn a_claim_in_flight_is_settled(store: Arc<dyn IdempotencyStore>, slow: impl Fn(bool)) {
     let runs = Arc::new(AtomicUsize::new(0));
-    let token = store.issue_token(Duration::from_secs(60)).await.expect("a token");
+    let token = store.issue_token(None, Duration::from_secs(60)).await.expect("a token");
     let app = Router::new()
         .route(
             "/pay",
             post(counted(runs.clone()))
-                .layer(IdempotencyLayer::new().with_store(store.clone()).caller(Caller::header("x-user"))),
+                .layer(IdempotencyLayer::new().store(store.clone()).caller(Caller::header("x-user"))),
         )
         .route(
             "/submit",
-            post(counted(runs.clone())).layer(TokenLayer::new().with_store(store.clone()).query_param("token")),
+            post(counted(runs.clone())).layer(TokenLayer::new().store(store.clone()).query_param("token")),
         );
     let addr = serve(app).await;
     slow(true);
@@ -429,15 +429,12 @@ impl IdempotencyStore for Late {
     fn ready(&self) -> dlock_core::backend::BoxFuture<'_, dlock_core::Result<()>> {
         self.store.ready()
     }
-    fn issue_token<'a>(&'a self, ttl: Duration) -> dlock_core::backend::BoxFuture<'a, dlock_core::Result<String>> {
-        self.store.issue_token(ttl)
-    }
-    fn issue_bound_token<'a>(
+    fn issue_token<'a>(
         &'a self,
-        principal: &'a str,
+        principal: Option<&'a str>,
         ttl: Duration,
     ) -> dlock_core::backend::BoxFuture<'a, dlock_core::Result<String>> {
-        self.store.issue_bound_token(principal, ttl)
+        self.store.issue_token(principal, ttl)
     }
     fn claim_token<'a>(
         &'a self,

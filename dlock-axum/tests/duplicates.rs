@@ -11,7 +11,7 @@ use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
 use dlock_axum::{idempotency::IdempotencyLayer, Caller};
-use dlock_axum::{LockLayer, LockerExt};
+use dlock_axum::{DlockExt, LockLayer};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
 use http_body_util::BodyExt;
@@ -38,7 +38,7 @@ async fn a_key_parameter_or_header_sent_twice_is_400() {
     let calls = Arc::new(AtomicUsize::new(0));
     let layer = LockLayer::new("t").query("q").header("x-tenant");
     let app: Router =
-        Router::new().route("/r", post(counting(&calls)).layer(layer)).with_locker(Locker::new(MemoryBackend::new()));
+        Router::new().route("/r", post(counting(&calls)).layer(layer)).with_dlock(Locker::new(MemoryBackend::new()));
     let req = |uri: &str, tenants: &[&str]| {
         let mut b = Request::post(uri);
         for t in tenants {
@@ -72,7 +72,7 @@ async fn an_idempotency_key_sent_twice_is_400() {
     let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let app: Router = Router::new().route(
         "/pay",
-        post(counting(&calls)).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
+        post(counting(&calls)).layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::shared())),
     );
     let pay = |keys: &[&str]| {
         let mut b = Request::post("/pay");

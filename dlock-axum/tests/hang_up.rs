@@ -61,10 +61,9 @@ fn app(
     let app = Router::new()
         .route(
             "/pay",
-            post(route.clone())
-                .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::header("x-user"))),
+            post(route.clone()).layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::header("x-user"))),
         )
-        .route("/submit", post(route).layer(TokenLayer::new().with_store(idem.clone())));
+        .route("/submit", post(route).layer(TokenLayer::new().store(idem.clone())));
     (app, idem)
 }
 
@@ -133,7 +132,7 @@ async fn hang_ups_never_run_twice(store: Arc<dyn IdempotencyStore>) {
         let runs = Arc::new(AtomicUsize::new(0));
         let (app, idem) = app(store.clone(), effect, runs.clone());
         let addr = serve(app).await;
-        let token = idem.issue_token(Duration::from_secs(60)).await.expect("issue");
+        let token = idem.issue_token(None, Duration::from_secs(60)).await.expect("issue");
         let key = format!("idempotency-key: hang-up-{n}-{}", std::process::id());
         let (pay, submit) = (request("/pay", &key), request("/submit", &format!("idempotency-token: {token}")));
         let (pay_answers, submit_answers) = tokio::task::spawn_blocking(move || {
@@ -187,7 +186,7 @@ async fn a_body_that_fails_after_the_side_effect_does_not_free_the_key() {
                 (StatusCode::CREATED, Body::from_stream(futures_util::stream::iter(chunks))).into_response()
             }
         })
-        .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
+        .layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::shared())),
     );
     let pay =
         || Request::post("/pay").header("idempotency-key", "broken-body").body(Body::from("{}")).expect("request");
@@ -222,7 +221,7 @@ async fn a_slow_route_keeps_its_claim_and_a_dead_ones_outcome_is_unknown() {
                 StatusCode::CREATED
             }
         })
-        .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared()).lease(lease)),
+        .layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::shared()).lease(lease)),
     );
     let pay = |key: &str| Request::post("/pay").header("idempotency-key", key).body(Body::from("{}")).expect("request");
     let first = tokio::spawn(app.clone().oneshot(pay("slow")));
@@ -272,7 +271,7 @@ async fn a_slow_route_keeps_its_token_and_a_dead_ones_outcome_is_unknown() {
                 StatusCode::CREATED
             }
         })
-        .layer(TokenLayer::new().with_store(idem.clone()).lease(lease)),
+        .layer(TokenLayer::new().store(idem.clone()).lease(lease)),
     );
     let submit =
         |token: &str| Request::post("/submit").header("idempotency-token", token).body(Body::empty()).expect("request");
@@ -280,7 +279,7 @@ async fn a_slow_route_keeps_its_token_and_a_dead_ones_outcome_is_unknown() {
         let body = axum::body::to_bytes(res.into_body(), 1 << 16).await.expect("body");
         String::from_utf8_lossy(&body).into_owned()
     };
-    let token = store.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let token = store.issue_token(None, Duration::from_secs(60)).await.expect("issue");
     let first = tokio::spawn(app.clone().oneshot(submit(&token)));
     for _ in 0..3 {
         tokio::time::sleep(lease).await;
@@ -289,7 +288,7 @@ async fn a_slow_route_keeps_its_token_and_a_dead_ones_outcome_is_unknown() {
     }
     assert_eq!(first.await.expect("task").expect("first").status(), StatusCode::CREATED);
     // A dead instance's claim.
-    let dead = store.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let dead = store.issue_token(None, Duration::from_secs(60)).await.expect("issue");
     assert!(matches!(store.claim_token(&dead, None, lease).await.expect("claim"), TokenClaim::Claimed(_)));
     tokio::time::sleep(lease + Duration::from_millis(100)).await;
     let after = app.oneshot(submit(&dead)).await.expect("after");
@@ -324,16 +323,15 @@ async fn locked_payment(axum::extract::Query(Pay { order }): axum::extract::Quer
 /// is free once it ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lockable_route_behind_the_layer_runs_once_through_a_hang_up() {
-    use dlock_axum::LockerExt;
+    use dlock_axum::DlockExt;
     let locker = dlock_core::Locker::new(dlock_core::MemoryBackend::new());
     let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let app = Router::new()
         .route(
             "/pay",
-            post(locked_payment)
-                .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::header("x-user"))),
+            post(locked_payment).layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::header("x-user"))),
         )
-        .with_locker(dlock_axum::DlockRuntime::new(locker.clone()));
+        .with_dlock(dlock_axum::DlockRuntime::new(locker.clone()));
     let addr = serve(app).await;
     let pay = request("/pay?order=7", "idempotency-key: locked-1");
     let answers = tokio::task::spawn_blocking(move || {

@@ -12,7 +12,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
-use dlock_axum::{lockable, FencingToken, HeldLock, LockLayer, LockerExt};
+use dlock_axum::{lockable, DlockExt, FencingToken, HeldLock, LockLayer};
 use dlock_core::{Locker, MemoryBackend};
 use http_body_util::BodyExt;
 use serde::Deserialize;
@@ -89,7 +89,7 @@ fn app(store: FencedStore) -> Router {
             "/layer/{id}",
             post(by_layer).layer(LockLayer::new("account").path("id").lease(Duration::from_millis(100))),
         )
-        .with_locker(Locker::new(MemoryBackend::new()))
+        .with_dlock(Locker::new(MemoryBackend::new()))
         .with_state(store)
 }
 

@@ -10,7 +10,7 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::Router;
 use dlock_axum::idempotency::{token_handler, IdempotencyLayer, TokenLayer};
-use dlock_axum::LockerExt;
+use dlock_axum::DlockExt;
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use tower::ServiceExt;
 
@@ -67,7 +67,7 @@ fn counting_app(layer: IdempotencyLayer, runs: Arc<AtomicUsize>, delay: Duration
 
 #[tokio::test]
 async fn missing_and_malformed_keys_are_400() {
-    let app = counting_app(IdempotencyLayer::new().with_store(idem()), Arc::default(), Duration::ZERO);
+    let app = counting_app(IdempotencyLayer::new().store(idem()), Arc::default(), Duration::ZERO);
     let (s, _, b) = send(&app, pay(None, "{}")).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_key_missing"));
     for bad in ["", "has space", &"x".repeat(256), "tab\tkey"] {
@@ -81,7 +81,7 @@ async fn missing_and_malformed_keys_are_400() {
 #[tokio::test]
 async fn replay_is_byte_for_byte_with_stored_headers() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = counting_app(IdempotencyLayer::new().with_store(idem()), runs.clone(), Duration::ZERO);
+    let app = counting_app(IdempotencyLayer::new().store(idem()), runs.clone(), Duration::ZERO);
     let (s1, h1, b1) = send(&app, pay(Some("k"), "{\"a\":1}")).await;
     let (s2, h2, b2) = send(&app, pay(Some("k"), "{\"a\":1}")).await;
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -96,7 +96,7 @@ async fn replay_is_byte_for_byte_with_stored_headers() {
 #[tokio::test]
 async fn mismatch_is_422_and_in_progress_is_409() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = counting_app(IdempotencyLayer::new().with_store(idem()), runs.clone(), Duration::from_millis(200));
+    let app = counting_app(IdempotencyLayer::new().store(idem()), runs.clone(), Duration::from_millis(200));
     let first = tokio::spawn({
         let app = app.clone();
         async move { send(&app, pay(Some("k"), "{\"a\":1}")).await }
@@ -115,7 +115,7 @@ async fn mismatch_is_422_and_in_progress_is_409() {
 #[tokio::test]
 async fn scopes_keep_callers_apart() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = counting_app(IdempotencyLayer::new().with_store(idem()), runs.clone(), Duration::ZERO);
+    let app = counting_app(IdempotencyLayer::new().store(idem()), runs.clone(), Duration::ZERO);
     let as_user = |auth: &str| {
         Request::post("/pay")
             .header("idempotency-key", "same")
@@ -155,7 +155,7 @@ async fn server_errors_and_refusals_free_the_key_results_are_stored() {
                 }
             }
         })
-        .layer(IdempotencyLayer::new().with_store(idem())),
+        .layer(IdempotencyLayer::new().store(idem())),
     );
     assert_eq!(send(&app, pay(Some("f"), "flaky")).await.0, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(send(&app, pay(Some("f"), "flaky")).await.0, StatusCode::CREATED, "503 freed the key");
@@ -187,7 +187,7 @@ async fn an_extractor_rejection_is_not_replayed_to_the_fixed_retry() {
             r.fetch_add(1, Ordering::SeqCst);
             async move { (StatusCode::CREATED, v.to_string()) }
         })
-        .layer(IdempotencyLayer::new().with_store(idem())),
+        .layer(IdempotencyLayer::new().store(idem())),
     );
     assert_eq!(send(&app, pay(Some("x"), "{}")).await.0, StatusCode::UNSUPPORTED_MEDIA_TYPE);
     let fixed = Request::post("/pay")
@@ -207,7 +207,7 @@ async fn an_extractor_rejection_is_not_replayed_to_the_fixed_retry() {
 /// is dlock's own and is not stored, so the retry it invites runs.
 #[tokio::test]
 async fn a_lock_refusal_inside_is_not_replayed_to_the_retry_it_invites() {
-    use dlock_axum::{LockLayer, LockerExt};
+    use dlock_axum::{DlockExt, LockLayer};
     use dlock_core::{Locker, MemoryBackend};
     let locker = Locker::new(MemoryBackend::new());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -217,8 +217,8 @@ async fn a_lock_refusal_inside_is_not_replayed_to_the_retry_it_invites() {
         async { (StatusCode::CREATED, "paid") }
     })
     .layer::<_, std::convert::Infallible>(LockLayer::new("pay").header("authorization"))
-    .layer::<_, std::convert::Infallible>(IdempotencyLayer::new().with_store(idem()));
-    let app = Router::new().route("/pay", route).with_locker(locker.clone());
+    .layer::<_, std::convert::Infallible>(IdempotencyLayer::new().store(idem()));
+    let app = Router::new().route("/pay", route).with_dlock(locker.clone());
     let key = locker.key("pay").part("Bearer alice").build().expect("key");
     let held = locker.try_acquire(&key).await.expect("free");
     let (s, h, b) = send(&app, pay(Some("l"), "{}")).await;
@@ -235,7 +235,7 @@ async fn a_lock_refusal_inside_is_not_replayed_to_the_retry_it_invites() {
 #[tokio::test]
 async fn the_app_can_set_what_is_stored() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new().with_store(idem()).store_when(|res| res.status() != StatusCode::CREATED);
+    let layer = IdempotencyLayer::new().store(idem()).store_when(|res| res.status() != StatusCode::CREATED);
     let app = counting_app(layer, runs.clone(), Duration::ZERO);
     send(&app, pay(Some("s"), "{}")).await;
     let (_, h, _) = send(&app, pay(Some("s"), "{}")).await;
@@ -248,9 +248,9 @@ async fn the_app_can_set_what_is_stored() {
 async fn on_a_router_other_methods_pass_through() {
     use axum::http::Method;
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = counting_app(IdempotencyLayer::new().with_store(idem()), runs.clone(), Duration::ZERO)
+    let app = counting_app(IdempotencyLayer::new().store(idem()), runs.clone(), Duration::ZERO)
         .route("/health", get(|| async { "ok" }))
-        .layer(IdempotencyLayer::new().with_store(idem()));
+        .layer(IdempotencyLayer::new().store(idem()));
     let plain =
         |method: Method, uri: &str| Request::builder().method(method).uri(uri).body(Body::empty()).expect("req");
     assert_eq!(send(&app, plain(Method::GET, "/health")).await.0, StatusCode::OK);
@@ -259,7 +259,7 @@ async fn on_a_router_other_methods_pass_through() {
     let (s, _, b) = send(&app, plain(Method::PATCH, "/pay")).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_key_missing"));
     let only_put =
-        counting_app(IdempotencyLayer::new().with_store(idem()).methods([Method::PUT]), runs.clone(), Duration::ZERO);
+        counting_app(IdempotencyLayer::new().store(idem()).methods([Method::PUT]), runs.clone(), Duration::ZERO);
     assert_eq!(send(&only_put, pay(None, "{}")).await.0, StatusCode::CREATED, "POST is not guarded here");
 }
 
@@ -270,7 +270,7 @@ async fn scope_is_the_callers_and_never_a_shared_anonymous_one() {
     use dlock_axum::Caller;
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_app(
-        IdempotencyLayer::new().with_store(idem()).caller(Caller::cookie("session")),
+        IdempotencyLayer::new().store(idem()).caller(Caller::cookie("session")),
         runs.clone(),
         Duration::ZERO,
     );
@@ -290,7 +290,7 @@ async fn scope_is_the_callers_and_never_a_shared_anonymous_one() {
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
 
     // The default scope is Authorization, and a request without it is refused.
-    let app = counting_app(IdempotencyLayer::new().with_store(idem()), runs.clone(), Duration::ZERO);
+    let app = counting_app(IdempotencyLayer::new().store(idem()), runs.clone(), Duration::ZERO);
     let anonymous = Request::post("/pay").header("idempotency-key", "1").body(Body::from("{}")).expect("req");
     let (s, _, b) = send(&app, anonymous).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::BAD_REQUEST, "idempotency_scope_missing"));
@@ -312,7 +312,7 @@ async fn a_panicking_handler_frees_its_key() {
                 (StatusCode::CREATED, "ok")
             }
         })
-        .layer(IdempotencyLayer::new().with_store(idem())),
+        .layer(IdempotencyLayer::new().store(idem())),
     );
     let panicked = tokio::spawn({
         let app = app.clone();
@@ -332,8 +332,7 @@ async fn a_panicking_handler_frees_its_key() {
 async fn stored_responses_expire() {
     let runs = Arc::new(AtomicUsize::new(0));
     // A record lives its TTL from its claim, and at least its claim's lease.
-    let layer =
-        IdempotencyLayer::new().with_store(idem()).ttl(Duration::from_millis(100)).lease(Duration::from_millis(50));
+    let layer = IdempotencyLayer::new().store(idem()).ttl(Duration::from_millis(100)).lease(Duration::from_millis(50));
     let app = counting_app(layer, runs.clone(), Duration::ZERO);
     send(&app, pay(Some("e"), "{}")).await;
     assert_eq!(send(&app, pay(Some("e"), "{}")).await.1["idempotent-replayed"], "true");
@@ -345,7 +344,7 @@ async fn stored_responses_expire() {
 #[tokio::test]
 async fn oversized_bodies_are_refused_clearly() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new().with_store(idem()).max_body_bytes(8).max_response_bytes(10);
+    let layer = IdempotencyLayer::new().store(idem()).max_body_bytes(8).max_response_bytes(10);
     let app = counting_app(layer, runs.clone(), Duration::ZERO);
     let (s, _, b) = send(&app, pay(Some("big"), "0123456789")).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"));
@@ -368,7 +367,7 @@ async fn tokens_are_issued_and_spent_once() {
     let hits = Arc::new(AtomicUsize::new(0));
     let h = hits.clone();
     let app: Router = Router::new()
-        .route("/idempotency/token", get(token_handler()))
+        .route("/idempotency/token", get(token_handler(None)))
         .route(
             "/orders",
             post(move || {
@@ -377,7 +376,7 @@ async fn tokens_are_issued_and_spent_once() {
             })
             .layer(TokenLayer::new().query_param("token")),
         )
-        .with_locker(runtime_of(&idem));
+        .with_dlock(runtime_of(&idem));
     let (s, h, b) = send(&app, Request::get("/idempotency/token").body(Body::empty()).expect("req")).await;
     assert_eq!((s, h["content-type"].to_str().expect("ascii")), (StatusCode::OK, "application/json"));
     let v: serde_json::Value = serde_json::from_slice(&b).expect("json");
@@ -427,7 +426,7 @@ async fn tokens_are_issued_and_spent_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_of_one_key_runs_once() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = counting_app(IdempotencyLayer::new().with_store(idem()), runs.clone(), Duration::from_millis(100));
+    let app = counting_app(IdempotencyLayer::new().store(idem()), runs.clone(), Duration::from_millis(100));
     let tasks: Vec<_> = (0..30)
         .map(|_| {
             let app = app.clone();
@@ -454,7 +453,7 @@ async fn storm_of_one_key_runs_once() {
 #[tokio::test]
 async fn the_token_ttl_comes_with_the_installed_runtime() {
     let dlock = runtime_of(&idem()).with_idempotency_ttl(Duration::from_secs(60));
-    let app = Router::new().route("/token", get(token_handler())).with_locker(dlock);
+    let app = Router::new().route("/token", get(token_handler(None))).with_dlock(dlock);
     for (uri, ttl) in [("/token", 60)] {
         let (status, _, body) = send(&app, Request::get(uri).body(Body::empty()).expect("request")).await;
         assert_eq!(status, StatusCode::OK);
@@ -482,7 +481,7 @@ async fn an_inner_error_passes_through_and_frees_the_key() {
             async move { Err::<axum::response::Response, _>(Broken(n)) }
         }
     });
-    let mut svc = Idempotent::layer().with_store(idem()).layer(inner.clone());
+    let mut svc = Idempotent::layer().store(idem()).layer(inner.clone());
     for attempt in 0..2 {
         let res = svc.call(pay(Some("k-err"), "{}")).await;
         assert_eq!(res.err(), Some(Broken(attempt)), "attempt {attempt} reached the route");
@@ -491,8 +490,8 @@ async fn an_inner_error_passes_through_and_frees_the_key() {
     }
 
     let idem = idem();
-    let mut svc = RequireToken::layer().with_store(idem.clone()).layer(inner);
-    let token = idem.issue_token(Duration::from_secs(86_400)).await.expect("token");
+    let mut svc = RequireToken::layer().store(idem.clone()).layer(inner);
+    let token = idem.issue_token(None, Duration::from_secs(86_400)).await.expect("token");
     let req = Request::post("/submit").header("idempotency-token", token).body(Body::empty()).expect("request");
     assert_eq!(svc.call(req).await.err(), Some(Broken(2)));
 }
@@ -521,7 +520,7 @@ async fn a_token_is_given_back_when_the_route_did_not_run_or_failed() {
                 }
             }
         })
-        .layer(TokenLayer::new().with_store(idem.clone())),
+        .layer(TokenLayer::new().store(idem.clone())),
     );
     let submit = |token: &str, content_type: Option<&str>, what: &str| {
         let mut req = Request::post("/submit").header("idempotency-token", token);
@@ -531,7 +530,7 @@ async fn a_token_is_given_back_when_the_route_did_not_run_or_failed() {
         req.body(Body::from(format!("{{\"do\":\"{what}\"}}"))).expect("req")
     };
     let json = Some("application/json");
-    let fresh = || async { idem.issue_token(Duration::from_secs(86_400)).await.expect("token") };
+    let fresh = || async { idem.issue_token(None, Duration::from_secs(86_400)).await.expect("token") };
 
     // 415 from axum's Json extractor: the route never ran; the fixed retry works.
     let t = fresh().await;
@@ -587,12 +586,12 @@ async fn a_token_is_given_back_when_the_route_did_not_run_or_failed() {
 /// without a caller.
 #[tokio::test]
 async fn bound_tokens_serve_only_their_caller() {
-    use dlock_axum::{idempotency::bound_token_handler, Caller};
+    use dlock_axum::{idempotency::token_handler, Caller};
     let idem = idem();
     let app: Router = Router::new()
-        .route("/token", get(bound_token_handler(Caller::header("x-user"))))
+        .route("/token", get(token_handler(Some(Caller::header("x-user")))))
         .route("/submit", post(|| async { "ok" }).layer(TokenLayer::new().caller(Caller::header("x-user"))))
-        .with_locker(runtime_of(&idem));
+        .with_dlock(runtime_of(&idem));
     let as_user = |user: Option<&str>, req: axum::http::request::Builder| match user {
         Some(u) => req.header("x-user", u),
         None => req,
@@ -613,8 +612,8 @@ async fn bound_tokens_serve_only_their_caller() {
     assert_eq!(send(&app, submit(Some("alice"))).await.0, StatusCode::CONFLICT, "spent");
     // An unbound layer does not take a bound token either.
     let unbound: Router =
-        Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new().with_store(idem.clone())));
-    let t = idem.issue_bound_token("h:x-user:whatever", Duration::from_secs(86_400)).await.expect("token");
+        Router::new().route("/submit", post(|| async { "ok" }).layer(TokenLayer::new().store(idem.clone())));
+    let t = idem.issue_token(Some("h:x-user:whatever"), Duration::from_secs(86_400)).await.expect("token");
     let req = Request::post("/submit").header("idempotency-token", &t).body(Body::empty()).expect("req");
     assert_eq!(send(&unbound, req).await.0, StatusCode::CONFLICT);
 }
@@ -626,9 +625,9 @@ async fn bound_tokens_serve_only_their_caller() {
 async fn full_store_answers(store: Arc<dyn dlock_core::idempotency::IdempotencyStore>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let idem: Arc<dyn IdempotencyStore> = store;
-    let app = counting_app(IdempotencyLayer::new().with_store(idem.clone()), runs.clone(), Duration::ZERO)
-        .route("/token", get(token_handler()))
-        .with_locker(runtime_of(&idem));
+    let app = counting_app(IdempotencyLayer::new().store(idem.clone()), runs.clone(), Duration::ZERO)
+        .route("/token", get(token_handler(None)))
+        .with_dlock(runtime_of(&idem));
     assert_eq!(send(&app, pay(Some("k1"), "{}")).await.0, StatusCode::CREATED);
     let (s, h, b) = send(&app, pay(Some("k2"), "{}")).await;
     assert_eq!((s, error_of(&b).as_str()), (StatusCode::TOO_MANY_REQUESTS, "idempotency_scope_full"));
@@ -691,7 +690,7 @@ async fn a_freed_key_gives_its_room_back() {
                 StatusCode::CREATED
             }
         })
-        .layer(IdempotencyLayer::new().with_store(idem.clone())),
+        .layer(IdempotencyLayer::new().store(idem.clone())),
     );
     assert_eq!(send(&app, pay(Some("k1"), "fail")).await.0, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(send(&app, pay(Some("k2"), "{}")).await.0, StatusCode::CREATED, "k1's room was given back");
@@ -708,10 +707,10 @@ async fn a_token_sent_twice_is_refused() {
     let idem = idem();
     let app: Router = Router::new().route(
         "/orders",
-        post(|| async { "placed" }).layer(TokenLayer::new().with_store(idem.clone()).query_param("token")),
+        post(|| async { "placed" }).layer(TokenLayer::new().store(idem.clone()).query_param("token")),
     );
-    let token = idem.issue_token(Duration::from_secs(60)).await.expect("issue");
-    let other = idem.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let token = idem.issue_token(None, Duration::from_secs(60)).await.expect("issue");
+    let other = idem.issue_token(None, Duration::from_secs(60)).await.expect("issue");
     let twice = [
         Request::post("/orders").header("idempotency-token", &token).header("idempotency-token", &other),
         Request::post(format!("/orders?token={token}&token={other}")),
@@ -743,7 +742,7 @@ async fn an_answer_over_the_byte_budget_is_delivered_and_not_stored() {
             counted.fetch_add(1, Ordering::SeqCst);
             async { (StatusCode::CREATED, "x".repeat(8 * 1024)) }
         })
-        .layer(IdempotencyLayer::new().with_store(idem.clone()).caller(dlock_axum::Caller::shared())),
+        .layer(IdempotencyLayer::new().store(idem.clone()).caller(dlock_axum::Caller::shared())),
     );
     let export = || Request::post("/export").header("idempotency-key", "big").body(Body::from("{}")).expect("req");
     let (s, _, b) = send(&app, export()).await;
@@ -757,12 +756,12 @@ async fn an_answer_over_the_byte_budget_is_delivered_and_not_stored() {
 /// cannot name the caller says its token, not an `Idempotency-Key`.
 #[tokio::test]
 async fn a_token_route_without_a_caller_speaks_of_its_token() {
-    use dlock_axum::{idempotency::bound_token_handler, Caller};
+    use dlock_axum::{idempotency::token_handler, Caller};
     let idem = idem();
     let app: Router = Router::new()
-        .route("/token", get(bound_token_handler(Caller::header("x-user"))))
+        .route("/token", get(token_handler(Some(Caller::header("x-user")))))
         .route("/submit", post(|| async { "ok" }).route_layer(TokenLayer::new().caller(Caller::header("x-user"))))
-        .with_locker(runtime_of(&idem));
+        .with_dlock(runtime_of(&idem));
     let anonymous = [
         Request::get("/token").body(Body::empty()).expect("req"),
         Request::post("/submit").header("idempotency-token", "t").body(Body::empty()).expect("req"),
@@ -783,7 +782,7 @@ async fn a_token_route_without_a_caller_speaks_of_its_token() {
 /// other such requests.
 #[tokio::test]
 async fn one_caller_for_keys_tokens_and_the_lock_cap() {
-    use dlock_axum::{idempotency::bound_token_handler, Caller, LockLayer};
+    use dlock_axum::{idempotency::token_handler, Caller, LockLayer};
 
     /// Set by the service's authentication.
     #[derive(Clone)]
@@ -800,7 +799,7 @@ async fn one_caller_for_keys_tokens_and_the_lock_cap() {
         }
     };
     let app: Router = Router::new()
-        .route("/token", get(bound_token_handler(caller.clone())))
+        .route("/token", get(token_handler(Some(caller.clone()))))
         .route("/submit", post(route.clone()).route_layer(TokenLayer::new().caller(caller.clone())))
         .route("/pay", post(route.clone()).route_layer(IdempotencyLayer::new().caller(caller.clone())))
         .route("/report", post(route).route_layer(LockLayer::new("report").max_holds_per(1, caller)))
@@ -812,7 +811,7 @@ async fn one_caller_for_keys_tokens_and_the_lock_cap() {
             }
             req
         }))
-        .with_locker(runtime_of(&idem));
+        .with_dlock(runtime_of(&idem));
     let req = |method: &str, uri: &str, session: Option<&str>, extra: Option<(&str, &str)>| {
         let mut b = Request::builder().method(method).uri(uri);
         if let Some(s) = session {

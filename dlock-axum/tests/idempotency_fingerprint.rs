@@ -18,7 +18,7 @@ use tower::ServiceExt;
 
 /// A `POST /transfers` route behind the layer that counts its runs.
 fn app(runs: Arc<AtomicUsize>) -> Router {
-    let layer = IdempotencyLayer::new().with_store(Arc::new(MemoryStore::new()));
+    let layer = IdempotencyLayer::new().store(Arc::new(MemoryStore::new()));
     Router::new().route(
         "/transfers",
         post(move || {

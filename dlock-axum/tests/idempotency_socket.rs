@@ -16,7 +16,7 @@ use dlock_axum::{
     idempotency::{IdempotencyLayer, TokenLayer},
     Caller,
 };
-use dlock_axum::{DlockRuntime, LockerExt};
+use dlock_axum::{DlockExt, DlockRuntime};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
 use serde_json::Value;
@@ -34,15 +34,14 @@ fn app(dlock: DlockRuntime) -> Router {
     Router::new()
         .route(
             "/idem",
-            post(|| async { "done" }).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
+            post(|| async { "done" }).layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::shared())),
         )
-        .route("/token", post(|| async { "done" }).layer(TokenLayer::new().with_store(idem.clone())))
+        .route("/token", post(|| async { "done" }).layer(TokenLayer::new().store(idem.clone())))
         .route(
             "/bound",
-            post(|| async { "done" })
-                .layer(TokenLayer::new().with_store(idem.clone()).caller(Caller::header("x-user"))),
+            post(|| async { "done" }).layer(TokenLayer::new().store(idem.clone()).caller(Caller::header("x-user"))),
         )
-        .with_locker(dlock)
+        .with_dlock(dlock)
 }
 
 fn engine() -> DlockRuntime {

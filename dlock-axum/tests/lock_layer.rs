@@ -10,13 +10,14 @@ use axum::http::{Request, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::{Caller, FencingToken, LockLayer, LockOutcome, LockerExt, RequestOwner};
+use dlock_axum::{Caller, DlockExt, FencingToken, LockLayer, LockOutcome, RequestOwner};
 use dlock_core::backend::Backend;
-use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use dlock_core::backend::{AcquireRequest, BoxFuture, Grant, Release, Renewal};
 use dlock_core::{AcquireOptions, LockKey, Locker, MemoryBackend, Owner};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio_util::sync::CancellationToken;
 use tower::{Layer, Service, ServiceExt};
 
 const LONG: Duration = Duration::from_secs(30);
@@ -34,7 +35,7 @@ fn echo_app(locker: &Locker, layer: LockLayer, calls: Arc<AtomicUsize>) -> Route
             ([("x-fence", fence.to_string())], body)
         }
     };
-    Router::new().route("/r", post(handler).layer(layer)).with_locker(locker.clone())
+    Router::new().route("/r", post(handler).layer(layer)).with_dlock(locker.clone())
 }
 
 fn post_json(uri: &str, body: impl Into<Body>) -> Request<Body> {
@@ -131,7 +132,7 @@ fn gated_app(locker: &Locker, layer: LockLayer) -> (Router, mpsc::UnboundedRecei
             body
         }
     };
-    (Router::new().route("/r", post(handler).layer(layer)).with_locker(locker.clone()), entered_rx)
+    (Router::new().route("/r", post(handler).layer(layer)).with_dlock(locker.clone()), entered_rx)
 }
 
 #[tokio::test]
@@ -220,7 +221,7 @@ async fn many_concurrent_requests_never_overlap() {
         }
     };
     let layer = LockLayer::new("counter").json("id").wait(LONG);
-    let app: Router = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker());
+    let app: Router = Router::new().route("/r", post(handler).layer(layer)).with_dlock(locker());
     let tasks: Vec<_> = (0..50).map(|_| tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"id": "c"}"#)))).collect();
     for t in tasks {
         assert_eq!(t.await.expect("task").expect("infallible").status(), StatusCode::OK);
@@ -249,7 +250,7 @@ async fn key_parts_come_from_json_query_path_and_header_in_order() {
     let locker = locker();
     let layer = LockLayer::new("order.create").json("product.id").query("token").path("shop").header("x-user-id");
     let app: Router =
-        Router::new().route("/shops/{shop}/orders", post(|| async { "ok" }).layer(layer)).with_locker(locker.clone());
+        Router::new().route("/shops/{shop}/orders", post(|| async { "ok" }).layer(layer)).with_dlock(locker.clone());
     let req = |token: &str, user: &str| {
         Request::post(format!("/shops/s%3A1/orders?x=1&token={token}"))
             .header("x-user-id", user)
@@ -334,8 +335,7 @@ async fn no_engine_is_500_lock_misconfigured() {
 
 #[tokio::test]
 async fn a_locker_given_to_the_layer_needs_no_extension() {
-    let app: Router =
-        Router::new().route("/r", post(|| async { "ok" }).layer(LockLayer::new("x").with_locker(locker())));
+    let app: Router = Router::new().route("/r", post(|| async { "ok" }).layer(LockLayer::new("x").locker(locker())));
     assert_eq!(app.oneshot(post_json("/r", "{}")).await.expect("infallible").status(), StatusCode::OK);
 }
 
@@ -357,7 +357,7 @@ async fn nested_locks_on_one_key_reenter_within_a_request() {
     let inner = LockLayer::new("stock").json("product_id");
     let outer = LockLayer::new("stock").json("product_id");
     let app: Router =
-        Router::new().route("/r", post(handler).layer::<_, Infallible>(inner).layer(outer)).with_locker(locker());
+        Router::new().route("/r", post(handler).layer::<_, Infallible>(inner).layer(outer)).with_dlock(locker());
     let res = app.oneshot(post_json("/r", r#"{"product_id": 3}"#)).await.expect("infallible");
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(owners.lock().expect("not poisoned").len(), 1);
@@ -409,7 +409,7 @@ impl Backend for Down {
 #[tokio::test]
 async fn the_readiness_probe_names_what_is_down() {
     let probe =
-        |locker: Locker| Router::new().route("/ready", axum::routing::get(dlock_axum::ready)).with_locker(locker);
+        |locker: Locker| Router::new().route("/ready", axum::routing::get(dlock_axum::ready)).with_dlock(locker);
     let ask = || Request::get("/ready").body(Body::empty()).expect("request");
     let res = probe(Locker::new(Down)).oneshot(ask()).await.expect("infallible");
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
@@ -445,7 +445,7 @@ struct InnerError(&'static str);
 #[tokio::test]
 async fn the_inner_services_error_passes_through() {
     let inner = tower::service_fn(|_req: Request<Body>| async { Err::<Response, _>(InnerError("boom")) });
-    let mut svc = LockLayer::new("x").with_locker(locker()).layer(inner);
+    let mut svc = LockLayer::new("x").locker(locker()).layer(inner);
     let err = svc.ready().await.expect("ready").call(post_json("/r", "{}")).await.expect_err("inner error");
     assert_eq!(err, InnerError("boom"));
     // The lock was released all the same: a held lock would answer 409 here
@@ -468,7 +468,7 @@ async fn path_parts_work_under_router_layer_but_not_around_the_router() {
     let app: Router = Router::new()
         .route("/items/{id}", post(|| async { "ok" }))
         .layer(LockLayer::new("item").path("id"))
-        .with_locker(locker.clone());
+        .with_dlock(locker.clone());
     let held = locker.try_acquire(&locker.key("item").part("1").build().expect("key")).await.expect("free");
     let res = app.clone().oneshot(post_json("/items/1", "{}")).await.expect("infallible");
     assert_rejection(res, 409, "duplicate_submission").await;
@@ -476,7 +476,7 @@ async fn path_parts_work_under_router_layer_but_not_around_the_router() {
     held.release().await.expect("release");
 
     // Wrapped around the whole router, the layer runs before routing.
-    let outside = LockLayer::new("item").path("id").with_locker(locker).layer(app);
+    let outside = LockLayer::new("item").path("id").locker(locker).layer(app);
     let res = outside.oneshot(post_json("/items/1", "{}")).await.expect("infallible");
     assert_rejection(res, 500, "lock_misconfigured").await;
 }
@@ -485,7 +485,7 @@ async fn path_parts_work_under_router_layer_but_not_around_the_router() {
 async fn a_path_parameter_that_is_not_utf8_is_a_400_not_a_500() {
     let app: Router = Router::new()
         .route("/items/{id}", post(|| async { "ok" }).layer(LockLayer::new("item").path("id")))
-        .with_locker(locker());
+        .with_dlock(locker());
     let res = app.oneshot(post_json("/items/%FF%FE", "{}")).await.expect("infallible");
     assert_rejection(res, 400, "lock_key_invalid").await;
 }
@@ -508,7 +508,7 @@ async fn max_hold_frees_the_lock_of_a_stuck_handler() {
         fence.to_string()
     };
     let layer = LockLayer::new("stuck").json("id").max_hold(Duration::from_millis(300));
-    let app = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker);
+    let app = Router::new().route("/r", post(handler).layer(layer)).with_dlock(locker);
     let stuck = tokio::spawn(app.clone().oneshot(post_json("/r", r#"{"id":1,"stuck":true}"#)));
     tokio::time::sleep(Duration::from_millis(100)).await;
     let res = app.clone().oneshot(post_json("/r", r#"{"id":1}"#)).await.expect("infallible");
@@ -562,7 +562,7 @@ async fn a_caller_cannot_hold_more_locks_than_its_cap() {
         .json("id")
         .max_holds_per(CAP, Caller::header("x-user-id"))
         .max_hold(Duration::from_millis(300));
-    let app = Router::new().route("/r", post(handler).layer(layer)).with_locker(locker.clone());
+    let app = Router::new().route("/r", post(handler).layer(layer)).with_dlock(locker.clone());
     let as_user = |user: &str, id: String| {
         Request::post("/r").header("x-user-id", user).body(Body::from(format!("{{\"id\":\"{id}\"}}"))).expect("request")
     };
@@ -730,7 +730,7 @@ fn gated_routes(locker: &Locker, routes: Vec<(&'static str, LockLayer)>) -> (Rou
         };
         app = app.route(path, post(handler).route_layer(layer));
     }
-    (app.with_locker(locker.clone()), entered_rx)
+    (app.with_dlock(locker.clone()), entered_rx)
 }
 
 /// A gated request that runs, and lets it finish.
@@ -912,7 +912,7 @@ async fn opposite_multi_key_requests_never_deadlock_nor_overlap() {
         }
     };
     let layer = LockLayer::new("account").json("from").also("account").json("to").wait(Duration::from_secs(20));
-    let app = Router::new().route("/transfer", post(handler).route_layer(layer)).with_locker(locker());
+    let app = Router::new().route("/transfer", post(handler).route_layer(layer)).with_dlock(locker());
     let tasks: Vec<_> = (0..40)
         .map(|i| {
             let body = if i % 2 == 0 { json!({"from": 1, "to": 2}) } else { json!({"from": 2, "to": 1}) };

@@ -9,7 +9,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dlock_axum::{lockable, DlockRuntime, LockOutcome, LockerExt, RequestOwner};
+use dlock_axum::{lockable, DlockExt, DlockRuntime, LockOutcome, RequestOwner};
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::{AcquireOptions, Locker, MemoryBackend};
 use http_body_util::BodyExt;
@@ -87,7 +87,7 @@ fn app(locker: &Locker) -> Router {
         .route("/nested/{id}", get(nested))
         .route("/early/{id}", get(early))
         .route("/boom/{id}", get(boom))
-        .with_locker(locker.clone())
+        .with_dlock(locker.clone())
 }
 
 fn order(token: Option<&str>, product: u64) -> Request<Body> {
@@ -273,7 +273,7 @@ fn modes_app(locker: &Locker) -> Router {
         .route("/export/{user}", post(export))
         .route("/transfer", post(transfer))
         .route("/account/{id}", post(touch))
-        .with_locker(locker.clone())
+        .with_dlock(locker.clone())
 }
 
 fn post_req(uri: &str) -> Request<Body> {

@@ -10,13 +10,14 @@ use axum::http::Request;
 use axum::routing::post;
 use axum::Router;
 use dlock_axum::{idempotency::IdempotencyLayer, Caller};
-use dlock_axum::{lockable, JsonBody, LockLayer, LockerExt};
+use dlock_axum::{lockable, DlockExt, JsonBody, LockLayer};
 use dlock_core::backend::Backend;
-use dlock_core::backend::{AcquireRequest, BoxFuture, CancellationToken, Grant, Release, Renewal};
+use dlock_core::backend::{AcquireRequest, BoxFuture, Grant, Release, Renewal};
 use dlock_core::idempotency::{Begin, Claim, ClaimTerms, IdempotencyStore, MemoryStore, StoredResponse, TokenClaim};
 use dlock_core::{LockKey, Locker, MemoryBackend, Owner, Result};
 use dlock_testing::{capture_logs, LogCapture};
 use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
 /// The `dlock.request` lines written since the last call.
@@ -49,7 +50,7 @@ async fn one_event_per_request_at_the_same_level_through_both_faces() {
     let app = Router::new()
         .route("/layer", post(|body: String| async move { body }).layer(LockLayer::new("t").json("id")))
         .route("/macro", post(by_macro))
-        .with_locker(locker.clone());
+        .with_dlock(locker.clone());
 
     for (outcome, level) in [("acquired", "DEBUG"), ("busy", "DEBUG")] {
         let held = if outcome == "busy" {
@@ -94,7 +95,7 @@ async fn a_multi_key_refusal_logs_the_busy_key_only() {
     let layer = LockLayer::new("account").json("from").also("account").json("to");
     let app = Router::new()
         .route("/transfer", post(|body: String| async move { body }).layer(layer))
-        .with_locker(locker.clone());
+        .with_dlock(locker.clone());
     let (from, to) = (
         locker.key("account").part(7u64).build().expect("key"),
         locker.key("account").part(8u64).build().expect("key"),
@@ -149,11 +150,8 @@ impl IdempotencyStore for NoComplete {
     fn ready(&self) -> BoxFuture<'_, Result<()>> {
         self.0.ready()
     }
-    fn issue_token<'a>(&'a self, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        self.0.issue_token(ttl)
-    }
-    fn issue_bound_token<'a>(&'a self, principal: &'a str, ttl: Duration) -> BoxFuture<'a, Result<String>> {
-        self.0.issue_bound_token(principal, ttl)
+    fn issue_token<'a>(&'a self, principal: Option<&'a str>, ttl: Duration) -> BoxFuture<'a, Result<String>> {
+        self.0.issue_token(principal, ttl)
     }
     fn claim_token<'a>(
         &'a self,
@@ -202,9 +200,9 @@ async fn no_request_secret_is_logged_at_any_level() {
         .route("/layer", post(|| async { "ok" }).layer(LockLayer::new("t").query("token")))
         .route(
             "/pay",
-            post(|| async { "paid" }).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
+            post(|| async { "paid" }).layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::shared())),
         )
-        .with_locker(locker.clone());
+        .with_dlock(locker.clone());
 
     let req = Request::post("/layer?token=tok-s3cr3t").body(Body::empty()).expect("request");
     assert_eq!(app.clone().oneshot(req).await.expect("infallible").status(), 200);

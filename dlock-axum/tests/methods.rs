@@ -12,11 +12,8 @@ use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
-use dlock_axum::{
-    idempotency::{bound_token_handler, token_handler},
-    Caller,
-};
-use dlock_axum::{LockLayer, LockerExt};
+use dlock_axum::{idempotency::token_handler, Caller};
+use dlock_axum::{DlockExt, LockLayer};
 use dlock_core::idempotency::{IdempotencyLimits, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
 use http_body_util::BodyExt;
@@ -47,7 +44,7 @@ async fn hold(locker: &Locker) -> dlock_core::LockGuard {
 #[tokio::test]
 async fn route_layer_leaves_the_405_of_other_methods_unlocked() {
     let locker = Locker::new(MemoryBackend::new());
-    let app = Router::new().route("/r", post(|| async { "posted" }).route_layer(layer())).with_locker(locker.clone());
+    let app = Router::new().route("/r", post(|| async { "posted" }).route_layer(layer())).with_dlock(locker.clone());
     let _held = hold(&locker).await;
     // The layer is there: a POST finds the lock held.
     assert_eq!(send(&app, Method::POST, true).await.0, StatusCode::CONFLICT);
@@ -65,7 +62,7 @@ async fn route_layer_leaves_the_405_of_other_methods_unlocked() {
 #[tokio::test]
 async fn layer_also_wraps_axums_405_and_locks_it() {
     let locker = Locker::new(MemoryBackend::new());
-    let app = Router::new().route("/r", post(|| async { "posted" }).layer(layer())).with_locker(locker.clone());
+    let app = Router::new().route("/r", post(|| async { "posted" }).layer(layer())).with_dlock(locker.clone());
     let (status, body) = send(&app, Method::GET, false).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "the key was read: {body}");
     assert!(body.contains("lock_key_field_missing"), "{body}");
@@ -85,9 +82,9 @@ fn idem() -> dlock_axum::DlockRuntime {
 #[tokio::test]
 async fn head_on_a_token_endpoint_issues_no_token() {
     let app: Router = Router::new()
-        .route("/token", get(token_handler()))
-        .route("/bound", get(bound_token_handler(Caller::header("x-user"))))
-        .with_locker(idem());
+        .route("/token", get(token_handler(None)))
+        .route("/bound", get(token_handler(Some(Caller::header("x-user")))))
+        .with_dlock(idem());
     for uri in ["/token", "/bound"] {
         let request = |method: Method| {
             Request::builder().method(method).uri(uri).header("x-user", "alice").body(Body::empty()).expect("request")

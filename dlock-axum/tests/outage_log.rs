@@ -11,7 +11,7 @@ use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::Router;
 use dlock_axum::{idempotency::IdempotencyLayer, Caller};
-use dlock_axum::{LockLayer, LockerExt};
+use dlock_axum::{DlockExt, LockLayer};
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::idempotency::{IdempotencyStore, RedisStore};
 use dlock_core::Locker;
@@ -42,9 +42,9 @@ async fn an_outage_is_one_warning_a_count_and_an_end() {
         .route("/r", post(|| async { "ok" }).route_layer(LockLayer::new("o")))
         .route(
             "/pay",
-            post(|| async { "paid" }).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
+            post(|| async { "paid" }).layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::shared())),
         )
-        .with_locker(locker);
+        .with_dlock(locker);
     assert_eq!(status(&app, "/r").await, StatusCode::OK);
     assert_eq!(status(&app, "/pay").await, StatusCode::OK);
     logs.take();
@@ -59,7 +59,8 @@ async fn an_outage_is_one_warning_a_count_and_an_end() {
     // The backend says that it lost its connections (its own events, from
     // `dlock_core`, not a request's; how many were logged by now depends on
     // when its tasks ran); the requests' outage is one warning more.
-    let warnings: Vec<&String> = lines.iter().filter(|l| l.contains(" WARN dlock_axum")).collect();
+    // A request's events carry its span (`dlock.http.request{…}:`) before their target.
+    let warnings: Vec<&String> = lines.iter().filter(|l| l.contains(" WARN ") && l.contains(" dlock_axum::")).collect();
     assert_eq!(warnings.len(), 2, "one warning for each service's outage, not one per request: {warnings:#?}");
     for service in ["the lock service", "the idempotency store"] {
         let told = warnings.iter().filter(|l| l.contains(&format!("{service} is unavailable"))).count();

@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::routing::post;
 use axum::Router;
 use dlock_axum::{idempotency::IdempotencyLayer, Caller};
-use dlock_axum::{lockable, DlockRuntime, JsonBody, LockLayer, LockerExt};
+use dlock_axum::{lockable, DlockExt, DlockRuntime, JsonBody, LockLayer};
 use dlock_core::idempotency::{IdempotencyStore, MemoryStore};
 use dlock_core::{Locker, MemoryBackend};
 use dlock_testing::{read_http_answer, HttpAnswer};
@@ -47,9 +47,9 @@ fn app(dlock: DlockRuntime) -> Router {
         .route("/macro", post(by_macro))
         .route(
             "/idem",
-            post(|| async { "done" }).layer(IdempotencyLayer::new().with_store(idem.clone()).caller(Caller::shared())),
+            post(|| async { "done" }).layer(IdempotencyLayer::new().store(idem.clone()).caller(Caller::shared())),
         )
-        .with_locker(dlock)
+        .with_dlock(dlock)
 }
 
 /// The body's `error` member.

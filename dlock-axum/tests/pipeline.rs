@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::{lockable, DlockRuntime, JsonBody, LockLayer, LockerExt};
+use dlock_axum::{lockable, DlockExt, DlockRuntime, JsonBody, LockLayer};
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::{LockGuard, Locker, MemoryBackend};
 use http_body_util::BodyExt;
@@ -51,7 +51,7 @@ fn routes() -> Router {
 }
 
 fn app(locker: &Locker) -> Router {
-    routes().with_locker(DlockRuntime::new(locker.clone()).with_max_body_bytes(LIMIT))
+    routes().with_dlock(DlockRuntime::new(locker.clone()).with_max_body_bytes(LIMIT))
 }
 
 /// What must be equal between the faces.
@@ -182,9 +182,9 @@ async fn the_installed_body_limit_reaches_every_layer() {
     let app = Router::new()
         .route("/lock", post(echo).layer(LockLayer::new("t").json("id")))
         .route("/lock-own", post(echo).layer(LockLayer::new("t").json("id").max_body_bytes(200)))
-        .route("/idem", post(echo).layer(IdempotencyLayer::new().with_store(idem.clone())))
-        .route("/idem-own", post(echo).layer(IdempotencyLayer::new().with_store(idem.clone()).max_body_bytes(200)))
-        .with_locker(DlockRuntime::new(Locker::new(MemoryBackend::new())).with_max_body_bytes(100));
+        .route("/idem", post(echo).layer(IdempotencyLayer::new().store(idem.clone())))
+        .route("/idem-own", post(echo).layer(IdempotencyLayer::new().store(idem.clone()).max_body_bytes(200)))
+        .with_dlock(DlockRuntime::new(Locker::new(MemoryBackend::new())).with_max_body_bytes(100));
     let body = format!(r#"{{"id": "{}"}}"#, "x".repeat(120));
     for (uri, status) in [("/lock", 413), ("/idem", 413), ("/lock-own", 200), ("/idem-own", 200)] {
         let req = Request::post(uri)
@@ -210,14 +210,14 @@ async fn one_hook_renders_every_refusal_as_problem_details() {
     let idem: std::sync::Arc<dyn dlock_core::idempotency::IdempotencyStore> = std::sync::Arc::new(MemoryStore::new());
     let echo = |body: String| async move { body };
     let app = routes()
-        .route("/idem", post(echo).layer(IdempotencyLayer::new().with_store(idem.clone())))
-        .route("/token", post(echo).layer(TokenLayer::new().with_store(idem.clone())))
+        .route("/idem", post(echo).layer(IdempotencyLayer::new().store(idem.clone())))
+        .route("/token", post(echo).layer(TokenLayer::new().store(idem.clone())))
         .route(
             "/own",
             post(|| async { dlock_axum::Rejection::new(StatusCode::CONFLICT, "sold_out", 3001, "none left") }),
         )
         .layer(RenderRejections::problem_details())
-        .with_locker(DlockRuntime::new(locker.clone()).with_max_body_bytes(LIMIT));
+        .with_dlock(DlockRuntime::new(locker.clone()).with_max_body_bytes(LIMIT));
     let guard = hold(&locker, "7").await;
     let cases = [
         ("/layer/at-once", r#"{"id": "7"}"#, 409, "taken", "duplicate_submission"),

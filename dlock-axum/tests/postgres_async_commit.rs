@@ -2,7 +2,7 @@
 //! `IdempotencyLayer` on the PostgreSQL store is replayed after the server
 //! crashed, on a server set to `synchronous_commit = off` (which answers a
 //! commit before its WAL is written). Both faces: the store's own
-//! statements (`with_store`) and the route's transaction
+//! statements (`store`) and the route's transaction
 //! (`in_transaction`). Before the fix the crash forgot the record and the
 //! retry ran the route again ("route runs: 2"). The crash is
 //! `PostgresServer::hold_wal_writes` before the request and
@@ -42,7 +42,7 @@ async fn app(server: &PostgresServer, face: Face, runs: Arc<AtomicUsize>) -> Rou
                 runs.fetch_add(1, Ordering::SeqCst);
                 (StatusCode::CREATED, "paid").into_response()
             };
-            Router::new().route("/pay", post(handler).layer(layer.with_store(Arc::new(store))))
+            Router::new().route("/pay", post(handler).layer(layer.store(Arc::new(store))))
         }
         Face::InTransaction => {
             let handler = move |mut tx: Tx| async move {

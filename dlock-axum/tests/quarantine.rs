@@ -8,7 +8,7 @@ use axum::body::Body;
 use axum::http::Request;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::{LockLayer, LockerExt};
+use dlock_axum::{DlockExt, LockLayer};
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::Locker;
 use dlock_testing::RedisServer;
@@ -35,7 +35,7 @@ async fn a_quarantined_redis_says_how_long_it_has_left() {
 
     // And the 503 says it, in whole seconds rounded up.
     let app =
-        Router::new().route("/r", post(|| async { "ok" }).route_layer(LockLayer::new("q"))).with_locker(locker.clone());
+        Router::new().route("/r", post(|| async { "ok" }).route_layer(LockLayer::new("q"))).with_dlock(locker.clone());
     let res = app.oneshot(Request::post("/r").body(Body::empty()).expect("request")).await.expect("infallible");
     assert_eq!(res.status(), 503);
     let retry_after: u64 = res.headers()["retry-after"].to_str().expect("ascii").parse().expect("seconds");

@@ -18,7 +18,7 @@ use axum::http::{Request, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
 use dlock_axum::idempotency::IdempotencyLayer;
-use dlock_axum::{Caller, DlockRuntime, LockerExt};
+use dlock_axum::{Caller, DlockExt, DlockRuntime};
 use dlock_core::idempotency::PostgresStore;
 use dlock_core::Config;
 use dlock_testing::PostgresServer;
@@ -49,7 +49,7 @@ fn app(dlock: DlockRuntime, wallet: PostgresStore) -> Router {
     Router::new()
         .route("/transfers", post(|| async { (StatusCode::CREATED, "moved") }).layer(layer))
         .route("/ready", get(dlock_axum::ready))
-        .with_locker(dlock)
+        .with_dlock(dlock)
 }
 
 /// `/ready`'s status, and its checks as `part:ok` (`part:FAILED`).

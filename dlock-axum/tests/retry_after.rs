@@ -15,7 +15,7 @@ use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
 use dlock_axum::lock::Policy;
-use dlock_axum::{lockable, LockLayer, LockerExt};
+use dlock_axum::{lockable, DlockExt, LockLayer};
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::backend::Backend;
 use dlock_core::{LockGuard, Locker, LockerOptions, MemoryBackend, Owner};
@@ -35,7 +35,7 @@ async fn hold(locker: &Locker, name: &str) -> LockGuard {
 }
 
 fn app(locker: &Locker, layer: LockLayer) -> Router {
-    Router::new().route("/r/{id}", post(|| async { "ran" }).layer(layer)).with_locker(locker.clone())
+    Router::new().route("/r/{id}", post(|| async { "ran" }).layer(layer)).with_dlock(locker.clone())
 }
 
 /// The status, `error` and `Retry-After` of the answer to `POST /r/7`.
@@ -93,7 +93,7 @@ async fn a_wait_that_ran_out_and_a_full_semaphore_say_the_lease() {
     assert_eq!(refused(&waits).await, says(StatusCode::CONFLICT, "lock_wait_timeout", "9"));
 
     let key = locker.key("exports").part(7).build().expect("key");
-    let one = dlock_core::AcquireOptions::new().with_mode(dlock_core::backend::LockMode::permits(1));
+    let one = dlock_core::AcquireOptions::new().with_mode(dlock_core::LockMode::permits(1));
     let _permit = locker.acquire(&key, one).await.expect("the permit is free");
     let full = app(&locker, LockLayer::new("exports").path("id").permits(1).lease(Duration::from_secs(4)));
     assert_eq!(refused(&full).await, says(StatusCode::TOO_MANY_REQUESTS, "lock_permits_exhausted", "4"));
@@ -109,7 +109,7 @@ async fn by_macro(Path(id): Path<u64>) -> String {
 async fn a_lockable_handler_says_its_lease() {
     let locker = locker_with_lease(Duration::from_secs(12));
     let _held = hold(&locker, "macro").await;
-    let app = Router::new().route("/r/{id}", post(by_macro)).with_locker(locker.clone());
+    let app = Router::new().route("/r/{id}", post(by_macro)).with_dlock(locker.clone());
     assert_eq!(refused(&app).await, says(StatusCode::CONFLICT, "duplicate_submission", "3"));
 }
 

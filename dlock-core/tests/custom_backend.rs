@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dlock_core::backend::LostSignal;
-use dlock_core::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
+use dlock_core::backend::{AcquireRequest, Backend, BoxFuture, Grant, LockMode, Release, Renewal};
 use dlock_core::{AcquireOptions, Error, LockKey, Locker, LockerOptions, LostReason, Owner, Result};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 /// Grants each free key to one owner. A request that would keep the lock
 /// until released gets no lease (it lives in this process); every other

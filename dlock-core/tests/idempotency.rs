@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::idempotency::{
-    fingerprint, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, MemoryStore, RedisStore,
-    StoredResponse, TokenClaim,
+    fingerprint, release_claim, Begin, Claim, ClaimTerms, IdempotencyLimits, IdempotencyStore, MemoryStore,
+    RecordState, RecordView, RedisStore, StoredResponse, TokenClaim,
 };
 use dlock_core::Error;
 
@@ -24,7 +24,57 @@ async fn suite(store: Arc<dyn IdempotencyStore>) {
     token_leases(&store).await;
     bound_tokens(&store).await;
     concurrent_claims(store.clone()).await;
+    operator_view(&store).await;
     concurrent_begin(store).await;
+}
+
+/// Issue 40: an operator sees a record (its state, size and time left), the
+/// claims stuck past their lease (not on Redis, whose records are named by
+/// a hash of their caller and key), a caller's records and bytes against
+/// its caps, and releases a stuck claim on purpose: the retry then runs. A
+/// completed record is no claim; a reason is required.
+async fn operator_view(store: &Arc<dyn IdempotencyStore>) {
+    let (scope, fp) = ("operator-caller", fingerprint(&["operator"]));
+    let (short, long) = (ClaimTerms::new(Duration::from_millis(150)), ClaimTerms::new(Duration::from_secs(30)));
+    assert_eq!(store.usage(Some(scope)).await.expect("usage").records, 0);
+    let Begin::New(done) = store.begin(scope, "done", &fp, long).await.expect("begin") else { panic!("claim") };
+    let answer = StoredResponse::new(201, vec![], b"paid".to_vec());
+    assert!(store.complete(&done, &answer).await.expect("complete"));
+    let Begin::New(_dead) = store.begin(scope, "dead", &fp, short).await.expect("begin") else { panic!("claim") };
+    let Begin::New(live) = store.begin(scope, "live", &fp, long).await.expect("begin") else { panic!("claim") };
+
+    let completed = store.inspect_record(scope, "done").await.expect("inspect").expect("a record");
+    assert_eq!(completed.state, RecordState::Completed { status: 201 }, "{completed:?}");
+    assert!(completed.bytes > 0 && completed.expires_in > Duration::from_secs(3600), "{completed:?}");
+    let running = store.inspect_record(scope, "live").await.expect("inspect").expect("a record");
+    assert!(
+        matches!(running.state, RecordState::InProgress { lease_left: Some(left) } if left > Duration::from_secs(20)),
+        "{running:?}"
+    );
+    assert!(store.inspect_record(scope, "nothing").await.expect("inspect").is_none());
+    let usage = store.usage(Some(scope)).await.expect("usage");
+    assert_eq!((usage.records, usage.bytes), (3, completed.bytes), "{usage:?}");
+    assert!(usage.max_records > 0 && usage.max_bytes > 0, "{usage:?}");
+    let total = store.usage(None).await.expect("usage");
+    assert!(total.records >= 3 && total.max_records >= usage.max_records, "{total:?}");
+
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let stuck = store.inspect_record(scope, "dead").await.expect("inspect").expect("a record");
+    assert!(stuck.is_stuck(), "{stuck:?}");
+    if store.name() != "redis" {
+        let listed = store.stuck_records(1000).await.expect("stuck");
+        assert!(listed.iter().any(|r| r.scope == scope && r.key == "dead"), "{listed:?}");
+        assert!(listed.iter().all(RecordView::is_stuck), "{listed:?}");
+    }
+    let refused = release_claim(store.as_ref(), scope, "dead", " ").await.expect_err("no reason");
+    assert!(matches!(refused, Error::InvalidArgument { .. }), "{refused:?}");
+    assert!(release_claim(store.as_ref(), scope, "done", "test").await.expect("release").is_none(), "no claim");
+    let released = release_claim(store.as_ref(), scope, "dead", "test: its instance died").await.expect("release");
+    assert!(released.is_some_and(|r| r.is_stuck()));
+    assert!(matches!(store.begin(scope, "dead", &fp, long).await.expect("begin"), Begin::New(_)), "the retry runs");
+    // A claim in progress, released on purpose: its request can no longer settle it.
+    assert!(release_claim(store.as_ref(), scope, "live", "test: dead instance").await.expect("release").is_some());
+    assert!(!store.complete(&live, &answer).await.expect("complete"), "no longer its claim");
 }
 
 /// The lease of the token claims of these tests.
@@ -42,7 +92,7 @@ fn claimed(answer: TokenClaim) -> Claim {
 /// (the route did not run or failed) or spent; while claimed nobody else
 /// takes it, by claim or by consume; only the claim's owner settles it.
 async fn claimed_tokens(store: &Arc<dyn IdempotencyStore>) {
-    let t = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let t = store.issue_token(None, Duration::from_secs(30)).await.expect("issue");
     let first = claimed(store.claim_token(&t, None, LEASE).await.expect("claim"));
     assert_eq!(store.claim_token(&t, None, LEASE).await.expect("claim"), TokenClaim::InUse);
     assert!(!store.consume(&t).await.expect("consume"), "a claimed token is not consumed by another");
@@ -57,7 +107,7 @@ async fn claimed_tokens(store: &Arc<dyn IdempotencyStore>) {
     assert!(!store.consume(&t).await.expect("consume"));
     assert_eq!(store.claim_token("not-a-token", None, LEASE).await.expect("claim"), TokenClaim::Unknown);
     // The claim keeps the token's TTL: a claimed token still expires.
-    let short = store.issue_token(Duration::from_millis(80)).await.expect("issue");
+    let short = store.issue_token(None, Duration::from_millis(80)).await.expect("issue");
     let claim = claimed(store.claim_token(&short, None, LEASE).await.expect("claim"));
     tokio::time::sleep(Duration::from_millis(160)).await;
     assert!(!store.return_token(&claim).await.expect("return"), "expired while claimed");
@@ -70,7 +120,7 @@ async fn claimed_tokens(store: &Arc<dyn IdempotencyStore>) {
 /// settle it late.
 async fn token_leases(store: &Arc<dyn IdempotencyStore>) {
     let lease = Duration::from_millis(150);
-    let t = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let t = store.issue_token(None, Duration::from_secs(30)).await.expect("issue");
     let alive = claimed(store.claim_token(&t, None, lease).await.expect("claim"));
     for _ in 0..4 {
         tokio::time::sleep(lease / 3).await;
@@ -88,7 +138,7 @@ async fn token_leases(store: &Arc<dyn IdempotencyStore>) {
 /// Issue 15 item 3: a token bound to a caller is taken by that caller's
 /// claims only: not by another caller, not unbound, not by `consume_token`.
 async fn bound_tokens(store: &Arc<dyn IdempotencyStore>) {
-    let t = store.issue_bound_token("alice", Duration::from_secs(30)).await.expect("issue");
+    let t = store.issue_token(Some("alice"), Duration::from_secs(30)).await.expect("issue");
     assert_eq!(store.claim_token(&t, Some("bob"), LEASE).await.expect("claim"), TokenClaim::Unknown);
     assert_eq!(store.claim_token(&t, None, LEASE).await.expect("claim"), TokenClaim::Unknown);
     assert!(!store.consume(&t).await.expect("consume"), "an unbound consume does not take it"); // DEL 0
@@ -102,7 +152,7 @@ async fn bound_tokens(store: &Arc<dyn IdempotencyStore>) {
 }
 
 async fn concurrent_claims(store: Arc<dyn IdempotencyStore>) {
-    let token = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let token = store.issue_token(None, Duration::from_secs(30)).await.expect("issue");
     let tasks: Vec<_> = (0..50)
         .map(|_| {
             let (store, token) = (store.clone(), token.clone());
@@ -121,15 +171,15 @@ async fn concurrent_claims(store: Arc<dyn IdempotencyStore>) {
 }
 
 async fn tokens(store: &Arc<dyn IdempotencyStore>) {
-    let a = store.issue_token(Duration::from_secs(30)).await.expect("issue");
-    let b = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let a = store.issue_token(None, Duration::from_secs(30)).await.expect("issue");
+    let b = store.issue_token(None, Duration::from_secs(30)).await.expect("issue");
     assert_ne!(a, b);
     assert_eq!(a.len(), 32, "128 bits as hex");
     assert!(store.consume(&a).await.expect("consume"));
     assert!(!store.consume(&a).await.expect("consume"), "used twice");
     assert!(!store.consume("not-a-token").await.expect("consume"));
     assert!(!store.consume(&"0".repeat(32)).await.expect("consume"), "never issued");
-    let short = store.issue_token(Duration::from_millis(50)).await.expect("issue");
+    let short = store.issue_token(None, Duration::from_millis(50)).await.expect("issue");
     tokio::time::sleep(Duration::from_millis(120)).await;
     assert!(!store.consume(&short).await.expect("consume"), "expired");
     assert!(store.consume(&b).await.expect("consume"));
@@ -259,7 +309,7 @@ async fn response_expiry(store: &Arc<dyn IdempotencyStore>) {
 }
 
 async fn concurrent_tokens(store: Arc<dyn IdempotencyStore>) {
-    let token = store.issue_token(Duration::from_secs(30)).await.expect("issue");
+    let token = store.issue_token(None, Duration::from_secs(30)).await.expect("issue");
     let tasks: Vec<_> = (0..50)
         .map(|_| {
             let (store, token) = (store.clone(), token.clone());
@@ -370,39 +420,39 @@ async fn record_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
 /// identified callers' tokens and records alone.
 async fn token_caps(store: &Arc<dyn IdempotencyStore>, total: bool) {
     let (ttl, short) = (Duration::from_secs(30), Duration::from_millis(300));
-    let a1 = store.issue_bound_token("alice", ttl).await.expect("issue");
-    let _a2 = store.issue_bound_token("alice", short).await.expect("issue");
-    assert_full(store.issue_bound_token("alice", ttl).await, true, bucketed(short));
+    let a1 = store.issue_token(Some("alice"), ttl).await.expect("issue");
+    let _a2 = store.issue_token(Some("alice"), short).await.expect("issue");
+    assert_full(store.issue_token(Some("alice"), ttl).await, true, bucketed(short));
     // Claimed and given back: still live, still counted.
     let claim = claimed(store.claim_token(&a1, Some("alice"), LEASE).await.expect("claim"));
-    assert_full(store.issue_bound_token("alice", ttl).await, true, bucketed(short));
+    assert_full(store.issue_token(Some("alice"), ttl).await, true, bucketed(short));
     assert!(store.return_token(&claim).await.expect("return"));
-    assert_full(store.issue_bound_token("alice", ttl).await, true, bucketed(short));
+    assert_full(store.issue_token(Some("alice"), ttl).await, true, bucketed(short));
     // Spent: room for one more.
     let claim = claimed(store.claim_token(&a1, Some("alice"), LEASE).await.expect("claim"));
     assert!(store.spend_token(&claim).await.expect("spend"));
-    let a3 = store.issue_bound_token("alice", ttl).await.expect("room after spend");
+    let a3 = store.issue_token(Some("alice"), ttl).await.expect("room after spend");
     // Bound total: a2, a3 and b1 make 3.
-    let b1 = store.issue_bound_token("bob", ttl).await.expect("issue");
+    let b1 = store.issue_token(Some("bob"), ttl).await.expect("issue");
     if total {
-        assert_full(store.issue_bound_token("carol", ttl).await, false, bucketed(short));
+        assert_full(store.issue_token(Some("carol"), ttl).await, false, bucketed(short));
     }
     // Unbound: a pool of 2, apart; full, it refuses unbound tokens only.
-    let u1 = store.issue_token(ttl).await.expect("issue");
-    let _u2 = store.issue_token(ttl).await.expect("issue");
-    assert_full(store.issue_token(ttl).await, false, bucketed(ttl));
+    let u1 = store.issue_token(None, ttl).await.expect("issue");
+    let _u2 = store.issue_token(None, ttl).await.expect("issue");
+    assert_full(store.issue_token(None, ttl).await, false, bucketed(ttl));
     assert!(
         matches!(store.begin("dave", "d1", "fp", ClaimTerms::new(ttl)).await, Ok(Begin::New(_))),
         "records unaffected"
     );
     assert!(store.consume(&u1).await.expect("consume"));
-    let _u3 = store.issue_token(ttl).await.expect("room after consume");
+    let _u3 = store.issue_token(None, ttl).await.expect("room after consume");
     let claim = claimed(store.claim_token(&b1, Some("bob"), LEASE).await.expect("claim"));
     assert!(store.spend_token(&claim).await.expect("spend"));
     // a2 expires: alice has room again.
     tokio::time::sleep(short + Duration::from_millis(200)).await;
-    let a4 = store.issue_bound_token("alice", ttl).await.expect("room after expiry");
-    assert_full(store.issue_bound_token("alice", ttl).await, true, bucketed(ttl));
+    let a4 = store.issue_token(Some("alice"), ttl).await.expect("room after expiry");
+    assert_full(store.issue_token(Some("alice"), ttl).await, true, bucketed(ttl));
     for t in [a3, a4] {
         let claim = claimed(store.claim_token(&t, Some("alice"), LEASE).await.expect("claim"));
         assert!(store.spend_token(&claim).await.expect("spend"));
@@ -521,7 +571,7 @@ async fn redis_store() {
     // Claiming is one script call that decides, never a GET then a write
     // from the client (two callers could both see the token fresh): 3 fresh
     // tokens claimed and 2 of them asked again (in use), 5 calls in all.
-    let live = [0; 3].map(|_| store.issue_token(Duration::from_secs(30)));
+    let live = [0; 3].map(|_| store.issue_token(None, Duration::from_secs(30)));
     let mut tokens = Vec::new();
     for t in live {
         tokens.push(t.await.expect("issue"));
@@ -752,10 +802,10 @@ async fn a_token_claim_whose_answer_timed_out_gives_the_token_back() {
     let a = RedisStore::connect(&format!("redis://127.0.0.1:{}", proxy.port()), "stall").await.expect("connect");
     let b = RedisStore::connect(&server.url(), "stall").await.expect("connect");
     // Warm the script, so the late answer is the claim itself.
-    let warm = a.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let warm = a.issue_token(None, Duration::from_secs(60)).await.expect("issue");
     let claim = claimed(a.claim_token(&warm, None, LEASE).await.expect("claim"));
     assert!(a.spend_token(&claim).await.expect("spend"));
-    let token = a.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let token = a.issue_token(None, Duration::from_secs(60)).await.expect("issue");
     proxy.set_delay(Duration::from_millis(1_500));
     let err = a.claim_token(&token, None, LEASE).await.expect_err("the answer times out");
     assert!(err.is_unavailable(), "{err}");
@@ -785,7 +835,7 @@ async fn unbound_tokens_are_capped_on_a_redis_cluster() {
     let store = RedisStore::connect(&cluster.url(), "anon").await.expect("connect").with_limits(limits);
     let mut issued = 0;
     for _ in 0..50 {
-        match store.issue_token(Duration::from_secs(60)).await {
+        match store.issue_token(None, Duration::from_secs(60)).await {
             Ok(_) => issued += 1,
             Err(Error::IdempotencyFull { per_scope: false, .. }) => {}
             Err(e) => panic!("{e}"),
@@ -793,7 +843,7 @@ async fn unbound_tokens_are_capped_on_a_redis_cluster() {
     }
     assert_eq!(issued, 10, "the unbound pool holds");
     // Identified callers are not affected by the anonymous pool being full.
-    store.issue_bound_token("alice", Duration::from_secs(60)).await.expect("a bound token");
+    store.issue_token(Some("alice"), Duration::from_secs(60)).await.expect("a bound token");
 }
 
 /// The PostgreSQL store runs the same suite, its totals included.

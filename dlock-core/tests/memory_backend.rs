@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::Backend;
-use dlock_core::{LockKey, Locker, LockerOptions, MemoryBackend};
+use dlock_core::{ForceUnlock, LockKey, Locker, LockerOptions, MemoryBackend};
 
 struct Memory {
     backend: Arc<MemoryBackend>,
@@ -25,7 +25,9 @@ impl suite::Harness for Memory {
     }
 
     async fn delete_behind_back(&self, key: &LockKey) {
-        assert!(self.backend.force_unlock(key), "the key was held");
+        let locker = self.client().await;
+        let freed = locker.force_unlock(key, ForceUnlock::all("test: behind the guard's back")).await.expect("forced");
+        assert!(!freed.is_empty(), "the key was held");
     }
 
     async fn lock_keys_left(&self) -> usize {
@@ -64,7 +66,7 @@ async fn in_process_holds_need_no_renewal_and_learn_a_forced_unlock_at_once() {
     assert!(!g.is_lost());
     assert!(b.try_acquire(&k).await.is_err(), "still held");
     assert!(g.valid_until() > tokio::time::Instant::now() + Duration::from_secs(3600), "no lease to run out");
-    assert!(m.backend.force_unlock(&k));
+    assert_eq!(b.force_unlock(&k, ForceUnlock::all("test")).await.expect("forced").len(), 1);
     let reason = tokio::time::timeout(Duration::from_millis(50), g.lost()).await.expect("told at once");
     assert_eq!(reason, LostReason::Stolen);
     assert!(!g.release().await.expect("release"), "it was not ours any more");

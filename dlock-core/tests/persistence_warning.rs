@@ -29,7 +29,7 @@ async fn records_on_a_redis_without_persistence_are_warned_about() {
         let capture = Capture::default();
         let writer = capture.clone();
         let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
+        let _guard = dlock_testing::set_scoped(subscriber);
         let config = dlock_core::Config::from_lookup(|var| match var {
             "DLOCK_BACKEND" => Some("redis".into()),
             "DLOCK_REDIS_URL" => Some(url.clone()),

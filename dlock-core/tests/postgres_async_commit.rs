@@ -23,12 +23,13 @@
 use std::time::Duration;
 
 use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
-use dlock_core::backend::{AcquireRequest, Backend, CancellationToken, LockMode, Release, Renewal};
+use dlock_core::backend::{AcquireRequest, Backend, LockMode, Release, Renewal};
 use dlock_core::fence::postgres::Fences;
 use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyStore, PostgresStore, StoredResponse, TokenClaim};
 use dlock_core::{Error, LockKey, Owner};
 use dlock_testing::{PgBouncer, PostgresServer};
 use sqlx::Connection as _;
+use tokio_util::sync::CancellationToken;
 
 /// The server setting under test.
 const ASYNC: &[(&str, &str)] = &[("synchronous_commit", "off")];
@@ -358,7 +359,7 @@ async fn issued_claimed_and_spent_tokens_survive_a_crash_under_async_commit() {
     let mut lost = Vec::new();
 
     let s = store(&server.url()).await;
-    let issued = crash_after(&mut server, s.issue_token(ttl)).await.expect("issue");
+    let issued = crash_after(&mut server, s.issue_token(None, ttl)).await.expect("issue");
     let s = store(&server.url()).await;
     let issued = match s.claim_token(&issued, None, ttl).await.expect("claim") {
         // Given back, to be claimed again below.
@@ -370,7 +371,7 @@ async fn issued_claimed_and_spent_tokens_survive_a_crash_under_async_commit() {
             lost.push(format!("an issued token: claimed after the crash, {found:?}"));
             // Another, for the steps below: the next crash keeps it (a
             // checkpoint comes first).
-            s.issue_token(ttl).await.expect("issue")
+            s.issue_token(None, ttl).await.expect("issue")
         }
     };
 

@@ -136,11 +136,11 @@ async fn bound_tokens_are_capped_in_total_across_callers() {
     let limits = IdempotencyLimits::default().with_max_per_scope(10).with_max_records(2).with_max_unbound_tokens(5);
     let store = store(&server, "tokens", limits).await;
     let ttl = Duration::from_secs(30);
-    let a1 = store.issue_bound_token("alice", ttl).await.expect("below the total");
-    store.issue_bound_token("bob", ttl).await.expect("below the total");
-    assert_full(store.issue_bound_token("carol", ttl).await, false, ttl, "a third caller's token");
+    let a1 = store.issue_token(Some("alice"), ttl).await.expect("below the total");
+    store.issue_token(Some("bob"), ttl).await.expect("below the total");
+    assert_full(store.issue_token(Some("carol"), ttl).await, false, ttl, "a third caller's token");
     // The unbound pool and the records are apart.
-    store.issue_token(ttl).await.expect("an unbound token");
+    store.issue_token(None, ttl).await.expect("an unbound token");
     new(store.begin("carol", "c1", "fp", ClaimTerms::new(ttl)).await);
     // Spent: room for one.
     let claim = match store.claim_token(&a1, Some("alice"), Duration::from_secs(10)).await.expect("claim") {
@@ -148,8 +148,8 @@ async fn bound_tokens_are_capped_in_total_across_callers() {
         other => panic!("{other:?}"),
     };
     assert!(store.spend_token(&claim).await.expect("spend"));
-    store.issue_bound_token("carol", ttl).await.expect("room after a spend");
-    assert_full(store.issue_bound_token("dave", ttl).await, false, ttl, "full again");
+    store.issue_token(Some("carol"), ttl).await.expect("room after a spend");
+    assert_full(store.issue_token(Some("dave"), ttl).await, false, ttl, "full again");
 }
 
 /// The bytes of stored answers are capped in total: two callers, each far
@@ -208,7 +208,7 @@ async fn under_the_default_caps_many_callers_are_let_in() {
         let claim = new(store.begin(&scope, "k", "fp", terms).await);
         assert!(store.complete(&claim, &StoredResponse::new(200, vec![], b"ok".to_vec())).await.expect("complete"));
         assert!(matches!(begin_in_tx(&store, &scope, "t", terms).await, Ok(Begin::New(_))));
-        store.issue_bound_token(&scope, Duration::from_secs(30)).await.expect("a token");
+        store.issue_token(Some(&scope), Duration::from_secs(30)).await.expect("a token");
     }
 }
 
@@ -225,7 +225,7 @@ async fn a_tally_kept_without_totals_gets_them_at_start() {
     for scope in ["alice", "bob", "carol"] {
         let claim = new(before.begin(scope, "k", "fp", terms).await);
         assert!(before.complete(&claim, &StoredResponse::new(200, vec![], b"ok".to_vec())).await.expect("complete"));
-        before.issue_bound_token(scope, Duration::from_secs(30)).await.expect("a token");
+        before.issue_token(Some(scope), Duration::from_secs(30)).await.expect("a token");
     }
     drop(before);
     server.psql("DELETE FROM earlier_idem_tally WHERE pool IN ('k', 't')");
@@ -239,7 +239,7 @@ async fn a_tally_kept_without_totals_gets_them_at_start() {
     assert_eq!(sums("pool = 'k'"), sums("pool LIKE 'k:%'"), "records and bytes");
     assert_eq!(sums("pool = 't'"), sums("pool LIKE 't:%'"), "bound tokens");
     assert_full(after.begin("dave", "k", "fp", terms).await, false, DAY, "the earlier records count");
-    assert_full(after.issue_bound_token("dave", Duration::from_secs(30)).await, false, DAY, "the earlier tokens count");
+    assert_full(after.issue_token(Some("dave"), Duration::from_secs(30)).await, false, DAY, "the earlier tokens count");
     // Summed once: a second start keeps the totals as they are.
     server.psql("UPDATE earlier_idem_tally SET records = records + 100 WHERE pool = 'k'");
     drop(store(&server, "earlier", limits).await);

@@ -66,7 +66,7 @@ async fn a_runtime_makes_no_idempotency_tables_until_a_record_is_asked_for() {
     let made = idempotency_objects(&server);
     assert!(made.starts_with("dlock_idem_keys,dlock_idem_tally,dlock_idem_tokens; "), "{made}");
     assert!(!made.ends_with("; 0 function(s)"), "{made}");
-    let token = store.issue_token(Duration::from_secs(60)).await.expect("tokens too");
+    let token = store.issue_token(None, Duration::from_secs(60)).await.expect("tokens too");
     assert_eq!(token.len(), 32);
 }
 

@@ -6,12 +6,13 @@ mod suite;
 mod tokens;
 use tokens::Consume;
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::redis::RedisBackend;
 use dlock_core::backend::{Backend, LockMode};
-use dlock_core::{AcquireOptions, LockKey, Locker, LockerOptions, LostReason};
+use dlock_core::{AcquireOptions, ForceUnlock, Listing, LockKey, Locker, LockerOptions, LostReason};
 use dlock_testing::{FaultProxy, RedisServer};
 use tokio::time::Instant;
 
@@ -325,6 +326,35 @@ async fn redis_cluster_spreads_locks_and_survives_a_dead_master() {
     waiter.await.expect("task").expect("woken by the release").release().await.expect("release");
     assert!(released.elapsed() < Duration::from_secs(2), "woken late: {:?}", released.elapsed());
 
+    // An operator lists the held keys of every master, page by page (SCAN
+    // on each master in turn), and sees and frees a lock on any of them.
+    let mut held = Vec::new();
+    for k in &keys[..20] {
+        held.push(a.acquire(k, AcquireOptions::new().with_lease(Duration::from_secs(30))).await.expect("free"));
+    }
+    let (mut seen, mut listing, mut pages) = (HashSet::new(), Listing::name("cluster").limit(7), 0);
+    loop {
+        let page = b.list(listing.clone()).await.expect("list");
+        pages += 1;
+        assert!(pages < 100, "the listing never ended");
+        seen.extend(page.keys);
+        match page.next {
+            Some(next) => listing = listing.after(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, keys[..20].iter().cloned().collect::<HashSet<_>>(), "in {pages} pages");
+    let (i, k) = keys[..20].iter().enumerate().find(|(_, k)| cluster.node_for(k.as_str()) == 2).expect("on master 2");
+    let state = b.inspect(k).await.expect("inspect");
+    assert_eq!(state.holders.iter().map(|h| h.fencing_token).collect::<Vec<_>>(), vec![held[i].fencing_token()]);
+    assert_eq!(b.force_unlock(k, ForceUnlock::all("test: on master 2")).await.expect("forced").len(), 1);
+    let next = b.try_acquire(k).await.expect("freed");
+    assert!(next.fencing_token() > held[i].fencing_token());
+    next.release().await.expect("release");
+    for g in held {
+        let _ = g.release().await;
+    }
+
     cluster.nodes[2].kill();
     let mut failed = 0;
     for k in &keys {
@@ -366,7 +396,7 @@ async fn an_evicting_maxmemory_policy_is_warned_about() {
         let capture = Capture::default();
         let writer = capture.clone();
         let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
+        let _guard = dlock_testing::set_scoped(subscriber);
         RedisBackend::connect(&server.url(), "dlock").await.expect("connect");
         let bytes = capture.0.lock().expect("capture").clone();
         String::from_utf8_lossy(&bytes).into_owned()
@@ -658,7 +688,7 @@ async fn one_config_builds_locks_and_idempotency_over_shared_connections() {
 
     let key = dlock.locker().key("order").part(1).build().expect("key");
     let guard = dlock.locker().try_acquire(&key).await.expect("free");
-    let token = store.issue_token(Duration::from_secs(60)).await.expect("token");
+    let token = store.issue_token(None, Duration::from_secs(60)).await.expect("token");
     let keys: Vec<String> = redis::cmd("KEYS").arg("shop:idem:t:*").query(&mut server.connection()).expect("KEYS");
     assert_eq!(keys.len(), 1, "the token lives under the one prefix: {keys:?}");
     assert!(store.consume(&token).await.expect("consume"));

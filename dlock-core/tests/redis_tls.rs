@@ -212,7 +212,7 @@ async fn redlock_and_the_idempotency_store_work_over_tls() {
     let runtime = tokio::time::timeout(Duration::from_secs(5), cfg.build()).await.expect("no hang").expect("over TLS");
     let store = runtime.idempotency_store().expect("idempotency store over TLS");
     assert_eq!(store.name(), "redis");
-    let token = store.issue_token(Duration::from_secs(60)).await.expect("issue");
+    let token = store.issue_token(None, Duration::from_secs(60)).await.expect("issue");
     assert!(store.consume(&token).await.expect("consume"), "first use");
     assert!(!store.consume(&token).await.expect("consume"), "second use refused");
 }

@@ -365,7 +365,7 @@ async fn the_quarantine_is_refused_with_redis_cluster() {
     assert!(err.to_string().contains("DLOCK_RESTART_QUARANTINE_MS"), "{err}");
 }
 
-/// The quarantine reads `INFO server`, which the README's ACL
+/// The quarantine reads `INFO server`, which the ACL of `docs/backends.md`
 /// (`-@dangerous`) refuses: `connect` says so, naming the variable and the
 /// fix, instead of every acquire failing later; with `+info` it works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -42,5 +42,19 @@ pub fn capture_logs() -> (LogCapture, tracing::subscriber::DefaultGuard) {
         .with_max_level(tracing::Level::TRACE)
         .with_writer(move || writer.clone())
         .finish();
-    (captured, tracing::subscriber::set_default(subscriber))
+    (captured, set_scoped(subscriber))
+}
+
+/// Makes `subscriber` this thread's default while the guard lives, and has
+/// every callsite asked again. `tracing` caches whether a callsite is wanted
+/// once for the whole process, asked of the thread that reaches it first: a
+/// test running beside this one without a subscriber can have cached a span
+/// or an event as never wanted, and a capture would then miss it.
+pub fn set_scoped<S>(subscriber: S) -> tracing::subscriber::DefaultGuard
+where
+    S: tracing::Subscriber + Send + Sync + 'static,
+{
+    let guard = tracing::subscriber::set_default(subscriber);
+    tracing::callsite::rebuild_interest_cache();
+    guard
 }

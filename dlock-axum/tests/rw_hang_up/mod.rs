@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use axum::extract::Query;
 use axum::routing::{get, put};
 use axum::Router;
-use dlock_axum::{LockLayer, LockerExt};
+use dlock_axum::{DlockExt, LockLayer};
 use dlock_core::Locker;
 use tokio::sync::{mpsc, Notify};
 
@@ -50,7 +50,7 @@ fn app(locker: Locker, entered: mpsc::UnboundedSender<()>, leave: Arc<Notify>) -
     };
     let reads = get(read).route_layer(LockLayer::new("doc").shared().wait(Duration::ZERO));
     let writes = put(|| async { "written" }).route_layer(LockLayer::new("doc").wait(WRITER_WAIT));
-    Router::new().route("/doc", reads.merge(writes)).with_locker(locker)
+    Router::new().route("/doc", reads.merge(writes)).with_dlock(locker)
 }
 
 async fn serve(app: Router) -> SocketAddr {

@@ -8,9 +8,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::backend::{AcquireRequest, Backend, BoxFuture, CancellationToken, Grant, LockMode, Release, Renewal};
-use dlock_core::{AcquireOptions, Error, LockKey, Locker, Owner, Result};
+use dlock_core::backend::{
+    AcquireRequest, Backend, BoxFuture, Grant, Holder, KeyPage, ListQuery, LockMode, LockState, Release, Renewal,
+};
+
+use dlock_core::{AcquireOptions, Error, ForceUnlock, LockKey, Locker, Owner, Result};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::{until_no_lock_keys, until_parked, Harness};
 
@@ -636,6 +640,47 @@ impl Backend for PermitOfOneBackend {
     fn withdraw<'a>(&'a self, req: &'a AcquireRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move { self.0.withdraw(&Self::rewrite(req)).await })
     }
+    fn inspect<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, Result<LockState>> {
+        self.0.inspect(key)
+    }
+    fn list<'a>(&'a self, query: &'a ListQuery) -> BoxFuture<'a, Result<KeyPage>> {
+        self.0.list(query)
+    }
+    fn force_unlock<'a>(&'a self, key: &'a LockKey, holder: &'a Holder) -> BoxFuture<'a, Result<Release>> {
+        self.0.force_unlock(key, holder)
+    }
+}
+
+/// An operator frees one named permit of a semaphore: that holder alone
+/// learns of its loss, the other keeps its permit, and a newcomer gets the
+/// one freed.
+pub(crate) async fn an_operator_frees_one_named_permit<H: Harness>(h: &H) {
+    let (a, b, c, op) = (h.client().await, h.client().await, h.client().await, h.client().await);
+    let k = key(&a, "permit-freed");
+    let first = a.acquire(&k, permit(2)).await.expect("a permit");
+    let second = b.acquire(&k, permit(2)).await.expect("the other permit");
+    let state = op.inspect(&k).await.expect("inspect");
+    assert_eq!((state.holders.len(), state.limit()), (2, Some(2)), "{state:?}");
+    let victim = state
+        .holders
+        .iter()
+        .find(|h| h.fencing_token == first.fencing_token())
+        .expect("the first holder shown with its token")
+        .id();
+    let freed =
+        op.force_unlock(&k, ForceUnlock::holder(victim.as_str(), "test: a leaked permit")).await.expect("forced");
+    assert_eq!(freed.len(), 1);
+    assert_eq!(freed[0].id(), victim);
+    let third = c.acquire(&k, permit(2).with_wait(Duration::from_secs(5))).await.expect("the freed permit");
+    tokio::time::timeout(Duration::from_secs(5), first.lost()).await.expect("the freed holder learns of it");
+    assert!(!second.is_lost(), "the other permit is untouched");
+    let left = op.inspect(&k).await.expect("inspect");
+    assert_eq!(left.holders.len(), 2, "{left:?}");
+    assert!(left.holder(victim.as_str()).is_none());
+    for g in [second, third] {
+        assert!(g.release().await.expect("release"));
+    }
+    let _ = first.release().await;
 }
 
 /// A harness whose clients take a permit of one wherever the suite asks for
@@ -677,6 +722,7 @@ macro_rules! primitives_suite {
                 a_semaphore_admits_its_limit_and_wakes_a_waiter,
                 a_semaphore_keeps_its_limit,
                 never_more_than_the_limit_under_contention,
+                an_operator_frees_one_named_permit,
             );
         }
     };
