@@ -15,7 +15,7 @@ use axum::body::Body;
 use axum::extract::{Json, Query};
 use axum::routing::{get, post};
 use axum::Router;
-use dlock_axum::{lockable, LockLayer, LockerExt};
+use dlock_axum::{lockable, DlockExt, LockLayer};
 use dlock_core::{LockKey, Locker, MemoryBackend};
 use http::{HeaderValue, Request};
 use http_body_util::BodyExt;
@@ -78,7 +78,7 @@ fn app() -> Router {
         .route("/q", get(ok).layer(LockLayer::new("fuzz.query").query("q")))
         .route("/h", get(ok).layer(LockLayer::new("fuzz.header").header("x-tenant")))
         .route("/p/{id}", get(ok).layer(LockLayer::new("fuzz.path").path("id")))
-        .with_locker(Locker::new(MemoryBackend::new()))
+        .with_dlock(Locker::new(MemoryBackend::new()))
 }
 
 const NASTY: [&str; 16] =

@@ -127,12 +127,25 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
     Ok(args)
 }
 
+/// Runs a worker process to completion, with the workload its
+/// configuration names; the error says what could not start.
+fn run_worker(config_json: &str) -> Result<(), String> {
+    let cfg = worker::config(config_json)?;
+    let rt = worker::runtime()?;
+    match cfg.kind.as_str() {
+        "" => rt.block_on(worker::registers(cfg)),
+        "pg-fence" | "pg-fence-check-outside-tx" => rt.block_on(pg_fence::work(cfg)),
+        "pg-idempotency" | "pg-idempotency-effect-outside-tx" => rt.block_on(pg_idempotency::work(cfg)),
+        other => Err(format!("unknown worker kind `{other}`")),
+    }
+}
+
 fn main() -> ExitCode {
     let raw: Vec<String> = std::env::args().skip(1).collect();
     let mut argv = raw.clone().into_iter().peekable();
     if argv.peek().map(String::as_str) == Some("worker") {
         let config = argv.nth(1).unwrap_or_default();
-        return match worker::run(&config) {
+        return match run_worker(&config) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("dlock-torture worker: {e}");

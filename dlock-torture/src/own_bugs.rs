@@ -67,6 +67,24 @@ pub(crate) const ALL: &[OwnBug] = &[
         backend: "redis",
         control: "primitives",
     },
+    OwnBug {
+        name: "broken-postgres-permits-over-limit",
+        switch: Switch::PermitsOverLimit,
+        backend: "postgres",
+        control: "primitives",
+    },
+    OwnBug {
+        name: "broken-postgres-readers-pass-writers",
+        switch: Switch::ReadersPassWriters,
+        backend: "postgres",
+        control: "primitives",
+    },
+    OwnBug {
+        name: "broken-postgres-intent-never-withdrawn",
+        switch: Switch::IntentNeverWithdrawn,
+        backend: "postgres",
+        control: "primitives",
+    },
 ];
 
 /// The broken mechanism called `name`.

@@ -15,8 +15,7 @@
 //!   spare, at the first grant or give-up of *any* writer of the key
 //!   after that: a backend records one intent at a time, and once that
 //!   writer is granted or gone the next records its own only on its next
-//!   try. A killed waiting writer gives up when its wait would have ended
-//!   (its intent lives that long).
+//!   try. A killed writer's intent and hold outlive it (see [`check`]).
 //! * A withdrawn intent: a writer given up mid-wait, behind readers, takes
 //!   its intent back at once, so no reader waiting then waits on for more
 //!   than [`PROMPT`] of the time no other writer waited for the key or
@@ -47,6 +46,8 @@ struct Attempt {
     /// Given up or refused: the time, and whether it was given up mid-wait.
     failed: Option<(u64, bool)>,
     released: Option<u64>,
+    /// When its process was killed, if that ended it.
+    killed: Option<u64>,
 }
 
 impl Attempt {
@@ -54,6 +55,21 @@ impl Attempt {
     fn wait_end(&self) -> Option<u64> {
         self.granted.or(self.failed.map(|(t, _)| t))
     }
+}
+
+/// How long what a killed process left on the server keeps others out.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Afterlife {
+    /// The acquires' wait: a killed waiter's intent lives until its wait
+    /// would have ended (its intent's own expiry on Redis and PostgreSQL).
+    pub(crate) wait_ns: u64,
+    /// The acquires' lease: a killed holder's hold ends by its grant and
+    /// this (its sections end inside a lease, so nothing renewed it).
+    pub(crate) lease_ns: u64,
+    /// On ZooKeeper, how long past the kill its nodes may live: the
+    /// session's timeout and the server's tick (a node goes when its
+    /// session expires, whatever its lease or wait).
+    pub(crate) session_ns: Option<u64>,
 }
 
 /// What [`check`] found.
@@ -72,12 +88,29 @@ pub(crate) struct Preference {
     pub(crate) readers_kept_out: u64,
 }
 
-/// Judges `events`; `wait_ns` is the acquires' wait, `lease_ns` their lease
-/// (how long a killed holder's hold may last).
-pub(crate) fn check(events: &[Event], wait_ns: u64, lease_ns: u64) -> Preference {
+/// Judges `events`. A killed process's hold and intent last as `after`
+/// says (on ZooKeeper a session past the kill): counted shorter than the
+/// server keeps them, the readers they rightly keep out would be "kept
+/// out"; counted longer, a reader let in once they went would have
+/// "passed" a writer. So the window in which readers may not pass closes
+/// with the lower bound of a killed writer's wait (its wait's end), and
+/// what keeps readers out by right lasts its upper bound.
+pub(crate) fn check(events: &[Event], after: Afterlife) -> Preference {
     let mut open: HashMap<(u32, u32), usize> = HashMap::new();
     let mut all: Vec<Attempt> = Vec::new();
     for e in events {
+        if e.op == "kill" {
+            // Every event of the victim precedes its `kill` (logged once reaped).
+            let Some(victim) = e.target else { continue };
+            open.retain(|&(pid, _), &mut i| {
+                let mine = pid == victim;
+                if mine {
+                    all[i].killed = Some(e.t);
+                }
+                !mine
+            });
+            continue;
+        }
         let id = (e.pid, e.task);
         match e.op.as_str() {
             "acq_invoke" => {
@@ -89,7 +122,15 @@ pub(crate) fn check(events: &[Event], wait_ns: u64, lease_ns: u64) -> Preference
                 };
                 open.insert(id, all.len());
                 let key = e.key.unwrap_or(0);
-                all.push(Attempt { key, writer, invoked: e.t, granted: None, failed: None, released: None });
+                all.push(Attempt {
+                    key,
+                    writer,
+                    invoked: e.t,
+                    granted: None,
+                    failed: None,
+                    released: None,
+                    killed: None,
+                });
             }
             "acq_ok" => {
                 if let Some(&i) = open.get(&id) {
@@ -115,19 +156,29 @@ pub(crate) fn check(events: &[Event], wait_ns: u64, lease_ns: u64) -> Preference
     }
     let mut p = Preference::default();
     for attempts in by_key.values() {
-        judge_key(attempts, wait_ns, lease_ns, &mut p);
+        judge_key(attempts, after, &mut p);
     }
     p
 }
 
-fn judge_key(attempts: &[&Attempt], wait_ns: u64, lease_ns: u64, p: &mut Preference) {
-    // Holds: [granted, released), a killed holder's until its lease ran out.
-    let hold = |a: &Attempt| a.granted.map(|g| (g, a.released.unwrap_or(g + lease_ns)));
+fn judge_key(attempts: &[&Attempt], after: Afterlife, p: &mut Preference) {
+    // On ZooKeeper, how long a killed process's nodes outlive it.
+    let outlived = |a: &Attempt| after.session_ns.zip(a.killed).map(|(s, k)| k + s);
+    // Holds: [granted, released), a killed holder's until its lease ran
+    // out, or on ZooKeeper its session.
+    let hold = |a: &Attempt| {
+        a.granted.map(|g| (g, a.released.unwrap_or_else(|| (g + after.lease_ns).max(outlived(a).unwrap_or(0)))))
+    };
+    // A wait's end; a killed waiter's when its wait would have ended.
+    let wait_end = |a: &Attempt| a.wait_end().unwrap_or(a.invoked + after.wait_ns);
+    // What a killed waiter's intent keeps out by right, at most: on
+    // ZooKeeper its node lives until its session expires.
+    let intent_end = |a: &Attempt| a.wait_end().unwrap_or_else(|| wait_end(a).max(outlived(a).unwrap_or(0)));
     let readers: Vec<&Attempt> = attempts.iter().copied().filter(|a| !a.writer).collect();
     let writers: Vec<&Attempt> = attempts.iter().copied().filter(|a| a.writer).collect();
     // Every writer's grant or give-up (a killed waiter's when its wait
     // would have ended).
-    let mut writer_ends: Vec<u64> = writers.iter().map(|w| w.wait_end().unwrap_or(w.invoked + wait_ns)).collect();
+    let mut writer_ends: Vec<u64> = writers.iter().map(|w| wait_end(w)).collect();
     writer_ends.sort_unstable();
     for w in &writers {
         let Some(end) = w.wait_end() else { continue };
@@ -164,7 +215,7 @@ fn judge_key(attempts: &[&Attempt], wait_ns: u64, lease_ns: u64, p: &mut Prefere
             .iter()
             .filter(|o| !std::ptr::eq(**o, *w))
             .flat_map(|o| {
-                let wait = (o.invoked, o.wait_end().unwrap_or(o.invoked + wait_ns));
+                let wait = (o.invoked, intent_end(o));
                 [Some(wait), hold(o)]
             })
             .flatten()
@@ -232,6 +283,7 @@ mod tests {
     use super::*;
 
     const MS: u64 = 1_000_000;
+    const AFTER: Afterlife = Afterlife { wait_ns: 3000 * MS, lease_ns: 500 * MS, session_ns: None };
 
     fn ev(t_ms: u64, pid: u32, op: &str, mode: Option<&str>, res: Option<&str>) -> Event {
         Event {
@@ -262,20 +314,46 @@ mod tests {
 
     #[test]
     fn a_reader_let_in_soon_after_the_writer_left_passes() {
-        let p = check(&history(1010), 3000 * MS, 500 * MS);
+        let p = check(&history(1010), AFTER);
         assert_eq!(p, Preference { writers_waited: 1, readers_passed: 0, withdrawals: 1, readers_kept_out: 0 });
     }
 
     #[test]
     fn a_reader_passing_the_waiting_writer_is_found() {
-        let p = check(&history(600), 3000 * MS, 500 * MS);
+        let p = check(&history(600), AFTER);
         assert_eq!((p.writers_waited, p.readers_passed), (1, 1));
     }
 
     #[test]
     fn a_reader_kept_out_after_the_writer_left_is_found() {
-        let p = check(&history(3100), 3000 * MS, 500 * MS);
+        let p = check(&history(3100), AFTER);
         assert_eq!((p.withdrawals, p.readers_kept_out), (1, 1));
+    }
+
+    /// `history(granted)` with writer 4 granted at 50 ms and killed, still
+    /// holding, at 900 ms: with ZooKeeper its node lives on for a session.
+    fn killed_writer(granted: u64) -> Vec<Event> {
+        let mut v = history(granted);
+        v.push(ev(40, 4, "acq_invoke", Some("x"), None));
+        v.push(ev(50, 4, "acq_ok", Some("x"), None));
+        let mut kill = ev(900, 0, "kill", None, None);
+        kill.target = Some(4);
+        v.push(kill);
+        v.sort_by_key(|e| e.t);
+        v
+    }
+
+    #[test]
+    fn a_killed_writers_leftovers_keep_readers_out_by_right() {
+        // Its node gone 1,100 ms after the kill (2,000 ms), the reader let
+        // in at 2,100 ms was kept out by right, not by the writer that left.
+        let zk = Afterlife { session_ns: Some(1100 * MS), ..AFTER };
+        assert_eq!(check(&killed_writer(2100), zk).readers_kept_out, 0);
+        // Counted as a lease from its grant (550 ms), as on Redis, the
+        // same reader waited on for nothing.
+        assert_eq!(check(&killed_writer(2100), AFTER).readers_kept_out, 1);
+        // And the leftovers excuse no more than they cover.
+        assert_eq!(check(&killed_writer(2800), zk).readers_kept_out, 1);
     }
 
     #[test]

@@ -220,12 +220,12 @@ fn must_fire(variant: &str, r: &Report) -> Vec<(&'static str, u64)> {
         ],
         // The reader never overlaps a writer (the writer waits for it):
         // only the preference check sees it pass the waiting writer.
-        "broken-redis-readers-pass-writers" => {
+        "broken-redis-readers-pass-writers" | "broken-postgres-readers-pass-writers" => {
             vec![("writer preference (readers passed)", r.readers_passed.unwrap_or(0))]
         }
         // The intent outlives its writer until its wait would have ended:
         // the readers it kept out wait that long.
-        "broken-redis-intent-never-withdrawn" => {
+        "broken-redis-intent-never-withdrawn" | "broken-postgres-intent-never-withdrawn" => {
             vec![("withdrawn intent (readers kept out)", r.readers_kept_out.unwrap_or(0))]
         }
         _ => vec![c1],

@@ -621,7 +621,7 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<(Report, Option
     // A key run twice is a double execution, unless A left a request of it
     // unanswered when it died: the first run may have made its side effect
     // and died before its answer was stored, and the key ran again on B after
-    // the lease — the crash window the README documents, which only the
+    // the lease — the crash window `docs/idempotency.md` documents, which only the
     // route's own deduplication closes. Two fresh answers for one key are
     // the layer's failure whatever A did.
     let (mut doubled, mut crash_window, mut pay_double) = (Vec::new(), 0u64, 0u64);
@@ -740,7 +740,7 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<(Report, Option
         ));
     }
     let twin_hung = hang_up::Tally::of(&twins, &twin_outcomes, &twin_runs);
-    let twin_row = twin::row(seed, &twin_hung, twin_check.and(dating));
+    let twin_row = hang_up::twin_row(seed, &twin_hung, twin_check.and(dating));
     Ok((r, Some(twin_row)))
 }
 

@@ -10,7 +10,8 @@ use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
 use dlock_core::backend::redis::{RedisBackend, RedisOptions};
 use dlock_core::backend::redlock::{RedLockBackend, RedLockOptions};
 use dlock_core::backend::zookeeper::{ZooKeeperBackend, ZooKeeperOptions};
-use dlock_core::backend::{Backend, LockMode};
+use dlock_core::backend::Backend;
+use dlock_core::LockMode;
 use dlock_core::{AcquireOptions, LockGuard, Locker, LockerOptions, MemoryBackend, Owner};
 use serde::{Deserialize, Serialize};
 use tokio::time::{sleep, Instant};
@@ -137,20 +138,18 @@ impl Hold {
     }
 }
 
-/// Runs a worker to completion; the error says what could not start.
-pub(crate) fn run(config_json: &str) -> Result<(), String> {
-    let cfg: WorkerConfig = serde_json::from_str(config_json).map_err(|e| format!("bad worker config: {e}"))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
+/// Reads a worker's configuration (`worker <json>` on its command line).
+pub(crate) fn config(config_json: &str) -> Result<WorkerConfig, String> {
+    serde_json::from_str(config_json).map_err(|e| format!("bad worker config: {e}"))
+}
+
+/// The runtime a worker runs on.
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start a tokio runtime: {e}"))?;
-    match cfg.kind.as_str() {
-        "" => rt.block_on(run_async(cfg)),
-        "pg-fence" | "pg-fence-check-outside-tx" => rt.block_on(crate::pg_fence::work(cfg)),
-        "pg-idempotency" | "pg-idempotency-effect-outside-tx" => rt.block_on(crate::pg_idempotency::work(cfg)),
-        other => Err(format!("unknown worker kind `{other}`")),
-    }
+        .map_err(|e| format!("cannot start a tokio runtime: {e}"))
 }
 
 /// dlock's client for `cfg.backend` (a real backend, not a broken lock).
@@ -187,7 +186,26 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
         }
         None => cfg.backend.as_str(),
     };
-    let backend: Arc<dyn Backend> = match backend {
+    // Many workers start at once on a loaded machine: a connect that times
+    // out then is the harness's start, not a fault under test (the run's
+    // clock starts after it), so it is tried again for a while.
+    let give_up = Instant::now() + START_UP_PATIENCE;
+    let backend = loop {
+        match open(backend, first, cfg).await {
+            Ok(backend) => break backend,
+            Err(e) if e.is_unavailable() && Instant::now() < give_up => sleep(Duration::from_millis(200)).await,
+            Err(e) => return Err(e.to_string()),
+        }
+    };
+    Locker::with_options(backend, options).map(|l| (Client::Dlock(l), None)).map_err(|e| e.to_string())
+}
+
+/// How long a worker tries to reach its lock service at start-up.
+const START_UP_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The real backend `backend` at `first` (every URL for RedLock).
+async fn open(backend: &str, first: &str, cfg: &WorkerConfig) -> dlock_core::Result<Arc<dyn Backend>> {
+    Ok(match backend {
         "redis" => Arc::new(
             RedisBackend::connect_with(
                 first,
@@ -197,8 +215,7 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
                     .with_response_timeout(Duration::from_millis(cfg.lease_ms / 3).max(Duration::from_millis(20)))
                     .with_restart_quarantine(Duration::from_millis(cfg.quarantine_ms)),
             )
-            .await
-            .map_err(|e| e.to_string())?,
+            .await?,
         ),
         "redlock" => Arc::new(
             RedLockBackend::connect_with(
@@ -214,8 +231,7 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
                         RedisOptions::default().with_restart_quarantine(Duration::from_millis(cfg.quarantine_ms)),
                     ),
             )
-            .await
-            .map_err(|e| e.to_string())?,
+            .await?,
         ),
         "zookeeper" => Arc::new(
             ZooKeeperBackend::connect_with(
@@ -223,8 +239,7 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
                 &cfg.prefix,
                 ZooKeeperOptions::default().with_session_timeout(Duration::from_millis(cfg.session_ms)),
             )
-            .await
-            .map_err(|e| e.to_string())?,
+            .await?,
         ),
         "postgres" => Arc::new(
             PostgresBackend::connect_with(
@@ -233,15 +248,15 @@ async fn connect(cfg: &WorkerConfig) -> Result<(Client, Option<Arc<MemoryBackend
                 PostgresOptions::default()
                     .with_response_timeout(Duration::from_millis(cfg.lease_ms / 3).max(Duration::from_millis(50))),
             )
-            .await
-            .map_err(|e| e.to_string())?,
+            .await?,
         ),
-        other => return Err(format!("unknown backend `{other}`")),
-    };
-    Locker::with_options(backend, options).map(|l| (Client::Dlock(l), None)).map_err(|e| e.to_string())
+        other => return Err(dlock_core::Error::config("--backend", format!("unknown backend `{other}`"))),
+    })
 }
 
-async fn run_async(cfg: WorkerConfig) -> Result<(), String> {
+/// The default workload (`kind` empty): the registers' read–sleep–write
+/// under the lock, every task until the run's end.
+pub(crate) async fn registers(cfg: WorkerConfig) -> Result<(), String> {
     let history = Arc::new(History::open(&cfg.history).map_err(|e| format!("cannot open the history: {e}"))?);
     let resource =
         Resource::connect(&cfg.resource).await.map_err(|e| format!("cannot reach the resource server: {e}"))?;

@@ -341,3 +341,39 @@ pub(super) fn judge(r: &mut crate::harness::Report, t: &Tally) {
         r.fail(format!("{} 5xx answer(s) to hung-up keys' retries", t.fives));
     }
 }
+
+/// The twin's row: caught when its hang-ups stranded claims (keys still
+/// answering `409` with their route never run when they should have
+/// settled). `check`: whether the twin claims what `orders` claims and its
+/// hang-ups can be dated ([`Twin::check`](super::twin::Twin::check), [`record::check`]).
+pub(super) fn twin_row(seed: u64, t: &Tally, check: Result<(), String>) -> crate::harness::Report {
+    let mut r = crate::harness::Report::new("idempotency-storm", "twin: claim in the request's future", seed);
+    r.expected_safe = false;
+    r.fault_kind =
+        "hang-ups while the claim is in flight, the claim awaited in the request's future (the harness's twin of the old layer)"
+            .into();
+    r.processes = 1;
+    r.tasks = u32::try_from(t.clients).unwrap_or(u32::MAX);
+    r.keys = r.tasks;
+    r.lease_ms = super::LEASE.as_millis() as u64;
+    r.operations = t.requests;
+    r.faults = t.in_flight;
+    r.residual_keys = Some(t.unsettled.len() as u64);
+    r.note(t.note("twin hang-ups"));
+    r.note(format!("must fire: stranded claims {}", t.stranded));
+    if !t.unsettled.is_empty() {
+        r.note(format!("not settled: {}", first(&t.unsettled, 5)));
+    }
+    let caught = t.stranded > 0;
+    r.caught = Some(caught);
+    if let Err(e) = check {
+        r.fail(e);
+    }
+    if !caught {
+        r.fail("the stranded-claim check did not fire on claims awaited in the request's future");
+    }
+    if !t.doubled.is_empty() {
+        r.fail(format!("B ran a twin key's route twice: {}", first(&t.doubled, 3)));
+    }
+    r
+}
