@@ -5,8 +5,18 @@ use std::time::Duration;
 use crate::error::{BenchError, Result};
 
 /// The benchmarks this binary knows, in the order they run.
-pub(crate) const BENCHES: &[&str] =
-    &["uncontended", "memory", "handoff", "primitives", "http", "idempotency", "backends", "postgres", "postgres-tx"];
+pub(crate) const BENCHES: &[&str] = &[
+    "uncontended",
+    "memory",
+    "handoff",
+    "primitives",
+    "http",
+    "idempotency",
+    "backends",
+    "metrics",
+    "postgres",
+    "postgres-tx",
+];
 
 pub(crate) const USAGE: &str = "\
 usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--settle-us N]
@@ -23,7 +33,8 @@ usage: dlock-bench [--json] [--redis-url URL] [--duration-ms N] [--rounds N] [--
                    0-2 ms) after the last waiter entered acquire, so that it is
                    parked (default 1000)
   --bench NAMES    run only these benchmarks: uncontended, memory, handoff, http,
-                   idempotency, backends, primitives, postgres (feature `postgres`;
+                   idempotency, backends, primitives, metrics (feature `metrics`: with and
+                   without a recorder), postgres (feature `postgres`;
                    its locks and routes), postgres-tx (its routes alone)
   --quick          tiny sizes, for a CI smoke test
   --no-pin         leave the threads to the scheduler; by default the servers the

@@ -28,7 +28,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use dlock_axum::{LockLayer, LockerExt};
+use dlock_axum::{DlockExt, LockLayer};
 use dlock_core::{Locker, MemoryBackend};
 use redis::aio::MultiplexedConnection;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -257,7 +257,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     // router called directly would convert its handler per call.
     let in_process = [
         Router::new().route("/stock/reduce", post(reduce)).with_state(()),
-        Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_locker(memory).with_state(()),
+        Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_dlock(memory).with_state(()),
     ];
     let routers: [(&'static str, &'static str, Router); 5] = [
         ("no-layer", "memory", in_process[0].clone()),
@@ -265,7 +265,7 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
         (
             "layer",
             "redis",
-            Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_locker(env.redis_locker.clone()),
+            Router::new().route("/stock/reduce", post(reduce).layer(layer())).with_dlock(env.redis_locker.clone()),
         ),
         ("raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(raw)),
         ("fenced-raw-route", "redis", Router::new().route("/stock/reduce", post(raw_reduce)).with_state(fenced)),

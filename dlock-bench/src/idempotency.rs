@@ -223,8 +223,8 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
     let plain = app(None);
     // The bench's requests carry no credentials: one caller, said explicitly
     // (the default scope, `Authorization`, would refuse them).
-    let redis_app = app(Some(IdempotencyLayer::new().with_store(redis).caller(Caller::shared())));
-    let memory_app = app(Some(IdempotencyLayer::new().with_store(memory).caller(Caller::shared())));
+    let redis_app = app(Some(IdempotencyLayer::new().store(redis).caller(Caller::shared())));
+    let memory_app = app(Some(IdempotencyLayer::new().store(memory).caller(Caller::shared())));
 
     let mut base = Series::new("idempotency", "no-layer", "memory", CONCURRENCY);
     let mut cases = [

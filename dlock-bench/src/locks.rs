@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::backend::LockMode;
+use dlock_core::LockMode;
 use dlock_core::{AcquireOptions, LockGuard, LockKey, Locker, Owner};
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;

@@ -17,6 +17,7 @@
 //! cargo run --release --bin dlock-bench -- --quick --redis-url redis://127.0.0.1:6379
 //! cargo run --release -p dlock-bench --features zookeeper        # with the ZooKeeper rows
 //! cargo run --release -p dlock-bench --features postgres -- --bench postgres   # PostgreSQL rows
+//! cargo run --release -p dlock-bench --features metrics -- --bench metrics     # what metrics cost
 //! ```
 //!
 //! One module per benchmark (`uncontended`, `handoff`, `http`,
@@ -35,6 +36,8 @@ mod idempotency;
 mod locks;
 mod measure;
 mod memory;
+#[cfg(feature = "metrics")]
+mod metrics_cost;
 mod peer;
 mod pin;
 #[cfg(feature = "postgres")]
@@ -138,6 +141,15 @@ fn run(args: &Args) -> Result<String> {
         if args.runs("backends") {
             rows.extend(backends::run(&env, args).await?);
         }
+        if args.runs("metrics") {
+            #[cfg(feature = "metrics")]
+            rows.extend(metrics_cost::run(&env, args)?);
+            #[cfg(not(feature = "metrics"))]
+            eprintln!(
+                "metrics: not measured: built without the `metrics` feature \
+                 (cargo run --release -p dlock-bench --features metrics -- --bench metrics)"
+            );
+        }
         if args.runs("postgres") || args.runs("postgres-tx") {
             #[cfg(feature = "postgres")]
             rows.extend(postgres::run(&env, args, args.runs("postgres")).await?);
@@ -168,6 +180,8 @@ fn run(args: &Args) -> Result<String> {
                 ("idempotency", idempotency::TITLE),
                 ("backends", backends::TITLE),
                 ("backends-handoff", backends::HANDOFF_TITLE),
+                #[cfg(feature = "metrics")]
+                ("metrics", metrics_cost::TITLE),
                 #[cfg(feature = "postgres")]
                 ("postgres", postgres::TITLE),
                 #[cfg(feature = "postgres")]

@@ -47,13 +47,14 @@ use axum::Router;
 use dlock_axum::idempotency::{IdempotencyLayer, Tx};
 use dlock_axum::Caller;
 use dlock_core::backend::postgres::{PostgresBackend, PostgresOptions};
-use dlock_core::backend::{AcquireRequest, Backend, CancellationToken, Release};
+use dlock_core::backend::{AcquireRequest, Backend, Release};
 use dlock_core::idempotency::{Begin, ClaimTerms, IdempotencyLimits, PostgresStore, StoredResponse};
 use dlock_core::{LockKey, Locker, LockerOptions, Owner};
 use dlock_testing::PostgresServer;
 use redis::aio::MultiplexedConnection;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Executor;
+use tokio_util::sync::CancellationToken;
 use tower::Service;
 
 use crate::args::Args;

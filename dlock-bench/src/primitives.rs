@@ -14,7 +14,7 @@
 //!   handoff benchmark's strict mode (every release goes to a parked
 //!   waiter), beside the exclusive lock under the same K.
 
-use dlock_core::backend::LockMode;
+use dlock_core::LockMode;
 use dlock_core::{Locker, MemoryBackend};
 
 use crate::args::Args;

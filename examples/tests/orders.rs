@@ -72,8 +72,11 @@ mod http {
             .collect();
         let chunked = headers.iter().any(|(n, v)| n == "transfer-encoding" && v.contains("chunked"));
         let body = if chunked { dechunk(body)? } else { body.to_owned() };
+        let text = headers.iter().any(|(n, v)| n == "content-type" && v.starts_with("text/plain"));
         let json = if body.is_empty() {
             Value::Null
+        } else if text {
+            Value::String(body)
         } else {
             serde_json::from_str(&body).map_err(|e| format!("status {status}, body not JSON ({e}): {body:?}"))?
         };
@@ -549,6 +552,45 @@ async fn a_third_concurrent_export_is_429() {
     }
     // The permits were given back.
     assert_eq!(request(addr, "POST", "/users/alice/export", None).await.expect("POST").status, 200);
+}
+
+/// `/metrics` answers dlock's metrics in the Prometheus text format, with
+/// the sales just made and no request value in any label.
+#[tokio::test]
+async fn metrics_are_scraped_in_the_prometheus_format() {
+    let orders = Orders::start(&[]).await;
+    let sold = burst(&[&orders], 4242, 3, 5).await;
+    assert_eq!((sold.ok, sold.sold_out), (3, 2), "{:?}", sold.other);
+    let scraped = request(&orders.addr, "GET", "/metrics", None).await.expect("GET /metrics");
+    assert_eq!(scraped.status, 200);
+    assert_eq!(scraped.header("content-type"), Some("text/plain; version=0.0.4"));
+    let text = scraped.json.as_str().expect("text");
+    let acquired = text
+        .lines()
+        .find(|l| {
+            l.starts_with("dlock_lock_acquire_duration_count{")
+                && l.contains("dlock_lock_name=\"product.stock\"")
+                && l.contains("dlock_outcome=\"acquired\"")
+        })
+        .unwrap_or_else(|| panic!("no acquire count for product.stock in:\n{text}"));
+    // The stock set by `PUT /products/{id}` and five sales took the lock.
+    assert!(acquired.ends_with(" 6"), "six acquires: {acquired}");
+    assert!(text.contains("# TYPE dlock_lock_held gauge"), "{text}");
+    assert!(text.contains("dlock_lock_hold_duration_bucket{"), "{text}");
+    // The idempotency store's usage against its caps, read at each scrape.
+    let gauge = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}{{")) && l.contains("dlock_store="))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+    };
+    assert!(gauge("dlock_idempotency_records_limit") > 0.0 && gauge("dlock_idempotency_bytes_limit") > 0.0);
+    assert!(gauge("dlock_idempotency_records") >= 0.0 && gauge("dlock_idempotency_bytes") >= 0.0);
+    for line in text.lines() {
+        let labels = line.split_once('{').and_then(|(_, rest)| rest.split_once('}')).map_or("", |(labels, _)| labels);
+        assert!(!labels.contains("4242"), "a request value in a label: {line}");
+    }
 }
 
 /// Sends `signal` (`STOP`, `CONT`) to the instance's process.

@@ -42,7 +42,7 @@ fn fixture() -> &'static Fixture {
         let idem: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
         // Every fuzz case is its own caller, so cases never see each other's keys.
         let layer =
-            IdempotencyLayer::new().with_store(idem).ttl(Duration::from_secs(5)).caller(Caller::header("x-case"));
+            IdempotencyLayer::new().store(idem).ttl(Duration::from_secs(5)).caller(Caller::header("x-case"));
         let route = post(|body: Bytes| async move {
             let run = RUNS.fetch_add(1, Ordering::SeqCst) + 1;
             (StatusCode::CREATED, format!("run {run}, {} bytes", body.len()))

@@ -18,7 +18,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::{Extension, Router};
-use dlock_axum::{LockLayer, LockerExt};
+use dlock_axum::{LockLayer, DlockExt};
 use dlock_core::{escape_into, Error, KeyPart, LockKey, Locker, MemoryBackend, MAX_KEY_LEN};
 use http_body_util::BodyExt;
 use libfuzzer_sys::fuzz_target;
@@ -39,7 +39,7 @@ fn fixture() -> &'static Fixture {
         let rt = tokio::runtime::Builder::new_current_thread().build().expect("a runtime");
         let locker = Locker::new(MemoryBackend::new());
         let layer = LockLayer::new("fuzz").json("a.b").query("t").max_body_bytes(LIMIT);
-        let app = Router::new().route("/r", post(route).layer(layer)).with_locker(locker);
+        let app = Router::new().route("/r", post(route).layer(layer)).with_dlock(locker);
         Fixture { rt, app }
     })
 }

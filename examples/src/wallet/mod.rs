@@ -82,7 +82,7 @@ use std::time::Duration;
 use axum::routing::{get, post, put, MethodRouter};
 use axum::Router;
 use dlock_axum::idempotency::IdempotencyLayer;
-use dlock_axum::{Caller, DlockRuntime, LockLayer, LockerExt, RenderRejections};
+use dlock_axum::{Caller, DlockExt, DlockRuntime, LockLayer, RenderRejections};
 use dlock_core::fence::postgres::Fences;
 use dlock_core::idempotency::PostgresStore;
 use sqlx::PgPool;
@@ -200,7 +200,7 @@ impl Wallet {
             .fallback(error::route_not_found)
             .method_not_allowed_fallback(error::method_not_allowed)
             .layer(RenderRejections::problem_details())
-            .with_locker(self.app.dlock.clone())
+            .with_dlock(self.app.dlock.clone())
             .with_state(self.app.clone())
     }
 

@@ -15,7 +15,7 @@ use axum::extract::State;
 use axum::routing::{post, MethodRouter};
 use axum::Json;
 use dlock_axum::{lockable, Rejection};
-use dlock_core::backend::LockMode;
+use dlock_core::LockMode;
 use dlock_core::Locker;
 use serde_json::{json, Value};
 

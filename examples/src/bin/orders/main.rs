@@ -90,7 +90,7 @@ use axum::{Json, Router};
 use dlock_axum::idempotency::stored_by_default;
 use dlock_axum::lock::Policy;
 use dlock_axum::{
-    lockable, DlockRuntime, FencingToken, JsonBody, LockLayer, LockOutcome, LockerExt, Rejection, RenderRejections,
+    lockable, DlockExt, DlockRuntime, FencingToken, JsonBody, LockLayer, LockOutcome, Rejection, RenderRejections,
     RequestOwner,
 };
 use dlock_core::{Config, Locker, Owner};
@@ -107,6 +107,7 @@ mod payments;
 #[cfg(feature = "postgres")]
 mod pg;
 mod rate;
+mod scrape;
 mod store;
 
 use extract::{Path, Query};
@@ -147,6 +148,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // DLOCK_* read once; the layers take their settings from what is installed.
     let config = Config::from_env()?;
     let orders_redis_url = non_empty_env("ORDERS_REDIS_URL");
+    // Before the first lock: lock names register with the recorder once.
+    let scrape = scrape::install()?;
     let dlock = payments::services(&config, orders_redis_url.as_deref()).await?;
     let (locker, idem) = (dlock.locker().clone(), dlock.idempotency_store()?.clone());
     let store = match (&orders_redis_url, non_empty_env("ORDERS_POSTGRES_URL")) {
@@ -207,6 +210,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => Duration::from_millis(500),
     };
     let store_kind = store.kind();
+    let idem_for_scrape = idem.clone();
     let app = App {
         locker: locker.clone(),
         store,
@@ -219,7 +223,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         token_rate,
         export_time,
     };
-    let router = router(app, dlock);
+    let router = router(app, dlock).route("/metrics", scrape::route(scrape, idem_for_scrape));
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(
         backend = locker.backend_name(),
@@ -290,7 +294,7 @@ fn router(app: App, dlock: DlockRuntime) -> Router {
         // RFC 9457 Problem Details (`error` and `code` kept as members).
         .layer(RenderRejections::problem_details())
         .layer(middleware::from_fn(access_log))
-        .with_locker(dlock)
+        .with_dlock(dlock)
         .with_state(app)
 }
 

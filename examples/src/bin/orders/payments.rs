@@ -105,7 +105,7 @@ pub(crate) fn routes<S: Clone + Send + Sync + 'static>(
     Router::new()
         .route(
             "/idempotency/token",
-            get(token_handler()).layer(axum::middleware::from_fn_with_state(token_rate, crate::rate::limit)),
+            get(token_handler(None)).layer(axum::middleware::from_fn_with_state(token_rate, crate::rate::limit)),
         )
         .route("/payments", post(create_payment).layer(layer))
         .route("/charges", charges)
