@@ -18,6 +18,8 @@ compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || need+=(postgresql)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 pkg-config --exists openssl 2>/dev/null || need+=(libssl-dev)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+# scripts/parallel-tests.sh reads cargo's build messages with jq.
+command -v jq >/dev/null 2>&1 || need+=(jq)
 # PgBouncer for the transaction-pool tests: Debian 12 ships 1.18, which
 # cannot keep sqlx's prepared statements in transaction mode (1.21 can). It
 # is built below from Debian 13's source (a C program, seconds to build),
