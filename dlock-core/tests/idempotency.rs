@@ -28,11 +28,11 @@ async fn suite(store: Arc<dyn IdempotencyStore>) {
     concurrent_begin(store).await;
 }
 
-/// Issue 40: an operator sees a record (its state, size and time left), the
-/// claims stuck past their lease (not on Redis, whose records are named by
-/// a hash of their caller and key), a caller's records and bytes against
-/// its caps, and releases a stuck claim on purpose: the retry then runs. A
-/// completed record is no claim; a reason is required.
+/// Issue 40: an operator sees a record (its state, size, time left and a
+/// claim's age), the claims stuck past their lease, longest first, a
+/// caller's records and bytes against its caps, and releases a stuck claim
+/// on purpose: the retry then runs. A completed record is no claim; a
+/// reason is required.
 async fn operator_view(store: &Arc<dyn IdempotencyStore>) {
     let (scope, fp) = ("operator-caller", fingerprint(&["operator"]));
     let (short, long) = (ClaimTerms::new(Duration::from_millis(150)), ClaimTerms::new(Duration::from_secs(30)));
@@ -58,14 +58,21 @@ async fn operator_view(store: &Arc<dyn IdempotencyStore>) {
     let total = store.usage(None).await.expect("usage");
     assert!(total.records >= 3 && total.max_records >= usage.max_records, "{total:?}");
 
+    assert!(running.age.is_some_and(|age| age < Duration::from_secs(20)), "a claim's age: {running:?}");
     tokio::time::sleep(Duration::from_millis(250)).await;
     let stuck = store.inspect_record(scope, "dead").await.expect("inspect").expect("a record");
     assert!(stuck.is_stuck(), "{stuck:?}");
-    if store.name() != "redis" {
-        let listed = store.stuck_records(1000).await.expect("stuck");
-        assert!(listed.iter().any(|r| r.scope == scope && r.key == "dead"), "{listed:?}");
-        assert!(listed.iter().all(RecordView::is_stuck), "{listed:?}");
-    }
+    assert!(stuck.age.is_some_and(|age| age >= Duration::from_millis(240)), "its age since its claim: {stuck:?}");
+    // A second stuck claim, newer: listed after the first.
+    let Begin::New(_newer) = store.begin(scope, "dead-too", &fp, short).await.expect("begin") else { panic!("claim") };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let listed = store.stuck_records(1000).await.expect("stuck");
+    assert!(listed.iter().all(RecordView::is_stuck), "{listed:?}");
+    let at = |key: &str| listed.iter().position(|r| r.scope == scope && r.key == key);
+    assert!(matches!((at("dead"), at("dead-too")), (Some(a), Some(b)) if a < b), "longest first: {listed:?}");
+    assert!(!listed.iter().any(|r| r.key == "live" || r.key == "done"), "{listed:?}");
+    let first = store.stuck_records(1).await.expect("stuck");
+    assert_eq!(first.len(), 1, "limit: {first:?}");
     let refused = release_claim(store.as_ref(), scope, "dead", " ").await.expect_err("no reason");
     assert!(matches!(refused, Error::InvalidArgument { .. }), "{refused:?}");
     assert!(release_claim(store.as_ref(), scope, "done", "test").await.expect("release").is_none(), "no claim");
@@ -1056,6 +1063,34 @@ mod postgres {
         drop(store);
     }
 
+    /// A table an earlier build made, without the claims' times, gains the
+    /// column at connect: its old rows show no age, a new claim shows its
+    /// own, and the claim made inside a route's transaction too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_table_of_an_earlier_build_gains_the_claims_times() {
+        let server = PostgresServer::start();
+        let store = PostgresStore::connect(&server.url(), "aged").await.expect("connect");
+        drop(store);
+        server.psql("ALTER TABLE aged_idem_keys DROP COLUMN claimed_at");
+        server.psql(
+            "INSERT INTO aged_idem_keys (scope, key, fingerprint, owner, lease_until, expires_at) \
+             VALUES ('ivan', 'old', 'fp', 'someone', now() + interval '1 minute', now() + interval '1 hour')",
+        );
+        let store = PostgresStore::connect(&server.url(), "aged").await.expect("connect again");
+        let old = store.inspect_record("ivan", "old").await.expect("inspect").expect("the old row");
+        assert_eq!(old.age, None, "{old:?}");
+        let terms = ClaimTerms::new(Duration::from_secs(10));
+        new(store.begin("ivan", "new", "fp", terms).await.expect("claim"));
+        let mut tx = store.pool().begin().await.expect("begin");
+        new(store.begin_in(&mut tx, "ivan", "in-tx", "fp", terms).await.expect("claim"));
+        tx.commit().await.expect("commit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for key in ["new", "in-tx"] {
+            let view = store.inspect_record("ivan", key).await.expect("inspect").expect("a record");
+            assert!(view.age.is_some_and(|age| age >= Duration::from_millis(40)), "{key}: {view:?}");
+        }
+    }
+
     /// Records committed inside transactions enter the tally however fast
     /// they come: a backlog of several batches (here 2,500 rows, as if
     /// committed since the last tick) is entered by one tick, not by one
@@ -1119,13 +1154,15 @@ mod postgres {
         let server = PostgresServer::start();
         let store = PostgresStore::connect(&server.url(), "plain").await.expect("connect");
         let terms = ClaimTerms::new(Duration::from_secs(10));
-        let rename = |from: &str, to: &str| {
+        let rename = |away: bool| {
+            let [(begin_from, begin_to), (done_from, done_to)] =
+                if away { [("v3", "away"), ("v2", "away")] } else { [("away", "v3"), ("away", "v2")] };
             server.psql(&format!(
-                "ALTER FUNCTION \"plain_ik_begin_{from}\" RENAME TO \"plain_ik_begin_{to}\"; \
-                 ALTER FUNCTION \"plain_ik_done_{from}\" RENAME TO \"plain_ik_done_{to}\""
+                "ALTER FUNCTION \"plain_ik_begin_{begin_from}\" RENAME TO \"plain_ik_begin_{begin_to}\"; \
+                 ALTER FUNCTION \"plain_ik_done_{done_from}\" RENAME TO \"plain_ik_done_{done_to}\""
             ))
         };
-        rename("v2", "away");
+        rename(true);
         let done = StoredResponse::new(201, vec![], b"made".to_vec());
         for key in ["p1", "p2"] {
             let mut tx = store.pool().begin().await.expect("begin");
@@ -1133,7 +1170,7 @@ mod postgres {
             assert!(store.complete_in(&mut tx, &claim, &done).await.expect("a plain answer"));
             tx.commit().await.expect("commit");
         }
-        rename("away", "v2");
+        rename(false);
         assert_eq!(store.begin("paula", "p2", "fp", terms).await.expect("replay"), Begin::Completed(done));
         enter(&server, "plain");
         tallies_match(&server, "plain");

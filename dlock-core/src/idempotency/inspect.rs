@@ -33,7 +33,9 @@ pub struct RecordView {
     pub key: String,
     /// Claimed, stuck, or completed.
     pub state: RecordState,
-    /// Since its claim, where the store keeps it (the in-process store).
+    /// Since its claim. `None` where the claim's time was not kept: a
+    /// completed record on Redis (its answer replaced the claim), a record
+    /// written by an earlier version.
     pub age: Option<Duration>,
     /// The bytes of its stored answer, as the caps count them.
     pub bytes: u64,

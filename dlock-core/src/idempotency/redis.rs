@@ -304,10 +304,12 @@ impl IdempotencyStore for RedisStore {
             // The script checks the data marker: no round trip of its own.
             let marker = self.client.marker();
             let keys = keys_and_pools(&[&record, marker.unwrap_or(&record)], &pools);
-            let mut call = ScriptCall::new(&self.begin, &keys, 6 + 2 * pools.len());
+            let mut call = ScriptCall::new(&self.begin, &keys, 7 + 2 * pools.len());
             call.arg(&fingerprint).arg(claim.owner()).arg(lease_ms(terms.lease()));
             call.arg(if marker.is_some() { "1" } else { "0" });
             call.arg(lease_ms(terms.ttl())).arg(if terms.runs_again_after_lease() { "1" } else { "0" });
+            // What an operator is shown of the claim (record.lua's tail).
+            call.arg(format!("{}:{scope}{key}", scope.len()));
             caps(&mut call, &pools);
             let marker_gone = |reply: &redis::Value| matches!(reply, redis::Value::Array(items) if matches!(items.as_slice(), [redis::Value::Int(5)]));
             let reply: redis::Value = match self.client.guarded(|| self.client.invoke(&call), marker_gone).await {
@@ -401,7 +403,52 @@ impl IdempotencyStore for RedisStore {
             let (record, _) = self.record(scope, key);
             let reply: Vec<Vec<u8>> =
                 self.client.invoke(&ScriptCall::new(&self.inspect, &[record.as_str()], 0)).await?;
-            record_view(scope, key, &reply)
+            let (Some(now), Some(ttl), Some(value)) = (reply.first(), reply.get(1), reply.get(2)) else {
+                return Ok(None);
+            };
+            let (now, ttl) = (number(now).ok_or_else(not_ours)?, number(ttl).ok_or_else(not_ours)?);
+            Ok(Some(Record::parse(value)?.view(scope, key, now, ttl)?))
+        })
+    }
+
+    /// Every record walked with `SCAN` (on each master of a Cluster), the
+    /// claims past their lease kept, longest overdue first. An operator's
+    /// look: it reads every record, a page of keys at a time, and never
+    /// blocks the server. A claim made by an earlier version, which did not
+    /// keep its caller and key, is left out.
+    fn stuck_records(&self, limit: usize) -> BoxFuture<'_, Result<Vec<RecordView>>> {
+        Box::pin(async move {
+            let glob = self.layout.records_glob();
+            let mut stuck: Vec<(i64, RecordView)> = Vec::new();
+            let mut cursor: Option<String> = None;
+            loop {
+                let (keys, next) = self.client.scan_page(&glob, cursor.as_deref(), SCAN_PAGE).await?;
+                let reads = keys.iter().map(|key| async move {
+                    self.client.invoke::<Vec<Vec<u8>>>(&ScriptCall::new(&self.inspect, &[key.as_str()], 0)).await
+                });
+                for reply in futures_util::future::join_all(reads).await {
+                    let reply = reply?;
+                    let (Some(now), Some(ttl), Some(value)) = (reply.first(), reply.get(1), reply.get(2)) else {
+                        continue; // expired since the scan found it
+                    };
+                    let (now, ttl) = (number(now).ok_or_else(not_ours)?, number(ttl).ok_or_else(not_ours)?);
+                    let record = Record::parse(value)?;
+                    let Some((scope, key, _)) = record.claim_tail() else { continue };
+                    if record.state == b"p" && record.lease <= now {
+                        let overdue = now - record.lease;
+                        stuck.push((overdue, record.view(&scope, &key, now, ttl)?));
+                    }
+                }
+                if stuck.len() > limit.saturating_mul(2).max(SCAN_PAGE) {
+                    keep_longest(&mut stuck, limit);
+                }
+                match next {
+                    Some(next) => cursor = Some(next),
+                    None => break,
+                }
+            }
+            keep_longest(&mut stuck, limit);
+            Ok(stuck.into_iter().map(|(_, view)| view).collect())
         })
     }
 
@@ -432,32 +479,73 @@ impl IdempotencyStore for RedisStore {
     }
 }
 
-/// `inspect_record.lua`'s reply: the record `state|fingerprint|owner|lease
-/// end|bucket|bytes|response` (record.lua) as an operator sees it.
-fn record_view(scope: &str, key: &str, reply: &[Vec<u8>]) -> Result<Option<RecordView>> {
-    let bad = || Error::backend("redis", "an idempotency record dlock did not write");
-    let number = |b: &[u8]| std::str::from_utf8(b).ok().and_then(|t| t.parse::<i64>().ok());
-    let (Some(now), Some(ttl), Some(value)) = (reply.first(), reply.get(1), reply.get(2)) else {
-        return Ok(None);
-    };
-    let (now, ttl) = (number(now).ok_or_else(bad)?, number(ttl).ok_or_else(bad)?);
-    let mut parts = value.splitn(7, |b| *b == b'|');
-    let (Some(state), Some(_fp), Some(owner), Some(lease), Some(_bucket), Some(bytes), Some(response)) =
-        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(bad());
-    };
-    let (lease, bytes) = (number(lease).ok_or_else(bad)?, number(bytes).ok_or_else(bad)?);
-    let left = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
-    let state = match state {
-        b"c" => RecordState::Completed { status: StoredResponse::decode(response)?.status },
-        b"p" if lease > now => RecordState::InProgress { lease_left: Some(left(lease - now)) },
-        b"p" => RecordState::OutcomeUnknown,
-        _ => return Err(bad()),
-    };
-    let view = RecordView::new(scope, key, state, u64::try_from(bytes).unwrap_or(0), left(ttl));
-    Ok(Some(match state {
-        RecordState::Completed { .. } => view,
-        _ => view.claimed_by(String::from_utf8_lossy(owner).into_owned()),
-    }))
+/// About how many keys each `SCAN` page of `stuck_records` reads.
+const SCAN_PAGE: usize = 500;
+
+/// The `limit` longest overdue of `stuck`, longest first.
+fn keep_longest(stuck: &mut Vec<(i64, RecordView)>, limit: usize) {
+    stuck.sort_by_key(|s| std::cmp::Reverse(s.0));
+    stuck.truncate(limit);
+}
+
+fn number(b: &[u8]) -> Option<i64> {
+    std::str::from_utf8(b).ok().and_then(|t| t.parse::<i64>().ok())
+}
+
+fn not_ours() -> Error {
+    Error::backend("redis", "an idempotency record dlock did not write")
+}
+
+/// A key record as stored: `state|fingerprint|owner|lease end|bucket|bytes|tail`
+/// (record.lua).
+struct Record<'a> {
+    state: &'a [u8],
+    owner: &'a [u8],
+    lease: i64,
+    bytes: i64,
+    tail: &'a [u8],
+}
+
+impl<'a> Record<'a> {
+    fn parse(value: &'a [u8]) -> Result<Self> {
+        let mut parts = value.splitn(7, |b| *b == b'|');
+        let (Some(state), Some(_fp), Some(owner), Some(lease), Some(_bucket), Some(bytes), Some(tail)) =
+            (parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(not_ours());
+        };
+        let (lease, bytes) = (number(lease).ok_or_else(not_ours)?, number(bytes).ok_or_else(not_ours)?);
+        Ok(Record { state, owner, lease, bytes, tail })
+    }
+
+    /// A claim's caller, key and claim time (`<ms>:<scope's length>:<scope><key>`);
+    /// `None` for a completed record or a claim of an earlier version.
+    fn claim_tail(&self) -> Option<(String, String, i64)> {
+        if self.state != b"p" {
+            return None;
+        }
+        let text = std::str::from_utf8(self.tail).ok()?;
+        let (at, rest) = text.split_once(':')?;
+        let (len, rest) = rest.split_once(':')?;
+        let len: usize = len.parse().ok()?;
+        let (scope, key) = (rest.get(..len)?, rest.get(len..)?);
+        Some((scope.to_owned(), key.to_owned(), at.parse().ok()?))
+    }
+
+    /// As an operator sees it at `now` (the server's ms), `ttl` ms left.
+    fn view(&self, scope: &str, key: &str, now: i64, ttl: i64) -> Result<RecordView> {
+        let left = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+        let state = match self.state {
+            b"c" => RecordState::Completed { status: StoredResponse::decode(self.tail)?.status },
+            b"p" if self.lease > now => RecordState::InProgress { lease_left: Some(left(self.lease - now)) },
+            b"p" => RecordState::OutcomeUnknown,
+            _ => return Err(not_ours()),
+        };
+        let view = RecordView::new(scope, key, state, u64::try_from(self.bytes).unwrap_or(0), left(ttl));
+        Ok(match (state, self.claim_tail()) {
+            (RecordState::Completed { .. }, _) => view,
+            (_, Some((_, _, at))) => view.claimed_by(String::from_utf8_lossy(self.owner)).with_age(left(now - at)),
+            (_, None) => view.claimed_by(String::from_utf8_lossy(self.owner)),
+        })
+    }
 }

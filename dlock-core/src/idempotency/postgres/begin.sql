@@ -65,7 +65,7 @@ BEGIN
       RETURN QUERY SELECT 4, NULL::bytea, 0::bigint;
     ELSE
       -- Taken over: the old owner can no longer complete it.
-      UPDATE {keys} AS k SET owner = p_owner, lease_until = v_lease
+      UPDATE {keys} AS k SET owner = p_owner, lease_until = v_lease, claimed_at = t_now
         WHERE k.scope = p_scope AND k.key = p_key;
       RETURN QUERY SELECT 0, NULL::bytea, 0::bigint;
     END IF;
@@ -77,6 +77,7 @@ BEGIN
     -- leave it now; inside one, the row carries what the tally holds for
     -- it until it enters the tally after the commit.
     UPDATE {keys} AS k SET fingerprint = p_fp, owner = p_owner, lease_until = v_lease, response = NULL, bytes = 0,
+        claimed_at = t_now,
         expires_at = t_now + p_ttl_ms * interval '1 millisecond',
         counted = NOT p_in_tx AND k.counted,
         carried_records = CASE WHEN NOT p_in_tx THEN 0
@@ -121,9 +122,9 @@ BEGIN
     END IF;
   END IF;
   IF v_outcome = 0 THEN
-    INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted)
+    INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted, claimed_at)
       VALUES (p_scope, p_key, p_fp, p_owner, v_lease, NULL, 0, t_now + p_ttl_ms * interval '1 millisecond',
-              NOT p_in_tx);
+              NOT p_in_tx, t_now);
     IF NOT p_in_tx THEN
       d_pools := d_pools || v_pool;
       d_shards := d_shards || v_shard;

@@ -26,8 +26,9 @@ WITH tally AS (
          coalesce(sum(t.bytes) FILTER (WHERE t.pool = 'k'), 0)::bigint AS all_bytes
     FROM {tally} AS t WHERE t.pool IN ('k:' || $1::text, 'k')
 )
-INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted)
-  SELECT $1, $2, $3, $4, NULL, NULL, 0, clock_timestamp() + $6::bigint * interval '1 millisecond', false
+INSERT INTO {keys} (scope, key, fingerprint, owner, lease_until, response, bytes, expires_at, counted, claimed_at)
+  SELECT $1, $2, $3, $4, NULL, NULL, 0, clock_timestamp() + $6::bigint * interval '1 millisecond', false,
+         clock_timestamp()
     FROM tally
     WHERE set_config('idle_in_transaction_session_timeout', $5::bigint::text, true) IS NOT NULL
       AND {durable} IS NOT NULL

@@ -10,10 +10,11 @@ use crate::idempotency::{RecordState, RecordView, StoredResponse, Usage};
 use crate::postgres::{column, Repeat};
 
 /// A record's row: `scope, key, owner, lease_ms, response, bytes,
-/// expires_ms`, its times left on the server's clock.
+/// expires_ms, age_ms`, its times on the server's clock.
 const COLUMNS: &str = "k.scope, k.key, k.owner, \
      (extract(epoch FROM k.lease_until - clock_timestamp()) * 1000)::bigint, k.response, k.bytes, \
-     (extract(epoch FROM k.expires_at - clock_timestamp()) * 1000)::bigint";
+     (extract(epoch FROM k.expires_at - clock_timestamp()) * 1000)::bigint, \
+     (extract(epoch FROM clock_timestamp() - k.claimed_at) * 1000)::bigint";
 
 /// The statements, for the store's prefix (`fill` names its objects).
 pub(super) struct Inspect {
@@ -59,7 +60,11 @@ fn view(row: &sqlx::postgres::PgRow) -> Result<RecordView> {
         (None, Some(_)) => RecordState::OutcomeUnknown,
     };
     let bytes = u64::try_from(bytes).unwrap_or(0);
-    let view = RecordView::new(&scope, &key, state, bytes, ms(Some(expires)).unwrap_or_default());
+    let mut view = RecordView::new(&scope, &key, state, bytes, ms(Some(expires)).unwrap_or_default());
+    let age: Option<i64> = column(row, 7)?;
+    if let Some(age) = ms(age) {
+        view = view.with_age(age);
+    }
     Ok(match owner {
         Some(owner) if response.is_none() => view.claimed_by(owner),
         _ => view,

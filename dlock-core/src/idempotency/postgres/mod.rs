@@ -153,7 +153,7 @@ impl Names {
             expired: q("ik_expired_v1"),
             expired_tokens: q("tk_expired_v1"),
             token_pool: q("tk_pool_v2"),
-            begin: q("ik_begin_v2"),
+            begin: q("ik_begin_v3"),
             complete: q("ik_done_v2"),
             abandon: q("ik_drop_v2"),
             enter: q("ik_enter_v2"),

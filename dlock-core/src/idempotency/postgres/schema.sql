@@ -15,6 +15,8 @@
 -- (settle.sql's enter), and until then carries what an expired row it
 -- overwrote still has there (carried_records, carried bytes), so that a
 -- sweep takes out exactly what the tally holds for it.
+-- claimed_at: when its request claimed it (an operator's "age"); NULL in a
+-- row written before the column was added.
 CREATE TABLE IF NOT EXISTS {keys} (
   scope text NOT NULL,
   key text NOT NULL,
@@ -27,8 +29,18 @@ CREATE TABLE IF NOT EXISTS {keys} (
   counted boolean NOT NULL DEFAULT true,
   carried_records int NOT NULL DEFAULT 0,
   carried bigint NOT NULL DEFAULT 0,
+  claimed_at timestamptz DEFAULT now(),
   PRIMARY KEY (scope, key)
 );
+-- A table made by an earlier build gains claimed_at once; the check keeps
+-- every later start from taking the table's lock for nothing.
+DO $dlock_body$ BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_attribute
+                 WHERE attrelid = '{keys}'::regclass AND attname = 'claimed_at' AND NOT attisdropped) THEN
+    ALTER TABLE {keys} ADD COLUMN claimed_at timestamptz;
+    ALTER TABLE {keys} ALTER COLUMN claimed_at SET DEFAULT now();
+  END IF;
+END $dlock_body$;
 CREATE INDEX IF NOT EXISTS {keys_expiry} ON {keys} (expires_at);
 -- The rows still to enter the tally (settle.sql's enter), by key: on the
 -- caller, every claim of one caller inserted at the same leaf page, and

@@ -130,6 +130,11 @@ impl Layout {
         (format!("{}:idem:r:{}:{id}", self.prefix, home.tag()), self.pools("rp", &home, limits))
     }
 
+    /// A `SCAN` pattern that matches every key record of this store.
+    pub(super) fn records_glob(&self) -> String {
+        crate::redis::starts_with_glob(&format!("{}:idem:r:", self.prefix))
+    }
+
     /// The pools that count every caller's records: the total's, or on a
     /// Cluster each shard's.
     pub(super) fn record_totals(&self) -> Vec<String> {
