@@ -39,7 +39,7 @@ cargo test --workspace --all-features --no-run --message-format=json-render-diag
 # The slowest binaries start first (measured on 2 cores), so the run ends
 # soon after its longest one; the rest follow in cargo's order.
 slow=(short_run postgres_backend zookeeper_backend restart_quarantine redlock_faults wallet
-      redlock_backend idempotency redis_backend zookeeper_partition compile_errors smoke)
+      redlock_backend idempotency redis_backend zookeeper_partition smoke)
 order="$logs/order.tsv"
 {
   for name in "${slow[@]}"; do awk -F'\t' -v n="$name" '$5 == n' "$list"; done

@@ -1,6 +1,9 @@
 //! `#[lockable]` handlers on the in-process backend (and one on a Redis that
 //! dies), driven with `oneshot`.
 
+#[path = "lockable/shapes.rs"]
+mod shapes;
+
 use std::time::Duration;
 
 use axum::body::Body;

@@ -1,4 +1,4 @@
-use dlock_axum::lockable;
+use dlock_macros::lockable;
 
 #[lockable(key = "")]
 async fn handler() -> &'static str {

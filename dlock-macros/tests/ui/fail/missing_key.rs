@@ -1,4 +1,4 @@
-use dlock_axum::lockable;
+use dlock_macros::lockable;
 
 #[lockable(fields = ["id"])]
 async fn handler(id: String) -> String {

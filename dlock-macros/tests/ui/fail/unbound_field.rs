@@ -1,5 +1,7 @@
-use axum::extract::Path;
-use dlock_axum::lockable;
+use dlock_macros::lockable;
+
+// Stands in for axum's extractor: the macro reads the pattern only.
+struct Path<T>(T);
 
 #[lockable(key = "order.create", fields = ["product.id"])]
 async fn handler(Path(id): Path<u64>) -> String {

@@ -1,4 +1,6 @@
-//! Handlers that must compile and still be axum handlers.
+//! Handler shapes `#[lockable]` must take and leave axum handlers: every
+//! extractor and argument from the lock, a tuple's fields, shared, permits
+//! and several keys. Compiling is the check; the test routes each one.
 use axum::extract::{Path, Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -58,7 +60,8 @@ async fn fenced(
     format!("{id} {fence} {maybe:?} {} {}", lock.is_lost(), also.is_some())
 }
 
-fn main() {
+#[test]
+fn every_shape_is_still_an_axum_handler() {
     let _app: Router = Router::new()
         .route("/orders", post(create))
         .route("/tuple/{a}/{b}", get(tuple))
