@@ -18,7 +18,9 @@ use http_body_util::BodyExt;
 use serde_json::Value;
 use tower::ServiceExt;
 
-fn counting(calls: &Arc<AtomicUsize>) -> impl Fn() -> std::future::Ready<&'static str> + Clone + Send + 'static {
+fn counting(
+    calls: &Arc<AtomicUsize>,
+) -> impl Fn() -> std::future::Ready<&'static str> + Clone + Send + 'static + use<> {
     let calls = calls.clone();
     move || {
         calls.fetch_add(1, Ordering::SeqCst);

@@ -332,10 +332,10 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
             in_process_series[j].samples.push(sample);
         }
         let [route, layered] = &in_process_series;
-        if let (Some(r), Some(l)) = (route.samples.last(), layered.samples.last()) {
-            if r.ops_per_sec > 0.0 {
-                ratio_in_process.push(l.ops_per_sec / r.ops_per_sec);
-            }
+        if let (Some(r), Some(l)) = (route.samples.last(), layered.samples.last())
+            && r.ops_per_sec > 0.0
+        {
+            ratio_in_process.push(l.ops_per_sec / r.ops_per_sec);
         }
         eprintln!(
             "http round {}/{rounds}: req/s no-layer {:.0}, layer/memory {:.0}, layer/redis {:.0}, raw-route/redis {:.0}, \

@@ -76,10 +76,10 @@ pub(crate) async fn run(env: &Env, args: &Args) -> Result<Vec<Row>> {
                 memory[ci][i].samples.push(measure(lock, c, memory_timing, None).await?);
             }
             for (m, ratios) in cpu[ci].iter_mut().enumerate() {
-                if let (Some(x), Some(num)) = (srv[0], srv[m + 1]) {
-                    if x > 0.0 {
-                        ratios.push(num / x);
-                    }
+                if let (Some(x), Some(num)) = (srv[0], srv[m + 1])
+                    && x > 0.0
+                {
+                    ratios.push(num / x);
                 }
             }
         }

@@ -66,18 +66,18 @@ impl Config {
             "dlock: lock backend and idempotency store"
         );
         #[cfg(feature = "redis")]
-        if let BackendKind::Redis { url } = &self.backend {
-            if self.idempotency_redis_url.as_ref().is_none_or(|own| own == url) {
-                let backend = Arc::new(
-                    crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options())
-                        .await
-                        .map_err(at("DLOCK_REDIS_URL", url))?,
-                );
-                let store = crate::idempotency::RedisStore::from_backend(&backend).with_limits(self.idempotency_limits);
-                self.check_records_beside_locks(&store, url).await?;
-                let locker = Locker::with_options(backend, self.locker_options())?;
-                return Ok(DlockRuntime::from_parts(locker, Ok(Arc::new(store)), self));
-            }
+        if let BackendKind::Redis { url } = &self.backend
+            && self.idempotency_redis_url.as_ref().is_none_or(|own| own == url)
+        {
+            let backend = Arc::new(
+                crate::backend::redis::RedisBackend::connect_with(url, &self.prefix, self.redis_options())
+                    .await
+                    .map_err(at("DLOCK_REDIS_URL", url))?,
+            );
+            let store = crate::idempotency::RedisStore::from_backend(&backend).with_limits(self.idempotency_limits);
+            self.check_records_beside_locks(&store, url).await?;
+            let locker = Locker::with_options(backend, self.locker_options())?;
+            return Ok(DlockRuntime::from_parts(locker, Ok(Arc::new(store)), self));
         }
         #[cfg(feature = "postgres")]
         if let (BackendKind::Postgres { url, listen_url }, None) = (&self.backend, &self.idempotency_redis_url) {

@@ -406,8 +406,8 @@ async fn held_up_first_try(
     slow_try.await.expect("held-up task");
     assert_eq!(slow.release(&k, &slow_owner).await.expect("release"), Release::Freed);
     other.await.expect("other task");
-    let answered = answered.lock().expect("answered").clone();
-    answered
+
+    answered.lock().expect("answered").clone()
 }
 
 /// The table and the sequence are durable: a lease taken before a clean

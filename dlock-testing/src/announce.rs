@@ -31,10 +31,10 @@ pub fn announced_address(stdout: ChildStdout, timeout: Duration, echo: Option<&'
     std::thread::spawn(move || {
         let mut tx = Some(tx);
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.split(MARKER).nth(1) {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_owned());
-                }
+            if let Some(rest) = line.split(MARKER).nth(1)
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_owned());
             }
             if let Some(name) = echo {
                 eprintln!("[{name}] {line}");

@@ -292,10 +292,10 @@ impl ZooKeeperEnsemble {
     pub fn wait_formed(&self, within: Duration) -> usize {
         let deadline = Instant::now() + within;
         loop {
-            if (0..self.members.len()).all(|i| self.serves(i)) {
-                if let Some(leader) = self.leader() {
-                    return leader;
-                }
+            if (0..self.members.len()).all(|i| self.serves(i))
+                && let Some(leader) = self.leader()
+            {
+                return leader;
             }
             if Instant::now() >= deadline {
                 panic!("the ZooKeeper ensemble did not form within {within:?}\n{}", self.report());

@@ -274,10 +274,10 @@ impl PostgresServer {
         // Recovered once a new WAL writer runs (it starts after recovery).
         loop {
             let writers = self.try_psql("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'");
-            if let Ok(pid) = writers {
-                if pid.parse::<u32>().is_ok_and(|pid| !killed.contains(&pid)) {
-                    return;
-                }
+            if let Ok(pid) = writers
+                && pid.parse::<u32>().is_ok_and(|pid| !killed.contains(&pid))
+            {
+                return;
             }
             if std::time::Instant::now() > deadline {
                 let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();

@@ -63,10 +63,10 @@ impl RedisServer {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if let Ok(mut conn) = self.try_connection() {
-                if redis::cmd("PING").query::<String>(&mut conn).is_ok() {
-                    return;
-                }
+            if let Ok(mut conn) = self.try_connection()
+                && redis::cmd("PING").query::<String>(&mut conn).is_ok()
+            {
+                return;
             }
             if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 panic!("redis-server on port {} exited at start ({status}); is the port taken?", self.port);
@@ -257,10 +257,10 @@ impl RedisCluster {
             else {
                 continue;
             };
-            if (*lo..=*hi).contains(&i64::from(slot)) {
-                if let Some(redis::Value::Int(port)) = master.get(1) {
-                    return self.nodes.iter().position(|n| i64::from(n.port()) == *port).expect("a known master");
-                }
+            if (*lo..=*hi).contains(&i64::from(slot))
+                && let Some(redis::Value::Int(port)) = master.get(1)
+            {
+                return self.nodes.iter().position(|n| i64::from(n.port()) == *port).expect("a known master");
             }
         }
         panic!("no master serves slot {slot}");

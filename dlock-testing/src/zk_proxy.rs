@@ -360,10 +360,10 @@ fn requests(shared: &Shared, doomed: &Doomed, mut client: TcpStream, mut server:
             // Marked before the request leaves, so its reply cannot
             // overtake the mark. Pings and watch resets (negative xids)
             // are never lost.
-            if xid >= 0 {
-                if let Some(how) = shared.take_drop(op) {
-                    doomed.map().insert(xid, (op, how));
-                }
+            if xid >= 0
+                && let Some(how) = shared.take_drop(op)
+            {
+                doomed.map().insert(xid, (op, how));
             }
         }
         server.write_all(&frame)?;
@@ -384,12 +384,11 @@ fn replies(shared: &Shared, doomed: &Doomed, mut server: TcpStream, mut client: 
                 shared.notifications.fetch_add(1, Ordering::SeqCst);
                 // WatcherEvent { type: int, state: int, path: ustring } after
                 // the ReplyHeader; type 2 is NodeDeleted.
-                if be_i32(&frame, 20) == Some(NODE_DELETED) {
-                    if let Some(path) = jute_string(&frame, 28) {
-                        if doomed.deleted().remove(&path) {
-                            shared.own_delete_notifications.fetch_add(1, Ordering::SeqCst);
-                        }
-                    }
+                if be_i32(&frame, 20) == Some(NODE_DELETED)
+                    && let Some(path) = jute_string(&frame, 28)
+                    && doomed.deleted().remove(&path)
+                {
+                    shared.own_delete_notifications.fetch_add(1, Ordering::SeqCst);
                 }
             }
             let lost = if xid >= 0 { doomed.map().remove(&xid) } else { None };

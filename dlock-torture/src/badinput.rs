@@ -373,10 +373,10 @@ fn key_collisions(rng: &mut Rng, n: u64) -> Result<u64, String> {
             // Too long or otherwise refused: a typed error, not a collision.
             Err(_) => continue,
         };
-        if let Some(prev) = seen.insert(key, (a.clone(), b.clone())) {
-            if prev != (a, b) {
-                collisions += 1;
-            }
+        if let Some(prev) = seen.insert(key, (a.clone(), b.clone()))
+            && prev != (a, b)
+        {
+            collisions += 1;
         }
     }
     Ok(collisions)

@@ -417,10 +417,10 @@ pub(crate) fn fencing(grants: &[Grant]) -> Vec<(&Grant, &Grant)> {
                 highest = Some(h);
             }
         }
-        if let Some(h) = highest {
-            if h.token >= g.token {
-                bad.push((g, h));
-            }
+        if let Some(h) = highest
+            && h.token >= g.token
+        {
+            bad.push((g, h));
         }
     }
     bad

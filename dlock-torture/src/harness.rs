@@ -314,10 +314,10 @@ impl Run {
 
     pub(crate) fn signal(&self, pid: u32, sig: rustix::process::Signal, op: &str) {
         self.log(op, Some(pid));
-        if let Some(p) = rustix::process::Pid::from_raw(i32::try_from(pid).unwrap_or(0)) {
-            if let Err(e) = rustix::process::kill_process(p, sig) {
-                eprintln!("dlock-torture: cannot signal {pid}: {e}");
-            }
+        if let Some(p) = rustix::process::Pid::from_raw(i32::try_from(pid).unwrap_or(0))
+            && let Err(e) = rustix::process::kill_process(p, sig)
+        {
+            eprintln!("dlock-torture: cannot signal {pid}: {e}");
         }
     }
 

@@ -174,10 +174,10 @@ impl Tally {
     }
 
     fn error(&self, what: String) {
-        if self.errors.fetch_add(1, Ordering::Relaxed) == 0 {
-            if let Ok(mut first) = self.first_error.lock() {
-                *first = what;
-            }
+        if self.errors.fetch_add(1, Ordering::Relaxed) == 0
+            && let Ok(mut first) = self.first_error.lock()
+        {
+            *first = what;
         }
     }
 }

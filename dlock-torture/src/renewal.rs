@@ -257,10 +257,10 @@ async fn episode(
         }
         sleep(Duration::from_millis(5)).await;
     }
-    if let Some(gb) = gb {
-        if gb.release().await.is_err() {
-            r.note("the other client's release failed");
-        }
+    if let Some(gb) = gb
+        && gb.release().await.is_err()
+    {
+        r.note("the other client's release failed");
     }
     match ga.release().await {
         Ok(held) => e.released_held = Some(held),

@@ -247,10 +247,10 @@ fn late_releases(events: &[Event]) -> Vec<LateHold> {
                 }
             }
             "rel_invoke" => {
-                if let Some((key, vu)) = open.remove(&(e.pid, e.task)) {
-                    if e.t >= vu {
-                        late.push(LateHold { key, valid_until: vu });
-                    }
+                if let Some((key, vu)) = open.remove(&(e.pid, e.task))
+                    && e.t >= vu
+                {
+                    late.push(LateHold { key, valid_until: vu });
                 }
             }
             _ => {}
@@ -308,10 +308,11 @@ impl ExpiryWatch {
                         let t = mono_ns();
                         // Lock hashes end in `}`; fencing counters (`…:fence`)
                         // outlive locks and expire by design.
-                        if let Ok(k) = msg.get_payload::<String>() {
-                            if k.starts_with("torture") && k.ends_with('}') {
-                                expired.push(Expiry { key: key_index(&k), node: node_no + 1, t });
-                            }
+                        if let Ok(k) = msg.get_payload::<String>()
+                            && k.starts_with("torture")
+                            && k.ends_with('}')
+                        {
+                            expired.push(Expiry { key: key_index(&k), node: node_no + 1, t });
                         }
                     }
                 }

@@ -478,10 +478,10 @@ async fn storm(size: Size, seed: u64, unguarded: bool) -> Result<(Report, Option
             if let (Job::Pay(i), true) = (job, cut) {
                 t.in_doubt[i as usize] = true;
             }
-            if let (Job::Pay(i), Ok(rep)) = (job, &reply) {
-                if (200..300).contains(&rep.status) {
-                    t.check_body(i, &rep.body, seed);
-                }
+            if let (Job::Pay(i), Ok(rep)) = (job, &reply)
+                && (200..300).contains(&rep.status)
+            {
+                t.check_body(i, &rep.body, seed);
             }
             match (job, reply) {
                 (_, Err(_)) if to_a && a_dead => t.killed_errors += 1,

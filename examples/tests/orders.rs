@@ -181,10 +181,10 @@ fn start_up_log(
             let addr = line.split(LISTENING).nth(1).map(|rest| rest.split_whitespace().next().unwrap_or_default());
             let addr = addr.map(str::to_owned);
             lines.push(line);
-            if let Some(addr) = addr {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send((addr, std::mem::take(&mut lines)));
-                }
+            if let Some(addr) = addr
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send((addr, std::mem::take(&mut lines)));
             }
         }
     });

@@ -204,10 +204,10 @@ impl MemoryBackend {
                 mode => mode.limit().is_some_and(|limit| counted.holders.len() >= limit as usize),
             };
             if full {
-                if let (true, LockMode::Permits { .. }, Some(until)) = (awaited, req.mode, req.deadline) {
-                    if !counted.places.iter().any(|(o, _)| *o == req.owner) {
-                        counted.places.push((req.owner.clone(), until));
-                    }
+                if let (true, LockMode::Permits { .. }, Some(until)) = (awaited, req.mode, req.deadline)
+                    && !counted.places.iter().any(|(o, _)| *o == req.owner)
+                {
+                    counted.places.push((req.owner.clone(), until));
                 }
                 return Err(Refusal::Held(counted.next_expiry(now)));
             }
@@ -289,10 +289,10 @@ impl MemoryBackend {
         if let Some(slot) = state.slots.get_mut(key) {
             if slot.live_holder(now).is_some_and(|h| h.owner.as_str() == handle) {
                 freed = slot.holder.take();
-            } else if let Some(counted) = slot.live_counted(now) {
-                if let Some(i) = counted.holders.iter().position(|h| h.owner.as_str() == handle) {
-                    freed = Some(counted.holders.swap_remove(i));
-                }
+            } else if let Some(counted) = slot.live_counted(now)
+                && let Some(i) = counted.holders.iter().position(|h| h.owner.as_str() == handle)
+            {
+                freed = Some(counted.holders.swap_remove(i));
             }
             if freed.is_some() {
                 // The waiters still wait, and their places keep the limit.

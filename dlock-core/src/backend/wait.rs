@@ -71,10 +71,8 @@ where
     W: AsRef<Notify>,
 {
     let subscribe_first = req.deadline.is_some() && others_wait();
-    if !subscribe_first {
-        if let Attempt::Acquired(grant) = attempt(false).await? {
-            return Ok(grant);
-        }
+    if !subscribe_first && let Attempt::Acquired(grant) = attempt(false).await? {
+        return Ok(grant);
     }
     let Some(deadline) = req.deadline else {
         return Err(contention(req, Instant::now()));

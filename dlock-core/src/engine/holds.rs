@@ -132,11 +132,11 @@ impl Hold {
     /// only what our clock can vouch for.
     pub(super) fn renewed(&mut self, sent: Instant, lease: Duration, valid_until: Instant) {
         let valid_until = valid_until.min(sent + lease);
-        if let Some(at) = self.valid_until.as_mut() {
-            if valid_until > *at {
-                *at = valid_until;
-                self.watch.renewed(valid_until);
-            }
+        if let Some(at) = self.valid_until.as_mut()
+            && valid_until > *at
+        {
+            *at = valid_until;
+            self.watch.renewed(valid_until);
         }
     }
 }
@@ -449,10 +449,10 @@ impl Holds {
                     }
                     Phase::Held => {}
                 }
-                if hold.mode != req.mode {
-                    if let Err(e) = hold.mode.reentry(req.mode, &req.key) {
-                        return (Enter::Refused(e), Kick::Nothing);
-                    }
+                if hold.mode != req.mode
+                    && let Err(e) = hold.mode.reentry(req.mode, &req.key)
+                {
+                    return (Enter::Refused(e), Kick::Nothing);
                 }
                 if hold.watch.is_lost() {
                     // Lost: the next hold is a new one; its guards send nothing.
@@ -623,10 +623,10 @@ impl Table {
         let Some(hold) = self.slots.get_mut(id) else { return };
         self.schedule.stop_renewing(id, hold);
         // A hold not detached is its key and owner's current one.
-        if !hold.detached {
-            if let Ok(current) = self.current.find_entry(hold.hash, |&c| c == id) {
-                current.remove();
-            }
+        if !hold.detached
+            && let Ok(current) = self.current.find_entry(hold.hash, |&c| c == id)
+        {
+            current.remove();
         }
         self.slots.remove(id);
     }

@@ -428,10 +428,8 @@ impl IdempotencyStore for MemoryStore {
             let ours = inner.records.get(&id).is_some_and(|r| {
                 r.expires > now && matches!(&r.state, State::InProgress { owner, .. } if *owner == claim.owner)
             });
-            if ours {
-                if let Some(r) = inner.records.remove(&id) {
-                    inner.record_ledger.remove(r.expires, Some(&claim.scope), &claim.key, r.bytes);
-                }
+            if ours && let Some(r) = inner.records.remove(&id) {
+                inner.record_ledger.remove(r.expires, Some(&claim.scope), &claim.key, r.bytes);
             }
             Ok(ours)
         })

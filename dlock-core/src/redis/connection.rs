@@ -186,10 +186,10 @@ impl RedisConnection {
 
     /// A request failed: a broken connection is handed to the task.
     fn check<T>(&self, number: u64, result: &redis::RedisResult<T>) {
-        if let Err(e) = result {
-            if breaks(e) {
-                self.shared.down(number);
-            }
+        if let Err(e) = result
+            && breaks(e)
+        {
+            self.shared.down(number);
         }
     }
 }
@@ -393,10 +393,10 @@ impl redis::aio::ConnectionLike for SentinelConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
         Box::pin(async move {
             let result = self.current().req_packed_command(cmd).await;
-            if let Err(e) = &result {
-                if Self::should_refresh(e) {
-                    self.refresh().await;
-                }
+            if let Err(e) = &result
+                && Self::should_refresh(e)
+            {
+                self.refresh().await;
             }
             result
         })
@@ -410,10 +410,10 @@ impl redis::aio::ConnectionLike for SentinelConn {
     ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
         Box::pin(async move {
             let result = self.current().req_packed_commands(pipeline, offset, count).await;
-            if let Err(e) = &result {
-                if Self::should_refresh(e) {
-                    self.refresh().await;
-                }
+            if let Err(e) = &result
+                && Self::should_refresh(e)
+            {
+                self.refresh().await;
             }
             result
         })

@@ -326,11 +326,11 @@ impl Actor {
             self.disconnected();
             return;
         }
-        if let Sent::Subscribe { channel, generation } = sent {
-            if let Some(entry) = self.channels.get_mut(&channel).filter(|e| e.generation == generation) {
-                for reply in entry.unconfirmed.drain(..) {
-                    let _ = reply.send(());
-                }
+        if let Sent::Subscribe { channel, generation } = sent
+            && let Some(entry) = self.channels.get_mut(&channel).filter(|e| e.generation == generation)
+        {
+            for reply in entry.unconfirmed.drain(..) {
+                let _ = reply.send(());
             }
         }
     }
@@ -350,14 +350,13 @@ impl Actor {
 
     async fn resubscribe(&mut self) {
         let channels: Vec<String> = self.channels.keys().cloned().collect();
-        if let Some((sink, _)) = &mut self.conn {
-            if !channels.is_empty() {
-                if let Err(e) = sink.subscribe(&channels).await {
-                    tracing::warn!(error = %e, "dlock resubscribe failed");
-                    self.disconnected();
-                    return;
-                }
-            }
+        if let Some((sink, _)) = &mut self.conn
+            && !channels.is_empty()
+            && let Err(e) = sink.subscribe(&channels).await
+        {
+            tracing::warn!(error = %e, "dlock resubscribe failed");
+            self.disconnected();
+            return;
         }
         // Releases may have happened while we were away.
         self.waiters.wake_every_key();

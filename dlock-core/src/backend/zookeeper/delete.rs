@@ -33,11 +33,9 @@ pub(super) async fn delete_node(client: &zk::Client, node: &str) -> Result<bool>
                 continue;
             }
         };
-        if deleted {
-            if let Some((dir, _)) = node.rsplit_once('/') {
-                // Fails harmlessly when another contender is inside.
-                let _ = client.delete(dir, None).await;
-            }
+        if deleted && let Some((dir, _)) = node.rsplit_once('/') {
+            // Fails harmlessly when another contender is inside.
+            let _ = client.delete(dir, None).await;
         }
         return Ok(deleted);
     }

@@ -96,13 +96,11 @@ pub(super) async fn follow(
             changed = expiry.changed() => if changed.is_err() { return },
             gone = &mut deleted, if watching => {
                 watching = false;
-                if gone {
-                    if let Some(hold) = lock_holds(&holds).get_mut(&id).filter(|h| h.node == node) {
-                        if hold.lose(LostReason::Stolen) {
+                if gone
+                    && let Some(hold) = lock_holds(&holds).get_mut(&id).filter(|h| h.node == node)
+                        && hold.lose(LostReason::Stolen) {
                             tracing::warn!(key = %id.0.log_id(), reason = %LostReason::Stolen, "dlock.lost");
                         }
-                    }
-                }
             }
             _ = tokio::time::sleep_until(at) => {
                 let still_ours = {
