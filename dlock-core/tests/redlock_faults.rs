@@ -379,7 +379,11 @@ async fn slow_nodes_never_yield_an_expired_guard_and_leave_no_keys() {
     // A process frozen for longer than what is left of a lease (by a loaded
     // machine) lets holders' keys expire before their release is sent: then
     // expiries are the machine's doing, not leftovers, and are only reported.
-    if worst_stall < lease / 4 {
+    // What is left can be less than a quarter lease: a guard returned with
+    // the smallest validity seen (a fresh clone's run: 32 ms left, then a
+    // 68 ms stall, and that key expired on every node).
+    let least_left = Duration::from_micros(min_validity_us.load(Ordering::SeqCst));
+    if worst_stall < (lease / 4).min(least_left) {
         assert!(expired.is_empty(), "lock keys left to expire instead of being released (node, key): {expired:?}");
     }
 
