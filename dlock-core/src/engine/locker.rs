@@ -320,8 +320,7 @@ impl Locker {
     /// releases a late grant.
     pub async fn acquire(&self, key: &LockKey, opts: AcquireOptions) -> Result<LockGuard> {
         let engine = &self.engine;
-        let meter = engine.meters.lock(key, opts.mode);
-        let mut metered = meter.acquire();
+        let mut metered = engine.meters.lock(key, opts.mode).acquire();
         let span = tracing::info_span!(
             "dlock.acquire",
             dlock.lock.name = key.name(),
@@ -381,7 +380,8 @@ impl Locker {
         // Set at the first thing waited for: no clock read on the spot.
         let mut started = None;
         let turn = loop {
-            let (enter, kick) = engine.holds.enter(&req, !wait.is_zero(), renew, engine.backend.as_ref(), &meter);
+            let (enter, kick) =
+                engine.holds.enter(&req, !wait.is_zero(), renew, engine.backend.as_ref(), metered.lock());
             engine.kick(kick);
             match enter {
                 Enter::Joined(joined) => answer!(Ok(LockGuard::new(engine.clone(), req, joined, renewed))),
@@ -437,6 +437,7 @@ impl Locker {
         let cancel = CancellationToken::new();
         let engine = engine.clone();
         let in_flight = cancel.clone();
+        let meter = metered.lock().clone();
         let attempt = async move {
             let result = engine.backend.acquire(&req, &in_flight).await;
             engine.meters.op(Op::Acquire, Stopwatch::at(started));

@@ -47,7 +47,7 @@ pub(crate) struct LockMeter;
 
 impl LockMeter {
     #[inline(always)]
-    pub(crate) fn acquire(&self) -> AcquireMeter {
+    pub(crate) fn acquire(self) -> AcquireMeter {
         AcquireMeter
     }
 
@@ -60,6 +60,11 @@ impl LockMeter {
 pub(crate) struct AcquireMeter;
 
 impl AcquireMeter {
+    #[inline(always)]
+    pub(crate) fn lock(&self) -> &LockMeter {
+        &LockMeter
+    }
+
     #[inline(always)]
     pub(crate) fn started(&mut self, _at: tokio::time::Instant) {}
 

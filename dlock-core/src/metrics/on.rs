@@ -215,9 +215,10 @@ impl std::fmt::Debug for LockMeters {
 pub(crate) struct LockMeter(Option<Arc<LockMeters>>);
 
 impl LockMeter {
-    /// Meters an acquire; dropped unfinished, it counts as cancelled.
-    pub(crate) fn acquire(&self) -> AcquireMeter {
-        AcquireMeter { meter: self.0.clone(), started: None, waiting: false, done: false }
+    /// Meters an acquire; dropped unfinished, it counts as cancelled. It
+    /// keeps these meters ([`AcquireMeter::lock`]): no second handle.
+    pub(crate) fn acquire(self) -> AcquireMeter {
+        AcquireMeter { meter: self, started: None, waiting: false, done: false }
     }
 
     /// A hold granted now: counted as held until [`HoldMeter::end`].
@@ -231,7 +232,7 @@ impl LockMeter {
 
 /// One acquire on its way.
 pub(crate) struct AcquireMeter {
-    meter: Option<Arc<LockMeters>>,
+    meter: LockMeter,
     /// When it first waited (for the service, a turn, a release); `None`:
     /// answered on the spot, in no measurable time and with no clock read.
     started: Option<Instant>,
@@ -240,6 +241,11 @@ pub(crate) struct AcquireMeter {
 }
 
 impl AcquireMeter {
+    /// The meters of the lock it acquires (for the hold it may be granted).
+    pub(crate) fn lock(&self) -> &LockMeter {
+        &self.meter
+    }
+
     /// The acquire started waiting at `at` (its first wait counts).
     pub(crate) fn started(&mut self, at: Instant) {
         self.started.get_or_insert(at);
@@ -251,7 +257,7 @@ impl AcquireMeter {
             return;
         }
         self.waiting = true;
-        if let Some(meter) = &self.meter {
+        if let Some(meter) = &self.meter.0 {
             quietly(|| meter.waiting.increment(1.0));
         }
     }
@@ -263,7 +269,7 @@ impl AcquireMeter {
 
     fn record(&mut self, outcome: Outcome) {
         self.done = true;
-        let Some(meter) = &self.meter else { return };
+        let Some(meter) = &self.meter.0 else { return };
         let seconds = self.started.map_or(0.0, |started| started.elapsed().as_secs_f64());
         let waiting = self.waiting;
         quietly(|| {
