@@ -427,10 +427,11 @@ pub(crate) async fn one_watchdog_renews_every_hold<H: Harness>(h: &H) {
     // on the three nodes, which missed the lease once on that machine.
     // PostgreSQL's renewals of 200 permits in one statement missed it twice
     // with another test binary beside it (scripts/parallel-tests.sh), never
-    // alone, and of 100 once more.
+    // alone, and of 100 once more; RedLock's 100 (as a semaphore of one)
+    // missed it once so too. The property (one watchdog, no task per hold)
+    // does not depend on the count.
     let holds: u64 = match a.backend_name() {
-        "zookeeper" | "postgres" => 40,
-        "redlock" => 100,
+        "zookeeper" | "postgres" | "redlock" => 40,
         _ => 200,
     };
     let metrics = tokio::runtime::Handle::current().metrics();
@@ -536,12 +537,16 @@ pub(crate) async fn an_operator_sees_and_frees_a_stuck_holder<H: Harness>(h: &H)
 }
 
 /// A listing pages through every held key of a lock name, each page
-/// bounded, and leaves out the keys of other names.
+/// bounded, and leaves out the keys of other names. A Redis page may hold
+/// more than its limit (`SCAN`'s count is a hint: a keyspace being rehashed
+/// gave all 7 keys of an earlier version of this test at once for a limit
+/// of 3), so the keys are many and the bound is half of them.
 pub(crate) async fn a_listing_pages_through_held_keys<H: Harness>(h: &H) {
+    const KEYS: usize = 40;
     let a = h.client().await;
     let mut guards = Vec::new();
     let mut want = HashSet::new();
-    for i in 0..7 {
+    for i in 0..KEYS as u64 {
         let k = a.key("listed").part(i).build().expect("key");
         guards.push(a.try_acquire(&k).await.expect("free key"));
         want.insert(k);
@@ -552,7 +557,7 @@ pub(crate) async fn a_listing_pages_through_held_keys<H: Harness>(h: &H) {
     loop {
         let page = a.list(listing.clone()).await.expect("list");
         pages += 1;
-        assert!(page.keys.len() <= 6 && pages < 100, "page {pages}: {page:?}");
+        assert!(page.keys.len() < KEYS / 2 && pages < 100, "page {pages}: {page:?}");
         seen.extend(page.keys);
         match page.next {
             Some(next) => listing = listing.after(next),
@@ -560,7 +565,7 @@ pub(crate) async fn a_listing_pages_through_held_keys<H: Harness>(h: &H) {
         }
     }
     assert_eq!(seen, want);
-    assert!(pages >= 2, "7 keys in pages of 3 came in {pages}");
+    assert!(pages >= 3, "{KEYS} keys in pages of 3 came in {pages}");
     for g in guards {
         g.release().await.expect("release");
     }
